@@ -1,0 +1,182 @@
+"""Start, watch and stop one `pocketflow-server` storage server process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pocketflow.errors import ServerStartError
+
+READY_PREFIX = "POCKETFLOW_SERVER_READY "
+SERVER_BINARY_NAME = "pocketflow-server"
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+STDERR_TAIL_LINES_MAX = 50
+
+
+def find_server_binary() -> Path:
+    """Locate the storage server binary.
+
+    Order: the ``POCKETFLOW_SERVER_BIN`` environment variable, the copy that ``make install`` puts
+    in ``pocketflow/_bin``, the Cargo release build of a source checkout, then ``PATH``.
+    """
+    override = os.environ.get("POCKETFLOW_SERVER_BIN")
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise ServerStartError(f"POCKETFLOW_SERVER_BIN={override} is not a file")
+        return path
+    package_dir = Path(__file__).resolve().parent
+    candidates = [
+        package_dir / "_bin" / SERVER_BINARY_NAME,
+        package_dir.parent / "servers" / "target" / "release" / SERVER_BINARY_NAME,
+    ]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    on_path = shutil.which(SERVER_BINARY_NAME)
+    if on_path:
+        return Path(on_path)
+    raise ServerStartError(
+        f"{SERVER_BINARY_NAME} not found; run `make install` (looked in "
+        f"{', '.join(str(c) for c in candidates)} and PATH)"
+    )
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to start one storage server."""
+
+    node_id: str
+    tier: str
+    capacity_bytes: int
+    secret_file: Path
+    long_running: bool = False
+    nvme_path: Path | None = None
+    threads: int | None = None
+    parent_pid: int | None = None
+
+
+class StorageServerProcess:
+    """One running storage server, started by this process and stopped by its process id."""
+
+    def __init__(self, spec: ServerSpec) -> None:
+        self.spec = spec
+        self._proc: subprocess.Popen[str] | None = None
+        self._address: str | None = None
+        self._stderr_tail: list[str] = []
+        self._stderr_lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the server listens on."""
+        if self._address is None:
+            raise ServerStartError(f"server {self.spec.node_id} is not started")
+        return self._address
+
+    @property
+    def pid(self) -> int:
+        """Process id of the running server."""
+        if self._proc is None:
+            raise ServerStartError(f"server {self.spec.node_id} is not started")
+        return self._proc.pid
+
+    def command(self) -> list[str]:
+        """The argument vector used to start the server."""
+        spec = self.spec
+        args = [
+            str(find_server_binary()),
+            "--listen", "127.0.0.1:0",
+            "--node-id", spec.node_id,
+            "--tier", spec.tier,
+            "--capacity", str(spec.capacity_bytes),
+            "--secret-file", str(spec.secret_file),
+        ]
+        if spec.long_running:
+            args.append("--long-running")
+        if spec.nvme_path is not None:
+            args += ["--nvme-path", str(spec.nvme_path)]
+        if spec.threads is not None:
+            args += ["--threads", str(spec.threads)]
+        args += ["--parent-pid", str(spec.parent_pid if spec.parent_pid else os.getpid())]
+        return args
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> str:
+        """Start the server and wait until it reports its address; returns ``host:port``."""
+        if self._proc is not None:
+            raise ServerStartError(f"server {self.spec.node_id} already started")
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        ready: list[str] = []
+        reader = threading.Thread(target=self._read_ready_line, args=(ready,), daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if not ready:
+            self.stop()
+            raise ServerStartError(
+                f"server {self.spec.node_id} did not become ready within {timeout_s:.0f}s: "
+                + self.stderr_tail()
+            )
+        self._address = ready[0]
+        return self._address
+
+    def _read_ready_line(self, out: list[str]) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if line.startswith(READY_PREFIX):
+                out.append(line[len(READY_PREFIX):].strip())
+                break
+        # Keep draining stdout so the server never blocks on a full pipe.
+        for _ in self._proc.stdout:
+            pass
+
+    def _drain_stderr(self) -> None:
+        assert self._proc is not None and self._proc.stderr is not None
+        for line in self._proc.stderr:
+            with self._stderr_lock:
+                self._stderr_tail.append(line.rstrip("\n"))
+                del self._stderr_tail[:-STDERR_TAIL_LINES_MAX]
+
+    def stderr_tail(self) -> str:
+        """The last lines the server wrote to stderr."""
+        with self._stderr_lock:
+            return "\n".join(self._stderr_tail)
+
+    def alive(self) -> bool:
+        """Whether the server process is still running."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def kill(self) -> None:
+        """Kill the server abruptly (SIGKILL), for failure tests."""
+        if self.alive():
+            assert self._proc is not None
+            os.kill(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(STOP_TIMEOUT_S)
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        """Stop the server by its process id: SIGTERM, then SIGKILL after ``timeout_s``."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout_s)
+        return proc.returncode

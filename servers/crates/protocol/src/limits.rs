@@ -1,0 +1,36 @@
+//! Every bound of the wire protocol, defined once; `pocketflow/protocol.py` mirrors these values.
+
+/// Largest object stored as a single block-0 record and moved over the DoExchange session.
+pub const SMALL_OBJECT_MAX_BYTES: u64 = 64 * 1024;
+/// Default size of one data block of a large object.
+pub const BLOCK_SIZE_DEFAULT_BYTES: u32 = 1024 * 1024;
+/// Largest data block a client may declare.
+pub const BLOCK_SIZE_MAX_BYTES: u32 = 16 * 1024 * 1024;
+/// Largest piece of a block carried by one DoPut or DoGet record batch.
+pub const BATCH_MAX_BYTES: u64 = 4 * 1024 * 1024;
+/// gRPC message size limit, both directions, on both ends.
+pub const MESSAGE_MAX_BYTES: usize = 16 * 1024 * 1024;
+/// Largest DoExchange frame (request or reply) in bytes.
+pub const FRAME_MAX_BYTES: usize = 8 * 1024 * 1024;
+/// Most operations in one DoExchange request frame.
+pub const FRAME_OPS_MAX: u32 = 1024;
+/// Most operations of one DoExchange session the server runs at once.
+pub const SESSION_INFLIGHT_MAX: usize = 256;
+/// Longest key in bytes.
+pub const KEY_MAX_BYTES: usize = 1024;
+/// Longest bucket name in bytes.
+pub const BUCKET_NAME_MAX_BYTES: usize = 255;
+/// Longest job id in bytes.
+pub const JOB_ID_MAX_BYTES: usize = 128;
+/// Most ranges in one DoGet ticket.
+pub const TICKET_RANGES_MAX: usize = 4096;
+/// Most keys returned by one enumerate call.
+pub const ENUMERATE_LIMIT_MAX: u32 = 10_000;
+/// Interval of the statistics sampler.
+pub const STATS_INTERVAL_MS: u64 = 1000;
+/// Version byte that opens every DoExchange frame.
+pub const FRAME_VERSION: u8 = 1;
+/// Reserved job id of control-plane (admin) tokens.
+pub const ADMIN_JOB_ID: &str = "__admin__";
+/// Line the server prints on stdout once it listens, followed by `host:port`.
+pub const READY_LINE_PREFIX: &str = "POCKETFLOW_SERVER_READY";

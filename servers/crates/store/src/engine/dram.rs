@@ -1,0 +1,328 @@
+//! The DRAM engine: blocks live in one anonymous memory arena reserved when the server starts.
+//!
+//! The arena is mapped once at its full capacity (optionally prefaulted, so the server owns its
+//! memory from the start and the first writes do not page-fault). An [`ExtentAllocator`] with
+//! 64-byte granularity hands out extents; a writer copies pieces into its extent without holding
+//! any lock (extents are disjoint), and reads are zero-copy: the returned `Bytes` points into the
+//! arena and keeps the block, hence its extent, alive until dropped.
+
+use std::io;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::{assert_read_back, BlockWriter, Checksum, Engine, EngineFuture, StoredBlock, Tier};
+use crate::allocator::{Extent, ExtentAllocator};
+use crate::error::StoreError;
+
+/// Allocation granularity of the DRAM arena (one cache line).
+pub const DRAM_GRANULARITY_BYTES: u64 = 64;
+
+/// The mapped arena; unmapped when the engine and every block read from it are gone.
+#[derive(Debug)]
+struct Arena {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the arena is plain memory; concurrent access is confined to disjoint extents handed out
+// by the allocator (writers) or to finished blocks (readers, after the write happened-before).
+unsafe impl Send for Arena {}
+// SAFETY: see `Send`.
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    fn map(len: usize, prefault: bool) -> Result<Self, StoreError> {
+        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+        if prefault {
+            flags |= libc::MAP_POPULATE;
+        }
+        // SAFETY: an anonymous mapping with no address hint touches no existing memory.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(StoreError::Io {
+                op: "mmap dram arena",
+                path: None,
+                source: io::Error::last_os_error(),
+            });
+        }
+        // Transparent huge pages cut TLB misses on large copies; failure only costs speed.
+        // SAFETY: advising our own fresh mapping.
+        unsafe { libc::madvise(raw, len, libc::MADV_HUGEPAGE) };
+        let base = NonNull::new(raw.cast::<u8>()).expect("mmap returned null");
+        Ok(Self { base, len })
+    }
+
+    /// Pointer to byte `offset` of the arena.
+    fn at(&self, offset: u64) -> *mut u8 {
+        assert!(
+            offset as usize <= self.len,
+            "offset {offset} outside the arena"
+        );
+        // SAFETY: in bounds, checked above.
+        unsafe { self.base.as_ptr().add(offset as usize) }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the mapping created in `map`, which nothing references any more.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+/// Stores blocks in a preallocated memory arena.
+#[derive(Debug)]
+pub struct DramEngine {
+    arena: Arc<Arena>,
+    allocator: Arc<ExtentAllocator>,
+}
+
+impl DramEngine {
+    /// Map an arena of `capacity_bytes` (rounded down to 64 bytes); with `prefault`, populate
+    /// every page now.
+    pub fn open(capacity_bytes: u64, prefault: bool) -> Result<Self, StoreError> {
+        let capacity_bytes = capacity_bytes / DRAM_GRANULARITY_BYTES * DRAM_GRANULARITY_BYTES;
+        if capacity_bytes == 0 {
+            return Err(StoreError::CapacityTooSmall {
+                capacity_bytes,
+                min_bytes: DRAM_GRANULARITY_BYTES,
+            });
+        }
+        let arena = Arena::map(capacity_bytes as usize, prefault)?;
+        Ok(Self {
+            arena: Arc::new(arena),
+            allocator: ExtentAllocator::new(capacity_bytes, DRAM_GRANULARITY_BYTES),
+        })
+    }
+}
+
+impl Engine for DramEngine {
+    fn tier(&self) -> Tier {
+        Tier::Dram
+    }
+
+    fn capacity_bytes(&self) -> u64 {
+        self.allocator.capacity_bytes()
+    }
+
+    fn used_bytes(&self) -> u64 {
+        self.allocator.used_bytes()
+    }
+
+    fn allocation_bytes(&self, len: u64) -> u64 {
+        self.allocator.rounded_len(len)
+    }
+
+    fn begin_write(&self, len: u64) -> Result<Box<dyn BlockWriter>, StoreError> {
+        assert!(len >= 1, "engine blocks hold at least one byte");
+        let extent = self.allocator.allocate(len)?;
+        Ok(Box::new(DramWriter {
+            arena: Arc::clone(&self.arena),
+            extent,
+            len,
+            written: 0,
+            checksum: Checksum::default(),
+        }))
+    }
+
+    fn read(&self, block: &StoredBlock, offset: u64, len: u64) -> EngineFuture<'static, Bytes> {
+        assert!(
+            block.belongs_to(&self.allocator),
+            "block read from another engine"
+        );
+        block.assert_range(offset, len);
+        let view = ArenaView {
+            ptr: self.arena.at(block.offset() + offset),
+            len: len as usize,
+            _block: block.clone(),
+            _arena: Arc::clone(&self.arena),
+        };
+        let bytes = Bytes::from_owner(view);
+        assert_read_back(block, offset, len, &bytes);
+        Box::pin(std::future::ready(Ok(bytes)))
+    }
+}
+
+/// Copies the pieces of one block into its extent of the arena.
+struct DramWriter {
+    arena: Arc<Arena>,
+    extent: Extent,
+    len: u64,
+    written: u64,
+    checksum: Checksum,
+}
+
+impl DramWriter {
+    fn copy_in(&mut self, piece: &[u8]) -> Result<(), StoreError> {
+        let actual = self.written + piece.len() as u64;
+        if actual > self.len {
+            return Err(StoreError::LengthMismatch {
+                expected: self.len,
+                actual,
+            });
+        }
+        let destination = self.arena.at(self.extent.offset() + self.written);
+        // SAFETY: `destination..+piece.len()` lies inside this writer's extent (checked above),
+        // which no one else writes or reads until `finish`; `piece` is a separate allocation.
+        unsafe { std::ptr::copy_nonoverlapping(piece.as_ptr(), destination, piece.len()) };
+        self.checksum.update(piece);
+        self.written = actual;
+        Ok(())
+    }
+}
+
+impl BlockWriter for DramWriter {
+    fn append(&mut self, piece: Bytes) -> EngineFuture<'_, ()> {
+        let result = self.copy_in(&piece);
+        Box::pin(std::future::ready(result))
+    }
+
+    fn finish(self: Box<Self>) -> EngineFuture<'static, StoredBlock> {
+        let result = if self.written == self.len {
+            let DramWriter {
+                extent,
+                len,
+                checksum,
+                ..
+            } = *self;
+            Ok(StoredBlock::new(extent, len, checksum))
+        } else {
+            Err(StoreError::LengthMismatch {
+                expected: self.len,
+                actual: self.written,
+            })
+        };
+        Box::pin(std::future::ready(result))
+    }
+}
+
+/// Owner of a zero-copy read: a slice of the arena plus what keeps it valid.
+struct ArenaView {
+    ptr: *const u8,
+    len: usize,
+    _block: StoredBlock,
+    _arena: Arc<Arena>,
+}
+
+// SAFETY: the view only reads bytes of a finished block, which nobody writes while it is alive.
+unsafe impl Send for ArenaView {}
+// SAFETY: see `Send`.
+unsafe impl Sync for ArenaView {}
+
+impl AsRef<[u8]> for ArenaView {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the block keeps its extent allocated and the arena mapped while `self` lives.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pattern(len: usize, seed: u8) -> Bytes {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect::<Vec<_>>()
+            .into()
+    }
+
+    async fn write(engine: &DramEngine, pieces: &[Bytes]) -> Result<StoredBlock, StoreError> {
+        let len = pieces.iter().map(|p| p.len() as u64).sum();
+        let mut writer = engine.begin_write(len)?;
+        for piece in pieces {
+            writer.append(piece.clone()).await?;
+        }
+        writer.finish().await
+    }
+
+    #[tokio::test]
+    async fn write_read_free_round_trip() {
+        let engine = DramEngine::open(1 << 20, false).unwrap();
+        let data = pattern(100_000, 3);
+        let block = write(
+            &engine,
+            &[data.slice(..1), data.slice(1..4097), data.slice(4097..)],
+        )
+        .await
+        .unwrap();
+        assert_eq!(block.len(), 100_000);
+        assert_eq!(engine.used_bytes(), 100_032);
+        assert_eq!(engine.read(&block, 0, 100_000).await.unwrap(), data);
+        assert_eq!(
+            engine.read(&block, 777, 5).await.unwrap(),
+            data.slice(777..782)
+        );
+        drop(block);
+        assert_eq!(engine.used_bytes(), 0);
+    }
+
+    #[tokio::test]
+    async fn reads_outlive_the_block_handle() {
+        let engine = DramEngine::open(1 << 16, true).unwrap();
+        let data = pattern(1000, 9);
+        let block = write(&engine, std::slice::from_ref(&data)).await.unwrap();
+        let read = engine.read(&block, 0, 1000).await.unwrap();
+        drop(block);
+        assert_eq!(engine.used_bytes(), 1024, "the read still holds the extent");
+        assert_eq!(read, data);
+        drop(read);
+        assert_eq!(engine.used_bytes(), 0);
+    }
+
+    #[tokio::test]
+    async fn exhaustion_is_typed_and_unfinished_writers_free() {
+        let engine = DramEngine::open(4096, false).unwrap();
+        let writer = engine.begin_write(4000).unwrap();
+        assert!(matches!(
+            engine.begin_write(200),
+            Err(StoreError::CapacityExhausted {
+                requested: 256,
+                available: 64
+            })
+        ));
+        drop(writer);
+        assert_eq!(engine.used_bytes(), 0);
+        let block = write(&engine, &[pattern(4096, 1)]).await.unwrap();
+        assert_eq!(engine.used_bytes(), 4096);
+        drop(block);
+        let again = write(&engine, &[pattern(4096, 2)]).await.unwrap();
+        assert_eq!(
+            engine.read(&again, 0, 4096).await.unwrap(),
+            pattern(4096, 2)
+        );
+    }
+
+    #[tokio::test]
+    async fn length_mismatch_is_refused() {
+        let engine = DramEngine::open(4096, false).unwrap();
+        let mut writer = engine.begin_write(10).unwrap();
+        assert!(matches!(
+            writer.append(pattern(11, 0)).await,
+            Err(StoreError::LengthMismatch {
+                expected: 10,
+                actual: 11
+            })
+        ));
+        writer.append(pattern(5, 0)).await.unwrap();
+        assert!(matches!(
+            writer.finish().await,
+            Err(StoreError::LengthMismatch {
+                expected: 10,
+                actual: 5
+            })
+        ));
+        assert_eq!(engine.used_bytes(), 0);
+    }
+}

@@ -1,0 +1,237 @@
+//! The engine abstraction: one storage tier of one server, holding blocks of bytes at byte offsets.
+//!
+//! An engine reserves space up front ([`Engine::begin_write`]), takes the bytes of a block in
+//! pieces of any size ([`BlockWriter::append`]) and hands back a [`StoredBlock`], a cheap handle
+//! whose last clone returns the extent to the engine's allocator. Engines own alignment and
+//! buffers, so the same trait fits a DRAM arena, a file or block device driven through io_uring,
+//! and a userspace (SPDK) engine, whose asynchronous byte-addressed reads and writes it mirrors.
+//! Engines know nothing about objects, keys or the network.
+
+pub mod buffer;
+pub mod dram;
+pub mod nvme;
+mod uring;
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::allocator::{Extent, ExtentAllocator};
+use crate::error::StoreError;
+
+/// A boxed, sendable future of an engine operation (keeps the traits dyn-compatible).
+pub type EngineFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// The storage tier a server (and its engine) serves.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// Bytes live in a preallocated memory arena.
+    #[default]
+    Dram,
+    /// Bytes live in a file or block device, accessed with O_DIRECT through io_uring.
+    Nvme,
+}
+
+impl Tier {
+    /// The protocol name of the tier: "dram" or "nvme".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Dram => "dram",
+            Self::Nvme => "nvme",
+        }
+    }
+}
+
+impl fmt::Display for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A tier name that is neither "dram" nor "nvme".
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown tier '{0}', expected 'dram' or 'nvme'")]
+pub struct UnknownTier(pub String);
+
+impl FromStr for Tier {
+    type Err = UnknownTier;
+
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        match name {
+            "dram" => Ok(Self::Dram),
+            "nvme" => Ok(Self::Nvme),
+            other => Err(UnknownTier(other.to_string())),
+        }
+    }
+}
+
+/// One storage tier: a bounded space of blocks with asynchronous writes and reads.
+pub trait Engine: Send + Sync {
+    /// The tier this engine implements.
+    fn tier(&self) -> Tier;
+
+    /// Usable bytes of the engine.
+    fn capacity_bytes(&self) -> u64;
+
+    /// Bytes allocated to blocks and to writes in progress.
+    fn used_bytes(&self) -> u64;
+
+    /// Bytes of capacity a block of `len` bytes occupies (its length rounded up to the engine's
+    /// allocation granularity).
+    fn allocation_bytes(&self, len: u64) -> u64;
+
+    /// Reserve space for a block of exactly `len` bytes (`len >= 1`) and return a writer for it.
+    ///
+    /// Fails with [`StoreError::CapacityExhausted`] when no free extent fits; dropping the writer
+    /// before [`BlockWriter::finish`] frees the reservation.
+    fn begin_write(&self, len: u64) -> Result<Box<dyn BlockWriter>, StoreError>;
+
+    /// Read `len` bytes at `offset` of `block`; the range must lie inside the block.
+    ///
+    /// The returned bytes stay valid however long they are held, even if the block is removed
+    /// from the index meanwhile.
+    fn read(&self, block: &StoredBlock, offset: u64, len: u64) -> EngineFuture<'static, Bytes>;
+}
+
+/// Writes one block: pieces arrive in order and must add up to the reserved length.
+pub trait BlockWriter: Send {
+    /// Append the next piece of the block.
+    fn append(&mut self, piece: Bytes) -> EngineFuture<'_, ()>;
+
+    /// Wait until every byte is durable in the engine and return the block's handle; fails with
+    /// [`StoreError::LengthMismatch`] if fewer bytes than reserved were appended.
+    fn finish(self: Box<Self>) -> EngineFuture<'static, StoredBlock>;
+}
+
+/// A written block: its extent, length and (in debug builds) checksum.
+///
+/// Clones are cheap and share the extent; the last clone dropped frees it.
+#[derive(Clone, Debug)]
+pub struct StoredBlock {
+    inner: Arc<BlockInner>,
+}
+
+#[derive(Debug)]
+struct BlockInner {
+    extent: Extent,
+    len: u64,
+    checksum: Checksum,
+}
+
+impl StoredBlock {
+    /// A block of `len` bytes at the start of `extent`; `checksum` covers exactly those bytes.
+    pub fn new(extent: Extent, len: u64, checksum: Checksum) -> Self {
+        assert!(
+            len >= 1 && len <= extent.len(),
+            "block of {len} bytes in an extent of {}",
+            extent.len()
+        );
+        Self {
+            inner: Arc::new(BlockInner {
+                extent,
+                len,
+                checksum,
+            }),
+        }
+    }
+
+    /// Length of the block's data in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.len
+    }
+
+    /// Whether the block holds no bytes (never true: blocks hold at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// Byte offset of the block in the engine's range.
+    pub fn offset(&self) -> u64 {
+        self.inner.extent.offset()
+    }
+
+    /// Bytes of capacity the block occupies.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.inner.extent.len()
+    }
+
+    /// Checksum of the block's bytes as written.
+    pub fn checksum(&self) -> Checksum {
+        self.inner.checksum
+    }
+
+    /// Whether the block was allocated by `allocator` (engines assert this on read).
+    pub fn belongs_to(&self, allocator: &Arc<ExtentAllocator>) -> bool {
+        self.inner.extent.belongs_to(allocator)
+    }
+
+    /// Panics unless `offset..offset+len` lies inside the block (a programmer error: the store
+    /// checks ranges before calling an engine).
+    pub fn assert_range(&self, offset: u64, len: u64) {
+        let end = offset.checked_add(len).expect("range end overflows");
+        assert!(
+            end <= self.len(),
+            "range {offset}+{len} outside a block of {} bytes",
+            self.len()
+        );
+    }
+}
+
+/// A running FNV-1a checksum of a block's bytes, computed only in debug builds (so release
+/// builds pay nothing); blocks are checked when written and again when read whole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Checksum(u64);
+
+impl Default for Checksum {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Checksum {
+    /// Whether checksums are computed in this build.
+    pub const ENABLED: bool = cfg!(debug_assertions);
+
+    /// Fold `bytes` into the checksum.
+    pub fn update(&mut self, bytes: &[u8]) {
+        if !Self::ENABLED {
+            return;
+        }
+        for &byte in bytes {
+            self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    /// The checksum of `bytes` alone.
+    pub fn of(bytes: &[u8]) -> Self {
+        let mut checksum = Self::default();
+        checksum.update(bytes);
+        checksum
+    }
+}
+
+/// Panics if `bytes`, read back whole from `block`, do not match what was written: the read-side
+/// half of the write-side checks (length always, checksum in debug builds).
+pub(crate) fn assert_read_back(block: &StoredBlock, offset: u64, len: u64, bytes: &[u8]) {
+    assert_eq!(
+        bytes.len() as u64,
+        len,
+        "engine returned {} bytes for a read of {len}",
+        bytes.len()
+    );
+    if Checksum::ENABLED && offset == 0 && len == block.len() {
+        assert_eq!(
+            Checksum::of(bytes),
+            block.checksum(),
+            "block at {} corrupted",
+            block.offset()
+        );
+    }
+}

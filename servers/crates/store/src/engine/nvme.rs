@@ -1,0 +1,591 @@
+//! The NVMe engine: blocks live in a file or block device opened with O_DIRECT, driven by io_uring.
+//!
+//! The file is extended to the capacity up front (fallocate), so writes never hit ENOSPC and the
+//! engine's [`ExtentAllocator`] (4 KiB granularity) bounds the space. Writers copy pieces into
+//! aligned staging chunks of at most `write_chunk_bytes` and keep up to `writer_inflight_max`
+//! chunk writes in the kernel; readers read the aligned span around the requested range into one
+//! buffer and return a zero-copy slice of it. All staging memory (write chunks and read buffers
+//! until the caller drops the returned `Bytes`) is bounded by a semaphore of
+//! `staging_bytes_max`, counted in 4 KiB pages.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Seek, SeekFrom};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use pocketflow_protocol::limits::BLOCK_SIZE_MAX_BYTES;
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
+
+use super::buffer::{AlignedBuf, BufferPool, IO_ALIGN_BYTES};
+use super::uring::{IoCompletion, IoKind, IoRequest, Uring};
+use super::{assert_read_back, BlockWriter, Checksum, Engine, EngineFuture, StoredBlock, Tier};
+use crate::allocator::{Extent, ExtentAllocator};
+use crate::error::StoreError;
+
+/// Allocation granularity and direct-I/O alignment of the NVMe engine.
+pub const NVME_GRANULARITY_BYTES: u64 = IO_ALIGN_BYTES as u64;
+
+/// Settings of an [`NvmeEngine`]; [`NvmeConfig::new`] gives the defaults.
+#[derive(Clone, Debug)]
+pub struct NvmeConfig {
+    /// File (created if missing) or block device holding the blocks.
+    pub path: PathBuf,
+    /// Usable bytes, rounded down to 4 KiB; a file is extended to this size.
+    pub capacity_bytes: u64,
+    /// Most I/O operations in the kernel at once.
+    pub queue_depth: u32,
+    /// Bound on aligned staging memory (write chunks, read buffers not yet dropped).
+    pub staging_bytes_max: u64,
+    /// Size of one write operation of a block writer.
+    pub write_chunk_bytes: u64,
+    /// Most chunk writes one block writer keeps in the kernel.
+    pub writer_inflight_max: usize,
+}
+
+impl NvmeConfig {
+    /// Default queue depth.
+    pub const QUEUE_DEPTH_DEFAULT: u32 = 64;
+    /// Default staging-memory bound.
+    pub const STAGING_BYTES_MAX_DEFAULT: u64 = 128 * 1024 * 1024;
+    /// Default write chunk size.
+    pub const WRITE_CHUNK_BYTES_DEFAULT: u64 = 1024 * 1024;
+    /// Default per-writer window of chunk writes.
+    pub const WRITER_INFLIGHT_MAX_DEFAULT: usize = 4;
+
+    /// Defaults for `capacity_bytes` at `path`.
+    pub fn new(path: impl Into<PathBuf>, capacity_bytes: u64) -> Self {
+        Self {
+            path: path.into(),
+            capacity_bytes,
+            queue_depth: Self::QUEUE_DEPTH_DEFAULT,
+            staging_bytes_max: Self::STAGING_BYTES_MAX_DEFAULT,
+            write_chunk_bytes: Self::WRITE_CHUNK_BYTES_DEFAULT,
+            writer_inflight_max: Self::WRITER_INFLIGHT_MAX_DEFAULT,
+        }
+    }
+}
+
+/// Stores blocks in a file or block device through O_DIRECT and io_uring.
+pub struct NvmeEngine {
+    allocator: Arc<ExtentAllocator>,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    path: PathBuf,
+    uring: Uring,
+    staging: Arc<Semaphore>,
+    pool: Arc<BufferPool>,
+    write_chunk_bytes: u64,
+    writer_inflight_max: usize,
+}
+
+impl Shared {
+    /// Reserve staging memory for a buffer of `len` bytes and take one from the pool.
+    async fn buffer(&self, len: u64) -> Result<(AlignedBuf, OwnedSemaphorePermit), StoreError> {
+        let pages = u32::try_from(len / NVME_GRANULARITY_BYTES).expect("buffer below 16 TiB");
+        let permit = Arc::clone(&self.staging)
+            .acquire_many_owned(pages)
+            .await
+            .map_err(|_| StoreError::EngineStopped)?;
+        Ok((self.pool.take(len as usize), permit))
+    }
+
+    fn check(&self, op: &'static str, completion: &IoCompletion) -> Result<(), StoreError> {
+        match &completion.result {
+            Ok(done) if *done == completion.buf.len() => Ok(()),
+            Ok(done) => {
+                let short = io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("short transfer: {done} of {} bytes", completion.buf.len()),
+                );
+                Err(StoreError::io(op, &self.path, short))
+            }
+            Err(error) => Err(StoreError::io(
+                op,
+                &self.path,
+                io::Error::from_raw_os_error(error.raw_os_error().unwrap_or(libc::EIO)),
+            )),
+        }
+    }
+}
+
+impl NvmeEngine {
+    /// Open (creating and extending a file as needed) the path of `config` with O_DIRECT and
+    /// start its io_uring thread.
+    pub fn open(config: NvmeConfig) -> Result<Self, StoreError> {
+        let path = config.path.clone();
+        let capacity_bytes =
+            config.capacity_bytes / NVME_GRANULARITY_BYTES * NVME_GRANULARITY_BYTES;
+        if capacity_bytes == 0 {
+            return Err(StoreError::CapacityTooSmall {
+                capacity_bytes: config.capacity_bytes,
+                min_bytes: NVME_GRANULARITY_BYTES,
+            });
+        }
+        let chunk_ok =
+            config.write_chunk_bytes > 0 && config.write_chunk_bytes % NVME_GRANULARITY_BYTES == 0;
+        assert!(chunk_ok, "write chunk must be a positive multiple of 4 KiB");
+        // Any single read or write buffer must fit the staging bound, or it would wait forever.
+        let largest_buffer = u64::from(BLOCK_SIZE_MAX_BYTES) + 2 * NVME_GRANULARITY_BYTES;
+        assert!(
+            config.staging_bytes_max >= largest_buffer.max(config.write_chunk_bytes),
+            "staging bound below one buffer"
+        );
+        let file = open_direct(&path, capacity_bytes)?;
+        let uring = Uring::start(Arc::new(file), config.queue_depth)?;
+        let staging_pages = (config.staging_bytes_max / NVME_GRANULARITY_BYTES) as usize;
+        let shared = Shared {
+            path,
+            uring,
+            staging: Arc::new(Semaphore::new(staging_pages.min(Semaphore::MAX_PERMITS))),
+            pool: BufferPool::new(config.staging_bytes_max as usize),
+            write_chunk_bytes: config.write_chunk_bytes,
+            writer_inflight_max: config.writer_inflight_max.max(1),
+        };
+        Ok(Self {
+            allocator: ExtentAllocator::new(capacity_bytes, NVME_GRANULARITY_BYTES),
+            shared: Arc::new(shared),
+        })
+    }
+
+    /// The file or device path.
+    pub fn path(&self) -> &Path {
+        &self.shared.path
+    }
+}
+
+/// Open `path` for direct I/O, sized to at least `capacity_bytes`, and prove a direct read works.
+fn open_direct(path: &Path, capacity_bytes: u64) -> Result<File, StoreError> {
+    let is_device = std::fs::metadata(path)
+        .map(|m| m.file_type().is_block_device())
+        .unwrap_or(false);
+    let opened = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(!is_device)
+        .custom_flags(libc::O_DIRECT)
+        .open(path);
+    let mut file = match opened {
+        Ok(file) => file,
+        Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {
+            return Err(StoreError::DirectIoUnsupported {
+                path: path.to_path_buf(),
+            });
+        }
+        Err(error) => return Err(StoreError::io("open", path, error)),
+    };
+    if is_device {
+        let device_bytes = file
+            .seek(SeekFrom::End(0))
+            .map_err(|e| StoreError::io("size block device", path, e))?;
+        if device_bytes < capacity_bytes {
+            return Err(StoreError::CapacityExceedsDevice {
+                path: path.to_path_buf(),
+                capacity_bytes,
+                device_bytes,
+            });
+        }
+    } else {
+        let len = i64::try_from(capacity_bytes).expect("capacity below 8 EiB");
+        // SAFETY: fallocate on an fd we own, no pointers.
+        if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } != 0 {
+            let error = io::Error::last_os_error();
+            if error.raw_os_error() != Some(libc::EOPNOTSUPP) {
+                return Err(StoreError::io("fallocate", path, error));
+            }
+            let current = file
+                .metadata()
+                .map_err(|e| StoreError::io("stat", path, e))?
+                .len();
+            if current < capacity_bytes {
+                file.set_len(capacity_bytes)
+                    .map_err(|e| StoreError::io("extend", path, e))?;
+            }
+        }
+    }
+    // Some file systems accept O_DIRECT at open and refuse it at the first I/O.
+    let mut probe = AlignedBuf::zeroed(IO_ALIGN_BYTES);
+    // SAFETY: reading into a live, aligned buffer of exactly the given length.
+    let read = unsafe { libc::pread(file.as_raw_fd(), probe.as_mut_ptr().cast(), probe.len(), 0) };
+    if read < 0 {
+        let error = io::Error::last_os_error();
+        if error.raw_os_error() == Some(libc::EINVAL) {
+            return Err(StoreError::DirectIoUnsupported {
+                path: path.to_path_buf(),
+            });
+        }
+        return Err(StoreError::io("probe read", path, error));
+    }
+    Ok(file)
+}
+
+fn align_down(value: u64) -> u64 {
+    value / NVME_GRANULARITY_BYTES * NVME_GRANULARITY_BYTES
+}
+
+fn align_up(value: u64) -> u64 {
+    value.div_ceil(NVME_GRANULARITY_BYTES) * NVME_GRANULARITY_BYTES
+}
+
+impl Engine for NvmeEngine {
+    fn tier(&self) -> Tier {
+        Tier::Nvme
+    }
+
+    fn capacity_bytes(&self) -> u64 {
+        self.allocator.capacity_bytes()
+    }
+
+    fn used_bytes(&self) -> u64 {
+        self.allocator.used_bytes()
+    }
+
+    fn allocation_bytes(&self, len: u64) -> u64 {
+        self.allocator.rounded_len(len)
+    }
+
+    fn begin_write(&self, len: u64) -> Result<Box<dyn BlockWriter>, StoreError> {
+        assert!(len >= 1, "engine blocks hold at least one byte");
+        let extent = self.allocator.allocate(len)?;
+        Ok(Box::new(NvmeWriter {
+            shared: Arc::clone(&self.shared),
+            extent: Arc::new(extent),
+            len,
+            written: 0,
+            chunk: None,
+            in_flight: Default::default(),
+            checksum: Checksum::default(),
+            failed: false,
+        }))
+    }
+
+    fn read(&self, block: &StoredBlock, offset: u64, len: u64) -> EngineFuture<'static, Bytes> {
+        assert!(
+            block.belongs_to(&self.allocator),
+            "block read from another engine"
+        );
+        block.assert_range(offset, len);
+        let shared = Arc::clone(&self.shared);
+        let block = block.clone();
+        Box::pin(async move {
+            if len == 0 {
+                return Ok(Bytes::new());
+            }
+            let start = block.offset() + offset;
+            let span_start = align_down(start);
+            let span_len = align_up(start + len) - span_start;
+            let (buf, permit) = shared.buffer(span_len).await?;
+            let request = IoRequest {
+                kind: IoKind::Read,
+                file_offset: span_start,
+                buf,
+                permit: Some(permit),
+                keep_alive: Some(Box::new(block.clone())),
+            };
+            let completion = shared.uring.run(request).await?;
+            shared.check("io_uring read", &completion)?;
+            let skip = (start - span_start) as usize;
+            let held = ReadBuffer {
+                buf: completion.buf,
+                _permit: completion.permit,
+            };
+            let bytes = Bytes::from_owner(held).slice(skip..skip + len as usize);
+            assert_read_back(&block, offset, len, &bytes);
+            Ok(bytes)
+        })
+    }
+}
+
+/// Owner of a read's bytes: the aligned buffer and its staging permit, released together.
+struct ReadBuffer {
+    buf: AlignedBuf,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl AsRef<[u8]> for ReadBuffer {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+/// The chunk being filled: an aligned buffer destined for one file offset.
+struct Chunk {
+    buf: AlignedBuf,
+    permit: OwnedSemaphorePermit,
+    file_offset: u64,
+    filled: usize,
+    data_len: usize,
+}
+
+/// Writes one block as a sequence of aligned chunk writes.
+struct NvmeWriter {
+    shared: Arc<Shared>,
+    /// Shared with in-flight writes, so a dropped writer's extent is not reused under them.
+    extent: Arc<Extent>,
+    len: u64,
+    written: u64,
+    chunk: Option<Chunk>,
+    in_flight: std::collections::VecDeque<oneshot::Receiver<IoCompletion>>,
+    checksum: Checksum,
+    failed: bool,
+}
+
+impl NvmeWriter {
+    async fn start_chunk(&mut self) -> Result<(), StoreError> {
+        let data_len = (self.len - self.written).min(self.shared.write_chunk_bytes);
+        let (buf, permit) = self.shared.buffer(align_up(data_len)).await?;
+        let file_offset = self.extent.offset() + self.written;
+        self.chunk = Some(Chunk {
+            buf,
+            permit,
+            file_offset,
+            filled: 0,
+            data_len: data_len as usize,
+        });
+        Ok(())
+    }
+
+    async fn submit_chunk(&mut self) -> Result<(), StoreError> {
+        let Chunk {
+            mut buf,
+            permit,
+            file_offset,
+            filled,
+            ..
+        } = self.chunk.take().expect("a full chunk");
+        // The padding up to the alignment is zeroed so no stale bytes reach the disk.
+        buf[filled..].fill(0);
+        let keep_alive: Box<dyn std::any::Any + Send> = Box::new(Arc::clone(&self.extent));
+        let request = IoRequest {
+            kind: IoKind::Write,
+            file_offset,
+            buf,
+            permit: Some(permit),
+            keep_alive: Some(keep_alive),
+        };
+        let completion = self.shared.uring.submit(request).await?;
+        self.in_flight.push_back(completion);
+        while self.in_flight.len() > self.shared.writer_inflight_max {
+            self.reap_oldest().await?;
+        }
+        Ok(())
+    }
+
+    async fn reap_oldest(&mut self) -> Result<(), StoreError> {
+        let receiver = self.in_flight.pop_front().expect("an in-flight write");
+        let completion = receiver.await.map_err(|_| StoreError::EngineStopped)?;
+        self.shared.check("io_uring write", &completion)
+    }
+
+    async fn append_piece(&mut self, piece: Bytes) -> Result<(), StoreError> {
+        let actual = self.written + piece.len() as u64;
+        if actual > self.len {
+            return Err(StoreError::LengthMismatch {
+                expected: self.len,
+                actual,
+            });
+        }
+        let mut rest = &piece[..];
+        while !rest.is_empty() {
+            if self.chunk.is_none() {
+                self.start_chunk().await?;
+            }
+            let chunk = self.chunk.as_mut().expect("a chunk being filled");
+            let n = rest.len().min(chunk.data_len - chunk.filled);
+            chunk.buf[chunk.filled..chunk.filled + n].copy_from_slice(&rest[..n]);
+            chunk.filled += n;
+            let full = chunk.filled == chunk.data_len;
+            self.checksum.update(&rest[..n]);
+            self.written += n as u64;
+            rest = &rest[n..];
+            if full {
+                self.submit_chunk().await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl BlockWriter for NvmeWriter {
+    fn append(&mut self, piece: Bytes) -> EngineFuture<'_, ()> {
+        Box::pin(async move {
+            if self.failed {
+                return Err(StoreError::EngineStopped);
+            }
+            let result = self.append_piece(piece).await;
+            self.failed =
+                matches!(result, Err(ref e) if !matches!(e, StoreError::LengthMismatch { .. }));
+            result
+        })
+    }
+
+    fn finish(self: Box<Self>) -> EngineFuture<'static, StoredBlock> {
+        let mut this = *self;
+        Box::pin(async move {
+            if this.written != this.len {
+                return Err(StoreError::LengthMismatch {
+                    expected: this.len,
+                    actual: this.written,
+                });
+            }
+            assert!(
+                this.chunk.is_none(),
+                "a complete block leaves no partial chunk"
+            );
+            while !this.in_flight.is_empty() {
+                this.reap_oldest().await?;
+            }
+            let NvmeWriter {
+                extent,
+                len,
+                checksum,
+                ..
+            } = this;
+            let extent =
+                Arc::try_unwrap(extent).expect("no write holds the extent after completion");
+            Ok(StoredBlock::new(extent, len, checksum))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pattern(len: usize, seed: u8) -> Bytes {
+        (0..len)
+            .map(|i| ((i * 7 + i / 4096) as u8).wrapping_add(seed))
+            .collect::<Vec<_>>()
+            .into()
+    }
+
+    fn small_config(dir: &tempfile::TempDir, capacity_bytes: u64) -> NvmeConfig {
+        let mut config = NvmeConfig::new(dir.path().join("blocks"), capacity_bytes);
+        config.queue_depth = 8;
+        config.staging_bytes_max = 20 * 1024 * 1024;
+        config.write_chunk_bytes = 64 * 1024;
+        config.writer_inflight_max = 2;
+        config
+    }
+
+    async fn write(engine: &NvmeEngine, pieces: &[Bytes]) -> Result<StoredBlock, StoreError> {
+        let len = pieces.iter().map(|p| p.len() as u64).sum();
+        let mut writer = engine.begin_write(len)?;
+        for piece in pieces {
+            writer.append(piece.clone()).await?;
+        }
+        writer.finish().await
+    }
+
+    #[tokio::test]
+    async fn unaligned_lengths_and_offsets_round_trip() {
+        let dir = tempfile::tempdir_in("/tmp").unwrap();
+        let engine = NvmeEngine::open(small_config(&dir, 4 << 20)).unwrap();
+        let data = pattern(300_001, 5);
+        // Pieces that straddle chunk (64 KiB) and page boundaries.
+        let cuts = [0, 1, 4095, 4097, 65_535, 65_537, 200_000, 300_001];
+        let pieces: Vec<Bytes> = cuts.windows(2).map(|w| data.slice(w[0]..w[1])).collect();
+        let block = write(&engine, &pieces).await.unwrap();
+        assert_eq!(block.allocated_bytes(), align_up(300_001));
+        assert_eq!(engine.read(&block, 0, 300_001).await.unwrap(), data);
+        for (offset, len) in [
+            (0u64, 1u64),
+            (1, 4095),
+            (4095, 2),
+            (4096, 4096),
+            (65_000, 70_000),
+            (300_000, 1),
+            (12_345, 0),
+        ] {
+            let got = engine.read(&block, offset, len).await.unwrap();
+            assert_eq!(
+                got,
+                data.slice(offset as usize..(offset + len) as usize),
+                "range {offset}+{len}"
+            );
+        }
+        let tiny = write(&engine, &[pattern(3, 1)]).await.unwrap();
+        assert_eq!(engine.read(&tiny, 0, 3).await.unwrap(), pattern(3, 1));
+        assert_eq!(engine.used_bytes(), align_up(300_001) + 4096);
+    }
+
+    #[tokio::test]
+    async fn exhaustion_free_and_reuse() {
+        let dir = tempfile::tempdir_in("/tmp").unwrap();
+        let engine = NvmeEngine::open(small_config(&dir, 64 * 1024)).unwrap();
+        let first = write(&engine, &[pattern(40_000, 1)]).await.unwrap();
+        let full = engine.begin_write(30_000);
+        assert!(
+            matches!(
+                full,
+                Err(StoreError::CapacityExhausted {
+                    requested: 32_768,
+                    available: 24_576
+                })
+            ),
+            "{:?}",
+            full.err()
+        );
+        assert_eq!(engine.used_bytes(), 40_960);
+        let partial = {
+            let mut writer = engine.begin_write(20_000).unwrap();
+            writer.append(pattern(10_000, 2)).await.unwrap();
+            writer
+        };
+        drop(partial);
+        assert_eq!(
+            engine.used_bytes(),
+            40_960,
+            "an unfinished writer frees its reservation"
+        );
+        drop(first);
+        assert_eq!(engine.used_bytes(), 0);
+        let reused = write(&engine, &[pattern(65_536, 3)]).await.unwrap();
+        assert_eq!(reused.offset(), 0);
+        assert_eq!(
+            engine.read(&reused, 0, 65_536).await.unwrap(),
+            pattern(65_536, 3)
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_writers_and_readers() {
+        let dir = tempfile::tempdir_in("/tmp").unwrap();
+        let engine = Arc::new(NvmeEngine::open(small_config(&dir, 16 << 20)).unwrap());
+        let mut tasks = Vec::new();
+        for seed in 0..32u8 {
+            let engine = Arc::clone(&engine);
+            tasks.push(tokio::spawn(async move {
+                let data = pattern(100_000 + seed as usize * 1000, seed);
+                let block = write(&engine, &[data.slice(..50_000), data.slice(50_000..)])
+                    .await
+                    .unwrap();
+                for _ in 0..3 {
+                    assert_eq!(engine.read(&block, 0, block.len()).await.unwrap(), data);
+                }
+            }));
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        assert_eq!(engine.used_bytes(), 0);
+    }
+
+    #[test]
+    fn tmpfs_is_refused_or_works() {
+        // /dev/shm is tmpfs; kernels before 6.6 refuse O_DIRECT there. Either outcome must be
+        // clean: a typed error naming the path, or a working engine.
+        let Ok(dir) = tempfile::tempdir_in("/dev/shm") else {
+            return;
+        };
+        match NvmeEngine::open(small_config(&dir, 1 << 20)) {
+            Ok(_) => {}
+            Err(StoreError::DirectIoUnsupported { path }) => assert!(path.starts_with(dir.path())),
+            Err(other) => panic!("unexpected error {other}"),
+        }
+    }
+}

@@ -1,0 +1,270 @@
+//! The store's one error enum, and its mapping to the protocol's error kinds.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use pocketflow_protocol::header::HeaderError;
+
+/// Every way a store or engine operation can fail.
+///
+/// Operating errors (bad input, full tier, failed I/O) are values of this enum; programmer errors
+/// are assertions. [`StoreError::kind`] maps each variant to the error kind of docs/PROTOCOL.md.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// No block-0 record with this key.
+    #[error("no object '{key}' in bucket '{bucket}'")]
+    NotFound {
+        /// Bucket that was searched.
+        bucket: String,
+        /// Key that is missing.
+        key: String,
+    },
+    /// No data block with this address.
+    #[error("no data block {index} of version {version} of '{key}'")]
+    BlockNotFound {
+        /// Object key.
+        key: String,
+        /// Writer-chosen version of the object.
+        version: u64,
+        /// 1-based block index.
+        index: u32,
+    },
+    /// The bucket does not exist on this server.
+    #[error("no bucket '{bucket}'")]
+    BucketNotFound {
+        /// Bucket that is missing.
+        bucket: String,
+    },
+    /// Write-once: the key already holds an object and OVERWRITE was not set.
+    #[error("object '{key}' already exists in bucket '{bucket}'")]
+    AlreadyExists {
+        /// Bucket of the object.
+        bucket: String,
+        /// Key of the object.
+        key: String,
+    },
+    /// The data block was already written (versions are unique per put, so this is a client bug).
+    #[error("data block {index} of version {version} of '{key}' already exists")]
+    BlockExists {
+        /// Object key.
+        key: String,
+        /// Object version.
+        version: u64,
+        /// 1-based block index.
+        index: u32,
+    },
+    /// `create_bucket` of a bucket that exists.
+    #[error("bucket '{bucket}' already exists")]
+    BucketExists {
+        /// Bucket that exists.
+        bucket: String,
+    },
+    /// The tier cannot hold `requested` more bytes; nothing of the failed write is left behind.
+    #[error("tier is full: {requested} bytes requested, {available} available")]
+    CapacityExhausted {
+        /// Bytes the operation needed (including accounting overhead).
+        requested: u64,
+        /// Bytes still free (fragmentation may make less usable in one piece).
+        available: u64,
+    },
+    /// A job already has the maximum number of buckets on this server.
+    #[error("job has the maximum of {max} buckets on this server")]
+    TooManyBuckets {
+        /// The bound, `BUCKETS_PER_JOB_MAX`.
+        max: usize,
+    },
+    /// The server already holds the maximum number of jobs.
+    #[error("server holds the maximum of {max} jobs")]
+    TooManyJobs {
+        /// The bound, `JOBS_MAX`.
+        max: usize,
+    },
+    /// The object header is malformed.
+    #[error("bad object header: {0}")]
+    BadHeader(#[from] HeaderError),
+    /// A block-0 value does not match its header (small object: `size`; manifest: empty).
+    #[error("value of {actual} bytes does not match the header, which needs {expected}")]
+    ValueLengthMismatch {
+        /// Length the header implies.
+        expected: u64,
+        /// Length that was sent.
+        actual: u64,
+    },
+    /// A job id, bucket or key is empty or longer than its protocol bound.
+    #[error("{what} of {len} bytes is not within 1..={max} bytes")]
+    InvalidName {
+        /// Which name: "job", "bucket" or "key".
+        what: &'static str,
+        /// Its length in bytes.
+        len: usize,
+        /// The protocol bound.
+        max: usize,
+    },
+    /// A data block address uses version 0 or index 0, which are reserved.
+    #[error("data block address needs a non-zero version and index, got version {version} index {index}")]
+    InvalidBlockAddress {
+        /// Version given.
+        version: u64,
+        /// Index given.
+        index: u32,
+    },
+    /// A data block of zero bytes (every data block holds at least one byte).
+    #[error("data block length must be non-zero")]
+    EmptyBlock,
+    /// A data block larger than `BLOCK_SIZE_MAX_BYTES`.
+    #[error("data block of {len} bytes exceeds the maximum of {max}")]
+    BlockTooLarge {
+        /// Declared length.
+        len: u64,
+        /// The bound.
+        max: u64,
+    },
+    /// The bytes appended to a block do not add up to its declared length.
+    #[error("block declared {expected} bytes but {actual} were written")]
+    LengthMismatch {
+        /// Declared length.
+        expected: u64,
+        /// Bytes appended so far (or that would be, for an overlong append).
+        actual: u64,
+    },
+    /// A read range extends past the end of the block.
+    #[error("range offset {offset} length {len} is outside the block of {block_len} bytes")]
+    InvalidRange {
+        /// Offset in the block.
+        offset: u64,
+        /// Length of the range.
+        len: u64,
+        /// Length of the block.
+        block_len: u64,
+    },
+    /// An enumerate limit outside `1..=ENUMERATE_LIMIT_MAX`.
+    #[error("enumerate limit {limit} is not within 1..={max}")]
+    InvalidLimit {
+        /// Limit given.
+        limit: u32,
+        /// The bound.
+        max: u32,
+    },
+    /// A PERSIST write on a server that is not long-running.
+    #[error("this server is not long-running and refuses PERSIST objects")]
+    PersistRefused,
+    /// The NVMe tier was configured without a file or device path.
+    #[error("the nvme tier needs a file or block device path")]
+    NvmePathRequired,
+    /// The configured capacity is below what the engine can use.
+    #[error("capacity of {capacity_bytes} bytes is below the minimum of {min_bytes}")]
+    CapacityTooSmall {
+        /// Capacity given.
+        capacity_bytes: u64,
+        /// Smallest usable capacity.
+        min_bytes: u64,
+    },
+    /// The configured capacity is larger than the block device.
+    #[error("capacity of {capacity_bytes} bytes exceeds the {device_bytes} bytes of {}", .path.display())]
+    CapacityExceedsDevice {
+        /// Device path.
+        path: PathBuf,
+        /// Capacity given.
+        capacity_bytes: u64,
+        /// Size of the device.
+        device_bytes: u64,
+    },
+    /// The file system of the NVMe path refuses O_DIRECT (e.g. tmpfs on older kernels).
+    #[error("{} does not support O_DIRECT; put the nvme path on a file system that does (ext4, xfs) or a block device", .path.display())]
+    DirectIoUnsupported {
+        /// The path that was opened.
+        path: PathBuf,
+    },
+    /// An operating-system call failed.
+    #[error("{op}{}: {source}", path_suffix(.path))]
+    Io {
+        /// The operation, e.g. "open", "fallocate", "io_uring read".
+        op: &'static str,
+        /// The file involved, if any.
+        path: Option<PathBuf>,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The engine's I/O thread has stopped (the engine is shutting down or crashed).
+    #[error("the storage engine's I/O thread is gone")]
+    EngineStopped,
+}
+
+fn path_suffix(path: &Option<PathBuf>) -> String {
+    match path {
+        Some(path) => format!(" {}", path.display()),
+        None => String::new(),
+    }
+}
+
+impl StoreError {
+    /// The protocol error kind of docs/PROTOCOL.md (`not_found`, `capacity_exhausted`, ...).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::NotFound { .. } | Self::BlockNotFound { .. } => "not_found",
+            Self::BucketNotFound { .. } => "bucket_not_found",
+            Self::AlreadyExists { .. } | Self::BlockExists { .. } => "already_exists",
+            Self::BucketExists { .. } => "bucket_exists",
+            Self::CapacityExhausted { .. }
+            | Self::TooManyBuckets { .. }
+            | Self::TooManyJobs { .. } => "capacity_exhausted",
+            Self::BadHeader(_)
+            | Self::ValueLengthMismatch { .. }
+            | Self::InvalidName { .. }
+            | Self::InvalidBlockAddress { .. }
+            | Self::EmptyBlock
+            | Self::BlockTooLarge { .. }
+            | Self::LengthMismatch { .. }
+            | Self::InvalidRange { .. }
+            | Self::InvalidLimit { .. }
+            | Self::NvmePathRequired
+            | Self::CapacityTooSmall { .. }
+            | Self::CapacityExceedsDevice { .. }
+            | Self::DirectIoUnsupported { .. } => "invalid_argument",
+            Self::PersistRefused => "persist_refused",
+            Self::Io { .. } | Self::EngineStopped => "internal",
+        }
+    }
+
+    /// An [`StoreError::Io`] about `path`.
+    pub(crate) fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
+        Self::Io {
+            op,
+            path: Some(path.to_path_buf()),
+            source,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_follow_the_protocol_table() {
+        let full = StoreError::CapacityExhausted {
+            requested: 10,
+            available: 2,
+        };
+        assert_eq!(full.kind(), "capacity_exhausted");
+        assert_eq!(StoreError::PersistRefused.kind(), "persist_refused");
+        assert_eq!(
+            StoreError::BadHeader(HeaderError::ZeroVersion).kind(),
+            "invalid_argument"
+        );
+        let missing = StoreError::NotFound {
+            bucket: "b".into(),
+            key: "k".into(),
+        };
+        assert_eq!(missing.kind(), "not_found");
+        assert_eq!(missing.to_string(), "no object 'k' in bucket 'b'");
+        let io = StoreError::Io {
+            op: "open",
+            path: Some("/x".into()),
+            source: io::Error::other("boom"),
+        };
+        assert_eq!(io.kind(), "internal");
+        assert_eq!(io.to_string(), "open /x: boom");
+    }
+}

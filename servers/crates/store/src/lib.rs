@@ -1,0 +1,46 @@
+//! pocketflow's storage layer: engines for each tier, the per-server object index, capacity
+//! accounting and the object semantics of docs/PROTOCOL.md. No networking lives here; the Flight
+//! service calls [`Store`].
+//!
+//! # Layers
+//!
+//! - [`engine`]: one tier of bytes behind the [`Engine`] trait. [`engine::dram::DramEngine`]
+//!   keeps blocks in a prefaulted anonymous arena and reads are zero-copy;
+//!   [`engine::nvme::NvmeEngine`] keeps them in a file or block device opened with O_DIRECT and
+//!   driven by io_uring from one I/O thread. Each owns an [`allocator::ExtentAllocator`]
+//!   (best-fit with coalescing; 64-byte granularity for DRAM, 4 KiB for NVMe).
+//! - [`Store`]: the index (job, then bucket, then sorted maps of block-0 records and of data
+//!   blocks keyed by `(key, version, index)`), write-once / overwrite, DELETE-on-read, PERSIST,
+//!   prefix and job deletion, usage.
+//!
+//! # Accounting
+//!
+//! Every record and data block is charged its engine allocation (its length rounded up to the
+//! engine granularity; nothing for an empty value) plus [`INDEX_ENTRY_OVERHEAD_BYTES`] plus its
+//! key length, against a budget equal to the engine's capacity. So an empty object still costs
+//! at least 65 bytes and the index cannot grow without bound. A write reserves its charge and its
+//! extent before any byte is copied, and a failed write releases both. A charge is released
+//! when the entry's last holder lets go: the index, or the `Bytes` of a read in progress; so
+//! DELETE-on-read frees the space once the reader drops the bytes. Bucket and job counts are
+//! bounded by [`BUCKETS_PER_JOB_MAX`] and [`JOBS_MAX`].
+//!
+//! # Concurrency
+//!
+//! Locks nest as job map, then a job's bucket map, then one bucket, and no lock is held across
+//! an await, a copy of object bytes or I/O. Engine writers copy into their reserved extent
+//! without any lock.
+
+#![warn(missing_docs)]
+
+pub mod allocator;
+mod capacity;
+pub mod engine;
+pub mod error;
+mod index;
+pub mod store;
+
+pub use capacity::INDEX_ENTRY_OVERHEAD_BYTES;
+pub use engine::{BlockWriter, Engine, StoredBlock, Tier};
+pub use error::StoreError;
+pub use index::{BUCKETS_PER_JOB_MAX, JOBS_MAX};
+pub use store::{BlockWrite, JobUsage, Store, StoreConfig, Usage};

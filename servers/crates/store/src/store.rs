@@ -1,0 +1,1556 @@
+//! The per-server store: an engine plus the object index, capacity accounting and the semantics
+//! of docs/PROTOCOL.md (write-once, DELETE-on-read, PERSIST, buckets, prefixes, jobs).
+
+use std::collections::BTreeMap;
+use std::ops::Bound;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use pocketflow_protocol::limits::{
+    BLOCK_SIZE_MAX_BYTES, BUCKET_NAME_MAX_BYTES, ENUMERATE_LIMIT_MAX, JOB_ID_MAX_BYTES,
+    KEY_MAX_BYTES,
+};
+use pocketflow_protocol::ObjectHeader;
+
+use crate::capacity::{Budget, Charge, JobAccount, INDEX_ENTRY_OVERHEAD_BYTES};
+use crate::engine::dram::DramEngine;
+use crate::engine::nvme::{NvmeConfig, NvmeEngine};
+use crate::engine::{BlockWriter, Engine, Tier};
+use crate::error::StoreError;
+use crate::index::{
+    lock, split_prefix, BlockKey, BucketIndex, BucketRef, JobIndex, JobMap, Record, Stored,
+    BUCKETS_PER_JOB_MAX, JOBS_MAX,
+};
+
+/// How to open a [`Store`].
+#[derive(Clone, Debug, Default)]
+pub struct StoreConfig {
+    /// The tier this server serves.
+    pub tier: Tier,
+    /// Bytes of the tier (the DRAM arena is mapped and prefaulted at this size; an NVMe file is
+    /// extended to it).
+    pub capacity_bytes: u64,
+    /// File or block device of the NVMe tier; required for [`Tier::Nvme`], ignored for DRAM.
+    pub nvme_path: Option<PathBuf>,
+    /// Whether the server accepts PERSIST objects.
+    pub long_running: bool,
+}
+
+/// Capacity and usage of the server, for statistics.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Usage {
+    /// Bytes of the tier.
+    pub capacity_bytes: u64,
+    /// Bytes charged (engine allocations plus index overhead), including writes in progress and
+    /// deleted entries a reader still holds.
+    pub used_bytes: u64,
+    /// Block-0 records (objects) in the index.
+    pub objects: u64,
+    /// The same per job, for every job with buckets on this server.
+    pub per_job: BTreeMap<String, JobUsage>,
+}
+
+/// Usage of one job.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct JobUsage {
+    /// Bytes charged to the job.
+    pub used_bytes: u64,
+    /// Block-0 records of the job.
+    pub objects: u64,
+}
+
+/// One server's objects: shared by all request handlers (it is `Send + Sync`; clones share).
+///
+/// Jobs are isolated: every operation names its job first, and no operation of one job reaches
+/// another's index. Every method locks at most one bucket at a time, briefly, and never across
+/// an await.
+#[derive(Clone)]
+pub struct Store {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    engine: Arc<dyn Engine>,
+    budget: Arc<Budget>,
+    jobs: JobMap,
+    long_running: bool,
+}
+
+/// Writer of one data block, returned by [`Store::begin_block`].
+///
+/// The block's space is reserved; it becomes readable at [`BlockWrite::commit`]. Dropping the
+/// writer without committing frees everything.
+pub struct BlockWrite {
+    job: Arc<JobIndex>,
+    bucket: BucketRef,
+    bucket_name: String,
+    address: BlockKey,
+    len: u64,
+    appended: u64,
+    persist: bool,
+    writer: Box<dyn BlockWriter>,
+    charge: Charge,
+}
+
+fn check_name(what: &'static str, name: &str, max: usize) -> Result<(), StoreError> {
+    if name.is_empty() || name.len() > max {
+        return Err(StoreError::InvalidName {
+            what,
+            len: name.len(),
+            max,
+        });
+    }
+    Ok(())
+}
+
+fn check_names(job: &str, bucket: &str, key: Option<&str>) -> Result<(), StoreError> {
+    check_name("job", job, JOB_ID_MAX_BYTES)?;
+    check_name("bucket", bucket, BUCKET_NAME_MAX_BYTES)?;
+    if let Some(key) = key {
+        check_name("key", key, KEY_MAX_BYTES)?;
+    }
+    Ok(())
+}
+
+fn not_found(bucket: &str, key: &str) -> StoreError {
+    StoreError::NotFound {
+        bucket: bucket.to_string(),
+        key: key.to_string(),
+    }
+}
+
+fn bucket_not_found(bucket: &str) -> StoreError {
+    StoreError::BucketNotFound {
+        bucket: bucket.to_string(),
+    }
+}
+
+/// Bytes that a read hands out, holding the entry (and so its space) until dropped.
+struct HeldBytes {
+    bytes: Bytes,
+    _stored: Arc<Stored>,
+}
+
+impl AsRef<[u8]> for HeldBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl Store {
+    /// Open the engine of `config.tier` and an empty index.
+    pub fn open(config: StoreConfig) -> Result<Self, StoreError> {
+        let engine: Arc<dyn Engine> = match config.tier {
+            Tier::Dram => Arc::new(DramEngine::open(config.capacity_bytes, true)?),
+            Tier::Nvme => {
+                let path = config.nvme_path.ok_or(StoreError::NvmePathRequired)?;
+                Arc::new(NvmeEngine::open(NvmeConfig::new(
+                    path,
+                    config.capacity_bytes,
+                ))?)
+            }
+        };
+        Ok(Self::with_engine(engine, config.long_running))
+    }
+
+    /// A store over an already opened engine (tests, benchmarks, other engines).
+    pub fn with_engine(engine: Arc<dyn Engine>, long_running: bool) -> Self {
+        let budget = Budget::new(engine.capacity_bytes());
+        Self {
+            shared: Arc::new(Shared {
+                engine,
+                budget,
+                jobs: JobMap::default(),
+                long_running,
+            }),
+        }
+    }
+
+    /// The tier of the engine.
+    pub fn tier(&self) -> Tier {
+        self.shared.engine.tier()
+    }
+
+    /// Whether PERSIST objects are accepted.
+    pub fn long_running(&self) -> bool {
+        self.shared.long_running
+    }
+
+    /// Bytes of the tier.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.shared.budget.capacity_bytes()
+    }
+
+    /// Bytes charged now (see [`Usage::used_bytes`]).
+    pub fn used_bytes(&self) -> u64 {
+        self.shared.budget.used_bytes()
+    }
+
+    fn job(&self, job: &str) -> Option<Arc<JobIndex>> {
+        self.shared
+            .jobs
+            .read()
+            .expect("job map lock poisoned")
+            .get(job)
+            .cloned()
+    }
+
+    fn bucket(&self, job: &str, bucket: &str) -> Result<(Arc<JobIndex>, BucketRef), StoreError> {
+        let job_index = self.job(job).ok_or_else(|| bucket_not_found(bucket))?;
+        let bucket_ref = job_index
+            .buckets
+            .read()
+            .expect("bucket map lock poisoned")
+            .get(bucket)
+            .cloned();
+        let bucket_ref = bucket_ref.ok_or_else(|| bucket_not_found(bucket))?;
+        Ok((job_index, bucket_ref))
+    }
+
+    /// Run `f` on the locked bucket; what `f` returns is dropped by the caller, after the lock.
+    fn with_bucket<R>(
+        &self,
+        job: &str,
+        bucket: &str,
+        f: impl FnOnce(&mut BucketIndex, &JobAccount) -> Result<R, StoreError>,
+    ) -> Result<R, StoreError> {
+        let (job_index, bucket_ref) = self.bucket(job, bucket)?;
+        let mut guard = lock(&bucket_ref);
+        if guard.removed {
+            return Err(bucket_not_found(bucket));
+        }
+        f(&mut guard, &job_index.account)
+    }
+
+    /// Create a bucket of `job` on this server.
+    pub fn create_bucket(&self, job: &str, bucket: &str) -> Result<(), StoreError> {
+        check_names(job, bucket, None)?;
+        let mut jobs = self.shared.jobs.write().expect("job map lock poisoned");
+        if !jobs.contains_key(job) && jobs.len() >= JOBS_MAX {
+            return Err(StoreError::TooManyJobs { max: JOBS_MAX });
+        }
+        let job_index = jobs.entry(job.to_string()).or_default();
+        let mut buckets = job_index.buckets.write().expect("bucket map lock poisoned");
+        if buckets.contains_key(bucket) {
+            return Err(StoreError::BucketExists {
+                bucket: bucket.to_string(),
+            });
+        }
+        if buckets.len() >= BUCKETS_PER_JOB_MAX {
+            return Err(StoreError::TooManyBuckets {
+                max: BUCKETS_PER_JOB_MAX,
+            });
+        }
+        buckets.insert(bucket.to_string(), BucketRef::default());
+        Ok(())
+    }
+
+    /// Delete a bucket with every record and data block in it (PERSIST ones too); returns the
+    /// bytes charged to them. A job left without buckets is forgotten.
+    pub fn delete_bucket(&self, job: &str, bucket: &str) -> Result<u64, StoreError> {
+        check_names(job, bucket, None)?;
+        let job_index = self.job(job).ok_or_else(|| bucket_not_found(bucket))?;
+        let removed = job_index
+            .buckets
+            .write()
+            .expect("bucket map lock poisoned")
+            .remove(bucket);
+        let bucket_ref = removed.ok_or_else(|| bucket_not_found(bucket))?;
+        let (records, blocks) = {
+            let mut guard = lock(&bucket_ref);
+            guard.removed = true;
+            (
+                std::mem::take(&mut guard.records),
+                std::mem::take(&mut guard.blocks),
+            )
+        };
+        let freed = self
+            .forget(
+                &job_index.account,
+                records.into_values(),
+                blocks.into_values(),
+            )
+            .1;
+        self.prune_job(job);
+        Ok(freed)
+    }
+
+    /// Uncount removed entries from `account`; returns (records, bytes charged to all of them).
+    /// Dropping the entries (here, outside every lock) frees their space unless a reader holds it.
+    fn forget(
+        &self,
+        account: &JobAccount,
+        records: impl IntoIterator<Item = Record>,
+        blocks: impl IntoIterator<Item = Arc<Stored>>,
+    ) -> (u64, u64) {
+        let mut record_count = 0;
+        let mut entry_count = 0;
+        let mut freed = 0;
+        for record in records {
+            record_count += 1;
+            entry_count += 1;
+            freed += record.stored.charge.bytes();
+        }
+        for block in blocks {
+            entry_count += 1;
+            freed += block.charge.bytes();
+        }
+        account.objects.fetch_sub(record_count, Ordering::AcqRel);
+        account.entries.fetch_sub(entry_count, Ordering::AcqRel);
+        (record_count, freed)
+    }
+
+    /// Remove `job` from the job map if it has no buckets left.
+    fn prune_job(&self, job: &str) {
+        let mut jobs = self.shared.jobs.write().expect("job map lock poisoned");
+        let empty = jobs.get(job).is_some_and(|j| {
+            j.buckets
+                .read()
+                .expect("bucket map lock poisoned")
+                .is_empty()
+        });
+        if empty {
+            jobs.remove(job);
+        }
+    }
+
+    /// Charge and write the bytes of a new entry.
+    async fn store_bytes(
+        &self,
+        account: &Arc<JobAccount>,
+        key: &str,
+        value: Bytes,
+        persist: bool,
+    ) -> Result<Arc<Stored>, StoreError> {
+        let len = value.len() as u64;
+        let engine = &self.shared.engine;
+        let allocation = if len == 0 {
+            0
+        } else {
+            engine.allocation_bytes(len)
+        };
+        let charge = self.shared.budget.charge(
+            account,
+            allocation + INDEX_ENTRY_OVERHEAD_BYTES + key.len() as u64,
+        )?;
+        let block = if len == 0 {
+            None
+        } else {
+            let mut writer = engine.begin_write(len)?;
+            writer.append(value).await?;
+            Some(writer.finish().await?)
+        };
+        Ok(Arc::new(Stored {
+            block,
+            persist,
+            charge,
+        }))
+    }
+
+    /// Read `len` bytes at `offset` of an entry; the bytes hold the entry until dropped.
+    async fn read_stored(
+        &self,
+        stored: Arc<Stored>,
+        offset: u64,
+        len: u64,
+    ) -> Result<Bytes, StoreError> {
+        let Some(block) = stored.block.as_ref() else {
+            return Ok(Bytes::new());
+        };
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        let bytes = self.shared.engine.read(block, offset, len).await?;
+        assert_eq!(bytes.len() as u64, len, "engine returned a short read");
+        Ok(Bytes::from_owner(HeldBytes {
+            bytes,
+            _stored: stored,
+        }))
+    }
+
+    /// Insert a block-0 record: a small object (`value.len() == header.size`, no data blocks) or
+    /// a manifest (`value` empty, `header.block_count > 0`). Write-once: fails with
+    /// `AlreadyExists` unless `overwrite`, in which case the replaced header is returned. A failed
+    /// put leaves nothing behind.
+    pub async fn put_record(
+        &self,
+        job: &str,
+        bucket: &str,
+        key: &str,
+        header: ObjectHeader,
+        value: Bytes,
+        overwrite: bool,
+    ) -> Result<Option<ObjectHeader>, StoreError> {
+        check_names(job, bucket, Some(key))?;
+        header.validate()?;
+        let expected = if header.is_small() { header.size } else { 0 };
+        if value.len() as u64 != expected {
+            return Err(StoreError::ValueLengthMismatch {
+                expected,
+                actual: value.len() as u64,
+            });
+        }
+        if header.persist() && !self.shared.long_running {
+            return Err(StoreError::PersistRefused);
+        }
+        let (job_index, bucket_ref) = self.bucket(job, bucket)?;
+        // Fail fast before writing; the check is repeated at the insert, which decides.
+        self.with_bucket(job, bucket, |b, _| {
+            match !overwrite && b.records.contains_key(key) {
+                true => Err(StoreError::AlreadyExists {
+                    bucket: bucket.to_string(),
+                    key: key.to_string(),
+                }),
+                false => Ok(()),
+            }
+        })?;
+        let stored = self
+            .store_bytes(&job_index.account, key, value, header.persist())
+            .await?;
+        let replaced = {
+            let mut guard = lock(&bucket_ref);
+            if guard.removed {
+                return Err(bucket_not_found(bucket));
+            }
+            let record = Record { header, stored };
+            match guard.records.get_mut(key) {
+                Some(_) if !overwrite => {
+                    return Err(StoreError::AlreadyExists {
+                        bucket: bucket.to_string(),
+                        key: key.to_string(),
+                    });
+                }
+                Some(existing) => Some(std::mem::replace(existing, record)),
+                None => {
+                    guard.records.insert(key.to_string(), record);
+                    job_index.account.objects.fetch_add(1, Ordering::AcqRel);
+                    job_index.account.entries.fetch_add(1, Ordering::AcqRel);
+                    None
+                }
+            }
+        };
+        Ok(replaced.map(|old| old.header))
+    }
+
+    /// Read a block-0 record. With `delete`, the record leaves the index atomically with the
+    /// read (exactly one of concurrent deleting readers gets it, the others get `NotFound`) and
+    /// its space is freed when the returned bytes are dropped.
+    pub async fn get_record(
+        &self,
+        job: &str,
+        bucket: &str,
+        key: &str,
+        delete: bool,
+    ) -> Result<(ObjectHeader, Bytes), StoreError> {
+        check_names(job, bucket, Some(key))?;
+        let (header, stored) = self.with_bucket(job, bucket, |b, account| {
+            if delete {
+                let record = b
+                    .records
+                    .remove(key)
+                    .ok_or_else(|| not_found(bucket, key))?;
+                account.objects.fetch_sub(1, Ordering::AcqRel);
+                account.entries.fetch_sub(1, Ordering::AcqRel);
+                Ok((record.header, record.stored))
+            } else {
+                let record = b.records.get(key).ok_or_else(|| not_found(bucket, key))?;
+                Ok((record.header, Arc::clone(&record.stored)))
+            }
+        })?;
+        let len = stored.block.as_ref().map_or(0, |block| block.len());
+        assert_eq!(
+            len,
+            if header.is_small() { header.size } else { 0 },
+            "record bytes disagree with the header"
+        );
+        let bytes = self.read_stored(stored, 0, len).await?;
+        Ok((header, bytes))
+    }
+
+    /// The header of a block-0 record.
+    pub fn lookup(&self, job: &str, bucket: &str, key: &str) -> Result<ObjectHeader, StoreError> {
+        check_names(job, bucket, Some(key))?;
+        self.with_bucket(job, bucket, |b, _| {
+            b.records
+                .get(key)
+                .map(|r| r.header)
+                .ok_or_else(|| not_found(bucket, key))
+        })
+    }
+
+    /// Remove a block-0 record and return its header. Data blocks are not touched: the client
+    /// deletes them with [`Store::delete_blocks`] on the servers that hold them.
+    pub fn delete_record(
+        &self,
+        job: &str,
+        bucket: &str,
+        key: &str,
+    ) -> Result<ObjectHeader, StoreError> {
+        check_names(job, bucket, Some(key))?;
+        let record = self.with_bucket(job, bucket, |b, account| {
+            let record = b
+                .records
+                .remove(key)
+                .ok_or_else(|| not_found(bucket, key))?;
+            account.objects.fetch_sub(1, Ordering::AcqRel);
+            account.entries.fetch_sub(1, Ordering::AcqRel);
+            Ok(record)
+        })?;
+        let header = record.header;
+        drop(record);
+        Ok(header)
+    }
+
+    /// Reserve `len` bytes for data block `index` (>= 1) of `(key, version)` and return its
+    /// writer. Fails with `CapacityExhausted` (nothing reserved), `BucketNotFound`,
+    /// `PersistRefused`, `BlockTooLarge` or `BlockExists`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn begin_block(
+        &self,
+        job: &str,
+        bucket: &str,
+        key: &str,
+        version: u64,
+        index: u32,
+        len: u64,
+        persist: bool,
+    ) -> Result<BlockWrite, StoreError> {
+        check_names(job, bucket, Some(key))?;
+        if version == 0 || index == 0 {
+            return Err(StoreError::InvalidBlockAddress { version, index });
+        }
+        if len == 0 {
+            return Err(StoreError::EmptyBlock);
+        }
+        if len > u64::from(BLOCK_SIZE_MAX_BYTES) {
+            return Err(StoreError::BlockTooLarge {
+                len,
+                max: u64::from(BLOCK_SIZE_MAX_BYTES),
+            });
+        }
+        if persist && !self.shared.long_running {
+            return Err(StoreError::PersistRefused);
+        }
+        let (job_index, bucket_ref) = self.bucket(job, bucket)?;
+        let address = BlockKey {
+            key: key.to_string(),
+            version,
+            index,
+        };
+        self.with_bucket(job, bucket, |b, _| match b.blocks.contains_key(&address) {
+            true => Err(StoreError::BlockExists {
+                key: key.to_string(),
+                version,
+                index,
+            }),
+            false => Ok(()),
+        })?;
+        let engine = &self.shared.engine;
+        let cost = engine.allocation_bytes(len) + INDEX_ENTRY_OVERHEAD_BYTES + key.len() as u64;
+        let charge = self.shared.budget.charge(&job_index.account, cost)?;
+        let writer = engine.begin_write(len)?;
+        Ok(BlockWrite {
+            job: job_index,
+            bucket: bucket_ref,
+            bucket_name: bucket.to_string(),
+            address,
+            len,
+            appended: 0,
+            persist,
+            writer,
+            charge,
+        })
+    }
+
+    /// Read `len` bytes at `offset` of a data block. Fails with `BlockNotFound` or
+    /// `InvalidRange`.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn read_block(
+        &self,
+        job: &str,
+        bucket: &str,
+        key: &str,
+        version: u64,
+        index: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<Bytes, StoreError> {
+        check_names(job, bucket, Some(key))?;
+        let address = BlockKey {
+            key: key.to_string(),
+            version,
+            index,
+        };
+        let stored = self.with_bucket(job, bucket, |b, _| {
+            b.blocks
+                .get(&address)
+                .cloned()
+                .ok_or(StoreError::BlockNotFound {
+                    key: key.to_string(),
+                    version,
+                    index,
+                })
+        })?;
+        let block_len = stored.block.as_ref().map_or(0, |block| block.len());
+        if offset.checked_add(len).is_none_or(|end| end > block_len) {
+            return Err(StoreError::InvalidRange {
+                offset,
+                len,
+                block_len,
+            });
+        }
+        self.read_stored(stored, offset, len).await
+    }
+
+    /// Remove data blocks `indices` of `(key, version)`; missing ones are ignored. Returns the
+    /// bytes charged to the removed blocks (freed once no reader holds them).
+    pub fn delete_blocks(
+        &self,
+        job: &str,
+        bucket: &str,
+        key: &str,
+        version: u64,
+        indices: &[u32],
+    ) -> Result<u64, StoreError> {
+        check_names(job, bucket, Some(key))?;
+        let mut address = BlockKey {
+            key: key.to_string(),
+            version,
+            index: 0,
+        };
+        let (removed, freed) = self.with_bucket(job, bucket, |b, account| {
+            let mut removed = Vec::with_capacity(indices.len());
+            for &index in indices {
+                address.index = index;
+                removed.extend(b.blocks.remove(&address));
+            }
+            let freed = self.forget(account, [], removed.iter().cloned()).1;
+            Ok((removed, freed))
+        })?;
+        drop(removed);
+        Ok(freed)
+    }
+
+    /// Up to `limit` (1..=`ENUMERATE_LIMIT_MAX`) block-0 records whose key starts with `prefix`
+    /// and sorts after `start_after`, as (key, object size), in key order; `true` if more follow.
+    pub fn enumerate(
+        &self,
+        job: &str,
+        bucket: &str,
+        prefix: &str,
+        start_after: Option<&str>,
+        limit: u32,
+    ) -> Result<(Vec<(String, u64)>, bool), StoreError> {
+        check_names(job, bucket, None)?;
+        if limit == 0 || limit > ENUMERATE_LIMIT_MAX {
+            return Err(StoreError::InvalidLimit {
+                limit,
+                max: ENUMERATE_LIMIT_MAX,
+            });
+        }
+        if prefix.len() > KEY_MAX_BYTES {
+            return Err(StoreError::InvalidName {
+                what: "prefix",
+                len: prefix.len(),
+                max: KEY_MAX_BYTES,
+            });
+        }
+        self.with_bucket(job, bucket, |b, _| {
+            let range = match start_after {
+                Some(after) if after >= prefix => b
+                    .records
+                    .range::<str, _>((Bound::Excluded(after), Bound::Unbounded)),
+                _ => b
+                    .records
+                    .range::<str, _>((Bound::Included(prefix), Bound::Unbounded)),
+            };
+            let mut keys: Vec<(String, u64)> = range
+                .take_while(|(key, _)| key.starts_with(prefix))
+                .take(limit as usize + 1)
+                .map(|(key, record)| (key.clone(), record.header.size))
+                .collect();
+            let truncated = keys.len() > limit as usize;
+            keys.truncate(limit as usize);
+            Ok((keys, truncated))
+        })
+    }
+
+    /// Delete every record and data block whose key starts with `prefix` (PERSIST ones too);
+    /// returns (records deleted, bytes charged to everything deleted).
+    pub fn delete_prefix(
+        &self,
+        job: &str,
+        bucket: &str,
+        prefix: &str,
+    ) -> Result<(u64, u64), StoreError> {
+        check_names(job, bucket, None)?;
+        let first_block = BlockKey {
+            key: prefix.to_string(),
+            version: 0,
+            index: 0,
+        };
+        let (records, blocks, counts) = self.with_bucket(job, bucket, |b, account| {
+            let records = split_prefix(&mut b.records, &prefix.to_string(), |k| k.as_str(), prefix);
+            let blocks = split_prefix(&mut b.blocks, &first_block, |k| k.key.as_str(), prefix);
+            let counts = self.forget(account, [], blocks.values().cloned());
+            let record_counts = self.forget_records(account, &records);
+            Ok((
+                records,
+                blocks,
+                (record_counts.0, record_counts.1 + counts.1),
+            ))
+        })?;
+        drop((records, blocks));
+        Ok(counts)
+    }
+
+    /// [`Store::forget`] for records still in a map (they are dropped by the caller).
+    fn forget_records(
+        &self,
+        account: &JobAccount,
+        records: &BTreeMap<String, Record>,
+    ) -> (u64, u64) {
+        let freed = records.values().map(|r| r.stored.charge.bytes()).sum();
+        let count = records.len() as u64;
+        account.objects.fetch_sub(count, Ordering::AcqRel);
+        account.entries.fetch_sub(count, Ordering::AcqRel);
+        (count, freed)
+    }
+
+    /// Delete every non-PERSIST record and data block of `job`; returns (records deleted, bytes
+    /// charged to everything deleted). Buckets left with no data are removed, and the job is
+    /// forgotten if no bucket remains, so a deregistered job leaves nothing behind; a job that
+    /// keeps working afterwards creates its buckets again.
+    pub fn delete_job(&self, job: &str) -> (u64, u64) {
+        let Some(job_index) = self.job(job) else {
+            return (0, 0);
+        };
+        let buckets: Vec<BucketRef> = job_index
+            .buckets
+            .read()
+            .expect("bucket map lock poisoned")
+            .values()
+            .cloned()
+            .collect();
+        let mut deleted = 0;
+        let mut freed = 0;
+        for bucket_ref in buckets {
+            let (records, blocks) = {
+                let mut guard = lock(&bucket_ref);
+                let (keep_records, records) = std::mem::take(&mut guard.records)
+                    .into_iter()
+                    .partition(|(_, r)| r.header.persist());
+                let (keep_blocks, blocks) = std::mem::take(&mut guard.blocks)
+                    .into_iter()
+                    .partition(|(_, s)| s.persist);
+                guard.records = keep_records;
+                guard.blocks = keep_blocks;
+                let records: BTreeMap<String, Record> = records;
+                let blocks: BTreeMap<BlockKey, Arc<Stored>> = blocks;
+                (records, blocks)
+            };
+            let (count, bytes) = self.forget(
+                &job_index.account,
+                records.into_values(),
+                blocks.into_values(),
+            );
+            deleted += count;
+            freed += bytes;
+        }
+        let mut jobs = self.shared.jobs.write().expect("job map lock poisoned");
+        let mut buckets = job_index.buckets.write().expect("bucket map lock poisoned");
+        buckets.retain(|_, bucket_ref| {
+            let mut guard = lock(bucket_ref);
+            guard.removed = guard.is_empty();
+            !guard.removed
+        });
+        if buckets.is_empty() {
+            jobs.remove(job);
+        }
+        (deleted, freed)
+    }
+
+    /// Capacity, usage and object counts, in total and per job.
+    pub fn usage(&self) -> Usage {
+        let jobs = self.shared.jobs.read().expect("job map lock poisoned");
+        let per_job: BTreeMap<String, JobUsage> = jobs
+            .iter()
+            .map(|(name, job)| {
+                let usage = JobUsage {
+                    used_bytes: job.account.used_bytes.load(Ordering::Acquire),
+                    objects: job.account.objects.load(Ordering::Acquire),
+                };
+                (name.clone(), usage)
+            })
+            .collect();
+        Usage {
+            capacity_bytes: self.capacity_bytes(),
+            used_bytes: self.used_bytes(),
+            objects: per_job.values().map(|j| j.objects).sum(),
+            per_job,
+        }
+    }
+
+    /// Whether the index holds no record and no data block of any job (a draining server may
+    /// exit).
+    pub fn is_empty(&self) -> bool {
+        let jobs = self.shared.jobs.read().expect("job map lock poisoned");
+        jobs.values()
+            .all(|job| job.account.entries.load(Ordering::Acquire) == 0)
+    }
+}
+
+impl BlockWrite {
+    /// Declared length of the block.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the declared length is zero (never: empty blocks are refused).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes appended so far.
+    pub fn appended_bytes(&self) -> u64 {
+        self.appended
+    }
+
+    /// Append the next piece; fails with `LengthMismatch` if the block would exceed its length.
+    pub async fn append(&mut self, piece: Bytes) -> Result<(), StoreError> {
+        let actual = self.appended + piece.len() as u64;
+        if actual > self.len {
+            return Err(StoreError::LengthMismatch {
+                expected: self.len,
+                actual,
+            });
+        }
+        if piece.is_empty() {
+            return Ok(());
+        }
+        self.writer.append(piece).await?;
+        self.appended = actual;
+        Ok(())
+    }
+
+    /// Finish the write and make the block readable. Fails with `LengthMismatch` if fewer bytes
+    /// than declared were appended, `BlockExists` if the address was taken meanwhile, and
+    /// `BucketNotFound` if the bucket was deleted meanwhile; on failure everything is freed.
+    pub async fn commit(self) -> Result<(), StoreError> {
+        if self.appended != self.len {
+            return Err(StoreError::LengthMismatch {
+                expected: self.len,
+                actual: self.appended,
+            });
+        }
+        let BlockWrite {
+            job,
+            bucket,
+            bucket_name,
+            address,
+            writer,
+            persist,
+            charge,
+            ..
+        } = self;
+        let block = writer.finish().await?;
+        let stored = Arc::new(Stored {
+            block: Some(block),
+            persist,
+            charge,
+        });
+        let mut guard = lock(&bucket);
+        if guard.removed {
+            return Err(bucket_not_found(&bucket_name));
+        }
+        if guard.blocks.contains_key(&address) {
+            let BlockKey {
+                key,
+                version,
+                index,
+            } = address;
+            return Err(StoreError::BlockExists {
+                key,
+                version,
+                index,
+            });
+        }
+        guard.blocks.insert(address, stored);
+        job.account.entries.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pocketflow_protocol::HEADER_FLAG_PERSIST;
+
+    use super::*;
+
+    const JOB: &str = "job-a";
+
+    /// A store of `tier`; the temporary directory of an NVMe file lives as long as the store.
+    fn open(
+        tier: Tier,
+        capacity_bytes: u64,
+        long_running: bool,
+    ) -> (Store, Option<tempfile::TempDir>) {
+        let dir = (tier == Tier::Nvme)
+            .then(|| tempfile::tempdir_in("/tmp").expect("temp dir on an O_DIRECT file system"));
+        let nvme_path = dir.as_ref().map(|d| d.path().join("blocks"));
+        let store = Store::open(StoreConfig {
+            tier,
+            capacity_bytes,
+            nvme_path,
+            long_running,
+        })
+        .unwrap();
+        (store, dir)
+    }
+
+    fn small(version: u64, value: &[u8]) -> ObjectHeader {
+        ObjectHeader {
+            version,
+            size: value.len() as u64,
+            ..Default::default()
+        }
+    }
+
+    fn manifest(version: u64, size: u64, block_size: u32) -> ObjectHeader {
+        let block_count = size.div_ceil(u64::from(block_size)) as u32;
+        ObjectHeader {
+            version,
+            size,
+            block_count,
+            block_size,
+            flags: 0,
+        }
+    }
+
+    fn pattern(len: usize, seed: u8) -> Bytes {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
+            .collect::<Vec<_>>()
+            .into()
+    }
+
+    async fn put(
+        store: &Store,
+        bucket: &str,
+        key: &str,
+        value: &[u8],
+    ) -> Result<Option<ObjectHeader>, StoreError> {
+        store
+            .put_record(
+                JOB,
+                bucket,
+                key,
+                small(1, value),
+                Bytes::copy_from_slice(value),
+                false,
+            )
+            .await
+    }
+
+    async fn put_block(
+        store: &Store,
+        key: &str,
+        version: u64,
+        index: u32,
+        data: &Bytes,
+    ) -> Result<(), StoreError> {
+        let mut write =
+            store.begin_block(JOB, "b", key, version, index, data.len() as u64, false)?;
+        for piece in data.chunks(7000) {
+            write.append(data.slice_ref(piece)).await?;
+        }
+        write.commit().await
+    }
+
+    async fn small_objects_round_trip(tier: Tier) {
+        let (store, _dir) = open(tier, 1 << 20, false);
+        store.create_bucket(JOB, "b").unwrap();
+        assert!(matches!(
+            store.create_bucket(JOB, "b"),
+            Err(StoreError::BucketExists { .. })
+        ));
+        assert_eq!(put(&store, "b", "k1", b"hello").await.unwrap(), None);
+        put(&store, "b", "empty", b"").await.unwrap();
+        let (header, value) = store.get_record(JOB, "b", "k1", false).await.unwrap();
+        assert_eq!((header.size, &value[..]), (5, &b"hello"[..]));
+        assert_eq!(
+            store
+                .get_record(JOB, "b", "empty", false)
+                .await
+                .unwrap()
+                .1
+                .len(),
+            0
+        );
+        assert_eq!(store.lookup(JOB, "b", "k1").unwrap(), header);
+        drop(value);
+        assert_eq!(store.usage().objects, 2);
+        let allocation = if tier == Tier::Dram { 64 } else { 4096 };
+        let expected_used = allocation + 2 * INDEX_ENTRY_OVERHEAD_BYTES + 2 + 5;
+        assert_eq!(store.used_bytes(), expected_used);
+        assert_eq!(
+            store.usage().per_job[JOB],
+            JobUsage {
+                used_bytes: expected_used,
+                objects: 2
+            }
+        );
+        assert_eq!(store.delete_record(JOB, "b", "k1").unwrap(), header);
+        assert!(matches!(
+            store.get_record(JOB, "b", "k1", false).await,
+            Err(StoreError::NotFound { .. })
+        ));
+        assert!(matches!(
+            store.delete_record(JOB, "b", "k1"),
+            Err(StoreError::NotFound { .. })
+        ));
+        assert!(matches!(
+            put(&store, "nope", "k", b"x").await,
+            Err(StoreError::BucketNotFound { .. })
+        ));
+        assert_eq!(
+            store.delete_bucket(JOB, "b").unwrap(),
+            INDEX_ENTRY_OVERHEAD_BYTES + 5
+        );
+        assert!(matches!(
+            store.delete_bucket(JOB, "b"),
+            Err(StoreError::BucketNotFound { .. })
+        ));
+        assert_eq!(store.used_bytes(), 0);
+        assert!(store.is_empty());
+        assert!(store.usage().per_job.is_empty());
+    }
+
+    async fn write_once_and_overwrite(tier: Tier) {
+        let (store, _dir) = open(tier, 1 << 20, false);
+        store.create_bucket(JOB, "b").unwrap();
+        put(&store, "b", "k", b"first").await.unwrap();
+        let used = store.used_bytes();
+        let second = store
+            .put_record(
+                JOB,
+                "b",
+                "k",
+                small(2, b"second"),
+                Bytes::from_static(b"second"),
+                false,
+            )
+            .await;
+        assert!(matches!(second, Err(StoreError::AlreadyExists { .. })));
+        assert_eq!(
+            store.used_bytes(),
+            used,
+            "a refused put leaves nothing behind"
+        );
+        let replaced = store
+            .put_record(
+                JOB,
+                "b",
+                "k",
+                small(2, b"second"),
+                Bytes::from_static(b"second"),
+                true,
+            )
+            .await
+            .unwrap();
+        assert_eq!(replaced.map(|h| h.version), Some(1));
+        let (header, value) = store.get_record(JOB, "b", "k", false).await.unwrap();
+        assert_eq!((header.version, &value[..]), (2, &b"second"[..]));
+        assert_eq!(store.usage().objects, 1);
+    }
+
+    async fn invalid_puts_are_refused(tier: Tier) {
+        let (store, _dir) = open(tier, 1 << 20, false);
+        store.create_bucket(JOB, "b").unwrap();
+        let persist = ObjectHeader {
+            flags: HEADER_FLAG_PERSIST,
+            ..small(1, b"x")
+        };
+        let refused = store
+            .put_record(JOB, "b", "k", persist, Bytes::from_static(b"x"), false)
+            .await;
+        assert!(matches!(refused, Err(StoreError::PersistRefused)));
+        assert!(matches!(
+            store.begin_block(JOB, "b", "k", 1, 1, 10, true),
+            Err(StoreError::PersistRefused)
+        ));
+        let mismatch = store
+            .put_record(
+                JOB,
+                "b",
+                "k",
+                small(1, b"xy"),
+                Bytes::from_static(b"x"),
+                false,
+            )
+            .await;
+        assert!(matches!(
+            mismatch,
+            Err(StoreError::ValueLengthMismatch {
+                expected: 2,
+                actual: 1
+            })
+        ));
+        let manifest_with_value = store
+            .put_record(
+                JOB,
+                "b",
+                "k",
+                manifest(1, 100, 64),
+                Bytes::from_static(b"x"),
+                false,
+            )
+            .await;
+        assert!(matches!(
+            manifest_with_value,
+            Err(StoreError::ValueLengthMismatch {
+                expected: 0,
+                actual: 1
+            })
+        ));
+        let zero_version = store
+            .put_record(
+                JOB,
+                "b",
+                "k",
+                small(0, b"x"),
+                Bytes::from_static(b"x"),
+                false,
+            )
+            .await;
+        assert_eq!(zero_version.unwrap_err().kind(), "invalid_argument");
+        let long_key = "k".repeat(KEY_MAX_BYTES + 1);
+        assert!(matches!(
+            put(&store, "b", &long_key, b"x").await,
+            Err(StoreError::InvalidName { what: "key", .. })
+        ));
+        assert!(matches!(
+            store.begin_block(JOB, "b", "k", 1, 0, 10, false),
+            Err(StoreError::InvalidBlockAddress { .. })
+        ));
+        assert!(matches!(
+            store.begin_block(JOB, "b", "k", 1, 1, 0, false),
+            Err(StoreError::EmptyBlock)
+        ));
+        let too_large = store.begin_block(
+            JOB,
+            "b",
+            "k",
+            1,
+            1,
+            u64::from(BLOCK_SIZE_MAX_BYTES) + 1,
+            false,
+        );
+        assert!(matches!(too_large, Err(StoreError::BlockTooLarge { .. })));
+        assert_eq!(store.used_bytes(), 0);
+        assert!(store.is_empty());
+    }
+
+    async fn persist_on_long_running(tier: Tier) {
+        let (store, _dir) = open(tier, 1 << 20, true);
+        store.create_bucket(JOB, "b").unwrap();
+        let persist = ObjectHeader {
+            flags: HEADER_FLAG_PERSIST,
+            ..small(1, b"keep")
+        };
+        store
+            .put_record(
+                JOB,
+                "b",
+                "kept",
+                persist,
+                Bytes::from_static(b"keep"),
+                false,
+            )
+            .await
+            .unwrap();
+        put(&store, "b", "dropped", b"drop").await.unwrap();
+        let mut write = store.begin_block(JOB, "b", "big", 9, 1, 3, true).unwrap();
+        write.append(Bytes::from_static(b"abc")).await.unwrap();
+        write.commit().await.unwrap();
+        store.create_bucket(JOB, "scratch").unwrap();
+        let (deleted, freed) = store.delete_job(JOB);
+        assert_eq!(
+            (deleted, freed),
+            (
+                1,
+                INDEX_ENTRY_OVERHEAD_BYTES + 7 + if tier == Tier::Dram { 64 } else { 4096 }
+            )
+        );
+        assert_eq!(
+            store.get_record(JOB, "b", "kept", false).await.unwrap().1,
+            Bytes::from_static(b"keep")
+        );
+        assert_eq!(
+            store.read_block(JOB, "b", "big", 9, 1, 0, 3).await.unwrap(),
+            Bytes::from_static(b"abc")
+        );
+        assert!(matches!(
+            store.enumerate(JOB, "scratch", "", None, 10),
+            Err(StoreError::BucketNotFound { .. })
+        ));
+        assert_eq!(store.usage().objects, 1);
+        let used = store.used_bytes();
+        assert_eq!(store.delete_bucket(JOB, "b").unwrap(), used);
+        assert_eq!(store.used_bytes(), 0);
+        assert!(store.is_empty());
+    }
+
+    async fn data_blocks(tier: Tier) {
+        let (store, _dir) = open(tier, 4 << 20, false);
+        store.create_bucket(JOB, "b").unwrap();
+        let data = pattern(100_000, 4);
+        put_block(&store, "obj", 5, 1, &data).await.unwrap();
+        put_block(&store, "obj", 5, 2, &data.slice(..10))
+            .await
+            .unwrap();
+        store
+            .put_record(
+                JOB,
+                "b",
+                "obj",
+                manifest(5, 100_010, 100_000),
+                Bytes::new(),
+                false,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            store
+                .get_record(JOB, "b", "obj", false)
+                .await
+                .unwrap()
+                .1
+                .len(),
+            0
+        );
+        assert_eq!(
+            store
+                .read_block(JOB, "b", "obj", 5, 1, 0, 100_000)
+                .await
+                .unwrap(),
+            data
+        );
+        assert_eq!(
+            store
+                .read_block(JOB, "b", "obj", 5, 1, 4095, 3)
+                .await
+                .unwrap(),
+            data.slice(4095..4098)
+        );
+        assert_eq!(
+            store
+                .read_block(JOB, "b", "obj", 5, 2, 10, 0)
+                .await
+                .unwrap()
+                .len(),
+            0
+        );
+        let past_end = store.read_block(JOB, "b", "obj", 5, 2, 5, 6).await;
+        assert!(matches!(
+            past_end,
+            Err(StoreError::InvalidRange {
+                offset: 5,
+                len: 6,
+                block_len: 10
+            })
+        ));
+        assert!(matches!(
+            store.read_block(JOB, "b", "obj", 6, 1, 0, 1).await,
+            Err(StoreError::BlockNotFound { .. })
+        ));
+        assert!(matches!(
+            put_block(&store, "obj", 5, 1, &data).await,
+            Err(StoreError::BlockExists { .. })
+        ));
+        // Short and long writes are refused, and uncommitted writes free their reservation.
+        let before = store.used_bytes();
+        let mut short = store
+            .begin_block(JOB, "b", "obj", 7, 1, 100, false)
+            .unwrap();
+        short.append(pattern(50, 0)).await.unwrap();
+        assert!(matches!(
+            short.append(pattern(51, 0)).await,
+            Err(StoreError::LengthMismatch {
+                expected: 100,
+                actual: 101
+            })
+        ));
+        assert!(matches!(
+            short.commit().await,
+            Err(StoreError::LengthMismatch {
+                expected: 100,
+                actual: 50
+            })
+        ));
+        assert_eq!(store.used_bytes(), before);
+        // Blocks read before deletion stay valid and hold their space until dropped.
+        let held = store
+            .read_block(JOB, "b", "obj", 5, 1, 0, 100_000)
+            .await
+            .unwrap();
+        let freed = store.delete_blocks(JOB, "b", "obj", 5, &[1, 2, 3]).unwrap();
+        let block_cost =
+            |len| store.shared.engine.allocation_bytes(len) + INDEX_ENTRY_OVERHEAD_BYTES + 3;
+        assert_eq!(freed, block_cost(100_000) + block_cost(10));
+        assert_eq!(
+            store.used_bytes(),
+            before - block_cost(10),
+            "the held block is still charged"
+        );
+        assert_eq!(held, data);
+        drop(held);
+        assert_eq!(store.used_bytes(), before - freed);
+        assert_eq!(store.delete_record(JOB, "b", "obj").unwrap().version, 5);
+        assert_eq!(store.used_bytes(), 0);
+        assert!(store.is_empty());
+    }
+
+    async fn exhaustion_leaves_nothing(tier: Tier) {
+        let capacity = 256 * 1024;
+        let (store, _dir) = open(tier, capacity, false);
+        store.create_bucket(JOB, "b").unwrap();
+        let data = pattern(60_000, 1);
+        let mut stored = 0;
+        loop {
+            let key = format!("k{stored}");
+            match store
+                .put_record(JOB, "b", &key, small(1, &data), data.clone(), false)
+                .await
+            {
+                Ok(_) => stored += 1,
+                Err(StoreError::CapacityExhausted {
+                    requested,
+                    available,
+                }) => {
+                    assert!(requested > available);
+                    break;
+                }
+                Err(other) => panic!("unexpected {other}"),
+            }
+        }
+        assert_eq!(stored, 4);
+        assert_eq!(store.usage().objects, 4);
+        let used = store.used_bytes();
+        assert!(matches!(
+            store.begin_block(JOB, "b", "big", 1, 1, 100_000, false),
+            Err(StoreError::CapacityExhausted { .. })
+        ));
+        assert_eq!(store.used_bytes(), used);
+        // Freed space is reused.
+        let (_, value) = store.get_record(JOB, "b", "k0", true).await.unwrap();
+        assert_eq!(
+            store.used_bytes(),
+            used,
+            "a delete-on-read frees when the bytes are dropped"
+        );
+        drop(value);
+        assert!(store.used_bytes() < used);
+        put(&store, "b", "again", &data).await.unwrap();
+        assert_eq!(store.delete_prefix(JOB, "b", "").unwrap().0, 4);
+        assert_eq!(store.used_bytes(), 0);
+    }
+
+    async fn concurrent_delete_on_read_has_one_winner(tier: Tier) {
+        let (store, _dir) = open(tier, 4 << 20, false);
+        store.create_bucket(JOB, "b").unwrap();
+        for round in 0..20 {
+            let key = format!("k{round}");
+            let value = pattern(1000 + round, round as u8);
+            put(&store, "b", &key, &value).await.unwrap();
+            let readers: Vec<_> = (0..8)
+                .map(|_| {
+                    let store = store.clone();
+                    let key = key.clone();
+                    tokio::spawn(async move { store.get_record(JOB, "b", &key, true).await })
+                })
+                .collect();
+            let mut winners = 0;
+            for reader in readers {
+                match reader.await.unwrap() {
+                    Ok((_, bytes)) => {
+                        assert_eq!(bytes, value);
+                        winners += 1;
+                    }
+                    Err(StoreError::NotFound { .. }) => {}
+                    Err(other) => panic!("unexpected {other}"),
+                }
+            }
+            assert_eq!(winners, 1, "round {round}");
+        }
+        assert_eq!(store.used_bytes(), 0);
+        assert!(store.is_empty());
+    }
+
+    async fn jobs_are_isolated(tier: Tier) {
+        let (store, _dir) = open(tier, 1 << 20, false);
+        store.create_bucket(JOB, "b").unwrap();
+        store.create_bucket("job-b", "b").unwrap();
+        put(&store, "b", "k", b"mine").await.unwrap();
+        assert!(matches!(
+            store.get_record("job-b", "b", "k", false).await,
+            Err(StoreError::NotFound { .. })
+        ));
+        assert!(matches!(
+            store.lookup("job-c", "b", "k"),
+            Err(StoreError::BucketNotFound { .. })
+        ));
+        assert_eq!(
+            store.enumerate("job-b", "b", "", None, 10).unwrap(),
+            (vec![], false)
+        );
+        assert_eq!(store.delete_prefix("job-b", "b", "").unwrap(), (0, 0));
+        assert_eq!(store.delete_job("job-b"), (0, 0));
+        assert_eq!(
+            store.get_record(JOB, "b", "k", false).await.unwrap().1,
+            Bytes::from_static(b"mine")
+        );
+        let usage = store.usage();
+        assert_eq!(usage.per_job.keys().collect::<Vec<_>>(), [JOB]);
+        assert_eq!(usage.per_job[JOB].used_bytes, usage.used_bytes);
+    }
+
+    async fn enumerate_pages_and_prefixes(tier: Tier) {
+        let (store, _dir) = open(tier, 4 << 20, false);
+        store.create_bucket(JOB, "b").unwrap();
+        for i in 0..25 {
+            put(&store, "b", &format!("map/{i:02}"), &vec![1; i])
+                .await
+                .unwrap();
+        }
+        put(&store, "b", "mapper", b"x").await.unwrap();
+        put(&store, "b", "reduce/0", b"y").await.unwrap();
+        put_block(&store, "map/99", 3, 1, &pattern(5000, 0))
+            .await
+            .unwrap();
+        let mut seen = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let (page, truncated) = store
+                .enumerate(JOB, "b", "map/", after.as_deref(), 10)
+                .unwrap();
+            assert!(page.len() <= 10);
+            seen.extend(page.iter().cloned());
+            after = page.last().map(|(k, _)| k.clone());
+            if !truncated {
+                break;
+            }
+        }
+        let expected: Vec<(String, u64)> =
+            (0..25).map(|i| (format!("map/{i:02}"), i as u64)).collect();
+        assert_eq!(seen, expected);
+        let (page, truncated) = store.enumerate(JOB, "b", "map/", Some("a"), 2).unwrap();
+        assert_eq!((page[0].0.as_str(), truncated), ("map/00", true));
+        assert_eq!(
+            store.enumerate(JOB, "b", "map/", Some("zzz"), 2).unwrap(),
+            (vec![], false)
+        );
+        assert!(matches!(
+            store.enumerate(JOB, "b", "", None, 0),
+            Err(StoreError::InvalidLimit { .. })
+        ));
+        assert!(matches!(
+            store.enumerate(JOB, "b", "", None, ENUMERATE_LIMIT_MAX + 1),
+            Err(StoreError::InvalidLimit { .. })
+        ));
+        let used = store.used_bytes();
+        let (deleted, freed) = store.delete_prefix(JOB, "b", "map/").unwrap();
+        assert_eq!(deleted, 25);
+        assert_eq!(store.used_bytes(), used - freed);
+        assert_eq!(
+            store
+                .read_block(JOB, "b", "map/99", 3, 1, 0, 1)
+                .await
+                .unwrap_err()
+                .kind(),
+            "not_found"
+        );
+        let rest: Vec<String> = store
+            .enumerate(JOB, "b", "", None, 100)
+            .unwrap()
+            .0
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        assert_eq!(rest, ["mapper", "reduce/0"]);
+        assert_eq!(store.delete_job(JOB).0, 2);
+        assert_eq!(store.used_bytes(), 0);
+        assert!(store.is_empty());
+        assert!(store.usage().per_job.is_empty());
+    }
+
+    async fn deleting_a_bucket_under_a_write_leaks_nothing(tier: Tier) {
+        let (store, _dir) = open(tier, 1 << 20, false);
+        store.create_bucket(JOB, "b").unwrap();
+        let mut write = store
+            .begin_block(JOB, "b", "k", 1, 1, 10_000, false)
+            .unwrap();
+        write.append(pattern(10_000, 1)).await.unwrap();
+        assert!(store.used_bytes() > 10_000);
+        assert_eq!(store.delete_bucket(JOB, "b").unwrap(), 0);
+        store.create_bucket(JOB, "b").unwrap();
+        assert!(matches!(
+            write.commit().await,
+            Err(StoreError::BucketNotFound { .. })
+        ));
+        assert_eq!(store.used_bytes(), 0);
+        assert!(store.is_empty());
+        assert!(matches!(
+            store.read_block(JOB, "b", "k", 1, 1, 0, 1).await,
+            Err(StoreError::BlockNotFound { .. })
+        ));
+    }
+
+    async fn futures_are_send(tier: Tier) {
+        let (store, _dir) = open(tier, 1 << 20, false);
+        store.create_bucket(JOB, "b").unwrap();
+        let task_store = store.clone();
+        let task = tokio::spawn(async move {
+            put(&task_store, "b", "k", b"v").await.unwrap();
+            let mut write = task_store
+                .begin_block(JOB, "b", "k", 1, 1, 1, false)
+                .unwrap();
+            write.append(Bytes::from_static(b"z")).await.unwrap();
+            write.commit().await.unwrap();
+            task_store
+                .read_block(JOB, "b", "k", 1, 1, 0, 1)
+                .await
+                .unwrap()
+        });
+        assert_eq!(task.await.unwrap(), Bytes::from_static(b"z"));
+    }
+
+    macro_rules! per_tier {
+        ($($name:ident),* $(,)?) => {
+            mod dram {
+                $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() { super::$name(super::Tier::Dram).await })*
+            }
+            mod nvme {
+                $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() { super::$name(super::Tier::Nvme).await })*
+            }
+        };
+    }
+
+    per_tier!(
+        small_objects_round_trip,
+        write_once_and_overwrite,
+        invalid_puts_are_refused,
+        persist_on_long_running,
+        data_blocks,
+        exhaustion_leaves_nothing,
+        concurrent_delete_on_read_has_one_winner,
+        jobs_are_isolated,
+        enumerate_pages_and_prefixes,
+        deleting_a_bucket_under_a_write_leaks_nothing,
+        futures_are_send,
+    );
+}

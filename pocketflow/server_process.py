@@ -23,8 +23,9 @@ STDERR_TAIL_LINES_MAX = 50
 def find_server_binary() -> Path:
     """Locate the storage server binary.
 
-    Order: the ``POCKETFLOW_SERVER_BIN`` environment variable, the copy that ``make install`` puts
-    in ``pocketflow/_bin``, the Cargo release build of a source checkout, then ``PATH``.
+    Order: the ``POCKETFLOW_SERVER_BIN`` environment variable, then the newer of the copy that
+    ``make install`` puts in ``pocketflow/_bin`` and the Cargo release build of a source checkout,
+    then ``PATH``.
     """
     override = os.environ.get("POCKETFLOW_SERVER_BIN")
     if override:
@@ -37,9 +38,10 @@ def find_server_binary() -> Path:
         package_dir / "_bin" / SERVER_BINARY_NAME,
         package_dir.parent / "servers" / "target" / "release" / SERVER_BINARY_NAME,
     ]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
+    found = [c for c in candidates if c.is_file()]
+    if found:
+        # In a source checkout the Cargo build may be newer than the copy `make install` made.
+        return max(found, key=lambda c: c.stat().st_mtime)
     on_path = shutil.which(SERVER_BINARY_NAME)
     if on_path:
         return Path(on_path)
@@ -121,9 +123,14 @@ class StorageServerProcess:
         )
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         ready: list[str] = []
-        reader = threading.Thread(target=self._read_ready_line, args=(ready,), daemon=True)
+        ready_event = threading.Event()
+        reader = threading.Thread(
+            target=self._read_ready_line, args=(ready, ready_event), daemon=True
+        )
         reader.start()
-        reader.join(timeout_s)
+        # The reader keeps draining stdout after the ready line, so wait for the event, not
+        # for the thread to end.
+        ready_event.wait(timeout_s)
         if not ready:
             self.stop()
             raise ServerStartError(
@@ -133,12 +140,16 @@ class StorageServerProcess:
         self._address = ready[0]
         return self._address
 
-    def _read_ready_line(self, out: list[str]) -> None:
+    def _read_ready_line(self, out: list[str], ready_event: threading.Event) -> None:
         assert self._proc is not None and self._proc.stdout is not None
-        for line in self._proc.stdout:
-            if line.startswith(READY_PREFIX):
-                out.append(line[len(READY_PREFIX):].strip())
-                break
+        try:
+            for line in self._proc.stdout:
+                if line.startswith(READY_PREFIX):
+                    out.append(line[len(READY_PREFIX):].strip())
+                    break
+        finally:
+            # Also set when stdout ends without the line (the server died), so start() fails fast.
+            ready_event.set()
         # Keep draining stdout so the server never blocks on a full pipe.
         for _ in self._proc.stdout:
             pass

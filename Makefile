@@ -1,0 +1,52 @@
+# Build, demo and test pocketflow. `make demo` and `make test` are the two entry points; both run
+# `make install` first, which is idempotent and cheap when everything is already in place.
+
+PYTHON ?= python3
+CARGO ?= cargo
+SERVER_BINARY := servers/target/release/pocketflow-server
+PACKAGED_BINARY := pocketflow/_bin/pocketflow-server
+
+.PHONY: all install system-packages python-packages server demo test test-rust lint test-python clean
+
+all: install
+
+install: system-packages python-packages server
+
+# redis-server and fio are the baselines of the benchmarks; installed only when missing and root.
+system-packages:
+	@if command -v redis-server >/dev/null 2>&1 && command -v fio >/dev/null 2>&1; then \
+		true; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server fio; \
+	else \
+		echo "warning: redis-server or fio missing and not root; benchmarks needing them skip" >&2; \
+	fi
+
+python-packages:
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+
+server:
+	cd servers && $(CARGO) build --release --locked
+	mkdir -p pocketflow/_bin
+	# Copy, then rename: a running server keeps its old binary instead of "text file busy".
+	cp $(SERVER_BINARY) $(PACKAGED_BINARY).tmp
+	mv -f $(PACKAGED_BINARY).tmp $(PACKAGED_BINARY)
+
+demo: install
+	$(PYTHON) -m pocketflow demo
+
+test: install test-rust lint test-python
+
+test-rust:
+	cd servers && $(CARGO) test --release --locked --workspace
+	cd servers && $(CARGO) clippy --release --workspace --all-targets --locked -- -D warnings
+
+lint:
+	$(PYTHON) -m ruff check .
+
+test-python:
+	$(PYTHON) -m pytest
+
+clean:
+	rm -rf $(PACKAGED_BINARY) .pytest_cache .ruff_cache
+	cd servers && $(CARGO) clean

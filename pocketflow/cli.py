@@ -1,0 +1,316 @@
+"""The ``pocketflow`` command: run a local cluster, show its status, run the demo sort."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from pocketflow.config import parse_size
+from pocketflow.errors import ConfigError, PocketflowError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_cluster_shape(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("local cluster")
+    group.add_argument("--dram-servers", type=int, default=2, help="DRAM servers (default 2)")
+    group.add_argument("--nvme-servers", type=int, default=1, help="NVMe servers (default 1)")
+    group.add_argument("--dram-capacity", type=_size, default="256MiB",
+                       help="capacity of each DRAM server (default 256MiB)")
+    group.add_argument("--nvme-capacity", type=_size, default="1GiB",
+                       help="capacity of each NVMe server (default 1GiB)")
+    group.add_argument("--block-size", type=_size, default="1MiB",
+                       help="block size of large objects (default 1MiB)")
+    group.add_argument("--num-cpus", type=_positive, default=2,
+                       help="CPUs Ray may schedule on (default 2)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``pocketflow`` command."""
+    parser = argparse.ArgumentParser(
+        prog="pocketflow",
+        description="Elastic, ephemeral storage and shuffle for serverless analytics.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    up = commands.add_parser(
+        "up", help="run a cluster in the foreground until Ctrl-C",
+        description="Run a pocketflow cluster in the foreground until Ctrl-C.",
+    )
+    up.add_argument("--local", action="store_true",
+                    help="run an embedded local cluster on this machine (required for now)")
+    _add_cluster_shape(up)
+    up.set_defaults(func=cmd_up)
+
+    status = commands.add_parser(
+        "status", help="show the servers, tiers and jobs of a running cluster",
+        description="Show the servers, tiers and jobs of a running pocketflow cluster.",
+    )
+    status.add_argument("--address", default=None,
+                        help="Ray address of the cluster (default $RAY_ADDRESS or 'auto')")
+    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    status.set_defaults(func=cmd_status)
+
+    demo = commands.add_parser(
+        "demo", help="run a MapReduce sort through pocketflow and validate it",
+        description="Sort generated 100-byte records with mappers and reducers in separate "
+        "processes that shuffle through pocketflow; validate the output; report time, bytes "
+        "moved and peak capacity. Starts its own local cluster unless --address is given.",
+    )
+    demo.add_argument("--mappers", type=_positive, default=8, help="map tasks (default 8)")
+    demo.add_argument("--reducers", type=_positive, default=4, help="reduce tasks (default 4)")
+    demo.add_argument("--records", type=int, default=1_000_000,
+                      help="100-byte records to sort (default 1,000,000 = 100 MB)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the generated records")
+    demo.add_argument("--processes", type=_positive, default=None,
+                      help="task processes (default: number of CPUs, at least 2)")
+    demo.add_argument("--keep-output", action="store_true",
+                      help="keep the sorted output (PERSIST) instead of deleting it")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--address", default=None,
+                      help="Ray address of a running cluster (`pocketflow up --local`); "
+                      "default: start a local cluster for the demo")
+    _add_cluster_shape(demo)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pocketflow`` console script and ``python -m pocketflow``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args, parser))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (PocketflowError, ValueError) as exc:
+        print(f"pocketflow {args.command}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+# -- up ---------------------------------------------------------------------------------------
+
+
+def _local_cluster(args: argparse.Namespace) -> Any:
+    from pocketflow.cluster import LocalCluster
+
+    return LocalCluster(
+        dram_servers=args.dram_servers,
+        nvme_servers=args.nvme_servers,
+        dram_capacity=args.dram_capacity,
+        nvme_capacity=args.nvme_capacity,
+        block_size=args.block_size,
+        num_cpus=args.num_cpus,
+    )
+
+
+class _StopSignals:
+    """While active, SIGINT and SIGTERM raise ``KeyboardInterrupt`` once, then are ignored."""
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}
+        self._fired = threading.Event()
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self._fired.is_set():
+            return  # already stopping; let the cleanup finish
+        self._fired.set()
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def install(self) -> None:
+        """Install the handlers (again: ``ray.init`` replaces the SIGTERM handler)."""
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.signal(signum, self._handler)
+            self._previous.setdefault(signum, previous)
+
+    def __enter__(self) -> _StopSignals:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+
+def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``pocketflow up --local``: run a local cluster until Ctrl-C or SIGTERM."""
+    if not args.local:
+        parser.error("only --local clusters exist for now: run `pocketflow up --local`")
+    out = sys.stdout
+    with _StopSignals() as signals:
+        cluster = _local_cluster(args)
+        try:
+            started = time.perf_counter()
+            cluster.start()
+            signals.install()
+            _print_up(cluster, time.perf_counter() - started, out)
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            print("stopping the local cluster ...", file=out, flush=True)
+        finally:
+            cluster.stop()
+    print("stopped", file=out, flush=True)
+    return EXIT_OK
+
+
+def _print_up(cluster: Any, elapsed_s: float, out: TextIO) -> None:
+    from pocketflow.demo import format_bytes
+
+    address = cluster.ray_address
+    rows = [
+        [s.node_id, s.tier, s.address, format_bytes(s.capacity_bytes),
+         "yes" if s.long_running else "no", str(s.server_pid)]
+        for s in cluster.servers
+    ]
+    print(f"pocketflow local cluster is up ({elapsed_s:.1f} s; Ray at {address}, "
+          f"namespace pocketflow)", file=out)
+    _print_table(["NODE", "TIER", "ADDRESS", "CAPACITY", "PERSIST", "PID"], rows, out)
+    print(
+        "\nConnect from another process on this machine:\n"
+        f"  pocketflow status --address {address}\n"
+        f"  pocketflow demo --address {address}\n"
+        f"  with RAY_ADDRESS={address} set, in Python:\n"
+        "    with pocketflow.register_job(\"myjob\") as job: ...\n"
+        "\nPress Ctrl-C to stop.",
+        file=out,
+        flush=True,
+    )
+
+
+def _print_table(header: list[str], rows: list[list[str]], out: TextIO) -> None:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+    for row in [header, *rows]:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
+              .rstrip(), file=out)
+
+
+# -- status -----------------------------------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``pocketflow status``: servers, tiers and jobs of a running cluster."""
+    from pocketflow.control.plane import connect_control_plane
+
+    status = connect_control_plane(args.address).status()
+    if args.json:
+        json.dump(status, sys.stdout, indent=2, sort_keys=True, default=str)
+        print()
+        return EXIT_OK
+    print_status(status, sys.stdout)
+    return EXIT_OK
+
+
+def print_status(status: dict[str, Any], out: TextIO) -> None:
+    """Print ``Controller.status()`` as tables."""
+    from pocketflow.demo import format_bytes
+
+    rows = [
+        [
+            s["node_id"], s["tier"], s["address"],
+            format_bytes(s["used_bytes"]), format_bytes(s["capacity_bytes"]),
+            str(s["objects"]), "yes" if s["long_running"] else "no",
+            "unreachable" if not s["reachable"] else ("draining" if s["draining"] else "up"),
+        ]
+        for s in status["servers"]
+    ]
+    print("SERVERS", file=out)
+    _print_table(
+        ["NODE", "TIER", "ADDRESS", "USED", "CAPACITY", "OBJECTS", "PERSIST", "STATE"], rows, out
+    )
+    print("\nTIERS", file=out)
+    _print_table(
+        ["TIER", "SERVERS", "USED", "CAPACITY", "USED%"],
+        [
+            [tier, str(t["servers"]), format_bytes(t["used_bytes"]),
+             format_bytes(t["capacity_bytes"]),
+             f"{100.0 * t['used_bytes'] / t['capacity_bytes']:.1f}" if t["capacity_bytes"] else "-"]
+            for tier, t in sorted(status["tiers"].items())
+        ],
+        out,
+    )
+    print(f"\nJOBS ({len(status['jobs'])})", file=out)
+    if status["jobs"]:
+        _print_table(
+            ["JOB", "EPOCH", "SERVERS (weight)"],
+            [
+                [j["job_id"], str(j["epoch"]),
+                 " ".join(f"{row[0]}({row[3]:.3g})" for row in j["weight_map"]["servers"])]
+                for j in status["jobs"]
+            ],
+            out,
+        )
+
+
+# -- demo -------------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``pocketflow demo``: the MapReduce sort, on a fresh local cluster or a running one."""
+    from pocketflow.demo import SortConfig
+
+    config = SortConfig(
+        mappers=args.mappers,
+        reducers=args.reducers,
+        records=args.records,
+        seed=args.seed,
+        processes=args.processes,
+        block_size_bytes=args.block_size if args.address else None,
+        keep_output=args.keep_output,
+    )
+    out = sys.stdout
+    if args.address:
+        from pocketflow.control.plane import connect_control_plane
+
+        return _run_demo(connect_control_plane(args.address), config, args, out)
+    started = time.perf_counter()
+    with _StopSignals() as signals, _local_cluster(args) as cluster:
+        signals.install()
+        print(f"started a local cluster in {time.perf_counter() - started:.1f} s "
+              f"({len(cluster.servers)} storage servers)", file=out, flush=True)
+        return _run_demo(cluster, config, args, out)
+
+
+def _run_demo(cluster: Any, config: Any, args: argparse.Namespace, out: TextIO) -> int:
+    from pocketflow.demo import run_sort
+    from pocketflow.job import Hints, register_job
+
+    hints = Hints(
+        latency_sensitive=True,
+        max_concurrent_tasks=config.pool_size(),
+        data_size_bytes=2 * config.input_bytes,
+    )
+    with register_job("sort", hints, cluster=cluster) as job:
+        report = run_sort(job, config, progress=not args.no_progress)
+    for line in report.summary_lines():
+        print(line, file=out)
+    out.flush()
+    return EXIT_OK if report.ok else EXIT_FAILED
+

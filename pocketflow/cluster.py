@@ -1,0 +1,446 @@
+"""The embedded local cluster: Ray, the control-plane actors and storage servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from pocketflow.auth import write_secret_file
+from pocketflow.config import parse_duration, parse_size
+from pocketflow.control import (
+    CONTROLLER_ACTOR_NAME,
+    METADATA_ACTOR_NAME,
+    NAMESPACE,
+    STORAGE_NODE_ACTOR_PREFIX,
+)
+from pocketflow.control.allocation import TIER_DRAM, TIER_NVME
+from pocketflow.control.loopback import keep_ray_on_loopback
+from pocketflow.errors import ClusterError, ConfigError, PocketflowError
+from pocketflow.processes import ProcessRef, children, descendants, terminate, wait_gone
+from pocketflow.protocol import BLOCK_SIZE_MAX_BYTES
+
+if TYPE_CHECKING:
+    from pocketflow.control.plane import ControlPlane
+    from pocketflow.control.storage_node import StorageNodeInfo
+    from pocketflow.job import Hints, Job
+
+log = logging.getLogger(__name__)
+
+SERVERS_MAX = 64
+"""Most storage servers one local cluster starts."""
+
+OBJECT_STORE_BYTES_DEFAULT = 80 * 1024 * 1024
+"""Ray object store size when this cluster starts Ray; pocketflow keeps no data in it."""
+
+START_TIMEOUT_S = 120.0
+"""How long starting the actors and their servers may take."""
+
+STOP_TIMEOUT_S = 15.0
+"""How long each stop step waits before escalating (actor call, then SIGTERM, then SIGKILL)."""
+
+_registry_lock = threading.Lock()
+_running: list[LocalCluster] = []
+
+
+@dataclass(frozen=True)
+class _NodePlan:
+    node_id: str
+    tier: str
+    capacity_bytes: int
+    long_running: bool
+
+
+class LocalCluster:
+    """A pocketflow cluster on this machine, started and stopped by this process.
+
+    Starts Ray (unless this process is already connected to Ray), writes a fresh cluster secret to a
+    0600 file in the cluster's own temporary directory, and starts the ``Metadata``,
+    ``StorageNode`` (one per storage server) and ``Controller`` actors. DRAM servers are
+    long-running (they hold PERSIST data); NVMe servers keep their data in a file of the temporary
+    directory, which must support O_DIRECT (``/tmp`` on ext4 does, tmpfs does not). Every server
+    listens on 127.0.0.1 on a random port.
+
+    Use it as a context manager::
+
+        with pocketflow.LocalCluster() as cluster:
+            with cluster.register_job("sort") as job:
+                ...
+
+    ``stop`` (also on leaving the block, on an exception, and at interpreter exit) stops every
+    process the cluster started, by process id, and stops Ray if the cluster started it.
+    """
+
+    def __init__(
+        self,
+        dram_servers: int = 2,
+        nvme_servers: int = 1,
+        dram_capacity: int | str = "256MiB",
+        nvme_capacity: int | str = "1GiB",
+        block_size: int | str = "1MiB",
+        *,
+        num_cpus: int = 2,
+        object_store_memory: int | str = OBJECT_STORE_BYTES_DEFAULT,
+        server_threads: int | None = None,
+        token_ttl: float | str = "24h",
+        tmp_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if dram_servers < 0 or nvme_servers < 0 or dram_servers + nvme_servers == 0:
+            raise ConfigError("a local cluster needs at least one storage server")
+        if dram_servers + nvme_servers > SERVERS_MAX:
+            raise ConfigError(f"a local cluster runs at most {SERVERS_MAX} storage servers")
+        if num_cpus < 1:
+            raise ConfigError(f"num_cpus must be at least 1, got {num_cpus}")
+        self._dram_capacity_bytes = parse_size(dram_capacity, name="dram_capacity")
+        self._nvme_capacity_bytes = parse_size(nvme_capacity, name="nvme_capacity")
+        self._block_size_bytes = parse_size(block_size, name="block_size")
+        if not 0 < self._block_size_bytes <= BLOCK_SIZE_MAX_BYTES:
+            raise ConfigError(f"block_size must be 1..{BLOCK_SIZE_MAX_BYTES} bytes")
+        self._object_store_bytes = parse_size(object_store_memory, name="object_store_memory")
+        self._token_ttl_s = parse_duration(token_ttl, name="token_ttl")
+        self._num_cpus = num_cpus
+        self._server_threads = server_threads
+        self._tmp_dir = None if tmp_dir is None else Path(tmp_dir)
+        self._plans = [
+            _NodePlan(f"dram-{i}", TIER_DRAM, self._dram_capacity_bytes, long_running=True)
+            for i in range(dram_servers)
+        ] + [
+            _NodePlan(f"nvme-{i}", TIER_NVME, self._nvme_capacity_bytes, long_running=False)
+            for i in range(nvme_servers)
+        ]
+
+        self._lock = threading.Lock()
+        self._state = "new"
+        self._work_dir: Path | None = None
+        self._owns_ray = False
+        self._ray_roots: list[ProcessRef] = []
+        self._ray_address: str | None = None
+        self._metadata: Any = None
+        self._controller: Any = None
+        self._nodes: dict[str, Any] = {}
+        self._infos: dict[str, StorageNodeInfo] = {}
+        self._control: ControlPlane | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    @classmethod
+    def current(cls) -> LocalCluster | None:
+        """The most recently started cluster of this process that is still running."""
+        with _registry_lock:
+            return _running[-1] if _running else None
+
+    def start(self) -> LocalCluster:
+        """Start Ray (if needed), the actors and the storage servers; returns ``self``."""
+        with self._lock:
+            if self._state != "new":
+                raise ClusterError(f"this LocalCluster is {self._state}; create a new one")
+            self._state = "starting"
+        try:
+            self._work_dir = Path(
+                tempfile.mkdtemp(prefix="pocketflow-", dir=self._tmp_dir)
+            )
+            write_secret_file(self.secret_file)
+            self._start_ray()
+            self._start_actors()
+        except BaseException:
+            self.stop()
+            raise
+        with self._lock:
+            self._state = "running"
+        with _registry_lock:
+            _running.append(self)
+        atexit.register(_stop_at_exit, weakref.ref(self))
+        return self
+
+    def stop(self) -> None:
+        """Stop every process this cluster started, by process id; safe to call more than once.
+
+        Order: each ``StorageNode`` stops its server, the actors are killed, any server still alive
+        is terminated by pid, then Ray is shut down if this cluster started it and any Ray process
+        still alive is terminated by pid. Finally the temporary directory is removed.
+        """
+        with self._lock:
+            if self._state in ("stopping", "stopped"):
+                return
+            self._state = "stopping"
+        with _registry_lock:
+            if self in _running:
+                _running.remove(self)
+        try:
+            self._stop_actors()
+            leftover = terminate(
+                [info.server_process() for info in self._infos.values()],
+                timeout_s=STOP_TIMEOUT_S,
+            )
+            if leftover:
+                log.error("storage servers survived SIGKILL: %s", [r.pid for r in leftover])
+            self._stop_ray()
+        finally:
+            if self._work_dir is not None:
+                shutil.rmtree(self._work_dir, ignore_errors=True)
+            with self._lock:
+                self._state = "stopped"
+
+    def __enter__(self) -> LocalCluster:
+        if self._state == "new":
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- what runs --------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether the cluster is started and not stopped."""
+        return self._state == "running"
+
+    @property
+    def control(self) -> ControlPlane:
+        """The control plane (the ``Controller`` actor) of this cluster."""
+        if self._control is None:
+            raise ClusterError("the local cluster is not running")
+        return self._control
+
+    @property
+    def ray_address(self) -> str:
+        """The Ray cluster's GCS address (``host:port``), for ``ray.init(address=...)``."""
+        if self._ray_address is None:
+            raise ClusterError("the local cluster is not running")
+        return self._ray_address
+
+    @property
+    def work_dir(self) -> Path:
+        """The cluster's own temporary directory (secret file, NVMe data files)."""
+        if self._work_dir is None:
+            raise ClusterError("the local cluster is not started")
+        return self._work_dir
+
+    @property
+    def secret_file(self) -> Path:
+        """The 0600 file holding the cluster secret that keys every capability token."""
+        return self.work_dir / "cluster.secret"
+
+    @property
+    def block_size_bytes(self) -> int:
+        """Block size of large objects in the handles this cluster issues."""
+        return self._block_size_bytes
+
+    @property
+    def servers(self) -> tuple[StorageNodeInfo, ...]:
+        """The started storage servers, in start order (DRAM first)."""
+        return tuple(self._infos[p.node_id] for p in self._plans if p.node_id in self._infos)
+
+    @property
+    def owns_ray(self) -> bool:
+        """Whether this cluster started Ray (and therefore stops it)."""
+        return self._owns_ray
+
+    def process_ids(self) -> dict[str, list[int]]:
+        """Live process ids this cluster started: ``{"servers": [...], "ray": [...]}``.
+
+        ``"ray"`` lists Ray's own processes and workers (actors included), and is empty when the
+        cluster joined a Ray instance it did not start.
+        """
+        servers = [i.server_pid for i in self._infos.values() if i.server_process().alive()]
+        ray_pids = sorted({r.pid for r in self._ray_tree()} - set(servers))
+        return {"servers": sorted(servers), "ray": ray_pids}
+
+    def status(self) -> dict[str, Any]:
+        """Servers, tiers and registered jobs, as the controller reports them."""
+        return self.control.status()
+
+    def register_job(
+        self, name: str, hints: Hints | Mapping[str, Any] | None = None
+    ) -> Job:
+        """Register a job on this cluster (see :func:`pocketflow.register_job`)."""
+        from pocketflow.job import register_job
+
+        return register_job(name, hints, cluster=self)
+
+    def __repr__(self) -> str:
+        return (
+            f"<LocalCluster {self._state} servers="
+            f"{[p.node_id for p in self._plans]} work_dir={self._work_dir}>"
+        )
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _start_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            self._owns_ray = False
+        else:
+            keep_ray_on_loopback()
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            before = children()
+            # Ray's workers must import pocketflow even from a source checkout that is not
+            # installed; they inherit the environment of the Ray processes started here.
+            saved_path = os.environ.get("PYTHONPATH")
+            package_parent = str(Path(__file__).resolve().parent.parent)
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                p for p in (package_parent, saved_path) if p
+            )
+            try:
+                ray.init(
+                    address="local",
+                    num_cpus=self._num_cpus,
+                    object_store_memory=self._object_store_bytes,
+                    include_dashboard=False,
+                    namespace=NAMESPACE,
+                    log_to_driver=False,
+                    logging_level=logging.WARNING,
+                )
+            except (RuntimeError, ValueError, ConnectionError) as exc:
+                raise ClusterError(f"could not start Ray: {exc}") from exc
+            finally:
+                if saved_path is None:
+                    os.environ.pop("PYTHONPATH", None)
+                else:
+                    os.environ["PYTHONPATH"] = saved_path
+            self._owns_ray = True
+            self._ray_roots = [
+                ref for ref in (ProcessRef.of(pid) for pid in children() - before) if ref
+            ]
+        self._ray_address = ray.get_runtime_context().gcs_address
+
+    def _start_actors(self) -> None:
+        import ray
+
+        from pocketflow.control.controller import Controller
+        from pocketflow.control.metadata import Metadata
+        from pocketflow.control.plane import ControlPlane
+        from pocketflow.control.storage_node import StorageNode
+
+        options = {"namespace": NAMESPACE, "num_cpus": 0, "max_restarts": 0}
+        try:
+            ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE)
+        except ValueError:
+            pass
+        else:
+            raise ClusterError("a pocketflow cluster is already running in this Ray instance")
+
+        self._metadata = ray.remote(Metadata).options(name=METADATA_ACTOR_NAME, **options).remote()
+        for plan in self._plans:
+            nvme_path = (
+                str(self.work_dir / f"{plan.node_id}.data") if plan.tier == TIER_NVME else None
+            )
+            self._nodes[plan.node_id] = (
+                ray.remote(StorageNode)
+                .options(name=STORAGE_NODE_ACTOR_PREFIX + plan.node_id, **options)
+                .remote(
+                    node_id=plan.node_id,
+                    tier=plan.tier,
+                    capacity_bytes=plan.capacity_bytes,
+                    secret_file=str(self.secret_file),
+                    long_running=plan.long_running,
+                    nvme_path=nvme_path,
+                    threads=self._server_threads,
+                )
+            )
+        starts = {node_id: node.start.remote() for node_id, node in self._nodes.items()}
+        first_error: BaseException | None = None
+        for node_id, ref in starts.items():
+            try:
+                self._infos[node_id] = ray.get(ref, timeout=START_TIMEOUT_S)
+            except Exception as exc:
+                first_error = first_error or _unwrap(exc, f"starting storage node {node_id}")
+        if first_error is not None:
+            raise first_error
+
+        self._controller = (
+            ray.remote(Controller)
+            .options(name=CONTROLLER_ACTOR_NAME, **options)
+            .remote(
+                secret_file=str(self.secret_file),
+                metadata=self._metadata,
+                block_size_bytes=self._block_size_bytes,
+                token_ttl_s=self._token_ttl_s,
+            )
+        )
+        try:
+            ray.get(
+                [self._controller.add_server.remote(info) for info in self.servers],
+                timeout=START_TIMEOUT_S,
+            )
+        except Exception as exc:
+            raise _unwrap(exc, "starting the controller") from exc
+        self._control = ControlPlane(self._controller)
+
+    def _stop_actors(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        if self._nodes:
+            refs = [node.stop.remote() for node in self._nodes.values()]
+            try:
+                ray.get(refs, timeout=STOP_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("storage nodes did not stop cleanly: %s", exc)
+        if self._controller is not None:
+            try:
+                ray.get(self._controller.close.remote(), timeout=STOP_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("controller did not close cleanly: %s", exc)
+        for actor in [self._controller, self._metadata, *self._nodes.values()]:
+            if actor is None:
+                continue
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as exc:
+                log.warning("could not kill actor: %s", exc)
+        self._control = None
+
+    def _stop_ray(self) -> None:
+        if not self._owns_ray:
+            return
+        import ray
+
+        tree = self._ray_tree()
+        ray.shutdown()
+        leftover = terminate(wait_gone(tree, timeout_s=STOP_TIMEOUT_S), timeout_s=STOP_TIMEOUT_S)
+        if leftover:
+            log.error("Ray processes survived SIGKILL: %s", [r.pid for r in leftover])
+
+    def _ray_tree(self) -> list[ProcessRef]:
+        """Ray's processes started by this cluster and all their descendants, alive now."""
+        tree = {r for r in self._ray_roots if r.alive()}
+        for root in list(tree):
+            for pid in descendants(root.pid):
+                ref = ProcessRef.of(pid)
+                if ref is not None:
+                    tree.add(ref)
+        return sorted(tree, key=lambda r: r.pid)
+
+
+def _unwrap(exc: BaseException, doing: str) -> BaseException:
+    """The pocketflow error inside a Ray error, else a ``ClusterError`` describing it."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, PocketflowError):
+        return cause
+    if isinstance(exc, PocketflowError):
+        return exc
+    return ClusterError(f"{doing} failed: {exc}")
+
+
+def _stop_at_exit(ref: weakref.ReferenceType[LocalCluster]) -> None:
+    cluster = ref()
+    if cluster is not None:
+        cluster.stop()

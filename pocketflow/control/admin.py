@@ -1,0 +1,51 @@
+"""Admin connections of the control plane to storage servers, with admin tokens renewed in time."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from pocketflow.auth import admin_token, read_secret_file
+from pocketflow.transport import AdminClient
+
+ADMIN_TOKEN_TTL_S = 3600.0
+"""Lifetime of an admin token; connections are reopened with a fresh one at half of it."""
+
+
+class AdminTokens:
+    """One ``AdminClient`` per server address, all using an admin token that is renewed in time."""
+
+    def __init__(self, secret_file: Path, *, ttl_s: float = ADMIN_TOKEN_TTL_S) -> None:
+        self._secret_file = secret_file
+        self._secret: bytes | None = None
+        self._ttl_s = ttl_s
+        self._token: str | None = None
+        self._renew_at = 0.0
+        self._clients: dict[str, AdminClient] = {}
+
+    def client(self, address: str) -> AdminClient:
+        """The admin connection to ``address``, opened on first use."""
+        now = time.monotonic()
+        if self._token is None or now >= self._renew_at:
+            if self._secret is None:
+                self._secret = read_secret_file(self._secret_file)
+            self._token = admin_token(self._secret, ttl_s=self._ttl_s)
+            self._renew_at = now + self._ttl_s / 2
+            self.close()
+        found = self._clients.get(address)
+        if found is None:
+            found = AdminClient(address, self._token)
+            self._clients[address] = found
+        return found
+
+    def forget(self, address: str) -> None:
+        """Close and drop the connection to ``address`` (after the server failed or left)."""
+        found = self._clients.pop(address, None)
+        if found is not None:
+            found.close()
+
+    def close(self) -> None:
+        """Close every connection."""
+        clients, self._clients = self._clients, {}
+        for found in clients.values():
+            found.close()

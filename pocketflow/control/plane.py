@@ -1,0 +1,160 @@
+"""The driver's view of the control plane: find the ``Controller`` actor and call it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE
+from pocketflow.control.loopback import keep_ray_on_loopback
+from pocketflow.errors import ClusterError, PocketflowError
+from pocketflow.handle import JobHandle
+
+CALL_TIMEOUT_S = 60.0
+"""Deadline of one call to the controller."""
+
+PROBE_TIMEOUT_S = 3.0
+"""How long to wait for a TCP connection to an explicit Ray address before giving up."""
+
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+RAY_AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
+RAY_AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+RAY_AUTH_TOKEN_PATH_DEFAULT = "~/.ray/auth_token"
+
+
+class ControlPlane:
+    """Calls the ``Controller`` actor and turns Ray's errors into pocketflow errors.
+
+    A pocketflow error raised inside the actor (``JobNotRegistered``, ``CapacityExhausted``, ...)
+    is re-raised here as itself; a dead or unreachable controller is a ``ClusterError``.
+    """
+
+    def __init__(self, controller: Any) -> None:
+        self._controller = controller
+
+    def register(self, name: str, hints: dict[str, Any]) -> JobHandle:
+        """Register a job; returns its handle."""
+        return self._call("register_job", name, hints)
+
+    def deregister(self, job_id: str) -> dict[str, Any]:
+        """Deregister a job, freeing its non-PERSIST data; returns what was freed."""
+        return self._call("deregister_job", job_id)
+
+    def job_handle(self, job_id: str) -> JobHandle:
+        """The handle of a registered job."""
+        return self._call("job_handle", job_id)
+
+    def status(self) -> dict[str, Any]:
+        """Servers, tiers and jobs, as reported by ``Controller.status``."""
+        return self._call("status")
+
+    def _call(self, method: str, *args: Any) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+
+        try:
+            return ray.get(getattr(self._controller, method).remote(*args), timeout=CALL_TIMEOUT_S)
+        except RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, PocketflowError):
+                raise cause from None
+            raise ClusterError(f"controller.{method} failed: {exc}") from exc
+        except RayActorError as exc:
+            raise ClusterError(f"the pocketflow controller is gone: {exc}") from exc
+        except GetTimeoutError as exc:
+            raise ClusterError(
+                f"controller.{method} did not answer within {CALL_TIMEOUT_S:.0f}s"
+            ) from exc
+        except RayError as exc:
+            raise ClusterError(f"controller.{method} failed: {exc}") from exc
+
+
+def connect_control_plane(address: str | None = None) -> ControlPlane:
+    """Find the ``Controller`` of a running pocketflow cluster.
+
+    ``address`` is a Ray address (``"auto"``, ``"host:port"``); default ``$RAY_ADDRESS`` or
+    ``"auto"``. Joins that Ray cluster as a driver if this process is not connected to Ray yet.
+    """
+    imported = sys.modules.get("ray")
+    if imported is None or not imported.is_initialized():
+        target = address or os.environ.get(RAY_ADDRESS_ENV) or "auto"
+        if target == "auto" or _is_loopback(target):
+            # Local clusters listen on 127.0.0.1 only; Ray would otherwise rewrite a loopback
+            # address to the machine's network address before connecting.
+            keep_ray_on_loopback()
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Before importing Ray: it reads its authentication mode when imported.
+        _use_ray_token_if_available(ray_imported=imported is not None)
+        _probe(target)
+    import ray
+
+    if not ray.is_initialized():
+        try:
+            ray.init(
+                address=target,
+                namespace=NAMESPACE,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ClusterError(
+                f"no Ray cluster at {target!r}: {exc}; start one with `pocketflow up --local` "
+                "or use pocketflow.LocalCluster()"
+            ) from exc
+    try:
+        controller = ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE)
+    except ValueError as exc:
+        raise ClusterError(
+            "no pocketflow controller in this Ray cluster; start one with "
+            "`pocketflow up --local` or use pocketflow.LocalCluster()"
+        ) from exc
+    return ControlPlane(controller)
+
+
+def _use_ray_token_if_available(*, ray_imported: bool) -> None:
+    """Turn on Ray's token authentication when this machine has a Ray token.
+
+    A local cluster started by ``ray.init`` requires the token, but Ray only looks for it itself
+    when it finds the cluster on its own; an explicit address (``pocketflow status --address``)
+    needs this. Ray reads the mode when it is imported, so an already imported Ray is told to
+    read its configuration again.
+    """
+    if RAY_AUTH_MODE_ENV in os.environ:
+        return
+    token_path = Path(
+        os.environ.get(RAY_AUTH_TOKEN_PATH_ENV) or RAY_AUTH_TOKEN_PATH_DEFAULT
+    ).expanduser()
+    if not (os.environ.get(RAY_AUTH_TOKEN_ENV) or token_path.is_file()):
+        return
+    os.environ[RAY_AUTH_MODE_ENV] = "token"
+    if ray_imported:
+        try:
+            from ray._raylet import Config  # Ray's own way to re-read its configuration
+
+            Config.initialize("")
+        except (ImportError, AttributeError) as exc:
+            logging.getLogger(__name__).warning("could not refresh Ray's configuration: %s", exc)
+
+
+def _probe(address: str) -> None:
+    """Fail fast on an explicit ``host:port`` nobody listens on (``ray.init`` retries for long)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise ClusterError(
+            f"no Ray cluster at {address!r} ({exc}); start one with `pocketflow up --local`"
+        ) from exc
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rpartition(":")[0] if ":" in address else address
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")

@@ -1,0 +1,207 @@
+"""Jobs: register with hints, hand the job handle to tasks, deregister to free the job's data."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pocketflow.config import parse_size
+
+if TYPE_CHECKING:
+    from pocketflow.client import Client
+    from pocketflow.cluster import LocalCluster
+    from pocketflow.control.plane import ControlPlane
+    from pocketflow.handle import JobHandle
+
+log = logging.getLogger(__name__)
+
+MAX_CONCURRENT_TASKS_MAX = 1_000_000
+"""Largest ``max_concurrent_tasks`` hint accepted."""
+
+
+@dataclass(frozen=True)
+class Hints:
+    """What a job tells the control plane about itself when it registers (Pocket's hints).
+
+    Sizes accept bytes or strings with units (``"1GiB"``, ``"200 MB"``); throughput is bytes per
+    second and accepts the same forms. ``None`` means "unknown".
+
+    - ``latency_sensitive``: True (default) puts data in DRAM first and adds NVMe only when the
+      data does not fit; False keeps the job's data out of DRAM.
+    - ``max_concurrent_tasks``: how many tasks read or write at once.
+    - ``data_size_bytes``: the job's expected peak of live data.
+    - ``peak_throughput_bytes_per_s``: the job's expected peak aggregate throughput.
+    """
+
+    latency_sensitive: bool = True
+    max_concurrent_tasks: int | None = None
+    data_size_bytes: int | None = None
+    peak_throughput_bytes_per_s: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.latency_sensitive, bool):
+            raise TypeError(f"latency_sensitive must be a bool, got {self.latency_sensitive!r}")
+        tasks = self.max_concurrent_tasks
+        if tasks is not None:
+            if isinstance(tasks, bool) or not isinstance(tasks, int):
+                raise TypeError(f"max_concurrent_tasks must be an int, got {tasks!r}")
+            if not 1 <= tasks <= MAX_CONCURRENT_TASKS_MAX:
+                raise ValueError(
+                    f"max_concurrent_tasks must be in 1..{MAX_CONCURRENT_TASKS_MAX}, got {tasks}"
+                )
+        for name in ("data_size_bytes", "peak_throughput_bytes_per_s"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, parse_size(value, name=name))
+
+    @classmethod
+    def coerce(cls, hints: Hints | Mapping[str, Any] | None) -> Hints:
+        """Accept ``Hints``, a mapping of its fields, or ``None`` (all defaults)."""
+        if hints is None:
+            return cls()
+        if isinstance(hints, Hints):
+            return hints
+        if isinstance(hints, Mapping):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(hints) - known)
+            if unknown:
+                raise ValueError(
+                    f"unknown hint(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+                )
+            return cls(**hints)
+        raise TypeError(f"hints must be Hints, a dict or None, not {type(hints).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The hints as a JSON-compatible dict (what the controller receives)."""
+        return dataclasses.asdict(self)
+
+
+class _HasControlPlane(Protocol):
+    @property
+    def control(self) -> ControlPlane: ...
+
+
+class Job:
+    """A registered job: its handle, a way to connect, and deregistration.
+
+    Use it as a context manager; leaving the block deregisters the job (also when the block
+    raises), which frees all of its non-PERSIST data::
+
+        with pocketflow.register_job("sort", {"data_size_bytes": "1GiB"}) as job:
+            run_tasks(job.handle.to_json())
+    """
+
+    def __init__(self, handle: JobHandle, control: ControlPlane) -> None:
+        self._handle = handle
+        self._control = control
+        self._lock = threading.Lock()
+        self._deregistered = False
+        self._clients: weakref.WeakSet[Client] = weakref.WeakSet()
+
+    @property
+    def handle(self) -> JobHandle:
+        """The serializable job handle to pass to tasks (``handle.to_json()``)."""
+        return self._handle
+
+    @property
+    def job_id(self) -> str:
+        """The job id: its name and a random suffix."""
+        return self._handle.job_id
+
+    @property
+    def name(self) -> str:
+        """The name the job was registered with."""
+        return self._handle.name
+
+    @property
+    def deregistered(self) -> bool:
+        """Whether :meth:`deregister` has run."""
+        return self._deregistered
+
+    def connect(self, **options: Any) -> Client:
+        """Open a client on this job's storage servers (closed again by :meth:`deregister`)."""
+        from pocketflow.client import connect
+
+        client = connect(self._handle, **options)
+        self._clients.add(client)
+        return client
+
+    def status(self) -> dict[str, Any]:
+        """The cluster's status (servers, tiers, jobs) as the controller reports it."""
+        return self._control.status()
+
+    def deregister(self) -> dict[str, Any] | None:
+        """Deregister the job and free its non-PERSIST data; a second call does nothing.
+
+        Returns what was freed (``{"deleted", "freed_bytes", ...}``), or ``None`` if the job was
+        already deregistered through this object.
+        """
+        with self._lock:
+            if self._deregistered:
+                return None
+            self._deregistered = True
+        for client in list(self._clients):
+            client.close()
+        return self._control.deregister(self._handle.job_id)
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.deregister()
+            return
+        # Keep the block's own exception; a failing deregistration is only logged.
+        try:
+            self.deregister()
+        except Exception as dereg_exc:
+            log.warning("deregistering job %s failed: %s", self.job_id, dereg_exc)
+
+    def __repr__(self) -> str:
+        state = "deregistered" if self._deregistered else "registered"
+        return f"<Job {self.job_id} epoch={self._handle.epoch} {state}>"
+
+
+def register_job(
+    name: str,
+    hints: Hints | Mapping[str, Any] | None = None,
+    *,
+    cluster: LocalCluster | ControlPlane | _HasControlPlane | None = None,
+) -> Job:
+    """Register a job and return it; use the result as a context manager.
+
+    The control plane is, in order: ``cluster`` (a :class:`~pocketflow.LocalCluster` or a
+    :class:`~pocketflow.control.plane.ControlPlane`), the :class:`~pocketflow.LocalCluster` running
+    in this process, or the pocketflow controller of the Ray cluster at ``$RAY_ADDRESS`` (default
+    ``"auto"``, e.g. one started by ``pocketflow up --local``).
+    """
+    coerced = Hints.coerce(hints)
+    control = _resolve_control_plane(cluster)
+    handle = control.register(name, coerced.to_dict())
+    return Job(handle, control)
+
+
+def _resolve_control_plane(cluster: Any) -> ControlPlane:
+    from pocketflow.control.plane import ControlPlane, connect_control_plane
+
+    if isinstance(cluster, ControlPlane):
+        return cluster
+    if cluster is not None:
+        return cluster.control
+    from pocketflow.cluster import LocalCluster
+
+    current = LocalCluster.current()
+    if current is not None:
+        return current.control
+    return connect_control_plane()

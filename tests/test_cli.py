@@ -1,0 +1,83 @@
+"""Tests of the ``pocketflow`` command, run as a separate process against the session cluster."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pocketflow.cli import build_parser
+from pocketflow.cluster import LocalCluster
+
+CLI_TIMEOUT_S = 180
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run(
+        [sys.executable, "-m", "pocketflow", *args],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        env=env,
+    )
+
+
+def test_help_lists_the_commands() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("up", "status", "demo"):
+        assert command in result.stdout
+
+
+def test_up_without_local_is_a_usage_error() -> None:
+    result = run_cli("up")
+    assert result.returncode == 2
+    assert "--local" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["demo", "--mappers", "0"], ["demo", "--block-size", "big"], ["frobnicate"]],
+)
+def test_bad_arguments_are_usage_errors(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+
+
+def test_status_prints_the_servers_and_tiers(local_cluster: LocalCluster) -> None:
+    with local_cluster.register_job("cli-status") as job:
+        result = run_cli("status", "--address", local_cluster.ray_address)
+        assert result.returncode == 0, result.stderr
+        for node in ("dram-0", "dram-1", "nvme-0"):
+            assert node in result.stdout
+        assert "TIERS" in result.stdout and job.job_id in result.stdout
+
+
+def test_status_json_is_machine_readable(local_cluster: LocalCluster) -> None:
+    import json
+
+    result = run_cli("status", "--json", "--address", local_cluster.ray_address)
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert {s["node_id"] for s in status["servers"]} == {"dram-0", "dram-1", "nvme-0"}
+
+
+def test_status_without_a_cluster_fails_cleanly(tmp_path: object) -> None:
+    result = run_cli("status", "--address", "127.0.0.1:1")
+    assert result.returncode == 1
+    assert "pocketflow status:" in result.stderr
+
+
+def test_demo_on_the_running_cluster(local_cluster: LocalCluster) -> None:
+    result = run_cli(
+        "demo", "--address", local_cluster.ray_address, "--records", "20000",
+        "--mappers", "4", "--reducers", "2", "--processes", "2", "--block-size", "64KiB",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "validation: OK" in result.stdout
+    assert "sorted 20,000 records" in result.stdout
+    assert "peak capacity used" in result.stdout and "bytes moved" in result.stdout

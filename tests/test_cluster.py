@@ -1,0 +1,159 @@
+"""Tests of the embedded local cluster: actors, servers, status, and that nothing outlives it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+from fixtures_cluster import wait_for
+
+from pocketflow.cluster import LocalCluster
+from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE, STORAGE_NODE_ACTOR_PREFIX
+from pocketflow.control.plane import connect_control_plane
+from pocketflow.control.storage_node import StorageNode
+from pocketflow.errors import ConfigError
+from pocketflow.processes import ProcessRef, descendants
+
+UP_READY_TIMEOUT_S = 120.0
+UP_EXIT_TIMEOUT_S = 90.0
+PROCESS_GONE_TIMEOUT_S = 30.0
+
+
+def test_status_reports_servers_tiers_and_capacity(local_cluster: LocalCluster) -> None:
+    status = local_cluster.status()
+    servers = {s["node_id"]: s for s in status["servers"]}
+    assert set(servers) == {"dram-0", "dram-1", "nvme-0"}
+    assert all(s["reachable"] and not s["draining"] for s in servers.values())
+    assert servers["dram-0"]["long_running"] and not servers["nvme-0"]["long_running"]
+    assert status["tiers"]["dram"] == {
+        "servers": 2,
+        "capacity_bytes": 2 * 128 * 1024 * 1024,
+        "used_bytes": servers["dram-0"]["used_bytes"] + servers["dram-1"]["used_bytes"],
+    }
+    assert status["tiers"]["nvme"]["capacity_bytes"] == 256 * 1024 * 1024
+
+
+def test_servers_listen_on_loopback_and_run(local_cluster: LocalCluster) -> None:
+    for info in local_cluster.servers:
+        assert info.address.startswith("127.0.0.1:")
+        assert info.server_process().alive()
+    assert set(local_cluster.process_ids()["servers"]) == {
+        s.server_pid for s in local_cluster.servers
+    }
+
+
+def test_everything_listens_on_loopback_only(local_cluster: LocalCluster) -> None:
+    psutil = pytest.importorskip("psutil")
+    assert local_cluster.ray_address.startswith("127.0.0.1:")
+    pids = local_cluster.process_ids()
+    assert pids["servers"] and (pids["ray"] or not local_cluster.owns_ray)
+    listening = []
+    for pid in pids["servers"] + pids["ray"]:
+        try:
+            connections = psutil.Process(pid).net_connections(kind="inet")
+        except psutil.NoSuchProcess:
+            continue
+        listening += [c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN]
+    assert listening
+    assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for ip in listening), listening
+
+
+def test_secret_file_is_private(local_cluster: LocalCluster) -> None:
+    mode = stat.S_IMODE(local_cluster.secret_file.stat().st_mode)
+    assert mode == 0o600
+    assert len(local_cluster.secret_file.read_bytes()) >= 32
+
+
+def test_controller_is_found_by_name(local_cluster: LocalCluster) -> None:
+    import ray
+
+    assert ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE) is not None
+    status = connect_control_plane().status()
+    assert {s["node_id"] for s in status["servers"]} == {"dram-0", "dram-1", "nvme-0"}
+
+
+def test_storage_node_actor_reports_its_server(local_cluster: LocalCluster) -> None:
+    import ray
+
+    node = ray.get_actor(STORAGE_NODE_ACTOR_PREFIX + "nvme-0", namespace=NAMESPACE)
+    assert ray.get(node.alive.remote())
+    stats = ray.get(node.stats.remote())
+    assert stats["node_id"] == "nvme-0" and stats["tier"] == "nvme"
+    assert stats["capacity_bytes"] == 256 * 1024 * 1024
+
+
+def test_server_exits_when_its_storage_node_actor_dies(local_cluster: LocalCluster) -> None:
+    import ray
+
+    actor = ray.remote(StorageNode).options(namespace=NAMESPACE, num_cpus=0).remote(
+        node_id="orphan-0",
+        tier="dram",
+        capacity_bytes=16 * 1024 * 1024,
+        secret_file=str(local_cluster.secret_file),
+    )
+    info = ray.get(actor.start.remote(), timeout=60)
+    server = info.server_process()
+    assert server.alive()
+    ray.kill(actor, no_restart=True)
+    assert wait_for(lambda: not server.alive(), timeout_s=PROCESS_GONE_TIMEOUT_S)
+
+
+def test_bad_cluster_shapes_are_refused() -> None:
+    with pytest.raises(ConfigError):
+        LocalCluster(dram_servers=0, nvme_servers=0)
+    with pytest.raises(ConfigError):
+        LocalCluster(dram_capacity="lots")
+    with pytest.raises(ConfigError):
+        LocalCluster(block_size="64MiB")
+
+
+def test_no_process_outlives_an_interrupted_up(local_cluster: LocalCluster) -> None:
+    """``pocketflow up --local`` in another process, then SIGINT: all its processes are gone."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pocketflow", "up", "--local",
+         "--dram-capacity", "32MiB", "--nvme-capacity", "32MiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + UP_READY_TIMEOUT_S
+        assert up.stdout is not None
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Press Ctrl-C to stop" in line:
+                break
+        assert lines and "Press Ctrl-C to stop" in lines[-1], "".join(lines) + up.stderr.read()
+        server_pids = {
+            int(line.split()[-1]) for line in lines if line.startswith(("dram-", "nvme-"))
+        }
+        assert len(server_pids) == 3
+        started = [ref for ref in (ProcessRef.of(pid) for pid in descendants(up.pid)) if ref]
+        assert server_pids <= {ref.pid for ref in started}
+        assert any(
+            "raylet" in open(f"/proc/{ref.pid}/cmdline").read()
+            for ref in started if ref.alive()
+        )
+
+        up.send_signal(signal.SIGINT)
+        out, err = up.communicate(timeout=UP_EXIT_TIMEOUT_S)
+        assert up.returncode == 0, err
+        assert "stopped" in out
+        assert wait_for(
+            lambda: not any(ref.alive() for ref in started), timeout_s=PROCESS_GONE_TIMEOUT_S
+        ), [ref.pid for ref in started if ref.alive()]
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()

@@ -1,0 +1,1462 @@
+"""The pocketflow client: a job's tasks put and get objects straight on its storage servers.
+
+::
+
+    with pocketflow.connect(handle) as pf:
+        pf.create_bucket("shuffle")
+        pf.put("shuffle", "map-3/part-7", payload)
+        data = pf.get("shuffle", "map-3/part-7", delete=True)
+
+Where things go. Block 0 of every object (a small object's bytes, or a large object's manifest)
+lives on the server that :mod:`pocketflow.placement` picks for ``(key, 0)``; PERSIST objects are
+placed over the job's long-running servers instead. A large object's data block ``i`` lives on the
+server picked for ``(key, i)`` (over the long-running servers for PERSIST objects), so large
+objects are striped over the job and read and written in parallel.
+
+Reads look for block 0 on the ephemeral placement first, then on the PERSIST placement if that
+is another server, so a reader need not know how an object was written. After the job's weight map
+has changed (epoch > 1), a key that is not found where the current map puts it is also looked for
+on the other servers of the map in rendezvous order, because data is never moved when a job is
+resized; a job whose map never changed pays nothing for this.
+
+Small objects (up to ``SMALL_OBJECT_MAX_BYTES``) and every block-0 operation travel over pipelined
+DoExchange sessions; data blocks over DoPut and DoGet streams, one per server, in parallel on
+``io_threads`` threads. A server that answers ``stale_epoch`` sends the job's new weight map; the
+client adopts it and retries, up to :data:`STALE_EPOCH_RETRIES_MAX` times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import io
+import logging
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, BinaryIO, Literal, TypeVar, overload
+
+import pyarrow as pa
+
+from pocketflow.config import ClientConfig
+from pocketflow.errors import (
+    BucketExists,
+    BucketNotFound,
+    CapacityExhausted,
+    InvalidRequest,
+    NotFound,
+    ObjectNotFound,
+    PocketflowError,
+    StaleEpoch,
+    error_from_status,
+)
+from pocketflow.handle import JobHandle, ServerInfo
+from pocketflow.placement import Placement
+from pocketflow.protocol import (
+    ACTION_CREATE_BUCKET,
+    ACTION_DELETE_BLOCKS,
+    ACTION_DELETE_BUCKET,
+    ACTION_DELETE_PREFIX,
+    ACTION_ENUMERATE,
+    ENUMERATE_LIMIT_MAX,
+    KEY_MAX_BYTES,
+    OP_DELETE,
+    OP_FLAG_DELETE,
+    OP_FLAG_OVERWRITE,
+    OP_FLAG_PERSIST,
+    OP_GET,
+    OP_LOOKUP,
+    OP_PUT,
+    SMALL_OBJECT_MAX_BYTES,
+    TICKET_RANGES_MAX,
+    ZERO_HEADER,
+    ObjectHeader,
+    Reply,
+    action_body,
+    check_bucket,
+    check_key,
+    encode_json,
+    exchange_descriptor,
+    get_ticket,
+    large_header,
+    put_descriptor,
+    small_header,
+)
+from pocketflow.transport import ExchangeOp, ServerConnection, Watchdog
+
+__all__ = ["Client", "ObjectInfo", "connect", "STALE_EPOCH_RETRIES_MAX"]
+
+log = logging.getLogger(__name__)
+
+STALE_EPOCH_RETRIES_MAX = 4
+"""How many times one call adopts a newer weight map and retries."""
+PUT_MANY_CHUNK_OPS = 4096
+"""``put_many`` sends at most this many small objects per round of pipelined sessions."""
+PUT_MANY_CHUNK_BYTES = 64 * 1024 * 1024
+"""... and at most this many bytes."""
+STREAM_GROUP_BYTES_MIN = 4 * 1024 * 1024
+"""A streamed upload sends a server's blocks once this many bytes are waiting for it."""
+STREAM_PENDING_GROUPS_MAX = 4
+"""A streamed upload holds at most this many groups' worth of unsent bytes in total."""
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What a listing or a lookup knows of an object.
+
+    ``persist`` is ``None`` when the source does not say (``enumerate`` reports key and size only).
+    """
+
+    key: str
+    size: int
+    persist: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _View:
+    """One consistent weight map: handle, placement, context; swapped whole on a new epoch."""
+
+    handle: JobHandle
+    placement: Placement
+    ctx: dict[str, Any]
+    exchange_command: bytes
+
+    @property
+    def epoch(self) -> int:
+        return self.handle.epoch
+
+
+def _view_of(handle: JobHandle) -> _View:
+    ctx = handle.context()
+    return _View(handle, Placement(handle.servers), ctx, exchange_descriptor(ctx))
+
+
+def _new_version() -> int:
+    # os.urandom, not the random module: a program that seeds `random` must not make two writers
+    # of one key pick the same version.
+    return int.from_bytes(os.urandom(8), "little") or 1
+
+
+def _as_view(data: Any) -> memoryview:
+    """A flat byte view of a bytes-like object, without copying."""
+    try:
+        view = memoryview(data)
+    except TypeError as exc:
+        raise InvalidRequest(f"expected a bytes-like object, got {type(data).__name__}") from exc
+    if not view.c_contiguous:
+        raise InvalidRequest("data must be a C-contiguous buffer")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+def _writable_view(buffer: Any) -> memoryview:
+    view = _as_view(buffer)
+    if view.readonly:
+        raise InvalidRequest("buffer must be writable (bytearray, memoryview, numpy array, mmap)")
+    return view
+
+
+def _is_stream(data: Any) -> bool:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return False
+    try:
+        memoryview(data).release()
+        return False
+    except TypeError:
+        return hasattr(data, "read")
+
+
+class Client:
+    """A connection of one process to one job's storage servers.
+
+    Thread-safe: any number of threads may share one client. Build it with :func:`connect`; close
+    it with :meth:`close` or use it as a context manager.
+    """
+
+    def __init__(self, handle: JobHandle, config: ClientConfig | None = None) -> None:
+        self._config = config if config is not None else ClientConfig.resolve()
+        if "block_size_bytes" in self._config.explicit:
+            handle = dataclasses.replace(handle, block_size_bytes=self._config.block_size_bytes)
+        self._view = _view_of(handle)
+        self._lock = threading.Lock()
+        self._connections: dict[str, ServerConnection] = {}
+        self._watchdog = Watchdog(min(0.1, max(self._config.op_timeout_s / 4, 0.005)))
+        self._executor: ThreadPoolExecutor | None = None
+        self._repaired_buckets: set[tuple[str, str]] = set()
+        self._closed = False
+        _LIVE_CLIENTS.add(self)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: drop the parent's connections and threads without touching them
+        (gRPC channels and threads do not survive a fork); new ones are made on first use."""
+        self._lock = threading.Lock()
+        self._connections = {}
+        self._executor = None
+        self._watchdog = Watchdog(min(0.1, max(self._config.op_timeout_s / 4, 0.005)))
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def handle(self) -> JobHandle:
+        """The job handle in use, with the newest weight map this client has seen."""
+        return self._view.handle
+
+    @property
+    def config(self) -> ClientConfig:
+        """The resolved client settings."""
+        return self._config
+
+    def close(self) -> None:
+        """Close every session and connection; the client cannot be used afterwards."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            connections = list(self._connections.values())
+            self._connections.clear()
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+        for connection in connections:
+            connection.close()
+        self._watchdog.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        view = self._view
+        return (
+            f"<pocketflow.Client job={view.handle.job_id!r} epoch={view.epoch} "
+            f"servers={len(view.handle.servers)}>"
+        )
+
+    # -- buckets -----------------------------------------------------------------------------
+
+    def create_bucket(self, bucket: str) -> None:
+        """Create ``bucket`` on every server of the job.
+
+        Raises :class:`BucketExists` if every server already has it; servers that lack it (for
+        instance ones added to the job later) get it either way.
+        """
+        check_bucket(bucket)
+        results = self._on_every_server(ACTION_CREATE_BUCKET, bucket=bucket)
+        errors = [r for r in results if isinstance(r, PocketflowError)]
+        exists = [e for e in errors if isinstance(e, BucketExists)]
+        others = [e for e in errors if not isinstance(e, BucketExists)]
+        if others:
+            raise others[0]
+        if exists and len(exists) == len(results):
+            raise exists[0]
+
+    def delete_bucket(self, bucket: str) -> int:
+        """Delete ``bucket`` and every object in it on every server; returns the bytes freed.
+
+        Raises :class:`BucketNotFound` if no server has it.
+        """
+        check_bucket(bucket)
+        results = self._on_every_server(ACTION_DELETE_BUCKET, bucket=bucket)
+        return self._sum_field(results, "freed_bytes")
+
+    def delete_prefix(self, bucket: str, prefix: str) -> int:
+        """Delete every object of ``bucket`` whose key starts with ``prefix``; returns how many."""
+        check_bucket(bucket)
+        if len(prefix.encode()) > KEY_MAX_BYTES:
+            raise InvalidRequest(f"prefix longer than {KEY_MAX_BYTES} bytes")
+        results = self._on_every_server(ACTION_DELETE_PREFIX, bucket=bucket, prefix=prefix)
+        return self._sum_field(results, "deleted")
+
+    @staticmethod
+    def _sum_field(results: list[Any], name: str) -> int:
+        errors = [r for r in results if isinstance(r, PocketflowError)]
+        missing = [e for e in errors if isinstance(e, BucketNotFound)]
+        others = [e for e in errors if not isinstance(e, BucketNotFound)]
+        if others:
+            raise others[0]
+        if missing and len(missing) == len(results):
+            raise missing[0]
+        return sum(int(r.get(name, 0)) for r in results if isinstance(r, dict))
+
+    def _on_every_server(self, action: str, **fields: Any) -> list[Any]:
+        """Run an action on every server of the map; per server, its result or its error."""
+        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
+            view = self._view
+            body = action_body(view.ctx, **fields)
+            servers = _distinct_servers(view.handle.servers)
+
+            def run(server: ServerInfo, body: bytes = body) -> Any:
+                try:
+                    return self._connection(server.address).action(action, body)
+                except PocketflowError as exc:
+                    return exc
+
+            results = self._parallel([lambda s=s: run(s) for s in servers])
+            stale = next((r for r in results if isinstance(r, StaleEpoch)), None)
+            if stale is None:
+                return results
+            if attempt == STALE_EPOCH_RETRIES_MAX:
+                raise stale
+            self._adopt(stale)
+        raise AssertionError("unreachable")
+
+    # -- single objects ----------------------------------------------------------------------
+
+    def put(
+        self,
+        bucket: str,
+        key: str,
+        data: bytes | bytearray | memoryview | BinaryIO | IO[bytes],
+        *,
+        persist: bool = False,
+        overwrite: bool = False,
+    ) -> None:
+        """Store ``data`` under ``key``; write-once unless ``overwrite``.
+
+        ``data`` is any bytes-like object (not copied) or a binary stream (read block by block).
+        Raises :class:`ObjectExists` if the key holds an object and ``overwrite`` is false,
+        :class:`CapacityExhausted` if a server is full (nothing of the object remains),
+        :class:`BucketNotFound`, :class:`PersistNotSupported`, :class:`DataUnavailable`.
+        """
+        bucket_raw = check_bucket(bucket)
+        key_raw = check_key(key)
+        if _is_stream(data):
+            from pocketflow.objectfile import ObjectWriter
+
+            with ObjectWriter(self, bucket, key, persist=persist, overwrite=overwrite) as writer:
+                writer.write_from(data)  # type: ignore[arg-type]
+            return
+        view = _as_view(data)
+        if len(view) <= SMALL_OBJECT_MAX_BYTES:
+            self._put_small(bucket, bucket_raw, key_raw, view, persist=persist, overwrite=overwrite)
+        else:
+            self._put_large(bucket, bucket_raw, key, key_raw, view, persist=persist,
+                            overwrite=overwrite)
+
+    def get(self, bucket: str, key: str, *, delete: bool = False) -> bytes:
+        """The object's bytes; with ``delete`` the object is removed as it is read.
+
+        Among concurrent readers with ``delete``, exactly one gets the object and the others get
+        :class:`ObjectNotFound`. Raises :class:`ObjectNotFound`, :class:`BucketNotFound`,
+        :class:`DataUnavailable`.
+        """
+        bucket_raw = check_bucket(bucket)
+        key_raw = check_key(key)
+        _, reply = self._fetch_record(
+            bucket, bucket_raw, key_raw, OP_GET, OP_FLAG_DELETE if delete else 0
+        )
+        header = reply.header
+        if header is None or header.block_count == 0:
+            return bytes(reply.body)
+        return self._read_blocks(bucket, key, key_raw, header, 0, header.size, delete=delete)
+
+    def get_into(self, bucket: str, key: str, buffer: Any, *, delete: bool = False) -> int:
+        """Read the object into ``buffer`` (any writable bytes-like object); returns its size.
+
+        The bytes are copied once, from the received messages straight into ``buffer``. If the
+        buffer is smaller than the object, :class:`InvalidRequest` is raised and the object is
+        left in place (with ``delete``, it is put back under its original version).
+        """
+        dest = _writable_view(buffer)
+        bucket_raw = check_bucket(bucket)
+        key_raw = check_key(key)
+        server, reply = self._fetch_record(
+            bucket, bucket_raw, key_raw, OP_GET, OP_FLAG_DELETE if delete else 0
+        )
+        header = reply.header
+        size = len(reply.body) if header is None else header.size
+        if size > len(dest):
+            if delete and header is not None:
+                self._restore_record(server, bucket_raw, key_raw, header, reply.body)
+            raise InvalidRequest(f"buffer of {len(dest)} bytes is too small for {size} bytes")
+        if header is None or header.block_count == 0:
+            dest[:size] = reply.body
+            return size
+        self._read_blocks(bucket, key, key_raw, header, 0, size, delete=delete, dest=dest)
+        return size
+
+    def get_range(self, bucket: str, key: str, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` of the object, cut at its end (like a slice)."""
+        if offset < 0 or length < 0:
+            raise InvalidRequest("offset and length must be >= 0")
+        bucket_raw = check_bucket(bucket)
+        key_raw = check_key(key)
+        _, reply = self._fetch_record(bucket, bucket_raw, key_raw, OP_GET, 0)
+        header = reply.header
+        if header is None or header.block_count == 0:
+            return bytes(reply.body[offset:offset + length])
+        end = min(header.size, offset + length)
+        if offset >= end:
+            return b""
+        return self._read_blocks(bucket, key, key_raw, header, offset, end, delete=False)
+
+    def lookup(self, bucket: str, key: str) -> ObjectInfo:
+        """Size and PERSIST flag of an object; raises :class:`ObjectNotFound` if it is absent."""
+        bucket_raw = check_bucket(bucket)
+        key_raw = check_key(key)
+        _, reply = self._fetch_record(bucket, bucket_raw, key_raw, OP_LOOKUP, 0)
+        header = reply.header
+        if header is None:
+            raise PocketflowError("lookup reply without a header")
+        return ObjectInfo(key, header.size, header.persist)
+
+    def exists(self, bucket: str, key: str) -> bool:
+        """Whether the object exists (a :meth:`lookup` that answers ``False`` when it does not)."""
+        try:
+            self.lookup(bucket, key)
+        except ObjectNotFound:
+            return False
+        return True
+
+    def delete(self, bucket: str, key: str) -> None:
+        """Delete an object (its record and data blocks); raises :class:`ObjectNotFound`."""
+        bucket_raw = check_bucket(bucket)
+        key_raw = check_key(key)
+        _, reply = self._fetch_record(bucket, bucket_raw, key_raw, OP_DELETE, 0)
+        if reply.header is not None and reply.header.block_count:
+            self._delete_blocks(bucket, key, key_raw, reply.header)
+
+    # -- files -------------------------------------------------------------------------------
+
+    def put_file(
+        self,
+        bucket: str,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        persist: bool = False,
+        overwrite: bool = False,
+    ) -> int:
+        """Store a local file (memory-mapped, not read into memory); returns its size."""
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= SMALL_OBJECT_MAX_BYTES:
+                self.put(bucket, key, f.read(), persist=persist, overwrite=overwrite)
+                return size
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                self.put(bucket, key, mapped, persist=persist, overwrite=overwrite)
+            finally:
+                _close_mmap(mapped)
+        return size
+
+    def get_file(
+        self, bucket: str, key: str, path: str | os.PathLike[str], *, delete: bool = False
+    ) -> int:
+        """Write an object to a local file (created or truncated); returns its size."""
+        bucket_raw = check_bucket(bucket)
+        key_raw = check_key(key)
+        _, reply = self._fetch_record(
+            bucket, bucket_raw, key_raw, OP_GET, OP_FLAG_DELETE if delete else 0
+        )
+        header = reply.header
+        target = Path(path)
+        if header is None or header.block_count == 0:
+            target.write_bytes(reply.body)
+            return len(reply.body)
+        with open(target, "w+b") as f:
+            f.truncate(header.size)
+            mapped = mmap.mmap(f.fileno(), header.size)
+            try:
+                self._read_blocks(
+                    bucket, key, key_raw, header, 0, header.size, delete=delete,
+                    dest=memoryview(mapped),
+                )
+                mapped.flush()
+            finally:
+                _close_mmap(mapped)
+        return header.size
+
+    @overload
+    def open(
+        self, bucket: str, key: str, mode: Literal["rb"] = "rb", *,
+        persist: bool = False, overwrite: bool = False,
+    ) -> io.BufferedReader: ...
+
+    @overload
+    def open(
+        self, bucket: str, key: str, mode: Literal["wb"], *,
+        persist: bool = False, overwrite: bool = False,
+    ) -> io.BufferedIOBase: ...
+
+    def open(
+        self, bucket: str, key: str, mode: str = "rb", *,
+        persist: bool = False, overwrite: bool = False,
+    ) -> io.BufferedIOBase:
+        """A file object over an object.
+
+        ``"rb"``: a buffered, seekable reader that fetches only the blocks it reads.
+        ``"wb"``: a writer that streams each block to its server as soon as it fills and commits
+        the object on ``close()``; leaving a ``with`` block by an exception discards it.
+        """
+        from pocketflow.objectfile import ObjectReader, ObjectWriter
+
+        if mode == "rb":
+            reader = ObjectReader(self, bucket, key)
+            buffer_size = max(reader.block_size, io.DEFAULT_BUFFER_SIZE)
+            return io.BufferedReader(reader, buffer_size=buffer_size)
+        if mode == "wb":
+            return ObjectWriter(self, bucket, key, persist=persist, overwrite=overwrite)
+        raise InvalidRequest(f"mode must be 'rb' or 'wb', got {mode!r}")
+
+    # -- many objects ------------------------------------------------------------------------
+
+    def put_many(
+        self,
+        bucket: str,
+        items: Iterable[tuple[str, bytes | bytearray | memoryview]],
+        *,
+        persist: bool = False,
+        overwrite: bool = False,
+    ) -> int:
+        """Store many objects; returns how many were stored.
+
+        Small objects are pipelined over one session per server, all servers in parallel; large
+        ones are put one after the other afterwards. On an error the first one is raised after
+        every other object of its round has been stored.
+        """
+        bucket_raw = check_bucket(bucket)
+        flags = (OP_FLAG_PERSIST if persist else 0) | (OP_FLAG_OVERWRITE if overwrite else 0)
+        large: list[tuple[str, bytes, memoryview]] = []
+        ops: list[ExchangeOp] = []
+        batch_bytes = 0
+        stored = 0
+        for key, data in items:
+            key_raw = check_key(key)
+            view = _as_view(data)
+            if len(view) > SMALL_OBJECT_MAX_BYTES:
+                large.append((key, key_raw, view))
+                continue
+            header = small_header(_new_version(), len(view), persist=persist).encode()
+            ops.append(ExchangeOp(OP_PUT, flags, bucket_raw, key_raw, header, view))
+            batch_bytes += len(view)
+            if len(ops) >= PUT_MANY_CHUNK_OPS or batch_bytes >= PUT_MANY_CHUNK_BYTES:
+                self._put_ops(bucket, bucket_raw, ops, persist=persist, overwrite=overwrite)
+                stored += len(ops)
+                ops, batch_bytes = [], 0
+        if ops:
+            self._put_ops(bucket, bucket_raw, ops, persist=persist, overwrite=overwrite)
+            stored += len(ops)
+        for key, key_raw, view in large:
+            self._put_large(bucket, bucket_raw, key, key_raw, view, persist=persist,
+                            overwrite=overwrite)
+            stored += 1
+        return stored
+
+    def get_many(
+        self, bucket: str, keys: Iterable[str], *, delete: bool = False
+    ) -> list[bytes]:
+        """The bytes of many objects, in the order of ``keys``.
+
+        Block-0 reads are pipelined over one session per server, all servers in parallel; large
+        objects' blocks are fetched afterwards. Raises :class:`ObjectNotFound` for the first
+        missing key (with ``delete``, objects already read are gone).
+        """
+        bucket_raw = check_bucket(bucket)
+        key_list = list(keys)
+        flags = OP_FLAG_DELETE if delete else 0
+        ops = [
+            ExchangeOp(OP_GET, flags, bucket_raw, check_key(key), tag=i)
+            for i, key in enumerate(key_list)
+        ]
+        results: list[bytes | None] = [None] * len(key_list)
+        large: list[tuple[int, ObjectHeader]] = []
+        missing: list[int] = []
+        first_error: PocketflowError | None = None
+        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
+            view = self._view
+            groups = self._group_ops(view, ops, persist=False)
+            self._run_groups(view, groups)
+            retry: list[ExchangeOp] = []
+            stale: StaleEpoch | None = None
+            for address, group in groups.items():
+                for op in group:
+                    reply = op.reply
+                    assert reply is not None
+                    if reply.status == 0:
+                        header = reply.header
+                        if header is not None and header.block_count:
+                            large.append((op.tag, header))
+                        else:
+                            results[op.tag] = bytes(reply.body)
+                        continue
+                    error = error_from_status(reply.status, reply.body, server=address)
+                    if isinstance(error, StaleEpoch) and attempt < STALE_EPOCH_RETRIES_MAX:
+                        stale = error
+                        retry.append(op)
+                    elif isinstance(error, NotFound):
+                        missing.append(op.tag)
+                    elif first_error is None:
+                        first_error = error
+            if stale is not None:
+                self._adopt(stale)
+            ops = retry
+            if not ops:
+                break
+        for index in missing:
+            # Fallback placements (PERSIST, earlier maps) are probed one key at a time.
+            try:
+                _, reply = self._fetch_record(
+                    bucket, bucket_raw, check_key(key_list[index]), OP_GET, flags
+                )
+            except PocketflowError as exc:
+                if first_error is None:
+                    first_error = exc
+                continue
+            header = reply.header
+            if header is not None and header.block_count:
+                large.append((index, header))
+            else:
+                results[index] = bytes(reply.body)
+        for index, header in large:
+            key = key_list[index]
+            try:
+                results[index] = self._read_blocks(
+                    bucket, key, check_key(key), header, 0, header.size, delete=delete
+                )
+            except PocketflowError as exc:
+                if first_error is None:
+                    first_error = exc
+        if first_error is not None:
+            raise first_error
+        return [r if r is not None else b"" for r in results]
+
+    # -- listing -----------------------------------------------------------------------------
+
+    def enumerate(
+        self, bucket: str, prefix: str = "", *, page_size: int = 1000
+    ) -> Iterator[list[ObjectInfo]]:
+        """Pages of the bucket's objects whose key starts with ``prefix``, sorted by key.
+
+        Every server of the job is listed and the answers merged; each page holds at most
+        ``page_size`` objects. Raises :class:`BucketNotFound` if no server has the bucket.
+        """
+        check_bucket(bucket)
+        if not 1 <= page_size <= ENUMERATE_LIMIT_MAX:
+            raise InvalidRequest(f"page_size must be 1..{ENUMERATE_LIMIT_MAX}")
+        if len(prefix.encode()) > KEY_MAX_BYTES:
+            raise InvalidRequest(f"prefix longer than {KEY_MAX_BYTES} bytes")
+        return self._enumerate_pages(bucket, prefix, page_size)
+
+    def list(self, bucket: str, prefix: str = "") -> list[ObjectInfo]:
+        """Every object of the bucket under ``prefix`` (all pages of :meth:`enumerate`)."""
+        return [info for page in self.enumerate(bucket, prefix) for info in page]
+
+    def _enumerate_pages(
+        self, bucket: str, prefix: str, page_size: int
+    ) -> Iterator[list[ObjectInfo]]:
+        servers = _distinct_servers(self._view.handle.servers)
+
+        def fetch(server: ServerInfo, start_after: str | None) -> dict[str, Any] | None:
+            fields: dict[str, Any] = {"bucket": bucket, "prefix": prefix, "limit": page_size}
+            if start_after is not None:
+                fields["start_after"] = start_after
+            for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
+                body = action_body(self._view.ctx, **fields)
+                try:
+                    return self._connection(server.address).action(ACTION_ENUMERATE, body)
+                except BucketNotFound:
+                    return None
+                except StaleEpoch as exc:
+                    if attempt == STALE_EPOCH_RETRIES_MAX:
+                        raise
+                    self._adopt(exc)
+            raise AssertionError("unreachable")
+
+        first = self._parallel([lambda s=s: fetch(s, None) for s in servers])
+        if servers and all(result is None for result in first):
+            raise BucketNotFound(f"bucket_not_found: {bucket}")
+        # Per server: buffered keys, and whether the server has more after them.
+        buffers: list[list[tuple[str, int]]] = []
+        more: list[bool] = []
+        heap: list[tuple[str, int, int]] = []  # (key, server slot, position in its buffer)
+        for slot, result in enumerate(first):
+            keys = _keys_of(result)
+            buffers.append(keys)
+            more.append(bool(result and result.get("truncated")) and bool(keys))
+            if keys:
+                heap.append((keys[0][0], slot, 0))
+        heapq.heapify(heap)
+        page: list[ObjectInfo] = []
+        last_key: str | None = None
+        while heap:
+            key, slot, at = heapq.heappop(heap)
+            size = buffers[slot][at][1]
+            if key != last_key:
+                page.append(ObjectInfo(key, size))
+                last_key = key
+                if len(page) == page_size:
+                    yield page
+                    page = []
+            at += 1
+            if at == len(buffers[slot]) and more[slot]:
+                result = fetch(servers[slot], buffers[slot][-1][0])
+                buffers[slot] = _keys_of(result)
+                more[slot] = bool(result and result.get("truncated")) and bool(buffers[slot])
+                at = 0
+            if at < len(buffers[slot]):
+                heapq.heappush(heap, (buffers[slot][at][0], slot, at))
+        if page:
+            yield page
+
+    # -- internals: connections and threads --------------------------------------------------
+
+    def _connection(self, address: str) -> ServerConnection:
+        connection = self._connections.get(address)
+        if connection is not None:
+            return connection
+        with self._lock:
+            if self._closed:
+                raise InvalidRequest("the client is closed")
+            connection = self._connections.get(address)
+            if connection is None:
+                cfg = self._config
+                connection = ServerConnection(
+                    address,
+                    exchange_command=lambda: self._view.exchange_command,
+                    watchdog=self._watchdog,
+                    sessions_max=cfg.sessions_per_server,
+                    op_timeout_s=cfg.op_timeout_s,
+                    first_reply_timeout_s=cfg.connect_timeout_s,
+                    rpc_timeout_s=cfg.rpc_timeout_s,
+                    stream_timeout_s=cfg.stream_timeout_s,
+                )
+                self._connections[address] = connection
+            return connection
+
+    def _executor_get(self) -> ThreadPoolExecutor:
+        executor = self._executor
+        if executor is not None:
+            return executor
+        with self._lock:
+            if self._closed:
+                raise InvalidRequest("the client is closed")
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=self._config.io_threads, thread_name_prefix="pocketflow-io"
+                )
+            return self._executor
+
+    def _parallel(self, tasks: Sequence[Callable[[], T]]) -> list[T]:
+        """Run tasks on the I/O threads, the first one on the calling thread; re-raise the first
+        failure after all have finished. Tasks must not themselves call ``_parallel``."""
+        if len(tasks) == 1:
+            return [tasks[0]()]
+        if not tasks:
+            return []
+        futures = [self._executor_get().submit(task) for task in tasks[1:]]
+        results: list[Any] = [None] * len(tasks)
+        errors: list[BaseException] = []
+        try:
+            results[0] = tasks[0]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others finish
+            errors.append(exc)
+        for i, future in enumerate(futures, start=1):
+            try:
+                results[i] = future.result()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return results
+
+    def _adopt(self, stale: StaleEpoch) -> None:
+        """Adopt the newer weight map a ``stale_epoch`` error carries."""
+        weight_map = stale.weight_map
+        if weight_map is None:
+            raise stale
+        with self._lock:
+            current = self._view.handle
+            try:
+                epoch = int(weight_map.get("epoch", 0))
+            except (TypeError, ValueError):
+                raise stale from None
+            if epoch > current.epoch:
+                self._view = _view_of(current.with_weight_map(weight_map))
+                log.debug("job %s: adopted weight map epoch %d", current.job_id, epoch)
+
+    # -- internals: block 0 ------------------------------------------------------------------
+
+    def _call(self, view: _View, server: ServerInfo, op: int, flags: int, bucket_raw: bytes,
+              key_raw: bytes, header: bytes = ZERO_HEADER,
+              value: bytes | bytearray | memoryview = b"") -> Reply:
+        return self._connection(server.address).call(
+            view.epoch, op, flags, bucket_raw, key_raw, header, value
+        )
+
+    def _fetch_record(
+        self, bucket: str, bucket_raw: bytes, key_raw: bytes, op: int, flags: int
+    ) -> tuple[ServerInfo, Reply]:
+        """Run a GET, LOOKUP or DELETE of block 0 where the object lives (see module doc)."""
+        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
+            view = self._view
+            primary = view.placement.server_for(key_raw, 0)
+            try:
+                reply = self._call(view, primary, op, flags, bucket_raw, key_raw)
+            except StaleEpoch as exc:
+                # A new session's opening context was stale: the session never ran the op.
+                reply = _stale_reply(exc)
+            if reply.status == 0:
+                return primary, reply
+            error = error_from_status(reply.status, reply.body, server=primary.address)
+            if isinstance(error, StaleEpoch):
+                if attempt == STALE_EPOCH_RETRIES_MAX:
+                    raise error
+                self._adopt(error)
+                continue
+            if not isinstance(error, NotFound):
+                raise error
+            found, stale, bucket_seen = self._probe_fallbacks(
+                view, primary, op, flags, bucket_raw, key_raw
+            )
+            if found is not None:
+                return found
+            if stale is not None:
+                if attempt == STALE_EPOCH_RETRIES_MAX:
+                    raise stale
+                self._adopt(stale)
+                continue
+            if isinstance(error, BucketNotFound) and bucket_seen:
+                raise ObjectNotFound(
+                    f"not_found: {bucket}/{key_raw.decode()}", server=primary.address
+                )
+            raise error
+        raise AssertionError("unreachable")
+
+    def _probe_fallbacks(
+        self, view: _View, primary: ServerInfo, op: int, flags: int, bucket_raw: bytes,
+        key_raw: bytes,
+    ) -> tuple[tuple[ServerInfo, Reply] | None, StaleEpoch | None, bool]:
+        """Try block 0 on the PERSIST placement, then (epoch > 1) every other server."""
+        candidates: list[ServerInfo] = []
+        if view.placement.has_persist():
+            persist_server = view.placement.server_for(key_raw, 0, persist=True)
+            if persist_server.node_id != primary.node_id:
+                candidates.append(persist_server)
+        if view.epoch > 1:
+            seen = {primary.node_id, *(c.node_id for c in candidates)}
+            candidates += [s for s in view.placement.ranked(key_raw) if s.node_id not in seen]
+        bucket_seen = False
+        for server in candidates:
+            try:
+                reply = self._call(view, server, op, flags, bucket_raw, key_raw)
+            except StaleEpoch as exc:
+                return None, exc, bucket_seen
+            if reply.status == 0:
+                return (server, reply), None, True
+            error = error_from_status(reply.status, reply.body, server=server.address)
+            if isinstance(error, StaleEpoch):
+                return None, error, bucket_seen
+            if isinstance(error, ObjectNotFound):
+                bucket_seen = True
+            elif not isinstance(error, BucketNotFound):
+                raise error
+        return None, None, bucket_seen
+
+    def _put_record(
+        self, bucket: str, bucket_raw: bytes, key_raw: bytes, header: ObjectHeader,
+        value: bytes | bytearray | memoryview, *, persist: bool, overwrite: bool,
+    ) -> None:
+        """Store block 0 (the commit point); on overwrite, free what it replaced."""
+        flags = (OP_FLAG_PERSIST if persist else 0) | (OP_FLAG_OVERWRITE if overwrite else 0)
+        header_raw = header.encode()
+        repaired = False
+        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
+            view = self._view
+            server = view.placement.server_for(key_raw, 0, persist=persist)
+            try:
+                reply = self._call(view, server, OP_PUT, flags, bucket_raw, key_raw, header_raw,
+                                   value)
+            except StaleEpoch as exc:
+                reply = _stale_reply(exc)
+            if reply.status == 0:
+                if overwrite:
+                    self._after_overwrite(view, bucket, bucket_raw, key_raw, server, reply.header,
+                                          persist=persist)
+                return
+            error = error_from_status(reply.status, reply.body, server=server.address)
+            if isinstance(error, StaleEpoch) and attempt < STALE_EPOCH_RETRIES_MAX:
+                self._adopt(error)
+                continue
+            if isinstance(error, BucketNotFound) and not repaired:
+                repaired = self._repair_bucket(view, bucket, server)
+                if repaired:
+                    continue
+            raise error
+        raise AssertionError("unreachable")
+
+    def _after_overwrite(
+        self, view: _View, bucket: str, bucket_raw: bytes, key_raw: bytes, written: ServerInfo,
+        replaced: ObjectHeader | None, *, persist: bool,
+    ) -> None:
+        """Free the replaced version's blocks; a PERSIST overwrite also removes an ephemeral
+        version, which readers would otherwise find first.
+
+        (An ephemeral overwrite of a PERSIST object leaves the PERSIST version on its
+        long-running server, where reads no longer reach it until the ephemeral one is deleted;
+        checking for it would cost every overwrite a round trip.)
+        """
+        key = key_raw.decode()
+        if replaced is not None and replaced.block_count:
+            self._delete_blocks(bucket, key, key_raw, replaced)
+        if not persist:
+            return
+        other = view.placement.server_for(key_raw, 0, persist=False)
+        if other.node_id == written.node_id:
+            return
+        try:
+            reply = self._call(view, other, OP_DELETE, 0, bucket_raw, key_raw)
+        except PocketflowError as exc:
+            log.warning("could not remove the ephemeral version of %r: %s", key, exc)
+            return
+        if reply.status == 0 and reply.header is not None and reply.header.block_count:
+            self._delete_blocks(bucket, key, key_raw, reply.header)
+
+    def _restore_record(
+        self, server: ServerInfo, bucket_raw: bytes, key_raw: bytes, header: ObjectHeader,
+        body: memoryview,
+    ) -> None:
+        """Put back a record claimed by a DELETE read that could not be delivered."""
+        flags = OP_FLAG_PERSIST if header.persist else 0
+        value = body if header.block_count == 0 else b""
+        try:
+            reply = self._call(self._view, server, OP_PUT, flags, bucket_raw, key_raw,
+                               header.encode(), value)
+        except PocketflowError as exc:
+            reply = Reply(0, exc.grpc_code, None, memoryview(str(exc).encode()))
+        if reply.status != 0:
+            log.warning("could not restore %r after a failed DELETE read: %s", key_raw,
+                        error_from_status(reply.status, reply.body))
+
+    def _repair_bucket(self, view: _View, bucket: str, server: ServerInfo) -> bool:
+        """Create ``bucket`` on a server that lacks it if another server of the job has it.
+
+        Buckets live per server; a server added to the job after the bucket was created learns of
+        it here, on the first put that reaches it.
+        """
+        if (server.address, bucket) in self._repaired_buckets:
+            return False
+        probe = action_body(view.ctx, bucket=bucket, prefix="", limit=1)
+        known = False
+        for other in _distinct_servers(view.handle.servers):
+            if other.address == server.address:
+                continue
+            try:
+                self._connection(other.address).action(ACTION_ENUMERATE, probe)
+            except PocketflowError:
+                continue
+            known = True
+            break
+        if not known:
+            return False
+        try:
+            self._connection(server.address).action(
+                ACTION_CREATE_BUCKET, action_body(view.ctx, bucket=bucket)
+            )
+        except BucketExists:
+            pass
+        self._repaired_buckets.add((server.address, bucket))
+        return True
+
+    # -- internals: small and large puts -----------------------------------------------------
+
+    def _put_small(
+        self, bucket: str, bucket_raw: bytes, key_raw: bytes, value: memoryview | bytes, *,
+        persist: bool, overwrite: bool,
+    ) -> None:
+        header = small_header(_new_version(), len(value), persist=persist)
+        self._put_record(bucket, bucket_raw, key_raw, header, value, persist=persist,
+                         overwrite=overwrite)
+
+    def _put_large(
+        self, bucket: str, bucket_raw: bytes, key: str, key_raw: bytes, data: memoryview, *,
+        persist: bool, overwrite: bool,
+    ) -> None:
+        block_size = self._view.handle.block_size_bytes
+        uploader = self._uploader(bucket, key, key_raw, block_size, persist=persist, streamed=False)
+        try:
+            for index, at in enumerate(range(0, len(data), block_size), start=1):
+                uploader.add(index, data[at:at + block_size])
+            uploader.finish()
+            header = large_header(uploader.version, len(data), block_size, persist=persist)
+            self._put_record(bucket, bucket_raw, key_raw, header, b"", persist=persist,
+                             overwrite=overwrite)
+        except BaseException:
+            uploader.abort()
+            raise
+
+    def _uploader(
+        self, bucket: str, key: str, key_raw: bytes, block_size: int, *, persist: bool,
+        streamed: bool,
+    ) -> BlockUploader:
+        return BlockUploader(self, bucket, key, key_raw, block_size, persist=persist,
+                             streamed=streamed)
+
+    def _put_ops(
+        self, bucket: str, bucket_raw: bytes, ops: list[ExchangeOp], *, persist: bool,
+        overwrite: bool,
+    ) -> None:
+        """Run PUT ops pipelined; retry stale-epoch and repairable missing-bucket failures."""
+        first_error: PocketflowError | None = None
+        replaced: list[tuple[bytes, ServerInfo, ObjectHeader | None]] = []
+        repaired: set[str] = set()
+        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
+            view = self._view
+            groups = self._group_ops(view, ops, persist=persist)
+            self._run_groups(view, groups)
+            retry: list[ExchangeOp] = []
+            stale: StaleEpoch | None = None
+            servers = {s.address: s for s in view.handle.servers}
+            for address, group in groups.items():
+                missing_bucket: list[ExchangeOp] = []
+                for op in group:
+                    reply = op.reply
+                    assert reply is not None
+                    if reply.status == 0:
+                        if overwrite:
+                            replaced.append((op.key, servers[address], reply.header))
+                        continue
+                    error = error_from_status(reply.status, reply.body, server=address)
+                    if isinstance(error, StaleEpoch) and attempt < STALE_EPOCH_RETRIES_MAX:
+                        stale = error
+                        retry.append(op)
+                    elif isinstance(error, BucketNotFound) and address not in repaired:
+                        missing_bucket.append(op)
+                    elif first_error is None:
+                        first_error = error
+                if missing_bucket:
+                    repaired.add(address)
+                    if self._repair_bucket(view, bucket, servers[address]):
+                        retry += missing_bucket
+                    elif first_error is None:
+                        first_error = error_from_status(
+                            missing_bucket[0].reply.status,  # type: ignore[union-attr]
+                            missing_bucket[0].reply.body,  # type: ignore[union-attr]
+                            server=address,
+                        )
+            if stale is not None:
+                self._adopt(stale)
+            ops = retry
+            if not ops:
+                break
+        if overwrite:
+            view = self._view
+            for key_raw, server, header in replaced:
+                self._after_overwrite(view, bucket, bucket_raw, key_raw, server, header,
+                                      persist=persist)
+        if first_error is not None:
+            raise first_error
+
+    def _group_ops(
+        self, view: _View, ops: Sequence[ExchangeOp], *, persist: bool
+    ) -> dict[str, list[ExchangeOp]]:
+        groups: dict[str, list[ExchangeOp]] = {}
+        server_for = view.placement.server_for
+        for op in ops:
+            op.reply = None
+            address = server_for(op.key, 0, persist=persist).address
+            group = groups.get(address)
+            if group is None:
+                groups[address] = [op]
+            else:
+                group.append(op)
+        return groups
+
+    def _run_groups(self, view: _View, groups: dict[str, list[ExchangeOp]]) -> None:
+        """Run each server's ops over one of its sessions, servers in parallel.
+
+        An op whose session failed before its reply came gets a synthetic reply carrying the
+        failure (a stale opening context, an unreachable server), so callers handle every
+        outcome per op, in one place.
+        """
+        window = self._config.exchange_window
+
+        def run(address: str, group: list[ExchangeOp]) -> None:
+            try:
+                self._connection(address).run(view.epoch, group, window)
+            except PocketflowError as exc:
+                failed = _failure_reply(exc)
+                for op in group:
+                    if op.reply is None:
+                        op.reply = failed
+
+        self._parallel([
+            lambda address=address, group=group: run(address, group)
+            for address, group in groups.items()
+        ])
+
+    # -- internals: data blocks --------------------------------------------------------------
+
+    def _block_server(self, view: _View, key_raw: bytes, index: int, persist: bool) -> ServerInfo:
+        return view.placement.server_for(key_raw, index, persist=persist)
+
+    def _read_blocks(
+        self, bucket: str, key: str, key_raw: bytes, header: ObjectHeader, start: int, end: int,
+        *, delete: bool, dest: memoryview | None = None,
+    ) -> Any:
+        """Read object bytes ``[start, end)`` of a large object from its data blocks.
+
+        With ``dest`` the bytes land in ``dest[0:end-start]`` and the count is returned;
+        without, they are returned as ``bytes`` (joined once from the received pieces).
+        """
+        view = self._view
+        block_size = header.block_size
+        first = start // block_size + 1
+        last = (end - 1) // block_size + 1
+        groups: dict[str, list[tuple[int, int, int]]] = {}
+        for index in range(first, last + 1):
+            block_start = (index - 1) * block_size
+            low = max(start, block_start)
+            high = min(end, block_start + block_size, header.size)
+            server = self._block_server(view, key_raw, index, header.persist)
+            groups.setdefault(server.address, []).append((index, low - block_start, high - low))
+        pieces: dict[int, list[tuple[int, pa.Buffer]]] = {}
+        received: dict[int, int] = {}
+        lock = threading.Lock()
+
+        def sink(index: int, offset: int, piece: pa.Buffer) -> None:
+            at = (index - 1) * block_size + offset - start
+            if dest is not None:
+                dest[at:at + piece.size] = memoryview(piece).cast("B")
+            with lock:
+                if dest is None:
+                    pieces.setdefault(index, []).append((at, piece))
+                received[index] = received.get(index, 0) + piece.size
+
+        def fetch(address: str, ranges: list[tuple[int, int, int]]) -> None:
+            for at in range(0, len(ranges), TICKET_RANGES_MAX):
+                chunk = ranges[at:at + TICKET_RANGES_MAX]
+                try:
+                    self._get_ranges_current(address, bucket, key, header.version, chunk,
+                                             delete=delete, sink=sink)
+                except NotFound:
+                    if view.epoch <= 1:
+                        raise
+                    self._fetch_moved_blocks(view, bucket, key, key_raw, header, address,
+                                             chunk, received, pieces, lock, sink, delete=delete)
+
+        self._parallel([
+            lambda address=address, ranges=ranges: fetch(address, ranges)
+            for address, ranges in groups.items()
+        ])
+        expected = end - start
+        if sum(received.values()) != expected:
+            raise PocketflowError(
+                f"internal: read {sum(received.values())} bytes of {key!r}, expected {expected}"
+            )
+        if dest is not None:
+            return expected
+        ordered = sorted(
+            (item for block in pieces.values() for item in block), key=lambda item: item[0]
+        )
+        return b"".join(memoryview(piece) for _, piece in ordered)
+
+    def _get_ranges_current(
+        self, address: str, bucket: str, key: str, version: int,
+        ranges: list[tuple[int, int, int]], *, delete: bool,
+        sink: Callable[[int, int, pa.Buffer], None],
+    ) -> None:
+        """One DoGet with the newest context; a stale epoch (refused before any byte was sent)
+        is adopted and the ticket sent again."""
+        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
+            ticket = get_ticket(self._view.ctx, bucket=bucket, key=key, version=version,
+                                ranges=ranges, delete=delete)
+            try:
+                self._connection(address).get_ranges(
+                    ticket, sink, nbytes=sum(length for _, _, length in ranges)
+                )
+                return
+            except StaleEpoch as exc:
+                if attempt == STALE_EPOCH_RETRIES_MAX:
+                    raise
+                self._adopt(exc)
+
+    def _fetch_moved_blocks(
+        self, view: _View, bucket: str, key: str, key_raw: bytes, header: ObjectHeader,
+        tried: str, ranges: list[tuple[int, int, int]], received: dict[int, int],
+        pieces: dict[int, list[tuple[int, pa.Buffer]]], lock: threading.Lock,
+        sink: Callable[[int, int, pa.Buffer], None], *, delete: bool,
+    ) -> None:
+        """Find blocks written under an earlier weight map: probe the other servers in order."""
+        for index, offset, length in ranges:
+            with lock:
+                if received.get(index, 0) == length:
+                    continue
+                received.pop(index, None)
+                pieces.pop(index, None)
+            for server in view.placement.ranked(key_raw, index):
+                if server.address == tried:
+                    continue
+                try:
+                    self._get_ranges_current(server.address, bucket, key, header.version,
+                                             [(index, offset, length)], delete=delete, sink=sink)
+                    break
+                except NotFound:
+                    continue
+            else:
+                raise ObjectNotFound(
+                    f"not_found: block {index} of {bucket}/{key} is on no server of the job"
+                )
+
+    def _delete_blocks(self, bucket: str, key: str, key_raw: bytes, header: ObjectHeader) -> None:
+        """Free a version's data blocks (best effort: a failure leaves garbage, not an error)."""
+        view = self._view
+        blocks = range(1, header.block_count + 1)
+        if view.epoch > 1:
+            # Blocks may have been placed under an earlier map: ask every server.
+            groups = {s.address: list(blocks) for s in _distinct_servers(view.handle.servers)}
+        else:
+            groups = {}
+            for index in blocks:
+                server = self._block_server(view, key_raw, index, header.persist)
+                groups.setdefault(server.address, []).append(index)
+        self._delete_block_groups(bucket, key, header.version, groups)
+
+    def _delete_block_groups(
+        self, bucket: str, key: str, version: int, groups: dict[str, list[int]]
+    ) -> None:
+        """Free the given blocks of one version, servers in parallel; failures are logged."""
+
+        def run(address: str, indices: list[int]) -> None:
+            try:
+                for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
+                    body = action_body(self._view.ctx, bucket=bucket, key=key, version=version,
+                                       blocks=indices)
+                    try:
+                        self._connection(address).action(ACTION_DELETE_BLOCKS, body)
+                        return
+                    except StaleEpoch as exc:
+                        if attempt == STALE_EPOCH_RETRIES_MAX:
+                            raise
+                        self._adopt(exc)
+            except PocketflowError as exc:
+                log.warning("could not free %d blocks of %s/%s on %s: %s", len(indices), bucket,
+                            key, address, exc)
+
+        self._parallel([
+            lambda address=address, indices=indices: run(address, indices)
+            for address, indices in groups.items()
+        ])
+
+
+_LIVE_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_LIVE_CLIENTS):
+        client._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class BlockUploader:
+    """Writes the data blocks of one new version of an object, many servers in parallel.
+
+    Blocks are grouped per server and each group goes over one DoPut stream. For data already in
+    memory (``streamed=False``) every server's blocks form one group, sent when :meth:`finish` is
+    called; for a stream, a server's group is sent once ``STREAM_GROUP_BYTES_MIN`` bytes wait for
+    it, so memory stays bounded. :meth:`abort` frees every block sent so far.
+    """
+
+    def __init__(
+        self, client: Client, bucket: str, key: str, key_raw: bytes, block_size: int, *,
+        persist: bool, streamed: bool,
+    ) -> None:
+        self.version = _new_version()
+        self._client = client
+        self._bucket = bucket
+        self._key = key
+        self._key_raw = key_raw
+        self._block_size = block_size
+        self._persist = persist
+        self._group_bytes = max(STREAM_GROUP_BYTES_MIN, block_size) if streamed else None
+        self._pending: dict[str, list[tuple[int, memoryview]]] = {}
+        self._pending_bytes: dict[str, int] = {}
+        self._pending_total = 0
+        self._placed: dict[str, set[int]] = {}
+        self._lock = threading.Lock()
+        self._futures: set[Future[None]] = set()
+        self._errors: list[BaseException] = []
+        self._inflight_max = client.config.io_threads
+        self._done = False
+
+    def add(self, index: int, data: memoryview) -> None:
+        """Queue data block ``index`` (1-based); may send groups and raise earlier failures."""
+        self._raise_failed()
+        view = self._client._view
+        address = self._client._block_server(view, self._key_raw, index, self._persist).address
+        self._pending.setdefault(address, []).append((index, data))
+        self._pending_bytes[address] = self._pending_bytes.get(address, 0) + len(data)
+        self._pending_total += len(data)
+        if self._group_bytes is None:
+            return
+        if self._pending_bytes[address] >= self._group_bytes:
+            self._submit(address)
+        elif self._pending_total >= STREAM_PENDING_GROUPS_MAX * self._group_bytes:
+            self._submit(max(self._pending_bytes, key=self._pending_bytes.__getitem__))
+
+    def finish(self) -> None:
+        """Send everything still queued and wait; raises the first failure (nothing is freed:
+        the caller calls :meth:`abort`)."""
+        addresses = list(self._pending)
+        inline = addresses.pop() if addresses else None
+        for address in addresses:
+            self._submit(address)
+        if inline is not None:
+            blocks = self._take(inline)
+            try:
+                self._send(inline, blocks)
+            except BaseException as exc:  # noqa: BLE001 - collected, raised below
+                self._errors.append(exc)
+        self._wait(0)
+        self._raise_failed()
+
+    def abort(self) -> None:
+        """Wait for sends in progress, then free every block this upload placed anywhere."""
+        if self._done:
+            return
+        self._done = True
+        for future in list(self._futures):
+            future.cancel()
+        self._wait(0, raise_errors=False)
+        with self._lock:
+            groups = {address: sorted(blocks) for address, blocks in self._placed.items() if blocks}
+        if groups:
+            client = self._client
+            client._delete_block_groups(self._bucket, self._key, self.version, groups)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _take(self, address: str) -> list[tuple[int, memoryview]]:
+        blocks = self._pending.pop(address)
+        self._pending_total -= self._pending_bytes.pop(address)
+        with self._lock:
+            self._placed.setdefault(address, set()).update(index for index, _ in blocks)
+        return blocks
+
+    def _submit(self, address: str) -> None:
+        blocks = self._take(address)
+        self._wait(self._inflight_max - 1)
+        future = self._client._executor_get().submit(self._send, address, blocks)
+        self._futures.add(future)
+
+    def _wait(self, most_left: int, *, raise_errors: bool = True) -> None:
+        while len(self._futures) > most_left:
+            done, _ = wait(self._futures, return_when=FIRST_COMPLETED)
+            for future in done:
+                self._futures.discard(future)
+                if future.cancelled():
+                    continue
+                exc = future.exception()
+                if exc is not None:
+                    self._errors.append(exc)
+        if raise_errors:
+            self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        if self._errors:
+            # CapacityExhausted is what the caller can act on; report it over follow-on failures.
+            for error in self._errors:
+                if isinstance(error, CapacityExhausted):
+                    raise error
+            raise self._errors[0]
+
+    def _send(self, address: str, blocks: list[tuple[int, memoryview]],
+              attempts_left: int = STALE_EPOCH_RETRIES_MAX) -> None:
+        client = self._client
+        repaired = False
+        while True:
+            view = client._view
+            command = put_descriptor(view.ctx, bucket=self._bucket, key=self._key,
+                                     version=self.version, block_size=self._block_size,
+                                     persist=self._persist)
+            try:
+                client._connection(address).put_blocks(command, blocks)
+                return
+            except StaleEpoch as exc:
+                if attempts_left == 0:
+                    raise
+                client._adopt(exc)
+                self._send_replaced(blocks, attempts_left - 1)
+                return
+            except BucketNotFound:
+                server = next((s for s in view.handle.servers if s.address == address), None)
+                if repaired or server is None or not client._repair_bucket(view, self._bucket,
+                                                                          server):
+                    raise
+                repaired = True
+
+    def _send_replaced(self, blocks: list[tuple[int, memoryview]], attempts_left: int) -> None:
+        """Send blocks again where the newly adopted weight map places them."""
+        view = self._client._view
+        regrouped: dict[str, list[tuple[int, memoryview]]] = {}
+        for index, data in blocks:
+            address = self._client._block_server(view, self._key_raw, index, self._persist).address
+            regrouped.setdefault(address, []).append((index, data))
+        with self._lock:
+            for address, group in regrouped.items():
+                self._placed.setdefault(address, set()).update(index for index, _ in group)
+        for address, group in regrouped.items():
+            self._send(address, group, attempts_left)
+
+
+def _stale_reply(exc: StaleEpoch) -> Reply:
+    """A reply standing for a session that failed with ``stale_epoch`` before running the op."""
+    body = "stale_epoch: " + encode_json(exc.weight_map) if exc.weight_map is not None else ""
+    return Reply(0, exc.grpc_code, None, memoryview(body.encode()))
+
+
+def _failure_reply(exc: PocketflowError) -> Reply:
+    """A reply standing for an op whose session failed with ``exc``."""
+    if isinstance(exc, StaleEpoch):
+        return _stale_reply(exc)
+    return Reply(0, exc.grpc_code, None, memoryview(exc.message.encode()))
+
+
+def _keys_of(result: dict[str, Any] | None) -> list[tuple[str, int]]:
+    if not result:
+        return []
+    return [(str(item["key"]), int(item.get("size", 0))) for item in result.get("keys", [])]
+
+
+def _distinct_servers(servers: Iterable[ServerInfo]) -> list[ServerInfo]:
+    seen: set[str] = set()
+    distinct: list[ServerInfo] = []
+    for server in servers:
+        if server.address not in seen:
+            seen.add(server.address)
+            distinct.append(server)
+    return distinct
+
+
+def _close_mmap(mapped: mmap.mmap) -> None:
+    try:
+        mapped.close()
+    except BufferError:
+        # A view still exported (a batch not yet collected); the mapping closes when it goes.
+        pass
+
+
+def connect(handle: JobHandle | str, **options: Any) -> Client:
+    """Connect to a job's storage servers with its handle (a :class:`JobHandle` or its JSON).
+
+    ``options`` are :class:`~pocketflow.config.ClientConfig` settings (``exchange_window``,
+    ``io_threads``, ``op_timeout_s``, ...); unset ones come from ``POCKETFLOW_*`` environment
+    variables, then the config file. No server is contacted until the first call.
+    """
+    if isinstance(handle, (str, bytes)):
+        handle = JobHandle.from_json(handle)
+    if not isinstance(handle, JobHandle):
+        raise InvalidRequest(f"expected a JobHandle or its JSON, got {type(handle).__name__}")
+    return Client(handle, ClientConfig.resolve(**options))

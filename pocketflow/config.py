@@ -1,0 +1,271 @@
+"""Client configuration: sizes and durations parsed once, from keywords, environment, then a file.
+
+Resolution order, first match wins, for every setting of :class:`ClientConfig`:
+
+1. keyword arguments (``pocketflow.connect(handle, exchange_window=128)``);
+2. environment variables ``POCKETFLOW_<NAME>`` with the setting's name upper-cased
+   (``POCKETFLOW_BLOCK_SIZE_BYTES=4MiB``, ``POCKETFLOW_OP_TIMEOUT_S=5s``);
+3. the ``[client]`` table of a TOML config file: the path in ``POCKETFLOW_CONFIG`` if set, else
+   ``~/.config/pocketflow/config.toml`` if it exists;
+4. the defaults below.
+
+Sizes accept an integer number of bytes or a string with a unit: ``"64MiB"``, ``"1 GB"``,
+``"4096"`` (``KB``/``MB``/``GB``/``TB`` are powers of 1000, ``KiB``/``MiB``/``GiB``/``TiB`` powers
+of 1024). Durations accept a number of seconds or a string: ``"30s"``, ``"500ms"``, ``"2m"``,
+``"250us"``, ``"1h"``. Anything else raises :class:`~pocketflow.errors.ConfigError`.
+
+=========================  ==========  ==========================================================
+setting                    default     meaning
+=========================  ==========  ==========================================================
+``block_size_bytes``       ``1MiB``    data block size of large objects written by this client;
+                                       unset, the job handle's block size is used
+``exchange_window``        ``64``      operations in flight per DoExchange session (1-256)
+``io_threads``             ``8``       threads moving data blocks to and from servers in parallel
+``sessions_per_server``    ``8``       most DoExchange sessions a client keeps open per server
+``connect_timeout_s``      ``5s``      how long a new session waits for its first reply (the
+                                       connection and the token check); at most ``op_timeout_s``
+``op_timeout_s``           ``30s``     how long one small operation may wait for its reply
+``rpc_timeout_s``          ``30s``     deadline of one action (lookup, enumerate, delete, ...)
+``stream_timeout_s``       ``300s``    longest deadline of one DoPut or DoGet stream; a stream
+                                       gets ``op_timeout_s`` plus 1 s per 8 MiB it moves, up to
+                                       this
+=========================  ==========  ==========================================================
+
+Other components read their own table of the same file with :func:`load_file_table`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pocketflow.errors import ConfigError
+from pocketflow.protocol import BLOCK_SIZE_DEFAULT_BYTES, BLOCK_SIZE_MAX_BYTES, SESSION_INFLIGHT_MAX
+
+__all__ = [
+    "ENV_PREFIX",
+    "CONFIG_PATH_ENV",
+    "DEFAULT_CONFIG_PATH",
+    "ClientConfig",
+    "parse_size",
+    "parse_duration",
+    "parse_bool",
+    "config_file_path",
+    "load_file_table",
+]
+
+ENV_PREFIX = "POCKETFLOW_"
+CONFIG_PATH_ENV = "POCKETFLOW_CONFIG"
+DEFAULT_CONFIG_PATH = Path("~/.config/pocketflow/config.toml")
+BLOCK_SIZE_MIN_BYTES = 4096
+IO_THREADS_MAX = 256
+SESSIONS_PER_SERVER_MAX = 64
+
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_DURATION_UNITS: dict[str, float] = {
+    "": 1.0,
+    "us": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "h": 3600.0,
+}
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: int | float | str, *, name: str = "size") -> int:
+    """Parse a size in bytes: ``1048576``, ``"64MiB"``, ``"1 GB"``; returns whole bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        number: float = value
+        unit = ""
+    elif isinstance(value, float):
+        number, unit = value, ""
+    elif isinstance(value, str):
+        match = _NUMBER_UNIT.match(value)
+        if match is None or match.group(2).lower() not in _SIZE_UNITS:
+            raise ConfigError(f"{name}: cannot parse size {value!r} (try '64MiB' or '1 GB')")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    else:
+        raise ConfigError(f"{name}: expected a size, got {type(value).__name__}")
+    if number < 0 or not math.isfinite(number):
+        raise ConfigError(f"{name}: size must be a finite non-negative number, got {value!r}")
+    scaled = number * _SIZE_UNITS[unit]
+    if scaled != int(scaled):
+        raise ConfigError(f"{name}: {value!r} is not a whole number of bytes")
+    return int(scaled)
+
+
+def parse_duration(value: int | float | str, *, name: str = "duration") -> float:
+    """Parse a duration in seconds: ``30``, ``"30s"``, ``"500ms"``, ``"2m"``; returns seconds."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a duration, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        match = _NUMBER_UNIT.match(value)
+        if match is None or match.group(2).lower() not in _DURATION_UNITS:
+            raise ConfigError(f"{name}: cannot parse duration {value!r} (try '30s' or '500ms')")
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+    else:
+        raise ConfigError(f"{name}: expected a duration, got {type(value).__name__}")
+    if seconds < 0 or not math.isfinite(seconds):
+        raise ConfigError(f"{name}: duration must be finite and non-negative, got {value!r}")
+    return seconds
+
+
+def parse_bool(value: bool | int | str, *, name: str = "flag") -> bool:
+    """Parse a boolean: ``True``, ``1``, ``"true"``, ``"yes"``, ``"on"`` (and their opposites)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+    raise ConfigError(f"{name}: cannot parse boolean {value!r}")
+
+
+def _parse_count(value: int | str, *, name: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
+        return int(value.strip())
+    raise ConfigError(f"{name}: expected an integer, got {value!r}")
+
+
+def config_file_path(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The config file in effect: ``$POCKETFLOW_CONFIG``, else the default path if it exists."""
+    env = os.environ if environ is None else environ
+    explicit = env.get(CONFIG_PATH_ENV)
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"{CONFIG_PATH_ENV}={explicit} is not a file")
+        return path
+    default = DEFAULT_CONFIG_PATH.expanduser()
+    return default if default.is_file() else None
+
+
+def load_file_table(table: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Read one table (``[client]``, ``[cluster]``, ...) of the config file; ``{}`` if absent."""
+    path = config_file_path(environ)
+    if path is None:
+        return {}
+    try:
+        with path.open("rb") as f:
+            document = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    section = document.get(table, {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: [{table}] must be a table")
+    return section
+
+
+def _validate_range(name: str, value: int, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise ConfigError(f"{name}: {value} is outside {low}..{high}")
+    return value
+
+
+_PARSERS: dict[str, Callable[[Any, str], Any]] = {
+    "block_size_bytes": lambda v, n: _validate_range(
+        n, parse_size(v, name=n), BLOCK_SIZE_MIN_BYTES, BLOCK_SIZE_MAX_BYTES
+    ),
+    "exchange_window": lambda v, n: _validate_range(
+        n, _parse_count(v, name=n), 1, SESSION_INFLIGHT_MAX
+    ),
+    "io_threads": lambda v, n: _validate_range(n, _parse_count(v, name=n), 1, IO_THREADS_MAX),
+    "sessions_per_server": lambda v, n: _validate_range(
+        n, _parse_count(v, name=n), 1, SESSIONS_PER_SERVER_MAX
+    ),
+    "connect_timeout_s": lambda v, n: parse_duration(v, name=n),
+    "op_timeout_s": lambda v, n: parse_duration(v, name=n),
+    "rpc_timeout_s": lambda v, n: parse_duration(v, name=n),
+    "stream_timeout_s": lambda v, n: parse_duration(v, name=n),
+}
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Resolved client settings; build with :meth:`ClientConfig.resolve`.
+
+    ``explicit`` names the settings that came from a keyword, the environment or the file rather
+    than from the defaults (the client uses the job handle's block size unless one was given).
+    """
+
+    block_size_bytes: int = BLOCK_SIZE_DEFAULT_BYTES
+    exchange_window: int = 64
+    io_threads: int = 8
+    sessions_per_server: int = 8
+    connect_timeout_s: float = 5.0
+    op_timeout_s: float = 30.0
+    rpc_timeout_s: float = 30.0
+    stream_timeout_s: float = 300.0
+    explicit: frozenset[str] = field(default=frozenset(), compare=False)
+
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """Names of every setting, as accepted by :meth:`resolve`."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "explicit")
+
+    @classmethod
+    def resolve(
+        cls, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> ClientConfig:
+        """Resolve every setting: keywords, then ``POCKETFLOW_*`` variables, then the file."""
+        env = os.environ if environ is None else environ
+        names = cls.setting_names()
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise ConfigError(
+                f"unknown client option(s) {', '.join(unknown)}; known: {', '.join(names)}"
+            )
+        file_table: dict[str, Any] | None = None
+        values: dict[str, Any] = {}
+        explicit: set[str] = set()
+        for name in names:
+            source: str
+            if overrides.get(name) is not None:
+                raw, source = overrides[name], name
+            elif (ENV_PREFIX + name.upper()) in env:
+                raw, source = env[ENV_PREFIX + name.upper()], ENV_PREFIX + name.upper()
+            else:
+                if file_table is None:
+                    file_table = load_file_table("client", env)
+                if name not in file_table:
+                    continue
+                raw, source = file_table[name], f"[client] {name}"
+            values[name] = _PARSERS[name](raw, source)
+            explicit.add(name)
+        if file_table:
+            stray = sorted(set(file_table) - set(names))
+            if stray:
+                raise ConfigError(f"unknown key(s) in [client] of the config file: {stray}")
+        return cls(**values, explicit=frozenset(explicit))

@@ -1,0 +1,344 @@
+"""One exception hierarchy for pocketflow, mapped once from the storage server's error kinds.
+
+Every failure the storage server reports has a *kind* (``not_found``, ``capacity_exhausted``, ...)
+that fixes its gRPC status code and opens its message (``"<kind>: <message>"``); over the
+DoExchange session the same code travels as a per-operation status byte. Each kind maps to exactly
+one exception class here (table in docs/PROTOCOL.md), so a caller can catch precisely the failure
+it can handle::
+
+    try:
+        data = pf.get("shuffle", "part-7", delete=True)
+    except pocketflow.ObjectNotFound:
+        ...
+
+The families (``NotFound``, ``AlreadyExists``, ``Unavailable``, ``FailedPrecondition``) group the
+kinds that share a gRPC code. :func:`error_from_flight` and :func:`error_from_status` are the only
+places where transport errors become pocketflow errors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+__all__ = [
+    "PocketflowError",
+    "NotFound",
+    "ObjectNotFound",
+    "BucketNotFound",
+    "JobNotRegistered",
+    "AlreadyExists",
+    "ObjectExists",
+    "BucketExists",
+    "CapacityExhausted",
+    "InvalidRequest",
+    "Unavailable",
+    "ServerDraining",
+    "DataUnavailable",
+    "PermissionDenied",
+    "FailedPrecondition",
+    "StaleEpoch",
+    "PersistNotSupported",
+    "InternalError",
+    "ServerStartError",
+    "ClusterError",
+    "ConfigError",
+    "GRPC_CODE_OK",
+    "error_from_kind",
+    "error_from_status",
+    "error_from_flight",
+]
+
+GRPC_CODE_OK = 0
+GRPC_CODE_CANCELLED = 1
+GRPC_CODE_UNKNOWN = 2
+GRPC_CODE_INVALID_ARGUMENT = 3
+GRPC_CODE_DEADLINE_EXCEEDED = 4
+GRPC_CODE_NOT_FOUND = 5
+GRPC_CODE_ALREADY_EXISTS = 6
+GRPC_CODE_PERMISSION_DENIED = 7
+GRPC_CODE_RESOURCE_EXHAUSTED = 8
+GRPC_CODE_FAILED_PRECONDITION = 9
+GRPC_CODE_INTERNAL = 13
+GRPC_CODE_UNAVAILABLE = 14
+GRPC_CODE_UNAUTHENTICATED = 16
+
+
+class PocketflowError(Exception):
+    """Base of every error pocketflow raises.
+
+    ``kind`` is the server's error kind (``None`` for client-side errors), ``grpc_code`` the gRPC
+    status code that carries it, ``server`` the ``host:port`` that reported it when known.
+    """
+
+    kind: str | None = None
+    grpc_code: int = GRPC_CODE_UNKNOWN
+
+    def __init__(self, message: str = "", *, server: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.server = server
+
+    def __str__(self) -> str:
+        if self.server:
+            return f"{self.message} (server {self.server})"
+        return self.message
+
+
+class NotFound(PocketflowError):
+    """Something named by the request does not exist."""
+
+    grpc_code = GRPC_CODE_NOT_FOUND
+
+
+class ObjectNotFound(NotFound):
+    """No object with this key in this bucket (or it was already consumed by a DELETE read)."""
+
+    kind = "not_found"
+
+
+class BucketNotFound(NotFound):
+    """The bucket does not exist."""
+
+    kind = "bucket_not_found"
+
+
+class JobNotRegistered(NotFound):
+    """The control plane does not know this job (never registered, or deregistered)."""
+
+    kind = "job_not_registered"
+
+
+class AlreadyExists(PocketflowError):
+    """A write-once name is already taken."""
+
+    grpc_code = GRPC_CODE_ALREADY_EXISTS
+
+
+class ObjectExists(AlreadyExists):
+    """The key already holds an object and the put did not ask to overwrite it."""
+
+    kind = "already_exists"
+
+
+class BucketExists(AlreadyExists):
+    """The bucket already exists."""
+
+    kind = "bucket_exists"
+
+
+class CapacityExhausted(PocketflowError):
+    """A storage tier is full; nothing of the failed write remains stored."""
+
+    kind = "capacity_exhausted"
+    grpc_code = GRPC_CODE_RESOURCE_EXHAUSTED
+
+
+class InvalidRequest(PocketflowError, ValueError):
+    """The request is malformed or breaks a protocol limit (also a ``ValueError``)."""
+
+    kind = "invalid_argument"
+    grpc_code = GRPC_CODE_INVALID_ARGUMENT
+
+
+class Unavailable(PocketflowError):
+    """A storage server cannot serve the request right now."""
+
+    grpc_code = GRPC_CODE_UNAVAILABLE
+
+
+class ServerDraining(Unavailable):
+    """The server is draining: it refuses writes but still serves reads and deletes."""
+
+    kind = "draining"
+
+
+class DataUnavailable(Unavailable):
+    """The server could not be reached: refused, reset, timed out or dead."""
+
+    kind = "unavailable"
+
+
+class PermissionDenied(PocketflowError):
+    """The capability token is missing, malformed, expired, wrong, or not for this job."""
+
+    kind = "permission_denied"
+    grpc_code = GRPC_CODE_PERMISSION_DENIED
+
+
+class FailedPrecondition(PocketflowError):
+    """The server is not in a state that allows the request."""
+
+    grpc_code = GRPC_CODE_FAILED_PRECONDITION
+
+
+class StaleEpoch(FailedPrecondition):
+    """The request used an old weight-map epoch; ``weight_map`` is the job's current map."""
+
+    kind = "stale_epoch"
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        weight_map: dict[str, Any] | None = None,
+        server: str | None = None,
+    ) -> None:
+        super().__init__(message, server=server)
+        self.weight_map: dict[str, Any] | None = weight_map
+
+
+class PersistNotSupported(FailedPrecondition):
+    """A PERSIST put reached a server that is not long-running (or no such server exists)."""
+
+    kind = "persist_refused"
+
+
+class InternalError(PocketflowError):
+    """The server failed in a way it did not expect; a bug worth reporting."""
+
+    kind = "internal"
+    grpc_code = GRPC_CODE_INTERNAL
+
+
+class ServerStartError(PocketflowError):
+    """A storage server process could not be found, started, or did not become ready."""
+
+
+class ClusterError(PocketflowError):
+    """The cluster (Ray, the controller, storage nodes) failed or is not running."""
+
+
+class ConfigError(PocketflowError, ValueError):
+    """A configuration value is unknown or cannot be parsed (also a ``ValueError``)."""
+
+
+_KIND_TO_CLASS: dict[str, type[PocketflowError]] = {
+    cls.kind: cls
+    for cls in (
+        ObjectNotFound,
+        BucketNotFound,
+        ObjectExists,
+        BucketExists,
+        CapacityExhausted,
+        InvalidRequest,
+        ServerDraining,
+        PermissionDenied,
+        StaleEpoch,
+        PersistNotSupported,
+        InternalError,
+    )
+    if cls.kind is not None
+}
+
+# The exception class for a gRPC code when the message names no kind we know.
+_CODE_TO_CLASS: dict[int, type[PocketflowError]] = {
+    GRPC_CODE_CANCELLED: DataUnavailable,
+    GRPC_CODE_INVALID_ARGUMENT: InvalidRequest,
+    GRPC_CODE_DEADLINE_EXCEEDED: DataUnavailable,
+    GRPC_CODE_NOT_FOUND: ObjectNotFound,
+    GRPC_CODE_ALREADY_EXISTS: ObjectExists,
+    GRPC_CODE_PERMISSION_DENIED: PermissionDenied,
+    GRPC_CODE_RESOURCE_EXHAUSTED: CapacityExhausted,
+    GRPC_CODE_FAILED_PRECONDITION: InternalError,
+    GRPC_CODE_INTERNAL: InternalError,
+    GRPC_CODE_UNAVAILABLE: DataUnavailable,
+    GRPC_CODE_UNAUTHENTICATED: PermissionDenied,
+}
+
+# Longest kinds first so that "bucket_not_found" is not read as "not_found".
+_KIND_PATTERN = re.compile(
+    r"(?<![A-Za-z0-9_])("
+    + "|".join(sorted((re.escape(k) for k in _KIND_TO_CLASS), key=len, reverse=True))
+    + r"): "
+)
+_JSON_DECODER = json.JSONDecoder()
+
+
+def error_from_kind(
+    kind: str, message: str, *, server: str | None = None
+) -> PocketflowError:
+    """Build the exception for a server error kind and the text after ``"<kind>: "``."""
+    cls = _KIND_TO_CLASS.get(kind)
+    if cls is None:
+        return InternalError(f"{kind}: {message}", server=server)
+    if cls is StaleEpoch:
+        weight_map: dict[str, Any] | None = None
+        try:
+            parsed, _ = _JSON_DECODER.raw_decode(message.lstrip())
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            weight_map = parsed
+        return StaleEpoch("stale_epoch: the job's weight map changed",
+                          weight_map=weight_map, server=server)
+    return cls(f"{kind}: {message}", server=server)
+
+
+def _from_text(text: str, code: int, server: str | None) -> PocketflowError:
+    match = _KIND_PATTERN.search(text)
+    if match is not None:
+        return error_from_kind(match.group(1), text[match.end():], server=server)
+    cls = _CODE_TO_CLASS.get(code, InternalError)
+    return cls(text, server=server)
+
+
+def error_from_status(
+    status: int, body: bytes | memoryview, *, server: str | None = None
+) -> PocketflowError:
+    """Map one DoExchange reply (status byte, UTF-8 body ``"<kind>: <message>"``) to an error."""
+    text = bytes(body).decode("utf-8", errors="replace")
+    return _from_text(text, status, server)
+
+
+def error_from_flight(exc: BaseException, *, server: str | None = None) -> PocketflowError:
+    """Map an exception raised by ``pyarrow.flight`` (or the socket below it) to a pocketflow error.
+
+    The kind is read from the message, which the server opens with ``"<kind>: "``; the exception
+    class only decides when no known kind appears (a transport failure, a proxy, a crash). The
+    caller raises the result ``from exc`` so the cause stays chained.
+    """
+    if isinstance(exc, PocketflowError):
+        return exc
+    # Imported here so that errors.py stays importable without pyarrow (the control plane's
+    # pure modules and the CLI import it).
+    import pyarrow as pa
+    import pyarrow.flight as flight
+
+    text = str(exc)
+    if isinstance(exc, flight.FlightUnavailableError):
+        code = GRPC_CODE_UNAVAILABLE
+    elif isinstance(exc, flight.FlightTimedOutError):
+        code = GRPC_CODE_DEADLINE_EXCEEDED
+    elif isinstance(exc, flight.FlightCancelledError):
+        code = GRPC_CODE_CANCELLED
+    elif isinstance(exc, flight.FlightUnauthorizedError):
+        code = GRPC_CODE_PERMISSION_DENIED
+    elif isinstance(exc, flight.FlightUnauthenticatedError):
+        code = GRPC_CODE_UNAUTHENTICATED
+    elif isinstance(exc, flight.FlightInternalError):
+        code = GRPC_CODE_INTERNAL
+    elif isinstance(exc, pa.ArrowKeyError):
+        code = GRPC_CODE_NOT_FOUND
+    elif isinstance(exc, pa.ArrowInvalid):
+        # Arrow folds INVALID_ARGUMENT, RESOURCE_EXHAUSTED and FAILED_PRECONDITION into Invalid;
+        # the kind in the message tells them apart.
+        if "resource exhausted" in text:
+            code = GRPC_CODE_RESOURCE_EXHAUSTED
+        elif "precondition" in text:
+            code = GRPC_CODE_FAILED_PRECONDITION
+        else:
+            code = GRPC_CODE_INVALID_ARGUMENT
+    elif isinstance(exc, (ConnectionError, TimeoutError, OSError)):
+        code = GRPC_CODE_UNAVAILABLE
+    else:
+        code = GRPC_CODE_INTERNAL
+    if code in (GRPC_CODE_UNAVAILABLE, GRPC_CODE_DEADLINE_EXCEEDED, GRPC_CODE_CANCELLED):
+        # A draining server answers UNAVAILABLE with its kind; anything else with these codes is
+        # the transport failing, whatever words the message happens to contain.
+        match = _KIND_PATTERN.search(text)
+        if match is not None and match.group(1) == ServerDraining.kind:
+            return error_from_kind(match.group(1), text[match.end():], server=server)
+        return DataUnavailable(f"unavailable: {text}", server=server)
+    return _from_text(text, code, server)

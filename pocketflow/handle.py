@@ -1,0 +1,175 @@
+"""The job handle: everything a task needs to reach its job's storage servers, as plain data.
+
+A job registers with the control plane once and receives a :class:`JobHandle`; the framework hands
+it to its tasks (JSON or pickle, under 4 KiB for 64 servers) and tasks talk straight to the
+storage servers with it, never to Ray.
+
+The *weight map* is the part of the handle that changes when the controller resizes a job::
+
+    {"epoch": 2, "servers": [["dram-0", "127.0.0.1:40123", "dram", 1.0, 1], ...]}
+
+with one ``[node_id, address, tier, weight, persist]`` row per server. The controller passes it
+to ``set_epoch``; a server that sees an older epoch returns it in its ``stale_epoch`` error and the
+client applies it with :meth:`JobHandle.with_weight_map`. Weights are rounded to
+:data:`WEIGHT_SIGNIFICANT_DIGITS` digits when a :class:`ServerInfo` is built, so a handle placed
+from memory and the same handle read back from JSON place every key identically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pocketflow.errors import InvalidRequest
+from pocketflow.protocol import (
+    BLOCK_SIZE_DEFAULT_BYTES,
+    BLOCK_SIZE_MAX_BYTES,
+    JOB_ID_MAX_BYTES,
+    context,
+)
+
+__all__ = ["ServerInfo", "JobHandle", "TIERS", "WEIGHT_SIGNIFICANT_DIGITS"]
+
+TIERS = ("dram", "nvme")
+WEIGHT_SIGNIFICANT_DIGITS = 6
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """One storage server in a job's weight map.
+
+    ``address`` is ``"host:port"``; ``weight`` is the server's share of the job's new data (0 means
+    no new data, but its records stay readable); ``persist`` marks a long-running server that
+    accepts PERSIST objects.
+    """
+
+    node_id: str
+    address: str
+    tier: str
+    weight: float
+    persist: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            raise InvalidRequest("server node_id must not be empty")
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise InvalidRequest(f"server address must be 'host:port', got {self.address!r}")
+        if self.tier not in TIERS:
+            raise InvalidRequest(f"server tier must be one of {TIERS}, got {self.tier!r}")
+        weight = float(self.weight)
+        if not math.isfinite(weight) or weight < 0:
+            raise InvalidRequest(f"server weight must be finite and >= 0, got {self.weight!r}")
+        object.__setattr__(self, "weight", float(f"{weight:.{WEIGHT_SIGNIFICANT_DIGITS}g}"))
+        object.__setattr__(self, "persist", bool(self.persist))
+
+    def to_row(self) -> list[Any]:
+        """The compact ``[node_id, address, tier, weight, persist]`` row of the weight map."""
+        weight: float | int = int(self.weight) if self.weight.is_integer() else self.weight
+        return [self.node_id, self.address, self.tier, weight, 1 if self.persist else 0]
+
+    @classmethod
+    def from_row(cls, row: Any) -> ServerInfo:
+        """Parse a weight-map row (or a dict with the field names)."""
+        if isinstance(row, dict):
+            return cls(
+                str(row["node_id"]), str(row["address"]), str(row["tier"]),
+                float(row["weight"]), bool(row.get("persist", False)),
+            )
+        if not isinstance(row, (list, tuple)) or len(row) != 5:
+            raise InvalidRequest(f"weight-map row must have 5 fields, got {row!r}")
+        node_id, address, tier, weight, persist = row
+        return cls(str(node_id), str(address), str(tier), float(weight), bool(persist))
+
+
+def _servers_from_map(weight_map: Any) -> tuple[int, tuple[ServerInfo, ...]]:
+    if not isinstance(weight_map, dict) or "epoch" not in weight_map or "servers" not in weight_map:
+        raise InvalidRequest(f"weight map must be {{'epoch', 'servers'}}, got {weight_map!r:.200}")
+    try:
+        epoch = int(weight_map["epoch"])
+        servers = tuple(ServerInfo.from_row(row) for row in weight_map["servers"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequest(f"malformed weight map: {exc}") from exc
+    return epoch, servers
+
+
+@dataclass(frozen=True, slots=True)
+class JobHandle:
+    """A registered job: id, weight-map epoch, storage servers, capability token, block size."""
+
+    job_id: str
+    name: str
+    epoch: int
+    servers: tuple[ServerInfo, ...]
+    token: str
+    block_size_bytes: int = BLOCK_SIZE_DEFAULT_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.job_id or len(self.job_id.encode()) > JOB_ID_MAX_BYTES:
+            raise InvalidRequest(f"job id must be 1..{JOB_ID_MAX_BYTES} bytes")
+        if not 0 < self.block_size_bytes <= BLOCK_SIZE_MAX_BYTES:
+            raise InvalidRequest(
+                f"block size must be 1..{BLOCK_SIZE_MAX_BYTES} bytes, got {self.block_size_bytes}"
+            )
+        if not isinstance(self.servers, tuple):
+            object.__setattr__(self, "servers", tuple(self.servers))
+        node_ids = [s.node_id for s in self.servers]
+        if len(set(node_ids)) != len(node_ids):
+            raise InvalidRequest(f"duplicate node ids in the weight map: {node_ids}")
+
+    def weight_map(self) -> dict[str, Any]:
+        """The JSON-able weight map: ``{"epoch": n, "servers": [[node_id, address, ...], ...]}``."""
+        return {"epoch": self.epoch, "servers": [s.to_row() for s in self.servers]}
+
+    def with_weight_map(self, weight_map: dict[str, Any]) -> JobHandle:
+        """This handle with another epoch and servers (from ``set_epoch`` or ``stale_epoch``)."""
+        epoch, servers = _servers_from_map(weight_map)
+        return dataclasses.replace(self, epoch=epoch, servers=servers)
+
+    def context(self) -> dict[str, Any]:
+        """The capability context (``{"job", "epoch", "token"}``) that every request carries."""
+        return context(self.job_id, self.epoch, self.token)
+
+    def to_json(self) -> str:
+        """Compact JSON, the form a framework passes to its tasks."""
+        return _dumps({
+            "job": self.job_id,
+            "name": self.name,
+            "epoch": self.epoch,
+            "token": self.token,
+            "block_size": self.block_size_bytes,
+            "servers": [s.to_row() for s in self.servers],
+        })
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JobHandle:
+        """Parse :meth:`to_json` output."""
+        try:
+            doc = json.loads(text)
+            epoch, servers = _servers_from_map(doc)
+            return cls(
+                job_id=str(doc["job"]),
+                name=str(doc.get("name", "")),
+                epoch=epoch,
+                servers=servers,
+                token=str(doc["token"]),
+                block_size_bytes=int(doc.get("block_size", BLOCK_SIZE_DEFAULT_BYTES)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, InvalidRequest):
+                raise
+            raise InvalidRequest(f"malformed job handle: {exc}") from exc
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # Pickle as the compact JSON: a 64-server handle stays well under 4 KiB.
+        return (JobHandle.from_json, (self.to_json(),))
+
+    def __repr__(self) -> str:
+        return (
+            f"JobHandle(job_id={self.job_id!r}, name={self.name!r}, epoch={self.epoch}, "
+            f"servers=<{len(self.servers)}>, block_size_bytes={self.block_size_bytes})"
+        )

@@ -1,0 +1,143 @@
+"""Weighted rendezvous hashing: which storage server holds block ``i`` of key ``k``.
+
+Each ``(key, block index)`` is hashed once (BLAKE2b, 8 bytes); each server has a 64-bit seed
+derived from its node id. The pair's score on a server is ``-weight / ln(u)`` where ``u`` in (0, 1)
+comes from a SplitMix64 mix of the hash with the server's seed, and the highest score wins
+(Schindelhauer and Schomaker's weighted rendezvous). So every server gets a share of keys
+proportional to its weight, adding a server moves only the keys that now score highest on it, and
+the result depends on nothing but the key and the weight map (never on Python's ``hash``), so
+every process of a job places every block the same way.
+
+Small objects and manifests are block 0; data block ``i`` of a large object is placed by
+``(key, i)``, which stripes a large object over the job's servers. PERSIST objects are placed over
+the servers marked ``persist`` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+
+from pocketflow.errors import DataUnavailable, PersistNotSupported
+from pocketflow.handle import ServerInfo
+
+__all__ = ["Placement", "hash_block", "server_seed"]
+
+_MASK64 = (1 << 64) - 1
+_MIX_1 = 0xBF58476D1CE4E5B9
+_MIX_2 = 0x94D049BB133111EB
+_GOLDEN = 0x9E3779B97F4A7C15
+_TWO_POW_MINUS_53 = 2.0**-53
+
+
+def hash_block(key: bytes, block: int) -> int:
+    """64-bit hash of ``(key, block index)``; the block index is appended as 4 bytes."""
+    digest = hashlib.blake2b(key + block.to_bytes(4, "little"), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def server_seed(node_id: str) -> int:
+    """64-bit seed of a server, from its node id."""
+    digest = hashlib.blake2b(node_id.encode(), digest_size=8, person=b"pf-seed").digest()
+    return int.from_bytes(digest, "little")
+
+
+def _unit(h: int, seed: int) -> float:
+    """SplitMix64 finalizer of ``h ^ seed`` mapped to the open interval (0, 1)."""
+    z = ((h ^ seed) + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX_1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX_2) & _MASK64
+    z ^= z >> 31
+    return ((z >> 11) + 0.5) * _TWO_POW_MINUS_53
+
+
+class _Pool:
+    """Servers eligible for one kind of placement, with their seeds and weights precomputed."""
+
+    __slots__ = ("servers", "seeds", "weights", "seeded_weights", "uniform")
+
+    def __init__(self, servers: Sequence[ServerInfo], weights: Sequence[float]) -> None:
+        self.servers = tuple(servers)
+        self.seeds = tuple(server_seed(s.node_id) for s in servers)
+        self.weights = tuple(weights)
+        self.seeded_weights = tuple(zip(self.seeds, self.weights, strict=True))
+        self.uniform = len(set(self.weights)) <= 1
+
+    def pick(self, h: int) -> ServerInfo:
+        # The mix of _unit, inlined: this loop runs for every block placed.
+        best = 0
+        best_score = -1.0
+        if self.uniform:
+            # Equal weights: the largest mixed value wins, no logarithm needed.
+            for i, seed in enumerate(self.seeds):
+                z = ((h ^ seed) + _GOLDEN) & _MASK64
+                z = ((z ^ (z >> 30)) * _MIX_1) & _MASK64
+                z = ((z ^ (z >> 27)) * _MIX_2) & _MASK64
+                z ^= z >> 31
+                if z > best_score:
+                    best_score, best = z, i
+        else:
+            log = math.log
+            for i, (seed, weight) in enumerate(self.seeded_weights):
+                z = ((h ^ seed) + _GOLDEN) & _MASK64
+                z = ((z ^ (z >> 30)) * _MIX_1) & _MASK64
+                z = ((z ^ (z >> 27)) * _MIX_2) & _MASK64
+                z ^= z >> 31
+                score = -weight / log(((z >> 11) + 0.5) * _TWO_POW_MINUS_53)
+                if score > best_score:
+                    best_score, best = score, i
+        return self.servers[best]
+
+    def ranked(self, h: int) -> list[ServerInfo]:
+        scored = sorted(
+            ((-w / math.log(_unit(h, seed)), i) for i, (seed, w) in
+             enumerate(zip(self.seeds, self.weights, strict=True))),
+            reverse=True,
+        )
+        return [self.servers[i] for _, i in scored]
+
+
+class Placement:
+    """Placement of blocks over one weight map (build once per epoch; immutable, thread-safe)."""
+
+    def __init__(self, servers: Sequence[ServerInfo]) -> None:
+        self.servers: tuple[ServerInfo, ...] = tuple(servers)
+        active = [s for s in servers if s.weight > 0]
+        self._ephemeral = _Pool(active, [s.weight for s in active]) if active else None
+        persist_active = [s for s in active if s.persist]
+        if persist_active:
+            self._persist: _Pool | None = _Pool(persist_active, [s.weight for s in persist_active])
+        else:
+            # Long-running servers that get no new ephemeral data still take PERSIST objects.
+            persist_any = [s for s in servers if s.persist]
+            self._persist = _Pool(persist_any, [1.0] * len(persist_any)) if persist_any else None
+        # For fallback reads: every server of the map, weight-0 servers with a tiny weight so that
+        # they rank after every active server.
+        weights_all = [s.weight if s.weight > 0 else 1e-9 for s in servers]
+        self._all = _Pool(servers, weights_all) if servers else None
+
+    def server_for(self, key: bytes, block: int = 0, *, persist: bool = False) -> ServerInfo:
+        """The server that holds block ``block`` of ``key`` (UTF-8 bytes)."""
+        return self.server_for_hash(hash_block(key, block), persist=persist)
+
+    def server_for_hash(self, h: int, *, persist: bool = False) -> ServerInfo:
+        """The server for a precomputed :func:`hash_block` value."""
+        pool = self._persist if persist else self._ephemeral
+        if pool is None:
+            if persist:
+                raise PersistNotSupported(
+                    "persist_refused: the job's weight map has no long-running server"
+                )
+            raise DataUnavailable("unavailable: the job's weight map has no server with weight > 0")
+        return pool.pick(h)
+
+    def ranked(self, key: bytes, block: int = 0) -> list[ServerInfo]:
+        """Every server of the map, best-scoring first (the order fallback reads probe in)."""
+        if self._all is None:
+            return []
+        return self._all.ranked(hash_block(key, block))
+
+    def has_persist(self) -> bool:
+        """Whether PERSIST objects can be placed at all."""
+        return self._persist is not None

@@ -1,0 +1,208 @@
+"""Pytest plugin: real `pocketflow-server` processes (no Ray) and a connected client per test.
+
+Session scope: a cluster secret (0600 file) and three servers: ``dram-0`` (long-running),
+``dram-1`` and ``nvme-0`` (long-running, on a temporary file). Test scope: a fresh job on them
+(``job_handle``), told its epoch by the admin client, and a connected ``client``; at teardown the
+job's data is freed with ``delete_job``. ``server_factory`` starts private servers that a test may
+fill or kill. Every process started here is stopped by its process id.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from pocketflow.auth import make_token, write_secret_file
+from pocketflow.client import Client, connect
+from pocketflow.errors import PocketflowError, ServerStartError
+from pocketflow.handle import JobHandle, ServerInfo
+from pocketflow.server_process import ServerSpec, StorageServerProcess, find_server_binary
+from pocketflow.transport import AdminClient
+
+TOKEN_TTL_S = 3600.0
+SERVER_THREADS = 2
+DRAM_CAPACITY_BYTES = 96 * 1024 * 1024
+NVME_CAPACITY_BYTES = 128 * 1024 * 1024
+TEST_BLOCK_SIZE_BYTES = 1024 * 1024
+CLIENT_OPTIONS = {"op_timeout_s": "10s", "rpc_timeout_s": "10s", "stream_timeout_s": "60s"}
+
+
+def _require_binary() -> None:
+    try:
+        find_server_binary()
+    except ServerStartError as exc:
+        pytest.fail(
+            f"the storage server binary is missing ({exc}); build it with "
+            "`cd servers && cargo build --release -p pocketflow-server`",
+            pytrace=False,
+        )
+
+
+@dataclass
+class ServerSet:
+    """Running servers that share one cluster secret, and how to make jobs on them."""
+
+    secret: bytes
+    secret_file: Path
+    processes: list[StorageServerProcess] = field(default_factory=list)
+    infos: list[ServerInfo] = field(default_factory=list)
+
+    def admin_token(self) -> str:
+        """A fresh admin token."""
+        return make_token(self.secret, "__admin__", ttl_s=TOKEN_TTL_S)
+
+    def admin(self, address: str) -> AdminClient:
+        """An admin client for one server (the caller closes it)."""
+        return AdminClient(address, self.admin_token())
+
+    def handle(
+        self,
+        *,
+        job_id: str | None = None,
+        servers: Sequence[ServerInfo] | None = None,
+        epoch: int = 1,
+        block_size_bytes: int = TEST_BLOCK_SIZE_BYTES,
+        set_epoch: bool = True,
+    ) -> JobHandle:
+        """A new job's handle over ``servers`` (default: all), told to the servers."""
+        job = job_id or f"test-{uuid.uuid4().hex[:12]}"
+        chosen = tuple(self.infos if servers is None else servers)
+        handle = JobHandle(
+            job_id=job,
+            name="test",
+            epoch=epoch,
+            servers=chosen,
+            token=make_token(self.secret, job, ttl_s=TOKEN_TTL_S),
+            block_size_bytes=block_size_bytes,
+        )
+        if set_epoch:
+            self.set_epoch(handle)
+        return handle
+
+    def set_epoch(self, handle: JobHandle, servers: Sequence[ServerInfo] | None = None) -> None:
+        """Tell servers (default: the handle's) the handle's epoch and weight map."""
+        for server in handle.servers if servers is None else servers:
+            with self.admin(server.address) as admin:
+                admin.set_epoch(handle.job_id, handle.epoch, handle.weight_map())
+
+    def delete_job(self, handle: JobHandle) -> None:
+        """Free a job's non-PERSIST data on every server it used (best effort)."""
+        for server in handle.servers:
+            try:
+                with self.admin(server.address) as admin:
+                    admin.delete_job(handle.job_id)
+            except PocketflowError:
+                pass
+
+    def start(
+        self,
+        node_id: str,
+        tier: str,
+        capacity_bytes: int,
+        *,
+        long_running: bool = False,
+        nvme_path: Path | None = None,
+        weight: float = 1.0,
+    ) -> ServerInfo:
+        """Start one more server with this set's secret; returns its weight-map entry."""
+        process = StorageServerProcess(ServerSpec(
+            node_id=node_id,
+            tier=tier,
+            capacity_bytes=capacity_bytes,
+            secret_file=self.secret_file,
+            long_running=long_running,
+            nvme_path=nvme_path,
+            threads=SERVER_THREADS,
+        ))
+        self.processes.append(process)
+        address = process.start()
+        info = ServerInfo(node_id, address, tier, weight, long_running)
+        self.infos.append(info)
+        return info
+
+    def process(self, node_id: str) -> StorageServerProcess:
+        """The process of a server by node id."""
+        return next(p for p in self.processes if p.spec.node_id == node_id)
+
+    def stop_all(self) -> None:
+        """Stop every server this set started, by process id."""
+        for process in self.processes:
+            try:
+                process.stop()
+            except (OSError, ServerStartError):
+                pass
+
+
+@pytest.fixture(scope="session")
+def cluster_secret_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, Path]:
+    """The session's cluster secret and its 0600 file."""
+    path = tmp_path_factory.mktemp("secret") / "cluster.secret"
+    return write_secret_file(path), path
+
+
+@pytest.fixture(scope="session")
+def storage_servers(
+    cluster_secret_file: tuple[bytes, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerSet]:
+    """Three real servers for the session: dram-0 (long-running), dram-1, nvme-0 (long-running)."""
+    _require_binary()
+    secret, secret_file = cluster_secret_file
+    servers = ServerSet(secret, secret_file)
+    nvme_file = tmp_path_factory.mktemp("nvme") / "nvme-0.img"
+    try:
+        servers.start("dram-0", "dram", DRAM_CAPACITY_BYTES, long_running=True)
+        servers.start("dram-1", "dram", DRAM_CAPACITY_BYTES)
+        servers.start("nvme-0", "nvme", NVME_CAPACITY_BYTES, long_running=True,
+                      nvme_path=nvme_file)
+        yield servers
+    finally:
+        servers.stop_all()
+
+
+@pytest.fixture
+def job_handle(storage_servers: ServerSet) -> Iterator[JobHandle]:
+    """A fresh job on the session's servers; its data is freed at teardown."""
+    handle = storage_servers.handle()
+    try:
+        yield handle
+    finally:
+        storage_servers.delete_job(handle)
+
+
+@pytest.fixture
+def client(job_handle: JobHandle) -> Iterator[Client]:
+    """A client of the fresh job, with bounded timeouts."""
+    with connect(job_handle, **CLIENT_OPTIONS) as connected:
+        yield connected
+
+
+@pytest.fixture
+def server_factory(
+    cluster_secret_file: tuple[bytes, Path], tmp_path: Path
+) -> Iterator[Callable[..., tuple[ServerSet, ServerInfo]]]:
+    """Start private servers (to fill or kill) with the session secret; stopped at teardown."""
+    _require_binary()
+    secret, secret_file = cluster_secret_file
+    servers = ServerSet(secret, secret_file)
+
+    def start(
+        node_id: str = "private-0",
+        tier: str = "dram",
+        capacity_bytes: int = 8 * 1024 * 1024,
+        *,
+        long_running: bool = False,
+        weight: float = 1.0,
+    ) -> tuple[ServerSet, ServerInfo]:
+        nvme_path = tmp_path / f"{node_id}.img" if tier == "nvme" else None
+        info = servers.start(node_id, tier, capacity_bytes, long_running=long_running,
+                             nvme_path=nvme_path, weight=weight)
+        return servers, info
+
+    try:
+        yield start
+    finally:
+        servers.stop_all()

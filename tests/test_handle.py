@@ -1,0 +1,97 @@
+"""The job handle: plain data, compact, and a weight map that round-trips exactly."""
+
+import pickle
+
+import pytest
+
+from pocketflow.errors import InvalidRequest
+from pocketflow.handle import JobHandle, ServerInfo
+from pocketflow.placement import Placement
+
+TOKEN = "1767225600000." + "ab" * 32
+
+
+def _handle(servers: int = 3, *, weight: float = 1.0) -> JobHandle:
+    infos = tuple(
+        ServerInfo(
+            node_id=f"{'dram' if i % 2 else 'nvme'}-{i}",
+            address=f"127.0.0.1:{40000 + i}",
+            tier="dram" if i % 2 else "nvme",
+            weight=weight / (i + 1),
+            persist=i % 4 == 0,
+        )
+        for i in range(servers)
+    )
+    return JobHandle("sort-3f2a9c", "sort", 1, infos, TOKEN)
+
+
+def test_json_and_pickle_round_trip() -> None:
+    handle = _handle()
+    assert JobHandle.from_json(handle.to_json()) == handle
+    assert pickle.loads(pickle.dumps(handle)) == handle
+    assert handle.block_size_bytes == 1024 * 1024
+
+
+def test_sixty_four_servers_fit_in_four_kib() -> None:
+    handle = _handle(64)
+    assert len(handle.to_json().encode()) < 4096
+    assert len(pickle.dumps(handle)) < 4096
+    assert len(handle.servers) == 64
+
+
+def test_weights_are_rounded_so_json_places_identically() -> None:
+    handle = _handle(7)
+    assert handle.servers[2].weight == 0.333333
+    copy = JobHandle.from_json(handle.to_json())
+    a, b = Placement(handle.servers), Placement(copy.servers)
+    for i in range(2000):
+        key = f"k{i}".encode()
+        assert a.server_for(key, i % 5) == b.server_for(key, i % 5)
+
+
+def test_weight_map_round_trip_and_apply() -> None:
+    handle = _handle(3)
+    weight_map = handle.weight_map()
+    assert weight_map["epoch"] == 1
+    assert weight_map["servers"][0] == ["nvme-0", "127.0.0.1:40000", "nvme", 1, 1]
+    grown = dict(weight_map, epoch=2,
+                 servers=[*weight_map["servers"], ["dram-9", "127.0.0.1:49", "dram", 2.5, 0]])
+    newer = handle.with_weight_map(grown)
+    assert newer.epoch == 2 and len(newer.servers) == 4
+    assert newer.servers[-1] == ServerInfo("dram-9", "127.0.0.1:49", "dram", 2.5, False)
+    assert newer.token == handle.token and newer.job_id == handle.job_id
+    assert handle.epoch == 1  # frozen: the original is untouched
+    assert newer.context() == {"job": "sort-3f2a9c", "epoch": 2, "token": TOKEN}
+
+
+def test_repr_hides_the_token() -> None:
+    assert TOKEN not in repr(_handle())
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        ["a", "nohost", "dram", 1, 0],
+        ["a", "127.0.0.1:1", "tape", 1, 0],
+        ["a", "127.0.0.1:1", "dram", -1, 0],
+        ["", "127.0.0.1:1", "dram", 1, 0],
+        ["a", "127.0.0.1:1", "dram"],
+    ],
+)
+def test_malformed_rows_are_refused(row: list[object]) -> None:
+    with pytest.raises(InvalidRequest):
+        _handle().with_weight_map({"epoch": 2, "servers": [row]})
+
+
+def test_malformed_handles_are_refused() -> None:
+    with pytest.raises(InvalidRequest):
+        JobHandle.from_json("{}")
+    with pytest.raises(InvalidRequest):
+        JobHandle.from_json("not json")
+    with pytest.raises(InvalidRequest):
+        _handle().with_weight_map({"servers": []})
+    duplicate = ServerInfo("a", "127.0.0.1:1", "dram", 1)
+    with pytest.raises(InvalidRequest):
+        JobHandle("j", "n", 1, (duplicate, duplicate), TOKEN)
+    with pytest.raises(InvalidRequest):
+        JobHandle("j", "n", 1, (duplicate,), TOKEN, block_size_bytes=0)

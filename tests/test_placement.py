@@ -1,0 +1,111 @@
+"""Weighted rendezvous placement: proportional, minimal movement, deterministic everywhere."""
+
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from pocketflow.errors import PersistNotSupported
+from pocketflow.handle import ServerInfo
+from pocketflow.placement import Placement, hash_block
+
+KEYS = 100_000
+
+
+def _servers(weights: list[float], *, persist: set[int] | None = None) -> list[ServerInfo]:
+    return [
+        ServerInfo(f"node-{i}", f"127.0.0.1:{30000 + i}", "dram", w, i in (persist or set()))
+        for i, w in enumerate(weights)
+    ]
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [[1, 1, 1], [1, 2, 3], [0.5, 4, 1, 2.5], [3, 1, 1, 1, 1, 1, 1, 1, 2, 5]],
+)
+def test_shares_follow_weights(weights: list[float]) -> None:
+    servers = _servers(weights)
+    placement = Placement(servers)
+    counts = Counter(placement.server_for(f"key-{i}".encode()).node_id for i in range(KEYS))
+    total = sum(weights)
+    for server, weight in zip(servers, weights, strict=True):
+        share = counts[server.node_id] / KEYS
+        assert abs(share - weight / total) < 0.02, (server.node_id, share, weight / total)
+
+
+def test_blocks_of_one_key_spread_too() -> None:
+    placement = Placement(_servers([1, 1, 1, 1]))
+    counts = Counter(placement.server_for(b"one-big-object", i).node_id for i in range(20_000))
+    assert all(abs(c / 20_000 - 0.25) < 0.02 for c in counts.values())
+
+
+def test_adding_a_server_moves_only_keys_to_it() -> None:
+    before = Placement(_servers([1, 2, 1]))
+    grown = _servers([1, 2, 1]) + [ServerInfo("node-new", "127.0.0.1:39999", "nvme", 2)]
+    after = Placement(grown)
+    moved = 0
+    for i in range(20_000):
+        key = f"key-{i}".encode()
+        old, new = before.server_for(key), after.server_for(key)
+        if old != new:
+            assert new.node_id == "node-new"
+            moved += 1
+    assert abs(moved / 20_000 - 2 / 6) < 0.03
+
+
+def test_zero_weight_servers_get_nothing_but_rank_last() -> None:
+    servers = _servers([1, 0, 1])
+    placement = Placement(servers)
+    assert all(placement.server_for(f"k{i}".encode()).node_id != "node-1" for i in range(5000))
+    ranked = placement.ranked(b"some-key")
+    assert [s.node_id for s in ranked][-1] == "node-1"
+    assert ranked[0] == placement.server_for(b"some-key")
+
+
+def test_persist_objects_go_to_persist_servers_only() -> None:
+    placement = Placement(_servers([1, 1, 1, 1], persist={1, 3}))
+    counts = Counter(
+        placement.server_for(f"k{i}".encode(), persist=True).node_id for i in range(10_000)
+    )
+    assert set(counts) == {"node-1", "node-3"}
+    assert abs(counts["node-1"] / 10_000 - 0.5) < 0.03
+    with pytest.raises(PersistNotSupported):
+        Placement(_servers([1, 1])).server_for(b"k", persist=True)
+
+
+def test_long_running_server_with_zero_weight_still_takes_persist() -> None:
+    placement = Placement(_servers([1, 0], persist={1}))
+    assert placement.server_for(b"k", persist=True).node_id == "node-1"
+
+
+def test_hash_is_python_hash_free() -> None:
+    assert hash_block(b"key", 0) != hash_block(b"key", 1)
+    assert hash_block(b"ke", 0) != hash_block(b"k", 0)
+    assert 0 <= hash_block(b"x", 7) < 2**64
+
+
+_CHILD = """
+from pocketflow.handle import ServerInfo
+from pocketflow.placement import Placement
+servers = [ServerInfo(f"node-{i}", f"127.0.0.1:{30000 + i}", "dram", 1 + i % 3) for i in range(5)]
+p = Placement(servers)
+print(",".join(p.server_for(f"key-{i}".encode(), i % 4).node_id for i in range(500)))
+"""
+
+
+def test_deterministic_across_processes() -> None:
+    outputs = set()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=root)
+        out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
+                             text=True, check=True, timeout=60)
+        outputs.add(out.stdout.strip())
+    assert len(outputs) == 1
+    servers = [ServerInfo(f"node-{i}", f"127.0.0.1:{30000 + i}", "dram", 1 + i % 3)
+               for i in range(5)]
+    here = Placement(servers)
+    expected = ",".join(here.server_for(f"key-{i}".encode(), i % 4).node_id for i in range(500))
+    assert outputs == {expected}

@@ -1,0 +1,78 @@
+"""Transport pieces against a real server: the admin client and session behaviour."""
+
+from __future__ import annotations
+
+import pytest
+from fixtures_servers import ServerSet
+
+from pocketflow.auth import make_token
+from pocketflow.errors import DataUnavailable, PermissionDenied
+from pocketflow.handle import JobHandle
+from pocketflow.protocol import OP_GET, OP_PUT, SMALL_OBJECT_MAX_BYTES, small_header
+from pocketflow.transport import AdminClient, ExchangeOp, ServerConnection
+
+
+def test_admin_client(storage_servers: ServerSet, job_handle: JobHandle) -> None:
+    server = storage_servers.infos[0]
+    with storage_servers.admin(server.address) as admin:
+        stats = admin.stats()
+        assert stats["node_id"] == server.node_id
+        assert stats["tier"] == "dram"
+        assert {"capacity_bytes", "used_bytes", "objects", "jobs", "cpu_utilization"} <= set(stats)
+        assert admin.set_epoch(job_handle.job_id, 1, job_handle.weight_map()) == {}
+        result = admin.delete_job(job_handle.job_id)
+        assert {"deleted", "freed_bytes"} <= set(result)
+
+
+def test_admin_needs_the_admin_token(storage_servers: ServerSet, job_handle: JobHandle) -> None:
+    server = storage_servers.infos[0]
+    with AdminClient(server.address, job_handle.token) as not_admin:
+        with pytest.raises(PermissionDenied):
+            not_admin.stats()
+        with pytest.raises(PermissionDenied):
+            not_admin.set_epoch(job_handle.job_id, 9, job_handle.weight_map())
+    forged = make_token(b"some other secret, long enough", "__admin__", ttl_s=60)
+    with AdminClient(server.address, forged) as impostor:
+        with pytest.raises(PermissionDenied):
+            impostor.drain(exit_when_empty=False)
+
+
+def test_admin_of_dead_address_is_unavailable() -> None:
+    with AdminClient("127.0.0.1:1", "0.x", timeout_s=2) as admin:
+        with pytest.raises(DataUnavailable):
+            admin.stats()
+
+
+def test_session_runs_ops_out_of_order_and_reports_each(
+    storage_servers: ServerSet, job_handle: JobHandle
+) -> None:
+    server = job_handle.servers[0]
+    from pocketflow.protocol import action_body, exchange_descriptor
+
+    command = exchange_descriptor(job_handle.context())
+    connection = ServerConnection(server.address, exchange_command=lambda: command)
+    try:
+        connection.action("create_bucket", action_body(job_handle.context(), bucket="b"))
+        header = small_header(7, 3, persist=False).encode()
+        puts = [ExchangeOp(OP_PUT, 0, b"b", f"k{i}".encode(), header, b"abc", tag=i)
+                for i in range(300)]
+        connection.run(job_handle.epoch, puts, window=64)
+        assert all(op.reply is not None and op.reply.status == 0 for op in puts)
+        gets = [ExchangeOp(OP_GET, 0, b"b", f"k{i}".encode(), tag=i) for i in range(300)]
+        gets.append(ExchangeOp(OP_GET, 0, b"b", b"absent", tag=-1))
+        connection.run(job_handle.epoch, gets, window=200)
+        assert all(bytes(op.reply.body) == b"abc" for op in gets[:-1])  # type: ignore[union-attr]
+        assert gets[-1].reply is not None and gets[-1].reply.status == 5
+        # A bad op fails alone: value length disagrees with the header.
+        bad = ExchangeOp(OP_PUT, 0, b"b", b"bad", header, b"x" * 5)
+        ok = ExchangeOp(OP_PUT, 0, b"b", b"ok", header, b"xyz")
+        connection.run(job_handle.epoch, [bad, ok], window=8)
+        assert bad.reply is not None and bad.reply.status == 3
+        assert ok.reply is not None and ok.reply.status == 0
+        too_big = ExchangeOp(OP_PUT, 0, b"b", b"big",
+                             small_header(7, SMALL_OBJECT_MAX_BYTES, persist=False).encode(),
+                             bytes(SMALL_OBJECT_MAX_BYTES))
+        connection.run(job_handle.epoch, [too_big], window=1)
+        assert too_big.reply is not None and too_big.reply.status == 0
+    finally:
+        connection.close()

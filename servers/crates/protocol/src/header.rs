@@ -32,7 +32,9 @@ pub enum HeaderError {
     #[error("object version must be non-zero")]
     ZeroVersion,
     /// A small object larger than the small-object bound, or a manifest with bad geometry.
-    #[error("object geometry is inconsistent: size {size}, {block_count} blocks of {block_size} bytes")]
+    #[error(
+        "object geometry is inconsistent: size {size}, {block_count} blocks of {block_size} bytes"
+    )]
     Geometry {
         /// Declared size.
         size: u64,
@@ -129,7 +131,13 @@ mod tests {
 
     #[test]
     fn round_trip() {
-        let header = ObjectHeader { version: 7, size: 3 << 20, block_count: 3, block_size: 1 << 20, flags: 1 };
+        let header = ObjectHeader {
+            version: 7,
+            size: 3 << 20,
+            block_count: 3,
+            block_size: 1 << 20,
+            flags: 1,
+        };
         assert_eq!(ObjectHeader::decode(&header.encode()).unwrap(), header);
         assert!(header.validate().is_ok());
         assert_eq!(header.data_block_len(3), Some(1 << 20));
@@ -138,12 +146,31 @@ mod tests {
 
     #[test]
     fn rejects_bad_geometry() {
-        let small_too_big = ObjectHeader { version: 1, size: SMALL_OBJECT_MAX_BYTES + 1, ..Default::default() };
+        let small_too_big = ObjectHeader {
+            version: 1,
+            size: SMALL_OBJECT_MAX_BYTES + 1,
+            ..Default::default()
+        };
         assert!(small_too_big.validate().is_err());
-        let two_blocks = ObjectHeader { version: 1, size: 10, block_count: 2, block_size: 8, flags: 0 };
+        let two_blocks = ObjectHeader {
+            version: 1,
+            size: 10,
+            block_count: 2,
+            block_size: 8,
+            flags: 0,
+        };
         assert!(two_blocks.validate().is_ok());
-        let wrong_count = ObjectHeader { version: 1, size: 10, block_count: 3, block_size: 8, flags: 0 };
+        let wrong_count = ObjectHeader {
+            version: 1,
+            size: 10,
+            block_count: 3,
+            block_size: 8,
+            flags: 0,
+        };
         assert!(wrong_count.validate().is_err());
-        assert_eq!(ObjectHeader::decode(&[0u8; 5]), Err(HeaderError::Truncated(5)));
+        assert_eq!(
+            ObjectHeader::decode(&[0u8; 5]),
+            Err(HeaderError::Truncated(5))
+        );
     }
 }

@@ -1,7 +1,19 @@
 //! The pocketflow wire protocol: limits, the object header, frame, ticket and descriptor codecs,
 //! error kinds and capability tokens. No networking and no storage live here.
 
+#![warn(missing_docs)]
+
+pub mod action;
+pub mod batch;
+pub mod context;
+pub mod descriptor;
+pub mod error;
+pub mod frame;
 pub mod header;
 pub mod limits;
+pub mod ticket;
+pub mod token;
 
-pub use header::{ObjectHeader, HEADER_FLAG_PERSIST, HEADER_LEN_BYTES};
+pub use context::Context;
+pub use error::{ErrorKind, ProtocolError, TokenError};
+pub use header::{HeaderError, ObjectHeader, HEADER_FLAG_PERSIST, HEADER_LEN_BYTES};

@@ -34,3 +34,5 @@ pub const FRAME_VERSION: u8 = 1;
 pub const ADMIN_JOB_ID: &str = "__admin__";
 /// Line the server prints on stdout once it listens, followed by `host:port`.
 pub const READY_LINE_PREFIX: &str = "POCKETFLOW_SERVER_READY";
+/// Largest weight map (as compact JSON) accepted by `set_epoch` and returned in `stale_epoch`.
+pub const EPOCH_MAP_MAX_BYTES: usize = 1024 * 1024;

@@ -1,0 +1,175 @@
+//! DoAction handlers: object and bucket management for jobs, and the control-plane actions
+//! (`set_epoch`, `stats`, `drain`) for the admin.
+
+use bytes::Bytes;
+use pocketflow_protocol::action::{
+    ActionName, AnyRequest, BucketRequest, DeleteBlocksRequest, DeleteJobRequest, DeletedResult,
+    DrainRequest, DrainResult, EnumerateRequest, EnumerateResult, FreedResult, HeaderJson,
+    JobUsageJson, KeyEntry, ObjectRequest, PrefixRequest, SetEpochRequest, StatsReport,
+};
+use pocketflow_protocol::context::{check_job_id, parse_json};
+use pocketflow_protocol::ProtocolError;
+use serde::Serialize;
+
+use crate::service::ServiceState;
+use crate::status::ServiceError;
+
+fn json<T: Serialize>(value: &T) -> Bytes {
+    Bytes::from(serde_json::to_vec(value).expect("action results serialize"))
+}
+
+/// Run one action and return its single JSON result body.
+pub(crate) fn run(
+    state: &ServiceState,
+    action_type: &str,
+    body: &[u8],
+) -> Result<Bytes, ServiceError> {
+    let action = ActionName::from_name(action_type)?;
+    state.stats.counters.add_ops(1);
+    // Authorize on the ctx alone first, so a caller without a valid token learns nothing from
+    // the validation of the rest of the body.
+    let ctx = parse_json::<AnyRequest>("action body", body)?.ctx;
+    if action.admin_only() {
+        state.auth.admin(&ctx, action.as_str())?;
+    } else if action != ActionName::DeleteJob || !state.auth.is_admin(&ctx) {
+        state.auth.job(&ctx)?;
+    }
+    if action.is_write() {
+        state.drain.check_write(&state.node_id)?;
+    }
+    let job = ctx.job.as_str();
+    let store = &state.store;
+    match action {
+        ActionName::Lookup => {
+            let req = ObjectRequest::parse(body)?;
+            Ok(json(&HeaderJson::from(store.lookup(
+                job,
+                &req.bucket,
+                &req.key,
+            )?)))
+        }
+        ActionName::Delete => {
+            let req = ObjectRequest::parse(body)?;
+            Ok(json(&HeaderJson::from(store.delete_record(
+                job,
+                &req.bucket,
+                &req.key,
+            )?)))
+        }
+        ActionName::DeleteBlocks => {
+            let req = DeleteBlocksRequest::parse(body)?;
+            let freed_bytes =
+                store.delete_blocks(job, &req.bucket, &req.key, req.version, &req.blocks)?;
+            Ok(json(&FreedResult { freed_bytes }))
+        }
+        ActionName::Enumerate => {
+            let req = EnumerateRequest::parse(body)?;
+            let (keys, truncated) = store.enumerate(
+                job,
+                &req.bucket,
+                &req.prefix,
+                req.start_after.as_deref(),
+                req.limit,
+            )?;
+            let keys = keys
+                .into_iter()
+                .map(|(key, size)| KeyEntry { key, size })
+                .collect();
+            Ok(json(&EnumerateResult { keys, truncated }))
+        }
+        ActionName::CreateBucket => {
+            let req = BucketRequest::parse(body)?;
+            store.create_bucket(job, &req.bucket)?;
+            Ok(json(&serde_json::json!({})))
+        }
+        ActionName::DeleteBucket => {
+            let req = BucketRequest::parse(body)?;
+            Ok(json(&FreedResult {
+                freed_bytes: store.delete_bucket(job, &req.bucket)?,
+            }))
+        }
+        ActionName::DeletePrefix => {
+            let req = PrefixRequest::parse(body)?;
+            let (deleted, freed_bytes) = store.delete_prefix(job, &req.bucket, &req.prefix)?;
+            Ok(json(&DeletedResult {
+                deleted,
+                freed_bytes,
+            }))
+        }
+        ActionName::DeleteJob => delete_job(state, body),
+        ActionName::SetEpoch => {
+            let req = SetEpochRequest::parse(body)?;
+            state.auth.set_epoch(&req.job, req.epoch, req.map_json()?)?;
+            Ok(json(&serde_json::json!({})))
+        }
+        ActionName::Stats => Ok(json(&stats_report(state))),
+        ActionName::Drain => {
+            let req = DrainRequest::parse(body)?;
+            state.drain.start(req.exit_when_empty);
+            Ok(json(&DrainResult { draining: true }))
+        }
+    }
+}
+
+/// `delete_job`: a job frees its own data; the admin frees the data of the job it names and
+/// forgets that job's epoch.
+fn delete_job(state: &ServiceState, body: &[u8]) -> Result<Bytes, ServiceError> {
+    let req = DeleteJobRequest::parse(body)?;
+    let target = if state.auth.is_admin(&req.ctx) {
+        let target = req.job.ok_or(ProtocolError::Field {
+            what: "job",
+            why: "is required with the admin token",
+        })?;
+        check_job_id(&target)?;
+        state.auth.forget(&target);
+        target
+    } else {
+        match req.job {
+            Some(other) if other != req.ctx.job => {
+                return Err(ServiceError::ForeignJob {
+                    token_job: req.ctx.job,
+                    target_job: other,
+                });
+            }
+            _ => req.ctx.job,
+        }
+    };
+    let (deleted, freed_bytes) = state.store.delete_job(&target);
+    Ok(json(&DeletedResult {
+        deleted,
+        freed_bytes,
+    }))
+}
+
+/// The last statistics sample with the store's current capacity and usage.
+pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
+    let sample = state.stats.last();
+    let usage = state.store.usage();
+    StatsReport {
+        node_id: state.node_id.clone(),
+        tier: state.store.tier().as_str().to_owned(),
+        long_running: state.store.long_running(),
+        draining: state.drain.is_draining(),
+        interval_ms: sample.interval_ms,
+        cpu_utilization: sample.cpu_utilization,
+        bytes_in_per_s: sample.bytes_in_per_s,
+        bytes_out_per_s: sample.bytes_out_per_s,
+        ops_per_s: sample.ops_per_s,
+        capacity_bytes: usage.capacity_bytes,
+        used_bytes: usage.used_bytes,
+        objects: usage.objects,
+        jobs: usage
+            .per_job
+            .into_iter()
+            .map(|(job, u)| {
+                (
+                    job,
+                    JobUsageJson {
+                        used_bytes: u.used_bytes,
+                        objects: u.objects,
+                    },
+                )
+            })
+            .collect(),
+    }
+}

@@ -1,0 +1,49 @@
+//! Server-side resource bounds (not part of the client contract), from which the memory bound in
+//! docs/PROTOCOL.md is computed.
+
+use pocketflow_protocol::limits::{
+    BATCH_MAX_BYTES, EPOCH_MAP_MAX_BYTES, FRAME_MAX_BYTES, MESSAGE_MAX_BYTES, SESSION_INFLIGHT_MAX,
+    SMALL_OBJECT_MAX_BYTES,
+};
+
+/// Most client connections served at once; the listener stops accepting while at the bound.
+pub const CONNECTIONS_MAX: usize = 128;
+/// Most concurrent HTTP/2 streams (RPCs) on one connection.
+pub const HTTP2_STREAMS_PER_CONNECTION_MAX: u32 = 128;
+/// HTTP/2 flow-control window of one stream: bytes a client may send ahead of the server.
+pub const HTTP2_STREAM_WINDOW_BYTES: u32 = 8 * 1024 * 1024;
+/// HTTP/2 flow-control window of one connection, shared by its streams.
+pub const HTTP2_CONNECTION_WINDOW_BYTES: u32 = 16 * 1024 * 1024;
+/// Most DoPut and DoGet streams moving data at once; further ones wait for a slot before they
+/// read their first message.
+pub const TRANSFERS_MAX: usize = 32;
+/// Most DoExchange sessions open at once; one more is refused with `capacity_exhausted`.
+pub const EXCHANGE_SESSIONS_MAX: usize = 256;
+/// Most blocks one DoPut stream may carry.
+pub const PUT_STREAM_BLOCKS_MAX: usize = 1 << 20;
+/// Most jobs whose epoch the server remembers; `set_epoch` for one more is `capacity_exhausted`.
+pub const EPOCH_TABLE_JOBS_MAX: usize = 65_536;
+/// A session stops coalescing replies into a frame past this size (one reply may exceed it).
+pub const REPLY_FRAME_TARGET_BYTES: usize = 1024 * 1024;
+/// Reply frames of one session queued for the transport.
+pub const REPLY_FRAMES_QUEUED_MAX: usize = 1;
+/// DoGet pieces of one stream queued for the transport.
+pub const GET_PIECES_QUEUED_MAX: usize = 1;
+/// How long in-flight RPCs get to finish after a shutdown signal before the process exits.
+pub const SHUTDOWN_GRACE_MS: u64 = 2_000;
+/// Poll interval of the drain-exit and parent-process watches.
+pub const WATCH_INTERVAL_MS: u64 = 500;
+
+/// Bytes one transfer can hold in the server process beyond the store: the request message being
+/// decoded (DoPut) or the queued, encoding and sending pieces (DoGet).
+pub const TRANSFER_BUFFER_BYTES: usize = MESSAGE_MAX_BYTES + 2 * BATCH_MAX_BYTES as usize;
+/// Largest reply frame: the coalescing target plus one reply, at most a `stale_epoch` map.
+pub const REPLY_FRAME_MAX_BYTES: usize = REPLY_FRAME_TARGET_BYTES + EPOCH_MAP_MAX_BYTES + 64 * 1024;
+/// Bytes one busy exchange session can hold beyond the store: the request frame in hand, the
+/// reply frames being built, queued and sent, and GET values read from the store.
+pub const SESSION_BUFFER_BYTES: usize = FRAME_MAX_BYTES
+    + 3 * REPLY_FRAME_MAX_BYTES
+    + SESSION_INFLIGHT_MAX * SMALL_OBJECT_MAX_BYTES as usize;
+/// Resident bytes of an idle server beyond its capacity: code, runtime and worker stacks,
+/// allocator arenas, the index of an empty store.
+pub const BASE_OVERHEAD_BYTES: usize = 48 * 1024 * 1024;

@@ -1,0 +1,206 @@
+//! DoGet of block ranges: the schema message, then each range as one-row batches of at most
+//! `BATCH_MAX_BYTES`, optionally removing each block once its last range is sent.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use arrow_flight::FlightData;
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use pocketflow_protocol::batch::GetPieceMeta;
+use pocketflow_protocol::limits::BATCH_MAX_BYTES;
+use pocketflow_protocol::ticket::GetTicket;
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Status;
+
+use crate::bounds::GET_PIECES_QUEUED_MAX;
+use crate::ipc::{encode_piece, schema_flight_data};
+use crate::service::ServiceState;
+use crate::status::ServiceError;
+
+/// One piece to send: a slice of a range.
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    range_at: usize,
+    index: u32,
+    offset: u64,
+    len: u64,
+}
+
+/// The ticket's ranges cut into pieces of at most `BATCH_MAX_BYTES`, in order.
+fn pieces(ticket: &GetTicket) -> impl Iterator<Item = Piece> + Send + 'static {
+    let ranges = ticket.ranges.clone();
+    ranges
+        .into_iter()
+        .enumerate()
+        .flat_map(|(range_at, range)| {
+            let count = range.len().div_ceil(BATCH_MAX_BYTES).max(1);
+            (0..count).map(move |i| {
+                let start = i * BATCH_MAX_BYTES;
+                Piece {
+                    range_at,
+                    index: range.index(),
+                    offset: range.offset() + start,
+                    len: (range.len() - start).min(BATCH_MAX_BYTES),
+                }
+            })
+        })
+}
+
+/// A DoGet in progress; holds its transfer slot until the last piece is queued.
+struct Transfer {
+    state: Arc<ServiceState>,
+    job: String,
+    ticket: GetTicket,
+    /// Position of the last range naming each block (for `delete`).
+    last_range_of: HashMap<u32, usize>,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Transfer {
+    async fn read(&self, piece: Piece) -> Result<FlightData, ServiceError> {
+        let t = &self.ticket;
+        let value = self
+            .state
+            .store
+            .read_block(
+                &self.job,
+                &t.bucket,
+                &t.key,
+                t.version,
+                piece.index,
+                piece.offset,
+                piece.len,
+            )
+            .await?;
+        self.state.stats.counters.add_out(value.len() as u64);
+        let meta = GetPieceMeta {
+            block_index: piece.index,
+            offset: piece.offset,
+            len: value.len() as u64,
+        };
+        Ok(encode_piece(&value, Bytes::copy_from_slice(&meta.encode())))
+    }
+
+    /// After range `range_at` was sent completely, remove the blocks it named last.
+    fn after_range(&self, range_at: usize) {
+        if !self.ticket.delete {
+            return;
+        }
+        let index = self.ticket.ranges[range_at].index();
+        if self.last_range_of.get(&index) == Some(&range_at) {
+            let t = &self.ticket;
+            // A block already gone was removed by a concurrent delete; nothing is left to free.
+            let _ =
+                self.state
+                    .store
+                    .delete_blocks(&self.job, &t.bucket, &t.key, t.version, &[index]);
+        }
+    }
+
+    async fn run(
+        self,
+        first: FlightData,
+        mut rest: impl Iterator<Item = Piece>,
+        first_piece: Piece,
+        tx: Sender,
+    ) {
+        if tx.send(Ok(schema_flight_data())).await.is_err() || tx.send(Ok(first)).await.is_err() {
+            return;
+        }
+        let mut previous = first_piece;
+        loop {
+            let next = rest.next();
+            if next.is_none_or(|n| n.range_at != previous.range_at) {
+                self.after_range(previous.range_at);
+            }
+            let Some(piece) = next else { return };
+            let message = self.read(piece).await.map_err(|e| e.to_status());
+            let failed = message.is_err();
+            if tx.send(message).await.is_err() || failed {
+                return;
+            }
+            previous = piece;
+        }
+    }
+}
+
+type Sender = mpsc::Sender<Result<FlightData, Status>>;
+
+/// Answer a DoGet: the first piece is read before the response starts, so a missing block or a
+/// bad range is the RPC's status; the rest streams from a task.
+pub(crate) async fn get(
+    state: Arc<ServiceState>,
+    ticket_bytes: Bytes,
+) -> Result<BoxStream<'static, Result<FlightData, Status>>, ServiceError> {
+    let ticket = GetTicket::parse(&ticket_bytes)?;
+    let job = state.auth.job(&ticket.ctx)?;
+    state.stats.counters.add_ops(1);
+    let slot = state
+        .transfers
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("transfer semaphore is never closed");
+    let last_range_of = ticket
+        .ranges
+        .iter()
+        .enumerate()
+        .map(|(at, r)| (r.index(), at))
+        .collect();
+    let mut pieces = pieces(&ticket);
+    let transfer = Transfer {
+        state,
+        job,
+        ticket,
+        last_range_of,
+        _slot: slot,
+    };
+    let first_piece = pieces.next().expect("a ticket has at least one range");
+    let first = transfer.read(first_piece).await?;
+    let (tx, rx) = mpsc::channel(GET_PIECES_QUEUED_MAX);
+    tokio::spawn(transfer.run(first, pieces, first_piece, tx));
+    Ok(ReceiverStream::new(rx).boxed())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pocketflow_protocol::ticket::BlockRange;
+    use pocketflow_protocol::Context;
+
+    #[test]
+    fn ranges_are_cut_into_batches() {
+        let ticket = GetTicket {
+            ctx: Context {
+                job: "j".into(),
+                epoch: 0,
+                token: String::new(),
+            },
+            bucket: "b".into(),
+            key: "k".into(),
+            version: 1,
+            ranges: vec![
+                BlockRange(1, 0, 9 << 20),
+                BlockRange(2, 5, 0),
+                BlockRange(3, 100, 10),
+            ],
+            delete: false,
+        };
+        let all: Vec<_> = pieces(&ticket)
+            .map(|p| (p.range_at, p.index, p.offset, p.len))
+            .collect();
+        assert_eq!(
+            all,
+            vec![
+                (0, 1, 0, 4 << 20),
+                (0, 1, 4 << 20, 4 << 20),
+                (0, 1, 8 << 20, 1 << 20),
+                (1, 2, 5, 0),
+                (2, 3, 100, 10),
+            ]
+        );
+    }
+}

@@ -1,0 +1,210 @@
+//! DoPut of data blocks: each one-row batch is the next piece of a block, streamed into the
+//! store's block writer as it arrives; on any error every block of the stream is freed.
+
+use std::sync::Arc;
+
+use arrow_flight::{FlightData, PutResult};
+use bytes::Bytes;
+use futures::StreamExt;
+use pocketflow_protocol::batch::PutPieceMeta;
+use pocketflow_protocol::descriptor::PutDescriptor;
+use pocketflow_protocol::limits::BATCH_MAX_BYTES;
+use pocketflow_protocol::ProtocolError;
+use pocketflow_store::BlockWrite;
+use tonic::Streaming;
+
+use crate::bounds::PUT_STREAM_BLOCKS_MAX;
+use crate::ipc::{check_schema, decode_piece, is_schema_message};
+use crate::service::{descriptor_cmd, ServiceState};
+use crate::status::ServiceError;
+
+/// The block being written.
+struct OpenBlock {
+    index: u32,
+    declared: u64,
+    writer: BlockWrite,
+}
+
+/// One upload's progress. Dropping it before [`Upload::finish`] (an error, or the client going
+/// away) frees every block it wrote.
+struct Upload {
+    state: Arc<ServiceState>,
+    job: String,
+    descriptor: PutDescriptor,
+    schema_seen: bool,
+    open: Option<OpenBlock>,
+    committed: Vec<u32>,
+    bytes: u64,
+    finished: bool,
+}
+
+impl Drop for Upload {
+    fn drop(&mut self) {
+        // The open writer frees its reservation when dropped; committed blocks are removed here.
+        if !self.finished && !self.committed.is_empty() {
+            let d = &self.descriptor;
+            let _ = self.state.store.delete_blocks(
+                &self.job,
+                &d.bucket,
+                &d.key,
+                d.version,
+                &self.committed,
+            );
+        }
+    }
+}
+
+impl Upload {
+    async fn accept(&mut self, data: FlightData) -> Result<(), ServiceError> {
+        if data.data_header.is_empty() {
+            if data.data_body.is_empty() && data.app_metadata.is_empty() {
+                return Ok(());
+            }
+            return Err(ServiceError::StreamShape(
+                "DoPut message without an IPC header",
+            ));
+        }
+        if is_schema_message(&data.data_header) {
+            check_schema(&data.data_header)?;
+            self.schema_seen = true;
+            return Ok(());
+        }
+        if !self.schema_seen {
+            return Err(ServiceError::StreamShape(
+                "DoPut stream must open with its schema",
+            ));
+        }
+        let piece = decode_piece(&data.data_header, &data.data_body)?;
+        let meta = PutPieceMeta::decode(&data.app_metadata)?;
+        self.write_piece(meta, piece).await
+    }
+
+    async fn write_piece(&mut self, meta: PutPieceMeta, piece: Bytes) -> Result<(), ServiceError> {
+        let piece_len = piece.len() as u64;
+        if piece_len > BATCH_MAX_BYTES {
+            return Err(field("batch", "value is larger than BATCH_MAX_BYTES"));
+        }
+        if meta.block_len > u64::from(self.descriptor.block_size) {
+            return Err(field("block length", "exceeds the descriptor's block_size"));
+        }
+        if let Some(open) = &self.open {
+            if open.index != meta.block_index {
+                return Err(ServiceError::BlockIncomplete {
+                    index: open.index,
+                    written: open.writer.appended_bytes(),
+                    declared: open.declared,
+                });
+            }
+            if open.declared != meta.block_len {
+                return Err(field("block length", "changed within a block"));
+            }
+        } else {
+            if self.committed.len() >= PUT_STREAM_BLOCKS_MAX {
+                return Err(field(
+                    "blocks",
+                    "more than PUT_STREAM_BLOCKS_MAX in one stream",
+                ));
+            }
+            let d = &self.descriptor;
+            let writer = self.state.store.begin_block(
+                &self.job,
+                &d.bucket,
+                &d.key,
+                d.version,
+                meta.block_index,
+                meta.block_len,
+                d.persist,
+            )?;
+            self.open = Some(OpenBlock {
+                index: meta.block_index,
+                declared: meta.block_len,
+                writer,
+            });
+        }
+        let open = self.open.as_mut().expect("a block is open");
+        if open.writer.appended_bytes() + piece_len > open.declared {
+            return Err(field(
+                "batch",
+                "pieces add up to more than the block length",
+            ));
+        }
+        open.writer.append(piece).await?;
+        self.state.stats.counters.add_in(piece_len);
+        self.bytes += piece_len;
+        if open.writer.appended_bytes() == open.declared {
+            let open = self.open.take().expect("a block is open");
+            open.writer.commit().await?;
+            self.committed.push(open.index);
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<Bytes, ServiceError> {
+        if let Some(open) = &self.open {
+            return Err(ServiceError::BlockIncomplete {
+                index: open.index,
+                written: open.writer.appended_bytes(),
+                declared: open.declared,
+            });
+        }
+        self.finished = true;
+        let result = serde_json::json!({"blocks": self.committed.len(), "bytes": self.bytes});
+        Ok(Bytes::from(result.to_string()))
+    }
+}
+
+fn field(what: &'static str, why: &'static str) -> ServiceError {
+    ServiceError::Protocol(ProtocolError::Field { what, why })
+}
+
+/// Run one DoPut stream to its end and return its single PutResult.
+pub(crate) async fn put(
+    state: Arc<ServiceState>,
+    mut input: Streaming<FlightData>,
+) -> Result<PutResult, ServiceError> {
+    let first = match input.next().await {
+        Some(Ok(first)) => first,
+        Some(Err(_)) | None => {
+            return Err(ServiceError::StreamShape(
+                "DoPut stream ended before its descriptor",
+            ))
+        }
+    };
+    let descriptor = PutDescriptor::parse(&descriptor_cmd(&first)?)?;
+    let job = state.auth.job(&descriptor.ctx)?;
+    state.drain.check_write(&state.node_id)?;
+    if descriptor.persist && !state.store.long_running() {
+        return Err(ServiceError::PersistRefused {
+            node_id: state.node_id.clone(),
+        });
+    }
+    state.stats.counters.add_ops(1);
+    let _slot = state
+        .transfers
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("transfer semaphore is never closed");
+    let mut upload = Upload {
+        state: state.clone(),
+        job,
+        descriptor,
+        schema_seen: false,
+        open: None,
+        committed: Vec::new(),
+        bytes: 0,
+        finished: false,
+    };
+    upload
+        .accept(FlightData {
+            flight_descriptor: None,
+            ..first
+        })
+        .await?;
+    while let Some(message) = input.next().await {
+        let data = message.map_err(|_| ServiceError::StreamShape("DoPut request stream failed"))?;
+        upload.accept(data).await?;
+    }
+    let app_metadata = upload.finish()?;
+    Ok(PutResult { app_metadata })
+}

@@ -1,0 +1,20 @@
+//! The pocketflow storage server's Arrow Flight service: DoExchange sessions of small ops,
+//! DoPut/DoGet of data blocks, actions, capability checks, statistics and drain. It knows the
+//! store's API, not how the store keeps bytes.
+
+#![warn(missing_docs)]
+
+mod action;
+pub mod auth;
+pub mod bounds;
+mod doget;
+mod doput;
+pub mod drain;
+mod exchange;
+pub mod ipc;
+mod service;
+pub mod stats;
+pub mod status;
+
+pub use service::{ServiceConfig, StorageService};
+pub use status::ServiceError;

@@ -1,0 +1,210 @@
+//! The Flight service: shared server state and the `FlightService` implementation that routes
+//! each RPC to its handler and maps its error to a status once.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow_flight::flight_descriptor::DescriptorType;
+use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
+use arrow_flight::{
+    Action, ActionType, Criteria, Empty, FlightData, FlightDescriptor, FlightInfo,
+    HandshakeRequest, HandshakeResponse, PollInfo, PutResult, SchemaResult, Ticket,
+};
+use bytes::Bytes;
+use futures::stream::{self, BoxStream};
+use futures::StreamExt;
+use pocketflow_protocol::action::ActionName;
+use pocketflow_protocol::limits::{MESSAGE_MAX_BYTES, STATS_INTERVAL_MS};
+use pocketflow_protocol::token::TokenKey;
+use pocketflow_protocol::ProtocolError;
+use pocketflow_store::Store;
+use tokio::sync::Semaphore;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::auth::Authority;
+use crate::bounds::{EXCHANGE_SESSIONS_MAX, TRANSFERS_MAX};
+use crate::drain::Drain;
+use crate::stats::Stats;
+use crate::status::ServiceError;
+use crate::{action, doget, doput, exchange};
+
+/// What the service needs besides the store.
+#[derive(Clone, Debug)]
+pub struct ServiceConfig {
+    /// Name of this server in statistics and messages.
+    pub node_id: String,
+    /// Key made from the cluster secret.
+    pub token_key: TokenKey,
+}
+
+/// State shared by every request handler.
+pub(crate) struct ServiceState {
+    pub(crate) store: Store,
+    pub(crate) auth: Authority,
+    pub(crate) stats: Stats,
+    pub(crate) drain: Drain,
+    pub(crate) node_id: String,
+    pub(crate) transfers: Arc<Semaphore>,
+    pub(crate) sessions: Arc<Semaphore>,
+}
+
+/// The pocketflow storage server's Flight service; clones share state.
+#[derive(Clone)]
+pub struct StorageService {
+    state: Arc<ServiceState>,
+}
+
+impl StorageService {
+    /// A service over `store`.
+    pub fn new(store: Store, config: ServiceConfig) -> Self {
+        let state = ServiceState {
+            store,
+            auth: Authority::new(config.token_key),
+            stats: Stats::default(),
+            drain: Drain::default(),
+            node_id: config.node_id,
+            transfers: Arc::new(Semaphore::new(TRANSFERS_MAX)),
+            sessions: Arc::new(Semaphore::new(EXCHANGE_SESSIONS_MAX)),
+        };
+        Self {
+            state: Arc::new(state),
+        }
+    }
+
+    /// The tonic service, with message sizes bounded by `MESSAGE_MAX_BYTES` both ways.
+    pub fn into_server(self) -> FlightServiceServer<Self> {
+        FlightServiceServer::new(self)
+            .max_decoding_message_size(MESSAGE_MAX_BYTES)
+            .max_encoding_message_size(MESSAGE_MAX_BYTES)
+    }
+
+    /// Sample statistics every `STATS_INTERVAL_MS`, forever.
+    pub async fn run_sampler(&self) {
+        self.state
+            .stats
+            .run_sampler(Duration::from_millis(STATS_INTERVAL_MS))
+            .await;
+    }
+
+    /// Resolve once a drain with `exit_when_empty` was requested and the store is empty.
+    pub async fn drained_and_empty(&self, poll: Duration) {
+        self.state
+            .drain
+            .wait_until_empty(&self.state.store, poll)
+            .await;
+    }
+}
+
+/// The CMD bytes of a descriptor, or why there are none.
+pub(crate) fn descriptor_cmd(data: &FlightData) -> Result<Bytes, ServiceError> {
+    match &data.flight_descriptor {
+        Some(d) if d.r#type == DescriptorType::Cmd as i32 => Ok(d.cmd.clone()),
+        _ => Err(ProtocolError::DescriptorMissing.into()),
+    }
+}
+
+fn unimplemented(rpc: &str) -> Status {
+    Status::unimplemented(format!("{rpc} is not part of the pocketflow protocol"))
+}
+
+#[tonic::async_trait]
+impl FlightService for StorageService {
+    type HandshakeStream = BoxStream<'static, Result<HandshakeResponse, Status>>;
+    type ListFlightsStream = BoxStream<'static, Result<FlightInfo, Status>>;
+    type DoGetStream = BoxStream<'static, Result<FlightData, Status>>;
+    type DoPutStream = BoxStream<'static, Result<PutResult, Status>>;
+    type DoExchangeStream = BoxStream<'static, Result<FlightData, Status>>;
+    type DoActionStream = BoxStream<'static, Result<arrow_flight::Result, Status>>;
+    type ListActionsStream = BoxStream<'static, Result<ActionType, Status>>;
+
+    async fn handshake(
+        &self,
+        _request: Request<Streaming<HandshakeRequest>>,
+    ) -> Result<Response<Self::HandshakeStream>, Status> {
+        Err(unimplemented(
+            "Handshake (capability tokens travel in every request)",
+        ))
+    }
+
+    async fn list_flights(
+        &self,
+        _request: Request<Criteria>,
+    ) -> Result<Response<Self::ListFlightsStream>, Status> {
+        Err(unimplemented("ListFlights"))
+    }
+
+    async fn get_flight_info(
+        &self,
+        _request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        Err(unimplemented("GetFlightInfo"))
+    }
+
+    async fn poll_flight_info(
+        &self,
+        _request: Request<FlightDescriptor>,
+    ) -> Result<Response<PollInfo>, Status> {
+        Err(unimplemented("PollFlightInfo"))
+    }
+
+    async fn get_schema(
+        &self,
+        _request: Request<FlightDescriptor>,
+    ) -> Result<Response<SchemaResult>, Status> {
+        Err(unimplemented("GetSchema"))
+    }
+
+    async fn do_get(
+        &self,
+        request: Request<Ticket>,
+    ) -> Result<Response<Self::DoGetStream>, Status> {
+        let stream = doget::get(self.state.clone(), request.into_inner().ticket).await?;
+        Ok(Response::new(stream))
+    }
+
+    async fn do_put(
+        &self,
+        request: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoPutStream>, Status> {
+        let result = doput::put(self.state.clone(), request.into_inner()).await?;
+        Ok(Response::new(
+            stream::once(async move { Ok(result) }).boxed(),
+        ))
+    }
+
+    async fn do_exchange(
+        &self,
+        request: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoExchangeStream>, Status> {
+        let stream = exchange::open(self.state.clone(), request.into_inner()).await?;
+        Ok(Response::new(stream))
+    }
+
+    async fn do_action(
+        &self,
+        request: Request<Action>,
+    ) -> Result<Response<Self::DoActionStream>, Status> {
+        let action = request.into_inner();
+        let body = action::run(&self.state, &action.r#type, &action.body)?;
+        let result = arrow_flight::Result { body };
+        Ok(Response::new(
+            stream::once(async move { Ok(result) }).boxed(),
+        ))
+    }
+
+    async fn list_actions(
+        &self,
+        _request: Request<Empty>,
+    ) -> Result<Response<Self::ListActionsStream>, Status> {
+        let actions: Vec<Result<ActionType, Status>> = ActionName::ALL
+            .into_iter()
+            .map(|a| {
+                Ok(ActionType {
+                    r#type: a.as_str().to_owned(),
+                    description: a.description().to_owned(),
+                })
+            })
+            .collect();
+        Ok(Response::new(stream::iter(actions).boxed()))
+    }
+}

@@ -1,0 +1,543 @@
+//! DoAction names, their JSON request bodies (each with a `ctx`) and their JSON results.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::context::{check_bucket, check_job_id, check_key, check_prefix, parse_json, Context};
+use crate::error::ProtocolError;
+use crate::header::{ObjectHeader, HEADER_FLAG_PERSIST};
+use crate::limits::{ENUMERATE_LIMIT_MAX, EPOCH_MAP_MAX_BYTES};
+
+/// Every action the server answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ActionName {
+    /// Header of one object.
+    Lookup,
+    /// Remove one object's block-0 record.
+    Delete,
+    /// Free data blocks of one version of an object.
+    DeleteBlocks,
+    /// List keys of a bucket by prefix, in pages.
+    Enumerate,
+    /// Create a bucket on this server.
+    CreateBucket,
+    /// Remove a bucket and every record in it.
+    DeleteBucket,
+    /// Remove every record of a bucket whose key starts with a prefix.
+    DeletePrefix,
+    /// Remove every non-PERSIST record of a job.
+    DeleteJob,
+    /// Set a job's current weight-map epoch (admin).
+    SetEpoch,
+    /// Server statistics (admin).
+    Stats,
+    /// Refuse writes from now on, optionally exit once empty (admin).
+    Drain,
+}
+
+impl ActionName {
+    /// Every action, in the order of docs/PROTOCOL.md.
+    pub const ALL: [ActionName; 11] = [
+        ActionName::Lookup,
+        ActionName::Delete,
+        ActionName::DeleteBlocks,
+        ActionName::Enumerate,
+        ActionName::CreateBucket,
+        ActionName::DeleteBucket,
+        ActionName::DeletePrefix,
+        ActionName::DeleteJob,
+        ActionName::SetEpoch,
+        ActionName::Stats,
+        ActionName::Drain,
+    ];
+
+    /// The action type string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ActionName::Lookup => "lookup",
+            ActionName::Delete => "delete",
+            ActionName::DeleteBlocks => "delete_blocks",
+            ActionName::Enumerate => "enumerate",
+            ActionName::CreateBucket => "create_bucket",
+            ActionName::DeleteBucket => "delete_bucket",
+            ActionName::DeletePrefix => "delete_prefix",
+            ActionName::DeleteJob => "delete_job",
+            ActionName::SetEpoch => "set_epoch",
+            ActionName::Stats => "stats",
+            ActionName::Drain => "drain",
+        }
+    }
+
+    /// The action with type string `name`.
+    pub fn from_name(name: &str) -> Result<Self, ProtocolError> {
+        ActionName::ALL
+            .into_iter()
+            .find(|action| action.as_str() == name)
+            .ok_or_else(|| ProtocolError::UnknownAction(name.chars().take(64).collect()))
+    }
+
+    /// Whether only the admin token may call the action.
+    pub fn admin_only(self) -> bool {
+        matches!(
+            self,
+            ActionName::SetEpoch | ActionName::Stats | ActionName::Drain
+        )
+    }
+
+    /// Whether the action stores new data (refused while draining).
+    pub fn is_write(self) -> bool {
+        matches!(self, ActionName::CreateBucket)
+    }
+
+    /// One-line description for ListActions.
+    pub fn description(self) -> &'static str {
+        match self {
+            ActionName::Lookup => "header of one object: {bucket, key}",
+            ActionName::Delete => "remove one object, returning its header: {bucket, key}",
+            ActionName::DeleteBlocks => {
+                "free data blocks of one version: {bucket, key, version, blocks}"
+            }
+            ActionName::Enumerate => "list keys by prefix: {bucket, prefix, start_after?, limit}",
+            ActionName::CreateBucket => "create a bucket on this server: {bucket}",
+            ActionName::DeleteBucket => "remove a bucket and all its records: {bucket}",
+            ActionName::DeletePrefix => {
+                "remove every record of a bucket under a prefix: {bucket, prefix}"
+            }
+            ActionName::DeleteJob => "remove every non-PERSIST record of a job: {job?}",
+            ActionName::SetEpoch => "admin: set a job's weight-map epoch: {job, epoch, map}",
+            ActionName::Stats => "admin: server statistics",
+            ActionName::Drain => {
+                "admin: refuse writes, optionally exit once empty: {exit_when_empty}"
+            }
+        }
+    }
+}
+
+/// Any action body, parsed only for its `ctx` (to authorize before the full parse).
+#[derive(Clone, Debug, Deserialize)]
+pub struct AnyRequest {
+    /// Who is asking.
+    pub ctx: Context,
+}
+
+/// `lookup` and `delete`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectRequest {
+    /// Who is asking.
+    pub ctx: Context,
+    /// Bucket.
+    pub bucket: String,
+    /// Key.
+    pub key: String,
+}
+
+/// `delete_blocks`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeleteBlocksRequest {
+    /// Who is asking.
+    pub ctx: Context,
+    /// Bucket.
+    pub bucket: String,
+    /// Key.
+    pub key: String,
+    /// Version whose blocks are freed.
+    pub version: u64,
+    /// Block indices (>= 1).
+    pub blocks: Vec<u32>,
+}
+
+/// `enumerate`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EnumerateRequest {
+    /// Who is asking.
+    pub ctx: Context,
+    /// Bucket.
+    pub bucket: String,
+    /// Key prefix; empty lists everything.
+    #[serde(default)]
+    pub prefix: String,
+    /// List keys strictly after this one.
+    #[serde(default)]
+    pub start_after: Option<String>,
+    /// Most keys to return, 1..=`ENUMERATE_LIMIT_MAX`.
+    #[serde(default = "enumerate_limit_default")]
+    pub limit: u32,
+}
+
+fn enumerate_limit_default() -> u32 {
+    ENUMERATE_LIMIT_MAX
+}
+
+/// `create_bucket` and `delete_bucket`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketRequest {
+    /// Who is asking.
+    pub ctx: Context,
+    /// Bucket.
+    pub bucket: String,
+}
+
+/// `delete_prefix`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefixRequest {
+    /// Who is asking.
+    pub ctx: Context,
+    /// Bucket.
+    pub bucket: String,
+    /// Key prefix; empty removes every record of the bucket.
+    #[serde(default)]
+    pub prefix: String,
+}
+
+/// `delete_job`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeleteJobRequest {
+    /// Who is asking.
+    pub ctx: Context,
+    /// Whose data (admin only); defaults to the ctx job.
+    #[serde(default)]
+    pub job: Option<String>,
+}
+
+/// `set_epoch`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SetEpochRequest {
+    /// The admin.
+    pub ctx: Context,
+    /// Job whose epoch is set.
+    pub job: String,
+    /// The job's current epoch.
+    pub epoch: u64,
+    /// The job's weight map, returned verbatim in `stale_epoch` errors.
+    #[serde(default)]
+    pub map: serde_json::Value,
+}
+
+/// `drain`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainRequest {
+    /// The admin.
+    pub ctx: Context,
+    /// Exit with status 0 once the server holds no records.
+    #[serde(default)]
+    pub exit_when_empty: bool,
+}
+
+impl ObjectRequest {
+    /// Parse and validate.
+    pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
+        let req: Self = parse_json("action body", body)?;
+        check_bucket(&req.bucket)?;
+        check_key(&req.key)?;
+        Ok(req)
+    }
+}
+
+impl DeleteBlocksRequest {
+    /// Parse and validate.
+    pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
+        let req: Self = parse_json("action body", body)?;
+        check_bucket(&req.bucket)?;
+        check_key(&req.key)?;
+        if req.version == 0 {
+            return Err(ProtocolError::Field {
+                what: "version",
+                why: "must be non-zero",
+            });
+        }
+        if req.blocks.contains(&0) {
+            return Err(ProtocolError::Field {
+                what: "blocks",
+                why: "block index must be >= 1",
+            });
+        }
+        Ok(req)
+    }
+}
+
+impl EnumerateRequest {
+    /// Parse and validate.
+    pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
+        let req: Self = parse_json("action body", body)?;
+        check_bucket(&req.bucket)?;
+        check_prefix(&req.prefix)?;
+        if let Some(after) = &req.start_after {
+            check_prefix(after)?;
+        }
+        if req.limit == 0 || req.limit > ENUMERATE_LIMIT_MAX {
+            return Err(ProtocolError::Field {
+                what: "limit",
+                why: "must be in 1..=ENUMERATE_LIMIT_MAX",
+            });
+        }
+        Ok(req)
+    }
+}
+
+impl BucketRequest {
+    /// Parse and validate.
+    pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
+        let req: Self = parse_json("action body", body)?;
+        check_bucket(&req.bucket)?;
+        Ok(req)
+    }
+}
+
+impl PrefixRequest {
+    /// Parse and validate.
+    pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
+        let req: Self = parse_json("action body", body)?;
+        check_bucket(&req.bucket)?;
+        check_prefix(&req.prefix)?;
+        Ok(req)
+    }
+}
+
+impl DeleteJobRequest {
+    /// Parse and validate.
+    pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
+        let req: Self = parse_json("action body", body)?;
+        if let Some(job) = &req.job {
+            check_job_id(job)?;
+        }
+        Ok(req)
+    }
+}
+
+impl SetEpochRequest {
+    /// Parse and validate; the map must serialize to at most `EPOCH_MAP_MAX_BYTES`.
+    pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
+        let req: Self = parse_json("action body", body)?;
+        check_job_id(&req.job)?;
+        Ok(req)
+    }
+
+    /// The map as compact JSON text, checked against `EPOCH_MAP_MAX_BYTES`.
+    pub fn map_json(&self) -> Result<String, ProtocolError> {
+        let text = self.map.to_string();
+        if text.len() > EPOCH_MAP_MAX_BYTES {
+            return Err(ProtocolError::Length {
+                what: "map",
+                len: text.len() as u64,
+                min: 0,
+                max: EPOCH_MAP_MAX_BYTES as u64,
+            });
+        }
+        Ok(text)
+    }
+}
+
+impl DrainRequest {
+    /// Parse and validate.
+    pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
+        parse_json("action body", body)
+    }
+}
+
+/// An object header as JSON (`lookup` and `delete` results).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeaderJson {
+    /// Version of the put.
+    pub version: u64,
+    /// Object size in bytes.
+    pub size: u64,
+    /// Data blocks (0 for a small object).
+    pub block_count: u32,
+    /// Bytes per data block (0 for a small object).
+    pub block_size: u32,
+    /// Whether the object is PERSIST.
+    pub persist: bool,
+}
+
+impl From<ObjectHeader> for HeaderJson {
+    fn from(h: ObjectHeader) -> Self {
+        Self {
+            version: h.version,
+            size: h.size,
+            block_count: h.block_count,
+            block_size: h.block_size,
+            persist: h.persist(),
+        }
+    }
+}
+
+impl From<HeaderJson> for ObjectHeader {
+    fn from(h: HeaderJson) -> Self {
+        Self {
+            version: h.version,
+            size: h.size,
+            block_count: h.block_count,
+            block_size: h.block_size,
+            flags: if h.persist { HEADER_FLAG_PERSIST } else { 0 },
+        }
+    }
+}
+
+/// `{"freed_bytes": n}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreedResult {
+    /// Bytes returned to the tier.
+    pub freed_bytes: u64,
+}
+
+/// `{"deleted": n, "freed_bytes": n}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeletedResult {
+    /// Records removed.
+    pub deleted: u64,
+    /// Bytes returned to the tier.
+    pub freed_bytes: u64,
+}
+
+/// One key of an `enumerate` result.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyEntry {
+    /// The key.
+    pub key: String,
+    /// The object's size in bytes.
+    pub size: u64,
+}
+
+/// `enumerate` result.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EnumerateResult {
+    /// Keys in ascending order.
+    pub keys: Vec<KeyEntry>,
+    /// Whether more keys follow the last one.
+    pub truncated: bool,
+}
+
+/// `drain` result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainResult {
+    /// Always true.
+    pub draining: bool,
+}
+
+/// Usage of one job in a statistics sample.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobUsageJson {
+    /// Bytes held for the job.
+    pub used_bytes: u64,
+    /// Records held for the job.
+    pub objects: u64,
+}
+
+/// `stats` result.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StatsReport {
+    /// The server's `--node-id`.
+    pub node_id: String,
+    /// `"dram"` or `"nvme"`.
+    pub tier: String,
+    /// Whether the server accepts PERSIST.
+    pub long_running: bool,
+    /// Whether the server refuses writes.
+    pub draining: bool,
+    /// Length of the sampled interval.
+    pub interval_ms: u64,
+    /// Process CPU time over wall time in the interval (1.0 = one core busy).
+    pub cpu_utilization: f64,
+    /// Bytes received in object values and blocks per second.
+    pub bytes_in_per_s: u64,
+    /// Bytes sent in object values and blocks per second.
+    pub bytes_out_per_s: u64,
+    /// Operations (exchange ops, DoPut/DoGet streams, actions) per second.
+    pub ops_per_s: u64,
+    /// Capacity of the tier.
+    pub capacity_bytes: u64,
+    /// Bytes in use.
+    pub used_bytes: u64,
+    /// Records held.
+    pub objects: u64,
+    /// Usage per job.
+    pub jobs: BTreeMap<String, JobUsageJson>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CTX: &str = r#""ctx":{"job":"j","epoch":1,"token":"t"}"#;
+
+    #[test]
+    fn names_round_trip() {
+        for action in ActionName::ALL {
+            assert_eq!(ActionName::from_name(action.as_str()).unwrap(), action);
+            assert!(!action.description().is_empty());
+        }
+        assert!(matches!(
+            ActionName::from_name("reboot"),
+            Err(ProtocolError::UnknownAction(_))
+        ));
+        assert!(ActionName::Stats.admin_only() && !ActionName::DeleteJob.admin_only());
+    }
+
+    #[test]
+    fn bodies_parse_and_validate() {
+        let req = ObjectRequest::parse(format!(r#"{{{CTX},"bucket":"b","key":"k"}}"#).as_bytes())
+            .unwrap();
+        assert_eq!(req.key, "k");
+        assert!(ObjectRequest::parse(format!(r#"{{{CTX},"bucket":"b"}}"#).as_bytes()).is_err());
+        assert!(ObjectRequest::parse(br#"{"bucket":"b","key":"k"}"#).is_err());
+
+        let body = format!(r#"{{{CTX},"bucket":"b","key":"k","version":2,"blocks":[1,2]}}"#);
+        assert_eq!(
+            DeleteBlocksRequest::parse(body.as_bytes()).unwrap().blocks,
+            vec![1, 2]
+        );
+        let body = format!(r#"{{{CTX},"bucket":"b","key":"k","version":2,"blocks":[0]}}"#);
+        assert!(DeleteBlocksRequest::parse(body.as_bytes()).is_err());
+
+        let req =
+            EnumerateRequest::parse(format!(r#"{{{CTX},"bucket":"b","prefix":"p/"}}"#).as_bytes())
+                .unwrap();
+        assert_eq!((req.limit, req.start_after), (ENUMERATE_LIMIT_MAX, None));
+        for limit in [0, ENUMERATE_LIMIT_MAX + 1] {
+            let body = format!(r#"{{{CTX},"bucket":"b","limit":{limit}}}"#);
+            assert!(EnumerateRequest::parse(body.as_bytes()).is_err());
+        }
+
+        let req = SetEpochRequest::parse(
+            format!(r#"{{{CTX},"job":"x","epoch":4,"map":{{"a":1}}}}"#).as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(req.map_json().unwrap(), r#"{"a":1}"#);
+        let huge = format!(
+            r#"{{{CTX},"job":"x","epoch":4,"map":"{}"}}"#,
+            "m".repeat(EPOCH_MAP_MAX_BYTES)
+        );
+        assert!(SetEpochRequest::parse(huge.as_bytes())
+            .unwrap()
+            .map_json()
+            .is_err());
+
+        assert!(
+            !DrainRequest::parse(format!("{{{CTX}}}").as_bytes())
+                .unwrap()
+                .exit_when_empty
+        );
+        assert_eq!(
+            DeleteJobRequest::parse(format!("{{{CTX}}}").as_bytes())
+                .unwrap()
+                .job,
+            None
+        );
+        assert!(DeleteJobRequest::parse(format!(r#"{{{CTX},"job":""}}"#).as_bytes()).is_err());
+    }
+
+    #[test]
+    fn header_json_round_trip() {
+        let h = ObjectHeader {
+            version: 3,
+            size: 10,
+            block_count: 0,
+            block_size: 0,
+            flags: HEADER_FLAG_PERSIST,
+        };
+        let json = HeaderJson::from(h);
+        assert!(json.persist);
+        assert_eq!(ObjectHeader::from(json), h);
+    }
+}

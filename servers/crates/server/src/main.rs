@@ -1,0 +1,151 @@
+//! `pocketflow-server`: one storage server process serving one tier over Arrow Flight on a
+//! loopback address.
+
+mod args;
+mod lifecycle;
+mod listener;
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use pocketflow_flight::bounds::{
+    HTTP2_CONNECTION_WINDOW_BYTES, HTTP2_STREAMS_PER_CONNECTION_MAX, HTTP2_STREAM_WINDOW_BYTES,
+    SHUTDOWN_GRACE_MS,
+};
+use pocketflow_flight::{ServiceConfig, StorageService};
+use pocketflow_protocol::limits::READY_LINE_PREFIX;
+use pocketflow_protocol::token::TokenKey;
+use pocketflow_store::{Store, StoreConfig};
+
+use crate::args::{Args, Command, USAGE};
+
+/// Largest HTTP/2 frame the server accepts; large frames cut per-frame work on block transfers.
+const HTTP2_FRAME_MAX_BYTES: u32 = 1024 * 1024;
+/// Idle connections are pinged this often, so a vanished client frees its connection slot.
+const HTTP2_KEEPALIVE_INTERVAL_MS: u64 = 30_000;
+/// A ping unanswered for this long closes the connection.
+const HTTP2_KEEPALIVE_TIMEOUT_MS: u64 = 20_000;
+/// How long runtime shutdown waits for blocking tasks before the process exits anyway.
+const RUNTIME_SHUTDOWN_MS: u64 = 500;
+
+fn main() -> ExitCode {
+    let args = match args::parse(std::env::args().skip(1)) {
+        Ok(Command::Run(args)) => args,
+        Ok(Command::Help) => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("pocketflow-server: {e}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.threads)
+        .thread_name("pocketflow-worker")
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("pocketflow-server: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let outcome = runtime.block_on(serve(args));
+    runtime.shutdown_timeout(Duration::from_millis(RUNTIME_SHUTDOWN_MS));
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("pocketflow-server: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(args: Args) -> Result<(), String> {
+    let secret = std::fs::read(&args.secret_file).map_err(|e| {
+        format!(
+            "cannot read --secret-file {}: {e}",
+            args.secret_file.display()
+        )
+    })?;
+    let token_key = TokenKey::new(&secret)
+        .map_err(|e| format!("--secret-file {}: {e}", args.secret_file.display()))?;
+    let store = Store::open(StoreConfig {
+        tier: args.tier,
+        capacity_bytes: args.capacity_bytes,
+        nvme_path: args.nvme_path.clone(),
+        long_running: args.long_running,
+    })
+    .map_err(|e| format!("cannot open the {} store: {e}", args.tier))?;
+    let service = StorageService::new(
+        store,
+        ServiceConfig {
+            node_id: args.node_id.clone(),
+            token_key,
+        },
+    );
+    let signals = lifecycle::StopSignals::install()
+        .map_err(|e| format!("cannot install signal handlers: {e}"))?;
+
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| format!("cannot read the listening address: {e}"))?;
+
+    tokio::spawn({
+        let service = service.clone();
+        async move { service.run_sampler().await }
+    });
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stop = tokio::spawn({
+        let service = service.clone();
+        let parent_pid = args.parent_pid;
+        async move {
+            let reason = lifecycle::stop_reason(signals, service, parent_pid).await;
+            let _ = stop_tx.send(true);
+            reason
+        }
+    });
+
+    let server = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .initial_stream_window_size(HTTP2_STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(HTTP2_CONNECTION_WINDOW_BYTES)
+        .max_concurrent_streams(HTTP2_STREAMS_PER_CONNECTION_MAX)
+        .max_frame_size(HTTP2_FRAME_MAX_BYTES)
+        .http2_keepalive_interval(Some(Duration::from_millis(HTTP2_KEEPALIVE_INTERVAL_MS)))
+        .http2_keepalive_timeout(Some(Duration::from_millis(HTTP2_KEEPALIVE_TIMEOUT_MS)))
+        .add_service(service.into_server())
+        .serve_with_incoming_shutdown(listener::incoming(listener), wait_for(stop_rx.clone()));
+
+    println!("{READY_LINE_PREFIX} {local}");
+    std::io::stdout()
+        .flush()
+        .map_err(|e| format!("cannot write the ready line: {e}"))?;
+
+    // Graceful shutdown waits for open connections; long-lived sessions get a bounded grace.
+    let grace = async {
+        wait_for(stop_rx).await;
+        tokio::time::sleep(Duration::from_millis(SHUTDOWN_GRACE_MS)).await;
+    };
+    tokio::select! {
+        served = server => served.map_err(|e| format!("server failed: {e}"))?,
+        () = grace => {}
+    }
+    match stop.await {
+        Ok(reason) => {
+            eprintln!("pocketflow-server: stopping ({reason:?})");
+            Ok(())
+        }
+        Err(e) => Err(format!("shutdown watcher failed: {e}")),
+    }
+}
+
+async fn wait_for(mut stop: tokio::sync::watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stopped| *stopped).await;
+}

@@ -1,0 +1,418 @@
+"""Side-by-side runner: pocketflow (DRAM and NVMe tiers), Redis, S3 and raw TCP in one run.
+
+``python -m benchmarks.compare [--quick|--full] [--peers ...] [--out DIR]``
+
+Each peer is started on 127.0.0.1 right before its cells and stopped (by pid) right after, so
+idle peers do not share the two cores with the one being measured. Every cell is one object size
+and one number of client processes (multiprocessing spawn, started once for the whole run);
+a cell runs rounds of a PUT phase, a GET phase and an untimed cleanup until its time budget is
+spent. Pipelined cells send batches (``put_many``/``get_many``, a Redis pipeline, concurrent S3
+requests, one TCP send). Results go to ``<out>/<date>-<mode>.json``, ``.md`` and ``-*.png``; a
+full run also copies its summary to ``<out>/LATEST.md``.
+
+The exit status is 0 when every planned figure was measured, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks import machine, report
+from benchmarks.options import PEER_NAMES, add_arguments
+from benchmarks.peers import (
+    Peer,
+    PocketflowPeer,
+    RedisPeer,
+    S3Peer,
+    TcpPeer,
+    pocketflow_version,
+    weed_binary,
+)
+from benchmarks.pool import ClientPool, PhaseError
+from benchmarks.workloads import (
+    DELETE,
+    GET,
+    GET_MANY,
+    PUT,
+    PUT_MANY,
+    KiB,
+    MiB,
+    cdf_points,
+    combine,
+    round_keys,
+)
+
+CDF_SIZE_BYTES = 1 * KiB
+"""Object size whose one-client latency distribution is kept (the CDF plot)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures, and the bounds on each cell."""
+
+    mode: str
+    sizes_bytes: tuple[int, ...]
+    clients: tuple[int, ...]
+    batch_size_bytes: int
+    batch_ops: int
+    """Objects per put_many/get_many call (per pipeline)."""
+    batch_clients: tuple[int, ...]
+    ops_per_phase_max: int
+    """Most objects one client puts (then gets) in one round."""
+    round_bytes_max: int
+    """Bytes all clients of a round put together, at most (but one object per client at
+    least). Rounds are kept small so that most of them reuse memory the previous round freed:
+    the figures are a steady state, not a store's first touch of fresh memory."""
+    cell_seconds: float
+    """A cell starts no new round after this long (it always runs at least one)."""
+    phase_seconds_max: float
+    """A client starts no new operation of a phase after this long (it always does one)."""
+    rounds_max: int
+
+    def ops_per_client(self, size_bytes: int, clients: int) -> int:
+        """Objects per client per round: bounded by count and by the round's bytes."""
+        return max(1, min(self.ops_per_phase_max, self.round_bytes_max // (size_bytes * clients)))
+
+    def live_bytes_max(self) -> int:
+        """Most bytes alive at once in any cell (what a peer must be able to hold)."""
+        return max(
+            self.ops_per_client(size, clients) * size * clients
+            for size in self.sizes_bytes
+            for clients in self.clients
+        )
+
+    def cells_per_peer(self) -> int:
+        """Figure cells (one per op) each peer contributes."""
+        return 2 * (len(self.sizes_bytes) * len(self.clients) + len(self.batch_clients))
+
+
+QUICK = Plan(
+    mode="quick",
+    sizes_bytes=(1 * KiB, 1 * MiB),
+    clients=(1, 4),
+    batch_size_bytes=1 * KiB,
+    batch_ops=100,
+    batch_clients=(1,),
+    ops_per_phase_max=200,
+    round_bytes_max=16 * MiB,
+    cell_seconds=0.3,
+    phase_seconds_max=0.5,
+    rounds_max=3,
+)
+
+FULL = Plan(
+    mode="full",
+    sizes_bytes=(1 * KiB, 64 * KiB, 1 * MiB, 64 * MiB),
+    clients=(1, 2, 4, 8, 16),
+    batch_size_bytes=1 * KiB,
+    batch_ops=100,
+    batch_clients=(1, 4),
+    ops_per_phase_max=1000,
+    round_bytes_max=64 * MiB,
+    cell_seconds=2.0,
+    phase_seconds_max=5.0,
+    rounds_max=20,
+)
+
+
+# -- cells --------------------------------------------------------------------------------------
+
+
+def run_cell(
+    pool: ClientPool,
+    peer: Peer,
+    plan: Plan,
+    *,
+    size_bytes: int,
+    clients: int,
+    batched: bool,
+) -> list[dict[str, Any]]:
+    """Measure one peer at one object size and client count; one record per op (put, get)."""
+    mode = "batch" if batched else "single"
+    spec = peer.spec()
+    if batched:
+        per_client = plan.batch_ops * max(1, plan.ops_per_phase_max // plan.batch_ops)
+        phases = ((PUT_MANY, "put"), (GET_MANY, "get"))
+    else:
+        per_client = plan.ops_per_client(size_bytes, clients)
+        phases = ((PUT, "put"), (GET, "get"))
+    cell_id = f"{mode}-{size_bytes}-{clients}"
+    rounds: dict[str, list[Any]] = {phase: [] for phase, _ in phases}
+    started = time.monotonic()
+    for index in range(plan.rounds_max):
+        if index > 0 and time.monotonic() - started >= plan.cell_seconds:
+            break
+        prefixes, keys = zip(
+            *(round_keys(cell_id, index, c, per_client) for c in range(clients)), strict=True
+        )
+        todo: Sequence[Sequence[str]] = keys
+        try:
+            for phase, _ in phases:
+                results = pool.run(
+                    spec, phase, prefixes=prefixes, keys=todo, size_bytes=size_bytes,
+                    batch_ops=plan.batch_ops, seconds_max=plan.phase_seconds_max,
+                )
+                rounds[phase].append(results)
+                # The GET phase reads what the PUT phase stored before its time ran out.
+                todo = [done[: r.ops] for done, r in zip(todo, results, strict=True)]
+        finally:
+            # Also after a failed phase, so that the next cell finds the peer empty.
+            if not pool.broken:
+                pool.run(spec, DELETE, prefixes=prefixes, keys=keys, size_bytes=size_bytes)
+    records = []
+    for phase, op in phases:
+        figures = combine(rounds[phase])
+        record = {
+            "peer": peer.name, "op": op, "mode": mode, "size_bytes": size_bytes,
+            "clients": clients, "batch_ops": plan.batch_ops if batched else 1,
+            "rounds": len(rounds[phase]), **figures.as_dict(),
+        }
+        if not batched and clients == 1 and size_bytes == CDF_SIZE_BYTES:
+            record["cdf_us"] = cdf_points(figures.latencies_ns)
+        records.append(record)
+    return records
+
+
+def cell_grid(plan: Plan) -> list[tuple[int, int, bool]]:
+    """``(size_bytes, clients, batched)`` of every cell, in the order they run."""
+    grid = [(size, clients, False) for size in plan.sizes_bytes for clients in plan.clients]
+    grid += [(plan.batch_size_bytes, clients, True) for clients in plan.batch_clients]
+    return grid
+
+
+def warm_up(pool: ClientPool, peer: Peer, clients: int) -> None:
+    """Connect every client process and move a few objects (not recorded)."""
+    spec = peer.spec()
+    for index in range(2):
+        prefixes, keys = zip(
+            *(round_keys(f"warmup{index}", 0, c, 20) for c in range(clients)), strict=True
+        )
+        for phase in (PUT, GET, DELETE):
+            pool.run(spec, phase, prefixes=prefixes, keys=keys, size_bytes=KiB)
+
+
+def measure_peer(
+    pool_holder: list[ClientPool],
+    peer: Peer,
+    plan: Plan,
+    log: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Every cell of the plan on one started peer; a failing cell is recorded, not raised."""
+    pool = pool_holder[0]
+    warm_up(pool, peer, max(plan.clients + plan.batch_clients))
+    records: list[dict[str, Any]] = []
+    for size_bytes, clients, batched in cell_grid(plan):
+        began = time.monotonic()
+        try:
+            cell = run_cell(
+                pool, peer, plan, size_bytes=size_bytes, clients=clients, batched=batched
+            )
+        except Exception as exc:  # noqa: BLE001 - one failing cell must not end the run
+            message = exc.args[0] if isinstance(exc, PhaseError) else traceback.format_exc()
+            cell = [
+                {"peer": peer.name, "op": op, "mode": "batch" if batched else "single",
+                 "size_bytes": size_bytes, "clients": clients, "error": str(message)}
+                for op in ("put", "get")
+            ]
+            if pool.broken:
+                pool.close()
+                pool = pool_holder[0] = ClientPool(pool.size).start()
+        records += cell
+        log("  " + "; ".join(_describe(c) for c in cell) + f"  ({time.monotonic() - began:.1f} s)")
+    pool.forget(peer.spec())
+    return records
+
+
+def _describe(cell: dict[str, Any]) -> str:
+    where = f"{cell['mode']} {cell['size_bytes']} B x{cell['clients']} {cell['op']}"
+    if "error" in cell:
+        return f"{where}: FAILED ({str(cell['error']).strip().splitlines()[-1]})"
+    return (f"{where}: p50 {cell['p50_us']:.0f} us, p99 {cell['p99_us']:.0f} us, "
+            f"{cell['ops_per_s']:.0f} ops/s, {cell['gb_per_s']:.3f} GB/s")
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def _make_peers(
+    names: Sequence[str], stack: ExitStack, plan: Plan, cluster: Any = None
+) -> list[tuple[str, Callable[[], Peer]]]:
+    """Factories of the peers to run, in order.
+
+    The pocketflow peers use ``cluster`` if given, else a local cluster started on first use
+    (sized for the plan's live bytes) and stopped with ``stack``.
+    """
+    cluster_box: list[Any] = [] if cluster is None else [cluster]
+
+    def pocketflow_cluster() -> Any:
+        if not cluster_box:
+            from pocketflow.cluster import LocalCluster
+
+            capacity = max(256 * MiB, plan.live_bytes_max() + 128 * MiB)
+            started = LocalCluster(
+                dram_servers=2, nvme_servers=1, dram_capacity=capacity,
+                nvme_capacity=2 * capacity, num_cpus=2,
+            )
+            stack.callback(started.stop)
+            started.start()
+            cluster_box.append(started)
+        return cluster_box[0]
+
+    factories: dict[str, Callable[[], Peer]] = {
+        "tcp": lambda: TcpPeer(object_max_bytes=max(plan.sizes_bytes)),
+        "redis": RedisPeer,
+        "s3": S3Peer,
+        "pocketflow-dram": lambda: PocketflowPeer(pocketflow_cluster(), tier="dram"),
+        "pocketflow-nvme": lambda: PocketflowPeer(pocketflow_cluster(), tier="nvme"),
+    }
+    return [(name, factories[name]) for name in names]
+
+
+def run(
+    plan: Plan,
+    peer_names: Sequence[str],
+    log: Callable[[str], None],
+    *,
+    cluster: Any = None,
+) -> dict[str, Any]:
+    """Run the plan against the peers and return the result (not yet written).
+
+    ``cluster`` is a running :class:`pocketflow.LocalCluster` to use for the pocketflow peers
+    (the test suite's); without it the run starts and stops its own.
+    """
+    began = time.monotonic()
+    result: dict[str, Any] = {
+        "schema": 1,
+        "mode": plan.mode,
+        "date": machine.now_iso(),
+        "commit": machine.git_commit(),
+        "machine": machine.machine(),
+        "versions": {},
+        "plan": {
+            **dataclasses.asdict(plan),
+            "peers": list(peer_names),
+            "cells_planned": plan.cells_per_peer() * len(peer_names),
+            "live_bytes_max": plan.live_bytes_max(),
+        },
+        "peers": {},
+        "cells": [],
+    }
+    with ExitStack() as stack:
+        pool_size = max(plan.clients + plan.batch_clients)
+        pool = ClientPool(pool_size).start()
+        pool_holder = [pool]
+        stack.callback(lambda: pool_holder[0].close())
+        log(f"{pool_size} client processes: pids {pool.pids()}")
+        for name, factory in _make_peers(peer_names, stack, plan, cluster):
+            t0 = time.monotonic()
+            peer: Peer | None = None
+            try:
+                peer = factory()
+                peer.start()
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot start is recorded
+                result["peers"][name] = {"error": f"did not start: {exc}"}
+                log(f"{name}: did not start: {exc}")
+                if peer is not None:
+                    peer.stop()
+                continue
+            startup_s = time.monotonic() - t0
+            log(f"{name}: started in {startup_s:.1f} s")
+            info: dict[str, Any] = {"startup_s": startup_s}
+            try:
+                result["cells"] += measure_peer(pool_holder, peer, plan, log)
+            except Exception as exc:  # noqa: BLE001 - e.g. the warm-up failed; go on
+                info["error"] = f"failed: {exc}"
+                log(f"{name}: failed: {traceback.format_exc()}")
+                if pool_holder[0].broken:
+                    pool_holder[0].close()
+                    pool_holder[0] = ClientPool(pool_size).start()
+            finally:
+                result["peers"][name] = {**peer.info(), **info}
+                peer.stop()
+    result["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
+    result["versions"] = _versions(result["peers"])
+    result["ratios"] = report.ratios(result)
+    result["elapsed_s"] = time.monotonic() - began
+    return result
+
+
+def _versions(peers: dict[str, Any]) -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"pocketflow": pocketflow_version()}
+    for name in ("redis", "s3"):
+        if name in peers and peers[name].get("version"):
+            versions["redis-server" if name == "redis" else "seaweedfs"] = peers[name]["version"]
+    if "s3" not in peers and weed_binary() is None:
+        versions["seaweedfs"] = None
+    versions.update(machine.package_versions(
+        ("pyarrow", "redis", "hiredis", "boto3", "ray", "numpy", "matplotlib")
+    ))
+    versions["redis-py"] = versions.pop("redis")
+    return versions
+
+
+def write(result: dict[str, Any], out_dir: Path, *, plots: bool = True) -> list[Path]:
+    """Write JSON, plots and the Markdown summary; a full run also refreshes LATEST.md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"{machine.today()}-{result['mode']}"
+    result["plots"] = [str(p.name) for p in report.plot(result, stem)] if plots else []
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
+    report.write_json(result, paths[0])
+    paths[1].write_text(report.summary_markdown(result))
+    if result["mode"] == "full":
+        latest = out_dir / "LATEST.md"
+        shutil.copyfile(paths[1], latest)
+        paths.append(latest)
+    return paths + [out_dir / p for p in result["plots"]]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of ``python -m benchmarks.compare``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.compare",
+        description="Compare pocketflow with Redis, S3 (SeaweedFS) and raw TCP on this machine.",
+    )
+    add_arguments(parser)
+    return parser
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    """Run with parsed :func:`add_arguments` options; returns the exit status."""
+    names = [n.strip() for n in args.peers.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(PEER_NAMES))
+    if unknown or not names:
+        print(f"unknown peers {unknown}; choose from {', '.join(PEER_NAMES)}", file=sys.stderr)
+        return 2
+    plan = QUICK if args.mode == "quick" else FULL
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    log(f"{plan.mode} run: peers {', '.join(names)}")
+    result = run(plan, names, log)
+    for path in write(result, args.out, plots=not args.no_plots):
+        log(f"wrote {path}")
+    problems = report.figure_problems(result)
+    for problem in problems:
+        log(f"MISSING: {problem}")
+    log(f"done in {result['elapsed_s']:.0f} s")
+    return 1 if problems else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m benchmarks.compare``; returns the exit status."""
+    return main_from_args(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

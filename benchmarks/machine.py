@@ -1,0 +1,87 @@
+"""What a result was measured on: commit, date, machine, and the versions of everything compared."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+COMMAND_TIMEOUT_S = 10.0
+
+
+def _run(argv: list[str], cwd: Path | None = None) -> str | None:
+    try:
+        done = subprocess.run(
+            argv, cwd=cwd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def git_commit() -> dict[str, Any]:
+    """``git rev-parse HEAD``, whether tracked files changed since, and how many are untracked."""
+    commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
+    status = _run(["git", "status", "--porcelain"], cwd=REPO_ROOT)
+    lines = [] if status is None else status.splitlines()
+    return {
+        "commit": commit,
+        "dirty": None if status is None else any(not x.startswith("??") for x in lines),
+        "untracked_files": sum(1 for x in lines if x.startswith("??")),
+    }
+
+
+def today() -> str:
+    """Today's date, ``YYYY-MM-DD`` (UTC), the stem of result file names."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+
+
+def now_iso() -> str:
+    """The current UTC time, ISO 8601, to the second."""
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, cores (online and usable), memory, kernel, OS and Python."""
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory_bytes = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory_bytes = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError):
+        pass
+    return {
+        "cpu_model": cpu_model or platform.processor() or None,
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "memory_bytes": memory_bytes,
+        "kernel": platform.release(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "load_avg_1m_at_start": os.getloadavg()[0],
+    }
+
+
+def package_versions(names: tuple[str, ...]) -> dict[str, str | None]:
+    """Installed versions of Python distributions (``None`` when absent)."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out

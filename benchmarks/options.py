@@ -1,0 +1,29 @@
+"""Command-line options of the comparison runner, importable without its dependencies.
+
+``pocketflow bench`` (``pocketflow/cli.py``) adds these to its subcommand with
+:func:`add_arguments` and hands the parsed namespace to
+:func:`benchmarks.compare.main_from_args`; importing this module costs nothing beyond argparse.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PEER_NAMES = ("tcp", "redis", "s3", "pocketflow-dram", "pocketflow-nvme")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--quick`` (default) or ``--full``, ``--peers``, ``--out``, ``--no-plots``."""
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
+                      help="smoke run, under 2 minutes (default)")
+    mode.add_argument("--full", dest="mode", action="store_const", const="full",
+                      help="every size (1 KiB..64 MiB) and 1..16 client processes")
+    parser.set_defaults(mode="quick")
+    parser.add_argument("--peers", default=",".join(PEER_NAMES),
+                        help=f"comma-separated subset of {','.join(PEER_NAMES)} (default: all)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
+                        help=f"directory for the results (default {RESULTS_DIR})")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")

@@ -50,6 +50,10 @@ fn pieces(ticket: &GetTicket) -> impl Iterator<Item = Piece> + Send + 'static {
 }
 
 /// A DoGet in progress; holds its transfer slot until the last piece is queued.
+///
+/// With `delete`, dropping it removes every block the ticket names, so a stream that ends early
+/// (a failed range, the client going away) leaves nothing behind: the manifest is already gone,
+/// so nobody else can reach those blocks.
 struct Transfer {
     state: Arc<ServiceState>,
     job: String,
@@ -127,6 +131,22 @@ impl Transfer {
     }
 }
 
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        if !self.ticket.delete {
+            return;
+        }
+        // Blocks already removed after their last range (or by a concurrent delete) are skipped;
+        // bytes still queued for the client hold their space until sent.
+        let t = &self.ticket;
+        let indices: Vec<u32> = self.last_range_of.keys().copied().collect();
+        let _ = self
+            .state
+            .store
+            .delete_blocks(&self.job, &t.bucket, &t.key, t.version, &indices);
+    }
+}
+
 type Sender = mpsc::Sender<Result<FlightData, Status>>;
 
 /// Answer a DoGet: the first piece is read before the response starts, so a missing block or a
@@ -169,7 +189,119 @@ pub(crate) async fn get(
 mod tests {
     use super::*;
     use pocketflow_protocol::ticket::BlockRange;
+    use pocketflow_protocol::token::{now_unix_ms, TokenKey};
     use pocketflow_protocol::Context;
+    use pocketflow_store::engine::dram::DramEngine;
+    use pocketflow_store::Store;
+    use tokio::sync::Semaphore;
+
+    use crate::auth::Authority;
+    use crate::drain::Drain;
+    use crate::stats::Stats;
+
+    const JOB: &str = "j";
+
+    /// A service state over a small DRAM store holding blocks 1 and 2 (10 bytes each) of
+    /// `b/k` version 7.
+    async fn state_with_blocks() -> (Arc<ServiceState>, TokenKey) {
+        let key = TokenKey::new(b"0123456789abcdef").unwrap();
+        let engine = Arc::new(DramEngine::open(1 << 20, false).unwrap());
+        let store = Store::with_engine(engine, false);
+        store.create_bucket(JOB, "b").unwrap();
+        for index in [1, 2] {
+            let mut write = store
+                .begin_block(JOB, "b", "k", 7, index, 10, false)
+                .unwrap();
+            write
+                .append(Bytes::from(vec![index as u8; 10]))
+                .await
+                .unwrap();
+            write.commit().await.unwrap();
+        }
+        let state = ServiceState {
+            store,
+            auth: Authority::new(key.clone()),
+            stats: Stats::default(),
+            drain: Drain::default(),
+            node_id: "test".into(),
+            transfers: Arc::new(Semaphore::new(1)),
+            sessions: Arc::new(Semaphore::new(1)),
+        };
+        (Arc::new(state), key)
+    }
+
+    fn delete_ticket(key: &TokenKey, ranges: &str) -> Bytes {
+        let token = key.make(JOB, now_unix_ms() + 60_000);
+        Bytes::from(format!(
+            r#"{{"ctx":{{"job":"{JOB}","epoch":1,"token":"{token}"}},"bucket":"b","key":"k","version":7,"ranges":{ranges},"delete":true}}"#
+        ))
+    }
+
+    async fn wait_until_freed(state: &ServiceState) {
+        for _ in 0..200 {
+            if state.store.used_bytes() == 0 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        panic!("{} bytes still charged", state.store.used_bytes());
+    }
+
+    #[tokio::test]
+    async fn delete_frees_every_block_when_the_client_goes_away() {
+        let (state, key) = state_with_blocks().await;
+        let stream = get(state.clone(), delete_ticket(&key, "[[1,0,10],[2,0,10]]"))
+            .await
+            .unwrap();
+        drop(stream);
+        wait_until_freed(&state).await;
+        assert_eq!(state.transfers.available_permits(), 1);
+    }
+
+    #[tokio::test]
+    async fn delete_frees_every_block_when_a_later_range_fails() {
+        let (state, key) = state_with_blocks().await;
+        let stream = get(state.clone(), delete_ticket(&key, "[[1,0,10],[2,0,20]]"))
+            .await
+            .unwrap();
+        let messages: Vec<_> = stream.collect().await;
+        assert!(
+            messages.last().unwrap().is_err(),
+            "the range past the end fails"
+        );
+        wait_until_freed(&state).await;
+    }
+
+    #[tokio::test]
+    async fn delete_frees_every_block_when_the_first_range_fails() {
+        let (state, key) = state_with_blocks().await;
+        let err = get(state.clone(), delete_ticket(&key, "[[2,0,20],[1,0,10]]"))
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(err.kind(), pocketflow_protocol::ErrorKind::InvalidArgument);
+        wait_until_freed(&state).await;
+    }
+
+    #[tokio::test]
+    async fn reads_without_delete_keep_the_blocks() {
+        let (state, key) = state_with_blocks().await;
+        let ticket = String::from_utf8(delete_ticket(&key, "[[1,0,10]]").to_vec())
+            .unwrap()
+            .replace(r#""delete":true"#, r#""delete":false"#);
+        let used = state.store.used_bytes();
+        let err = get(
+            state.clone(),
+            Bytes::from(ticket.replace("[[1,0,10]]", "[[1,0,11]]")),
+        )
+        .await
+        .err()
+        .unwrap();
+        assert_eq!(err.kind(), pocketflow_protocol::ErrorKind::InvalidArgument);
+        let stream = get(state.clone(), Bytes::from(ticket)).await.unwrap();
+        assert_eq!(stream.collect::<Vec<_>>().await.len(), 2);
+        assert_eq!(state.store.used_bytes(), used);
+    }
 
     #[test]
     fn ranges_are_cut_into_batches() {

@@ -48,6 +48,8 @@ from pocketflow.errors import (
     BucketExists,
     BucketNotFound,
     CapacityExhausted,
+    DataUnavailable,
+    InternalError,
     InvalidRequest,
     NotFound,
     ObjectNotFound,
@@ -407,7 +409,7 @@ class Client:
         _, reply = self._fetch_record(bucket, bucket_raw, key_raw, OP_LOOKUP, 0)
         header = reply.header
         if header is None:
-            raise PocketflowError("lookup reply without a header")
+            raise InternalError("internal: lookup reply without a header")
         return ObjectInfo(key, header.size, header.persist)
 
     def exists(self, bucket: str, key: str) -> bool:
@@ -453,20 +455,34 @@ class Client:
     def get_file(
         self, bucket: str, key: str, path: str | os.PathLike[str], *, delete: bool = False
     ) -> int:
-        """Write an object to a local file (created or truncated); returns its size."""
+        """Write an object to a local file (created or truncated); returns its size.
+
+        With ``delete``, if the file cannot be created or written before any data block is
+        read, the object is put back (like :meth:`get_into`) and the ``OSError`` raised.
+        """
         bucket_raw = check_bucket(bucket)
         key_raw = check_key(key)
-        _, reply = self._fetch_record(
+        server, reply = self._fetch_record(
             bucket, bucket_raw, key_raw, OP_GET, OP_FLAG_DELETE if delete else 0
         )
         header = reply.header
         target = Path(path)
-        if header is None or header.block_count == 0:
-            target.write_bytes(reply.body)
-            return len(reply.body)
-        with open(target, "w+b") as f:
-            f.truncate(header.size)
-            mapped = mmap.mmap(f.fileno(), header.size)
+        try:
+            if header is None or header.block_count == 0:
+                target.write_bytes(reply.body)
+                return len(reply.body)
+            f = open(target, "w+b")  # noqa: SIM115 - closed below, or right here on failure
+            try:
+                f.truncate(header.size)
+                mapped = mmap.mmap(f.fileno(), header.size)
+            except BaseException:
+                f.close()
+                raise
+        except OSError:
+            if delete and header is not None:
+                self._restore_record(server, bucket_raw, key_raw, header, reply.body)
+            raise
+        with f:
             try:
                 self._read_blocks(
                     bucket, key, key_raw, header, 0, header.size, delete=delete,
@@ -866,20 +882,29 @@ class Client:
     def _put_record(
         self, bucket: str, bucket_raw: bytes, key_raw: bytes, header: ObjectHeader,
         value: bytes | bytearray | memoryview, *, persist: bool, overwrite: bool,
+        uploader: BlockUploader | None = None,
     ) -> None:
-        """Store block 0 (the commit point); on overwrite, free what it replaced."""
+        """Store block 0 (the commit point); on overwrite, free what it replaced.
+
+        ``uploader`` (a large object's) is told when the record is sent and when it is stored,
+        so that a failure afterwards never frees the blocks of a stored object.
+        """
         flags = (OP_FLAG_PERSIST if persist else 0) | (OP_FLAG_OVERWRITE if overwrite else 0)
         header_raw = header.encode()
         repaired = False
         for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
             view = self._view
             server = view.placement.server_for(key_raw, 0, persist=persist)
+            if uploader is not None:
+                uploader.committing = True
             try:
                 reply = self._call(view, server, OP_PUT, flags, bucket_raw, key_raw, header_raw,
                                    value)
             except StaleEpoch as exc:
                 reply = _stale_reply(exc)
             if reply.status == 0:
+                if uploader is not None:
+                    uploader.committed = True
                 if overwrite:
                     self._after_overwrite(view, bucket, bucket_raw, key_raw, server, reply.header,
                                           persist=persist)
@@ -990,9 +1015,9 @@ class Client:
             uploader.finish()
             header = large_header(uploader.version, len(data), block_size, persist=persist)
             self._put_record(bucket, bucket_raw, key_raw, header, b"", persist=persist,
-                             overwrite=overwrite)
-        except BaseException:
-            uploader.abort()
+                             overwrite=overwrite, uploader=uploader)
+        except BaseException as exc:
+            uploader.abort(exc)
             raise
 
     def _uploader(
@@ -1030,7 +1055,8 @@ class Client:
                     if isinstance(error, StaleEpoch) and attempt < STALE_EPOCH_RETRIES_MAX:
                         stale = error
                         retry.append(op)
-                    elif isinstance(error, BucketNotFound) and address not in repaired:
+                    elif (isinstance(error, BucketNotFound) and address not in repaired
+                          and attempt < STALE_EPOCH_RETRIES_MAX):
                         missing_bucket.append(op)
                     elif first_error is None:
                         first_error = error
@@ -1151,7 +1177,7 @@ class Client:
         ])
         expected = end - start
         if sum(received.values()) != expected:
-            raise PocketflowError(
+            raise InternalError(
                 f"internal: read {sum(received.values())} bytes of {key!r}, expected {expected}"
             )
         if dest is not None:
@@ -1290,6 +1316,10 @@ class BlockUploader:
         self._errors: list[BaseException] = []
         self._inflight_max = client.config.io_threads
         self._done = False
+        self.committing = False
+        """Set when the block-0 record has been sent (the commit may have happened)."""
+        self.committed = False
+        """Set when the server stored the block-0 record: the blocks now belong to the object."""
 
     def add(self, index: int, data: memoryview) -> None:
         """Queue data block ``index`` (1-based); may send groups and raise earlier failures."""
@@ -1322,11 +1352,26 @@ class BlockUploader:
         self._wait(0)
         self._raise_failed()
 
-    def abort(self) -> None:
-        """Wait for sends in progress, then free every block this upload placed anywhere."""
+    def abort(self, cause: BaseException | None = None) -> None:
+        """Wait for sends in progress, then free every block this upload placed anywhere.
+
+        Does nothing once the object is committed. If the commit was sent and ``cause`` leaves
+        its outcome unknown (a lost connection, a timeout, an interrupt), the blocks are kept:
+        the record may be stored and point at them (if not, they stay as garbage until the job
+        is deleted, which is better than an object whose blocks are gone).
+        """
         if self._done:
             return
         self._done = True
+        if self.committed:
+            return
+        if self.committing and not _refused(cause):
+            log.warning("the commit of %s/%s has an unknown outcome (%s); its blocks are kept",
+                        self._bucket, self._key, cause)
+            for future in list(self._futures):
+                future.cancel()
+            self._wait(0, raise_errors=False)
+            return
         for future in list(self._futures):
             future.cancel()
         self._wait(0, raise_errors=False)
@@ -1409,6 +1454,14 @@ class BlockUploader:
                 self._placed.setdefault(address, set()).update(index for index, _ in group)
         for address, group in regrouped.items():
             self._send(address, group, attempts_left)
+
+
+def _refused(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a server's definite refusal (the operation did not happen), as opposed
+    to a failure that leaves the outcome unknown (unreachable, timed out, interrupted, a bug)."""
+    return isinstance(exc, PocketflowError) and not isinstance(
+        exc, (DataUnavailable, InternalError)
+    )
 
 
 def _stale_reply(exc: StaleEpoch) -> Reply:

@@ -25,7 +25,8 @@ setting                    default     meaning
 ``connect_timeout_s``      ``5s``      how long a new session waits for its first reply (the
                                        connection and the token check); at most ``op_timeout_s``
 ``op_timeout_s``           ``30s``     how long one small operation may wait for its reply
-``rpc_timeout_s``          ``30s``     deadline of one action (lookup, enumerate, delete, ...)
+``rpc_timeout_s``          ``30s``     deadline of one action (enumerate, buckets, delete_prefix,
+                                       ...; get, lookup and delete use ``op_timeout_s``)
 ``stream_timeout_s``       ``300s``    longest deadline of one DoPut or DoGet stream; a stream
                                        gets ``op_timeout_s`` plus 1 s per 8 MiB it moves, up to
                                        this

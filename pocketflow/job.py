@@ -140,7 +140,8 @@ class Job:
         """Deregister the job and free its non-PERSIST data; a second call does nothing.
 
         Returns what was freed (``{"deleted", "freed_bytes", ...}``), or ``None`` if the job was
-        already deregistered through this object.
+        already deregistered through this object. If the control plane call fails, the job
+        counts as still registered, so that calling again retries it.
         """
         with self._lock:
             if self._deregistered:
@@ -148,7 +149,12 @@ class Job:
             self._deregistered = True
         for client in list(self._clients):
             client.close()
-        return self._control.deregister(self._handle.job_id)
+        try:
+            return self._control.deregister(self._handle.job_id)
+        except BaseException:
+            with self._lock:
+                self._deregistered = False
+            raise
 
     def __enter__(self) -> Job:
         return self

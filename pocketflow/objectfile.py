@@ -302,7 +302,8 @@ class ObjectWriter(io.BufferedIOBase):
             header = large_header(uploader.version, self._size, self._block_size,
                                   persist=self._persist)
             client._put_record(self._bucket, self._bucket_raw, self._key_raw, header, b"",
-                               persist=self._persist, overwrite=self._overwrite)
-        except BaseException:
-            uploader.abort()
+                               persist=self._persist, overwrite=self._overwrite,
+                               uploader=uploader)
+        except BaseException as exc:
+            uploader.abort(exc)
             raise

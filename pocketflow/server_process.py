@@ -18,6 +18,8 @@ SERVER_BINARY_NAME = "pocketflow-server"
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 STDERR_TAIL_LINES_MAX = 50
+PIPE_DRAIN_TIMEOUT_S = 2.0
+"""How long ``stop`` waits for the output-draining threads to reach the end of the pipes."""
 
 
 def find_server_binary() -> Path:
@@ -74,6 +76,7 @@ class StorageServerProcess:
         self._address: str | None = None
         self._stderr_tail: list[str] = []
         self._stderr_lock = threading.Lock()
+        self._pipe_threads: list[threading.Thread] = []
 
     @property
     def address(self) -> str:
@@ -113,21 +116,28 @@ class StorageServerProcess:
         """Start the server and wait until it reports its address; returns ``host:port``."""
         if self._proc is not None:
             raise ServerStartError(f"server {self.spec.node_id} already started")
-        self._proc = subprocess.Popen(
-            self.command(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        command = self.command()
+        try:
+            self._proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise ServerStartError(
+                f"server {self.spec.node_id}: cannot run {command[0]}: {exc}"
+            ) from exc
         ready: list[str] = []
         ready_event = threading.Event()
-        reader = threading.Thread(
-            target=self._read_ready_line, args=(ready, ready_event), daemon=True
-        )
-        reader.start()
+        self._pipe_threads = [
+            threading.Thread(target=self._drain_stderr, daemon=True),
+            threading.Thread(target=self._read_ready_line, args=(ready, ready_event), daemon=True),
+        ]
+        for thread in self._pipe_threads:
+            thread.start()
         # The reader keeps draining stdout after the ready line, so wait for the event, not
         # for the thread to end.
         ready_event.wait(timeout_s)
@@ -190,4 +200,19 @@ class StorageServerProcess:
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(timeout_s)
+        self._close_pipes()
         return proc.returncode
+
+    def _close_pipes(self) -> None:
+        """Close stdout and stderr once their draining threads have read them to the end."""
+        proc = self._proc
+        if proc is None or proc.poll() is None:
+            return
+        deadline = time.monotonic() + PIPE_DRAIN_TIMEOUT_S
+        for thread in self._pipe_threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        if any(thread.is_alive() for thread in self._pipe_threads):
+            return  # a descendant still holds a pipe open; closing under a reader is unsafe
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()

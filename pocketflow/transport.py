@@ -78,6 +78,8 @@ POOL_WAIT_SLICE_S = 0.05
 STREAM_BYTES_PER_S_MIN = 8 * 1024 * 1024
 """Slowest transfer rate a data stream's deadline allows for (see ``_stream_call_options``)."""
 ADMIN_TIMEOUT_DEFAULT_S = 10.0
+CONNECT_TIMEOUT_MIN_S = 1.0
+"""Shortest TCP + HTTP/2 connection attempt allowed, whatever the first-reply bound."""
 
 _OFFSETS = struct.Struct("<ii")
 
@@ -530,9 +532,13 @@ class ServerConnection:
                         "(the job handle pickles), or fork before connecting."
                     )
                 _grpc_started = True
+                # Opening a DoExchange session blocks until the channel connects, before the
+                # watchdog can see it; gRPC's own connection deadline (20 s) is cut to ours.
+                connect_ms = int(max(self.first_reply_timeout_s, CONNECT_TIMEOUT_MIN_S) * 1000)
+                options = [*GRPC_OPTIONS, ("grpc.min_reconnect_backoff_ms", connect_ms)]
                 try:
                     self._client = flight.FlightClient(
-                        f"grpc://{self.address}", generic_options=GRPC_OPTIONS
+                        f"grpc://{self.address}", generic_options=options
                     )
                 except Exception as exc:
                     raise error_from_flight(exc, server=self.address) from exc
@@ -583,12 +589,25 @@ class ServerConnection:
                     epoch, op, flags, bucket, key, header, value, self.op_timeout_s
                 )
             except SessionFailure as second:
-                raise second.error from second
-            finally:
                 self._pool.release(session)
+                raise second.error from second
+            except BaseException:
+                self._release_interrupted(session)
+                raise
+            self._pool.release(session)
             return reply
+        except BaseException:
+            self._release_interrupted(session)
+            raise
         self._pool.release(session)
         return reply
+
+    def _release_interrupted(self, session: ExchangeSession) -> None:
+        """Give back a session left mid-call by an unexpected exception (``KeyboardInterrupt``,
+        a bug): its reply may still arrive, so it is closed rather than reused, and its pool slot
+        is freed."""
+        session.broken = True
+        self._pool.release(session)
 
     def run(self, epoch: int, ops: Sequence[ExchangeOp], window: int) -> None:
         """Run many small operations pipelined over one session; fills each op's ``reply``."""
@@ -604,6 +623,9 @@ class ServerConnection:
                 if failure.sent or not reused or not isinstance(failure.error, DataUnavailable):
                     raise failure.error from failure
                 continue
+            except BaseException:
+                self._release_interrupted(session)
+                raise
             self._pool.release(session)
             return
 

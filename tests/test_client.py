@@ -774,3 +774,78 @@ def test_forked_child_fails_fast_instead_of_hanging(client: Client) -> None:
             child.kill()
     assert outcome.startswith("InvalidRequest") and "spawn" in outcome
     assert client.get("b", "k") == b"v"  # the parent is unaffected
+
+
+def test_lost_commit_reply_keeps_the_blocks(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the block-0 put ran but its reply was lost, the object may be stored: its data blocks
+    must not be freed (the object would be unreadable). The put still reports the failure."""
+    from pocketflow.protocol import OP_PUT, ObjectHeader
+    from pocketflow.transport import ServerConnection
+
+    client.create_bucket("b")
+    real_call = ServerConnection.call
+
+    def reply_lost(self, epoch, op, flags, bucket, key, header=b"", value=b""):  # noqa: ANN001, ANN202, PLR0913
+        reply = real_call(self, epoch, op, flags, bucket, key, header, value)
+        if op == OP_PUT and ObjectHeader.decode(header).block_count:
+            raise DataUnavailable("unavailable: reply lost", server=self.address)
+        return reply
+
+    monkeypatch.setattr(ServerConnection, "call", reply_lost)
+    data = payload(3 * MiB, 5)
+    with pytest.raises(DataUnavailable):
+        client.put("b", "lost-reply", data)
+    with pytest.raises(DataUnavailable), client.open("b", "lost-writer", "wb") as writer:
+        writer.write(data)
+    monkeypatch.setattr(ServerConnection, "call", real_call)
+    assert client.get("b", "lost-reply") == data
+    assert client.get("b", "lost-writer") == data
+
+
+def test_put_many_stores_or_reports_every_object(
+    job_handle: JobHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A missing bucket repaired on the last stale-epoch retry must not drop objects silently."""
+    from pocketflow.protocol import Reply, encode_json
+
+    pf = connect(job_handle, **CLIENT_OPTIONS)
+    rounds: list[int] = []
+
+    def fake_run_groups(view, groups) -> None:  # noqa: ANN001
+        rounds.append(1)
+        stale = len(rounds) <= 4
+        body = ("stale_epoch: " + encode_json(job_handle.weight_map()) if stale
+                else "bucket_not_found: b").encode()
+        for group in groups.values():
+            for op in group:
+                op.reply = Reply(0, 9 if stale else 5, None, memoryview(body))
+
+    monkeypatch.setattr(pf, "_run_groups", fake_run_groups)
+    monkeypatch.setattr(pf, "_adopt", lambda stale: None)
+    monkeypatch.setattr(pf, "_repair_bucket", lambda view, bucket, server: True)
+    try:
+        with pytest.raises(BucketNotFound):
+            pf.put_many("b", [("k", b"v")])
+    finally:
+        pf.close()
+
+
+def test_get_file_with_delete_keeps_the_object_when_the_file_cannot_be_written(
+    client: Client, tmp_path: Path
+) -> None:
+    client.create_bucket("b")
+    small, large = b"small value", payload(3 * MiB, 9)
+    client.put("b", "small", small)
+    client.put("b", "large", large)
+    missing_dir = tmp_path / "no-such-dir" / "out"
+    for key in ("small", "large"):
+        with pytest.raises(FileNotFoundError):
+            client.get_file("b", key, missing_dir, delete=True)
+    assert client.get("b", "small") == small
+    assert client.get("b", "large") == large
+    assert client.get_file("b", "large", tmp_path / "out", delete=True) == len(large)
+    assert (tmp_path / "out").read_bytes() == large
+    with pytest.raises(ObjectNotFound):
+        client.get("b", "large")

@@ -242,3 +242,29 @@ def test_task_in_another_process_connects_with_the_handle_alone(
             assert pf.get("shared", "from-child", delete=True) == payload[::-1]
             with pytest.raises(ObjectNotFound):
                 pf.get("shared", "from-parent")
+
+
+def test_failed_deregistration_can_be_retried() -> None:
+    """A deregistration that failed (controller unreachable) must not count as done: the job's
+    data would never be freed."""
+    from pocketflow.errors import ClusterError
+    from pocketflow.handle import JobHandle, ServerInfo
+    from pocketflow.job import Job
+
+    class FlakyControl:
+        calls = 0
+
+        def deregister(self, job_id: str) -> dict[str, object]:
+            FlakyControl.calls += 1
+            if FlakyControl.calls == 1:
+                raise ClusterError("controller.deregister_job did not answer")
+            return {"job_id": job_id, "deleted": 0, "freed_bytes": 0}
+
+    handle = JobHandle("j-000001", "j", 1, (ServerInfo("d-0", "127.0.0.1:1", "dram", 1.0),),
+                       "0.x")
+    job = Job(handle, FlakyControl())  # type: ignore[arg-type]
+    with pytest.raises(ClusterError):
+        job.deregister()
+    assert not job.deregistered
+    assert job.deregister() == {"job_id": "j-000001", "deleted": 0, "freed_bytes": 0}
+    assert job.deregister() is None

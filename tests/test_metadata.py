@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pocketflow.control.controller import validate_job_name
@@ -44,3 +46,35 @@ def test_good_job_names(name: str) -> None:
 def test_bad_job_names(name: str) -> None:
     with pytest.raises(InvalidRequest):
         validate_job_name(name)
+
+
+def test_controller_bounds_its_metadata_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hung Metadata actor must surface as a ClusterError, not hang the controller."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    from pocketflow.auth import write_secret_file
+    from pocketflow.control.controller import Controller
+    from pocketflow.errors import ClusterError
+
+    secret_file = tmp_path / "secret"
+    write_secret_file(secret_file)
+
+    class HungMetadata:
+        class put_job:  # noqa: N801 - stands for an actor method
+            @staticmethod
+            def remote(*args: object) -> object:
+                return object()
+
+    def get(ref: object, *, timeout: float | None = None) -> object:
+        if timeout is None:
+            raise AssertionError("ray.get without a timeout would hang on a stuck actor")
+        raise GetTimeoutError("timed out")
+
+    monkeypatch.setattr(ray, "get", get)
+    controller = Controller(secret_file=str(secret_file), metadata=HungMetadata(),
+                            block_size_bytes=1 << 20)
+    with pytest.raises(ClusterError):
+        controller._call_metadata("put_job", {"job_id": "x"})

@@ -34,6 +34,9 @@ TOKEN_TTL_S_DEFAULT = 24 * 3600.0
 
 FIRST_EPOCH = 1
 
+METADATA_CALL_TIMEOUT_S = 30.0
+"""Deadline of one call to the ``Metadata`` actor (well inside the driver's controller deadline)."""
+
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -266,5 +269,13 @@ class Controller:
         if isinstance(self._metadata, Metadata):
             return getattr(self._metadata, method)(*args)
         import ray
+        from ray.exceptions import GetTimeoutError
 
-        return ray.get(getattr(self._metadata, method).remote(*args))
+        try:
+            return ray.get(
+                getattr(self._metadata, method).remote(*args), timeout=METADATA_CALL_TIMEOUT_S
+            )
+        except GetTimeoutError as exc:
+            raise ClusterError(
+                f"metadata.{method} did not answer within {METADATA_CALL_TIMEOUT_S:.0f}s"
+            ) from exc

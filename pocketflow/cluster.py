@@ -437,7 +437,10 @@ def _unwrap(exc: BaseException, doing: str) -> BaseException:
         return cause
     if isinstance(exc, PocketflowError):
         return exc
-    return ClusterError(f"{doing} failed: {exc}")
+    error = ClusterError(f"{doing} failed: {exc}")
+    # Raised later, outside the except block: keep the Ray error as the cause explicitly.
+    error.__cause__ = exc
+    return error
 
 
 def _stop_at_exit(ref: weakref.ReferenceType[LocalCluster]) -> None:

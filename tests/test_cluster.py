@@ -12,11 +12,11 @@ import time
 import pytest
 from fixtures_cluster import wait_for
 
-from pocketflow.cluster import LocalCluster
+from pocketflow.cluster import LocalCluster, _unwrap
 from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE, STORAGE_NODE_ACTOR_PREFIX
 from pocketflow.control.plane import connect_control_plane
 from pocketflow.control.storage_node import StorageNode
-from pocketflow.errors import ConfigError
+from pocketflow.errors import ClusterError, ConfigError, ServerStartError
 from pocketflow.processes import ProcessRef, descendants
 
 UP_READY_TIMEOUT_S = 120.0
@@ -157,3 +157,16 @@ def test_no_process_outlives_an_interrupted_up(local_cluster: LocalCluster) -> N
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+def test_unwrapped_ray_errors_keep_their_cause() -> None:
+    """A start-up failure raised as ClusterError still carries the original error and traceback."""
+    try:
+        raise RuntimeError("actor died")
+    except RuntimeError as exc:
+        error = _unwrap(exc, "starting storage node dram-0")
+    assert isinstance(error, ClusterError)
+    assert "starting storage node dram-0" in str(error)
+    assert error.__cause__ is not None and error.__cause__.__traceback__ is not None
+    own = ServerStartError("binary missing")
+    assert _unwrap(own, "starting") is own

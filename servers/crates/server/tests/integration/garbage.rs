@@ -6,6 +6,7 @@ use std::time::Duration;
 use arrow_flight::{Action, FlightData, FlightDescriptor, Ticket};
 use bytes::Bytes;
 use futures::StreamExt;
+use pocketflow_protocol::action::ActionName;
 use pocketflow_protocol::frame::{encode_request_frame, OpCode};
 use serde_json::json;
 use tonic::Code;
@@ -108,21 +109,12 @@ async fn garbage_at_every_rpc_is_refused_and_the_server_keeps_serving() {
     }
 
     let valid_action = json!({"ctx": ctx("job-a", 0), "bucket": "b", "key": "k"}).to_string();
-    let names = [
-        "lookup",
-        "delete",
-        "delete_blocks",
-        "enumerate",
-        "create_bucket",
-        "delete_bucket",
-        "delete_prefix",
-        "delete_job",
-        "set_epoch",
-        "stats",
-        "drain",
-        "\u{0}",
-        "",
-    ];
+    // Every real action, plus names no action has.
+    let names: Vec<&str> = ActionName::ALL
+        .iter()
+        .map(|name| name.as_str())
+        .chain(["\u{0}", ""])
+        .collect();
     for i in 0..CASES {
         let name = names[(i as usize) % names.len()];
         // `drain` with a valid admin body would stop writes; bodies here never carry the admin token.

@@ -254,13 +254,7 @@ class Client:
         """
         check_bucket(bucket)
         results = self._on_every_server(ACTION_CREATE_BUCKET, bucket=bucket)
-        errors = [r for r in results if isinstance(r, PocketflowError)]
-        exists = [e for e in errors if isinstance(e, BucketExists)]
-        others = [e for e in errors if not isinstance(e, BucketExists)]
-        if others:
-            raise others[0]
-        if exists and len(exists) == len(results):
-            raise exists[0]
+        self._raise_errors(results, tolerated=BucketExists)
 
     def delete_bucket(self, bucket: str) -> int:
         """Delete ``bucket`` and every object in it on every server; returns the bytes freed.
@@ -280,14 +274,18 @@ class Client:
         return self._sum_field(results, "deleted")
 
     @staticmethod
-    def _sum_field(results: list[Any], name: str) -> int:
+    def _raise_errors(results: list[Any], *, tolerated: type[PocketflowError]) -> None:
+        """Raise the first error other than ``tolerated``, or ``tolerated`` if every server did."""
         errors = [r for r in results if isinstance(r, PocketflowError)]
-        missing = [e for e in errors if isinstance(e, BucketNotFound)]
-        others = [e for e in errors if not isinstance(e, BucketNotFound)]
+        others = [e for e in errors if not isinstance(e, tolerated)]
         if others:
             raise others[0]
-        if missing and len(missing) == len(results):
-            raise missing[0]
+        if errors and len(errors) == len(results):
+            raise errors[0]
+
+    @classmethod
+    def _sum_field(cls, results: list[Any], name: str) -> int:
+        cls._raise_errors(results, tolerated=BucketNotFound)
         return sum(int(r.get(name, 0)) for r in results if isinstance(r, dict))
 
     def _on_every_server(self, action: str, **fields: Any) -> list[Any]:

@@ -48,6 +48,9 @@ START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 15.0
 """How long each stop step waits before escalating (actor call, then SIGTERM, then SIGKILL)."""
 
+METADATA_RESTARTS_MAX = 100
+"""How many times Ray restarts a dead ``Metadata`` actor (it replays its log on each start)."""
+
 _registry_lock = threading.Lock()
 _running: list[LocalCluster] = []
 
@@ -93,6 +96,7 @@ class LocalCluster:
         server_threads: int | None = None,
         token_ttl: float | str = "24h",
         tmp_dir: str | os.PathLike[str] | None = None,
+        metadata_log: str | os.PathLike[str] | None = None,
     ) -> None:
         if dram_servers < 0 or nvme_servers < 0 or dram_servers + nvme_servers == 0:
             raise ConfigError("a local cluster needs at least one storage server")
@@ -110,6 +114,7 @@ class LocalCluster:
         self._num_cpus = num_cpus
         self._server_threads = server_threads
         self._tmp_dir = None if tmp_dir is None else Path(tmp_dir)
+        self._metadata_log = None if metadata_log is None else Path(metadata_log)
         self._plans = [
             _NodePlan(f"dram-{i}", TIER_DRAM, self._dram_capacity_bytes, long_running=True)
             for i in range(dram_servers)
@@ -232,6 +237,11 @@ class LocalCluster:
         return self._work_dir
 
     @property
+    def metadata_log(self) -> Path:
+        """The ``Metadata`` actor's append-only log (default: ``metadata.log`` in ``work_dir``)."""
+        return self._metadata_log or self.work_dir / "metadata.log"
+
+    @property
     def secret_file(self) -> Path:
         """The 0600 file holding the cluster secret that keys every capability token."""
         return self.work_dir / "cluster.secret"
@@ -336,7 +346,12 @@ class LocalCluster:
         else:
             raise ClusterError("a pocketflow cluster is already running in this Ray instance")
 
-        self._metadata = ray.remote(Metadata).options(name=METADATA_ACTOR_NAME, **options).remote()
+        # Ray restarts a dead Metadata actor, which replays its log (see control/metadata.py).
+        self._metadata = (
+            ray.remote(Metadata)
+            .options(name=METADATA_ACTOR_NAME, **{**options, "max_restarts": METADATA_RESTARTS_MAX})
+            .remote(str(self.metadata_log))
+        )
         for plan in self._plans:
             nvme_path = (
                 str(self.work_dir / f"{plan.node_id}.data") if plan.tier == TIER_NVME else None

@@ -1,13 +1,16 @@
-"""Tests of the Metadata actor's logic (as a plain object) and of the controller's job names."""
+"""Tests of the Metadata actor: its records, its log and replay, its restart; job names."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
+from pocketflow.cluster import LocalCluster
 from pocketflow.control.controller import validate_job_name
-from pocketflow.control.metadata import Metadata
+from pocketflow.control.metadata import Metadata, decode_records, encode_record
 from pocketflow.errors import InvalidRequest, JobNotRegistered
 
 
@@ -78,3 +81,126 @@ def test_controller_bounds_its_metadata_calls(
                             block_size_bytes=1 << 20)
     with pytest.raises(ClusterError):
         controller._call_metadata("put_job", {"job_id": "x"})
+
+
+# -- the metadata log ---------------------------------------------------------------------------
+
+
+def _record(job_id: str, **extra: object) -> dict[str, object]:
+    return {"job_id": job_id, "name": job_id.split("-")[0], "epoch": 1, **extra}
+
+
+def test_the_log_is_replayed_on_start(tmp_path: Path) -> None:
+    path = tmp_path / "meta" / "metadata.log"
+    metadata = Metadata(path)
+    metadata.put_job(_record("a-000001"))
+    metadata.put_job(_record("b-000002"))
+    metadata.update_job("b-000002", {"epoch": 2, "weight_map": {"dram-0": 1.0}})
+    last = metadata.remove_job("a-000001")
+    assert last is not None
+    metadata.close()
+
+    again = Metadata(path)
+    assert [j["job_id"] for j in again.jobs()] == ["b-000002"]
+    assert again.get_job("b-000002")["epoch"] == 2
+    assert again.get_job("b-000002")["weight_map"] == {"dram-0": 1.0}
+    assert [op["op"] for op in again.ops()] == [
+        "register_job", "register_job", "update_job", "deregister_job",
+    ]
+    assert again.log_info()["replayed"] == 4
+    # Sequence numbers continue after the replayed ones instead of repeating them.
+    assert again.put_job(_record("c-000003")) == again.ops()[-2]["seq"] + 1
+
+
+def test_a_torn_last_record_is_ignored_and_cut_off(tmp_path: Path) -> None:
+    path = tmp_path / "metadata.log"
+    metadata = Metadata(path)
+    metadata.put_job(_record("a-000001"))
+    metadata.put_job(_record("b-000002"))
+    metadata.close()
+    whole = path.read_bytes()
+    # The process died half-way through writing a third record: it was never acknowledged.
+    torn = encode_record({"seq": 3, "op": "register_job", "job_id": "c", "record": {}})
+    path.write_bytes(whole + torn[: len(torn) // 2])
+
+    again = Metadata(path)
+    assert [j["job_id"] for j in again.jobs()] == ["a-000001", "b-000002"]
+    assert path.stat().st_size == len(whole)
+    again.put_job(_record("d-000004"))
+    again.close()
+    assert [j["job_id"] for j in Metadata(path).jobs()] == ["a-000001", "b-000002", "d-000004"]
+
+
+def test_a_record_with_a_bad_checksum_ends_the_replay(tmp_path: Path) -> None:
+    first = encode_record({"seq": 1, "op": "register_job", "job_id": "a", "record": _record("a")})
+    second = bytearray(
+        encode_record({"seq": 2, "op": "register_job", "job_id": "b", "record": _record("b")})
+    )
+    second[-3] ^= 0x01  # flip a bit inside the JSON body
+    records, offset = decode_records(first + bytes(second))
+    assert [r["job_id"] for r in records] == ["a"]
+    assert offset == len(first)
+    assert decode_records(b"")[0] == []
+    assert decode_records(b"garbage that is not a record\n") == ([], 0)
+
+
+def test_the_log_is_compacted_past_its_bound(tmp_path: Path) -> None:
+    path = tmp_path / "metadata.log"
+    metadata = Metadata(path, compact_records_max=10)
+    for i in range(25):
+        metadata.put_job(_record(f"j{i}-{i:06d}"))
+        if i % 2:
+            metadata.remove_job(f"j{i}-{i:06d}")
+    assert metadata.log_info()["records"] <= 10
+    lines = path.read_bytes().count(b"\n")
+    assert lines <= 10
+    live = [j["job_id"] for j in metadata.jobs()]
+    last_seq = metadata.ops()[-1]["seq"]
+    metadata.close()
+
+    again = Metadata(path)
+    assert [j["job_id"] for j in again.jobs()] == live
+    assert len(live) == 13
+    assert again.put_job(_record("z-000099")) == last_seq + 1
+
+
+def test_remove_job_with_missing_ok_is_idempotent(tmp_path: Path) -> None:
+    metadata = Metadata(tmp_path / "metadata.log")
+    metadata.put_job(_record("a-000001"))
+    assert metadata.remove_job("a-000001", missing_ok=True) is not None
+    assert metadata.remove_job("a-000001", missing_ok=True) is None
+    with pytest.raises(JobNotRegistered):
+        metadata.update_job("a-000001", {"epoch": 3})
+
+
+def test_a_killed_metadata_actor_is_restarted_with_every_acknowledged_change(
+    local_cluster: LocalCluster,
+) -> None:
+    """Kill the Metadata actor's process in the middle of a job: Ray restarts it, it replays its
+    log, nothing acknowledged is lost and the controller's calls meanwhile wait and succeed."""
+    import ray
+
+    from pocketflow.control import METADATA_ACTOR_NAME, NAMESPACE
+
+    metadata = ray.get_actor(METADATA_ACTOR_NAME, namespace=NAMESPACE)
+    before = ray.get(metadata.log_info.remote(), timeout=30)
+    assert before["path"] == str(local_cluster.metadata_log)
+    with local_cluster.register_job("meta-kill") as running:
+        with running.connect() as client:
+            client.create_bucket("b")
+            client.put("b", "k", b"kept")
+        acknowledged = {j["job_id"] for j in ray.get(metadata.jobs.remote(), timeout=30)}
+        assert running.job_id in acknowledged
+
+        os.kill(before["pid"], signal.SIGKILL)
+        # Registered while Ray is restarting the actor: the controller's put_job waits for it.
+        with local_cluster.register_job("meta-after") as later:
+            after = ray.get(metadata.log_info.remote(), timeout=30)
+            assert after["pid"] != before["pid"]
+            assert after["replayed"] >= len(acknowledged)
+            jobs = {j["job_id"] for j in ray.get(metadata.jobs.remote(), timeout=30)}
+            assert acknowledged | {later.job_id} <= jobs
+            with running.connect() as client:
+                assert client.get("b", "k") == b"kept"
+    jobs = {j["job_id"] for j in ray.get(metadata.jobs.remote(), timeout=30)}
+    assert running.job_id not in jobs and later.job_id not in jobs

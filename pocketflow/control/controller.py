@@ -37,6 +37,12 @@ FIRST_EPOCH = 1
 METADATA_CALL_TIMEOUT_S = 30.0
 """Deadline of one call to the ``Metadata`` actor (well inside the driver's controller deadline)."""
 
+METADATA_CALL_ATTEMPTS_MAX = 64
+"""Most attempts of one ``Metadata`` call while Ray restarts the actor (within the deadline)."""
+
+METADATA_RETRY_PAUSE_S = 0.25
+"""Pause between attempts of a ``Metadata`` call that found the actor dead or restarting."""
+
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -161,7 +167,7 @@ class Controller:
         if job_id not in self._jobs:
             raise JobNotRegistered(f"job {job_id!r} is not registered")
         del self._jobs[job_id]
-        self._call_metadata("remove_job", job_id)
+        self._call_metadata("remove_job", job_id, True)
         deleted = freed_bytes = 0
         unreachable: list[str] = []
         for info in self.servers():
@@ -269,13 +275,23 @@ class Controller:
         if isinstance(self._metadata, Metadata):
             return getattr(self._metadata, method)(*args)
         import ray
-        from ray.exceptions import GetTimeoutError
+        from ray.exceptions import GetTimeoutError, RayActorError
 
-        try:
-            return ray.get(
-                getattr(self._metadata, method).remote(*args), timeout=METADATA_CALL_TIMEOUT_S
-            )
-        except GetTimeoutError as exc:
-            raise ClusterError(
-                f"metadata.{method} did not answer within {METADATA_CALL_TIMEOUT_S:.0f}s"
-            ) from exc
+        # While Ray restarts a dead Metadata actor (which replays its log), calls fail with
+        # RayActorError; they are retried until the deadline. Every Metadata mutation may be
+        # retried safely (put_job replaces, remove_job is called with missing_ok).
+        deadline = time.monotonic() + METADATA_CALL_TIMEOUT_S
+        for attempt in range(METADATA_CALL_ATTEMPTS_MAX):
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                break
+            try:
+                return ray.get(getattr(self._metadata, method).remote(*args), timeout=left_s)
+            except GetTimeoutError:
+                break
+            except RayActorError as exc:
+                log.warning("metadata.%s failed (attempt %d): %s", method, attempt + 1, exc)
+                time.sleep(min(METADATA_RETRY_PAUSE_S, max(0.0, deadline - time.monotonic())))
+        raise ClusterError(
+            f"metadata.{method} did not answer within {METADATA_CALL_TIMEOUT_S:.0f}s"
+        )

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 from pocketflow.config import parse_size
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "default: start a local cluster for the demo")
     _add_cluster_shape(demo)
     demo.set_defaults(func=cmd_demo)
+    _add_bench(commands)
     return parser
 
 
@@ -314,3 +316,81 @@ def _run_demo(cluster: Any, config: Any, args: argparse.Namespace, out: TextIO) 
     out.flush()
     return EXIT_OK if report.ok else EXIT_FAILED
 
+
+# -- bench ------------------------------------------------------------------------------------
+
+BENCH_DESCRIPTION = (
+    "Compare pocketflow (DRAM and NVMe tiers) with Redis, SeaweedFS S3 and raw loopback TCP on "
+    "127.0.0.1, the same as `python -m benchmarks.compare`; writes JSON, Markdown and PNG plots "
+    "(default benchmarks/results/). Needs a pocketflow source checkout: benchmarks/ is not "
+    "installed with the package."
+)
+BENCH_NOT_FOUND = (
+    "benchmarks/ is not installed with the pocketflow package; run `pocketflow bench` from the "
+    "root of a pocketflow source checkout (the directory that holds benchmarks/compare.py)"
+)
+
+
+def _benchmarks_root() -> Path | None:
+    """The source checkout whose ``benchmarks/`` ``pocketflow bench`` runs, or ``None``.
+
+    The current directory first, then the checkout this package was installed from (an
+    editable install, or running from the checkout).
+    """
+    import pocketflow
+
+    for root in (Path.cwd().resolve(), Path(pocketflow.__file__).resolve().parent.parent):
+        if all((root / "benchmarks" / name).is_file() for name in ("options.py", "compare.py")):
+            return root
+    return None
+
+
+def _add_bench(commands: Any) -> None:
+    """The ``bench`` subcommand, with the options ``benchmarks/options.py`` defines."""
+    import importlib.util
+
+    root = _benchmarks_root()
+    if root is None:
+        # Take any arguments, so that the command says what is missing instead of rejecting
+        # options it cannot know.
+        bench = commands.add_parser(
+            "bench", help="compare with Redis, S3 and raw TCP (source checkout only)",
+            description=BENCH_DESCRIPTION, prefix_chars="+", add_help=False,
+        )
+        bench.add_argument("bench_args", nargs="*", help=argparse.SUPPRESS)
+    else:
+        bench = commands.add_parser(
+            "bench", help="compare with Redis, S3 and raw TCP (source checkout only)",
+            description=BENCH_DESCRIPTION,
+        )
+        # Loaded by path, not imported: building the parser must not put the checkout on
+        # sys.path for every other command. The module is free of dependencies.
+        spec = importlib.util.spec_from_file_location(
+            "_pocketflow_bench_options", root / "benchmarks" / "options.py"
+        )
+        assert spec is not None and spec.loader is not None
+        options = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(options)
+        options.add_arguments(bench)
+    bench.set_defaults(func=cmd_bench, benchmarks_root=root)
+
+
+def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``pocketflow bench``: ``python -m benchmarks.compare`` of the source checkout."""
+    root = args.benchmarks_root
+    if root is None:
+        print(f"pocketflow bench: {BENCH_NOT_FOUND}", file=sys.stderr)
+        return EXIT_FAILED
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        from benchmarks import compare
+    except ImportError as exc:
+        print(f"pocketflow bench: cannot import the benchmarks of {root}: {exc} (they need the "
+              "test extras: pip install -e '.[test]')", file=sys.stderr)
+        return EXIT_FAILED
+    if Path(compare.__file__).resolve().parent != root / "benchmarks":
+        print(f"pocketflow bench: another `benchmarks` package shadows {root / 'benchmarks'}: "
+              f"{compare.__file__}", file=sys.stderr)
+        return EXIT_FAILED
+    return int(compare.main_from_args(args))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +84,58 @@ def test_demo_on_the_running_cluster(local_cluster: LocalCluster) -> None:
     assert "validation: OK" in result.stdout
     assert "sorted 20,000 records" in result.stdout
     assert "peak capacity used" in result.stdout and "bytes moved" in result.stdout
+
+
+# -- bench ------------------------------------------------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_module(
+    *args: str, cwd: Path, pythonpath: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m pocketflow ARGS`` in ``cwd``, optionally with only ``pythonpath`` added."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run(
+        [sys.executable, "-m", "pocketflow", *args],
+        capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env, cwd=cwd,
+    )
+
+
+def test_bench_help_shows_the_runner_options() -> None:
+    result = run_module("bench", "--help", cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    for option in ("--quick", "--full", "--peers", "--out", "--no-plots"):
+        assert option in result.stdout
+
+
+def test_bench_outside_a_source_checkout_says_what_is_missing(tmp_path: Path) -> None:
+    # An installed package without the checkout around it: no benchmarks/ to run.
+    site = tmp_path / "site"
+    shutil.copytree(
+        REPO_ROOT / "pocketflow", site / "pocketflow",
+        ignore=shutil.ignore_patterns("_bin", "__pycache__"),
+    )
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    result = run_module("bench", "--quick", "--peers", "tcp", cwd=cwd, pythonpath=site)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "pocketflow bench:" in result.stderr and "source checkout" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bench_runs_the_comparison_from_another_directory(tmp_path: Path) -> None:
+    # Outside the checkout `benchmarks` is not on sys.path; the command finds the checkout
+    # pocketflow was imported from. Only the raw TCP peer: a few seconds, no Ray.
+    out = tmp_path / "results"
+    result = run_module("bench", "--quick", "--peers", "tcp", "--no-plots", "--out", str(out),
+                        cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (json_path,) = out.glob("*-quick.json")
+    written = json.loads(json_path.read_text())
+    assert written["plan"]["peers"] == ["tcp"]
+    assert len(written["cells"]) == written["plan"]["cells_planned"] > 0
+    assert all("error" not in cell and cell["ops_per_s"] > 0 for cell in written["cells"])
+    assert (out / json_path.name.replace(".json", ".md")).is_file()

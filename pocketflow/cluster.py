@@ -51,6 +51,9 @@ STOP_TIMEOUT_S = 15.0
 METADATA_RESTARTS_MAX = 100
 """How many times Ray restarts a dead ``Metadata`` actor (it replays its log on each start)."""
 
+CONTROLLER_CONCURRENCY_MAX = 8
+"""Threads of the ``Controller`` actor: heartbeats are taken while a registration waits."""
+
 _registry_lock = threading.Lock()
 _running: list[LocalCluster] = []
 
@@ -96,6 +99,8 @@ class LocalCluster:
         server_threads: int | None = None,
         token_ttl: float | str = "24h",
         tmp_dir: str | os.PathLike[str] | None = None,
+        heartbeat_interval: float | str = "1s",
+        dead_after: float | str = "3s",
         metadata_log: str | os.PathLike[str] | None = None,
     ) -> None:
         if dram_servers < 0 or nvme_servers < 0 or dram_servers + nvme_servers == 0:
@@ -111,6 +116,12 @@ class LocalCluster:
             raise ConfigError(f"block_size must be 1..{BLOCK_SIZE_MAX_BYTES} bytes")
         self._object_store_bytes = parse_size(object_store_memory, name="object_store_memory")
         self._token_ttl_s = parse_duration(token_ttl, name="token_ttl")
+        self._heartbeat_interval_ms = int(
+            parse_duration(heartbeat_interval, name="heartbeat_interval") * 1000
+        )
+        self._dead_after_ms = int(parse_duration(dead_after, name="dead_after") * 1000)
+        if self._dead_after_ms <= self._heartbeat_interval_ms:
+            raise ConfigError("dead_after must be longer than heartbeat_interval")
         self._num_cpus = num_cpus
         self._server_threads = server_threads
         self._tmp_dir = None if tmp_dir is None else Path(tmp_dir)
@@ -381,17 +392,26 @@ class LocalCluster:
 
         self._controller = (
             ray.remote(Controller)
-            .options(name=CONTROLLER_ACTOR_NAME, **options)
+            .options(
+                name=CONTROLLER_ACTOR_NAME,
+                max_concurrency=CONTROLLER_CONCURRENCY_MAX,
+                **options,
+            )
             .remote(
                 secret_file=str(self.secret_file),
                 metadata=self._metadata,
                 block_size_bytes=self._block_size_bytes,
                 token_ttl_s=self._token_ttl_s,
+                heartbeat_interval_ms=self._heartbeat_interval_ms,
+                dead_after_ms=self._dead_after_ms,
             )
         )
         try:
             ray.get(
-                [self._controller.add_server.remote(info) for info in self.servers],
+                [
+                    self._controller.add_server.remote(info, self._nodes[info.node_id])
+                    for info in self.servers
+                ],
                 timeout=START_TIMEOUT_S,
             )
         except Exception as exc:

@@ -6,17 +6,27 @@ import time
 from pathlib import Path
 
 from pocketflow.auth import admin_token, read_secret_file
-from pocketflow.transport import AdminClient
+from pocketflow.transport import ADMIN_TIMEOUT_DEFAULT_S, AdminClient
 
 ADMIN_TOKEN_TTL_S = 3600.0
 """Lifetime of an admin token; connections are reopened with a fresh one at half of it."""
 
 
 class AdminTokens:
-    """One ``AdminClient`` per server address, all using an admin token that is renewed in time."""
+    """One ``AdminClient`` per server address, all using an admin token that is renewed in time.
 
-    def __init__(self, secret_file: Path, *, ttl_s: float = ADMIN_TOKEN_TTL_S) -> None:
+    ``timeout_s`` bounds every admin call, so a hung server costs at most that long.
+    """
+
+    def __init__(
+        self,
+        secret_file: Path,
+        *,
+        ttl_s: float = ADMIN_TOKEN_TTL_S,
+        timeout_s: float = ADMIN_TIMEOUT_DEFAULT_S,
+    ) -> None:
         self._secret_file = secret_file
+        self._timeout_s = timeout_s
         self._secret: bytes | None = None
         self._ttl_s = ttl_s
         self._token: str | None = None
@@ -34,7 +44,7 @@ class AdminTokens:
             self.close()
         found = self._clients.get(address)
         if found is None:
-            found = AdminClient(address, self._token)
+            found = AdminClient(address, self._token, timeout_s=self._timeout_s)
             self._clients[address] = found
         return found
 

@@ -1,16 +1,33 @@
-"""The ``StorageNode`` actor: starts one storage server process, reports on it, stops it by pid."""
+"""The ``StorageNode`` actor: starts one storage server, sends its heartbeats, stops it by pid."""
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pocketflow.control.admin import AdminTokens
-from pocketflow.errors import ServerStartError
+from pocketflow.errors import PocketflowError, ServerStartError
 from pocketflow.processes import ProcessRef
 from pocketflow.server_process import ServerSpec, StorageServerProcess
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_MS_DEFAULT = 1000
+"""How often a storage node reports its server's statistics to the controller."""
+
+HEARTBEAT_INTERVAL_MS_MIN = 50
+"""Shortest accepted heartbeat interval."""
+
+HEARTBEAT_STATS_TIMEOUT_S = 2.0
+"""Deadline of the ``stats`` call a heartbeat makes; a hung server then sends no heartbeat."""
+
+HEARTBEATS_IN_FLIGHT_MAX = 2
+"""Most heartbeats sent to the controller and not yet delivered; further ones are skipped."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +52,12 @@ class StorageNode:
     """Supervises one ``pocketflow-server`` process.
 
     The server is started with ``--parent-pid`` set to this actor's process, so it exits by itself
-    if the actor dies. The actor is thin glue: it starts, describes, queries and stops its server.
+    if the actor dies. The actor is thin glue: it starts, describes, queries and stops its server,
+    and, once :meth:`start_heartbeats` is called, a background thread pushes the server's
+    statistics to the controller every heartbeat interval (fire and forget, at most
+    ``HEARTBEATS_IN_FLIGHT_MAX`` undelivered). A server that does not answer ``stats`` within
+    ``HEARTBEAT_STATS_TIMEOUT_S`` or has exited sends no heartbeat; the controller's failure
+    detector notices the silence.
     """
 
     def __init__(
@@ -62,6 +84,9 @@ class StorageNode:
         self._process = StorageServerProcess(self._spec)
         self._admin = AdminTokens(Path(secret_file))
         self._info: StorageNodeInfo | None = None
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        self._heartbeats_sent = 0
 
     def start(self) -> StorageNodeInfo:
         """Start the server and wait until it listens; returns where it runs."""
@@ -102,7 +127,70 @@ class StorageNode:
         """The last lines the server wrote to stderr, for diagnosing failures."""
         return self._process.stderr_tail()
 
+    def start_heartbeats(self, controller: Any, interval_ms: int) -> None:
+        """Push the server's statistics to ``controller.heartbeat`` every ``interval_ms``.
+
+        ``controller`` is the ``Controller`` actor's handle. Calling it again does nothing.
+        """
+        if self._heartbeat_thread is not None:
+            return
+        interval_s = max(int(interval_ms), HEARTBEAT_INTERVAL_MS_MIN) / 1000.0
+        self._heartbeat_thread = threading.Thread(
+            target=self._heartbeat_loop,
+            args=(controller, interval_s),
+            name=f"heartbeat-{self._spec.node_id}",
+            daemon=True,
+        )
+        self._heartbeat_thread.start()
+
+    def heartbeats_sent(self) -> int:
+        """How many heartbeats this node has sent (for tests and diagnostics)."""
+        return self._heartbeats_sent
+
+    def stop_heartbeats(self) -> None:
+        """Stop sending heartbeats (the controller then sees the server as silent)."""
+        self._heartbeat_stop.set()
+        thread = self._heartbeat_thread
+        if thread is not None:
+            thread.join(timeout=HEARTBEAT_STATS_TIMEOUT_S + 1.0)
+
     def stop(self) -> int | None:
-        """Stop the server by its pid (SIGTERM, then SIGKILL); returns its exit status."""
+        """Stop the heartbeats, then the server by its pid (SIGTERM, then SIGKILL).
+
+        Returns the server's exit status.
+        """
+        self.stop_heartbeats()
         self._admin.close()
         return self._process.stop()
+
+    def _heartbeat_loop(self, controller: Any, interval_s: float) -> None:
+        import ray
+
+        admin = AdminTokens(self._spec.secret_file, timeout_s=HEARTBEAT_STATS_TIMEOUT_S)
+        in_flight: list[Any] = []
+        node_id = self._spec.node_id
+        try:
+            while not self._heartbeat_stop.wait(interval_s):
+                if not self._process.alive():
+                    log.warning("server %s exited; heartbeats stop", node_id)
+                    return
+                try:
+                    stats = admin.client(self.info().address).stats()
+                except PocketflowError as exc:
+                    log.warning("no heartbeat from %s: stats failed: %s", node_id, exc)
+                    admin.forget(self.info().address)
+                    continue
+                if in_flight:
+                    _, in_flight = ray.wait(in_flight, num_returns=len(in_flight), timeout=0)
+                if len(in_flight) >= HEARTBEATS_IN_FLIGHT_MAX:
+                    log.warning("controller is slow; heartbeat of %s skipped", node_id)
+                    continue
+                stats["sent_at_unix_s"] = time.time()
+                try:
+                    in_flight.append(controller.heartbeat.remote(node_id, stats))
+                except Exception as exc:  # the controller actor is gone or Ray is shutting down
+                    log.warning("heartbeat of %s not sent: %s", node_id, exc)
+                    continue
+                self._heartbeats_sent += 1
+        finally:
+            admin.close()

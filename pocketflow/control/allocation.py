@@ -1,11 +1,19 @@
-"""Allocation policy: which storage servers a job's data goes to, and with what weight (pure)."""
+"""Older DRAM-first allocation policy, kept until the controller uses the packing policy (pure).
+
+:mod:`pocketflow.control.packing` (with :mod:`pocketflow.control.hints`) supersedes it: it places
+a job's throughput and capacity, not only its size, and names the servers to launch when the job
+does not fit. ``Placement`` and ``Allocation`` are shared with it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pocketflow.control.packing import Allocation, Placement
 from pocketflow.errors import CapacityExhausted, ClusterError
+
+__all__ = ["Allocation", "AllocationRequest", "Placement", "ServerState", "allocate"]
 
 TIER_DRAM = "dram"
 TIER_NVME = "nvme"
@@ -43,31 +51,6 @@ class AllocationRequest:
 
     latency_sensitive: bool = True
     data_size_bytes: int | None = None
-
-
-@dataclass(frozen=True)
-class Placement:
-    """One server of a job's weight map.
-
-    ``weight`` is the server's relative share of the job's non-PERSIST data (0 for a server that
-    is in the map only to hold PERSIST objects); ``persist`` says whether PERSIST objects may be
-    placed on it.
-    """
-
-    node_id: str
-    weight: float
-    persist: bool
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """A job's weight map, ordered by node id."""
-
-    placements: tuple[Placement, ...]
-
-    def weights(self) -> dict[str, float]:
-        """``node_id -> weight`` for every server of the map."""
-        return {p.node_id: p.weight for p in self.placements}
 
 
 def allocate(request: AllocationRequest, servers: Sequence[ServerState]) -> Allocation:

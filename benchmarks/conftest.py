@@ -3,6 +3,8 @@
 ``--bench-peers`` picks the peers (default ``pocketflow-dram,redis,tcp``); every test that takes
 the ``peer`` fixture runs once per peer. The pocketflow cluster is started only if a pocketflow
 peer is chosen, and the peers are skipped (not failed) when the storage server is not built.
+A test marked ``@pytest.mark.peers("redis", ...)`` runs only on those of the chosen peers (an
+operation some peers do not have); with none of them chosen it is skipped.
 """
 
 from __future__ import annotations
@@ -28,13 +30,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Declare the ``peers`` marker."""
+    config.addinivalue_line(
+        "markers", "peers(*names): run the test only on these of the --bench-peers"
+    )
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Parametrize every test that uses ``peer`` over the chosen peers."""
+    """Parametrize every test that uses ``peer`` over the chosen peers (and its marker's)."""
     if "peer" in metafunc.fixturenames:
         names = [n.strip() for n in metafunc.config.getoption("--bench-peers").split(",")]
         unknown = sorted(set(names) - set(KNOWN_PEERS))
         if unknown:
             raise pytest.UsageError(f"unknown --bench-peers {unknown}; known: {KNOWN_PEERS}")
+        marker = metafunc.definition.get_closest_marker("peers")
+        if marker is not None:
+            names = [n for n in names if n in marker.args]
         metafunc.parametrize("peer", names, indirect=True, scope="session")
 
 

@@ -8,12 +8,15 @@ every peer is driven by the same workload code (:mod:`benchmarks.workloads`).
 
 Keys are plain strings; every peer keeps one namespace (a Redis database, an S3 bucket, a
 pocketflow bucket of one job). ``delete_many(prefix, keys)`` removes a benchmark round's objects
-outside of the timed region.
+outside of the timed region. Some clients also have ``get_delete(key)`` (read and free in one
+request) and ``list_keys(prefix)`` (every key under a prefix, sorted); the pytest-benchmark suite
+runs those cases only on the peers that have them.
 """
 
 from __future__ import annotations
 
 import abc
+import itertools
 import os
 import shutil
 import signal
@@ -45,6 +48,11 @@ DELETE_CHUNK_KEYS = 1000
 
 S3_BATCH_THREADS = 8
 """Concurrent requests of one S3 client's ``put_many``/``get_many`` (S3 has no pipelining)."""
+
+LIST_PAGE_KEYS = 1000
+"""Keys per listing request (SCAN COUNT, ListObjectsV2 and pocketflow enumerate pages)."""
+LIST_KEYS_MAX = 100_000
+"""Most keys ``list_keys`` returns (one more than this means the listing was cut short)."""
 
 BENCH_BUCKET = "bench"
 
@@ -130,6 +138,20 @@ class RedisClient:
             raise KeyError("a key of the batch is missing")
         return values
 
+    def get_delete(self, key: str) -> bytes:
+        """GETDEL: the value, and the key is gone (Redis' delete-on-read)."""
+        value = self._redis.getdel(key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def list_keys(self, prefix: str) -> list[str]:
+        """Every key under ``prefix``, sorted: SCAN MATCH in pages of :data:`LIST_PAGE_KEYS`."""
+        pattern = _redis_glob_escape(prefix) + "*"
+        keys = self._redis.scan_iter(match=pattern, count=LIST_PAGE_KEYS)
+        # A full SCAN may return a key twice (while the table rehashes).
+        return sorted({k.decode() for k in itertools.islice(keys, LIST_KEYS_MAX + 1)})
+
     def delete_many(self, prefix: str, keys: Sequence[str]) -> None:
         """DEL in chunks."""
         for start in range(0, len(keys), DELETE_CHUNK_KEYS):
@@ -209,6 +231,13 @@ class S3Client:
         """GetObject for every key, :data:`S3_BATCH_THREADS` at a time."""
         return list(self._threads().map(self.get, keys))
 
+    def list_keys(self, prefix: str) -> list[str]:
+        """Every key under ``prefix``, sorted: ListObjectsV2 in pages of 1000."""
+        pages = self._s3.get_paginator("list_objects_v2").paginate(
+            Bucket=self._bucket, Prefix=prefix, PaginationConfig={"MaxItems": LIST_KEYS_MAX + 1},
+        )
+        return [item["Key"] for page in pages for item in page.get("Contents", ())]
+
     def delete_many(self, prefix: str, keys: Sequence[str]) -> None:
         """DeleteObjects in chunks of 1000."""
         for start in range(0, len(keys), DELETE_CHUNK_KEYS):
@@ -266,6 +295,19 @@ class PocketflowClient:
     def get_many(self, keys: Sequence[str]) -> list[bytes]:
         """Client.get_many."""
         return self._client.get_many(self._bucket, keys)
+
+    def get_delete(self, key: str) -> bytes:
+        """Client.get with ``delete=True`` (DELETE-on-read)."""
+        return self._client.get(self._bucket, key, delete=True)
+
+    def list_keys(self, prefix: str) -> list[str]:
+        """Client.enumerate: every server's listing, merged and sorted (sizes dropped)."""
+        keys: list[str] = []
+        for page in self._client.enumerate(self._bucket, prefix, page_size=LIST_PAGE_KEYS):
+            keys += [info.key for info in page]
+            if len(keys) > LIST_KEYS_MAX:
+                break
+        return keys
 
     def delete_many(self, prefix: str, keys: Sequence[str]) -> None:
         """Client.delete_prefix: one action per server frees the whole round."""
@@ -481,6 +523,11 @@ class RedisPeer(_ServerPeer):
             if word.startswith("v="):
                 return word[2:]
         return out or None
+
+
+def _redis_glob_escape(text: str) -> str:
+    """``text`` with the glob characters of SCAN MATCH escaped, to match it literally."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 def _ping(spec: RedisSpec) -> bool:

@@ -1,94 +1,87 @@
 """pytest-benchmark suite: one client's put/get latency and throughput on each peer.
 
-Run with ``python -m pytest benchmarks/ --benchmark-only`` (add ``--bench-peers`` to choose
-peers). Each test reports pytest-benchmark's own statistics plus ``p50_us``, ``p99_us``,
-``ops_per_s`` and ``gb_per_s`` in ``extra_info``, computed from the raw round timings. Tests are
-grouped by operation and size, so the peers of one group are compared side by side.
+Run with ``python -m pytest benchmarks/test_bench_client.py --benchmark-only`` (add
+``--bench-peers`` to choose peers). Each test reports pytest-benchmark's own statistics plus
+``p50_us``, ``p99_us``, ``ops_per_s`` and ``gb_per_s`` in ``extra_info``, computed from the raw
+round timings. Tests are grouped by operation and size, so the peers of one group are compared
+side by side. Every round's result is checked outside the timing (:mod:`benchmarks.rounds`):
+what a get returns has the bytes that were put, what a put stored can be read back.
 """
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
-from benchmarks.peers import Peer
-from benchmarks.workloads import GB, KiB, MiB, format_size, payload, summarize_ns
+from benchmarks.peers import Peer, PeerClient
+from benchmarks.rounds import fresh_key, record_figures, verified_rounds
+from benchmarks.workloads import KiB, MiB, format_size, payload
+from pocketflow.errors import ObjectNotFound
 
 SMALL_BYTES = 1 * KiB
-LARGE_SIZES = (1 * MiB, 64 * MiB)
-BATCH_OPS = 100
-ROUNDS = {1 * KiB: 2000, 1 * MiB: 100, 64 * MiB: 8}
+SIZES_BYTES = (64 * KiB, 1 * MiB, 64 * MiB)
+"""Sizes of the single-object put/get cases besides 1 KiB (64 KiB is the largest object that
+pocketflow still sends whole over the pipelined session; larger ones are striped in blocks)."""
+ROUNDS = {1 * KiB: 2000, 64 * KiB: 500, 1 * MiB: 100, 64 * MiB: 8}
 """Timed rounds per test, by object size (each test also runs warm-up rounds)."""
+BATCH_OPS = 100
 BATCH_ROUNDS = 100
-WARMUP_ROUNDS = 2
-
-_serial = itertools.count()
-
-
-def _key(test: str) -> str:
-    # Fixed-width numbers: no key is a prefix of another, so deleting a key by prefix is exact.
-    return f"pytest-bench/{test}/{next(_serial):09d}"
+GET_DELETE_SIZES = (1 * KiB, 1 * MiB)
+GET_DELETE_PEERS = ("pocketflow-dram", "pocketflow-nvme", "redis")
+"""Peers that read and free an object in one request (pocketflow's DELETE flag, Redis GETDEL)."""
 
 
-def _record(benchmark: Any, *, objects_per_round: int, bytes_per_round: int) -> None:
-    """Put p50/p99 and throughput from the raw round timings into ``extra_info``."""
-    if benchmark.disabled or benchmark.stats is None:
-        return
-    seconds = benchmark.stats.stats.data
-    summary = summarize_ns([s * 1e9 for s in seconds])
-    mean_s = sum(seconds) / len(seconds)
-    benchmark.extra_info.update(
-        p50_us=summary["p50_us"],
-        p99_us=summary["p99_us"],
-        ops_per_s=objects_per_round / mean_s,
-        gb_per_s=bytes_per_round / mean_s / GB,
-    )
+def check_value(client: PeerClient, value: Any, data: bytes) -> None:
+    """``value`` is ``data`` (only its length, for a peer that stores nothing)."""
+    assert len(value) == len(data), f"got {len(value)} bytes, put {len(data)}"
+    if client.stores_data:
+        assert bytes(value) == data, "the bytes read differ from the bytes put"
+
+
+def check_values(client: PeerClient, values: Sequence[Any], data: bytes, count: int) -> None:
+    """``values`` are ``count`` copies of ``data``."""
+    assert len(values) == count, f"got {len(values)} values, expected {count}"
+    for value in values:
+        check_value(client, value, data)
 
 
 def _bench_put(benchmark: Any, peer: Peer, size_bytes: int, rounds: int) -> None:
-    """Time ``put`` of fresh keys; each round's previous key is deleted outside the timing."""
+    """Time ``put`` of a fresh key; each round's object is read back and deleted untimed."""
     client = peer.client()
     data = payload(size_bytes)
-    last: list[str] = []
 
-    def setup() -> tuple[tuple[str, bytes], dict[str, Any]]:
-        if last:
-            client.delete_many(last[0], last)
-            last.clear()
-        key = _key(f"put-{size_bytes}")
-        last.append(key)
-        return (key, data), {}
+    def check(args: tuple[Any, ...], result: Any) -> None:
+        key = args[0]
+        try:
+            check_value(client, client.get(key), data)
+        finally:
+            client.delete_many(key, [key])
 
     benchmark.group = f"put {format_size(size_bytes)}"
-    try:
-        benchmark.pedantic(
-            client.put, setup=setup, rounds=rounds, iterations=1, warmup_rounds=WARMUP_ROUNDS
-        )
-    finally:
-        if last:
-            client.delete_many(last[0], last)
-    _record(benchmark, objects_per_round=1, bytes_per_round=size_bytes)
+    verified_rounds(
+        benchmark, client.put, prepare=lambda: (fresh_key(f"put-{size_bytes}"), data),
+        check=check, rounds=rounds,
+    )
+    record_figures(benchmark, objects_per_round=1, bytes_per_round=size_bytes)
 
 
 def _bench_get(benchmark: Any, peer: Peer, size_bytes: int, rounds: int) -> None:
-    """Time ``get`` of one stored object, checking its bytes once."""
+    """Time ``get`` of one stored object; every round's bytes are checked untimed."""
     client = peer.client()
     data = payload(size_bytes)
-    key = _key(f"get-{size_bytes}")
+    key = fresh_key(f"get-{size_bytes}")
     client.put(key, data)
     benchmark.group = f"get {format_size(size_bytes)}"
     try:
-        value = benchmark.pedantic(
-            client.get, args=(key,), rounds=rounds, iterations=1, warmup_rounds=WARMUP_ROUNDS
+        verified_rounds(
+            benchmark, client.get, prepare=lambda: (key,),
+            check=lambda args, value: check_value(client, value, data), rounds=rounds,
         )
-        assert len(value) == size_bytes
-        if client.stores_data:
-            assert bytes(value) == data
     finally:
         client.delete_many(key, [key])
-    _record(benchmark, objects_per_round=1, bytes_per_round=size_bytes)
+    record_figures(benchmark, objects_per_round=1, bytes_per_round=size_bytes)
 
 
 def test_put_1k(benchmark: Any, peer: Peer) -> None:
@@ -105,55 +98,79 @@ def test_put_many_1k(benchmark: Any, peer: Peer) -> None:
     """Pipelined puts: one ``put_many`` (a Redis pipeline) of 100 objects of 1 KiB per round."""
     client = peer.client()
     data = payload(SMALL_BYTES)
-    last: list[list[str]] = []
 
-    def setup() -> tuple[tuple[list[tuple[str, bytes]]], dict[str, Any]]:
-        if last:
-            prefix = last[0][0].rsplit("/", 1)[0] + "/"
-            client.delete_many(prefix, last.pop())
-        batch = _key("put-many")
-        keys = [f"{batch}/{i:04d}" for i in range(BATCH_OPS)]
-        last.append(keys)
-        return ([(k, data) for k in keys],), {}
+    def prepare() -> tuple[list[tuple[str, bytes]]]:
+        batch = fresh_key("put-many")
+        return ([(f"{batch}/{i:04d}", data) for i in range(BATCH_OPS)],)
+
+    def check(args: tuple[Any, ...], result: Any) -> None:
+        keys = [key for key, _ in args[0]]
+        try:
+            check_values(client, client.get_many(keys), data, BATCH_OPS)
+        finally:
+            client.delete_many(keys[0].rsplit("/", 1)[0] + "/", keys)
 
     benchmark.group = f"put_many {BATCH_OPS} x {format_size(SMALL_BYTES)}"
-    try:
-        benchmark.pedantic(
-            client.put_many, setup=setup, rounds=BATCH_ROUNDS, iterations=1,
-            warmup_rounds=WARMUP_ROUNDS,
-        )
-    finally:
-        if last:
-            prefix = last[0][0].rsplit("/", 1)[0] + "/"
-            client.delete_many(prefix, last.pop())
-    _record(benchmark, objects_per_round=BATCH_OPS, bytes_per_round=BATCH_OPS * SMALL_BYTES)
+    verified_rounds(benchmark, client.put_many, prepare=prepare, check=check, rounds=BATCH_ROUNDS)
+    record_figures(benchmark, objects_per_round=BATCH_OPS, bytes_per_round=BATCH_OPS * SMALL_BYTES)
 
 
 def test_get_many_1k(benchmark: Any, peer: Peer) -> None:
     """Pipelined gets: one ``get_many`` (a Redis pipeline) of 100 objects of 1 KiB per round."""
     client = peer.client()
-    batch = _key("get-many")
+    data = payload(SMALL_BYTES)
+    batch = fresh_key("get-many")
     keys = [f"{batch}/{i:04d}" for i in range(BATCH_OPS)]
-    client.put_many([(k, payload(SMALL_BYTES)) for k in keys])
+    client.put_many([(k, data) for k in keys])
     benchmark.group = f"get_many {BATCH_OPS} x {format_size(SMALL_BYTES)}"
     try:
-        values = benchmark.pedantic(
-            client.get_many, args=(keys,), rounds=BATCH_ROUNDS, iterations=1,
-            warmup_rounds=WARMUP_ROUNDS,
+        verified_rounds(
+            benchmark, client.get_many, prepare=lambda: (keys,),
+            check=lambda args, values: check_values(client, values, data, BATCH_OPS),
+            rounds=BATCH_ROUNDS,
         )
-        assert [len(v) for v in values] == [SMALL_BYTES] * BATCH_OPS
     finally:
         client.delete_many(batch + "/", keys)
-    _record(benchmark, objects_per_round=BATCH_OPS, bytes_per_round=BATCH_OPS * SMALL_BYTES)
+    record_figures(benchmark, objects_per_round=BATCH_OPS, bytes_per_round=BATCH_OPS * SMALL_BYTES)
 
 
-@pytest.mark.parametrize("size_bytes", LARGE_SIZES, ids=format_size)
-def test_put_large(benchmark: Any, peer: Peer, size_bytes: int) -> None:
-    """Throughput of one large put (1 MiB, 64 MiB)."""
+@pytest.mark.parametrize("size_bytes", SIZES_BYTES, ids=format_size)
+def test_put_sized(benchmark: Any, peer: Peer, size_bytes: int) -> None:
+    """Latency and throughput of one put of 64 KiB, 1 MiB, 64 MiB."""
     _bench_put(benchmark, peer, size_bytes, ROUNDS[size_bytes])
 
 
-@pytest.mark.parametrize("size_bytes", LARGE_SIZES, ids=format_size)
-def test_get_large(benchmark: Any, peer: Peer, size_bytes: int) -> None:
-    """Throughput of one large get (1 MiB, 64 MiB)."""
+@pytest.mark.parametrize("size_bytes", SIZES_BYTES, ids=format_size)
+def test_get_sized(benchmark: Any, peer: Peer, size_bytes: int) -> None:
+    """Latency and throughput of one get of 64 KiB, 1 MiB, 64 MiB."""
     _bench_get(benchmark, peer, size_bytes, ROUNDS[size_bytes])
+
+
+@pytest.mark.peers(*GET_DELETE_PEERS)
+@pytest.mark.parametrize("size_bytes", GET_DELETE_SIZES, ids=format_size)
+def test_get_delete(benchmark: Any, peer: Peer, size_bytes: int) -> None:
+    """DELETE-on-read: each round puts a fresh object (untimed), then one timed get that frees
+    it. The check reads the bytes and that the object is gone."""
+    client = peer.client()
+    data = payload(size_bytes)
+    get_delete = client.get_delete  # type: ignore[attr-defined]
+
+    def prepare() -> tuple[str]:
+        key = fresh_key(f"get-delete-{size_bytes}")
+        client.put(key, data)
+        return (key,)
+
+    def check(args: tuple[Any, ...], value: Any) -> None:
+        key = args[0]
+        check_value(client, value, data)
+        try:
+            client.get(key)
+        except (KeyError, ObjectNotFound):  # the Redis client's and pocketflow's "no object"
+            return
+        raise AssertionError(f"{key} is still there after a delete-on-read")
+
+    benchmark.group = f"get_delete {format_size(size_bytes)}"
+    verified_rounds(benchmark, get_delete, prepare=prepare, check=check,
+                    rounds=ROUNDS[size_bytes] // 2)
+    record_figures(benchmark, objects_per_round=1, bytes_per_round=size_bytes)
+

@@ -1,0 +1,258 @@
+"""Cluster sizing policy: keep CPU, network and per-tier capacity within utilization bounds (pure).
+
+API summary (for the controller's sizing loop and the simulator):
+
+- ``decide(servers, bounds, now_s=..., last_action_s=..., pending=...) -> SizingAction``
+  where ``servers`` are :class:`ServerUtilization` samples (latest heartbeat of each server),
+  ``bounds`` a :class:`SizingBounds` (lower/upper utilization, default 0.6/0.8, cool-down,
+  minimum long-running servers, server and thread limits), ``last_action_s`` the time of the
+  last action the caller executed (``None``: never) and ``pending`` the servers per tier that
+  were launched and are not up yet.
+- The action is one of :class:`AddThreads` (vertical scaling of one server),
+  :class:`AddServer` (launch a server of a tier), :class:`RemoveServer` (drain one server and let
+  it exit) or :class:`NoAction` (with the reason). Every action has a ``reason`` for logs.
+- ``cluster_utilization(servers) -> ClusterUtilization`` — the aggregate the rules look at.
+
+The rules, checked in this order:
+
+1. Fewer active long-running servers than ``bounds.long_running_min`` (2): add a long-running
+   server of the first tier seen (or ``bounds.default_tier``). Not subject to the cool-down.
+2. Cool-down: within ``bounds.cooldown_s`` of the last action, do nothing, so that the
+   effect of an action shows in the samples before the next one (no flapping).
+3. Vertical first: a server whose CPU is above the upper bound and that may run more threads
+   gets ``bounds.threads_step`` more.
+4. A dimension above the upper bound (a tier's capacity, the mean CPU, the aggregate network):
+   add a server of that tier (for CPU or network: the tier of the busiest server), unless a
+   server of that tier is already starting or ``bounds.servers_max`` is reached.
+5. Every dimension below the lower bound: remove a server from the tier with the lowest capacity
+   use — the non-long-running server holding the fewest bytes — provided that no dimension would
+   then rise above the upper bound (hysteresis). Long-running servers are never removed.
+
+Utilization counts active servers only (not draining, not dead). Scaling threads down is not
+part of this policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServerUtilization:
+    """One server's latest utilization sample and sizing-relevant facts.
+
+    ``cpu_fraction`` is the busy fraction of the cores the server may use (0..1);
+    ``net_bytes_per_s`` is its network traffic (in plus out) against
+    ``net_capacity_bytes_per_s``.
+    """
+
+    node_id: str
+    tier: str
+    cpu_fraction: float
+    net_bytes_per_s: float
+    net_capacity_bytes_per_s: float
+    used_bytes: int
+    capacity_bytes: int
+    threads: int = 1
+    threads_max: int = 1
+    long_running: bool = False
+    draining: bool = False
+    dead: bool = False
+
+    @property
+    def active(self) -> bool:
+        """Whether the server counts for sizing (neither draining nor dead)."""
+        return not (self.draining or self.dead)
+
+
+@dataclass(frozen=True)
+class SizingBounds:
+    """Utilization bounds and limits of the sizing policy."""
+
+    lower: float = 0.6
+    upper: float = 0.8
+    cooldown_s: float = 10.0
+    long_running_min: int = 2
+    servers_max: int = 64
+    threads_step: int = 1
+    default_tier: str = "dram"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.lower < self.upper <= 1.0:
+            raise ValueError(f"need 0 <= lower < upper <= 1, got {self.lower}, {self.upper}")
+        if self.cooldown_s < 0 or self.threads_step < 1 or self.long_running_min < 0:
+            raise ValueError("cooldown_s >= 0, threads_step >= 1, long_running_min >= 0")
+        if self.servers_max < self.long_running_min:
+            raise ValueError("servers_max must be >= long_running_min")
+
+
+@dataclass(frozen=True)
+class AddThreads:
+    """Vertical scaling: let server ``node_id`` run ``threads`` threads."""
+
+    node_id: str
+    threads: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class AddServer:
+    """Horizontal scaling: launch a server of ``tier`` (long-running if ``long_running``)."""
+
+    tier: str
+    reason: str
+    long_running: bool = False
+
+
+@dataclass(frozen=True)
+class RemoveServer:
+    """Scale down: drain server ``node_id`` (weight 0 for new jobs), then let it exit."""
+
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class NoAction:
+    """Nothing to do, and why."""
+
+    reason: str
+
+
+SizingAction = AddThreads | AddServer | RemoveServer | NoAction
+
+
+@dataclass(frozen=True)
+class ClusterUtilization:
+    """Aggregate utilization of the active servers (each value 0..1; 0 with no servers)."""
+
+    cpu: float
+    net: float
+    capacity_by_tier: dict[str, float] = field(default_factory=dict)
+
+    def highest(self) -> float:
+        """The highest utilization of any dimension."""
+        return max([self.cpu, self.net, *self.capacity_by_tier.values()])
+
+
+def cluster_utilization(servers: Sequence[ServerUtilization]) -> ClusterUtilization:
+    """Mean CPU, aggregate network and per-tier capacity use of the active servers."""
+    active = [s for s in servers if s.active]
+    if not active:
+        return ClusterUtilization(cpu=0.0, net=0.0)
+    cpu = sum(s.cpu_fraction for s in active) / len(active)
+    net_capacity = sum(s.net_capacity_bytes_per_s for s in active)
+    net = sum(s.net_bytes_per_s for s in active) / net_capacity if net_capacity > 0 else 0.0
+    capacity: dict[str, float] = {}
+    for tier in sorted({s.tier for s in active}):
+        total = sum(s.capacity_bytes for s in active if s.tier == tier)
+        used = sum(s.used_bytes for s in active if s.tier == tier)
+        capacity[tier] = used / total if total > 0 else 0.0
+    return ClusterUtilization(cpu=cpu, net=net, capacity_by_tier=capacity)
+
+
+def decide(
+    servers: Sequence[ServerUtilization],
+    bounds: SizingBounds,
+    *,
+    now_s: float,
+    last_action_s: float | None = None,
+    pending: Mapping[str, int] | None = None,
+) -> SizingAction:
+    """The next sizing action for the cluster (rules in the module docstring)."""
+    pending = pending or {}
+    active = sorted((s for s in servers if s.active), key=lambda s: s.node_id)
+    long_running = [s for s in active if s.long_running]
+    if len(long_running) < bounds.long_running_min:
+        tier = active[0].tier if active else bounds.default_tier
+        return AddServer(
+            tier,
+            f"{len(long_running)} long-running servers, minimum {bounds.long_running_min}",
+            long_running=True,
+        )
+    if last_action_s is not None and now_s - last_action_s < bounds.cooldown_s:
+        return NoAction(f"cool-down: last action {now_s - last_action_s:.1f}s ago")
+
+    for server in sorted(active, key=lambda s: (-s.cpu_fraction, s.node_id)):
+        if server.cpu_fraction > bounds.upper and server.threads < server.threads_max:
+            threads = min(server.threads + bounds.threads_step, server.threads_max)
+            return AddThreads(
+                server.node_id,
+                threads,
+                f"cpu {server.cpu_fraction:.0%} > {bounds.upper:.0%} on {server.node_id}",
+            )
+
+    usage = cluster_utilization(active)
+    hot = _hot_tier(active, usage, bounds)
+    if hot is not None:
+        tier, reason = hot
+        starting = sum(pending.values())
+        if pending.get(tier, 0) > 0:
+            return NoAction(f"{reason}; a {tier} server is already starting")
+        if len(active) + starting >= bounds.servers_max:
+            return NoAction(f"{reason}; at the limit of {bounds.servers_max} servers")
+        return AddServer(tier, reason)
+
+    if usage.highest() >= bounds.lower:
+        return NoAction(f"within bounds (highest {usage.highest():.0%})")
+    if sum(pending.values()) > 0:
+        return NoAction("below bounds, but servers are still starting")
+    for tier in sorted(usage.capacity_by_tier, key=lambda t: (usage.capacity_by_tier[t], t)):
+        candidates = sorted(
+            (s for s in active if s.tier == tier and not s.long_running),
+            key=lambda s: (s.used_bytes, s.node_id),
+        )
+        for candidate in candidates:
+            rest = [s for s in active if s.node_id != candidate.node_id]
+            after = _utilization_without(rest, candidate)
+            if after.highest() <= bounds.upper:
+                return RemoveServer(
+                    candidate.node_id,
+                    f"all below {bounds.lower:.0%} (highest {usage.highest():.0%}); "
+                    f"{tier} capacity use lowest at {usage.capacity_by_tier[tier]:.0%}",
+                )
+    return NoAction("below bounds, but no server can be removed")
+
+
+def _hot_tier(
+    active: list[ServerUtilization], usage: ClusterUtilization, bounds: SizingBounds
+) -> tuple[str, str] | None:
+    """The tier to grow and why, if any dimension is above the upper bound."""
+    for tier, used in sorted(usage.capacity_by_tier.items(), key=lambda kv: (-kv[1], kv[0])):
+        if used > bounds.upper:
+            return tier, f"{tier} capacity {used:.0%} > {bounds.upper:.0%}"
+    if usage.cpu > bounds.upper:
+        busiest = max(active, key=lambda s: (s.cpu_fraction, s.node_id))
+        return busiest.tier, f"cpu {usage.cpu:.0%} > {bounds.upper:.0%}"
+    if usage.net > bounds.upper:
+        busiest = max(
+            active,
+            key=lambda s: (s.net_bytes_per_s / (s.net_capacity_bytes_per_s or 1), s.node_id),
+        )
+        return busiest.tier, f"network {usage.net:.0%} > {bounds.upper:.0%}"
+    return None
+
+
+def _utilization_without(
+    rest: list[ServerUtilization], removed: ServerUtilization
+) -> ClusterUtilization:
+    """Utilization once ``removed`` is gone and its load has moved to ``rest``.
+
+    Its CPU and network load move to the remaining servers; its bytes stay counted against its
+    tier (new data of that tier lands on the remaining servers).
+    """
+    if not rest:
+        return ClusterUtilization(cpu=1.0, net=1.0)
+    cpu = (sum(s.cpu_fraction for s in rest) + removed.cpu_fraction) / len(rest)
+    net_capacity = sum(s.net_capacity_bytes_per_s for s in rest)
+    net_used = sum(s.net_bytes_per_s for s in rest) + removed.net_bytes_per_s
+    net = net_used / net_capacity if net_capacity > 0 else 1.0
+    capacity: dict[str, float] = {}
+    for tier in sorted({s.tier for s in rest} | {removed.tier}):
+        total = sum(s.capacity_bytes for s in rest if s.tier == tier)
+        used = sum(s.used_bytes for s in rest if s.tier == tier)
+        if tier == removed.tier:
+            used += removed.used_bytes
+        capacity[tier] = used / total if total > 0 else (1.0 if used else 0.0)
+    return ClusterUtilization(cpu=cpu, net=net, capacity_by_tier=capacity)

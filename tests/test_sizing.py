@@ -1,0 +1,176 @@
+"""Tests of the cluster sizing policy (pure: no Ray, no servers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pocketflow.control.sizing import (
+    AddServer,
+    AddThreads,
+    NoAction,
+    RemoveServer,
+    ServerUtilization,
+    SizingBounds,
+    cluster_utilization,
+    decide,
+)
+
+GIB = 1 << 30
+NET = 1_000_000_000.0
+BOUNDS = SizingBounds(cooldown_s=5.0)
+
+
+def server(
+    node_id: str,
+    *,
+    tier: str = "dram",
+    cpu: float = 0.7,
+    net: float = 0.7,
+    used: float = 0.7,
+    long_running: bool = False,
+    threads: int = 1,
+    threads_max: int = 1,
+    **kw: object,
+) -> ServerUtilization:
+    return ServerUtilization(
+        node_id,
+        tier,
+        cpu_fraction=cpu,
+        net_bytes_per_s=net * NET,
+        net_capacity_bytes_per_s=NET,
+        used_bytes=int(used * 10 * GIB),
+        capacity_bytes=10 * GIB,
+        threads=threads,
+        threads_max=threads_max,
+        long_running=long_running,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def base(**kw: object) -> list[ServerUtilization]:
+    """Two long-running DRAM servers and one launched one, all within bounds by default."""
+    return [
+        server("lr-0", long_running=True, **kw),  # type: ignore[arg-type]
+        server("lr-1", long_running=True, **kw),  # type: ignore[arg-type]
+        server("dram-2", **kw),  # type: ignore[arg-type]
+    ]
+
+
+def test_within_bounds_does_nothing() -> None:
+    action = decide(base(), BOUNDS, now_s=100.0)
+    assert isinstance(action, NoAction)
+    assert "within bounds" in action.reason
+
+
+def test_hot_cpu_scales_vertically_first() -> None:
+    servers = base()
+    servers[2] = server("dram-2", cpu=0.95, threads=2, threads_max=4)
+    action = decide(servers, BOUNDS, now_s=100.0)
+    assert action == AddThreads("dram-2", 3, action.reason)
+
+
+def test_hot_cpu_without_thread_room_adds_a_server_of_the_busiest_tier() -> None:
+    servers = [
+        server("lr-0", long_running=True, cpu=0.9),
+        server("lr-1", long_running=True, cpu=0.9),
+        server("nvme-0", tier="nvme", cpu=0.95),
+    ]
+    action = decide(servers, BOUNDS, now_s=100.0)
+    assert isinstance(action, AddServer)
+    assert action.tier == "nvme"
+    assert not action.long_running
+
+
+def test_hot_network_adds_a_server() -> None:
+    action = decide(base(net=0.9), BOUNDS, now_s=100.0)
+    assert isinstance(action, AddServer) and action.tier == "dram"
+    assert "network" in action.reason
+
+
+def test_full_tier_adds_a_server_of_that_tier() -> None:
+    servers = base() + [server("nvme-0", tier="nvme", used=0.95)]
+    action = decide(servers, BOUNDS, now_s=100.0)
+    assert isinstance(action, AddServer) and action.tier == "nvme"
+
+
+def test_no_second_server_while_one_of_the_tier_is_starting() -> None:
+    action = decide(base(net=0.9), BOUNDS, now_s=100.0, pending={"dram": 1})
+    assert isinstance(action, NoAction) and "starting" in action.reason
+
+
+def test_server_limit_is_respected() -> None:
+    bounds = SizingBounds(servers_max=3)
+    action = decide(base(net=0.9), bounds, now_s=100.0)
+    assert isinstance(action, NoAction) and "limit" in action.reason
+
+
+def test_idle_cluster_removes_the_emptiest_launched_server_of_the_least_used_tier() -> None:
+    servers = [
+        server("lr-0", long_running=True, cpu=0.1, net=0.1, used=0.3),
+        server("lr-1", long_running=True, cpu=0.1, net=0.1, used=0.3),
+        server("dram-2", cpu=0.1, net=0.1, used=0.3),
+        server("nvme-0", tier="nvme", cpu=0.1, net=0.1, used=0.2),
+        server("nvme-1", tier="nvme", cpu=0.1, net=0.1, used=0.05),
+    ]
+    action = decide(servers, BOUNDS, now_s=100.0)
+    assert isinstance(action, RemoveServer)
+    assert action.node_id == "nvme-1"
+
+
+def test_long_running_servers_are_never_removed() -> None:
+    servers = [
+        server("lr-0", long_running=True, cpu=0.0, net=0.0, used=0.0),
+        server("lr-1", long_running=True, cpu=0.0, net=0.0, used=0.0),
+    ]
+    action = decide(servers, BOUNDS, now_s=100.0)
+    assert isinstance(action, NoAction) and "no server can be removed" in action.reason
+
+
+def test_removal_that_would_push_a_dimension_over_the_upper_bound_is_held_back() -> None:
+    # 55% network over three servers becomes 82.5% over two: stay.
+    servers = base(cpu=0.1, net=0.55, used=0.1)
+    action = decide(servers, BOUNDS, now_s=100.0)
+    assert isinstance(action, NoAction)
+
+
+def test_one_dimension_in_band_blocks_scale_down() -> None:
+    servers = base(cpu=0.1, net=0.1, used=0.65)
+    assert isinstance(decide(servers, BOUNDS, now_s=100.0), NoAction)
+
+
+def test_cooldown_holds_every_action() -> None:
+    hot = base(net=0.95)
+    assert isinstance(decide(hot, BOUNDS, now_s=100.0, last_action_s=97.0), NoAction)
+    assert isinstance(decide(hot, BOUNDS, now_s=100.0, last_action_s=95.0), AddServer)
+    idle = base(cpu=0.0, net=0.0, used=0.0)
+    assert isinstance(decide(idle, BOUNDS, now_s=100.0, last_action_s=99.0), NoAction)
+    assert isinstance(decide(idle, BOUNDS, now_s=100.0, last_action_s=90.0), RemoveServer)
+
+
+def test_too_few_long_running_servers_adds_one_even_in_cooldown() -> None:
+    servers = [server("lr-0", long_running=True), server("lr-1", long_running=True, dead=True)]
+    action = decide(servers, BOUNDS, now_s=100.0, last_action_s=99.9)
+    assert isinstance(action, AddServer) and action.long_running
+    empty = decide([], BOUNDS, now_s=0.0)
+    assert isinstance(empty, AddServer) and empty.tier == "dram"
+
+
+def test_draining_and_dead_servers_do_not_count() -> None:
+    servers = base(cpu=0.1, net=0.1, used=0.1) + [
+        server("dram-9", cpu=1.0, net=1.0, used=1.0, draining=True),
+        server("dram-8", cpu=1.0, net=1.0, used=1.0, dead=True),
+    ]
+    usage = cluster_utilization(servers)
+    assert usage.cpu == pytest.approx(0.1)
+    assert usage.net == pytest.approx(0.1)
+    assert usage.capacity_by_tier == {"dram": pytest.approx(0.1)}
+    action = decide(servers, BOUNDS, now_s=100.0)
+    assert action == RemoveServer("dram-2", action.reason)
+
+
+def test_bounds_are_validated() -> None:
+    with pytest.raises(ValueError):
+        SizingBounds(lower=0.8, upper=0.6)
+    with pytest.raises(ValueError):
+        SizingBounds(servers_max=1)
+    assert SizingBounds().lower == 0.6 and SizingBounds().upper == 0.8

@@ -201,7 +201,31 @@ class Controller:
             if node_id not in self._last_heartbeat:
                 return
             self._last_heartbeat[node_id] = time.monotonic()
+            self._keep_newer_stats(node_id, stats)
+
+    def _keep_newer_stats(self, node_id: str, stats: dict[str, Any]) -> None:
+        """Keep ``stats`` unless a sample taken later is already kept. Callers hold the lock.
+
+        A heartbeat sampled before a ``_refresh_stats`` may arrive after it; it must not
+        bring back usage that a deregistration has freed.
+        """
+        kept = self._heartbeat_stats.get(node_id)
+        sampled = float(stats.get("sampled_at_unix_s", 0.0))
+        if kept is None or sampled >= float(kept.get("sampled_at_unix_s", 0.0)):
             self._heartbeat_stats[node_id] = dict(stats)
+
+    def _refresh_stats(self, info: StorageNodeInfo) -> None:
+        """Read a server's ``stats`` now (after a change the next heartbeat would lag behind)."""
+        sampled = time.time()
+        try:
+            stats = self._admin.client(info.address).stats()
+        except PocketflowError as exc:
+            log.info("stats of %s failed: %s", info.node_id, exc)
+            return
+        stats["sampled_at_unix_s"] = sampled
+        with self._heartbeat_lock:
+            if info.node_id in self._last_heartbeat:
+                self._keep_newer_stats(info.node_id, stats)
 
     def dead_servers(self) -> dict[str, dict[str, Any]]:
         """Servers declared dead: ``node_id -> {"address", "tier", "reason", "at_unix_s"}``."""
@@ -327,6 +351,7 @@ class Controller:
                 continue
             deleted += int(result.get("deleted", 0))
             freed_bytes += int(result.get("freed_bytes", 0))
+            self._refresh_stats(info)
         log.info("deregistered job %s: freed %d bytes", job_id, freed_bytes)
         return {
             "job_id": job_id,

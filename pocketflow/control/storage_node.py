@@ -174,6 +174,7 @@ class StorageNode:
                 if not self._process.alive():
                     log.warning("server %s exited; heartbeats stop", node_id)
                     return
+                sampled = time.time()
                 try:
                     stats = admin.client(self.info().address).stats()
                 except PocketflowError as exc:
@@ -185,7 +186,7 @@ class StorageNode:
                 if len(in_flight) >= HEARTBEATS_IN_FLIGHT_MAX:
                     log.warning("controller is slow; heartbeat of %s skipped", node_id)
                     continue
-                stats["sent_at_unix_s"] = time.time()
+                stats["sampled_at_unix_s"] = sampled
                 try:
                     in_flight.append(controller.heartbeat.remote(node_id, stats))
                 except Exception as exc:  # the controller actor is gone or Ray is shutting down

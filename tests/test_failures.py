@@ -1,0 +1,162 @@
+"""Tests of failure handling: a storage server that dies or hangs is declared dead within bounds.
+
+Each test adds its own storage server to the session cluster and kills or stops only that one;
+the session's servers are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fixtures_cluster import wait_for
+
+from pocketflow.cluster import LocalCluster
+from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE
+from pocketflow.control.storage_node import StorageNode, StorageNodeInfo
+from pocketflow.errors import DataUnavailable
+from pocketflow.placement import Placement
+
+DEAD_AFTER_S = 3.0
+"""The session cluster's default ``dead_after``."""
+
+DETECTION_SLACK_S = 2.5
+"""Allowed lateness of the failure detector on a loaded 2-core machine."""
+
+READ_TIMEOUT_S = 2.0
+"""The client's ``op_timeout_s`` in these tests: a hung server is given up after it."""
+
+KEYS = 48
+
+
+def _controller() -> Any:
+    import ray
+
+    return ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE)
+
+
+@pytest.fixture
+def extra_server(local_cluster: LocalCluster) -> Iterator[tuple[StorageNodeInfo, Any]]:
+    """A DRAM server added to the session cluster for this test only, removed afterwards."""
+    import ray
+
+    node_id = f"extra-{uuid.uuid4().hex[:6]}"
+    node = ray.remote(StorageNode).options(namespace=NAMESPACE, num_cpus=0).remote(
+        node_id=node_id,
+        tier="dram",
+        capacity_bytes=64 * 1024 * 1024,
+        secret_file=str(local_cluster.secret_file),
+    )
+    info = ray.get(node.start.remote(), timeout=60)
+    controller = _controller()
+    ray.get(controller.add_server.remote(info, node), timeout=30)
+    try:
+        yield info, node
+    finally:
+        ray.get(controller.declare_dead.remote(node_id, reason="test over"), timeout=60)
+        if info.server_process().alive():
+            os.kill(info.server_pid, signal.SIGKILL)
+        ray.kill(node, no_restart=True)
+
+
+def _keys_on(job_handle: Any, node_id: str) -> tuple[list[str], list[str]]:
+    """The test keys placed on ``node_id`` and those placed elsewhere."""
+    placement = Placement(job_handle.servers)
+    keys = [f"k{i}" for i in range(KEYS)]
+    on = [k for k in keys if placement.server_for(k.encode(), 0).node_id == node_id]
+    off = [k for k in keys if k not in on]
+    return on, off
+
+
+def test_killed_server_is_declared_dead_and_its_jobs_move_on(
+    local_cluster: LocalCluster, extra_server: tuple[StorageNodeInfo, Any]
+) -> None:
+    import ray
+
+    info, _ = extra_server
+    controller = _controller()
+    with local_cluster.register_job("victim") as victim, local_cluster.register_job(
+        "bystander", {"latency_sensitive": False}
+    ) as bystander:
+        assert info.node_id in {s.node_id for s in victim.handle.servers}
+        assert info.node_id not in {s.node_id for s in bystander.handle.servers}
+        on, off = _keys_on(victim.handle, info.node_id)
+        assert on and off
+        with victim.connect(op_timeout_s=READ_TIMEOUT_S) as pf, bystander.connect() as other:
+            pf.create_bucket("b")
+            other.create_bucket("b")
+            for key in on + off:
+                pf.put("b", key, key.encode() * 100)
+            other.put("b", "before", b"1")
+
+            os.kill(info.server_pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+
+            started = time.monotonic()
+            with pytest.raises(DataUnavailable):
+                pf.get("b", on[0])
+            assert time.monotonic() - started < DEAD_AFTER_S
+
+            assert wait_for(
+                lambda: info.node_id
+                in ray.get(controller.dead_servers.remote(), timeout=30),
+                timeout_s=DEAD_AFTER_S + DETECTION_SLACK_S + 5,
+            )
+            detected_s = time.monotonic() - killed_at
+            assert detected_s < DEAD_AFTER_S + DETECTION_SLACK_S, detected_s
+
+            handle = ray.get(controller.job_handle.remote(victim.job_id), timeout=30)
+            assert handle.epoch == victim.handle.epoch + 1
+            assert info.node_id not in {s.node_id for s in handle.servers}
+            assert any(s.weight > 0 for s in handle.servers)
+
+            # The old client learns the new map from a live server and keeps working.
+            assert pf.get("b", off[0]) == off[0].encode() * 100
+            pf.put("b", "after", b"new")
+            assert pf.get("b", "after") == b"new"
+
+            # The other job never noticed.
+            assert ray.get(
+                controller.job_handle.remote(bystander.job_id), timeout=30
+            ).epoch == bystander.handle.epoch
+            assert other.get("b", "before") == b"1"
+
+        with local_cluster.register_job("newcomer") as newcomer:
+            assert info.node_id not in {s.node_id for s in newcomer.handle.servers}
+    assert info.node_id not in {s["node_id"] for s in local_cluster.status()["servers"]}
+
+
+def test_hung_server_gives_data_unavailable_within_the_op_timeout(
+    local_cluster: LocalCluster, extra_server: tuple[StorageNodeInfo, Any]
+) -> None:
+    import ray
+
+    info, _ = extra_server
+    controller = _controller()
+    with local_cluster.register_job("hung") as job:
+        on, off = _keys_on(job.handle, info.node_id)
+        assert on and off
+        with job.connect(op_timeout_s=READ_TIMEOUT_S, connect_timeout_s="1s") as pf:
+            pf.create_bucket("b")
+            for key in on[:4] + off[:4]:
+                pf.put("b", key, b"v")
+            os.kill(info.server_pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                with pytest.raises(DataUnavailable):
+                    pf.get("b", on[0])
+                assert time.monotonic() - started < READ_TIMEOUT_S + 3.0
+                assert wait_for(
+                    lambda: info.node_id
+                    in ray.get(controller.dead_servers.remote(), timeout=30),
+                    timeout_s=DEAD_AFTER_S + DETECTION_SLACK_S + 5,
+                )
+                assert pf.get("b", off[0]) == b"v"
+            finally:
+                if info.server_process().alive():
+                    os.kill(info.server_pid, signal.SIGKILL)

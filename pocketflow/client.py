@@ -34,6 +34,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -65,6 +66,7 @@ from pocketflow.protocol import (
     ACTION_DELETE_BUCKET,
     ACTION_DELETE_PREFIX,
     ACTION_ENUMERATE,
+    ACTION_WAIT,
     ENUMERATE_LIMIT_MAX,
     KEY_MAX_BYTES,
     OP_DELETE,
@@ -76,6 +78,8 @@ from pocketflow.protocol import (
     OP_PUT,
     SMALL_OBJECT_MAX_BYTES,
     TICKET_RANGES_MAX,
+    WAIT_KEYS_MAX,
+    WAIT_TIMEOUT_MAX_MS,
     ZERO_HEADER,
     ObjectHeader,
     Reply,
@@ -644,6 +648,75 @@ class Client:
         if first_error is not None:
             raise first_error
         return [r if r is not None else b"" for r in results]
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def wait_for(self, bucket: str, keys: Iterable[str], *, timeout_s: float) -> list[str]:
+        """Block until every key exists or ``timeout_s`` passes; returns the keys still missing
+        (in the order given).
+
+        The servers park the call (the ``wait`` action, at most ``WAIT_TIMEOUT_MAX_MS`` per
+        call) and answer as soon as the last of their keys is put, so a reader waiting for
+        another task's output neither polls with ``not_found`` nor sleeps longer than needed.
+        Keys are grouped by the server that holds their block 0, servers waited on in parallel.
+        After the job's map changed (epoch > 1) keys written under an earlier map are first
+        looked for with :meth:`exists`. Raises :class:`DataUnavailable` (with ``server``) when
+        a server holding awaited keys cannot be reached, :class:`BucketNotFound`.
+        """
+        check_bucket(bucket)
+        wanted = list(dict.fromkeys(keys))
+        key_raws = {key: check_key(key) for key in wanted}
+        if not 0 <= timeout_s < float("inf"):
+            raise InvalidRequest(f"timeout_s must be finite and >= 0, got {timeout_s}")
+        deadline = time.monotonic() + timeout_s
+        if self._view.epoch > 1:
+            wanted = [key for key in wanted if not self.exists(bucket, key)]
+        # One parked call must end before the client gives up on the action's RPC.
+        call_ms_max = max(1, min(WAIT_TIMEOUT_MAX_MS,
+                                 int(1000 * self._config.rpc_timeout_s) - 1000))
+        missing = wanted
+        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
+            view = self._view
+            groups: dict[str, list[str]] = {}
+            for key in missing:
+                address = view.placement.server_for(key_raws[key], 0).address
+                groups.setdefault(address, []).append(key)
+            chunks = [
+                (address, group[at:at + WAIT_KEYS_MAX])
+                for address, group in groups.items()
+                for at in range(0, len(group), WAIT_KEYS_MAX)
+            ]
+
+            def run(address: str, chunk: list[str], ctx: dict[str, Any] = view.ctx) -> Any:
+                left = chunk
+                while True:
+                    left_ms = int(1000 * (deadline - time.monotonic()))
+                    body = action_body(ctx, bucket=bucket, keys=left,
+                                       timeout_ms=max(0, min(left_ms, call_ms_max)))
+                    try:
+                        result = self._connection(address).action(ACTION_WAIT, body)
+                    except StaleEpoch as exc:
+                        return exc
+                    left = [str(key) for key in result.get("missing", left)]
+                    if not left or left_ms <= call_ms_max:
+                        return left
+
+            results = self._parallel([
+                lambda address=address, chunk=chunk: run(address, chunk)
+                for address, chunk in chunks
+            ])
+            stale = next((r for r in results if isinstance(r, StaleEpoch)), None)
+            missing = [
+                key for (_, chunk), result in zip(chunks, results, strict=True)
+                for key in (chunk if isinstance(result, StaleEpoch) else result)
+            ]
+            if stale is None or not missing:
+                order = {key: i for i, key in enumerate(wanted)}
+                return sorted(missing, key=order.__getitem__)
+            if attempt == STALE_EPOCH_RETRIES_MAX:
+                raise stale
+            self._adopt(stale)
+        raise AssertionError("unreachable")
 
     # -- listing -----------------------------------------------------------------------------
 

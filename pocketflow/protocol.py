@@ -52,6 +52,10 @@ READY_LINE_PREFIX = "POCKETFLOW_SERVER_READY"
 """Line the server prints on stdout once it listens, followed by ``host:port``."""
 EPOCH_MAP_MAX_BYTES = 1024 * 1024
 """Largest weight map (compact JSON) accepted by ``set_epoch`` and returned in ``stale_epoch``."""
+WAIT_KEYS_MAX = 1024
+"""Most keys one ``wait`` action names."""
+WAIT_TIMEOUT_MAX_MS = 30_000
+"""Longest a ``wait`` action is parked before it returns the keys still missing."""
 
 # -- exchange operations ---------------------------------------------------------------------------
 
@@ -86,6 +90,7 @@ ACTION_DELETE_JOB = "delete_job"
 ACTION_SET_EPOCH = "set_epoch"
 ACTION_STATS = "stats"
 ACTION_DRAIN = "drain"
+ACTION_WAIT = "wait"
 
 DATA_COLUMN_NAME = "data"
 """Name of the single non-nullable binary column of DoPut and DoGet streams."""

@@ -849,3 +849,45 @@ def test_get_file_with_delete_keeps_the_object_when_the_file_cannot_be_written(
     assert (tmp_path / "out").read_bytes() == large
     with pytest.raises(ObjectNotFound):
         client.get("b", "large")
+
+
+def test_wait_for_returns_when_the_last_key_is_put(client: Client) -> None:
+    client.create_bucket("w")
+    keys = [f"part-{i}" for i in range(6)]
+    client.put("w", keys[0], b"early")
+    started = time.monotonic()
+    assert client.wait_for("w", keys, timeout_s=0.3) == keys[1:]
+    assert time.monotonic() - started >= 0.3
+
+    def writer() -> None:
+        for key in keys[1:]:
+            time.sleep(0.05)
+            client.put("w", key, payload(100_000 if key == keys[-1] else 10, 1))
+
+    thread = threading.Thread(target=writer)
+    started = time.monotonic()
+    thread.start()
+    try:
+        assert client.wait_for("w", keys, timeout_s=20) == []
+    finally:
+        thread.join()
+    # Parked on the servers and woken by the last put, not by the 20 s deadline.
+    assert time.monotonic() - started < 5.0
+    assert client.get("w", keys[-1], delete=True) == payload(100_000, 1)
+    assert client.wait_for("w", [keys[-1]], timeout_s=0) == [keys[-1]]
+    with pytest.raises(BucketNotFound):
+        client.wait_for("nope", ["k"], timeout_s=0.1)
+    with pytest.raises(InvalidRequest):
+        client.wait_for("w", ["k"], timeout_s=-1)
+
+
+def test_wait_for_on_a_dead_server_is_data_unavailable(server_factory) -> None:  # noqa: ANN001
+    servers, info = server_factory("doomed-w", capacity_bytes=16 * MiB)
+    with connect(servers.handle(), **CLIENT_OPTIONS) as pf:
+        pf.create_bucket("b")
+        servers.process("doomed-w").kill()
+        started = time.monotonic()
+        with pytest.raises(DataUnavailable) as caught:
+            pf.wait_for("b", ["k"], timeout_s=20)
+        assert time.monotonic() - started < 5.0
+        assert caught.value.server == info.address

@@ -6,11 +6,15 @@ use pocketflow_protocol::action::{
     ActionName, AnyRequest, BucketRequest, DeleteBlocksRequest, DeleteJobRequest, DeletedResult,
     DrainRequest, DrainResult, EnumerateRequest, EnumerateResult, FreedResult, HeaderJson,
     JobUsageJson, KeyEntry, ObjectRequest, PrefixRequest, SetEpochRequest, StatsReport,
+    WaitRequest, WaitResult,
 };
 use pocketflow_protocol::context::{check_job_id, parse_json};
 use pocketflow_protocol::ProtocolError;
 use serde::Serialize;
 
+use tokio::time::{Duration, Instant};
+
+use crate::bounds::WAITS_PARKED_MAX;
 use crate::service::ServiceState;
 use crate::status::ServiceError;
 
@@ -19,7 +23,7 @@ fn json<T: Serialize>(value: &T) -> Bytes {
 }
 
 /// Run one action and return its single JSON result body.
-pub(crate) fn run(
+pub(crate) async fn run(
     state: &ServiceState,
     action_type: &str,
     body: &[u8],
@@ -84,9 +88,9 @@ pub(crate) fn run(
         }
         ActionName::DeleteBucket => {
             let req = BucketRequest::parse(body)?;
-            Ok(json(&FreedResult {
-                freed_bytes: store.delete_bucket(job, &req.bucket)?,
-            }))
+            let freed_bytes = store.delete_bucket(job, &req.bucket)?;
+            store.wake_waiters();
+            Ok(json(&FreedResult { freed_bytes }))
         }
         ActionName::DeletePrefix => {
             let req = PrefixRequest::parse(body)?;
@@ -107,6 +111,39 @@ pub(crate) fn run(
             let req = DrainRequest::parse(body)?;
             state.drain.start(req.exit_when_empty);
             Ok(json(&DrainResult { draining: true }))
+        }
+        ActionName::Wait => wait(state, job, body).await,
+    }
+}
+
+/// `wait`: park until every named key has a block-0 record or `timeout_ms` passes, then return
+/// the keys still missing. Readers of a shuffle wait here instead of polling with `not_found`;
+/// the store wakes parked calls on every insert, and each re-checks only its missing keys.
+async fn wait(state: &ServiceState, job: &str, body: &[u8]) -> Result<Bytes, ServiceError> {
+    let req = WaitRequest::parse(body)?;
+    let _permit =
+        state
+            .waits
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| ServiceError::ResourceBound {
+                what: "parked waits",
+                max: WAITS_PARKED_MAX,
+            })?;
+    let deadline = Instant::now() + Duration::from_millis(req.timeout_ms);
+    let mut missing = req.keys;
+    loop {
+        // Register for the next insert before checking, so an insert in between is not lost.
+        let inserted = state.store.inserted();
+        tokio::pin!(inserted);
+        inserted.as_mut().enable();
+        missing = state.store.missing(job, &req.bucket, &missing)?;
+        if missing.is_empty() || Instant::now() >= deadline {
+            return Ok(json(&WaitResult { missing }));
+        }
+        if tokio::time::timeout_at(deadline, inserted).await.is_err() {
+            missing = state.store.missing(job, &req.bucket, &missing)?;
+            return Ok(json(&WaitResult { missing }));
         }
     }
 }
@@ -135,6 +172,7 @@ fn delete_job(state: &ServiceState, body: &[u8]) -> Result<Bytes, ServiceError> 
         }
     };
     let (deleted, freed_bytes) = state.store.delete_job(&target);
+    state.store.wake_waiters();
     Ok(json(&DeletedResult {
         deleted,
         freed_bytes,

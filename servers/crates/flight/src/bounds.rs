@@ -19,6 +19,9 @@ pub const HTTP2_CONNECTION_WINDOW_BYTES: u32 = 16 * 1024 * 1024;
 pub const TRANSFERS_MAX: usize = 32;
 /// Most DoExchange sessions open at once; one more is refused with `capacity_exhausted`.
 pub const EXCHANGE_SESSIONS_MAX: usize = 256;
+/// Most `wait` actions parked at once; one more is refused with `capacity_exhausted`. A parked
+/// wait holds one HTTP/2 stream and its missing-key list (at most `WAIT_KEYS_MAX` keys).
+pub const WAITS_PARKED_MAX: usize = 4096;
 /// Most blocks one DoPut stream may carry.
 pub const PUT_STREAM_BLOCKS_MAX: usize = 1 << 20;
 /// Most jobs whose epoch the server remembers; `set_epoch` for one more is `capacity_exhausted`.

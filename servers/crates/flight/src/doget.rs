@@ -226,6 +226,7 @@ mod tests {
             node_id: "test".into(),
             transfers: Arc::new(Semaphore::new(1)),
             sessions: Arc::new(Semaphore::new(1)),
+            waits: Arc::new(Semaphore::new(1)),
         };
         (Arc::new(state), key)
     }

@@ -22,7 +22,7 @@ use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::Authority;
-use crate::bounds::{EXCHANGE_SESSIONS_MAX, TRANSFERS_MAX};
+use crate::bounds::{EXCHANGE_SESSIONS_MAX, TRANSFERS_MAX, WAITS_PARKED_MAX};
 use crate::drain::Drain;
 use crate::stats::Stats;
 use crate::status::ServiceError;
@@ -46,6 +46,7 @@ pub(crate) struct ServiceState {
     pub(crate) node_id: String,
     pub(crate) transfers: Arc<Semaphore>,
     pub(crate) sessions: Arc<Semaphore>,
+    pub(crate) waits: Arc<Semaphore>,
 }
 
 /// The pocketflow storage server's Flight service; clones share state.
@@ -65,6 +66,7 @@ impl StorageService {
             node_id: config.node_id,
             transfers: Arc::new(Semaphore::new(TRANSFERS_MAX)),
             sessions: Arc::new(Semaphore::new(EXCHANGE_SESSIONS_MAX)),
+            waits: Arc::new(Semaphore::new(WAITS_PARKED_MAX)),
         };
         Self {
             state: Arc::new(state),
@@ -185,7 +187,7 @@ impl FlightService for StorageService {
         request: Request<Action>,
     ) -> Result<Response<Self::DoActionStream>, Status> {
         let action = request.into_inner();
-        let body = action::run(&self.state, &action.r#type, &action.body)?;
+        let body = action::run(&self.state, &action.r#type, &action.body).await?;
         let result = arrow_flight::Result { body };
         Ok(Response::new(
             stream::once(async move { Ok(result) }).boxed(),

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use crate::context::{check_bucket, check_job_id, check_key, check_prefix, parse_json, Context};
 use crate::error::ProtocolError;
 use crate::header::{ObjectHeader, HEADER_FLAG_PERSIST};
-use crate::limits::{ENUMERATE_LIMIT_MAX, EPOCH_MAP_MAX_BYTES};
+use crate::limits::{ENUMERATE_LIMIT_MAX, EPOCH_MAP_MAX_BYTES, WAIT_KEYS_MAX, WAIT_TIMEOUT_MAX_MS};
 
 /// Every action the server answers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -34,11 +34,13 @@ pub enum ActionName {
     Stats,
     /// Refuse writes from now on, optionally exit once empty (admin).
     Drain,
+    /// Park until every named key of a bucket exists or a deadline passes.
+    Wait,
 }
 
 impl ActionName {
     /// Every action, in the order of docs/PROTOCOL.md.
-    pub const ALL: [ActionName; 11] = [
+    pub const ALL: [ActionName; 12] = [
         ActionName::Lookup,
         ActionName::Delete,
         ActionName::DeleteBlocks,
@@ -50,6 +52,7 @@ impl ActionName {
         ActionName::SetEpoch,
         ActionName::Stats,
         ActionName::Drain,
+        ActionName::Wait,
     ];
 
     /// The action type string.
@@ -66,6 +69,7 @@ impl ActionName {
             ActionName::SetEpoch => "set_epoch",
             ActionName::Stats => "stats",
             ActionName::Drain => "drain",
+            ActionName::Wait => "wait",
         }
     }
 
@@ -109,6 +113,9 @@ impl ActionName {
             ActionName::Stats => "admin: server statistics",
             ActionName::Drain => {
                 "admin: refuse writes, optionally exit once empty: {exit_when_empty}"
+            }
+            ActionName::Wait => {
+                "park until every key exists or the deadline passes: {bucket, keys, timeout_ms}"
             }
         }
     }
@@ -222,6 +229,50 @@ pub struct DrainRequest {
     /// Exit with status 0 once the server holds no records.
     #[serde(default)]
     pub exit_when_empty: bool,
+}
+
+/// `wait`: the keys a reader needs, and how long the server may park the call.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WaitRequest {
+    /// Who is asking.
+    pub ctx: Context,
+    /// Bucket.
+    pub bucket: String,
+    /// Keys awaited, 1..=`WAIT_KEYS_MAX`.
+    pub keys: Vec<String>,
+    /// Longest the call is parked, 0..=`WAIT_TIMEOUT_MAX_MS` (0 only checks).
+    pub timeout_ms: u64,
+}
+
+/// Result of `wait`: the awaited keys still absent when it returned (empty: all present).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WaitResult {
+    /// Keys not present, in request order.
+    pub missing: Vec<String>,
+}
+
+impl WaitRequest {
+    /// Parse and validate.
+    pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
+        let req: Self = parse_json("action body", body)?;
+        check_bucket(&req.bucket)?;
+        if req.keys.is_empty() || req.keys.len() > WAIT_KEYS_MAX {
+            return Err(ProtocolError::Field {
+                what: "keys",
+                why: "must hold 1..=WAIT_KEYS_MAX keys",
+            });
+        }
+        for key in &req.keys {
+            check_key(key)?;
+        }
+        if req.timeout_ms > WAIT_TIMEOUT_MAX_MS {
+            return Err(ProtocolError::Field {
+                what: "timeout_ms",
+                why: "must be at most WAIT_TIMEOUT_MAX_MS",
+            });
+        }
+        Ok(req)
+    }
 }
 
 impl ObjectRequest {
@@ -525,6 +576,28 @@ mod tests {
             None
         );
         assert!(DeleteJobRequest::parse(format!(r#"{{{CTX},"job":""}}"#).as_bytes()).is_err());
+
+        let req = WaitRequest::parse(
+            format!(r#"{{{CTX},"bucket":"b","keys":["a","b"],"timeout_ms":5}}"#).as_bytes(),
+        )
+        .unwrap();
+        assert_eq!((req.keys.len(), req.timeout_ms), (2, 5));
+        let too_long = WAIT_TIMEOUT_MAX_MS + 1;
+        for bad in [
+            r#""keys":[],"timeout_ms":5"#.to_owned(),
+            format!(r#""keys":["a"],"timeout_ms":{too_long}"#),
+            r#""keys":[""],"timeout_ms":5"#.to_owned(),
+            r#""keys":["a"]"#.to_owned(),
+        ] {
+            let body = format!(r#"{{{CTX},"bucket":"b",{bad}}}"#);
+            assert!(WaitRequest::parse(body.as_bytes()).is_err(), "{bad}");
+        }
+        let many: Vec<String> = (0..=WAIT_KEYS_MAX).map(|i| format!("\"k{i}\"")).collect();
+        let body = format!(
+            r#"{{{CTX},"bucket":"b","keys":[{}],"timeout_ms":1}}"#,
+            many.join(",")
+        );
+        assert!(WaitRequest::parse(body.as_bytes()).is_err());
     }
 
     #[test]

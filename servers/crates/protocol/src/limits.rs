@@ -36,3 +36,7 @@ pub const ADMIN_JOB_ID: &str = "__admin__";
 pub const READY_LINE_PREFIX: &str = "POCKETFLOW_SERVER_READY";
 /// Largest weight map (as compact JSON) accepted by `set_epoch` and returned in `stale_epoch`.
 pub const EPOCH_MAP_MAX_BYTES: usize = 1024 * 1024;
+/// Most keys one `wait` action names.
+pub const WAIT_KEYS_MAX: usize = 1024;
+/// Longest a `wait` action is parked before it returns the keys still missing.
+pub const WAIT_TIMEOUT_MAX_MS: u64 = 30_000;

@@ -76,6 +76,8 @@ struct Shared {
     budget: Arc<Budget>,
     jobs: JobMap,
     long_running: bool,
+    /// Woken after every block-0 insert, so readers parked on absent keys re-check them.
+    inserted: tokio::sync::Notify,
 }
 
 /// Writer of one data block, returned by [`Store::begin_block`].
@@ -164,6 +166,7 @@ impl Store {
                 budget,
                 jobs: JobMap::default(),
                 long_running,
+                inserted: tokio::sync::Notify::new(),
             }),
         }
     }
@@ -431,6 +434,7 @@ impl Store {
                 }
             }
         };
+        self.shared.inserted.notify_waiters();
         Ok(replaced.map(|old| old.header))
     }
 
@@ -467,6 +471,37 @@ impl Store {
         );
         let bytes = self.read_stored(stored, 0, len).await?;
         Ok((header, bytes))
+    }
+
+    /// The keys of `keys` that have no block-0 record in the bucket now, in their order.
+    pub fn missing(
+        &self,
+        job: &str,
+        bucket: &str,
+        keys: &[String],
+    ) -> Result<Vec<String>, StoreError> {
+        check_names(job, bucket, None)?;
+        self.with_bucket(job, bucket, |b, _| {
+            Ok(keys
+                .iter()
+                .filter(|key| !b.records.contains_key(key.as_str()))
+                .cloned()
+                .collect())
+        })
+    }
+
+    /// A future that resolves at the next block-0 insert into any bucket of the store.
+    ///
+    /// To wait for a key without missing its insert, create and `enable` this future first,
+    /// then check the key ([`Store::missing`]), then await the future.
+    pub fn inserted(&self) -> tokio::sync::futures::Notified<'_> {
+        self.shared.inserted.notified()
+    }
+
+    /// Wake every future of [`Store::inserted`] without an insert (a bucket or job went away,
+    /// so parked readers re-check and fail instead of waiting for their deadline).
+    pub fn wake_waiters(&self) {
+        self.shared.inserted.notify_waiters();
     }
 
     /// The header of a block-0 record.

@@ -478,7 +478,8 @@ async fn list_actions_and_rpcs_outside_the_protocol() {
             "delete_job",
             "set_epoch",
             "stats",
-            "drain"
+            "drain",
+            "wait"
         ]
     );
     let descriptor = FlightDescriptor::new_cmd(Bytes::from_static(b"{}"));
@@ -523,4 +524,78 @@ async fn list_actions_and_rpcs_outside_the_protocol() {
         .unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
     let _ = Ticket::default();
+}
+
+#[tokio::test]
+async fn wait_parks_until_every_key_is_put_or_the_deadline() {
+    let server = TestServer::start(ServerOptions::default());
+    let client = server.client().await;
+    client.create_bucket("job-a", "b").await;
+    let wait_body = |keys: &[&str], timeout_ms: u64| {
+        json!({"ctx": ctx("job-a", 0), "bucket": "b", "keys": keys, "timeout_ms": timeout_ms})
+    };
+    // Nothing there: the call is parked for its whole timeout and names every key.
+    let started = std::time::Instant::now();
+    let result = client.action("wait", wait_body(&["k1", "k2"], 300)).await.unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(result, json!({"missing": ["k1", "k2"]}));
+
+    // A parked call returns as soon as the last key is put, long before its deadline.
+    let waiter = {
+        let client = server.client().await;
+        let body = wait_body(&["k1", "k2"], 20_000);
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            (client.action("wait", body).await, started.elapsed())
+        })
+    };
+    let mut session = client.session("job-a", 0).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    session.run(0, &[put(1, "b", "k1", pattern(10, 1), 0)]).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiter.is_finished(), "returned with k2 still missing");
+    session.run(0, &[put(2, "b", "k2", pattern(10, 2), 0)]).await;
+    let (result, elapsed) = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("wait returns after the put")
+        .unwrap();
+    assert_eq!(result.unwrap(), json!({"missing": []}));
+    assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
+
+    // Present keys answer at once; bad bodies and unknown buckets are refused.
+    assert_eq!(
+        client.action("wait", wait_body(&["k2"], 0)).await.unwrap(),
+        json!({"missing": []})
+    );
+    let status = client.action("wait", wait_body(&[], 10)).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    let status = client
+        .action("wait", wait_body(&["k"], 30_001))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    let body = json!({"ctx": ctx("job-a", 0), "bucket": "nope", "keys": ["k"], "timeout_ms": 10});
+    let status = client.action("wait", body).await.unwrap_err();
+    assert_eq!(status_kind(&status), "bucket_not_found");
+    // Another job's token does not see job-a's keys.
+    let body = json!({"ctx": ctx("job-b", 0), "bucket": "b", "keys": ["k1"], "timeout_ms": 0});
+    assert!(client.action("wait", body).await.is_err());
+
+    // Deleting the bucket wakes a parked call, which then fails instead of sitting out its time.
+    let waiter = {
+        let client = server.client().await;
+        let body = wait_body(&["never"], 20_000);
+        tokio::spawn(async move { client.action("wait", body).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    client
+        .action("delete_bucket", json!({"ctx": ctx("job-a", 0), "bucket": "b"}))
+        .await
+        .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("a deleted bucket ends the wait")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(status_kind(&status), "bucket_not_found");
 }

@@ -317,7 +317,7 @@ def _shortfall(demand: JobDemand, remaining: float, spec: ClusterSpec) -> dict[s
     # DRAM for the throughput; the capacity those servers cannot hold spills to the next tier.
     count = max(math.ceil(throughput / first.throughput_bytes_per_s - SHARE_EPSILON), 1)
     held = count * first.capacity_bytes
-    if capacity <= held:
+    if capacity <= held * (1 + SHARE_EPSILON):
         return {first.name: count}
     spill_share = (capacity - held) / capacity
     spill = spec.tier(demand.tiers[1])

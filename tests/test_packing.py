@@ -220,3 +220,67 @@ def test_packing_is_deterministic_whatever_the_server_order() -> None:
     first = pack(job, servers, SPEC)
     second = pack(job, list(reversed(servers)), SPEC)
     assert first == second
+
+
+def test_grow_from_the_spread_default_places_the_whole_new_demand() -> None:
+    servers = [dram("d0"), dram("d1"), dram("d2", long_running=False)]
+    spread = derive_demand(SPEC)
+    allocation = pack(spread, servers, SPEC).allocation
+    new = demand(2.5 * GBPS, 150 * GB)
+    grown = grow(allocation, old=spread, new=new, servers=servers, spec=SPEC)
+    assert grown.fits
+    weights = grown.allocation.weights()
+    assert set(weights) == {"d0", "d1", "d2"}
+    assert sum(weights.values()) == pytest.approx(1.0)
+    assert allocated_by_server([(new, grown.allocation)])["d2"][0] <= GBPS
+
+
+def test_random_clusters_are_never_overcommitted() -> None:
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        servers = []
+        for i in range(rng.randint(0, 6)):
+            make = dram if rng.random() < 0.5 else nvme
+            server = make(f"s{i}", long_running=i < 2)
+            servers.append(
+                ServerLoad(
+                    server.node_id,
+                    server.tier,
+                    server.capacity_bytes,
+                    server.throughput_bytes_per_s,
+                    allocated_capacity_bytes=int(rng.random() * server.capacity_bytes),
+                    allocated_throughput_bytes_per_s=int(rng.random() * GBPS),
+                    long_running=server.long_running,
+                    draining=rng.random() < 0.1,
+                )
+            )
+        job = demand(
+            rng.uniform(0.01, 4) * GBPS,
+            rng.uniform(0.1, 500) * GB,
+            latency_sensitive=rng.random() < 0.7,
+        )
+        result = pack(job, servers, SPEC)
+        by_id = {s.node_id: s for s in servers}
+        for placement in result.allocation.placements:
+            server = by_id[placement.node_id]
+            if placement.weight > 0:
+                assert server.active and server.tier in job.tiers
+                assert placement.weight * job.throughput_bytes_per_s <= (
+                    server.free_throughput_bytes_per_s * (1 + 1e-9) + 1
+                )
+                assert placement.weight * job.capacity_bytes <= (
+                    server.free_capacity_bytes * (1 + 1e-9) + 1
+                )
+            assert placement.persist == server.long_running
+        if result.fits:
+            assert sum(result.allocation.weights().values()) == pytest.approx(1.0)
+        else:
+            # Launching the shortfall (fresh servers) always makes the job fit.
+            fresh = [
+                (dram if tier == "dram" else nvme)(f"new-{tier}-{i}", long_running=False)
+                for tier, count in result.shortfall.items()
+                for i in range(count)
+            ]
+            assert pack(job, servers + fresh, SPEC).fits, (job, result.shortfall)

@@ -174,3 +174,35 @@ def test_bounds_are_validated() -> None:
     with pytest.raises(ValueError):
         SizingBounds(servers_max=1)
     assert SizingBounds().lower == 0.6 and SizingBounds().upper == 0.8
+
+
+def test_random_clusters_never_lose_long_running_servers_or_overshoot() -> None:
+    import random
+
+    rng = random.Random(11)
+    for _ in range(500):
+        servers = [
+            server(
+                f"s{i}",
+                tier=rng.choice(["dram", "nvme"]),
+                cpu=rng.random() * 0.7,
+                net=rng.random() * 0.7,
+                used=rng.random() * 0.7,
+                long_running=i < 2,
+                draining=i >= 2 and rng.random() < 0.1,
+            )
+            for i in range(rng.randint(2, 8))
+        ]
+        action = decide(servers, BOUNDS, now_s=100.0)
+        if isinstance(action, RemoveServer):
+            removed = next(s for s in servers if s.node_id == action.node_id)
+            assert not removed.long_running and removed.active
+            before = cluster_utilization(servers)
+            assert before.highest() < BOUNDS.lower
+            active = [s for s in servers if s.active]
+            rest = [s for s in active if s is not removed]
+            net_after = sum(s.net_bytes_per_s for s in active) / (NET * len(rest))
+            cpu_after = sum(s.cpu_fraction for s in active) / len(rest)
+            assert net_after <= BOUNDS.upper and cpu_after <= BOUNDS.upper
+        elif isinstance(action, AddServer):
+            assert cluster_utilization(servers).highest() > BOUNDS.upper

@@ -2,7 +2,8 @@
 
 The actor classes here are plain Python classes; :mod:`pocketflow.cluster` turns them into Ray
 actors when it launches a cluster, so that importing this package never imports Ray. Policies are
-pure functions in their own modules (:mod:`pocketflow.control.allocation`).
+pure functions in their own modules (:mod:`pocketflow.control.hints`,
+:mod:`pocketflow.control.packing`, :mod:`pocketflow.control.sizing`).
 """
 
 from __future__ import annotations

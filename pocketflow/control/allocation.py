@@ -11,12 +11,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pocketflow.control.packing import Allocation, Placement
+from pocketflow.control.tiers import TIER_DRAM, TIER_NVME
 from pocketflow.errors import CapacityExhausted, ClusterError
 
-__all__ = ["Allocation", "AllocationRequest", "Placement", "ServerState", "allocate"]
+__all__ = [
+    "TIER_DRAM",
+    "TIER_NVME",
+    "TIERS",
+    "Allocation",
+    "AllocationRequest",
+    "Placement",
+    "ServerState",
+    "allocate",
+]
 
-TIER_DRAM = "dram"
-TIER_NVME = "nvme"
 TIERS = (TIER_DRAM, TIER_NVME)
 
 # A server with no free bytes still gets this relative weight, so that its share is not zero and

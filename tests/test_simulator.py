@@ -111,3 +111,10 @@ def test_command_line_writes_the_png(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["--out", str(out), "--duration-s", "160"]) == 0
     assert out.read_bytes().startswith(PNG_SIGNATURE)
     assert "wrote" in capsys.readouterr().out
+
+
+def test_hot_servers_get_threads_before_the_cluster_gets_servers(figure10) -> None:
+    actions = [s.action for s in figure10.samples if s.action]
+    first_add = next(i for i, a in enumerate(actions) if a.startswith("add "))
+    assert first_add > 0
+    assert all(a.startswith("threads ") for a in actions[:first_add])

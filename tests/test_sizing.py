@@ -206,3 +206,28 @@ def test_random_clusters_never_lose_long_running_servers_or_overshoot() -> None:
             assert net_after <= BOUNDS.upper and cpu_after <= BOUNDS.upper
         elif isinstance(action, AddServer):
             assert cluster_utilization(servers).highest() > BOUNDS.upper
+
+
+def test_vertical_step_aims_at_the_middle_of_the_band() -> None:
+    servers = base()
+    servers[2] = server("dram-2", cpu=0.9, threads=4, threads_max=16)
+    action = decide(servers, BOUNDS, now_s=100.0)
+    assert action == AddThreads("dram-2", 6, action.reason)  # 4 x 0.9 / 0.7 = 5.1 -> 6
+    servers[2] = server("dram-2", cpu=1.0, threads=4, threads_max=16)
+    action = decide(servers, BOUNDS, now_s=100.0)
+    assert action == AddThreads("dram-2", 8, action.reason)  # saturated: double
+    servers[2] = server("dram-2", cpu=1.0, threads=12, threads_max=16)
+    action = decide(servers, BOUNDS, now_s=100.0)
+    assert action == AddThreads("dram-2", 16, action.reason)  # at most the maximum
+
+
+def test_threads_have_a_shorter_cooldown_than_servers() -> None:
+    servers = base(net=0.9)
+    servers[2] = server("dram-2", cpu=0.95, net=0.9, threads=1, threads_max=2)
+    # 1 s after the last action: nothing; 3 s after: threads, not yet a server.
+    assert isinstance(decide(servers, BOUNDS, now_s=100.0, last_action_s=99.0), NoAction)
+    action = decide(servers, BOUNDS, now_s=100.0, last_action_s=97.0)
+    assert isinstance(action, AddThreads)
+    servers[2] = server("dram-2", cpu=0.95, net=0.9, threads=2, threads_max=2)
+    assert isinstance(decide(servers, BOUNDS, now_s=100.0, last_action_s=97.0), NoAction)
+    assert isinstance(decide(servers, BOUNDS, now_s=100.0, last_action_s=94.0), AddServer)

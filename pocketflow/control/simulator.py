@@ -19,8 +19,9 @@ nodes (:func:`pocketflow.control.packing.pack`); when it does not fit, the short
 and the job waits until those nodes are up (registration blocks), then it is packed again. A
 running job drives its peak throughput, spread by its weights, and fills its capacity linearly
 over its run. Every step the sizing policy (:func:`pocketflow.control.sizing.decide`) sees each
-node's utilization (CPU modelled as proportional to network use) and may add a node, or drain
-one: a draining node takes no new jobs and exits once no running job has data on it. Allocated
+node's utilization (CPU modelled as network use over the throughput its threads can drive, each
+of ``threads_max`` threads driving an equal part) and may add threads to a node, add a node, or
+drain one: a draining node takes no new jobs and exits once no running job has data on it. Allocated
 throughput counts every node that is up, draining or not (it still costs money).
 """
 
@@ -75,6 +76,8 @@ class SimConfig:
     )
     long_running_tier: str = "dram"
     long_running_count: int = 2
+    threads_start: int = 2
+    threads_max: int = 4
     duration_s: int = 200
 
 
@@ -138,6 +141,7 @@ class _Node:
     tier: str
     long_running: bool
     ready_s: int
+    threads: int
     draining: bool = False
     exited_s: int | None = None
 
@@ -171,7 +175,13 @@ class _Cluster:
         if len(self.nodes) >= NODES_MAX:
             raise RuntimeError(f"simulation launched more than {NODES_MAX} nodes")
         delay = self.config.startup_delay_s.get(tier, 0) if delay_s is None else delay_s
-        node = _Node(f"{tier}-{len(self.nodes)}", tier, long_running, ready_s=t + delay)
+        node = _Node(
+            f"{tier}-{len(self.nodes)}",
+            tier,
+            long_running,
+            ready_s=t + delay,
+            threads=self.config.threads_start,
+        )
         self.nodes.append(node)
         return node
 
@@ -257,15 +267,19 @@ class _Cluster:
                 continue
             tier = spec.tier(node.tier)
             traffic = net.get(node.node_id, 0.0)
+            # Each thread drives an equal part of the tier's throughput.
+            thread_share = node.threads / self.config.threads_max
             samples.append(
                 ServerUtilization(
                     node.node_id,
                     node.tier,
-                    cpu_fraction=min(traffic / tier.throughput_bytes_per_s, 1.0),
+                    cpu_fraction=min(traffic / (tier.throughput_bytes_per_s * thread_share), 1.0),
                     net_bytes_per_s=traffic,
                     net_capacity_bytes_per_s=tier.throughput_bytes_per_s,
                     used_bytes=int(used.get(node.node_id, 0.0)),
                     capacity_bytes=tier.capacity_bytes,
+                    threads=node.threads,
+                    threads_max=self.config.threads_max,
                     long_running=node.long_running,
                     draining=node.draining,
                 )
@@ -294,6 +308,7 @@ class _Cluster:
             self._node(action.node_id).draining = True
             return f"drain {action.node_id}"
         assert isinstance(action, AddThreads)
+        self._node(action.node_id).threads = action.threads
         return f"threads {action.node_id}={action.threads}"
 
     def _sample(self, t: int, action: str) -> Sample:
@@ -370,7 +385,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=int, default=SimConfig().duration_s)
     args = parser.parse_args(argv)
     result = simulate(FIGURE10_TRACE, SimConfig(duration_s=args.duration_s))
-    out = plot(result, args.out)
+    try:
+        out = plot(result, args.out)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     for job in result.jobs:
         print(f"{job.name}: asked at {job.arrive_s}s, registered at {job.start_s}s, "
               f"deregistered at {job.end_s}s, {job.demand.throughput_bytes_per_s / 1e9:.2f} GB/s "

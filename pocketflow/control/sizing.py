@@ -17,10 +17,13 @@ The rules, checked in this order:
 
 1. Fewer active long-running servers than ``bounds.long_running_min`` (2): add a long-running
    server of the first tier seen (or ``bounds.default_tier``). Not subject to the cool-down.
-2. Cool-down: within ``bounds.cooldown_s`` of the last action, do nothing, so that the
+2. Vertical first, after ``bounds.vertical_cooldown_s`` since the last action: a server whose
+   CPU is above the upper bound and that may run more threads gets enough threads to bring its
+   CPU to the middle of the band (twice as many when saturated; at least ``bounds.threads_step``
+   more, at most its maximum).
+   Threads are cheap and local, so their cool-down is short.
+3. Cool-down: within ``bounds.cooldown_s`` of the last action, do nothing more, so that the
    effect of an action shows in the samples before the next one (no flapping).
-3. Vertical first: a server whose CPU is above the upper bound and that may run more threads
-   gets ``bounds.threads_step`` more.
 4. A dimension above the upper bound (a tier's capacity, the mean CPU, the aggregate network):
    add a server of that tier (for CPU or network: the tier of the busiest server), unless a
    server of that tier is already starting or ``bounds.servers_max`` is reached.
@@ -34,6 +37,7 @@ part of this policy.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -73,6 +77,7 @@ class SizingBounds:
     lower: float = 0.6
     upper: float = 0.8
     cooldown_s: float = 10.0
+    vertical_cooldown_s: float = 2.0
     long_running_min: int = 2
     servers_max: int = 64
     threads_step: int = 1
@@ -83,6 +88,8 @@ class SizingBounds:
             raise ValueError(f"need 0 <= lower < upper <= 1, got {self.lower}, {self.upper}")
         if self.cooldown_s < 0 or self.threads_step < 1 or self.long_running_min < 0:
             raise ValueError("cooldown_s >= 0, threads_step >= 1, long_running_min >= 0")
+        if not 0 <= self.vertical_cooldown_s <= self.cooldown_s:
+            raise ValueError("need 0 <= vertical_cooldown_s <= cooldown_s")
         if self.servers_max < self.long_running_min:
             raise ValueError("servers_max must be >= long_running_min")
 
@@ -171,17 +178,25 @@ def decide(
             f"{len(long_running)} long-running servers, minimum {bounds.long_running_min}",
             long_running=True,
         )
-    if last_action_s is not None and now_s - last_action_s < bounds.cooldown_s:
-        return NoAction(f"cool-down: last action {now_s - last_action_s:.1f}s ago")
+    elapsed_s = math.inf if last_action_s is None else now_s - last_action_s
+    if elapsed_s < bounds.vertical_cooldown_s:
+        return NoAction(f"cool-down: last action {elapsed_s:.1f}s ago")
 
+    target = (bounds.lower + bounds.upper) / 2
     for server in sorted(active, key=lambda s: (-s.cpu_fraction, s.node_id)):
         if server.cpu_fraction > bounds.upper and server.threads < server.threads_max:
-            threads = min(server.threads + bounds.threads_step, server.threads_max)
+            # A saturated CPU hides how much more it needs: double the threads.
+            load = 2.0 * target if server.cpu_fraction >= 1.0 else server.cpu_fraction
+            wanted = math.ceil(server.threads * load / target)
+            threads = min(max(wanted, server.threads + bounds.threads_step), server.threads_max)
             return AddThreads(
                 server.node_id,
                 threads,
                 f"cpu {server.cpu_fraction:.0%} > {bounds.upper:.0%} on {server.node_id}",
             )
+
+    if elapsed_s < bounds.cooldown_s:
+        return NoAction(f"cool-down: last action {elapsed_s:.1f}s ago")
 
     usage = cluster_utilization(active)
     hot = _hot_tier(active, usage, bounds)

@@ -9,6 +9,7 @@ operation some peers do not have); with none of them chosen it is skipped.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,11 +100,18 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if not rows:
         return
     terminalreporter.section("p50 / p99 latency and throughput (from the raw round timings)")
+    group_width = max(24, *(len(group) for group, _, _ in rows))
+    name_width = max(42, *(len(name) for _, name, _ in rows))
     terminalreporter.line(
-        f"{'group':<24} {'test':<42} {'p50 us':>10} {'p99 us':>10} {'ops/s':>10} {'GB/s':>8}"
+        f"{'group':<{group_width}} {'test':<{name_width}} {'p50 us':>10} {'p99 us':>10} "
+        f"{'ops/s':>10} {'GB/s':>8}"
     )
     for group, name, info in sorted(rows):
         terminalreporter.line(
-            f"{group:<24} {name:<42} {info['p50_us']:>10.1f} {info['p99_us']:>10.1f} "
-            f"{info['ops_per_s']:>10.0f} {info['gb_per_s']:>8.3f}"
+            f"{group:<{group_width}} {name:<{name_width}} {info['p50_us']:>10.1f} "
+            f"{info['p99_us']:>10.1f} {info['ops_per_s']:>10.0f} {info['gb_per_s']:>8.3f}"
         )
+    terminalreporter.line(
+        f"(ops/s counts objects, listed keys or jobs; 1-minute load average at the end: "
+        f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs)"
+    )

@@ -25,11 +25,13 @@ from pocketflow.control import (
 )
 from pocketflow.control.allocation import TIER_DRAM, TIER_NVME
 from pocketflow.control.loopback import keep_ray_on_loopback
+from pocketflow.control.tiers import local_spec
 from pocketflow.errors import ClusterError, ConfigError, PocketflowError
 from pocketflow.processes import ProcessRef, children, descendants, terminate, wait_gone
 from pocketflow.protocol import BLOCK_SIZE_MAX_BYTES
 
 if TYPE_CHECKING:
+    from pocketflow.control.launcher import LaunchSpec
     from pocketflow.control.plane import ControlPlane
     from pocketflow.control.storage_node import StorageNodeInfo
     from pocketflow.job import Hints, Job
@@ -84,6 +86,12 @@ class LocalCluster:
 
     ``stop`` (also on leaving the block, on an exception, and at interpreter exit) stops every
     process the cluster started, by process id, and stops Ray if the cluster started it.
+
+    Elasticity is off by default, so the servers are exactly the ones asked for. With
+    ``autoscale=True`` the controller launches servers (up to ``servers_max``) when a job does not
+    fit, and with a ``sizing_interval`` too it runs the sizing loop (add a server above 80%
+    utilization, drain one below 60%, ``sizing_cooldown`` between actions). Each node sends a
+    heartbeat every ``heartbeat_interval``; a server silent for ``dead_after`` is declared dead.
     """
 
     def __init__(
@@ -101,6 +109,11 @@ class LocalCluster:
         tmp_dir: str | os.PathLike[str] | None = None,
         heartbeat_interval: float | str = "1s",
         dead_after: float | str = "3s",
+        autoscale: bool = False,
+        servers_max: int = SERVERS_MAX,
+        register_timeout: float | str = "60s",
+        sizing_interval: float | str | None = None,
+        sizing_cooldown: float | str = "10s",
         metadata_log: str | os.PathLike[str] | None = None,
     ) -> None:
         if dram_servers < 0 or nvme_servers < 0 or dram_servers + nvme_servers == 0:
@@ -122,6 +135,18 @@ class LocalCluster:
         self._dead_after_ms = int(parse_duration(dead_after, name="dead_after") * 1000)
         if self._dead_after_ms <= self._heartbeat_interval_ms:
             raise ConfigError("dead_after must be longer than heartbeat_interval")
+        if not dram_servers + nvme_servers <= servers_max <= SERVERS_MAX:
+            raise ConfigError(f"servers_max must be between the initial servers and {SERVERS_MAX}")
+        self._autoscale = autoscale
+        self._servers_max = servers_max
+        self._register_timeout_s = parse_duration(register_timeout, name="register_timeout")
+        # The sizing loop runs only with autoscale and an interval; tests keep it off.
+        self._sizing_interval_ms = (
+            None
+            if sizing_interval is None or not autoscale
+            else int(parse_duration(sizing_interval, name="sizing_interval") * 1000)
+        )
+        self._sizing_cooldown_s = parse_duration(sizing_cooldown, name="sizing_cooldown")
         self._num_cpus = num_cpus
         self._server_threads = server_threads
         self._tmp_dir = None if tmp_dir is None else Path(tmp_dir)
@@ -344,9 +369,10 @@ class LocalCluster:
     def _start_actors(self) -> None:
         import ray
 
-        from pocketflow.control.controller import Controller
+        from pocketflow.control.controller import SIZING_INTERVAL_MS_DEFAULT, Controller
         from pocketflow.control.metadata import Metadata
         from pocketflow.control.plane import ControlPlane
+        from pocketflow.control.sizing import SizingBounds
         from pocketflow.control.storage_node import StorageNode
 
         options = {"namespace": NAMESPACE, "num_cpus": 0, "max_restarts": 0}
@@ -404,6 +430,18 @@ class LocalCluster:
                 token_ttl_s=self._token_ttl_s,
                 heartbeat_interval_ms=self._heartbeat_interval_ms,
                 dead_after_ms=self._dead_after_ms,
+                cluster_spec=local_spec(
+                    dram_capacity_bytes=self._dram_capacity_bytes,
+                    nvme_capacity_bytes=self._nvme_capacity_bytes,
+                ),
+                launch=self._launch_spec() if self._autoscale else None,
+                register_timeout_s=self._register_timeout_s,
+                sizing=None
+                if self._sizing_interval_ms is None
+                else SizingBounds(
+                    cooldown_s=self._sizing_cooldown_s, servers_max=self._servers_max
+                ),
+                sizing_interval_ms=self._sizing_interval_ms or SIZING_INTERVAL_MS_DEFAULT,
             )
         )
         try:
@@ -417,6 +455,21 @@ class LocalCluster:
         except Exception as exc:
             raise _unwrap(exc, "starting the controller") from exc
         self._control = ControlPlane(self._controller)
+
+    def _launch_spec(self) -> LaunchSpec:
+        """How the controller starts more servers of this cluster (``autoscale=True``)."""
+        from pocketflow.control.launcher import LaunchSpec
+
+        return LaunchSpec(
+            secret_file=str(self.secret_file),
+            data_dir=str(self.work_dir),
+            capacity_bytes_by_tier={
+                TIER_DRAM: self._dram_capacity_bytes,
+                TIER_NVME: self._nvme_capacity_bytes,
+            },
+            threads=self._server_threads,
+            servers_max=self._servers_max,
+        )
 
     def _stop_actors(self) -> None:
         import ray

@@ -8,16 +8,36 @@ import re
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pocketflow.auth import make_token, read_secret_file
 from pocketflow.control.admin import AdminTokens
-from pocketflow.control.allocation import AllocationRequest, ServerState, allocate
+from pocketflow.control.hints import JobDemand, demand_from_hints
+from pocketflow.control.launcher import Launcher, LaunchSpec
 from pocketflow.control.metadata import Metadata
+from pocketflow.control.packing import (
+    Allocation,
+    PackResult,
+    ServerLoad,
+    grow,
+    pack,
+    with_allocations,
+)
+from pocketflow.control.packing import Placement as PackedPlacement
+from pocketflow.control.sizing import (
+    AddServer,
+    AddThreads,
+    RemoveServer,
+    ServerUtilization,
+    SizingBounds,
+    decide,
+)
 from pocketflow.control.storage_node import HEARTBEAT_INTERVAL_MS_DEFAULT, StorageNodeInfo
+from pocketflow.control.tiers import TIER_NVME, ClusterSpec, local_spec
 from pocketflow.errors import (
+    CapacityExhausted,
     ClusterError,
     ConfigError,
     InvalidRequest,
@@ -66,6 +86,18 @@ ADMIN_CALL_TIMEOUT_S = 5.0
 DEAD_SERVERS_KEPT_MAX = 256
 """Most dead servers remembered for ``status``; the oldest are forgotten past it."""
 
+REGISTER_TIMEOUT_S_DEFAULT = 60.0
+"""How long a registration (or a job's growth) may wait for servers it launches."""
+
+LAUNCH_ROUNDS_MAX = 4
+"""Most rounds of "pack, launch the shortfall, pack again" in one registration."""
+
+SIZING_INTERVAL_MS_DEFAULT = 5000
+"""How often the sizing loop (when enabled) looks at the heartbeats and acts."""
+
+SIZING_ACTIONS_KEPT_MAX = 64
+"""Most sizing actions remembered for ``status``."""
+
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -76,6 +108,20 @@ class JobRecord:
     handle: JobHandle
     hints: dict[str, Any]
     registered_at_unix_s: float
+    demand: dict[str, Any] = field(default_factory=dict)
+
+    def job_demand(self) -> JobDemand:
+        """The demand the job was packed with (:class:`JobDemand`)."""
+        return JobDemand.from_dict(self.demand)
+
+    def allocation(self) -> Allocation:
+        """The job's current weight map as a packing :class:`Allocation`."""
+        return Allocation(
+            tuple(
+                PackedPlacement(node_id=s.node_id, weight=s.weight, persist=s.persist)
+                for s in self.handle.servers
+            )
+        )
 
     def to_metadata(self) -> dict[str, Any]:
         """The record as stored by the ``Metadata`` actor (JSON-compatible)."""
@@ -85,6 +131,7 @@ class JobRecord:
             "epoch": self.handle.epoch,
             "weight_map": self.handle.weight_map(),
             "hints": self.hints,
+            "demand": self.demand,
             "registered_at_unix_s": self.registered_at_unix_s,
         }
 
@@ -133,6 +180,11 @@ class Controller:
         heartbeat_interval_ms: int = HEARTBEAT_INTERVAL_MS_DEFAULT,
         dead_after_ms: int = DEAD_AFTER_MS_DEFAULT,
         failure_detection: bool = True,
+        cluster_spec: ClusterSpec | None = None,
+        launch: LaunchSpec | None = None,
+        register_timeout_s: float = REGISTER_TIMEOUT_S_DEFAULT,
+        sizing: SizingBounds | None = None,
+        sizing_interval_ms: int = SIZING_INTERVAL_MS_DEFAULT,
     ) -> None:
         if heartbeat_interval_ms < HEARTBEAT_INTERVAL_MS_MIN:
             raise ConfigError(
@@ -160,6 +212,16 @@ class Controller:
         self._heartbeat_stats: dict[str, dict[str, Any]] = {}
         self._dead: dict[str, dict[str, Any]] = {}
         self._jobs: dict[str, JobRecord] = {}
+        self._cluster_spec = cluster_spec
+        self._launcher = Launcher(launch) if launch is not None else None
+        self._launched: dict[str, Any] = {}
+        self._register_timeout_s = register_timeout_s
+        self._draining: set[str] = set()
+        self._sizing = sizing
+        self._sizing_interval_s = sizing_interval_ms / 1000.0
+        self._sizing_last_action_s: float | None = None
+        self._sizing_next_s = time.monotonic() + self._sizing_interval_s
+        self._sizing_actions: list[dict[str, Any]] = []
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
         if failure_detection:
@@ -245,6 +307,9 @@ class Controller:
                 silent_s = self._silent_servers().get(node_id)
                 if silent_s is None:
                     continue
+                if node_id in self._draining:
+                    self._retire(node_id)
+                    continue
                 self.declare_dead(node_id, reason=f"no heartbeat for {silent_s:.1f}s")
             declared.append(node_id)
         return declared
@@ -310,7 +375,12 @@ class Controller:
 
     def _register_job_locked(self, name: str, hints: dict[str, Any]) -> JobHandle:
         job_id = self._new_job_id(name)
-        servers = self._allocate(hints)
+        demand = demand_from_hints(hints, self._spec())
+        deadline = time.monotonic() + self._register_timeout_s
+        allocation = self._pack_or_launch(
+            lambda loads, d: pack(d, loads, self._spec()), demand=demand, deadline_s=deadline
+        )
+        servers = self._server_infos(allocation)
         handle = JobHandle(
             job_id=job_id,
             name=name,
@@ -322,11 +392,50 @@ class Controller:
         weight_map = handle.weight_map()
         for server in servers:
             self._admin.client(server.address).set_epoch(job_id, FIRST_EPOCH, weight_map)
-        record = JobRecord(handle=handle, hints=dict(hints), registered_at_unix_s=time.time())
+        record = JobRecord(
+            handle=handle,
+            hints=dict(hints),
+            registered_at_unix_s=time.time(),
+            demand=demand.to_dict(),
+        )
         self._call_metadata("put_job", record.to_metadata())
         self._jobs[job_id] = record
         log.info("registered job %s on %s", job_id, ", ".join(s.node_id for s in servers))
         return handle
+
+    def grow_job(self, job_id: str, hints: dict[str, Any]) -> JobHandle:
+        """Give a running job more room: a new epoch whose weight map adds servers.
+
+        ``hints`` are the job's new hints. Servers are launched when the growth does not fit.
+        Every server of the old map stays in the new one (weight 0 at least), so data written
+        under older epochs stays readable; clients holding the old handle get ``stale_epoch``
+        with the new map and retry. Returns the new handle (the old one if nothing changed).
+        """
+        with self._lock:
+            record = self._jobs.get(job_id)
+            if record is None:
+                raise JobNotRegistered(f"job {job_id!r} is not registered")
+            old = record.job_demand()
+            new = demand_from_hints(hints, self._spec())
+            current = record.allocation()
+            deadline = time.monotonic() + self._register_timeout_s
+            allocation = self._pack_or_launch(
+                lambda loads, d: grow(
+                    current,
+                    old=old if d is new else _without_throughput(old),
+                    new=d,
+                    servers=loads,
+                    spec=self._spec(),
+                ),
+                demand=new,
+                deadline_s=deadline,
+            )
+            if allocation == current:
+                return record.handle
+            self._jobs[job_id] = dataclasses.replace(
+                record, hints=dict(hints), demand=new.to_dict()
+            )
+            return self._move_to_epoch(job_id, self._server_infos(allocation))
 
     def deregister_job(self, job_id: str) -> dict[str, Any]:
         """Forget a job and free all its non-PERSIST data on every server.
@@ -420,6 +529,11 @@ class Controller:
             "tiers": tiers,
             "jobs": jobs,
             "dead_servers": self.dead_servers(),
+            "draining": sorted(self._draining),
+            "sizing_actions": self.sizing_actions(),
+            "resource_requests": list(self._launcher.resource_requests)
+            if self._launcher is not None
+            else [],
         }
 
     def close(self) -> None:
@@ -430,16 +544,142 @@ class Controller:
             monitor.join(timeout=ADMIN_CALL_TIMEOUT_S * 2)
         with self._lock:
             self._admin.close()
+            launched, self._launched = dict(self._launched), {}
+        if launched:
+            import ray
+
+            try:
+                ray.get(
+                    [node.stop.remote() for node in launched.values()],
+                    timeout=ADMIN_CALL_TIMEOUT_S * 3,
+                )
+            except Exception as exc:
+                log.warning("launched storage nodes did not stop cleanly: %s", exc)
+            for node in launched.values():
+                try:
+                    ray.kill(node, no_restart=True)
+                except Exception as exc:
+                    log.warning("could not kill a launched storage node: %s", exc)
 
     # -- internals --------------------------------------------------------------------------
 
-    def _allocate(self, hints: dict[str, Any]) -> tuple[ServerInfo, ...]:
-        """A weight map for a job with ``hints`` over the live servers. Callers hold the lock."""
-        request = AllocationRequest(
-            latency_sensitive=bool(hints.get("latency_sensitive", True)),
-            data_size_bytes=hints.get("data_size_bytes"),
+    def _spec(self) -> ClusterSpec:
+        """The tier specifications packing uses: the configured ones, else the servers' sizes."""
+        if self._cluster_spec is not None:
+            return self._cluster_spec
+        sizes: dict[str, int] = {}
+        for info in self._servers.values():
+            sizes[info.tier] = max(sizes.get(info.tier, 0), info.capacity_bytes)
+        if self._launcher is not None:
+            for tier, size in self._launcher.spec.capacity_bytes_by_tier.items():
+                sizes.setdefault(tier, size)
+        return local_spec(
+            dram_capacity_bytes=sizes.get("dram", 1),
+            nvme_capacity_bytes=sizes.get(TIER_NVME),
         )
-        allocation = allocate(request, self._server_states())
+
+    def _server_loads(self, *, excluding_job: str | None = None) -> list[ServerLoad]:
+        """Every live server with its measured use and what registered jobs reserve on it."""
+        spec = self._spec()
+        loads = []
+        for info in self.servers():
+            stats = self._latest_stats(info.node_id) or {}
+            throughput = (
+                spec.tier(info.tier).throughput_bytes_per_s if spec.has_tier(info.tier) else 1
+            )
+            loads.append(
+                ServerLoad(
+                    node_id=info.node_id,
+                    tier=info.tier,
+                    capacity_bytes=info.capacity_bytes,
+                    throughput_bytes_per_s=throughput,
+                    used_bytes=int(stats.get("used_bytes", 0)),
+                    long_running=info.long_running,
+                    draining=info.node_id in self._draining
+                    or bool(stats.get("draining", False)),
+                )
+            )
+        jobs = [
+            (record.job_demand(), record.allocation())
+            for job_id, record in self._jobs.items()
+            if record.demand and job_id != excluding_job
+        ]
+        return with_allocations(loads, jobs)
+
+    def _pack_or_launch(
+        self,
+        solve: Any,
+        *,
+        demand: JobDemand,
+        deadline_s: float,
+    ) -> Allocation:
+        """Pack with ``solve(loads, demand)``; launch the shortfall and pack again until it fits.
+
+        Without a launcher, a job whose throughput does not fit is packed by capacity alone
+        (its throughput over-committed, logged); one whose capacity does not fit is refused with
+        ``CapacityExhausted``, as is a registration whose servers are not up by ``deadline_s``.
+        Callers hold the lock.
+        """
+        result: PackResult | None = None
+        for _ in range(LAUNCH_ROUNDS_MAX):
+            result = solve(self._server_loads(), demand)
+            if result.fits:
+                return result.allocation
+            if self._launcher is None or not all(
+                self._launcher.can_launch(t) for t in result.shortfall
+            ):
+                relaxed = solve(self._server_loads(), _without_throughput(demand))
+                if relaxed.fits:
+                    log.warning(
+                        "throughput of %d bytes/s over-committed: no server can be launched",
+                        demand.throughput_bytes_per_s,
+                    )
+                    return relaxed.allocation
+                raise CapacityExhausted(
+                    f"the job needs more servers ({result.shortfall}) and none can be launched"
+                )
+            self._launch_shortfall(result.shortfall, deadline_s=deadline_s)
+        raise CapacityExhausted(
+            f"the job still does not fit after {LAUNCH_ROUNDS_MAX} launch rounds "
+            f"(short of {result.shortfall if result else {}})"
+        )
+
+    def _launch_shortfall(self, shortfall: dict[str, int], *, deadline_s: float) -> None:
+        """Launch ``{tier: count}`` servers and add them; bounded by ``servers_max``."""
+        assert self._launcher is not None
+        limit = self._launcher.spec.servers_max
+        for tier, count in sorted(shortfall.items()):
+            for _ in range(count):
+                if len(self._servers) >= limit:
+                    raise CapacityExhausted(f"the cluster is at its limit of {limit} servers")
+                self.launch_server(tier, deadline_s=deadline_s)
+
+    def launch_server(
+        self, tier: str, *, long_running: bool = False, deadline_s: float | None = None
+    ) -> StorageNodeInfo:
+        """Start a new storage server of ``tier`` and make it available for new jobs."""
+        if self._launcher is None:
+            raise ClusterError("this controller cannot launch storage servers")
+        if deadline_s is None:
+            deadline_s = time.monotonic() + self._register_timeout_s
+        with self._lock:
+            node_id = self._next_node_id(tier)
+            info, node = self._launcher.launch(
+                node_id=node_id, tier=tier, long_running=long_running, deadline_s=deadline_s
+            )
+            self._launched[node_id] = node
+            self.add_server(info, node)
+            return info
+
+    def _next_node_id(self, tier: str) -> str:
+        taken = set(self._servers) | set(self._dead) | set(self._launched)
+        index = 0
+        while f"{tier}-{index}" in taken:
+            index += 1
+        return f"{tier}-{index}"
+
+    def _server_infos(self, allocation: Allocation) -> tuple[ServerInfo, ...]:
+        """The weight map of ``allocation`` with each live server's address and tier."""
         return tuple(
             ServerInfo(
                 node_id=p.node_id,
@@ -449,6 +689,7 @@ class Controller:
                 persist=p.persist,
             )
             for p in allocation.placements
+            if p.node_id in self._servers
         )
 
     def _new_job_id(self, name: str) -> str:
@@ -457,23 +698,6 @@ class Controller:
             if job_id not in self._jobs:
                 return job_id
         raise ClusterError(f"could not find a free job id for {name!r}")
-
-    def _server_states(self) -> list[ServerState]:
-        """Usage of every live server from its latest heartbeat."""
-        states = []
-        for info in self.servers():
-            stats = self._latest_stats(info.node_id)
-            states.append(
-                ServerState(
-                    node_id=info.node_id,
-                    tier=info.tier,
-                    capacity_bytes=info.capacity_bytes,
-                    used_bytes=int(stats.get("used_bytes", 0)) if stats else 0,
-                    long_running=info.long_running,
-                    draining=bool(stats.get("draining", False)) if stats else False,
-                )
-            )
-        return states
 
     def _latest_stats(self, node_id: str) -> dict[str, Any] | None:
         """The statistics of the server's latest heartbeat, ``None`` before the first one."""
@@ -494,18 +718,176 @@ class Controller:
                 self.check_failures()
             except Exception:
                 log.exception("failure detector")
+            if self._sizing is not None and time.monotonic() >= self._sizing_next_s:
+                self._sizing_next_s = time.monotonic() + self._sizing_interval_s
+                try:
+                    self.size_cluster()
+                except Exception:
+                    log.exception("sizing loop")
 
-    def _exclude_from_job(self, job_id: str, node_id: str) -> None:
+    def size_cluster(self) -> dict[str, Any]:
+        """Run the sizing policy once on the latest heartbeats and carry out its action.
+
+        Adding threads (vertical scaling) needs a server action that is not available yet, so
+        it is logged and skipped. Returns ``{"action", "reason"}``.
+        """
+        if self._sizing is None:
+            return {"action": "none", "reason": "sizing is disabled"}
+        with self._lock:
+            action = decide(
+                self._utilizations(),
+                self._sizing,
+                now_s=time.monotonic(),
+                last_action_s=self._sizing_last_action_s,
+            )
+            done: dict[str, Any] = {"action": type(action).__name__, "reason": action.reason}
+            if isinstance(action, AddThreads):
+                log.info("sizing: would give %s %d threads (%s); vertical scaling is not "
+                         "available yet", action.node_id, action.threads, action.reason)
+                done["skipped"] = True
+            elif isinstance(action, AddServer):
+                if self._launcher is None or not self._launcher.can_launch(action.tier):
+                    done["skipped"] = True
+                else:
+                    info = self.launch_server(action.tier, long_running=action.long_running)
+                    done["node_id"] = info.node_id
+                    self._sizing_last_action_s = time.monotonic()
+            elif isinstance(action, RemoveServer):
+                self.drain_server(action.node_id)
+                done["node_id"] = action.node_id
+                self._sizing_last_action_s = time.monotonic()
+            if done["action"] != "NoAction":
+                log.info("sizing: %s", done)
+                self._sizing_actions.append({**done, "at_unix_s": time.time()})
+                del self._sizing_actions[:-SIZING_ACTIONS_KEPT_MAX]
+            return done
+
+    def sizing_actions(self) -> list[dict[str, Any]]:
+        """The latest sizing actions, oldest first."""
+        with self._lock:
+            return list(self._sizing_actions)
+
+    def drain_server(self, node_id: str) -> dict[str, Any]:
+        """Take a server out of service without losing live data.
+
+        It gets weight 0 for new jobs, every job that writes to it moves to a new epoch where
+        its weight is 0 (it stays in the map, so its data stays readable), and the server is told
+        to refuse writes and exit once it holds no data; the failure detector then retires it
+        quietly. The last ``long_running_min`` long-running servers are never drained.
+        """
+        with self._lock:
+            info = self._servers.get(node_id)
+            if info is None:
+                raise ClusterError(f"no live storage server {node_id!r}")
+            if info.long_running:
+                active = [
+                    s for s in self._servers.values()
+                    if s.long_running and s.node_id not in self._draining
+                ]
+                floor = self._sizing.long_running_min if self._sizing else 2
+                if len(active) <= floor:
+                    raise ClusterError(
+                        f"{node_id} is one of the last {floor} long-running servers"
+                    )
+            self._draining.add(node_id)
+            for job_id, record in list(self._jobs.items()):
+                weights = {s.node_id: s.weight for s in record.handle.servers}
+                if weights.get(node_id, 0.0) <= 0.0:
+                    continue
+                kept = tuple(
+                    dataclasses.replace(s, weight=0.0) if s.node_id == node_id else s
+                    for s in record.handle.servers
+                )
+                if not any(s.weight > 0 for s in kept):
+                    self._exclude_from_job(job_id, node_id, keep_readable=True)
+                else:
+                    self._move_to_epoch(job_id, kept)
+            try:
+                result = self._admin.client(info.address).drain(exit_when_empty=True)
+            except PocketflowError as exc:
+                log.warning("drain of %s failed: %s", node_id, exc)
+                result = {"draining": False, "error": str(exc)}
+            log.info("draining storage server %s", node_id)
+            return {"node_id": node_id, **result}
+
+    def _retire(self, node_id: str) -> None:
+        """Forget a drained server that has exited; its jobs' maps drop it. Callers lock."""
+        info = self._servers.pop(node_id, None)
+        if info is None:
+            return
+        self._draining.discard(node_id)
+        node = self._nodes.pop(node_id, None)
+        self._launched.pop(node_id, None)
+        with self._heartbeat_lock:
+            self._last_heartbeat.pop(node_id, None)
+            self._heartbeat_stats.pop(node_id, None)
+        self._admin.forget(info.address)
+        for job_id, record in list(self._jobs.items()):
+            if any(s.node_id == node_id for s in record.handle.servers):
+                kept = tuple(s for s in record.handle.servers if s.node_id != node_id)
+                self._move_to_epoch(job_id, kept)
+        log.info("storage server %s drained and retired", node_id)
+        if node is not None:
+            try:
+                import ray
+
+                node.stop.remote()
+                ray.kill(node, no_restart=False)
+            except Exception as exc:
+                log.info("could not stop the node of %s: %s", node_id, exc)
+
+    def _utilizations(self) -> list[ServerUtilization]:
+        """Each live server's latest heartbeat as the sizing policy's sample."""
+        spec = self._spec()
+        rows = []
+        for info in self.servers():
+            stats = self._latest_stats(info.node_id) or {}
+            throughput = (
+                spec.tier(info.tier).throughput_bytes_per_s if spec.has_tier(info.tier) else 1
+            )
+            rows.append(
+                ServerUtilization(
+                    node_id=info.node_id,
+                    tier=info.tier,
+                    cpu_fraction=float(stats.get("cpu_utilization", 0.0)),
+                    net_bytes_per_s=float(
+                        stats.get("bytes_in_per_s", 0) + stats.get("bytes_out_per_s", 0)
+                    ),
+                    net_capacity_bytes_per_s=float(throughput),
+                    used_bytes=int(stats.get("used_bytes", 0)),
+                    capacity_bytes=info.capacity_bytes,
+                    long_running=info.long_running,
+                    draining=info.node_id in self._draining,
+                )
+            )
+        return rows
+
+    def _exclude_from_job(
+        self, job_id: str, node_id: str, *, keep_readable: bool = False
+    ) -> None:
         """Move a job to a new epoch whose weight map no longer holds ``node_id``.
 
         When no server with a positive weight is left, the job's data servers are allocated
         afresh on the live servers. Callers hold the lock.
         """
         record = self._jobs[job_id]
-        kept = [s for s in record.handle.servers if s.node_id != node_id]
+        kept = [
+            dataclasses.replace(s, weight=0.0, persist=False) if s.node_id == node_id else s
+            for s in record.handle.servers
+            if keep_readable or s.node_id != node_id
+        ]
         if not any(s.weight > 0 for s in kept):
             try:
-                fresh = self._allocate(record.hints)
+                demand = record.job_demand() if record.demand else demand_from_hints(
+                    record.hints, self._spec()
+                )
+                fresh = self._server_infos(
+                    self._pack_or_launch(
+                        lambda loads, d: pack(d, loads, self._spec()),
+                        demand=demand,
+                        deadline_s=time.monotonic() + self._register_timeout_s,
+                    )
+                )
             except PocketflowError as exc:
                 log.error("job %s lost its last data server %s: %s", job_id, node_id, exc)
                 fresh = ()
@@ -564,3 +946,8 @@ class Controller:
         raise ClusterError(
             f"metadata.{method} did not answer within {METADATA_CALL_TIMEOUT_S:.0f}s"
         )
+
+
+def _without_throughput(demand: JobDemand) -> JobDemand:
+    """``demand`` asking for capacity only (when throughput cannot be had)."""
+    return dataclasses.replace(demand, throughput_bytes_per_s=0)

@@ -41,6 +41,19 @@ class ControlPlane:
         """Register a job; returns its handle."""
         return self._call("register_job", name, hints)
 
+    def grow_job(self, job_id: str, hints: Any) -> JobHandle:
+        """Give a running job more room (new hints): a new epoch with added servers.
+
+        ``hints`` is a :class:`pocketflow.job.Hints` or a mapping of its fields.
+        """
+        from pocketflow.job import Hints
+
+        return self._call("grow_job", job_id, Hints.coerce(hints).to_dict())
+
+    def drain_server(self, node_id: str) -> dict[str, Any]:
+        """Remove a storage server without losing live data (see ``Controller.drain_server``)."""
+        return self._call("drain_server", node_id)
+
     def deregister(self, job_id: str) -> dict[str, Any]:
         """Deregister a job, freeing its non-PERSIST data; returns what was freed."""
         return self._call("deregister_job", job_id)

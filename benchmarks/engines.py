@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import platform
+import select
 import shutil
 import statistics
 import subprocess
@@ -103,20 +104,28 @@ class EngineServer:
         )
 
     def run(self, pattern: str) -> dict:
-        """Run one pattern and return its measurement."""
+        """Run one pattern and return its measurement (within :data:`BENCH_TIMEOUT_S`)."""
         assert self.process.stdin is not None and self.process.stdout is not None
         self.process.stdin.write(pattern + "\n")
         self.process.stdin.flush()
+        # The bench answers with one line per pattern; a hung bench must not hang the run.
+        ready, _, _ = select.select([self.process.stdout], [], [], BENCH_TIMEOUT_S)
+        if not ready:
+            raise RuntimeError(f"engine bench gave no answer for {pattern} in {BENCH_TIMEOUT_S} s")
         line = self.process.stdout.readline()
         if not line:
             raise RuntimeError(f"engine bench exited with {self.process.wait()}")
         return json.loads(line)[pattern]
 
     def close(self) -> None:
-        """Close stdin, which ends the bench, and wait for it."""
+        """Close stdin, which ends the bench, and wait for it; kill it (by pid) if it hangs."""
         assert self.process.stdin is not None
         self.process.stdin.close()
-        self.process.wait(timeout=BENCH_TIMEOUT_S)
+        try:
+            self.process.wait(timeout=BENCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=BENCH_TIMEOUT_S)
 
 
 def run_fio(pattern: str, data_file: Path, file_bytes: int, seconds: float) -> dict:

@@ -142,14 +142,22 @@ class ClientPool:
                 "size_bytes": size_bytes, "batch_ops": batch_ops, "start_at_ns": start_at,
                 "seconds_max": seconds_max,
             }
-            conn.send(("phase", (spec, kwargs)))
+            self._send(conn, ("phase", (spec, kwargs)))
         return self._collect(conns, timeout_s=PHASE_TIMEOUT_S)
 
     def forget(self, spec: Any) -> None:
         """Close every process's client of ``spec`` (its peer is about to stop)."""
         for conn in self._conns:
-            conn.send(("forget", spec))
+            self._send(conn, ("forget", spec))
         self._collect(self._conns, timeout_s=PHASE_TIMEOUT_S)
+
+    def _send(self, conn: Connection, message: Any) -> None:
+        """Send a command; a process that is gone breaks the pool (it must be replaced)."""
+        try:
+            conn.send(message)
+        except (OSError, ValueError) as exc:  # BrokenPipeError; ValueError: a closed pipe
+            self.broken = True
+            raise PhaseError(f"a client process is gone: {exc!r}") from exc
 
     def _collect(self, conns: Sequence[Connection], *, timeout_s: float) -> list[Any]:
         deadline = time.monotonic() + timeout_s

@@ -23,6 +23,9 @@ POLL_INTERVAL_S = 0.05
 LOG_TAIL_BYTES_MAX = 2000
 """How much of a failed server's log goes into the error message."""
 
+READY_WAIT_BYTES_MAX = 64 * 1024
+"""Most output a server may print before its ready line (the rest is in its log)."""
+
 PORTS_MAX = 16
 """Most free ports one call to :func:`free_ports` hands out."""
 
@@ -154,21 +157,26 @@ class ManagedProcess:
     def _wait_line(self, prefix: str, timeout_s: float) -> str:
         assert self._proc is not None and self._proc.stdout is not None
         deadline = time.monotonic() + timeout_s
-        buffered = b""
+        partial = b""  # the last, unfinished line
+        seen_bytes = 0
         with selectors.DefaultSelector() as selector:
             selector.register(self._proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and seen_bytes <= READY_WAIT_BYTES_MAX:
                 if not selector.select(timeout=max(deadline - time.monotonic(), 0.0)):
                     continue
                 chunk = os.read(self._proc.stdout.fileno(), 4096)
                 if not chunk:
                     break
-                buffered += chunk
-                for line in buffered.decode(errors="replace").splitlines():
+                seen_bytes += len(chunk)
+                # Only whole lines: a ready line read in two pieces must not yield half a port.
+                *lines, partial = (partial + chunk).split(b"\n")
+                for raw in lines:
+                    line = raw.decode(errors="replace")
                     if line.startswith(prefix):
                         return line[len(prefix):].strip()
         raise ServerStartError(
             f"{self.name} printed no {prefix!r} line within {timeout_s:.0f} s "
+            f"and {READY_WAIT_BYTES_MAX} bytes "
             f"(exit code {self._proc.poll()}): {self.log_tail()}"
         )
 

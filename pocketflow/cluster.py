@@ -439,7 +439,9 @@ class LocalCluster:
                 sizing=None
                 if self._sizing_interval_ms is None
                 else SizingBounds(
-                    cooldown_s=self._sizing_cooldown_s, servers_max=self._servers_max
+                    cooldown_s=self._sizing_cooldown_s,
+                    vertical_cooldown_s=min(self._sizing_cooldown_s, 2.0),
+                    servers_max=self._servers_max,
                 ),
                 sizing_interval_ms=self._sizing_interval_ms or SIZING_INTERVAL_MS_DEFAULT,
             )

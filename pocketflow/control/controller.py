@@ -790,6 +790,16 @@ class Controller:
                         f"{node_id} is one of the last {floor} long-running servers"
                     )
             self._draining.add(node_id)
+            try:
+                result = self._admin.client(info.address).drain(exit_when_empty=True)
+                empty = int(self._admin.client(info.address).stats().get("objects", 1)) == 0
+            except PocketflowError as exc:
+                # Gone already: an empty server exits as soon as it is told to drain.
+                log.info("%s after drain: %s", node_id, exc)
+                result, empty = {"draining": True}, True
+            if empty:
+                self._retire(node_id)
+                return {"node_id": node_id, **result, "retired": True}
             for job_id, record in list(self._jobs.items()):
                 weights = {s.node_id: s.weight for s in record.handle.servers}
                 if weights.get(node_id, 0.0) <= 0.0:
@@ -802,13 +812,8 @@ class Controller:
                     self._exclude_from_job(job_id, node_id, keep_readable=True)
                 else:
                     self._move_to_epoch(job_id, kept)
-            try:
-                result = self._admin.client(info.address).drain(exit_when_empty=True)
-            except PocketflowError as exc:
-                log.warning("drain of %s failed: %s", node_id, exc)
-                result = {"draining": False, "error": str(exc)}
             log.info("draining storage server %s", node_id)
-            return {"node_id": node_id, **result}
+            return {"node_id": node_id, **result, "retired": False}
 
     def _retire(self, node_id: str) -> None:
         """Forget a drained server that has exited; its jobs' maps drop it. Callers lock."""
@@ -839,12 +844,16 @@ class Controller:
     def _utilizations(self) -> list[ServerUtilization]:
         """Each live server's latest heartbeat as the sizing policy's sample."""
         spec = self._spec()
+        reserved = {load.node_id: load.allocated_capacity_bytes for load in self._server_loads()}
         rows = []
         for info in self.servers():
             stats = self._latest_stats(info.node_id) or {}
             throughput = (
                 spec.tier(info.tier).throughput_bytes_per_s if spec.has_tier(info.tier) else 1
             )
+            # A job's reservation counts as used: a server launched for a job that has not
+            # written yet must not look idle.
+            used = max(int(stats.get("used_bytes", 0)), reserved.get(info.node_id, 0))
             rows.append(
                 ServerUtilization(
                     node_id=info.node_id,
@@ -854,7 +863,7 @@ class Controller:
                         stats.get("bytes_in_per_s", 0) + stats.get("bytes_out_per_s", 0)
                     ),
                     net_capacity_bytes_per_s=float(throughput),
-                    used_bytes=int(stats.get("used_bytes", 0)),
+                    used_bytes=used,
                     capacity_bytes=info.capacity_bytes,
                     long_running=info.long_running,
                     draining=info.node_id in self._draining,

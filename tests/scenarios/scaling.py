@@ -1,0 +1,76 @@
+"""Scenario run by tests/test_scaling.py in its own process (its own Ray): an elastic cluster
+launches a server for a job that does not fit, drains launched servers once idle, and adds a
+server when its DRAM tier fills up. Prints one JSON line of observations."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from pocketflow.cluster import LocalCluster
+from pocketflow.errors import CapacityExhausted
+
+WAIT_S = 40.0
+
+
+def wait(predicate, timeout_s: float = WAIT_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def server_ids(cluster: LocalCluster) -> set[str]:
+    return {s["node_id"] for s in cluster.status()["servers"]}
+
+
+def main() -> None:
+    out: dict[str, object] = {}
+    with LocalCluster(
+        dram_servers=2,
+        nvme_servers=0,
+        dram_capacity="8MiB",
+        nvme_capacity="32MiB",
+        autoscale=True,
+        servers_max=4,
+        sizing_interval="300ms",
+        sizing_cooldown="1s",
+        num_cpus=1,
+        object_store_memory="80MiB",
+        tmp_dir="/var/tmp",
+    ) as cluster:
+        initial = server_ids(cluster)
+        out["initial"] = sorted(initial)
+        with cluster.register_job("big", {"data_size_bytes": "20MiB"}) as job:
+            out["big_servers"] = sorted(s.node_id for s in job.handle.servers if s.weight > 0)
+            out["after_register"] = sorted(server_ids(cluster))
+            with job.connect() as pf:
+                pf.create_bucket("b")
+                pf.put("b", "k", b"x" * 1000)
+                out["big_roundtrip"] = pf.get("b", "k") == b"x" * 1000
+        out["scaled_down"] = wait(lambda: server_ids(cluster) == initial)
+        out["after_idle"] = sorted(server_ids(cluster))
+
+        with cluster.register_job("fill") as job, job.connect() as pf:
+            pf.create_bucket("b")
+            stored = 0
+            for i in range(150):
+                try:
+                    pf.put("b", f"k{i}", b"f" * 100_000)
+                    stored += 100_000
+                except CapacityExhausted:
+                    pass
+            out["filled_bytes"] = stored
+            out["scaled_up"] = wait(lambda: len(server_ids(cluster)) > len(initial))
+            out["after_fill"] = sorted(server_ids(cluster))
+            out["actions"] = [
+                (a["action"], a.get("node_id")) for a in cluster.status()["sizing_actions"]
+            ]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

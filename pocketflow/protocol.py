@@ -90,6 +90,7 @@ ACTION_DELETE_JOB = "delete_job"
 ACTION_SET_EPOCH = "set_epoch"
 ACTION_STATS = "stats"
 ACTION_DRAIN = "drain"
+ACTION_SET_CORES = "set_cores"
 ACTION_WAIT = "wait"
 
 DATA_COLUMN_NAME = "data"

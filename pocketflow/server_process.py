@@ -65,6 +65,8 @@ class ServerSpec:
     nvme_path: Path | None = None
     threads: int | None = None
     parent_pid: int | None = None
+    persist_ttl_ms: int | None = None
+    """How long PERSIST objects live after they are written (``None``: until the server exits)."""
 
 
 class StorageServerProcess:
@@ -109,6 +111,8 @@ class StorageServerProcess:
             args += ["--nvme-path", str(spec.nvme_path)]
         if spec.threads is not None:
             args += ["--threads", str(spec.threads)]
+        if spec.persist_ttl_ms is not None:
+            args += ["--persist-ttl", f"{spec.persist_ttl_ms}ms"]
         args += ["--parent-pid", str(spec.parent_pid if spec.parent_pid else os.getpid())]
         return args
 

@@ -34,6 +34,7 @@ from pocketflow.errors import (
 from pocketflow.protocol import (
     ACTION_DELETE_JOB,
     ACTION_DRAIN,
+    ACTION_SET_CORES,
     ACTION_SET_EPOCH,
     ACTION_STATS,
     ADMIN_JOB_ID,
@@ -806,6 +807,14 @@ class AdminClient:
         return self._connection.action(
             ACTION_DRAIN, action_body(self._ctx, exit_when_empty=exit_when_empty)
         )
+
+    def set_cores(self, cores: int) -> dict[str, Any]:
+        """Run the server on ``cores`` CPU cores from now on, without restarting it.
+
+        Returns ``{"cores", "cores_max"}``; ``cores`` outside ``1..cores_max`` (see ``stats``) is
+        ``InvalidRequest``. See docs/PROTOCOL.md, Vertical scaling.
+        """
+        return self._connection.action(ACTION_SET_CORES, action_body(self._ctx, cores=cores))
 
     def set_epoch(self, job_id: str, epoch: int, weight_map: dict[str, Any]) -> dict[str, Any]:
         """Tell the server a job's current epoch and weight map."""

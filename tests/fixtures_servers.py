@@ -107,6 +107,7 @@ class ServerSet:
         long_running: bool = False,
         nvme_path: Path | None = None,
         weight: float = 1.0,
+        persist_ttl_ms: int | None = None,
     ) -> ServerInfo:
         """Start one more server with this set's secret; returns its weight-map entry."""
         process = StorageServerProcess(ServerSpec(
@@ -117,6 +118,7 @@ class ServerSet:
             long_running=long_running,
             nvme_path=nvme_path,
             threads=SERVER_THREADS,
+            persist_ttl_ms=persist_ttl_ms,
         ))
         self.processes.append(process)
         address = process.start()
@@ -196,10 +198,11 @@ def server_factory(
         *,
         long_running: bool = False,
         weight: float = 1.0,
+        persist_ttl_ms: int | None = None,
     ) -> tuple[ServerSet, ServerInfo]:
         nvme_path = tmp_path / f"{node_id}.img" if tier == "nvme" else None
         info = servers.start(node_id, tier, capacity_bytes, long_running=long_running,
-                             nvme_path=nvme_path, weight=weight)
+                             nvme_path=nvme_path, weight=weight, persist_ttl_ms=persist_ttl_ms)
         return servers, info
 
     try:

@@ -1,12 +1,12 @@
 //! DoAction handlers: object and bucket management for jobs, and the control-plane actions
-//! (`set_epoch`, `stats`, `drain`) for the admin.
+//! (`set_epoch`, `stats`, `drain`, `set_cores`) for the admin.
 
 use bytes::Bytes;
 use pocketflow_protocol::action::{
     ActionName, AnyRequest, BucketRequest, DeleteBlocksRequest, DeleteJobRequest, DeletedResult,
     DrainRequest, DrainResult, EnumerateRequest, EnumerateResult, FreedResult, HeaderJson,
-    JobUsageJson, KeyEntry, ObjectRequest, PrefixRequest, SetEpochRequest, StatsReport,
-    WaitRequest, WaitResult,
+    JobUsageJson, KeyEntry, ObjectRequest, PrefixRequest, SetCoresRequest, SetCoresResult,
+    SetEpochRequest, StatsReport, WaitRequest, WaitResult,
 };
 use pocketflow_protocol::context::{check_job_id, parse_json};
 use pocketflow_protocol::ProtocolError;
@@ -112,6 +112,15 @@ pub(crate) async fn run(
             state.drain.start(req.exit_when_empty);
             Ok(json(&DrainResult { draining: true }))
         }
+        ActionName::SetCores => {
+            let req = SetCoresRequest::parse(body)?;
+            let cores = crate::cores::get();
+            let now = cores.set(req.cores as usize)?;
+            Ok(json(&SetCoresResult {
+                cores: now as u32,
+                cores_max: cores.max() as u32,
+            }))
+        }
         ActionName::Wait => wait(state, job, body).await,
     }
 }
@@ -183,6 +192,7 @@ fn delete_job(state: &ServiceState, body: &[u8]) -> Result<Bytes, ServiceError> 
 pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
     let sample = state.stats.last();
     let usage = state.store.usage();
+    let cores = crate::cores::get();
     StatsReport {
         node_id: state.node_id.clone(),
         tier: state.store.tier().as_str().to_owned(),
@@ -209,5 +219,12 @@ pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
                 )
             })
             .collect(),
+        cores: cores.current() as u32,
+        cores_max: cores.max() as u32,
+        threads: cores.threads() as u32,
+        persist_ttl_ms: state
+            .store
+            .persist_ttl()
+            .map_or(0, |ttl| ttl.as_millis() as u64),
     }
 }

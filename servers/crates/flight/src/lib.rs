@@ -1,12 +1,13 @@
 //! The pocketflow storage server's Arrow Flight service: DoExchange sessions of small ops,
-//! DoPut/DoGet of data blocks, actions, capability checks, statistics and drain. It knows the
-//! store's API, not how the store keeps bytes.
+//! DoPut/DoGet of data blocks, actions, capability checks, statistics, drain and CPU cores. It
+//! knows the store's API, not how the store keeps bytes.
 
 #![warn(missing_docs)]
 
 mod action;
 pub mod auth;
 pub mod bounds;
+pub mod cores;
 mod doget;
 mod doput;
 pub mod drain;

@@ -71,6 +71,9 @@ pub enum ServiceError {
     /// A stream message is missing, or lacks what it must carry, or carries what it must not.
     #[error("{0}")]
     StreamShape(&'static str),
+    /// `set_cores` asked for an impossible number of cores or the kernel refused it.
+    #[error(transparent)]
+    Cores(#[from] crate::cores::CoresError),
 }
 
 impl ServiceError {
@@ -90,6 +93,10 @@ impl ServiceError {
                 ErrorKind::PermissionDenied
             }
             ServiceError::ResourceBound { .. } => ErrorKind::CapacityExhausted,
+            ServiceError::Cores(crate::cores::CoresError::OutOfRange { .. }) => {
+                ErrorKind::InvalidArgument
+            }
+            ServiceError::Cores(crate::cores::CoresError::Affinity { .. }) => ErrorKind::Internal,
         }
     }
 

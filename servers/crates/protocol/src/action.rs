@@ -34,13 +34,15 @@ pub enum ActionName {
     Stats,
     /// Refuse writes from now on, optionally exit once empty (admin).
     Drain,
+    /// Limit the server to a number of CPU cores, without restarting it (admin).
+    SetCores,
     /// Park until every named key of a bucket exists or a deadline passes.
     Wait,
 }
 
 impl ActionName {
     /// Every action, in the order of docs/PROTOCOL.md.
-    pub const ALL: [ActionName; 12] = [
+    pub const ALL: [ActionName; 13] = [
         ActionName::Lookup,
         ActionName::Delete,
         ActionName::DeleteBlocks,
@@ -52,6 +54,7 @@ impl ActionName {
         ActionName::SetEpoch,
         ActionName::Stats,
         ActionName::Drain,
+        ActionName::SetCores,
         ActionName::Wait,
     ];
 
@@ -69,6 +72,7 @@ impl ActionName {
             ActionName::SetEpoch => "set_epoch",
             ActionName::Stats => "stats",
             ActionName::Drain => "drain",
+            ActionName::SetCores => "set_cores",
             ActionName::Wait => "wait",
         }
     }
@@ -85,7 +89,7 @@ impl ActionName {
     pub fn admin_only(self) -> bool {
         matches!(
             self,
-            ActionName::SetEpoch | ActionName::Stats | ActionName::Drain
+            ActionName::SetEpoch | ActionName::Stats | ActionName::Drain | ActionName::SetCores
         )
     }
 
@@ -114,6 +118,7 @@ impl ActionName {
             ActionName::Drain => {
                 "admin: refuse writes, optionally exit once empty: {exit_when_empty}"
             }
+            ActionName::SetCores => "admin: run the server on this many CPU cores: {cores}",
             ActionName::Wait => {
                 "park until every key exists or the deadline passes: {bucket, keys, timeout_ms}"
             }
@@ -386,6 +391,38 @@ impl DrainRequest {
     }
 }
 
+/// `set_cores`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SetCoresRequest {
+    /// The admin.
+    pub ctx: Context,
+    /// CPU cores the server may run on from now on (1..=`cores_max` of its statistics).
+    pub cores: u32,
+}
+
+impl SetCoresRequest {
+    /// Parse and validate (the upper bound is the server's and is checked by it).
+    pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
+        let req: Self = parse_json("action body", body)?;
+        if req.cores == 0 {
+            return Err(ProtocolError::Field {
+                what: "cores",
+                why: "must be at least 1",
+            });
+        }
+        Ok(req)
+    }
+}
+
+/// `set_cores` result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SetCoresResult {
+    /// CPU cores the server runs on now.
+    pub cores: u32,
+    /// CPU cores it may be given at most (those it was allowed when it started).
+    pub cores_max: u32,
+}
+
 /// An object header as JSON (`lookup` and `delete` results).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HeaderJson {
@@ -504,6 +541,14 @@ pub struct StatsReport {
     pub objects: u64,
     /// Usage per job.
     pub jobs: BTreeMap<String, JobUsageJson>,
+    /// CPU cores the server runs on now (see `set_cores`).
+    pub cores: u32,
+    /// CPU cores it may be given at most.
+    pub cores_max: u32,
+    /// Runtime worker threads (fixed at start, `--threads`).
+    pub threads: u32,
+    /// Time-to-live of PERSIST objects in milliseconds; 0 when they never expire.
+    pub persist_ttl_ms: u64,
 }
 
 #[cfg(test)]

@@ -2,13 +2,17 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
+use std::time::Duration;
 
 use pocketflow_store::Tier;
 
 /// Usage text printed by `--help` and after a flag error.
 pub const USAGE: &str = "usage: pocketflow-server --tier dram|nvme --capacity SIZE --secret-file PATH \
-[--listen 127.0.0.1:PORT] [--nvme-path FILE] [--long-running] [--node-id NAME] [--parent-pid PID] [--threads N]
-  SIZE is bytes, or a number with KiB, MiB, GiB or TiB (e.g. 256MiB, 2GiB)";
+[--listen 127.0.0.1:PORT] [--nvme-path FILE] [--long-running] [--node-id NAME] [--parent-pid PID] [--threads N] \
+[--persist-ttl DURATION]
+  SIZE is bytes, or a number with KiB, MiB, GiB or TiB (e.g. 256MiB, 2GiB)
+  DURATION is seconds, or a number with ms, s, m or h (e.g. 500ms, 30s, 24h); PERSIST objects
+  never expire without --persist-ttl";
 
 /// Everything the flags say.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,6 +35,8 @@ pub struct Args {
     pub parent_pid: Option<i32>,
     /// Runtime worker threads.
     pub threads: usize,
+    /// How long PERSIST objects live after they are written (`None`: until the server exits).
+    pub persist_ttl: Option<Duration>,
 }
 
 /// What the command line asks for.
@@ -87,6 +93,42 @@ pub fn parse_size_bytes(text: &str) -> Result<u64, ArgsError> {
     Ok(bytes)
 }
 
+/// Longest `--persist-ttl`: 365 days.
+pub const PERSIST_TTL_MAX: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Parse a duration: seconds, or a number with `ms`, `s`, `m` or `h`; 1 ms..=365 days.
+pub fn parse_duration(text: &str) -> Result<Duration, ArgsError> {
+    let text = text.trim();
+    let digits_end = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(digits_end);
+    let number: u64 = number.parse().map_err(|_| {
+        ArgsError(format!(
+            "duration {text:?} must be a whole number with ms, s, m or h, e.g. 30s"
+        ))
+    })?;
+    let millis_per_unit: u64 = match unit.trim() {
+        "ms" => 1,
+        "" | "s" => 1000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        other => {
+            return err(format!(
+                "duration {text:?} has unknown unit {other:?}; use ms, s, m or h"
+            ))
+        }
+    };
+    let millis = number
+        .checked_mul(millis_per_unit)
+        .ok_or_else(|| ArgsError(format!("duration {text:?} is too long")))?;
+    let duration = Duration::from_millis(millis);
+    if duration.is_zero() || duration > PERSIST_TTL_MAX {
+        return err(format!("duration {text:?} must be in 1ms..=365 days"));
+    }
+    Ok(duration)
+}
+
 /// Parse a listen address; only loopback addresses are accepted (`localhost` means 127.0.0.1).
 pub fn parse_listen(text: &str) -> Result<SocketAddr, ArgsError> {
     let addr = match text.strip_prefix("localhost:") {
@@ -125,6 +167,7 @@ pub fn parse(argv: impl IntoIterator<Item = String>) -> Result<Command, ArgsErro
     let mut node_id = None;
     let mut parent_pid = None;
     let mut threads = None;
+    let mut persist_ttl = None;
     let mut argv = argv.into_iter();
     while let Some(flag) = argv.next() {
         // Accept both `--flag value` and `--flag=value`.
@@ -186,6 +229,7 @@ pub fn parse(argv: impl IntoIterator<Item = String>) -> Result<Command, ArgsErro
                 }
                 threads = Some(n)
             }
+            "--persist-ttl" => persist_ttl = Some(parse_duration(&value("--persist-ttl")?)?),
             other => return err(format!("unknown flag {other:?}")),
         }
     }
@@ -203,6 +247,7 @@ pub fn parse(argv: impl IntoIterator<Item = String>) -> Result<Command, ArgsErro
         node_id: node_id.unwrap_or_else(|| format!("{}-{}", tier.as_str(), std::process::id())),
         parent_pid,
         threads: threads.unwrap_or_else(default_threads),
+        persist_ttl,
     }))
 }
 
@@ -250,7 +295,7 @@ mod tests {
     fn full_command_line() {
         let cmd = parse(argv(
             "--listen 127.0.0.1:0 --node-id n1 --tier nvme --capacity 268435456 --secret-file /s \
-             --long-running --nvme-path /tmp/x --threads 2 --parent-pid 42",
+             --long-running --nvme-path /tmp/x --threads 2 --parent-pid 42 --persist-ttl 90s",
         ))
         .unwrap();
         let Command::Run(args) = cmd else {
@@ -262,6 +307,7 @@ mod tests {
         assert!(args.long_running);
         assert_eq!(args.parent_pid, Some(42));
         assert_eq!(args.threads, 2);
+        assert_eq!(args.persist_ttl, Some(Duration::from_secs(90)));
         assert_eq!(args.nvme_path, Some(PathBuf::from("/tmp/x")));
         let Command::Run(args) =
             parse(argv("--tier=dram --capacity=1MiB --secret-file=/s")).unwrap()
@@ -269,6 +315,27 @@ mod tests {
             panic!("expected run")
         };
         assert_eq!(args.capacity_bytes, 1 << 20);
+        assert_eq!(args.persist_ttl, None);
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("30"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(24 * 3600)));
+        for bad in [
+            "",
+            "0",
+            "0s",
+            "1.5s",
+            "3d",
+            "-1s",
+            "9000h",
+            "99999999999999999999h",
+        ] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
@@ -284,6 +351,7 @@ mod tests {
             "--tier dram --capacity 1MiB --secret-file /s --threads 0",
             "--tier dram --capacity 1MiB --secret-file /s --parent-pid x",
             "--tier dram --capacity 1MiB --secret-file /s --bogus",
+            "--tier dram --capacity 1MiB --secret-file /s --persist-ttl 0s",
             "--tier dram --capacity",
         ] {
             assert!(parse(argv(bad)).is_err(), "{bad}");

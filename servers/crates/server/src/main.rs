@@ -4,6 +4,7 @@
 mod args;
 mod lifecycle;
 mod listener;
+mod sweeper;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -78,8 +79,11 @@ async fn serve(args: Args) -> Result<(), String> {
         capacity_bytes: args.capacity_bytes,
         nvme_path: args.nvme_path.clone(),
         long_running: args.long_running,
+        persist_ttl: args.persist_ttl,
     })
     .map_err(|e| format!("cannot open the {} store: {e}", args.tier))?;
+    tokio::spawn(sweeper::run(store.clone()));
+    pocketflow_flight::cores::init(args.threads);
     let service = StorageService::new(
         store,
         ServiceConfig {

@@ -5,6 +5,7 @@
 //! entries removed under a lock are dropped after it is released.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use pocketflow_protocol::ObjectHeader;
@@ -71,6 +72,9 @@ pub(crate) fn lock(bucket: &BucketRef) -> MutexGuard<'_, BucketIndex> {
 pub(crate) struct JobIndex {
     pub account: Arc<JobAccount>,
     pub buckets: RwLock<BTreeMap<String, BucketRef>>,
+    /// Set by `delete_job` (only PERSIST data is left), cleared by `create_bucket`: buckets that
+    /// PERSIST expiry empties are removed only from a released job.
+    pub released: AtomicBool,
 }
 
 /// Every job of the server.

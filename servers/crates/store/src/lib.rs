@@ -11,7 +11,8 @@
 //!   (best-fit with coalescing; 64-byte granularity for DRAM, 4 KiB for NVMe).
 //! - [`Store`]: the index (job, then bucket, then sorted maps of block-0 records and of data
 //!   blocks keyed by `(key, version, index)`), write-once / overwrite, DELETE-on-read, PERSIST,
-//!   prefix and job deletion, usage.
+//!   prefix and job deletion, usage, and the expiry of PERSIST entries after the server's
+//!   PERSIST time-to-live ([`Store::expire_persist`]).
 //!
 //! # Accounting
 //!
@@ -36,6 +37,7 @@ pub mod allocator;
 mod capacity;
 pub mod engine;
 pub mod error;
+mod expiry;
 mod index;
 pub mod store;
 

@@ -6,6 +6,7 @@ use std::ops::Bound;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use pocketflow_protocol::limits::{
@@ -19,6 +20,7 @@ use crate::engine::dram::DramEngine;
 use crate::engine::nvme::{NvmeConfig, NvmeEngine};
 use crate::engine::{BlockWriter, Engine, Tier};
 use crate::error::StoreError;
+use crate::expiry::{Expiry, Slot};
 use crate::index::{
     lock, split_prefix, BlockKey, BucketIndex, BucketRef, JobIndex, JobMap, Record, Stored,
     BUCKETS_PER_JOB_MAX, JOBS_MAX,
@@ -36,6 +38,9 @@ pub struct StoreConfig {
     pub nvme_path: Option<PathBuf>,
     /// Whether the server accepts PERSIST objects.
     pub long_running: bool,
+    /// How long PERSIST records and data blocks live after they are written (`None`: until the
+    /// server exits); see [`Store::expire_persist`].
+    pub persist_ttl: Option<Duration>,
 }
 
 /// Capacity and usage of the server, for statistics.
@@ -76,6 +81,7 @@ struct Shared {
     budget: Arc<Budget>,
     jobs: JobMap,
     long_running: bool,
+    expiry: Option<Arc<Expiry>>,
     /// Woken after every block-0 insert, so readers parked on absent keys re-check them.
     inserted: tokio::sync::Notify,
 }
@@ -94,6 +100,8 @@ pub struct BlockWrite {
     persist: bool,
     writer: Box<dyn BlockWriter>,
     charge: Charge,
+    /// The expiry queue and the job's name, for a PERSIST block on a server with a TTL.
+    expiry: Option<(Arc<Expiry>, String)>,
 }
 
 fn check_name(what: &'static str, name: &str, max: usize) -> Result<(), StoreError> {
@@ -154,11 +162,15 @@ impl Store {
                 ))?)
             }
         };
-        Ok(Self::with_engine(engine, config.long_running))
+        Ok(Self::build(engine, config.long_running, config.persist_ttl))
     }
 
     /// A store over an already opened engine (tests, benchmarks, other engines).
     pub fn with_engine(engine: Arc<dyn Engine>, long_running: bool) -> Self {
+        Self::build(engine, long_running, None)
+    }
+
+    fn build(engine: Arc<dyn Engine>, long_running: bool, persist_ttl: Option<Duration>) -> Self {
         let budget = Budget::new(engine.capacity_bytes());
         Self {
             shared: Arc::new(Shared {
@@ -166,6 +178,7 @@ impl Store {
                 budget,
                 jobs: JobMap::default(),
                 long_running,
+                expiry: persist_ttl.map(|ttl| Arc::new(Expiry::new(ttl))),
                 inserted: tokio::sync::Notify::new(),
             }),
         }
@@ -235,6 +248,7 @@ impl Store {
             return Err(StoreError::TooManyJobs { max: JOBS_MAX });
         }
         let job_index = jobs.entry(job.to_string()).or_default();
+        job_index.released.store(false, Ordering::Release);
         let mut buckets = job_index.buckets.write().expect("bucket map lock poisoned");
         if buckets.contains_key(bucket) {
             return Err(StoreError::BucketExists {
@@ -417,7 +431,10 @@ impl Store {
             if guard.removed {
                 return Err(bucket_not_found(bucket));
             }
-            let record = Record { header, stored };
+            let record = Record {
+                header,
+                stored: Arc::clone(&stored),
+            };
             match guard.records.get_mut(key) {
                 Some(_) if !overwrite => {
                     return Err(StoreError::AlreadyExists {
@@ -435,6 +452,9 @@ impl Store {
             }
         };
         self.shared.inserted.notify_waiters();
+        if let (true, Some(expiry)) = (header.persist(), &self.shared.expiry) {
+            expiry.push(job, bucket, Slot::Record(key.to_string()), &stored);
+        }
         Ok(replaced.map(|old| old.header))
     }
 
@@ -596,6 +616,10 @@ impl Store {
             persist,
             writer,
             charge,
+            expiry: match (persist, &self.shared.expiry) {
+                (true, Some(expiry)) => Some((Arc::clone(expiry), job.to_string())),
+                _ => None,
+            },
         })
     }
 
@@ -794,6 +818,7 @@ impl Store {
             deleted += count;
             freed += bytes;
         }
+        job_index.released.store(true, Ordering::Release);
         let mut jobs = self.shared.jobs.write().expect("job map lock poisoned");
         let mut buckets = job_index.buckets.write().expect("bucket map lock poisoned");
         buckets.retain(|_, bucket_ref| {
@@ -805,6 +830,84 @@ impl Store {
             jobs.remove(job);
         }
         (deleted, freed)
+    }
+
+    /// The time-to-live of PERSIST entries, if they expire.
+    pub fn persist_ttl(&self) -> Option<Duration> {
+        self.shared.expiry.as_ref().map(|e| e.ttl())
+    }
+
+    /// PERSIST records and data blocks whose time-to-live has passed by `now`: up to `max` of
+    /// them are deleted; returns (entries deleted, bytes charged to them). A job that was
+    /// deregistered (`delete_job`) loses the buckets this leaves empty, and is forgotten when it
+    /// has none left. Call it again while it returns `max` entries.
+    pub fn expire_persist(&self, now: Instant, max: usize) -> (u64, u64) {
+        let Some(expiry) = &self.shared.expiry else {
+            return (0, 0);
+        };
+        let mut deleted = 0;
+        let mut freed = 0;
+        for due in expiry.take_due(now, max) {
+            let Some(target) = due.stored.upgrade() else {
+                continue;
+            };
+            let Ok((job_index, bucket_ref)) = self.bucket(&due.job, &due.bucket) else {
+                continue;
+            };
+            let (records, blocks, now_empty) = {
+                let mut guard = lock(&bucket_ref);
+                let mut records = Vec::new();
+                let mut blocks = Vec::new();
+                match &due.slot {
+                    Slot::Record(key) => {
+                        if guard
+                            .records
+                            .get(key)
+                            .is_some_and(|r| Arc::ptr_eq(&r.stored, &target))
+                        {
+                            records.extend(guard.records.remove(key));
+                        }
+                    }
+                    Slot::Block(address) => {
+                        if guard
+                            .blocks
+                            .get(address)
+                            .is_some_and(|b| Arc::ptr_eq(b, &target))
+                        {
+                            blocks.extend(guard.blocks.remove(address));
+                        }
+                    }
+                }
+                (records, blocks, guard.is_empty())
+            };
+            drop(target);
+            let entries = (records.len() + blocks.len()) as u64;
+            let (_, bytes) = self.forget(&job_index.account, records, blocks);
+            deleted += entries;
+            freed += bytes;
+            if now_empty && job_index.released.load(Ordering::Acquire) {
+                self.remove_empty_buckets(&due.job, &job_index);
+            }
+        }
+        (deleted, freed)
+    }
+
+    /// Remove the empty buckets of a released job, and the job if none remain.
+    fn remove_empty_buckets(&self, job: &str, job_index: &Arc<JobIndex>) {
+        let mut jobs = self.shared.jobs.write().expect("job map lock poisoned");
+        // Re-checked under the job map lock: a new create_bucket clears `released` under it.
+        if !job_index.released.load(Ordering::Acquire) {
+            return;
+        }
+        let mut buckets = job_index.buckets.write().expect("bucket map lock poisoned");
+        buckets.retain(|_, bucket_ref| {
+            let mut guard = lock(bucket_ref);
+            guard.removed = guard.is_empty();
+            !guard.removed
+        });
+        if buckets.is_empty() && jobs.get(job).is_some_and(|j| Arc::ptr_eq(j, job_index)) {
+            jobs.remove(job);
+        }
     }
 
     /// Capacity, usage and object counts, in total and per job.
@@ -888,6 +991,7 @@ impl BlockWrite {
             writer,
             persist,
             charge,
+            expiry,
             ..
         } = self;
         let block = writer.finish().await?;
@@ -911,6 +1015,14 @@ impl BlockWrite {
                 version,
                 index,
             });
+        }
+        if let Some((expiry, job_name)) = expiry {
+            expiry.push(
+                &job_name,
+                &bucket_name,
+                Slot::Block(address.clone()),
+                &stored,
+            );
         }
         guard.blocks.insert(address, stored);
         job.account.entries.fetch_add(1, Ordering::AcqRel);
@@ -940,9 +1052,18 @@ mod tests {
             capacity_bytes,
             nvme_path,
             long_running,
+            persist_ttl: None,
         })
         .unwrap();
         (store, dir)
+    }
+
+    /// A long-running store whose PERSIST entries live `ttl`.
+    fn open_with_ttl(tier: Tier, ttl: Duration) -> (Store, Option<tempfile::TempDir>) {
+        let (store, dir) = open(tier, 1 << 20, true);
+        let engine = Arc::clone(&store.shared.engine);
+        drop(store);
+        (Store::build(engine, true, Some(ttl)), dir)
     }
 
     fn small(version: u64, value: &[u8]) -> ObjectHeader {
@@ -1562,6 +1683,115 @@ mod tests {
         assert_eq!(task.await.unwrap(), Bytes::from_static(b"z"));
     }
 
+    async fn persist_expires_after_its_ttl(tier: Tier) {
+        let ttl = Duration::from_secs(60);
+        let (store, _dir) = open_with_ttl(tier, ttl);
+        assert_eq!(store.persist_ttl(), Some(ttl));
+        store.create_bucket(JOB, "b").unwrap();
+        let persist = ObjectHeader {
+            flags: HEADER_FLAG_PERSIST,
+            ..small(1, b"keep")
+        };
+        let written = Instant::now();
+        store
+            .put_record(
+                JOB,
+                "b",
+                "kept",
+                persist,
+                Bytes::from_static(b"keep"),
+                false,
+            )
+            .await
+            .unwrap();
+        let mut write = store.begin_block(JOB, "b", "big", 9, 1, 3, true).unwrap();
+        write.append(Bytes::from_static(b"abc")).await.unwrap();
+        write.commit().await.unwrap();
+        // Overwritten before it expires: the replaced version's queue entry is stale.
+        store
+            .put_record(
+                JOB,
+                "b",
+                "twice",
+                persist,
+                Bytes::from_static(b"keep"),
+                false,
+            )
+            .await
+            .unwrap();
+        store
+            .put_record(
+                JOB,
+                "b",
+                "twice",
+                persist,
+                Bytes::from_static(b"kep2"),
+                true,
+            )
+            .await
+            .unwrap();
+        put(&store, "b", "plain", b"drop").await.unwrap();
+        assert_eq!(store.expire_persist(written + ttl / 2, 100), (0, 0));
+        store.delete_job(JOB);
+        assert_eq!(store.usage().objects, 2);
+
+        // One entry per pass at most, oldest first.
+        let later = Instant::now() + ttl;
+        assert_eq!(store.expire_persist(later, 1).0, 1);
+        assert!(matches!(
+            store.get_record(JOB, "b", "kept", false).await,
+            Err(StoreError::NotFound { .. })
+        ));
+        assert_eq!(
+            store.read_block(JOB, "b", "big", 9, 1, 0, 3).await.unwrap(),
+            Bytes::from_static(b"abc")
+        );
+        assert_eq!(store.expire_persist(later, 100).0, 2);
+        assert_eq!(store.used_bytes(), 0);
+        assert!(store.is_empty());
+        // The released job's emptied bucket and the job itself are gone.
+        assert!(store.usage().per_job.is_empty());
+        assert_eq!(store.expire_persist(later, 100), (0, 0));
+    }
+
+    async fn expiry_keeps_the_buckets_of_a_live_job(tier: Tier) {
+        let ttl = Duration::from_millis(1);
+        let (store, _dir) = open_with_ttl(tier, ttl);
+        store.create_bucket(JOB, "b").unwrap();
+        let persist = ObjectHeader {
+            flags: HEADER_FLAG_PERSIST,
+            ..small(1, b"x")
+        };
+        store
+            .put_record(JOB, "b", "k", persist, Bytes::from_static(b"x"), false)
+            .await
+            .unwrap();
+        let (deleted, freed) = store.expire_persist(Instant::now() + ttl, 100);
+        assert_eq!(deleted, 1);
+        assert!(freed > 0);
+        assert_eq!(store.used_bytes(), 0);
+        // The job was never deregistered: its bucket stays usable.
+        put(&store, "b", "next", b"y").await.unwrap();
+        assert_eq!(store.usage().objects, 1);
+    }
+
+    async fn without_a_ttl_persist_never_expires(tier: Tier) {
+        let (store, _dir) = open(tier, 1 << 20, true);
+        store.create_bucket(JOB, "b").unwrap();
+        let persist = ObjectHeader {
+            flags: HEADER_FLAG_PERSIST,
+            ..small(1, b"x")
+        };
+        store
+            .put_record(JOB, "b", "k", persist, Bytes::from_static(b"x"), false)
+            .await
+            .unwrap();
+        let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
+        assert_eq!(store.expire_persist(far, 100), (0, 0));
+        assert_eq!(store.persist_ttl(), None);
+        assert_eq!(store.usage().objects, 1);
+    }
+
     macro_rules! per_tier {
         ($($name:ident),* $(,)?) => {
             mod dram {
@@ -1587,5 +1817,8 @@ mod tests {
         enumerate_pages_and_prefixes,
         deleting_a_bucket_under_a_write_leaks_nothing,
         futures_are_send,
+        persist_expires_after_its_ttl,
+        expiry_keeps_the_buckets_of_a_live_job,
+        without_a_ttl_persist_never_expires,
     );
 }

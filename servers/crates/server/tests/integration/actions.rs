@@ -479,6 +479,7 @@ async fn list_actions_and_rpcs_outside_the_protocol() {
             "set_epoch",
             "stats",
             "drain",
+            "set_cores",
             "wait"
         ]
     );

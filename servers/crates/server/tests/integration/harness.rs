@@ -39,6 +39,7 @@ pub struct ServerOptions {
     pub nvme: bool,
     pub parent_pid: Option<u32>,
     pub threads: u32,
+    pub persist_ttl: Option<String>,
 }
 
 impl Default for ServerOptions {
@@ -49,6 +50,7 @@ impl Default for ServerOptions {
             nvme: false,
             parent_pid: None,
             threads: 2,
+            persist_ttl: None,
         }
     }
 }
@@ -91,6 +93,9 @@ impl TestServer {
         }
         if let Some(pid) = options.parent_pid {
             cmd.args(["--parent-pid", &pid.to_string()]);
+        }
+        if let Some(ttl) = &options.persist_ttl {
+            cmd.args(["--persist-ttl", ttl]);
         }
         let mut child = cmd
             .stdout(Stdio::piped())

@@ -6,4 +6,5 @@ mod exchange;
 mod garbage;
 mod harness;
 mod lifecycle;
+mod lifetimes;
 mod memory;

@@ -11,12 +11,16 @@ API summary (for the controller and the simulator):
   job may use, most preferred first), ``spread`` (no hints: spread over every active server),
   ``latency_sensitive``; ``to_dict()`` / ``from_dict()`` for records.
 
-The rules (Pocket, OSDI'18, section 4 and Table 3):
+The rules follow Pocket (OSDI'18): the hints of its job registration (latency sensitivity,
+maximum concurrent lambdas, total ephemeral data, peak aggregate throughput; the paper's Table 3)
+and the derivation of its reference controller (github.com/stanford-mast/pocket,
+``controller/controller.py``, ``compute_GB_Mbps_with_hints``). The paper's text itself could not
+be retrieved (see ``tests/test_hints.py``), so the reference controller is the checked source:
 
 - Throughput ``B``: the ``peak_throughput`` hint; else ``N x`` the per-task bandwidth
   (``spec.per_task_throughput_bytes_per_s``, default 600 Mb/s) when ``max_concurrent_tasks = N``
   is hinted; else derived from the capacity hint through the throughput-to-capacity ratio of the
-  job's first tier.
+  job's first tier (DRAM for a latency-sensitive job, else NVMe), as the reference does.
 - Capacity ``D``: the ``data_size`` hint; else derived from ``B`` through the same ratio (a job
   that only hints its throughput gets the capacity of the servers that throughput needs).
 - No hint about size or throughput: a conservative default, ``spread=True``: the job's data is
@@ -24,6 +28,18 @@ The rules (Pocket, OSDI'18, section 4 and Table 3):
 - Latency-sensitive jobs may use every tier, low-latency (DRAM) first; packing spills capacity
   that DRAM cannot hold to the next tier. Latency-insensitive jobs get no DRAM: their tiers are
   the other tiers, cheapest first for this job's ``B`` and ``D`` (servers needed x cost/hour).
+
+Where this differs from the reference controller, on purpose:
+
+- No hints: the reference sizes the job as ``DEFAULT_NUM_NODES = 50`` servers' throughput and
+  capacity; here the job reserves nothing and spreads over every active server (issue 4's rule),
+  which is as conservative for performance and does not launch 50 servers.
+- Capacity derived for a latency-sensitive job: the reference counts DRAM + Flash per server
+  (60 + 2000 GB per 8 Gb/s), but its own placement step sizes such a job against DRAM only
+  (``ceil(GB / DRAM_NODE_GB)``), so that estimate would make every such job capacity-bound, a
+  case the reference leaves unimplemented. Here the DRAM ratio (60 GB per 8 Gb/s) is used.
+- ``N`` and ``B`` hinted, ``D`` not: the reference derives ``D`` from ``N``; here from ``B``,
+  the throughput the job actually reserves.
 """
 
 from __future__ import annotations

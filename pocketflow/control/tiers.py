@@ -6,23 +6,26 @@ API summary (for the controller and the simulator):
   and whether it is a low-latency tier (DRAM) reserved for latency-sensitive jobs.
 - :class:`ClusterSpec` — the tiers in latency-preference order (DRAM first) plus the per-task
   bandwidth used to turn ``max_concurrent_tasks`` into a throughput (default 600 Mb/s).
-- :data:`I3_2XLARGE` — Pocket's (OSDI'18) evaluation figures for i3.2xlarge storage servers.
+- :data:`I3_2XLARGE` — i3.2xlarge storage servers, the instance type of Pocket's (OSDI'18)
+  evaluation, with the figures and sources below.
 - :func:`local_spec` — a spec for small local servers (``LocalCluster``), sized by the caller.
 
-The i3.2xlarge figures, and where they come from (the paper's Table 3 text itself was not
-available to us, so each value is traced to a source we could check):
+The i3.2xlarge figures, and where each one comes from. The paper's own text (Table 3 and the
+controller section) could not be retrieved, so no figure below is quoted from the paper; each is
+traced to a source that was read:
 
-- 8 vCPU, 61 GiB DRAM, one 1.9 TB NVMe SSD, "up to 10 Gb/s" network: the AWS instance
-  specification the paper cites for its storage servers.
-- 60 GB of DRAM usable for data per server, and 8 Gb/s (1 GB/s) of achievable network throughput
-  per server: the constants of Pocket's reference controller (``DRAM_NODE_GB = 60``,
-  ``NODE_Mbps = 8000``). NVMe capacity per server is the instance's 1.9 TB (the reference
-  controller rounds it to 2000 GB).
-- 600 Mb/s per task: the per-lambda network limit of the paper and its reference controller
-  (``PER_LAMBDA_MAX_Mbps = 600``).
-- $0.624 per hour: the on-demand price of an i3.2xlarge in us-east-1 at the time of the paper.
-  Both tiers run on the same instance type, so they cost the same per server; NVMe is far cheaper
-  per byte.
+- 60 GB of DRAM usable for data per server, 8 Gb/s (1 GB/s) of network throughput per server and
+  600 Mb/s per task: the constants of Pocket's reference controller (github.com/stanford-mast/
+  pocket, ``controller/controller.py``: ``DRAM_NODE_GB = 60``, ``NODE_Mbps = 8000``,
+  ``PER_LAMBDA_MAX_Mbps = 600`` "AWS Lambda approximate per-lambda network limit"). That
+  controller models each storage server as one tier: a DRAM server (60 GB, 8 Gb/s) or a
+  Flash/ReFlex server (``FLASH_NODE_GB = 2000``, 8 Gb/s), as :data:`I3_2XLARGE` does.
+- NVMe capacity per server: 1900 GB, the i3.2xlarge's one 1.9 TB NVMe SSD (AWS instance
+  specification: 8 vCPU, 61 GiB, 1 x 1900 GB NVMe, "up to 10 Gb/s"). The reference controller
+  rounds it to 2000 GB; ``tests/test_hints.py`` reproduces its arithmetic with a spec built
+  from its constants, so the 100 GB difference never hides a rule difference.
+- $0.624 per hour: the on-demand price of an i3.2xlarge in us-east-1. Both tiers run on the
+  same instance type, so they cost the same per server; NVMe is far cheaper per byte.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ GB = 1000**3
 MEGABIT_BYTES = 1_000_000 // 8
 
 PER_TASK_THROUGHPUT_BYTES_PER_S_DEFAULT = 600 * MEGABIT_BYTES
-"""600 Mb/s, Pocket's per-lambda network limit, in bytes per second (75 MB/s)."""
+"""600 Mb/s (reference controller's ``PER_LAMBDA_MAX_Mbps``) in bytes per second (75 MB/s)."""
 
 
 @dataclass(frozen=True)

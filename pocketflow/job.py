@@ -12,6 +12,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pocketflow.config import parse_size
+from pocketflow.control.leases import LEASE_MS_DEFAULT, check_lease_ms
+from pocketflow.errors import JobNotRegistered
 
 if TYPE_CHECKING:
     from pocketflow.client import Client
@@ -97,12 +99,23 @@ class Job:
             run_tasks(job.handle.to_json())
     """
 
-    def __init__(self, handle: JobHandle, control: ControlPlane) -> None:
+    def __init__(
+        self, handle: JobHandle, control: ControlPlane, *, lease_ms: int | None = None
+    ) -> None:
         self._handle = handle
         self._control = control
         self._lock = threading.Lock()
         self._deregistered = False
         self._clients: weakref.WeakSet[Client] = weakref.WeakSet()
+        self._lease_stop = threading.Event()
+        if lease_ms is not None:
+            check_lease_ms(lease_ms)
+            threading.Thread(
+                target=_renew_lease,
+                args=(control, handle.job_id, lease_ms, self._lease_stop),
+                name=f"pocketflow-lease-{handle.job_id}",
+                daemon=True,
+            ).start()
 
     @property
     def handle(self) -> JobHandle:
@@ -147,6 +160,7 @@ class Job:
             if self._deregistered:
                 return None
             self._deregistered = True
+        self._lease_stop.set()
         for client in list(self._clients):
             client.close()
         try:
@@ -184,6 +198,7 @@ def register_job(
     hints: Hints | Mapping[str, Any] | None = None,
     *,
     cluster: LocalCluster | ControlPlane | _HasControlPlane | None = None,
+    lease_ms: int | None = LEASE_MS_DEFAULT,
 ) -> Job:
     """Register a job and return it; use the result as a context manager.
 
@@ -191,11 +206,33 @@ def register_job(
     :class:`~pocketflow.control.plane.ControlPlane`), the :class:`~pocketflow.LocalCluster` running
     in this process, or the pocketflow controller of the Ray cluster at ``$RAY_ADDRESS`` (default
     ``"auto"``, e.g. one started by ``pocketflow up --local``).
+
+    While the job is registered, a background thread of this process renews its lease with the
+    controller every ``lease_ms / 3``; if this process dies, the lease runs out and the controller
+    deregisters the job (freeing its non-PERSIST data) within about ``lease_ms`` plus one monitor
+    pass. ``lease_ms=None`` takes no lease: the job then lives until it is deregistered.
     """
     coerced = Hints.coerce(hints)
     control = _resolve_control_plane(cluster)
     handle = control.register(name, coerced.to_dict())
-    return Job(handle, control)
+    return Job(handle, control, lease_ms=lease_ms)
+
+
+def _renew_lease(control: ControlPlane, job_id: str, lease_ms: int, stop: threading.Event) -> None:
+    """Renew a job's lease every third of ``lease_ms`` until ``stop`` is set or the job is gone.
+
+    Each renewal is one bounded controller call; a failed one is logged and retried at the next
+    turn, so two may fail before the lease runs out.
+    """
+    while not stop.is_set():
+        try:
+            control.renew_lease(job_id, lease_ms)
+        except JobNotRegistered:
+            return
+        except Exception as exc:
+            log.warning("renewing the lease of job %s failed: %s", job_id, exc)
+        stop.wait(lease_ms / 3000.0)
+
 
 
 def _resolve_control_plane(cluster: Any) -> ControlPlane:

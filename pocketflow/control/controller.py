@@ -16,6 +16,7 @@ from pocketflow.auth import make_token, read_secret_file
 from pocketflow.control.admin import AdminTokens
 from pocketflow.control.hints import JobDemand, demand_from_hints
 from pocketflow.control.launcher import Launcher, LaunchSpec
+from pocketflow.control.leases import LeaseTable
 from pocketflow.control.metadata import Metadata
 from pocketflow.control.packing import (
     Allocation,
@@ -64,6 +65,9 @@ FIRST_EPOCH = 1
 
 METADATA_CALL_TIMEOUT_S = 30.0
 """Deadline of one call to the ``Metadata`` actor (well inside the driver's controller deadline)."""
+
+LEASE_EXPIRIES_PER_PASS_MAX = 16
+"""Most jobs with a run-out lease (dead drivers) deregistered per monitor pass."""
 
 METADATA_CALL_ATTEMPTS_MAX = 64
 """Most attempts of one ``Metadata`` call while Ray restarts the actor (within the deadline)."""
@@ -212,6 +216,7 @@ class Controller:
         self._heartbeat_stats: dict[str, dict[str, Any]] = {}
         self._dead: dict[str, dict[str, Any]] = {}
         self._jobs: dict[str, JobRecord] = {}
+        self._leases = LeaseTable()
         self._cluster_spec = cluster_spec
         self._launcher = Launcher(launch) if launch is not None else None
         self._launched: dict[str, Any] = {}
@@ -447,6 +452,7 @@ class Controller:
             if job_id not in self._jobs:
                 raise JobNotRegistered(f"job {job_id!r} is not registered")
             del self._jobs[job_id]
+            self._leases.release(job_id)
             self._call_metadata("remove_job", job_id, True)
         deleted = freed_bytes = 0
         unreachable: list[str] = []
@@ -468,6 +474,35 @@ class Controller:
             "freed_bytes": freed_bytes,
             "unreachable": unreachable,
         }
+
+    # -- leases (driver liveness; policy in control/leases.py) ----------------------------------
+
+    def renew_lease(self, job_id: str, lease_ms: int) -> float:
+        """Start or extend a job's lease by ``lease_ms``; returns the seconds it now lasts.
+
+        A job whose lease runs out (its driver died) is deregistered by the monitor loop, which
+        frees its non-PERSIST data. Raises ``JobNotRegistered`` for an unknown job.
+        """
+        with self._lock:
+            if job_id not in self._jobs:
+                raise JobNotRegistered(f"job {job_id!r} is not registered")
+            self._leases.renew(job_id, lease_ms=lease_ms, now_s=time.monotonic())
+        return lease_ms / 1000.0
+
+    def expire_leases(self) -> list[str]:
+        """Deregister up to ``LEASE_EXPIRIES_PER_PASS_MAX`` jobs whose lease ran out."""
+        with self._lock:
+            due = self._leases.expired(now_s=time.monotonic(), limit=LEASE_EXPIRIES_PER_PASS_MAX)
+        expired = []
+        for job_id in due:
+            log.warning("job %s: its driver's lease ran out; deregistering it", job_id)
+            try:
+                self.deregister_job(job_id)
+            except JobNotRegistered:
+                with self._lock:
+                    self._leases.release(job_id)
+            expired.append(job_id)
+        return expired
 
     def job_handle(self, job_id: str) -> JobHandle:
         """The handle of a registered job. Raises ``JobNotRegistered``."""
@@ -718,6 +753,10 @@ class Controller:
                 self.check_failures()
             except Exception:
                 log.exception("failure detector")
+            try:
+                self.expire_leases()
+            except Exception:
+                log.exception("lease expiry")
             if self._sizing is not None and time.monotonic() >= self._sizing_next_s:
                 self._sizing_next_s = time.monotonic() + self._sizing_interval_s
                 try:

@@ -58,6 +58,10 @@ class ControlPlane:
         """Deregister a job, freeing its non-PERSIST data; returns what was freed."""
         return self._call("deregister_job", job_id)
 
+    def renew_lease(self, job_id: str, lease_ms: int) -> float:
+        """Start or extend a job's lease (see ``Controller.renew_lease``)."""
+        return self._call("renew_lease", job_id, lease_ms)
+
     def job_handle(self, job_id: str) -> JobHandle:
         """The handle of a registered job."""
         return self._call("job_handle", job_id)

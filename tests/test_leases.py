@@ -1,0 +1,116 @@
+"""Job leases: the pure lease table, and a killed driver's job cleaned up by the controller."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from fixtures_cluster import used_bytes, wait_for
+
+from pocketflow.cluster import LocalCluster
+from pocketflow.control.leases import LEASE_MS_MIN, LeaseTable, check_lease_ms
+from pocketflow.errors import ConfigError
+
+DRIVER_LEASE_MS = 1000
+DRIVER_START_TIMEOUT_S = 90.0
+"""A driver subprocess joins Ray, registers and writes; joining Ray takes a few seconds."""
+
+CLEANUP_BOUND_S = 10.0
+"""Lease (1 s) plus a monitor pass plus deregistration plus fresh statistics, with margin."""
+
+
+def test_a_lease_runs_out_unless_renewed() -> None:
+    table = LeaseTable()
+    table.renew("a", lease_ms=1000, now_s=100.0)
+    table.renew("b", lease_ms=5000, now_s=100.0)
+    assert table.expired(now_s=100.9, limit=10) == []
+    assert table.expired(now_s=101.0, limit=10) == ["a"]
+    table.renew("a", lease_ms=1000, now_s=100.9)
+    assert table.expired(now_s=101.5, limit=10) == []
+    assert table.expired(now_s=106.0, limit=10) == ["a", "b"]
+    assert table.expired(now_s=106.0, limit=1) == ["a"]  # the longest expired first
+    # An expired lease stays until released, so a failed cleanup is retried.
+    assert table.expired(now_s=106.0, limit=10) == ["a", "b"]
+    table.release("a")
+    table.release("unknown")
+    assert table.expired(now_s=106.0, limit=10) == ["b"]
+    assert table.get("a") is None and len(table) == 1
+
+
+def test_leases_are_bounded_and_checked() -> None:
+    table = LeaseTable(leases_max=2)
+    table.renew("a", lease_ms=1000, now_s=0.0)
+    table.renew("b", lease_ms=1000, now_s=0.0)
+    table.renew("b", lease_ms=2000, now_s=0.0)  # renewing an existing lease is always fine
+    with pytest.raises(ConfigError):
+        table.renew("c", lease_ms=1000, now_s=0.0)
+    for bad in (0, LEASE_MS_MIN - 1, 10**12, 1.5, True, "1s"):
+        with pytest.raises(ConfigError):
+            check_lease_ms(bad)  # type: ignore[arg-type]
+
+
+_DRIVER = textwrap.dedent(
+    """
+    import sys, time
+    import pocketflow
+    from pocketflow.control.plane import connect_control_plane
+
+    control = connect_control_plane(sys.argv[1])
+    job = pocketflow.register_job("dying-driver", cluster=control, lease_ms=int(sys.argv[2]))
+    with job.connect() as client:
+        client.create_bucket("b")
+        for i in range(4):
+            client.put("b", f"k{i}", bytes(300_000))
+        client.put("b", "small", b"x" * 1000)
+    print(job.job_id, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_the_job_of_a_killed_driver_is_deregistered_and_its_data_freed(
+    local_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    baseline = used_bytes(local_cluster)
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": package_parent}
+    driver = subprocess.Popen(
+        [sys.executable, str(script), local_cluster.ray_address, str(DRIVER_LEASE_MS)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+    )
+    try:
+        deadline = time.monotonic() + DRIVER_START_TIMEOUT_S
+        job_id = ""
+        assert driver.stdout is not None
+        while not job_id and time.monotonic() < deadline and driver.poll() is None:
+            job_id = driver.stdout.readline().strip()
+        assert job_id, "the driver did not register its job"
+        assert any(j["job_id"] == job_id for j in local_cluster.control.status()["jobs"])
+        assert wait_for(lambda: sum(used_bytes(local_cluster).values())
+                        > sum(baseline.values()) + 1_000_000)
+        # Alive drivers keep their job: well past the lease, it is still registered.
+        time.sleep(3 * DRIVER_LEASE_MS / 1000)
+        assert any(j["job_id"] == job_id for j in local_cluster.control.status()["jobs"])
+
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=10)
+        killed = time.monotonic()
+        assert wait_for(
+            lambda: all(j["job_id"] != job_id for j in local_cluster.control.status()["jobs"]),
+            timeout_s=CLEANUP_BOUND_S,
+        ), "the dead driver's job is still registered"
+        assert wait_for(lambda: used_bytes(local_cluster) == baseline,
+                        timeout_s=CLEANUP_BOUND_S), (used_bytes(local_cluster), baseline)
+        assert time.monotonic() - killed < 2 * CLEANUP_BOUND_S
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(timeout=10)

@@ -339,7 +339,12 @@ def _benchmarks_root() -> Path | None:
     """
     import pocketflow
 
-    for root in (Path.cwd().resolve(), Path(pocketflow.__file__).resolve().parent.parent):
+    candidates = [Path(pocketflow.__file__).resolve().parent.parent]
+    try:
+        candidates.insert(0, Path.cwd().resolve())
+    except OSError:  # the current directory was removed; every other command must still run
+        pass
+    for root in candidates:
         if all((root / "benchmarks" / name).is_file() for name in ("options.py", "compare.py")):
             return root
     return None

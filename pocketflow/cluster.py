@@ -76,7 +76,9 @@ class LocalCluster:
     ``StorageNode`` (one per storage server) and ``Controller`` actors. DRAM servers are
     long-running (they hold PERSIST data); NVMe servers keep their data in a file of the temporary
     directory, which must support O_DIRECT (``/tmp`` on ext4 does, tmpfs does not). Every server
-    listens on 127.0.0.1 on a random port.
+    listens on 127.0.0.1 on a random port. PERSIST objects expire ``persist_ttl`` after they are
+    written (``None``: never). The ``Metadata`` actor logs every change to ``metadata_log``
+    (default ``metadata.log`` in the temporary directory; a shared path survives the node).
 
     Use it as a context manager::
 
@@ -115,6 +117,7 @@ class LocalCluster:
         sizing_interval: float | str | None = None,
         sizing_cooldown: float | str = "10s",
         metadata_log: str | os.PathLike[str] | None = None,
+        persist_ttl: float | str | None = "24h",
     ) -> None:
         if dram_servers < 0 or nvme_servers < 0 or dram_servers + nvme_servers == 0:
             raise ConfigError("a local cluster needs at least one storage server")
@@ -151,6 +154,12 @@ class LocalCluster:
         self._server_threads = server_threads
         self._tmp_dir = None if tmp_dir is None else Path(tmp_dir)
         self._metadata_log = None if metadata_log is None else Path(metadata_log)
+        # PERSIST objects live on the long-running servers; None keeps them until those exit.
+        self._persist_ttl_ms = (
+            None
+            if persist_ttl is None
+            else max(1, int(parse_duration(persist_ttl, name="persist_ttl") * 1000))
+        )
         self._plans = [
             _NodePlan(f"dram-{i}", TIER_DRAM, self._dram_capacity_bytes, long_running=True)
             for i in range(dram_servers)
@@ -404,6 +413,7 @@ class LocalCluster:
                     long_running=plan.long_running,
                     nvme_path=nvme_path,
                     threads=self._server_threads,
+                    persist_ttl_ms=self._persist_ttl_ms if plan.long_running else None,
                 )
             )
         starts = {node_id: node.start.remote() for node_id, node in self._nodes.items()}

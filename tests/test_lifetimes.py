@@ -8,11 +8,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from fixtures_cluster import used_bytes, wait_for
 from fixtures_servers import CLIENT_OPTIONS, ServerSet
 
+from pocketflow.auth import admin_token, read_secret_file
 from pocketflow.client import connect
+from pocketflow.cluster import LocalCluster
 from pocketflow.errors import BucketNotFound, InvalidRequest, ObjectNotFound
 from pocketflow.handle import ServerInfo
+from pocketflow.transport import AdminClient
 
 PERSIST_TTL_MS = 2000
 EXPIRY_WAIT_S = 10.0
@@ -97,3 +101,35 @@ def test_set_cores_limits_a_running_server_and_keeps_its_data(
                 admin.set_cores(bad)
         admin.set_cores(cores_max)
         assert _thread_cpus(pid) == before
+
+
+def test_deregistration_frees_every_server_to_its_baseline(local_cluster: LocalCluster) -> None:
+    baseline = used_bytes(local_cluster)
+    with local_cluster.register_job("frees-all") as job:
+        servers = {s.node_id for s in job.handle.servers}
+        with job.connect() as client:
+            client.create_bucket("b")
+            for i in range(24):
+                client.put("b", f"small-{i}", b"s" * 5000)
+            client.put("b", "large", bytes(3 * 1024 * 1024 + 17))
+        assert wait_for(lambda: all(
+            used_bytes(local_cluster)[n] > baseline[n] for n in servers
+        )), (used_bytes(local_cluster), baseline, servers)
+    assert wait_for(lambda: used_bytes(local_cluster) == baseline), (
+        used_bytes(local_cluster), baseline
+    )
+
+
+def test_the_cluster_gives_long_running_servers_a_persist_ttl(local_cluster: LocalCluster) -> None:
+    with AdminClient(local_cluster.servers[0].address, _admin_token(local_cluster)) as admin:
+        stats = admin.stats()
+    assert stats["long_running"] is True
+    assert stats["persist_ttl_ms"] == 24 * 3600 * 1000
+    for info in local_cluster.servers:
+        if not info.long_running:
+            with AdminClient(info.address, _admin_token(local_cluster)) as admin:
+                assert admin.stats()["persist_ttl_ms"] == 0
+
+
+def _admin_token(cluster: LocalCluster) -> str:
+    return admin_token(read_secret_file(cluster.secret_file), ttl_s=600)

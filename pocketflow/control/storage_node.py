@@ -70,6 +70,7 @@ class StorageNode:
         long_running: bool = False,
         nvme_path: str | None = None,
         threads: int | None = None,
+        persist_ttl_ms: int | None = None,
     ) -> None:
         self._spec = ServerSpec(
             node_id=node_id,
@@ -80,6 +81,7 @@ class StorageNode:
             nvme_path=Path(nvme_path) if nvme_path else None,
             threads=threads,
             parent_pid=os.getpid(),
+            persist_ttl_ms=persist_ttl_ms,
         )
         self._process = StorageServerProcess(self._spec)
         self._admin = AdminTokens(Path(secret_file))

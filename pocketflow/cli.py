@@ -80,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo", help="run a MapReduce sort through pocketflow and validate it",
-        description="Sort generated 100-byte records with mappers and reducers in separate "
-        "processes that shuffle through pocketflow; validate the output; report time, bytes "
-        "moved and peak capacity. Starts its own local cluster unless --address is given.",
+        description="Sort generated 100-byte records with mappers and reducers on Lithops' "
+        "localhost executor that shuffle through pocketflow; validate the output; report time, "
+        "bytes moved and peak capacity. Starts its own local cluster unless --address is given.",
     )
     demo.add_argument("--mappers", type=_positive, default=8, help="map tasks (default 8)")
     demo.add_argument("--reducers", type=_positive, default=4, help="reduce tasks (default 4)")
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="100-byte records to sort (default 1,000,000 = 100 MB)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the generated records")
     demo.add_argument("--processes", type=_positive, default=None,
-                      help="task processes (default: number of CPUs, at least 2)")
+                      help="Lithops worker processes (default: number of CPUs, at least 2)")
     demo.add_argument("--keep-output", action="store_true",
                       help="keep the sorted output (PERSIST) instead of deleting it")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -302,15 +302,9 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _run_demo(cluster: Any, config: Any, args: argparse.Namespace, out: TextIO) -> int:
     from pocketflow.demo import run_sort
-    from pocketflow.job import Hints, register_job
 
-    hints = Hints(
-        latency_sensitive=True,
-        max_concurrent_tasks=config.pool_size(),
-        data_size_bytes=2 * config.input_bytes,
-    )
-    with register_job("sort", hints, cluster=cluster) as job:
-        report = run_sort(job, config, progress=not args.no_progress)
+    # The shuffle registers the job itself, with the hints it knows (tasks, input size).
+    report = run_sort(cluster, config, progress=not args.no_progress)
     for line in report.summary_lines():
         print(line, file=out)
     out.flush()

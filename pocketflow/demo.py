@@ -1,29 +1,29 @@
-"""The demo job: a MapReduce sort of generated 100-byte records, shuffled through pocketflow.
+"""The demo job: a MapReduce sort of generated 100-byte records on Lithops, shuffled by pocketflow.
 
-Mappers and reducers run in separate OS processes (a ``spawn`` pool, no Ray in the tasks). Each
-task receives only the job handle's JSON and connects with it. Mapper ``i`` generates its share of
-records deterministically from the seed, range-partitions them by key into ``R`` partitions and
-writes one object per (mapper, reducer); reducer ``r`` reads its ``M`` inputs with DELETE-on-read,
-sorts them and writes its output with PERSIST. A validation stage reads every output back from the
-storage servers and checks it; the driver then compares record counts and an order-independent
-checksum with what the mappers generated, and checks that the partitions are globally ordered.
+Mappers and reducers are Lithops calls on the localhost executor (worker subprocesses of this
+interpreter, no Ray in the tasks), wired together by the drop-in shuffle of
+:mod:`pocketflow.integrations.lithops_shuffle`: the shuffle registers a job with hints, tasks
+receive only the job handle's JSON. Mapper ``i`` generates its share of records
+deterministically from the seed (10-byte keys) and range-partitions them by key into ``R``
+partitions, one object per (mapper, reducer); reducer ``r`` waits for and reads its ``M`` inputs
+with DELETE-on-read, sorts them and writes its output with PERSIST. A validation stage (more
+Lithops calls) reads every output back from the storage servers and checks it; the driver then
+compares record counts and an order-independent checksum with what the mappers generated, and
+checks that the partitions are globally ordered.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import functools
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from pocketflow.job import Job
 
 RECORD_BYTES = 100
 KEY_BYTES = 10
@@ -35,6 +35,8 @@ RECORDS_MAX = 100_000_000
 """Most records one sort generates (10 GB)."""
 CAPACITY_POLL_INTERVAL_S = 0.25
 """How often the driver samples the servers' used bytes while the job runs."""
+LITHOPS_MONITORING_INTERVAL_S = 0.1
+"""How often Lithops' driver looks for finished calls (its default of 2 s dominates small jobs)."""
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -45,14 +47,13 @@ _SHIFT_27 = np.uint64(27)
 _SHIFT_31 = np.uint64(31)
 _CHECKSUM_SEED = np.uint64(0x5045434B45544657)
 
-T = TypeVar("T")
-
 
 @dataclass(frozen=True)
 class SortConfig:
     """Size and shape of one sort: ``records`` records of 100 bytes, ``mappers`` x ``reducers``.
 
-    ``processes`` is the size of the task pool (default: the number of CPUs, at least 2);
+    ``processes`` is the number of Lithops worker processes (default: the number of CPUs, at
+    least 2);
     ``block_size_bytes`` overrides the job's block size for large objects; ``keep_output`` keeps
     the sorted output (PERSIST, so it outlives the job) instead of deleting it after validation.
     """
@@ -144,6 +145,7 @@ class SortReport:
     servers: int
     weights: dict[str, float] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    regenerated_partitions: int = 0
 
     @property
     def ok(self) -> bool:
@@ -159,7 +161,8 @@ class SortReport:
         lines = [
             f"sorted {cfg.records:,} records ({format_bytes(cfg.input_bytes)}) with "
             f"{cfg.mappers} mappers and {cfg.reducers} reducers in {self.elapsed_s:.1f} s "
-            f"(job {self.job_id}, {cfg.pool_size()} task processes)",
+            f"(job {self.job_id}, Lithops localhost executor, {cfg.pool_size()} worker "
+            f"processes)",
             f"  phases: {phases}",
             "  job's servers (share of data): "
             + ", ".join(
@@ -173,6 +176,9 @@ class SortReport:
             f"{format_bytes(self.capacity_bytes)} on {self.servers} servers "
             f"(baseline {format_bytes(self.baseline_used_bytes)})",
         ]
+        if self.regenerated_partitions:
+            lines.append(f"  regenerated {self.regenerated_partitions} partitions lost with a "
+                         "storage server")
         if self.ok:
             lines.append(
                 f"  validation: OK (globally sorted, {self.output_records:,} records, "
@@ -310,36 +316,18 @@ def check_output(
     return problems
 
 
-# -- tasks (run in the pool's processes) ------------------------------------------------------
+# -- tasks (run in Lithops' worker processes) -------------------------------------------------
 
 
-def _connect(handle_json: str, config: SortConfig) -> Any:
-    import pocketflow
-    from pocketflow.handle import JobHandle
-
-    options = {}
-    if config.block_size_bytes is not None:
-        options["block_size_bytes"] = config.block_size_bytes
-    return pocketflow.connect(JobHandle.from_json(handle_json), **options)
-
-
-def map_task(args: tuple[str, SortConfig, int]) -> MapResult:
-    """Generate mapper ``i``'s records, partition them, write one object per reducer."""
-    handle_json, config, mapper = args
+def map_records(config: SortConfig, mapper: int, emit: Callable[[int, Any], None]) -> MapResult:
+    """Mapper ``mapper``: generate its records, range-partition them, emit one run per reducer."""
     records = generate_records(config, mapper)
     checksum = record_checksum(records)
     partitions = partition_of(records, config.reducers)
     grouped = records[np.argsort(partitions, kind="stable")]
     bounds = np.concatenate(([0], np.cumsum(np.bincount(partitions, minlength=config.reducers))))
-    items = [
-        (
-            shuffle_key(reducer=r, mapper=mapper),
-            grouped[bounds[r] : bounds[r + 1]].reshape(-1).data,
-        )
-        for r in range(config.reducers)
-    ]
-    with _connect(handle_json, config) as pf:
-        pf.put_many(SHUFFLE_BUCKET, items)
+    for r in range(config.reducers):
+        emit(r, grouped[bounds[r] : bounds[r + 1]].reshape(-1))
     return MapResult(
         mapper=mapper,
         records=records.shape[0],
@@ -348,28 +336,18 @@ def map_task(args: tuple[str, SortConfig, int]) -> MapResult:
     )
 
 
-def reduce_task(args: tuple[str, SortConfig, int]) -> ReduceResult:
-    """Read reducer ``r``'s inputs (DELETE on read), sort them, write the output (PERSIST)."""
-    handle_json, config, reducer = args
-    keys = [shuffle_key(reducer=reducer, mapper=m) for m in range(config.mappers)]
-    with _connect(handle_json, config) as pf:
-        values = pf.get_many(SHUFFLE_BUCKET, keys, delete=True)
-        data = b"".join(values)
-        records = sort_records(records_from(data))
-        pf.put(OUTPUT_BUCKET, output_key(reducer), records.reshape(-1).data, persist=True)
-    return ReduceResult(
-        reducer=reducer,
-        records=records.shape[0],
-        bytes_read=len(data),
-        bytes_written=records.shape[0] * RECORD_BYTES,
-    )
+def reduce_records(reducer: int, inputs: list[bytes]) -> np.ndarray:
+    """Reducer ``reducer``: its inputs' records in key order (as a flat byte array)."""
+    del reducer
+    return sort_records(records_from(b"".join(inputs))).reshape(-1)
 
 
-def check_task(args: tuple[str, SortConfig, int]) -> PartitionCheck:
-    """Read reducer ``r``'s output back from the servers and describe it."""
-    handle_json, config, reducer = args
-    with _connect(handle_json, config) as pf:
-        data = pf.get(OUTPUT_BUCKET, output_key(reducer))
+def check_partition(handle_json: str, bucket: str, key: str, reducer: int) -> PartitionCheck:
+    """Read reducer ``reducer``'s output back from the storage servers and describe it."""
+    import pocketflow
+
+    with pocketflow.connect(handle_json) as pf:
+        data = pf.get(bucket, key)
     records = records_from(data)
     count = records.shape[0]
     return PartitionCheck(
@@ -384,6 +362,32 @@ def check_task(args: tuple[str, SortConfig, int]) -> PartitionCheck:
 
 
 # -- the driver -------------------------------------------------------------------------------
+
+
+def lithops_config(*, storage: str = "localhost", workers: int | None = None,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Lithops configuration of the localhost executor with this interpreter as the runtime.
+
+    ``storage`` is Lithops' own storage (function payloads, results, status); the shuffle's
+    data never goes there. ``extra`` is merged in per section (e.g. a ``redis`` section).
+    """
+    config: dict[str, Any] = {
+        "lithops": {
+            "backend": "localhost",
+            "storage": storage,
+            # Lithops polls its storage for finished calls; 2 s by default is most of a small job.
+            "monitoring_interval": LITHOPS_MONITORING_INTERVAL_S,
+            "log_level": "WARNING",
+        },
+        "localhost": {
+            "runtime": sys.executable,
+            "version": 1,
+            "worker_processes": workers or max(2, os.cpu_count() or 2),
+        },
+    }
+    for section, values in (extra or {}).items():
+        config.setdefault(section, {}).update(values)
+    return config
 
 
 class CapacityPoller:
@@ -431,90 +435,97 @@ class CapacityPoller:
         self.peak_used_bytes = max(self.peak_used_bytes, self._sample()[0])
 
 
-def _run_stage(
-    pool: Any,
-    task: Callable[[tuple[str, SortConfig, int]], T],
-    args: Iterable[tuple[str, SortConfig, int]],
-    bar: Any,
-) -> Iterator[T]:
-    for result in pool.imap_unordered(task, args):
-        bar.update(1)
-        yield result
+def _say(progress: bool, text: str) -> None:
+    if progress:
+        print(text, file=sys.stderr, flush=True)
 
 
-def run_sort(job: Job, config: SortConfig | None = None, *, progress: bool = True) -> SortReport:
-    """Run the sort as job ``job`` (which the caller registers and deregisters); returns the report.
+def run_sort(
+    cluster: Any = None,
+    config: SortConfig | None = None,
+    *,
+    progress: bool = True,
+    fexec: Any = None,
+    lithops_storage: str = "localhost",
+    client_options: dict[str, Any] | None = None,
+) -> SortReport:
+    """Run the sort on Lithops' localhost executor, shuffling through pocketflow; the report.
 
-    Raises whatever a task raised (re-raised in this process by the pool).
+    ``cluster`` is what :func:`pocketflow.register_job` takes (a LocalCluster, a control plane,
+    or ``None`` for the running one). The shuffle registers its own job with hints (tasks, input
+    size) and deregisters it at the end. ``fexec`` reuses a ``lithops.FunctionExecutor``;
+    otherwise one is made with :func:`lithops_config` (``lithops_storage`` for Lithops' own
+    data). Raises whatever a task raised.
     """
-    from tqdm import tqdm
+    import lithops
+
+    from pocketflow.integrations.lithops_shuffle import shuffle
+    from pocketflow.job import _resolve_control_plane
 
     cfg = config or SortConfig()
-    handle_json = job.handle.to_json()
-    with job.connect() as pf:
-        pf.create_bucket(SHUFFLE_BUCKET)
-        pf.create_bucket(OUTPUT_BUCKET)
-
+    control = _resolve_control_plane(cluster)
+    options = dict(client_options or {})
+    if cfg.block_size_bytes is not None:
+        options.setdefault("block_size_bytes", cfg.block_size_bytes)
+    own_fexec = fexec is None
+    if own_fexec:
+        fexec = lithops.FunctionExecutor(
+            config=lithops_config(storage=lithops_storage, workers=cfg.pool_size())
+        )
     phase_s: dict[str, float] = {}
-    context = multiprocessing.get_context("spawn")
-    started = time.perf_counter()
-    with (
-        CapacityPoller(job.status) as poller,
-        context.Pool(processes=cfg.pool_size()) as pool,
-        tqdm(
-            total=cfg.mappers + 2 * cfg.reducers,
-            unit="task",
-            file=sys.stderr,
-            disable=not progress,
-            desc="map",
-        ) as bar,
-    ):
-        phase_started = time.perf_counter()
-        maps = list(
-            _run_stage(pool, map_task, ((handle_json, cfg, m) for m in range(cfg.mappers)), bar)
-        )
-        phase_s["map"] = time.perf_counter() - phase_started
-
-        bar.set_description("reduce")
-        phase_started = time.perf_counter()
-        reduces = list(
-            _run_stage(
-                pool, reduce_task, ((handle_json, cfg, r) for r in range(cfg.reducers)), bar
+    try:
+        started = time.perf_counter()
+        with CapacityPoller(control.status) as poller:
+            _say(progress, f"shuffle: {cfg.mappers} mappers x {cfg.reducers} reducers on Lithops")
+            result = shuffle(
+                fexec, functools.partial(map_records, cfg), reduce_records, range(cfg.mappers),
+                reducers=cfg.reducers, cluster=control, name="sort",
+                input_size_bytes=2 * cfg.input_bytes, persist_output=True,
+                client_options=options,
             )
-        )
-        phase_s["reduce"] = time.perf_counter() - phase_started
+            phase_s["map"] = result.map_s
+            phase_s["shuffle+reduce"] = result.elapsed_s - result.map_s
+            _say(progress, "validate: reading the sorted output back")
+            phase_started = time.perf_counter()
+            checks: list[PartitionCheck] = fexec.get_result(fexec.map(
+                check_partition,
+                [(result.handle_json, o.bucket, o.key, r) for r, o in enumerate(result.outputs)],
+            ))
+            phase_s["validate"] = time.perf_counter() - phase_started
+        elapsed_s = time.perf_counter() - started
+        maps: list[MapResult] = result.map_values
+        input_checksum = sum(m.checksum for m in maps) & _MASK64
+        problems = check_output(cfg, input_checksum=input_checksum, checks=checks)
+        if sum(m.records for m in maps) != cfg.records:
+            problems.append(f"mappers generated {sum(m.records for m in maps):,} records")
+        if not cfg.keep_output:
+            import pocketflow
 
-        bar.set_description("validate")
-        phase_started = time.perf_counter()
-        checks = list(
-            _run_stage(pool, check_task, ((handle_json, cfg, r) for r in range(cfg.reducers)), bar)
-        )
-        phase_s["validate"] = time.perf_counter() - phase_started
-    elapsed_s = time.perf_counter() - started
+            with pocketflow.connect(result.handle_json) as pf:
+                for output in result.outputs:
+                    pf.delete(output.bucket, output.key)
+    finally:
+        if own_fexec:
+            fexec.clean()
+    from pocketflow.handle import JobHandle
 
-    input_checksum = sum(m.checksum for m in maps) & _MASK64
-    problems = check_output(cfg, input_checksum=input_checksum, checks=checks)
-    if sum(m.records for m in maps) != cfg.records:
-        problems.append(f"mappers generated {sum(m.records for m in maps):,} records")
-    if not cfg.keep_output:
-        with job.connect() as pf:
-            for reducer in range(cfg.reducers):
-                pf.delete(OUTPUT_BUCKET, output_key(reducer))
-
+    handle = JobHandle.from_json(result.handle_json)
+    output_bytes = sum(o.size for o in result.outputs)
     return SortReport(
         config=cfg,
-        job_id=job.job_id,
+        job_id=result.job_id,
         input_checksum=input_checksum,
         output_checksum=sum(c.checksum for c in checks) & _MASK64,
         output_records=sum(c.records for c in checks),
         elapsed_s=elapsed_s,
         phase_s=phase_s,
-        bytes_written=sum(m.bytes_written for m in maps) + sum(r.bytes_written for r in reduces),
-        bytes_read=sum(r.bytes_read for r in reduces) + sum(c.bytes_read for c in checks),
+        bytes_written=result.bytes_shuffled + output_bytes,
+        bytes_read=result.bytes_read + sum(c.bytes_read for c in checks),
         peak_used_bytes=poller.peak_used_bytes,
         baseline_used_bytes=poller.baseline_used_bytes,
         capacity_bytes=poller.capacity_bytes,
         servers=poller.servers,
-        weights={s.node_id: s.weight for s in job.handle.servers if s.weight > 0},
+        weights={s.node_id: s.weight for s in handle.servers if s.weight > 0},
         problems=problems,
+        regenerated_partitions=sum(len(r) for r in result.regenerated),
     )

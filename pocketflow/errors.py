@@ -44,6 +44,7 @@ __all__ = [
     "ServerStartError",
     "ClusterError",
     "ConfigError",
+    "ShuffleFailed",
     "GRPC_CODE_OK",
     "error_from_kind",
     "error_from_status",
@@ -212,6 +213,11 @@ class ClusterError(PocketflowError):
 
 class ConfigError(PocketflowError, ValueError):
     """A configuration value is unknown or cannot be parsed (also a ``ValueError``)."""
+
+
+class ShuffleFailed(PocketflowError):
+    """A framework shuffle could not finish: inputs never arrived within their bound, or
+    partitions lost with a storage server could not be regenerated within the allowed rounds."""
 
 
 _KIND_TO_CLASS: dict[str, type[PocketflowError]] = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 from fixtures_cluster import used_bytes, wait_for
@@ -14,6 +16,7 @@ from pocketflow.demo import (
     check_output,
     generate_records,
     is_sorted,
+    lithops_config,
     partition_of,
     record_checksum,
     run_sort,
@@ -105,15 +108,26 @@ def test_small_sort_end_to_end(local_cluster: LocalCluster) -> None:
     baseline = used_bytes(local_cluster)
     config = SortConfig(mappers=3, reducers=2, records=30_000, seed=3, processes=2,
                         block_size_bytes=64 * 1024)
-    with local_cluster.register_job("sort-test", {"data_size_bytes": "6MB"}) as job:
-        report = run_sort(job, config, progress=False)
+    report = run_sort(local_cluster, config, progress=False)
     assert report.ok, report.problems
     assert report.output_records == 30_000
     assert report.output_checksum == report.input_checksum
     # Mappers and reducers each wrote the data once; reducers and the check each read it once.
     assert report.bytes_written == 2 * config.input_bytes
     assert report.bytes_read == 2 * config.input_bytes
-    assert report.peak_used_bytes >= report.baseline_used_bytes
+    assert report.peak_used_bytes > report.baseline_used_bytes
+    assert report.regenerated_partitions == 0
     assert "validation: OK" in "\n".join(report.summary_lines())
+    # The shuffle registered its own job and deregistered it at the end.
+    assert report.job_id not in {j["job_id"] for j in local_cluster.status()["jobs"]}
     # Shuffle objects were consumed on read, output deleted, the job deregistered: nothing left.
     assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)
+
+
+def test_lithops_config_is_the_localhost_executor() -> None:
+    config = lithops_config(storage="redis", workers=3, extra={"redis": {"port": 1}})
+    assert config["lithops"]["backend"] == "localhost"
+    assert config["lithops"]["storage"] == "redis"
+    assert config["localhost"] == {"runtime": sys.executable, "version": 1,
+                                   "worker_processes": 3}
+    assert config["redis"] == {"port": 1}

@@ -1,0 +1,574 @@
+"""A drop-in shuffle for Lithops: map and reduce tasks pass their partitions through pocketflow.
+
+::
+
+    def mapper(item, emit):              # runs in a Lithops worker
+        for record in read(item):
+            emit(partition_of(record), record)
+        return len(item)                 # any picklable value, returned to the driver
+
+    def reducer(partition, inputs):      # inputs: one bytes object per mapper, mapper order
+        return b"".join(sorted(inputs))
+
+    fexec = lithops.FunctionExecutor(config=...)
+    result = shuffle(fexec, mapper, reducer, items, reducers=8, cluster=cluster,
+                     input_size_bytes=total, persist_output=True)
+
+What it does, in Pocket's terms:
+
+- **Hints.** The shuffle registers its own pocketflow job with what it knows: mappers plus
+  reducers as the most concurrent tasks (reducers start while mappers still run) and the input
+  size as the data size. It deregisters the job at the end, also when a task fails, which frees
+  every shuffle object left behind. Pass ``job=`` to run inside a job you manage instead.
+- **One object per (mapper, reducer).** Mapper ``m`` writes ``r{r:05d}/m{m:05d}`` for every
+  reducer ``r``, an empty object when it emitted nothing for ``r``, so a reducer always knows
+  exactly which ``M`` objects to read. Each is read once, with DELETE-on-read.
+- **Final outputs.** With ``persist_output`` the reducer's bytes are written with PERSIST to
+  ``output_bucket`` and outlive the job; the driver gets :class:`OutputInfo` (key and size) and
+  reads them with :func:`pocketflow.connect` and :attr:`ShuffleResult.handle_json`. Without it
+  the reducer's return value comes back through Lithops.
+- **Reducers wait without spinning.** Mappers and then reducers are submitted as one Lithops
+  job, so reducers start as soon as workers free up, before all mappers finish. A reducer
+  waits for its inputs with :meth:`pocketflow.Client.wait_for`: the storage server parks the
+  call (the ``wait`` action) until the last awaited key is put, so no reducer polls with
+  ``not_found`` and none sleeps longer than needed; each call is bounded
+  (``WAIT_TIMEOUT_MAX_MS``) and the whole wait by ``input_wait_s``. A server-side wait was
+  chosen over a client-side exponential backoff because backoff either burns a round trip per
+  key per retry or adds up to one backoff interval of latency per partition, and a parked call
+  costs the server only an HTTP/2 stream.
+- **Lost partitions are regenerated.** When a storage server dies mid-shuffle, pocketflow's
+  control plane moves the job to a new weight-map epoch without it (clients learn the new map
+  from any live server, ``stale_epoch``), and reads of what it held raise
+  :class:`~pocketflow.errors.DataUnavailable`. A reducer that meets it puts back the inputs it
+  already consumed (under the new map) and reports which mappers' outputs were lost; the driver
+  reruns exactly those mappers, writing only the lost partitions, and reruns the reducer, at most
+  ``regenerate_rounds_max`` times. A mapper whose write fails the same way waits for the new map
+  and writes again (keys it already wrote are kept: ``ObjectExists`` is expected there).
+
+Task code runs in Lithops' worker processes, so this module is part of the installed
+``pocketflow`` package; ``adapters/lithops/shuffle.py`` re-exports it as the documented home.
+Workers talk straight to the storage servers with the job handle, never to Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pocketflow.errors import (
+    BucketExists,
+    DataUnavailable,
+    ObjectExists,
+    ObjectNotFound,
+    PocketflowError,
+    ShuffleFailed,
+)
+
+if TYPE_CHECKING:
+    from pocketflow.client import Client
+    from pocketflow.handle import JobHandle
+    from pocketflow.job import Job
+
+__all__ = [
+    "OutputInfo",
+    "ShuffleResult",
+    "shuffle",
+    "shuffle_key",
+    "output_key",
+    "SHUFFLE_BUCKET",
+    "OUTPUT_BUCKET",
+]
+
+log = logging.getLogger(__name__)
+
+SHUFFLE_BUCKET = "shuffle"
+"""Bucket of the (mapper, reducer) objects."""
+OUTPUT_BUCKET = "output"
+"""Default bucket of the reducers' outputs."""
+TASKS_PER_STAGE_MAX = 4096
+"""Most mappers, and most reducers, of one shuffle."""
+INPUT_WAIT_DEFAULT_S = 300.0
+"""Default bound on how long a reducer waits for all of its inputs."""
+REGENERATE_ROUNDS_MAX = 3
+"""Default bound on rounds of rerunning mappers and reducers after lost partitions."""
+MAP_REFRESH_TIMEOUT_S = 30.0
+"""How long a task waits for the control plane to move the job off an unreachable server."""
+MAP_REFRESH_BACKOFF_S = (0.05, 1.0)
+"""First and largest pause between checks for a new weight map (failure path only)."""
+WRITE_ATTEMPTS_MAX = 3
+"""Most times a mapper (or a reducer putting inputs back) writes again after an unreachable
+server."""
+READ_THREADS_MAX = 8
+"""Most inputs one reducer reads at once."""
+
+
+def shuffle_key(*, mapper: int, reducer: int) -> str:
+    """Key of the object mapper ``mapper`` writes for reducer ``reducer``."""
+    return f"r{reducer:05d}/m{mapper:05d}"
+
+
+def output_key(reducer: int) -> str:
+    """Key of reducer ``reducer``'s output (with ``persist_output``)."""
+    return f"part-{reducer:05d}"
+
+
+@dataclass(frozen=True)
+class OutputInfo:
+    """Where a reducer's PERSIST output is: bucket, key and size."""
+
+    bucket: str
+    key: str
+    size: int
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What every task of one shuffle needs; pickled into each Lithops call."""
+
+    handle_json: str
+    mappers: int
+    reducers: int
+    bucket: str
+    output_bucket: str
+    persist_output: bool
+    input_wait_s: float
+    client_options: tuple[tuple[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class _MapCall:
+    spec: _Spec
+    map_function: Callable[..., Any]
+    item: Any
+    mapper: int
+    only_reducers: frozenset[int] | None
+    """Write only these partitions (a rerun after lost partitions); ``None`` writes all."""
+
+
+@dataclass(frozen=True)
+class _MapOutcome:
+    mapper: int
+    value: Any
+    bytes_written: int
+    write_attempts: int
+    io_s: float = 0.0
+    finished_unix_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _ReduceCall:
+    spec: _Spec
+    reduce_function: Callable[[int, list[bytes]], Any]
+    reducer: int
+
+
+@dataclass(frozen=True)
+class _ReduceOutcome:
+    reducer: int
+    lost_mappers: tuple[int, ...] = ()
+    unreachable: tuple[str, ...] = ()
+    value: Any = None
+    bytes_read: int = 0
+    wait_s: float = 0.0
+    io_s: float = 0.0
+
+
+@dataclass
+class ShuffleResult:
+    """Outcome of one shuffle.
+
+    ``outputs[r]`` is reducer ``r``'s :class:`OutputInfo` (with ``persist_output``) or its return
+    value; ``map_values[m]`` is mapper ``m``'s return value (of its first successful run).
+    ``handle_json`` is the job's handle, with which PERSIST outputs are read after the job is
+    gone. ``regenerated`` lists, per round, the ``(mapper, reducer)`` partitions rerun after a
+    storage server was lost. ``input_wait_s`` and ``io_s`` are per reducer: time parked waiting
+    for inputs and time reading inputs and writing the output; ``map_io_s`` is per mapper, time
+    writing its partitions.
+    """
+
+    job_id: str
+    handle_json: str
+    outputs: list[Any]
+    map_values: list[Any]
+    elapsed_s: float
+    map_s: float
+    bytes_shuffled: int
+    bytes_read: int
+    input_wait_s: list[float] = field(default_factory=list)
+    io_s: list[float] = field(default_factory=list)
+    map_io_s: list[float] = field(default_factory=list)
+    regenerated: list[list[tuple[int, int]]] = field(default_factory=list)
+
+
+def shuffle(
+    fexec: Any,
+    map_function: Callable[[Any, Callable[[int, Any], None]], Any],
+    reduce_function: Callable[[int, list[bytes]], Any],
+    map_inputs: Sequence[Any],
+    *,
+    reducers: int,
+    cluster: Any = None,
+    job: Job | None = None,
+    name: str = "lithops-shuffle",
+    input_size_bytes: int | None = None,
+    persist_output: bool = False,
+    output_bucket: str = OUTPUT_BUCKET,
+    input_wait_s: float = INPUT_WAIT_DEFAULT_S,
+    regenerate_rounds_max: int = REGENERATE_ROUNDS_MAX,
+    client_options: dict[str, Any] | None = None,
+) -> ShuffleResult:
+    """Run a map/shuffle/reduce on a ``lithops.FunctionExecutor``, shuffling through pocketflow.
+
+    ``map_function(item, emit)`` runs once per item of ``map_inputs`` and calls
+    ``emit(partition, data)`` with ``0 <= partition < reducers`` and bytes-like ``data`` (several
+    emits to one partition are concatenated in order); its return value comes back in
+    :attr:`ShuffleResult.map_values`. ``reduce_function(partition, inputs)`` gets one ``bytes``
+    per mapper, in mapper order. See the module docstring for hints, flags, waiting and
+    regeneration. ``cluster`` is what :func:`pocketflow.register_job` takes; ``job`` runs the
+    shuffle in an already registered job (not deregistered here). ``client_options`` are
+    :class:`~pocketflow.config.ClientConfig` settings for the tasks' clients.
+
+    Raises :class:`ShuffleFailed` when lost partitions could not be regenerated within
+    ``regenerate_rounds_max`` rounds, and whatever a task raised (Lithops re-raises it here).
+    """
+    from pocketflow.job import Hints, register_job
+
+    mappers = len(map_inputs)
+    for what, count in (("mappers", mappers), ("reducers", reducers)):
+        if not 1 <= count <= TASKS_PER_STAGE_MAX:
+            raise ValueError(f"{what} must be in 1..{TASKS_PER_STAGE_MAX}, got {count}")
+    if not 0 < input_wait_s < float("inf"):
+        raise ValueError(f"input_wait_s must be positive and finite, got {input_wait_s}")
+    if regenerate_rounds_max < 0:
+        raise ValueError("regenerate_rounds_max must be >= 0")
+    if job is not None:
+        return _run(fexec, job, map_function, reduce_function, map_inputs, reducers,
+                    persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
+                    client_options)
+    hints = Hints(
+        max_concurrent_tasks=min(mappers + reducers, 1_000_000),
+        data_size_bytes=input_size_bytes,
+    )
+    # The context manager deregisters the job also when a task (or this driver) fails.
+    with register_job(name, hints, cluster=cluster) as own_job:
+        return _run(fexec, own_job, map_function, reduce_function, map_inputs, reducers,
+                    persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
+                    client_options)
+
+
+def _run(
+    fexec: Any, job: Job, map_function: Callable[..., Any],
+    reduce_function: Callable[[int, list[bytes]], Any], map_inputs: Sequence[Any],
+    reducers: int, persist_output: bool, output_bucket: str, input_wait_s: float,
+    regenerate_rounds_max: int, client_options: dict[str, Any] | None,
+) -> ShuffleResult:
+    started = time.perf_counter()
+    started_unix_s = time.time()
+    options = dict(client_options or {})
+    with job.connect(**options) as pf:
+        for bucket in (SHUFFLE_BUCKET, output_bucket) if persist_output else (SHUFFLE_BUCKET,):
+            try:
+                pf.create_bucket(bucket)
+            except BucketExists:
+                pass
+        spec = _Spec(
+            handle_json=pf.handle.to_json(),
+            mappers=len(map_inputs),
+            reducers=reducers,
+            bucket=SHUFFLE_BUCKET,
+            output_bucket=output_bucket,
+            persist_output=persist_output,
+            input_wait_s=input_wait_s,
+            client_options=tuple(sorted(options.items())),
+        )
+        map_calls = [_MapCall(spec, map_function, item, m, None)
+                     for m, item in enumerate(map_inputs)]
+        reduce_calls = [_ReduceCall(spec, reduce_function, r) for r in range(reducers)]
+        # One Lithops job holds every mapper and then every reducer: executors start calls in
+        # order as workers free up (Lithops' localhost v1 runs whole jobs one after another), so
+        # reducers start while the last mappers run and park on the servers until their inputs
+        # are written, instead of waiting for a barrier. All mappers come first, so a worker
+        # held by a parked reducer never keeps a mapper from running.
+        futures = fexec.map(_shuffle_task, [(call,) for call in map_calls + reduce_calls])
+        try:
+            outcomes = fexec.get_result(futures)
+        except BaseException:
+            # Deleting the bucket wakes reducers still parked on it; they fail at once instead
+            # of holding their workers until their wait bound.
+            try:
+                pf.delete_bucket(SHUFFLE_BUCKET)
+            except PocketflowError as exc:
+                log.warning("shuffle %s: could not delete its bucket: %s", job.job_id, exc)
+            raise
+        map_outcomes: list[_MapOutcome] = outcomes[:len(map_calls)]
+        reduce_outcomes: list[_ReduceOutcome] = outcomes[len(map_calls):]
+        map_s = max(o.finished_unix_s for o in map_outcomes) - started_unix_s
+
+        done = {o.reducer: o for o in reduce_outcomes if not o.lost_mappers}
+        failed = [o for o in reduce_outcomes if o.lost_mappers]
+        regenerated: list[list[tuple[int, int]]] = []
+        rewritten_bytes = 0
+        while failed:
+            if len(regenerated) == regenerate_rounds_max:
+                lost = sorted({(m, o.reducer) for o in failed for m in o.lost_mappers})
+                raise ShuffleFailed(
+                    f"partitions {lost[:8]}{'...' if len(lost) > 8 else ''} still lost after "
+                    f"{regenerate_rounds_max} rounds of regeneration"
+                )
+            # Reruns and retries get the map without the lost servers, so none of them starts
+            # by reaching for a dead server.
+            unreachable = {a for o in failed for a in o.unreachable}
+            if unreachable:
+                refresh_map(pf, unreachable, bucket=SHUFFLE_BUCKET)
+            spec = dataclasses.replace(spec, handle_json=pf.handle.to_json())
+            lost_by_mapper: dict[int, set[int]] = {}
+            for outcome in failed:
+                for mapper in outcome.lost_mappers:
+                    lost_by_mapper.setdefault(mapper, set()).add(outcome.reducer)
+            regenerated.append(
+                sorted((m, r) for m, rs in lost_by_mapper.items() for r in rs)
+            )
+            log.warning("shuffle %s: regenerating %d lost partitions of %d mappers",
+                        job.job_id, len(regenerated[-1]), len(lost_by_mapper))
+            reruns = [
+                (_MapCall(spec, map_function, map_inputs[m], m, frozenset(rs)),)
+                for m, rs in sorted(lost_by_mapper.items())
+            ]
+            rewritten_bytes += sum(
+                o.bytes_written for o in fexec.get_result(fexec.map(_shuffle_task, reruns))
+            )
+            retries = [(_ReduceCall(spec, reduce_function, o.reducer),) for o in failed]
+            outcomes = fexec.get_result(fexec.map(_shuffle_task, retries))
+            done.update({o.reducer: o for o in outcomes if not o.lost_mappers})
+            failed = [o for o in outcomes if o.lost_mappers]
+        handle_json = pf.handle.to_json()
+
+    ordered = [done[r] for r in range(reducers)]
+    return ShuffleResult(
+        job_id=job.job_id,
+        handle_json=handle_json,
+        outputs=[o.value for o in ordered],
+        map_values=[o.value for o in sorted(map_outcomes, key=lambda o: o.mapper)],
+        elapsed_s=time.perf_counter() - started,
+        map_s=map_s,
+        bytes_shuffled=sum(o.bytes_written for o in map_outcomes) + rewritten_bytes,
+        bytes_read=sum(o.bytes_read for o in ordered),
+        input_wait_s=[o.wait_s for o in ordered],
+        io_s=[o.io_s for o in ordered],
+        map_io_s=[o.io_s for o in sorted(map_outcomes, key=lambda o: o.mapper)],
+        regenerated=regenerated,
+    )
+
+
+# -- tasks (run in Lithops workers) -------------------------------------------------------------
+
+
+def _connect(spec: _Spec) -> Client:
+    import pocketflow
+
+    return pocketflow.connect(spec.handle_json, **dict(spec.client_options))
+
+
+def _unreachable_in_map(pf: Client, unreachable: set[str]) -> bool:
+    return any(s.address in unreachable for s in pf.handle.servers)
+
+
+def refresh_map(pf: Client, unreachable: set[str], *, bucket: str,
+                timeout_s: float = MAP_REFRESH_TIMEOUT_S) -> None:
+    """Wait until the client's weight map no longer names the ``unreachable`` servers.
+
+    The control plane declares a silent server dead after a few seconds and moves the job to a
+    new epoch; a client learns it from the ``stale_epoch`` answer of any live server. This asks
+    the live servers (``create_bucket``, which also gives the bucket to servers new to the map)
+    with a bounded exponential backoff: it runs only after a failure, never on the normal path.
+    Raises :class:`DataUnavailable` when the map has not changed within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    pause_s, pause_max_s = MAP_REFRESH_BACKOFF_S
+    while _unreachable_in_map(pf, unreachable):
+        try:
+            pf.create_bucket(bucket)
+        except (BucketExists, DataUnavailable):
+            pass
+        if not _unreachable_in_map(pf, unreachable):
+            return
+        if time.monotonic() + pause_s > deadline:
+            raise DataUnavailable(
+                f"unavailable: the job's map still names {sorted(unreachable)} after "
+                f"{timeout_s:.0f} s", server=next(iter(unreachable), None),
+            )
+        time.sleep(pause_s)
+        pause_s = min(pause_s * 2, pause_max_s)
+
+
+def _write_all(pf: Client, spec: _Spec, items: list[tuple[str, memoryview]], *,
+               persist: bool = False, bucket: str | None = None) -> int:
+    """Write ``items`` (write-once); after an unreachable server, wait for the new map and write
+    what is missing again. Returns how many write rounds it took."""
+    bucket = bucket or spec.bucket
+    pending = items
+    for attempt in range(1, WRITE_ATTEMPTS_MAX + 1):
+        try:
+            pf.put_many(bucket, pending, persist=persist)
+            return attempt
+        except DataUnavailable as exc:
+            if attempt == WRITE_ATTEMPTS_MAX:
+                raise
+            refresh_map(pf, {exc.server} if exc.server else set(), bucket=bucket)
+        except ObjectExists:
+            # A rerun, or a retry after a partly failed round: some keys are already there.
+            pass
+        still = []
+        for key, data in pending:
+            try:
+                pf.put(bucket, key, data, persist=persist)
+            except ObjectExists:
+                continue
+            except DataUnavailable as exc:
+                if attempt == WRITE_ATTEMPTS_MAX:
+                    raise
+                refresh_map(pf, {exc.server} if exc.server else set(), bucket=bucket)
+                still.append((key, data))
+        if not still:
+            return attempt + 1
+        pending = still
+    raise AssertionError("unreachable")
+
+
+def _shuffle_task(call: _MapCall | _ReduceCall) -> _MapOutcome | _ReduceOutcome:
+    """The one task function of a shuffle's Lithops job: a mapper or a reducer."""
+    if isinstance(call, _MapCall):
+        return _map_task(call)
+    return _reduce_task(call)
+
+
+def _map_task(call: _MapCall) -> _MapOutcome:
+    """One mapper: run the user's function, then write one object per (wanted) reducer."""
+    spec = call.spec
+    parts: list[list[Any]] = [[] for _ in range(spec.reducers)]
+
+    def emit(partition: int, data: Any) -> None:
+        if not 0 <= partition < spec.reducers:
+            raise ValueError(f"partition {partition} outside 0..{spec.reducers - 1}")
+        parts[partition].append(data)
+
+    value = call.map_function(call.item, emit)
+    wanted = range(spec.reducers) if call.only_reducers is None else sorted(call.only_reducers)
+    items: list[tuple[str, memoryview]] = []
+    for r in wanted:
+        chunks = parts[r]
+        data = chunks[0] if len(chunks) == 1 else b"".join(memoryview(c) for c in chunks)
+        items.append((shuffle_key(mapper=call.mapper, reducer=r), memoryview(data).cast("B")))
+    started = time.perf_counter()
+    with _connect(spec) as pf:
+        attempts = _write_all(pf, spec, items)
+    return _MapOutcome(
+        mapper=call.mapper,
+        value=value,
+        bytes_written=sum(len(data) for _, data in items),
+        write_attempts=attempts,
+        io_s=time.perf_counter() - started,
+        finished_unix_s=time.time(),
+    )
+
+
+def _server_of(handle: JobHandle, key: str) -> str:
+    """Address of the server holding ``key``'s block 0 under ``handle``'s map."""
+    from pocketflow.placement import Placement
+
+    return Placement(handle.servers).server_for(key.encode(), 0).address
+
+
+def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
+    """One reducer: wait for its inputs, read them with DELETE, run the user's function, write
+    the output; or, when inputs were lost with a server, put back what it read and say which."""
+    spec = call.spec
+    keys = {m: shuffle_key(mapper=m, reducer=call.reducer) for m in range(spec.mappers)}
+    inputs: dict[int, bytes] = {}
+    lost: set[int] = set()
+    unreachable: set[str] = set()
+    wait_s = io_s = 0.0
+    deadline = time.monotonic() + spec.input_wait_s
+    with _connect(spec) as pf, ThreadPoolExecutor(min(READ_THREADS_MAX, spec.mappers)) as pool:
+        pending = dict(keys)
+        while pending:
+            started = time.perf_counter()
+            placed_by = pf.handle
+            try:
+                missing = set(pf.wait_for(spec.bucket, list(pending.values()),
+                                          timeout_s=max(0.0, deadline - time.monotonic())))
+            except DataUnavailable as exc:
+                # Inputs placed on the unreachable server are gone (or will be written under
+                # the next map): they are regenerated; the others are still awaited.
+                unreachable.add(exc.server or "")
+                gone = {m for m, k in pending.items() if _server_of(placed_by, k) in unreachable}
+                if not gone:
+                    raise
+                lost |= gone
+                for m in gone:
+                    del pending[m]
+                wait_s += time.perf_counter() - started
+                continue
+            wait_s += time.perf_counter() - started
+            ready = {m: k for m, k in pending.items() if k not in missing}
+            if not ready:
+                raise ShuffleFailed(
+                    f"reducer {call.reducer}: inputs of mappers "
+                    f"{sorted(pending)[:8]} did not arrive within {spec.input_wait_s:.0f} s"
+                )
+            started = time.perf_counter()
+            results = list(pool.map(lambda k: _read_once(pf, spec.bucket, k), ready.values()))
+            io_s += time.perf_counter() - started
+            for (m, _), result in zip(ready.items(), results, strict=True):
+                del pending[m]
+                if isinstance(result, bytes):
+                    inputs[m] = result
+                else:
+                    lost.add(m)
+                    unreachable.add(result.server or "")
+        if lost:
+            started = time.perf_counter()
+            _put_back(pf, spec, call.reducer, inputs, unreachable)
+            io_s += time.perf_counter() - started
+            return _ReduceOutcome(call.reducer, lost_mappers=tuple(sorted(lost)),
+                                  unreachable=tuple(sorted(unreachable - {""})),
+                                  wait_s=wait_s, io_s=io_s)
+        bytes_read = sum(len(v) for v in inputs.values())
+        value = call.reduce_function(call.reducer, [inputs[m] for m in range(spec.mappers)])
+        inputs.clear()
+        if spec.persist_output:
+            started = time.perf_counter()
+            key = output_key(call.reducer)
+            data = memoryview(value).cast("B")
+            pf.put(spec.output_bucket, key, data, persist=True, overwrite=True)
+            io_s += time.perf_counter() - started
+            value = OutputInfo(spec.output_bucket, key, len(data))
+    return _ReduceOutcome(call.reducer, value=value, bytes_read=bytes_read, wait_s=wait_s,
+                          io_s=io_s)
+
+
+def _read_once(pf: Client, bucket: str, key: str) -> bytes | PocketflowError:
+    """Read and delete one input; a lost one (server unreachable, or its manifest gone with a
+    data block) comes back as the error instead of being raised."""
+    try:
+        return pf.get(bucket, key, delete=True)
+    except (DataUnavailable, ObjectNotFound) as exc:
+        return exc
+
+
+def _put_back(pf: Client, spec: _Spec, reducer: int, inputs: dict[int, bytes],
+              unreachable: set[str]) -> None:
+    """Write the inputs a failed reducer already consumed back under the job's new map, so that
+    its retry finds them and only the lost ones are regenerated."""
+    unreachable.discard("")
+    if unreachable:
+        refresh_map(pf, unreachable, bucket=spec.bucket)
+    items = [(shuffle_key(mapper=m, reducer=reducer), memoryview(data))
+             for m, data in sorted(inputs.items())]
+    if items:
+        _write_all(pf, spec, items)

@@ -1,0 +1,258 @@
+"""Tests of the Lithops drop-in shuffle on the real localhost executor and the session cluster.
+
+Lost partitions: a storage server added for the test is killed by pid in the middle of a
+shuffle; the control plane moves the job off it and the shuffle regenerates what it held.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cloudpickle
+import pytest
+from fixtures_cluster import used_bytes, wait_for
+
+import pocketflow
+from pocketflow.cluster import LocalCluster
+from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE
+from pocketflow.control.storage_node import StorageNode, StorageNodeInfo
+from pocketflow.demo import (
+    PartitionCheck,
+    SortConfig,
+    check_output,
+    is_sorted,
+    lithops_config,
+    map_records,
+    record_checksum,
+    records_from,
+    reduce_records,
+)
+from pocketflow.errors import BucketNotFound, ShuffleFailed
+from pocketflow.handle import JobHandle
+from pocketflow.integrations.lithops_shuffle import OutputInfo, shuffle, shuffle_key
+from pocketflow.placement import Placement
+
+# Lithops pickles the task functions; the ones defined here travel by value (workers cannot
+# import this test module).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+SHUFFLE_TIMEOUT_S = 120.0
+"""Bound on one shuffle in these tests (Lithops starts a worker process per call)."""
+
+
+@pytest.fixture
+def fexec() -> Iterator[Any]:
+    """A Lithops localhost executor with 4 worker processes (reducers park while mappers run)."""
+    import lithops
+
+    executor = lithops.FunctionExecutor(config=lithops_config(storage="localhost", workers=4))
+    try:
+        yield executor
+    finally:
+        executor.clean()
+
+
+def _emit_bytes(item: int, emit: Callable[[int, Any], None]) -> int:
+    for partition in range(3):
+        emit(partition, bytes([item]) * (10 * (partition + 1)))
+        emit(partition, b"|")
+    return item * 100
+
+
+def _join(partition: int, inputs: list[bytes]) -> bytes:
+    return f"{partition}:".encode() + b"".join(inputs)
+
+
+def _slow_then_emit(delay_s: float, item: int, emit: Callable[[int, Any], None]) -> float:
+    time.sleep(delay_s)
+    emit(0, b"late")
+    return time.time()
+
+
+def _reduce_started(partition: int, inputs: list[bytes]) -> tuple[float, list[bytes]]:
+    return time.time(), inputs
+
+
+def _failing_map(item: int, emit: Callable[[int, Any], None]) -> None:
+    if item == 1:
+        raise RuntimeError("mapper 1 breaks")
+    emit(0, b"x")
+
+
+def test_shuffle_delivers_every_partition_in_mapper_order(
+    local_cluster: LocalCluster, fexec: Any
+) -> None:
+    baseline = used_bytes(local_cluster)
+    result = shuffle(fexec, _emit_bytes, _join, [1, 2, 3], reducers=3, cluster=local_cluster,
+                     input_size_bytes=1000)
+    assert result.map_values == [100, 200, 300]
+    assert result.outputs == [
+        f"{r}:".encode() + b"".join(bytes([m]) * (10 * (r + 1)) + b"|" for m in (1, 2, 3))
+        for r in range(3)
+    ]
+    assert result.bytes_shuffled == result.bytes_read == sum(3 * (10 * (r + 1) + 1)
+                                                            for r in range(3))
+    assert result.regenerated == []
+    assert len(result.input_wait_s) == len(result.io_s) == 3 and len(result.map_io_s) == 3
+    # The shuffle's own job is deregistered and its objects were deleted on read.
+    assert result.job_id not in {j["job_id"] for j in local_cluster.status()["jobs"]}
+    assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)
+
+
+def test_sort_output_persists_and_reducers_wait_for_late_mappers(
+    local_cluster: LocalCluster, fexec: Any
+) -> None:
+    config = SortConfig(mappers=2, reducers=2, records=20_000, seed=5)
+    result = shuffle(fexec, functools.partial(map_records, config), reduce_records, range(2),
+                     reducers=2, cluster=local_cluster, persist_output=True,
+                     input_size_bytes=config.input_bytes)
+    assert all(isinstance(o, OutputInfo) and o.bucket == "output" for o in result.outputs)
+    checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
+    with pocketflow.connect(result.handle_json) as pf:
+        parts = [records_from(pf.get(o.bucket, o.key, delete=True)) for o in result.outputs]
+    assert sum(p.shape[0] for p in parts) == 20_000
+    assert all(is_sorted(p) for p in parts)
+    assert sum(record_checksum(p) for p in parts) % (1 << 64) == checksum
+
+    # A reducer starts while its only mapper still runs and is parked until the input arrives.
+    result = shuffle(fexec, functools.partial(_slow_then_emit, 3.0), _reduce_started, [0],
+                     reducers=1, cluster=local_cluster)
+    reducer_started_s, inputs = result.outputs[0]
+    assert inputs == [b"late"]
+    assert result.input_wait_s[0] >= 1.0, result.input_wait_s
+    assert reducer_started_s >= result.map_values[0] - 0.01  # read only after the write
+
+
+def test_a_failing_mapper_fails_the_shuffle_and_deregisters_its_job(
+    local_cluster: LocalCluster, fexec: Any
+) -> None:
+    jobs_before = {j["job_id"] for j in local_cluster.status()["jobs"]}
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="mapper 1 breaks"):
+        shuffle(fexec, _failing_map, _join, [0, 1], reducers=1, cluster=local_cluster,
+                input_wait_s=60)
+    assert time.monotonic() - started < SHUFFLE_TIMEOUT_S
+    assert {j["job_id"] for j in local_cluster.status()["jobs"]} == jobs_before
+
+
+def test_bad_arguments_are_refused(local_cluster: LocalCluster, fexec: Any) -> None:
+    with pytest.raises(ValueError):
+        shuffle(fexec, _emit_bytes, _join, [], reducers=1, cluster=local_cluster)
+    with pytest.raises(ValueError):
+        shuffle(fexec, _emit_bytes, _join, [1], reducers=0, cluster=local_cluster)
+    assert issubclass(ShuffleFailed, pocketflow.errors.PocketflowError)
+
+
+# -- lost partitions --------------------------------------------------------------------------
+
+
+def _controller() -> Any:
+    import ray
+
+    return ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE)
+
+
+@pytest.fixture
+def doomed_server(local_cluster: LocalCluster) -> Iterator[StorageNodeInfo]:
+    """A DRAM server added to the session cluster for this test only, killed by the test."""
+    import ray
+
+    node_id = f"doomed-{uuid.uuid4().hex[:6]}"
+    node = ray.remote(StorageNode).options(namespace=NAMESPACE, num_cpus=0).remote(
+        node_id=node_id,
+        tier="dram",
+        capacity_bytes=64 * 1024 * 1024,
+        secret_file=str(local_cluster.secret_file),
+    )
+    info = ray.get(node.start.remote(), timeout=60)
+    controller = _controller()
+    ray.get(controller.add_server.remote(info, node), timeout=30)
+    try:
+        yield info
+    finally:
+        if node_id not in ray.get(controller.dead_servers.remote(), timeout=30):
+            ray.get(controller.declare_dead.remote(node_id, reason="test over"), timeout=60)
+        if info.server_process().alive():
+            os.kill(info.server_pid, signal.SIGKILL)
+        ray.kill(node, no_restart=True)
+
+
+def _slow_mapper_zero(config: SortConfig, delay_s: float, mapper: int,
+                      emit: Callable[[int, Any], None]) -> Any:
+    if mapper == 0:
+        time.sleep(delay_s)
+    return map_records(config, mapper, emit)
+
+
+def test_partitions_lost_with_a_killed_server_are_regenerated(
+    local_cluster: LocalCluster, fexec: Any, doomed_server: StorageNodeInfo
+) -> None:
+    info = doomed_server
+    with local_cluster.register_job("regen") as job:
+        assert info.node_id in {s.node_id for s in job.handle.servers if s.weight > 0}
+        placement = Placement(job.handle.servers)
+        # Enough reducers that mapper 1 (which writes before the kill) has inputs on the doomed
+        # server and elsewhere.
+        reducers = next(
+            r for r in range(2, 17)
+            if len({placement.server_for(shuffle_key(mapper=1, reducer=i).encode(), 0).node_id
+                    == info.node_id for i in range(r)}) == 2
+        )
+        config = SortConfig(mappers=2, reducers=reducers, records=4_000, seed=11)
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = shuffle(
+                    fexec, functools.partial(_slow_mapper_zero, config, 4.0), reduce_records,
+                    range(2), reducers=reducers, job=job, persist_output=True,
+                    client_options={"op_timeout_s": 5.0, "connect_timeout_s": 1.0},
+                )
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+                outcome["error"] = exc
+
+        driver = threading.Thread(target=run, daemon=True)
+        driver.start()
+        with job.connect() as pf:
+            # Mapper 1 has written; mapper 0 still sleeps, so reducers are parked mid-shuffle.
+            late = [shuffle_key(mapper=1, reducer=r) for r in range(reducers)]
+            assert wait_for(lambda: _exists_all(pf, late), timeout_s=60)
+            os.kill(info.server_pid, signal.SIGKILL)
+        driver.join(SHUFFLE_TIMEOUT_S)
+        assert not driver.is_alive(), "shuffle did not finish after the server was killed"
+        if "error" in outcome:
+            raise outcome["error"]
+        result = outcome["result"]
+
+        assert result.regenerated, "nothing was regenerated"
+        assert {m for m, _ in result.regenerated[0]} <= {0, 1}
+        handle = JobHandle.from_json(result.handle_json)
+        assert info.node_id not in {s.node_id for s in handle.servers if s.weight > 0}
+        with pocketflow.connect(result.handle_json) as pf:
+            checks = []
+            for r, output in enumerate(result.outputs):
+                records = records_from(pf.get(output.bucket, output.key, delete=True))
+                checks.append(PartitionCheck(
+                    reducer=r, records=records.shape[0], checksum=record_checksum(records),
+                    is_sorted=is_sorted(records),
+                    first_key=bytes(records[0, :10]) if len(records) else None,
+                    last_key=bytes(records[-1, :10]) if len(records) else None,
+                    bytes_read=records.size,
+                ))
+        input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
+        assert check_output(config, input_checksum=input_checksum, checks=checks) == []
+
+
+def _exists_all(pf: Any, keys: list[str]) -> bool:
+    try:
+        return not pf.wait_for("shuffle", keys, timeout_s=1.0)
+    except BucketNotFound:  # the shuffle has not created its bucket yet
+        return False

@@ -102,6 +102,12 @@ SIZING_INTERVAL_MS_DEFAULT = 5000
 SIZING_ACTIONS_KEPT_MAX = 64
 """Most sizing actions remembered for ``status``."""
 
+DRAIN_NODE_TIMEOUT_S = 30.0
+"""How long ``drain_node`` waits for the node's servers to exit."""
+
+DRAIN_POLL_S = 0.2
+"""How often ``drain_node`` looks whether the drained servers are gone."""
+
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -255,9 +261,12 @@ class Controller:
             node.start_heartbeats.remote(self._own_handle(), self._heartbeat_interval_ms)
 
     def servers(self) -> list[StorageNodeInfo]:
-        """Every live storage server, ordered by node id."""
-        with self._lock:
-            return [self._servers[n] for n in sorted(self._servers)]
+        """Every live storage server, ordered by node id.
+
+        Takes no lock (a copy of the table is atomic), so it never waits behind a registration
+        that is launching servers.
+        """
+        return sorted(list(self._servers.values()), key=lambda info: info.node_id)
 
     def heartbeat(self, node_id: str, stats: dict[str, Any]) -> None:
         """Take a heartbeat: ``stats`` is the server's ``stats`` answer (docs/PROTOCOL.md).
@@ -296,8 +305,7 @@ class Controller:
 
     def dead_servers(self) -> dict[str, dict[str, Any]]:
         """Servers declared dead: ``node_id -> {"address", "tier", "reason", "at_unix_s"}``."""
-        with self._lock:
-            return {n: dict(d) for n, d in self._dead.items()}
+        return {n: dict(d) for n, d in list(self._dead.items())}
 
     def check_failures(self) -> list[str]:
         """Declare dead every server whose heartbeats are missing for ``dead_after_ms``.
@@ -564,7 +572,7 @@ class Controller:
             "tiers": tiers,
             "jobs": jobs,
             "dead_servers": self.dead_servers(),
-            "draining": sorted(self._draining),
+            "draining": sorted(list(self._draining)),
             "sizing_actions": self.sizing_actions(),
             "resource_requests": list(self._launcher.resource_requests)
             if self._launcher is not None
@@ -803,8 +811,7 @@ class Controller:
 
     def sizing_actions(self) -> list[dict[str, Any]]:
         """The latest sizing actions, oldest first."""
-        with self._lock:
-            return list(self._sizing_actions)
+        return list(self._sizing_actions)
 
     def drain_server(self, node_id: str) -> dict[str, Any]:
         """Take a server out of service without losing live data.
@@ -853,6 +860,40 @@ class Controller:
                     self._move_to_epoch(job_id, kept)
             log.info("draining storage server %s", node_id)
             return {"node_id": node_id, **result, "retired": False}
+
+    def drain_node(
+        self, ray_node_id: str, timeout_s: float = DRAIN_NODE_TIMEOUT_S
+    ) -> dict[str, Any]:
+        """Drain every storage server on Ray node ``ray_node_id`` before the node is removed.
+
+        Each server is drained as by :meth:`drain_server` (so no live data is lost: a server
+        holding data keeps serving reads until its jobs free it). Waits up to ``timeout_s`` for
+        the servers to exit and be retired. Returns ``{"node", "retired", "still_draining",
+        "refused"}``; the node is safe to remove when ``still_draining`` and ``refused`` are
+        empty.
+        """
+        with self._lock:
+            targets = sorted(
+                n for n, info in self._servers.items() if info.ray_node_id == ray_node_id
+            )
+        refused: dict[str, str] = {}
+        for node_id in targets:
+            try:
+                self.drain_server(node_id)
+            except ClusterError as exc:
+                refused[node_id] = str(exc)
+        waiting = [n for n in targets if n not in refused]
+        deadline = time.monotonic() + timeout_s
+        while waiting and time.monotonic() < deadline:
+            time.sleep(DRAIN_POLL_S)
+            with self._lock:
+                waiting = [n for n in waiting if n in self._servers]
+        return {
+            "node": ray_node_id,
+            "retired": [n for n in targets if n not in refused and n not in waiting],
+            "still_draining": waiting,
+            "refused": refused,
+        }
 
     def _retire(self, node_id: str) -> None:
         """Forget a drained server that has exited; its jobs' maps drop it. Callers lock."""

@@ -42,6 +42,8 @@ class StorageNodeInfo:
     server_pid: int
     server_start_time: float
     actor_pid: int
+    ray_node_id: str = ""
+    """The Ray node the server runs on (hex id), empty outside Ray."""
 
     def server_process(self) -> ProcessRef:
         """The server process, for stopping it by pid when its actor cannot."""
@@ -108,6 +110,7 @@ class StorageNode:
             server_pid=ref.pid,
             server_start_time=ref.start_time,
             actor_pid=os.getpid(),
+            ray_node_id=_ray_node_id(),
         )
         return self._info
 
@@ -197,3 +200,14 @@ class StorageNode:
                 self._heartbeats_sent += 1
         finally:
             admin.close()
+
+
+def _ray_node_id() -> str:
+    """The id of the Ray node this process runs on, or ``""`` outside Ray."""
+    try:
+        import ray
+    except ImportError:
+        return ""
+    if not ray.is_initialized():
+        return ""
+    return str(ray.get_runtime_context().get_node_id())

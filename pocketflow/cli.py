@@ -231,44 +231,10 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def print_status(status: dict[str, Any], out: TextIO) -> None:
-    """Print ``Controller.status()`` as tables."""
-    from pocketflow.demo import format_bytes
+    """Print ``Controller.status()`` as tables (see :mod:`pocketflow.status_view`)."""
+    from pocketflow.status_view import format_status
 
-    rows = [
-        [
-            s["node_id"], s["tier"], s["address"],
-            format_bytes(s["used_bytes"]), format_bytes(s["capacity_bytes"]),
-            str(s["objects"]), "yes" if s["long_running"] else "no",
-            "unreachable" if not s["reachable"] else ("draining" if s["draining"] else "up"),
-        ]
-        for s in status["servers"]
-    ]
-    print("SERVERS", file=out)
-    _print_table(
-        ["NODE", "TIER", "ADDRESS", "USED", "CAPACITY", "OBJECTS", "PERSIST", "STATE"], rows, out
-    )
-    print("\nTIERS", file=out)
-    _print_table(
-        ["TIER", "SERVERS", "USED", "CAPACITY", "USED%"],
-        [
-            [tier, str(t["servers"]), format_bytes(t["used_bytes"]),
-             format_bytes(t["capacity_bytes"]),
-             f"{100.0 * t['used_bytes'] / t['capacity_bytes']:.1f}" if t["capacity_bytes"] else "-"]
-            for tier, t in sorted(status["tiers"].items())
-        ],
-        out,
-    )
-    print(f"\nJOBS ({len(status['jobs'])})", file=out)
-    if status["jobs"]:
-        _print_table(
-            ["JOB", "EPOCH", "SERVERS (weight)"],
-            [
-                [j["job_id"], str(j["epoch"]),
-                 " ".join(f"{row[0]}({row[3]:.3g})" for row in j["weight_map"]["servers"])]
-                for j in status["jobs"]
-            ],
-            out,
-        )
+    out.write(format_status(status))
 
 
 # -- demo -------------------------------------------------------------------------------------

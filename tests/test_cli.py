@@ -139,3 +139,74 @@ def test_bench_runs_the_comparison_from_another_directory(tmp_path: Path) -> Non
     assert len(written["cells"]) == written["plan"]["cells_planned"] > 0
     assert all("error" not in cell and cell["ops_per_s"] > 0 for cell in written["cells"])
     assert (out / json_path.name.replace(".json", ".md")).is_file()
+
+
+def _status_fixture() -> dict[str, object]:
+    job_map = {"epoch": 2, "servers": [["dram-0", "127.0.0.1:1", "dram", 0.75, True],
+                                       ["nvme-0", "127.0.0.1:3", "nvme", 0.25, False]]}
+    return {
+        "servers": [
+            {"node_id": "dram-0", "tier": "dram", "address": "127.0.0.1:1", "reachable": True,
+             "draining": False, "long_running": True, "capacity_bytes": 4 * 1024**2,
+             "used_bytes": 1024**2, "objects": 3, "cpu_utilization": 0.5,
+             "bytes_in_per_s": 2 * 1024**2, "bytes_out_per_s": 0, "threads": 2, "cores": 1,
+             "cores_max": 2, "jobs": {"sort-abc123": {"used_bytes": 1024**2, "objects": 3}}},
+            {"node_id": "nvme-0", "tier": "nvme", "address": "127.0.0.1:3", "reachable": True,
+             "draining": True, "long_running": False, "capacity_bytes": 8 * 1024**2,
+             "used_bytes": 2048, "objects": 1, "cpu_utilization": 0.0, "bytes_in_per_s": 0,
+             "bytes_out_per_s": 512, "jobs": {"sort-abc123": {"used_bytes": 2048, "objects": 1}}},
+        ],
+        "tiers": {"dram": {"servers": 1, "capacity_bytes": 4 * 1024**2, "used_bytes": 1024**2},
+                  "nvme": {"servers": 1, "capacity_bytes": 8 * 1024**2, "used_bytes": 2048}},
+        "jobs": [{"job_id": "sort-abc123", "name": "sort", "epoch": 2, "weight_map": job_map}],
+        "dead_servers": {"dram-1": {"address": "127.0.0.1:2", "tier": "dram",
+                                    "reason": "no heartbeat for 3.0 s"}},
+        "draining": ["nvme-0"],
+    }
+
+
+def test_status_view_shows_states_utilization_and_jobs() -> None:
+    from pocketflow.status_view import format_status
+
+    text = format_status(_status_fixture())
+    lines = text.splitlines()
+    assert lines[0] == "SERVERS (1 live, 1 draining, 1 dead)"
+    row = {line.split()[0]: line for line in lines if line.startswith(("dram-", "nvme-"))}
+    assert row["dram-0"].split()[3:6] == ["live", "2", "1/2"]
+    assert "1.0 MiB / 4.0 MiB" in row["dram-0"] and "25.0%" in row["dram-0"]
+    assert "50%" in row["dram-0"] and "2.0 MiB/s" in row["dram-0"]
+    assert row["nvme-0"].split()[3] == "draining"
+    assert row["dram-1"].split()[3] == "dead"
+    assert "dram-1 dead: no heartbeat for 3.0 s" in text
+    tiers = lines[lines.index("TIERS") + 1:]
+    assert tiers[1].split()[:2] == ["dram", "1"] and "[###-------]" in tiers[1]
+    job = next(line for line in lines if line.startswith("sort-abc123"))
+    assert job.split()[1:3] == ["sort", "2"]
+    assert "1.0 MiB" in job and "dram-0:0.75 nvme-0:0.25" in job
+    # Every row of a table has its columns at the same offsets.
+    header = next(line for line in lines if line.startswith("NODE"))
+    assert all(r.index("127.0.0.1") == header.index("ADDRESS") for r in row.values())
+
+
+def test_status_view_of_an_empty_cluster() -> None:
+    from pocketflow.status_view import format_status
+
+    text = format_status({"servers": [], "tiers": {}, "jobs": []})
+    assert text.startswith("SERVERS (none)")
+    assert "JOBS (0)" in text
+
+
+def test_status_shows_a_jobs_allocation_and_bytes(local_cluster: LocalCluster) -> None:
+    with local_cluster.register_job("cli-bytes") as job:
+        with job.connect() as client:
+            client.create_bucket("b")
+            client.put("b", "k", bytes(200_000))
+        result = run_cli("status", "--address", local_cluster.ray_address)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[0].startswith("SERVERS (3 live")
+        job_line = next(line for line in lines if line.startswith(job.job_id))
+        for server in job.handle.servers:
+            assert f"{server.node_id}:" in job_line
+        dram = next(line for line in lines if line.startswith("dram-0"))
+        assert dram.split()[3] == "live"

@@ -550,6 +550,8 @@ class Controller:
             row["draining"] = bool(stats.get("draining", False)) if stats else False
             row["cpu_utilization"] = float(stats.get("cpu_utilization", 0.0)) if stats else 0.0
             row["jobs"] = dict(stats.get("jobs", {})) if stats else {}
+            for name in ("threads", "cores", "cores_max"):
+                row[name] = int(stats[name]) if stats and name in stats else None
             servers.append(row)
             tier = tiers.setdefault(
                 info.tier, {"servers": 0, "capacity_bytes": 0, "used_bytes": 0}

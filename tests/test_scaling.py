@@ -6,6 +6,7 @@ the session cluster, so it runs in a child process (tests/scenarios/scaling.py),
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -40,3 +41,51 @@ def test_a_full_tier_gets_another_server(scaling: dict[str, Any]) -> None:
     assert scaling["scaled_up"]
     assert len(scaling["after_fill"]) > 2
     assert scaling["actions"][-1][0] == "AddServer"
+
+
+def test_a_busy_server_gets_more_cores_before_more_servers(
+    server_factory: Any, cluster_secret_file: Any
+) -> None:
+    """Vertical first: the sizing loop gives a server whose cores are busy another core."""
+    from pocketflow.control.controller import Controller
+    from pocketflow.control.metadata import Metadata
+    from pocketflow.control.sizing import SizingBounds
+    from pocketflow.control.storage_node import StorageNodeInfo
+    from pocketflow.processes import ProcessRef
+
+    _, secret_file = cluster_secret_file
+    controller = Controller(
+        secret_file=str(secret_file),
+        metadata=Metadata(),
+        block_size_bytes=1024 * 1024,
+        failure_detection=False,
+        sizing=SizingBounds(cooldown_s=0.0, vertical_cooldown_s=0.0),
+    )
+    try:
+        infos = []
+        for name in ("busy-0", "busy-1"):
+            servers, info = server_factory(name, long_running=True)
+            ref = ProcessRef.of(servers.process(name).pid)
+            assert ref is not None
+            infos.append(StorageNodeInfo(
+                node_id=name, tier="dram", address=info.address,
+                capacity_bytes=8 * 1024 * 1024, long_running=True,
+                server_pid=ref.pid, server_start_time=ref.start_time, actor_pid=os.getpid(),
+            ))
+        with servers.admin(infos[0].address) as admin:
+            cores_max = int(admin.stats()["cores_max"])
+            if cores_max < 2:
+                pytest.skip("the server may use only one core here")
+            admin.set_cores(1)
+            sample = admin.stats()
+        for info in infos:
+            controller.add_server(info)
+        # The heartbeat a StorageNode would send, with the first server's one core busy.
+        controller.heartbeat("busy-0", {**sample, "cpu_utilization": 0.95})
+        done = controller.size_cluster()
+        assert done["action"] == "AddThreads" and done["node_id"] == "busy-0", done
+        assert not done.get("skipped")
+        with servers.admin(infos[0].address) as admin:
+            assert int(admin.stats()["cores"]) == 2
+    finally:
+        controller.close()

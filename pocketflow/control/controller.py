@@ -791,9 +791,19 @@ class Controller:
             )
             done: dict[str, Any] = {"action": type(action).__name__, "reason": action.reason}
             if isinstance(action, AddThreads):
-                log.info("sizing: would give %s %d threads (%s); vertical scaling is not "
-                         "available yet", action.node_id, action.threads, action.reason)
-                done["skipped"] = True
+                done["node_id"] = action.node_id
+                done["cores"] = action.threads
+                info = self._servers.get(action.node_id)
+                try:
+                    if info is None:
+                        raise ClusterError(f"{action.node_id} is gone")
+                    self._admin.client(info.address).set_cores(action.threads)
+                except PocketflowError as exc:
+                    log.warning("sizing: set_cores on %s failed: %s", action.node_id, exc)
+                    done["skipped"] = True
+                else:
+                    self._refresh_stats(info)
+                self._sizing_last_action_s = time.monotonic()
             elif isinstance(action, AddServer):
                 if self._launcher is None or not self._launcher.can_launch(action.tier):
                     done["skipped"] = True
@@ -924,7 +934,11 @@ class Controller:
                 log.info("could not stop the node of %s: %s", node_id, exc)
 
     def _utilizations(self) -> list[ServerUtilization]:
-        """Each live server's latest heartbeat as the sizing policy's sample."""
+        """Each live server's latest heartbeat as the sizing policy's sample.
+
+        The policy's "threads" of a server are the CPU cores it runs on (``set_cores``), and its
+        CPU fraction is its CPU use over those cores.
+        """
         spec = self._spec()
         reserved = {load.node_id: load.allocated_capacity_bytes for load in self._server_loads()}
         rows = []
@@ -936,17 +950,20 @@ class Controller:
             # A job's reservation counts as used: a server launched for a job that has not
             # written yet must not look idle.
             used = max(int(stats.get("used_bytes", 0)), reserved.get(info.node_id, 0))
+            cores = max(int(stats.get("cores", 1)), 1)
             rows.append(
                 ServerUtilization(
                     node_id=info.node_id,
                     tier=info.tier,
-                    cpu_fraction=float(stats.get("cpu_utilization", 0.0)),
+                    cpu_fraction=float(stats.get("cpu_utilization", 0.0)) / cores,
                     net_bytes_per_s=float(
                         stats.get("bytes_in_per_s", 0) + stats.get("bytes_out_per_s", 0)
                     ),
                     net_capacity_bytes_per_s=float(throughput),
                     used_bytes=used,
                     capacity_bytes=info.capacity_bytes,
+                    threads=cores,
+                    threads_max=max(int(stats.get("cores_max", cores)), cores),
                     long_running=info.long_running,
                     draining=info.node_id in self._draining,
                 )

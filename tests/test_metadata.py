@@ -204,3 +204,17 @@ def test_a_killed_metadata_actor_is_restarted_with_every_acknowledged_change(
                 assert client.get("b", "k") == b"kept"
     jobs = {j["job_id"] for j in ray.get(metadata.jobs.remote(), timeout=30)}
     assert running.job_id not in jobs and later.job_id not in jobs
+
+
+def test_the_log_is_compacted_past_its_byte_bound_without_fsync(tmp_path: Path) -> None:
+    path = tmp_path / "metadata.log"
+    metadata = Metadata(path, fsync=False, compact_bytes_max=4096)
+    for i in range(40):
+        metadata.put_job(_record(f"j{i}-{i:06d}", hints={"pad": "x" * 200}))
+        metadata.remove_job(f"j{i}-{i:06d}")
+    assert path.stat().st_size < 4096 + 1024
+    metadata.put_job(_record("kept-000001"))
+    metadata.close()
+    assert [j["job_id"] for j in Metadata(path).jobs()] == ["kept-000001"]
+    with pytest.raises(ValueError):
+        Metadata(path, compact_records_max=0)

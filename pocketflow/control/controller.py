@@ -87,6 +87,9 @@ MONITOR_INTERVAL_S_MAX = 0.25
 ADMIN_CALL_TIMEOUT_S = 5.0
 """Deadline of one admin call (``set_epoch``, ``delete_job``, ``drain``) to a storage server."""
 
+PROBE_TIMEOUT_S = 1.0
+"""Deadline of the direct ``stats`` probe of a server whose heartbeats are late."""
+
 DEAD_SERVERS_KEPT_MAX = 256
 """Most dead servers remembered for ``status``; the oldest are forgotten past it."""
 
@@ -208,6 +211,8 @@ class Controller:
             )
         self._secret = read_secret_file(secret_file)
         self._admin = AdminTokens(Path(secret_file), timeout_s=ADMIN_CALL_TIMEOUT_S)
+        # Used only by the monitor thread (AdminTokens is not shared between threads).
+        self._probe = AdminTokens(Path(secret_file), timeout_s=PROBE_TIMEOUT_S)
         self._metadata = metadata
         self._block_size_bytes = block_size_bytes
         self._token_ttl_s = token_ttl_s
@@ -315,6 +320,9 @@ class Controller:
         """
         declared = []
         for node_id in self._silent_servers():
+            info = self._servers.get(node_id)
+            if info is not None and node_id not in self._draining and self._answers(info):
+                continue
             with self._lock:
                 # Re-checked under the lock: a heartbeat may have come in meanwhile.
                 silent_s = self._silent_servers().get(node_id)
@@ -326,6 +334,24 @@ class Controller:
                 self.declare_dead(node_id, reason=f"no heartbeat for {silent_s:.1f}s")
             declared.append(node_id)
         return declared
+
+    def _answers(self, info: StorageNodeInfo) -> bool:
+        """Whether a silent server still answers ``stats`` within ``PROBE_TIMEOUT_S``.
+
+        Heartbeats travel through Ray and can be late on a loaded machine; a server that
+        answers is alive and its answer counts as a heartbeat. A killed server refuses the
+        connection at once, a hung one costs one probe timeout.
+        """
+        sampled = time.time()
+        try:
+            stats = self._probe.client(info.address).stats()
+        except PocketflowError:
+            self._probe.forget(info.address)
+            return False
+        stats["sampled_at_unix_s"] = sampled
+        log.warning("heartbeats of %s are late but it answers; still alive", info.node_id)
+        self.heartbeat(info.node_id, stats)
+        return True
 
     def _silent_servers(self) -> dict[str, float]:
         """``node_id -> seconds since its last heartbeat`` for servers silent too long."""
@@ -587,6 +613,7 @@ class Controller:
         monitor = self._monitor
         if monitor is not None and monitor is not threading.current_thread():
             monitor.join(timeout=ADMIN_CALL_TIMEOUT_S * 2)
+        self._probe.close()
         with self._lock:
             self._admin.close()
             launched, self._launched = dict(self._launched), {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -222,14 +223,22 @@ def _renew_lease(control: ControlPlane, job_id: str, lease_ms: int, stop: thread
     """Renew a job's lease every third of ``lease_ms`` until ``stop`` is set or the job is gone.
 
     Each renewal is one bounded controller call; a failed one is logged and retried at the next
-    turn, so two may fail before the lease runs out.
+    turn, so two may fail before the lease runs out. Once no renewal succeeded for a whole lease
+    (the controller is gone, or the lease ran out and the job is being cleaned up), the thread
+    gives up.
     """
+    last_ok_s = time.monotonic()
     while not stop.is_set():
         try:
             control.renew_lease(job_id, lease_ms)
+            last_ok_s = time.monotonic()
         except JobNotRegistered:
             return
         except Exception as exc:
+            if time.monotonic() - last_ok_s >= lease_ms / 1000.0:
+                log.warning("job %s: no lease renewal for %d ms (%s); giving up", job_id,
+                            lease_ms, exc)
+                return
             log.warning("renewing the lease of job %s failed: %s", job_id, exc)
         stop.wait(lease_ms / 3000.0)
 

@@ -15,7 +15,7 @@ from fixtures_cluster import used_bytes, wait_for
 
 from pocketflow.cluster import LocalCluster
 from pocketflow.control.leases import LEASE_MS_MIN, LeaseTable, check_lease_ms
-from pocketflow.errors import ConfigError
+from pocketflow.errors import ClusterError, ConfigError, JobNotRegistered
 
 DRIVER_LEASE_MS = 1000
 DRIVER_START_TIMEOUT_S = 90.0
@@ -114,3 +114,37 @@ def test_the_job_of_a_killed_driver_is_deregistered_and_its_data_freed(
         if driver.poll() is None:
             driver.kill()
             driver.wait(timeout=10)
+
+
+
+def test_the_renewal_thread_gives_up_after_a_lease_without_renewal(
+    local_cluster: LocalCluster,
+) -> None:
+    """With its controller gone, a driver's renewal thread stops after one lease."""
+    import threading
+
+    import ray
+
+    from pocketflow.control.controller import Controller
+    from pocketflow.control.metadata import Metadata
+    from pocketflow.control.plane import ControlPlane
+    from pocketflow.job import _renew_lease
+
+    controller = ray.remote(Controller).options(num_cpus=0).remote(
+        secret_file=str(local_cluster.secret_file), metadata=Metadata(),
+        block_size_bytes=local_cluster.block_size_bytes, failure_detection=False,
+    )
+    control = ControlPlane(controller)
+    with pytest.raises(JobNotRegistered):
+        control.renew_lease("nobody-000000", 300)
+    ray.kill(controller, no_restart=True)
+    with pytest.raises(ClusterError):
+        control.renew_lease("nobody-000000", 300)
+
+    stop = threading.Event()
+    thread = threading.Thread(target=_renew_lease, args=(control, "j", 300, stop), daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert time.monotonic() - started >= 0.3

@@ -50,6 +50,10 @@ def _add_cluster_shape(parser: argparse.ArgumentParser) -> None:
                        help="block size of large objects (default 1MiB)")
     group.add_argument("--num-cpus", type=_positive, default=2,
                        help="CPUs Ray may schedule on (default 2)")
+    group.add_argument("--autoscale", action="store_true",
+                       help="launch servers for jobs that do not fit, and run the sizing loop")
+    group.add_argument("--sizing-interval", default="5s",
+                       help="how often the sizing loop acts with --autoscale (default 5s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +134,8 @@ def _local_cluster(args: argparse.Namespace) -> Any:
         nvme_capacity=args.nvme_capacity,
         block_size=args.block_size,
         num_cpus=args.num_cpus,
+        autoscale=args.autoscale,
+        sizing_interval=args.sizing_interval if args.autoscale else None,
     )
 
 

@@ -22,6 +22,7 @@ if str(REPO_ROOT) not in sys.path:  # benchmarks/ is not an installed package
 
 from benchmarks import compare, report  # noqa: E402
 from benchmarks.peers import weed_binary  # noqa: E402
+from benchmarks.rounds import WARMUP_ROUNDS, verified_rounds  # noqa: E402
 from benchmarks.workloads import PhaseResult, combine, run_phase  # noqa: E402
 
 QUICK_RUN_SECONDS_MAX = 240.0
@@ -123,6 +124,25 @@ def test_combine_refuses_no_samples() -> None:
     empty = PhaseResult(phase="put", ops=0, bytes=0, start_ns=5, end_ns=5)
     with pytest.raises(ValueError):
         combine([[empty]])
+
+
+def test_verified_rounds_checks_every_round_outside_the_timing(benchmark: Any) -> None:
+    checked: list[tuple[int, int]] = []
+    verified_rounds(
+        benchmark, lambda n: 2 * n, prepare=lambda: (len(checked),),
+        check=lambda args, result: checked.append((args[0], result)), rounds=3,
+    )
+    # Each round's arguments come from prepare() after the previous round was checked.
+    rounds = 1 if benchmark.disabled else 3 + WARMUP_ROUNDS
+    assert checked == [(i, 2 * i) for i in range(rounds)]
+
+
+def test_verified_rounds_fails_on_a_wrong_result(benchmark: Any) -> None:
+    def check(args: tuple[Any, ...], result: bytes) -> None:
+        assert result, "wrong: an empty answer"
+
+    with pytest.raises(AssertionError, match="wrong"):
+        verified_rounds(benchmark, lambda: b"", prepare=tuple, check=check, rounds=3)
 
 
 def test_quick_compare_measures_every_figure(local_cluster: Any, tmp_path: Path) -> None:

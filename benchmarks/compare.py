@@ -1,6 +1,7 @@
 """Side-by-side runner: pocketflow (DRAM and NVMe tiers), Redis, S3 and raw TCP in one run.
 
-``python -m benchmarks.compare [--quick|--full] [--peers ...] [--out DIR]``
+``python -m benchmarks.compare [--quick|--full] [--peers ...] [--out DIR]``, or the same options
+after ``pocketflow bench`` (which calls :func:`main_from_args`).
 
 Each peer is started on 127.0.0.1 right before its cells and stopped (by pid) right after, so
 idle peers do not share the two cores with the one being measured. Every cell is one object size

@@ -200,11 +200,12 @@ def test_partitions_lost_with_a_killed_server_are_regenerated(
         assert info.node_id in {s.node_id for s in job.handle.servers if s.weight > 0}
         placement = Placement(job.handle.servers)
         # Enough reducers that mapper 1 (which writes before the kill) has inputs on the doomed
-        # server and elsewhere.
-        reducers = next(
-            r for r in range(2, 17)
-            if len({placement.server_for(shuffle_key(mapper=1, reducer=i).encode(), 0).node_id
-                    == info.node_id for i in range(r)}) == 2
+        # server (and, when the job has other servers with weight, elsewhere too).
+        on_doomed = [placement.server_for(shuffle_key(mapper=1, reducer=i).encode(), 0).node_id
+                     == info.node_id for i in range(16)]
+        reducers = 2 + next(
+            i for i in range(15)
+            if any(on_doomed[:i + 2]) and (all(on_doomed) or not all(on_doomed[:i + 2]))
         )
         config = SortConfig(mappers=2, reducers=reducers, records=4_000, seed=11)
         outcome: dict[str, Any] = {}

@@ -54,7 +54,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -105,6 +107,8 @@ WRITE_ATTEMPTS_MAX = 3
 server."""
 READ_THREADS_MAX = 8
 """Most inputs one reducer reads at once."""
+WORKER_CLIENTS_MAX = 4
+"""Most pocketflow clients one worker process keeps open between tasks."""
 
 
 def shuffle_key(*, mapper: int, reducer: int) -> str:
@@ -138,6 +142,7 @@ class _Spec:
     persist_output: bool
     input_wait_s: float
     client_options: tuple[tuple[str, Any], ...]
+    delete_inputs: bool = True
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,7 @@ def shuffle(
     input_wait_s: float = INPUT_WAIT_DEFAULT_S,
     regenerate_rounds_max: int = REGENERATE_ROUNDS_MAX,
     client_options: dict[str, Any] | None = None,
+    delete_inputs: bool = True,
 ) -> ShuffleResult:
     """Run a map/shuffle/reduce on a ``lithops.FunctionExecutor``, shuffling through pocketflow.
 
@@ -232,6 +238,8 @@ def shuffle(
     regeneration. ``cluster`` is what :func:`pocketflow.register_job` takes; ``job`` runs the
     shuffle in an already registered job (not deregistered here). ``client_options`` are
     :class:`~pocketflow.config.ClientConfig` settings for the tasks' clients.
+    ``delete_inputs=False`` reads the shuffle objects without DELETE (they then live until the
+    job is deregistered); it exists to measure what DELETE saves.
 
     Raises :class:`ShuffleFailed` when lost partitions could not be regenerated within
     ``regenerate_rounds_max`` rounds, and whatever a task raised (Lithops re-raises it here).
@@ -249,7 +257,7 @@ def shuffle(
     if job is not None:
         return _run(fexec, job, map_function, reduce_function, map_inputs, reducers,
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
-                    client_options)
+                    client_options, delete_inputs)
     hints = Hints(
         max_concurrent_tasks=min(mappers + reducers, 1_000_000),
         data_size_bytes=input_size_bytes,
@@ -258,14 +266,14 @@ def shuffle(
     with register_job(name, hints, cluster=cluster) as own_job:
         return _run(fexec, own_job, map_function, reduce_function, map_inputs, reducers,
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
-                    client_options)
+                    client_options, delete_inputs)
 
 
 def _run(
     fexec: Any, job: Job, map_function: Callable[..., Any],
     reduce_function: Callable[[int, list[bytes]], Any], map_inputs: Sequence[Any],
     reducers: int, persist_output: bool, output_bucket: str, input_wait_s: float,
-    regenerate_rounds_max: int, client_options: dict[str, Any] | None,
+    regenerate_rounds_max: int, client_options: dict[str, Any] | None, delete_inputs: bool,
 ) -> ShuffleResult:
     started = time.perf_counter()
     started_unix_s = time.time()
@@ -285,6 +293,7 @@ def _run(
             persist_output=persist_output,
             input_wait_s=input_wait_s,
             client_options=tuple(sorted(options.items())),
+            delete_inputs=delete_inputs,
         )
         map_calls = [_MapCall(spec, map_function, item, m, None)
                      for m, item in enumerate(map_inputs)]
@@ -368,10 +377,30 @@ def _run(
 # -- tasks (run in Lithops workers) -------------------------------------------------------------
 
 
-def _connect(spec: _Spec) -> Client:
+_CLIENTS: OrderedDict[tuple[str, tuple[tuple[str, Any], ...]], Client] = OrderedDict()
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _client(spec: _Spec) -> Client:
+    """This worker process's client for the shuffle's handle, kept open for the next task.
+
+    A warm worker (Lithops runs many calls per worker process) reuses its connections and
+    sessions instead of opening new ones per task; at most ``WORKER_CLIENTS_MAX`` are kept.
+    """
     import pocketflow
 
-    return pocketflow.connect(spec.handle_json, **dict(spec.client_options))
+    key = (spec.handle_json, spec.client_options)
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.pop(key, None)
+        if client is None:
+            client = pocketflow.connect(spec.handle_json, **dict(spec.client_options))
+        _CLIENTS[key] = client
+        evicted = []
+        while len(_CLIENTS) > WORKER_CLIENTS_MAX:
+            evicted.append(_CLIENTS.popitem(last=False)[1])
+    for old in evicted:
+        old.close()
+    return client
 
 
 def _unreachable_in_map(pf: Client, unreachable: set[str]) -> bool:
@@ -465,8 +494,7 @@ def _map_task(call: _MapCall) -> _MapOutcome:
         data = chunks[0] if len(chunks) == 1 else b"".join(memoryview(c) for c in chunks)
         items.append((shuffle_key(mapper=call.mapper, reducer=r), memoryview(data).cast("B")))
     started = time.perf_counter()
-    with _connect(spec) as pf:
-        attempts = _write_all(pf, spec, items)
+    attempts = _write_all(_client(spec), spec, items)
     return _MapOutcome(
         mapper=call.mapper,
         value=value,
@@ -494,7 +522,8 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
     unreachable: set[str] = set()
     wait_s = io_s = 0.0
     deadline = time.monotonic() + spec.input_wait_s
-    with _connect(spec) as pf, ThreadPoolExecutor(min(READ_THREADS_MAX, spec.mappers)) as pool:
+    pf = _client(spec)
+    with ThreadPoolExecutor(min(READ_THREADS_MAX, spec.mappers)) as pool:
         pending = dict(keys)
         while pending:
             started = time.perf_counter()
@@ -522,7 +551,10 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
                     f"{sorted(pending)[:8]} did not arrive within {spec.input_wait_s:.0f} s"
                 )
             started = time.perf_counter()
-            results = list(pool.map(lambda k: _read_once(pf, spec.bucket, k), ready.values()))
+            results = list(pool.map(
+                lambda k: _read_once(pf, spec.bucket, k, delete=spec.delete_inputs),
+                ready.values(),
+            ))
             io_s += time.perf_counter() - started
             for (m, _), result in zip(ready.items(), results, strict=True):
                 del pending[m]
@@ -552,11 +584,11 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
                           io_s=io_s)
 
 
-def _read_once(pf: Client, bucket: str, key: str) -> bytes | PocketflowError:
-    """Read and delete one input; a lost one (server unreachable, or its manifest gone with a
+def _read_once(pf: Client, bucket: str, key: str, *, delete: bool) -> bytes | PocketflowError:
+    """Read (and delete) one input; a lost one (server unreachable, or its manifest gone with a
     data block) comes back as the error instead of being raised."""
     try:
-        return pf.get(bucket, key, delete=True)
+        return pf.get(bucket, key, delete=delete)
     except (DataUnavailable, ObjectNotFound) as exc:
         return exc
 

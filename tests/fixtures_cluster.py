@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
 from pocketflow.cluster import LocalCluster
+from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE
+from pocketflow.control.storage_node import StorageNode, StorageNodeInfo
 from pocketflow.errors import ServerStartError
 from pocketflow.server_process import find_server_binary
 
@@ -58,3 +65,34 @@ def wait_for(
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)
+
+
+@contextmanager
+def extra_server(
+    cluster: LocalCluster, *, prefix: str = "extra", capacity_bytes: int = 64 * 1024 * 1024
+) -> Iterator[tuple[StorageNodeInfo, Any]]:
+    """A DRAM server added to the session cluster for one test (to kill or stop), removed after.
+
+    Yields its info and its ``StorageNode`` actor. Afterwards the controller forgets it (declared
+    dead unless it already is), its process is killed by pid and its actor is killed, so the
+    session's own servers are never touched.
+    """
+    import ray
+
+    node_id = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    node = ray.remote(StorageNode).options(namespace=NAMESPACE, num_cpus=0).remote(
+        node_id=node_id,
+        tier="dram",
+        capacity_bytes=capacity_bytes,
+        secret_file=str(cluster.secret_file),
+    )
+    info = ray.get(node.start.remote(), timeout=60)
+    controller = ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE)
+    ray.get(controller.add_server.remote(info, node), timeout=30)
+    try:
+        yield info, node
+    finally:
+        ray.get(controller.declare_dead.remote(node_id, reason="test over"), timeout=60)
+        if info.server_process().alive():
+            os.kill(info.server_pid, signal.SIGKILL)
+        ray.kill(node, no_restart=True)

@@ -9,16 +9,15 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fixtures_cluster import wait_for
+from fixtures_cluster import extra_server, wait_for
 
 from pocketflow.cluster import LocalCluster
 from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE
-from pocketflow.control.storage_node import StorageNode, StorageNodeInfo
+from pocketflow.control.storage_node import StorageNodeInfo
 from pocketflow.errors import DataUnavailable
 from pocketflow.placement import Placement
 
@@ -41,27 +40,10 @@ def _controller() -> Any:
 
 
 @pytest.fixture
-def extra_server(local_cluster: LocalCluster) -> Iterator[tuple[StorageNodeInfo, Any]]:
-    """A DRAM server added to the session cluster for this test only, removed afterwards."""
-    import ray
-
-    node_id = f"extra-{uuid.uuid4().hex[:6]}"
-    node = ray.remote(StorageNode).options(namespace=NAMESPACE, num_cpus=0).remote(
-        node_id=node_id,
-        tier="dram",
-        capacity_bytes=64 * 1024 * 1024,
-        secret_file=str(local_cluster.secret_file),
-    )
-    info = ray.get(node.start.remote(), timeout=60)
-    controller = _controller()
-    ray.get(controller.add_server.remote(info, node), timeout=30)
-    try:
-        yield info, node
-    finally:
-        ray.get(controller.declare_dead.remote(node_id, reason="test over"), timeout=60)
-        if info.server_process().alive():
-            os.kill(info.server_pid, signal.SIGKILL)
-        ray.kill(node, no_restart=True)
+def extra(local_cluster: LocalCluster) -> Iterator[tuple[StorageNodeInfo, Any]]:
+    """A DRAM server of this test only (see ``fixtures_cluster.extra_server``)."""
+    with extra_server(local_cluster, prefix="extra") as added:
+        yield added
 
 
 def _keys_on(job_handle: Any, node_id: str) -> tuple[list[str], list[str]]:
@@ -74,11 +56,11 @@ def _keys_on(job_handle: Any, node_id: str) -> tuple[list[str], list[str]]:
 
 
 def test_killed_server_is_declared_dead_and_its_jobs_move_on(
-    local_cluster: LocalCluster, extra_server: tuple[StorageNodeInfo, Any]
+    local_cluster: LocalCluster, extra: tuple[StorageNodeInfo, Any]
 ) -> None:
     import ray
 
-    info, _ = extra_server
+    info, _ = extra
     controller = _controller()
     with local_cluster.register_job("victim") as victim, local_cluster.register_job(
         "bystander", {"latency_sensitive": False}
@@ -132,11 +114,11 @@ def test_killed_server_is_declared_dead_and_its_jobs_move_on(
 
 
 def test_hung_server_gives_data_unavailable_within_the_op_timeout(
-    local_cluster: LocalCluster, extra_server: tuple[StorageNodeInfo, Any]
+    local_cluster: LocalCluster, extra: tuple[StorageNodeInfo, Any]
 ) -> None:
     import ray
 
-    info, _ = extra_server
+    info, _ = extra
     controller = _controller()
     with local_cluster.register_job("hung") as job:
         on, off = _keys_on(job.handle, info.node_id)

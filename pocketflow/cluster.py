@@ -178,6 +178,7 @@ class LocalCluster:
         self._controller: Any = None
         self._nodes: dict[str, Any] = {}
         self._infos: dict[str, StorageNodeInfo] = {}
+        self._launched_infos: dict[str, StorageNodeInfo] = {}
         self._control: ControlPlane | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -228,7 +229,10 @@ class LocalCluster:
         try:
             self._stop_actors()
             leftover = terminate(
-                [info.server_process() for info in self._infos.values()],
+                [
+                    info.server_process()
+                    for info in [*self._infos.values(), *self._launched_infos.values()]
+                ],
                 timeout_s=STOP_TIMEOUT_S,
             )
             if leftover:
@@ -495,6 +499,13 @@ class LocalCluster:
             except Exception as exc:
                 log.warning("storage nodes did not stop cleanly: %s", exc)
         if self._controller is not None:
+            # Servers the controller launched are stopped by it; their pids are kept so that
+            # `stop` can still terminate any survivor by pid.
+            try:
+                for info in ray.get(self._controller.servers.remote(), timeout=STOP_TIMEOUT_S):
+                    self._launched_infos.setdefault(info.node_id, info)
+            except Exception as exc:
+                log.warning("could not list the controller's servers: %s", exc)
             try:
                 ray.get(self._controller.close.remote(), timeout=STOP_TIMEOUT_S)
             except Exception as exc:

@@ -28,3 +28,13 @@ def test_a_growing_job_moves_to_a_new_epoch_and_old_data_stays_readable(
                 pf.put("b", f"new-{i}", b"n")
             assert pf.get("b", "new-39") == b"n"
             assert local_cluster.control.job_handle(job.job_id).epoch == grown.epoch
+
+        import ray
+
+        from pocketflow.control import METADATA_ACTOR_NAME, NAMESPACE
+
+        metadata = ray.get_actor(METADATA_ACTOR_NAME, namespace=NAMESPACE)
+        record = ray.get(metadata.get_job.remote(job.job_id), timeout=30)
+        assert record["epoch"] == grown.epoch
+        assert record["weight_map"] == grown.weight_map()
+        assert record["hints"]["data_size_bytes"] == 300 * 1024 * 1024

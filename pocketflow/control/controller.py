@@ -1050,7 +1050,12 @@ class Controller:
                 self._admin.forget(server.address)
         record = dataclasses.replace(record, handle=handle)
         self._jobs[job_id] = record
-        self._call_metadata("put_job", record.to_metadata())
+        changed = record.to_metadata()
+        self._call_metadata(
+            "update_job",
+            job_id,
+            {k: changed[k] for k in ("epoch", "weight_map", "hints", "demand")},
+        )
         log.info(
             "job %s moved to epoch %d on %s",
             job_id, handle.epoch, ", ".join(s.node_id for s in servers),

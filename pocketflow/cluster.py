@@ -94,6 +94,12 @@ class LocalCluster:
     fit, and with a ``sizing_interval`` too it runs the sizing loop (add a server above 80%
     utilization, drain one below 60%, ``sizing_cooldown`` between actions). Each node sends a
     heartbeat every ``heartbeat_interval``; a server silent for ``dead_after`` is declared dead.
+
+    On a multi-node Ray cluster (this process connected to it first), ``storage_resources=True``
+    places every storage server, the initial ones and the launched ones, on a node that
+    advertises a free ``pocketflow_storage_<tier>`` resource unit; when none has one, the
+    controller asks Ray's autoscaler (``request_resources``) and the launch waits, bounded by
+    ``register_timeout``.
     """
 
     def __init__(
@@ -116,6 +122,7 @@ class LocalCluster:
         register_timeout: float | str = "60s",
         sizing_interval: float | str | None = None,
         sizing_cooldown: float | str = "10s",
+        storage_resources: bool = False,
         metadata_log: str | os.PathLike[str] | None = None,
         persist_ttl: float | str | None = "24h",
     ) -> None:
@@ -150,6 +157,7 @@ class LocalCluster:
             else int(parse_duration(sizing_interval, name="sizing_interval") * 1000)
         )
         self._sizing_cooldown_s = parse_duration(sizing_cooldown, name="sizing_cooldown")
+        self._storage_resources = storage_resources
         self._num_cpus = num_cpus
         self._server_threads = server_threads
         self._tmp_dir = None if tmp_dir is None else Path(tmp_dir)
@@ -383,6 +391,7 @@ class LocalCluster:
         import ray
 
         from pocketflow.control.controller import SIZING_INTERVAL_MS_DEFAULT, Controller
+        from pocketflow.control.launcher import tier_resource
         from pocketflow.control.metadata import Metadata
         from pocketflow.control.plane import ControlPlane
         from pocketflow.control.sizing import SizingBounds
@@ -406,9 +415,12 @@ class LocalCluster:
             nvme_path = (
                 str(self.work_dir / f"{plan.node_id}.data") if plan.tier == TIER_NVME else None
             )
+            node_options = dict(options)
+            if self._storage_resources:
+                node_options["resources"] = {tier_resource(plan.tier): 1}
             self._nodes[plan.node_id] = (
                 ray.remote(StorageNode)
-                .options(name=STORAGE_NODE_ACTOR_PREFIX + plan.node_id, **options)
+                .options(name=STORAGE_NODE_ACTOR_PREFIX + plan.node_id, **node_options)
                 .remote(
                     node_id=plan.node_id,
                     tier=plan.tier,
@@ -484,6 +496,8 @@ class LocalCluster:
                 TIER_NVME: self._nvme_capacity_bytes,
             },
             threads=self._server_threads,
+            persist_ttl_ms=self._persist_ttl_ms,
+            use_resources=self._storage_resources,
             servers_max=self._servers_max,
         )
 

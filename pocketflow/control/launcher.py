@@ -34,13 +34,14 @@ class LaunchSpec:
     NVMe servers keep their data in a file of ``data_dir``. With ``use_resources``, each
     ``StorageNode`` actor requests one unit of :func:`tier_resource` so that Ray places it on a
     node that advertises storage slots of that tier; without it the actor runs anywhere (a local
-    cluster).
+    cluster). ``persist_ttl_ms`` is given to long-running servers (their PERSIST lifetime).
     """
 
     secret_file: str
     data_dir: str
     capacity_bytes_by_tier: dict[str, int]
     threads: int | None = None
+    persist_ttl_ms: int | None = None
     use_resources: bool = False
     servers_max: int = 64
     extra_options: dict[str, Any] = field(default_factory=dict)
@@ -96,6 +97,7 @@ class Launcher:
             long_running=long_running,
             nvme_path=nvme_path,
             threads=self.spec.threads,
+            persist_ttl_ms=self.spec.persist_ttl_ms if long_running else None,
         )
         ref = node.start.remote()
         requested = False

@@ -50,6 +50,10 @@ class ControlPlane:
 
         return self._call("grow_job", job_id, Hints.coerce(hints).to_dict())
 
+    def drain_node(self, ray_node_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Drain every storage server of a Ray node before removing the node (bounded wait)."""
+        return self._call("drain_node", ray_node_id, min(timeout_s, CALL_TIMEOUT_S / 2))
+
     def drain_server(self, node_id: str) -> dict[str, Any]:
         """Remove a storage server without losing live data (see ``Controller.drain_server``)."""
         return self._call("drain_server", node_id)

@@ -311,7 +311,8 @@ def _pocketflow_used(cluster: Any) -> Callable[[], int]:
     return sample
 
 
-def run(shape: str, repeats: int, out_dir: Path) -> dict[str, Any]:
+def run(shape: str, repeats: int, out_dir: Path, *, records: int | None = None
+        ) -> dict[str, Any]:
     """Run every variant ``repeats`` times; write JSON and Markdown; return the results."""
     import redis
     from lithops.constants import LITHOPS_TEMP_DIR
@@ -320,7 +321,7 @@ def run(shape: str, repeats: int, out_dir: Path) -> dict[str, Any]:
 
     params = SHAPES[shape]
     config = SortConfig(mappers=params["mappers"], reducers=params["reducers"],
-                        records=params["records"], seed=42, processes=WORKERS)
+                        records=records or params["records"], seed=42, processes=WORKERS)
     started_iso, started = now_iso(), time.perf_counter()
     runs: list[Run] = []
     redis_peer = RedisPeer()
@@ -474,12 +475,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="20 MB, 4x4, one repeat (default: 100 MB, 8x8, 3 repeats)")
     parser.add_argument("--repeats", type=int, default=None, help="runs per variant")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
+    parser.add_argument("--records", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shape = "quick" if args.quick else "full"
     repeats = args.repeats or SHAPES[shape]["repeats"]
     if repeats < 1:
         parser.error("--repeats must be at least 1")
-    results = run(shape, repeats, args.out)
+    records = args.records or SHAPES[shape]["records"]
+    if not 1 <= records <= SHAPES["full"]["records"] * 10:
+        parser.error("--records out of range")
+    results = run(shape, repeats, args.out, records=records)
     ok = all(s["all_ok"] for k, s in results["summary"].items() if isinstance(s, dict))
     return 0 if ok else 1
 

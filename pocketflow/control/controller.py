@@ -695,13 +695,16 @@ class Controller:
         result: PackResult | None = None
         for _ in range(LAUNCH_ROUNDS_MAX):
             result = solve(self._server_loads(), demand)
+            if result.fits and not any(p.weight > 0 for p in result.allocation.placements):
+                # Nothing can take the job's data (e.g. no server of its tier is active).
+                result = PackResult(result.allocation, {demand.tiers[0]: 1})
             if result.fits:
                 return result.allocation
             if self._launcher is None or not all(
                 self._launcher.can_launch(t) for t in result.shortfall
             ):
                 relaxed = solve(self._server_loads(), _without_throughput(demand))
-                if relaxed.fits:
+                if relaxed.fits and any(p.weight > 0 for p in relaxed.allocation.placements):
                     log.warning(
                         "throughput of %d bytes/s over-committed: no server can be launched",
                         demand.throughput_bytes_per_s,

@@ -321,7 +321,7 @@ class Controller:
         declared = []
         for node_id in self._silent_servers():
             info = self._servers.get(node_id)
-            if info is not None and node_id not in self._draining and self._answers(info):
+            if info is not None and self._answers(info):
                 continue
             with self._lock:
                 # Re-checked under the lock: a heartbeat may have come in meanwhile.
@@ -807,8 +807,8 @@ class Controller:
     def size_cluster(self) -> dict[str, Any]:
         """Run the sizing policy once on the latest heartbeats and carry out its action.
 
-        Adding threads (vertical scaling) needs a server action that is not available yet, so
-        it is logged and skipped. Returns ``{"action", "reason"}``.
+        Vertical scaling is the servers' ``set_cores`` action; a new server is launched only
+        when the cluster may launch servers. Returns ``{"action", "reason", ...}``.
         """
         if self._sizing is None:
             return {"action": "none", "reason": "sizing is disabled"}
@@ -878,6 +878,22 @@ class Controller:
                         f"{node_id} is one of the last {floor} long-running servers"
                     )
             self._draining.add(node_id)
+            # New epochs first, so that a client still writing to the server is told the new
+            # map (stale_epoch) rather than refused (draining).
+            for job_id, record in list(self._jobs.items()):
+                entry = next((s for s in record.handle.servers if s.node_id == node_id), None)
+                if entry is None or (entry.weight <= 0.0 and not entry.persist):
+                    continue
+                kept = tuple(
+                    dataclasses.replace(s, weight=0.0, persist=False)
+                    if s.node_id == node_id
+                    else s
+                    for s in record.handle.servers
+                )
+                if not any(s.weight > 0 for s in kept):
+                    self._exclude_from_job(job_id, node_id, keep_readable=True)
+                else:
+                    self._move_to_epoch(job_id, kept)
             try:
                 result = self._admin.client(info.address).drain(exit_when_empty=True)
                 empty = int(self._admin.client(info.address).stats().get("objects", 1)) == 0
@@ -888,18 +904,6 @@ class Controller:
             if empty:
                 self._retire(node_id)
                 return {"node_id": node_id, **result, "retired": True}
-            for job_id, record in list(self._jobs.items()):
-                weights = {s.node_id: s.weight for s in record.handle.servers}
-                if weights.get(node_id, 0.0) <= 0.0:
-                    continue
-                kept = tuple(
-                    dataclasses.replace(s, weight=0.0) if s.node_id == node_id else s
-                    for s in record.handle.servers
-                )
-                if not any(s.weight > 0 for s in kept):
-                    self._exclude_from_job(job_id, node_id, keep_readable=True)
-                else:
-                    self._move_to_epoch(job_id, kept)
             log.info("draining storage server %s", node_id)
             return {"node_id": node_id, **result, "retired": False}
 

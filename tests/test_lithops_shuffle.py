@@ -14,19 +14,17 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 import pytest
-from fixtures_cluster import used_bytes, wait_for
+from fixtures_cluster import extra_server, used_bytes, wait_for
 
 import pocketflow
 from pocketflow.cluster import LocalCluster
-from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE
-from pocketflow.control.storage_node import StorageNode, StorageNodeInfo
+from pocketflow.control.storage_node import StorageNodeInfo
 from pocketflow.demo import (
     PartitionCheck,
     SortConfig,
@@ -166,35 +164,11 @@ def test_bad_arguments_are_refused(local_cluster: LocalCluster, fexec: Any) -> N
 # -- lost partitions --------------------------------------------------------------------------
 
 
-def _controller() -> Any:
-    import ray
-
-    return ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE)
-
-
 @pytest.fixture
 def doomed_server(local_cluster: LocalCluster) -> Iterator[StorageNodeInfo]:
     """A DRAM server added to the session cluster for this test only, killed by the test."""
-    import ray
-
-    node_id = f"doomed-{uuid.uuid4().hex[:6]}"
-    node = ray.remote(StorageNode).options(namespace=NAMESPACE, num_cpus=0).remote(
-        node_id=node_id,
-        tier="dram",
-        capacity_bytes=64 * 1024 * 1024,
-        secret_file=str(local_cluster.secret_file),
-    )
-    info = ray.get(node.start.remote(), timeout=60)
-    controller = _controller()
-    ray.get(controller.add_server.remote(info, node), timeout=30)
-    try:
+    with extra_server(local_cluster, prefix="doomed") as (info, _):
         yield info
-    finally:
-        if node_id not in ray.get(controller.dead_servers.remote(), timeout=30):
-            ray.get(controller.declare_dead.remote(node_id, reason="test over"), timeout=60)
-        if info.server_process().alive():
-            os.kill(info.server_pid, signal.SIGKILL)
-        ray.kill(node, no_restart=True)
 
 
 def _gated_map(config: SortConfig, handle_json: str, gate_key: str, mapper: int,

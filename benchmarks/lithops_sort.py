@@ -39,7 +39,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -56,12 +55,13 @@ from pocketflow.demo import (
     _MASK64,
     MapResult,
     PartitionCheck,
+    PeakSampler,
     SortConfig,
     check_output,
     check_partition,
+    describe_partition,
     format_bytes,
     generate_records,
-    is_sorted,
     lithops_config,
     map_records,
     partition_of,
@@ -78,8 +78,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SAMPLE_INTERVAL_S = 0.05
 """Pause between two samples of the store's used bytes."""
-SAMPLES_MAX = 200_000
-"""Most samples one sampler takes (about 2.8 hours at the interval); it stops after that."""
 DIR_ENTRIES_MAX = 100_000
 """Most files the localhost-storage sampler walks per sample."""
 VARIANTS = ("lithops-localhost", "lithops-redis", "pocketflow", "pocketflow-no-delete")
@@ -135,54 +133,10 @@ def storage_check(reducer: int, prefix: str, storage: Any) -> PartitionCheck:
     key = f"{prefix}/out/part-{reducer:05d}"
     data = storage.get_object(storage.bucket, key)
     storage.delete_object(storage.bucket, key)
-    records = records_from(data)
-    count = records.shape[0]
-    return PartitionCheck(
-        reducer=reducer, records=count, checksum=record_checksum(records),
-        is_sorted=is_sorted(records),
-        first_key=bytes(records[0, :10]) if count else None,
-        last_key=bytes(records[-1, :10]) if count else None,
-        bytes_read=len(data),
-    )
+    return describe_partition(reducer, data)
 
 
 # -- measuring --------------------------------------------------------------------------------
-
-
-class PeakSampler:
-    """Samples a store's used bytes in a bounded background thread; keeps the peak."""
-
-    def __init__(self, sample: Callable[[], int]) -> None:
-        self._sample = sample
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="peak-sampler", daemon=True)
-        self.baseline_bytes = sample()
-        self.peak_bytes = self.baseline_bytes
-        self.samples = 1
-        self.errors = 0
-
-    def _run(self) -> None:
-        while self.samples < SAMPLES_MAX and not self._stop.wait(SAMPLE_INTERVAL_S):
-            try:
-                used = self._sample()
-            except Exception:  # noqa: BLE001 - a failed sample is counted, the next may work
-                self.errors += 1
-                continue
-            self.samples += 1
-            self.peak_bytes = max(self.peak_bytes, used)
-
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def held_bytes(self) -> int:
-        """Peak above the baseline."""
-        return max(0, self.peak_bytes - self.baseline_bytes)
 
 
 def dir_bytes(path: Path) -> int:
@@ -240,7 +194,7 @@ def run_storage_variant(name: str, fexec: Any, config: SortConfig,
                         sample: Callable[[str], int]) -> Run:
     """The sort with the shuffle through the executor's own Lithops storage (map, then reduce)."""
     prefix = f"lithops-sort-{uuid.uuid4().hex[:8]}"
-    with PeakSampler(functools.partial(sample, prefix)) as sampler:
+    with PeakSampler(functools.partial(sample, prefix), interval_s=SAMPLE_INTERVAL_S) as sampler:
         started = time.perf_counter()
         maps = fexec.get_result(fexec.map(
             storage_map, [(config, m, prefix) for m in range(config.mappers)]))
@@ -260,7 +214,7 @@ def run_pocketflow_variant(name: str, fexec: Any, config: SortConfig, cluster: A
     import pocketflow
     from pocketflow.integrations.lithops_shuffle import shuffle
 
-    with PeakSampler(sample) as sampler:
+    with PeakSampler(sample, interval_s=SAMPLE_INTERVAL_S) as sampler:
         started = time.perf_counter()
         result = shuffle(
             fexec, functools.partial(map_records, config), reduce_records,

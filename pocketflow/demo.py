@@ -35,6 +35,8 @@ RECORDS_MAX = 100_000_000
 """Most records one sort generates (10 GB)."""
 CAPACITY_POLL_INTERVAL_S = 0.25
 """How often the driver samples the servers' used bytes while the job runs."""
+SAMPLES_MAX = 200_000
+"""Most samples one sampler takes; it stops sampling after that."""
 LITHOPS_MONITORING_INTERVAL_S = 0.1
 """How often Lithops' driver looks for finished calls (its default of 2 s dominates small jobs)."""
 
@@ -342,12 +344,8 @@ def reduce_records(reducer: int, inputs: list[bytes]) -> np.ndarray:
     return sort_records(records_from(b"".join(inputs))).reshape(-1)
 
 
-def check_partition(handle_json: str, bucket: str, key: str, reducer: int) -> PartitionCheck:
-    """Read reducer ``reducer``'s output back from the storage servers and describe it."""
-    import pocketflow
-
-    with pocketflow.connect(handle_json) as pf:
-        data = pf.get(bucket, key)
+def describe_partition(reducer: int, data: bytes) -> PartitionCheck:
+    """What validation needs to know of reducer ``reducer``'s output bytes."""
     records = records_from(data)
     count = records.shape[0]
     return PartitionCheck(
@@ -359,6 +357,14 @@ def check_partition(handle_json: str, bucket: str, key: str, reducer: int) -> Pa
         last_key=bytes(records[-1, :KEY_BYTES]) if count else None,
         bytes_read=len(data),
     )
+
+
+def check_partition(handle_json: str, bucket: str, key: str, reducer: int) -> PartitionCheck:
+    """Read reducer ``reducer``'s output back from the storage servers and describe it."""
+    import pocketflow
+
+    with pocketflow.connect(handle_json) as pf:
+        return describe_partition(reducer, pf.get(bucket, key))
 
 
 # -- the driver -------------------------------------------------------------------------------
@@ -390,8 +396,61 @@ def lithops_config(*, storage: str = "localhost", workers: int | None = None,
     return config
 
 
-class CapacityPoller:
-    """Samples the cluster's used bytes in a background thread; remembers the peak."""
+class PeakSampler:
+    """Samples a store's used bytes in a background thread; remembers the baseline and the peak.
+
+    ``sample`` returns the bytes in use; a failing sample is counted in ``errors`` and skipped.
+    At most ``samples_max`` samples are taken (the thread stops sampling after that).
+    """
+
+    def __init__(
+        self,
+        sample: Callable[[], int],
+        *,
+        interval_s: float = CAPACITY_POLL_INTERVAL_S,
+        samples_max: int = SAMPLES_MAX,
+    ) -> None:
+        self._sample = sample
+        self._interval_s = interval_s
+        self._samples_max = samples_max
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-sampler", daemon=True)
+        self.baseline_bytes = sample()
+        self.peak_bytes = self.baseline_bytes
+        self.samples = 1
+        self.errors = 0
+
+    def _run(self) -> None:
+        while self.samples < self._samples_max and not self._stop.wait(self._interval_s):
+            try:
+                used = self._sample()
+            except Exception:  # a failed sample must not end the job; the next one may work
+                self.errors += 1
+                continue
+            self.samples += 1
+            self.peak_bytes = max(self.peak_bytes, used)
+
+    @property
+    def held_bytes(self) -> int:
+        """Peak above the baseline."""
+        return max(0, self.peak_bytes - self.baseline_bytes)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.peak_bytes = max(self.peak_bytes, self._sample())
+        except Exception:  # the job's outcome matters more than one last sample
+            self.errors += 1
+
+
+class CapacityPoller(PeakSampler):
+    """A :class:`PeakSampler` of the cluster's used bytes from its status (servers' heartbeats),
+    which also records the capacity and the number of servers."""
 
     def __init__(
         self,
@@ -399,40 +458,23 @@ class CapacityPoller:
         *,
         interval_s: float = CAPACITY_POLL_INTERVAL_S,
     ) -> None:
-        self._status = status
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="capacity-poller", daemon=True)
-        first = self._sample()
-        self.baseline_used_bytes = first[0]
-        self.peak_used_bytes = first[0]
-        self.capacity_bytes = first[1]
-        self.servers = first[2]
-
-    def _sample(self) -> tuple[int, int, int]:
-        servers = self._status()["servers"]
-        return (
-            sum(int(s["used_bytes"]) for s in servers),
-            sum(int(s["capacity_bytes"]) for s in servers),
-            len(servers),
+        first = status()["servers"]
+        self.capacity_bytes = sum(int(s["capacity_bytes"]) for s in first)
+        self.servers = len(first)
+        super().__init__(
+            lambda: sum(int(s["used_bytes"]) for s in status()["servers"]),
+            interval_s=interval_s,
         )
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                used = self._sample()[0]
-            except Exception:  # a failed sample must not end the job; the next one may work
-                continue
-            self.peak_used_bytes = max(self.peak_used_bytes, used)
+    @property
+    def baseline_used_bytes(self) -> int:
+        """Used bytes when sampling started."""
+        return self.baseline_bytes
 
-    def __enter__(self) -> CapacityPoller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak_used_bytes = max(self.peak_used_bytes, self._sample()[0])
+    @property
+    def peak_used_bytes(self) -> int:
+        """Highest used bytes seen."""
+        return self.peak_bytes
 
 
 def _say(progress: bool, text: str) -> None:

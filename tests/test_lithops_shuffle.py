@@ -26,9 +26,9 @@ import pocketflow
 from pocketflow.cluster import LocalCluster
 from pocketflow.control.storage_node import StorageNodeInfo
 from pocketflow.demo import (
-    PartitionCheck,
     SortConfig,
     check_output,
+    describe_partition,
     is_sorted,
     lithops_config,
     map_records,
@@ -244,16 +244,8 @@ def test_partitions_lost_with_a_killed_server_are_regenerated(
         handle = JobHandle.from_json(result.handle_json)
         assert info.node_id not in {s.node_id for s in handle.servers if s.weight > 0}
         with pocketflow.connect(result.handle_json) as pf:
-            checks = []
-            for r, output in enumerate(result.outputs):
-                records = records_from(pf.get(output.bucket, output.key, delete=True))
-                checks.append(PartitionCheck(
-                    reducer=r, records=records.shape[0], checksum=record_checksum(records),
-                    is_sorted=is_sorted(records),
-                    first_key=bytes(records[0, :10]) if len(records) else None,
-                    last_key=bytes(records[-1, :10]) if len(records) else None,
-                    bytes_read=records.size,
-                ))
+            checks = [describe_partition(r, pf.get(o.bucket, o.key, delete=True))
+                      for r, o in enumerate(result.outputs)]
         input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
         assert check_output(config, input_checksum=input_checksum, checks=checks) == []
 

@@ -101,6 +101,25 @@ _pack_frame_header = FRAME_HEADER_STRUCT.pack
 _pack_op = OP_STRUCT.pack
 
 
+def _only_value(column: pa.Array) -> pa.Buffer | None:
+    """The value of a one-row binary column as a zero-copy slice of the received body.
+
+    (``column[0].as_buffer()`` would go through an Arrow scalar, which copies the value.)
+    Returns ``None`` if the column is not one non-null row.
+    """
+    if len(column) != 1 or column.null_count:
+        return None
+    _, offsets, values = column.buffers()
+    if offsets is None:
+        return None
+    start, end = _OFFSETS.unpack_from(offsets, 4 * column.offset)
+    if values is None:
+        return pa.py_buffer(b"") if start == end else None
+    if not 0 <= start <= end <= values.size:
+        return None
+    return values.slice(start, end - start)
+
+
 class Watched(Protocol):
     """Something the watchdog can cancel: a ``deadline`` (monotonic seconds, 0 when idle)."""
 
@@ -728,7 +747,7 @@ class ServerConnection:
                     "internal: DoGet batch without app_metadata or data", server=self.address
                 )
             index, offset, length = decode_get_piece_meta(chunk.app_metadata)
-            piece = chunk.data.column(0)[0].as_buffer()
+            piece = _only_value(chunk.data.column(0))
             if piece is None or piece.size != length:
                 raise InternalError(
                     f"internal: DoGet piece of block {index} has "

@@ -17,7 +17,10 @@ Reads look for block 0 on the ephemeral placement first, then on the PERSIST pla
 is another server, so a reader need not know how an object was written. After the job's weight map
 has changed (epoch > 1), a key that is not found where the current map puts it is also looked for
 on the other servers of the map in rendezvous order, because data is never moved when a job is
-resized; a job whose map never changed pays nothing for this.
+resized; a job whose map never changed pays nothing for this. Once the job has lost a server to a
+failure (the map's ``lost`` list), a read of a key (or a data block) that no live server of the
+map holds raises :class:`DataUnavailable` naming a lost server, not :class:`ObjectNotFound`: it
+may have been on the lost server, and the client cannot tell.
 
 Small objects (up to ``SMALL_OBJECT_MAX_BYTES``) and every block-0 operation travel over pipelined
 DoExchange sessions; data blocks over DoPut and DoGet streams, one per server, in parallel on
@@ -415,9 +418,20 @@ class Client:
         return ObjectInfo(key, header.size, header.persist)
 
     def exists(self, bucket: str, key: str) -> bool:
-        """Whether the object exists (a :meth:`lookup` that answers ``False`` when it does not)."""
+        """Whether the object exists (a :meth:`lookup` that answers ``False`` when it does not;
+        after the job lost a server, a key on no live server raises :class:`DataUnavailable`)."""
         try:
             self.lookup(bucket, key)
+        except ObjectNotFound:
+            return False
+        return True
+
+    def _exists_live(self, bucket: str, key: str) -> bool:
+        """Whether a live server of the job holds the object (never :class:`DataUnavailable`
+        for a key that may have been lost: a waiter keeps waiting for it to be written)."""
+        try:
+            self._fetch_record(bucket, check_bucket(bucket), check_key(key), OP_LOOKUP, 0,
+                               lost_unavailable=False)
         except ObjectNotFound:
             return False
         return True
@@ -670,7 +684,7 @@ class Client:
             raise InvalidRequest(f"timeout_s must be finite and >= 0, got {timeout_s}")
         deadline = time.monotonic() + timeout_s
         if self._view.epoch > 1:
-            wanted = [key for key in wanted if not self.exists(bucket, key)]
+            wanted = [key for key in wanted if not self._exists_live(bucket, key)]
         # One parked call must end before the client gives up on the action's RPC.
         call_ms_max = max(1, min(WAIT_TIMEOUT_MAX_MS,
                                  int(1000 * self._config.rpc_timeout_s) - 1000))
@@ -882,9 +896,14 @@ class Client:
         )
 
     def _fetch_record(
-        self, bucket: str, bucket_raw: bytes, key_raw: bytes, op: int, flags: int
+        self, bucket: str, bucket_raw: bytes, key_raw: bytes, op: int, flags: int, *,
+        lost_unavailable: bool = True,
     ) -> tuple[ServerInfo, Reply]:
-        """Run a GET, LOOKUP or DELETE of block 0 where the object lives (see module doc)."""
+        """Run a GET, LOOKUP or DELETE of block 0 where the object lives (see module doc).
+
+        A GET or LOOKUP that finds the key on no live server of a job that lost servers raises
+        :class:`DataUnavailable` (unless ``lost_unavailable`` is false).
+        """
         for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
             view = self._view
             primary = view.placement.server_for(key_raw, 0)
@@ -914,9 +933,13 @@ class Client:
                 self._adopt(stale)
                 continue
             if isinstance(error, BucketNotFound) and bucket_seen:
-                raise ObjectNotFound(
+                error = ObjectNotFound(
                     f"not_found: {bucket}/{key_raw.decode()}", server=primary.address
                 )
+            if isinstance(error, ObjectNotFound) and op != OP_DELETE and lost_unavailable:
+                lost = _lost_error(view, f"{bucket}/{key_raw.decode()}")
+                if lost is not None:
+                    raise lost from error
             raise error
         raise AssertionError("unreachable")
 
@@ -1301,9 +1324,11 @@ class Client:
                 except NotFound:
                     continue
             else:
-                raise ObjectNotFound(
-                    f"not_found: block {index} of {bucket}/{key} is on no server of the job"
-                )
+                what = f"block {index} of {bucket}/{key}"
+                lost = _lost_error(view, what)
+                if lost is not None:
+                    raise lost
+                raise ObjectNotFound(f"not_found: {what} is on no server of the job")
 
     def _delete_blocks(self, bucket: str, key: str, key_raw: bytes, header: ObjectHeader) -> None:
         """Free a version's data blocks (best effort: a failure leaves garbage, not an error)."""
@@ -1532,6 +1557,19 @@ def _refused(exc: BaseException | None) -> bool:
     to a failure that leaves the outcome unknown (unreachable, timed out, interrupted, a bug)."""
     return isinstance(exc, PocketflowError) and not isinstance(
         exc, (DataUnavailable, InternalError)
+    )
+
+
+def _lost_error(view: _View, what: str) -> DataUnavailable | None:
+    """The error for ``what`` being on no live server of a job that lost servers, or ``None``
+    when the job lost none (then it is simply not found)."""
+    lost = view.handle.lost
+    if not lost:
+        return None
+    names = ", ".join(s.node_id for s in lost)
+    return DataUnavailable(
+        f"unavailable: {what} is on no live server of the job; it may have been on a lost "
+        f"server ({names})", server=lost[-1].address,
     )
 
 

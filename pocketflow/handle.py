@@ -8,11 +8,15 @@ The *weight map* is the part of the handle that changes when the controller resi
 
     {"epoch": 2, "servers": [["dram-0", "127.0.0.1:40123", "dram", 1.0, 1], ...]}
 
-with one ``[node_id, address, tier, weight, persist]`` row per server. The controller passes it
-to ``set_epoch``; a server that sees an older epoch returns it in its ``stale_epoch`` error and the
-client applies it with :meth:`JobHandle.with_weight_map`. Weights are rounded to
-:data:`WEIGHT_SIGNIFICANT_DIGITS` digits when a :class:`ServerInfo` is built, so a handle placed
-from memory and the same handle read back from JSON place every key identically.
+with one ``[node_id, address, tier, weight, persist]`` row per server, and, once the job has lost
+a server to a failure, ``"lost": [[node_id, address], ...]`` (the servers declared dead while
+they were in the job's map, at most :data:`LOST_SERVERS_MAX`, oldest dropped first): a key that
+no live server of the map holds may have been on one of them, so reads raise ``DataUnavailable``
+instead of ``ObjectNotFound``. The controller passes the map to ``set_epoch``; a server that sees
+an older epoch returns it in its ``stale_epoch`` error and the client applies it with
+:meth:`JobHandle.with_weight_map`. Weights are rounded to :data:`WEIGHT_SIGNIFICANT_DIGITS`
+digits when a :class:`ServerInfo` is built, so a handle placed from memory and the same handle
+read back from JSON place every key identically.
 """
 
 from __future__ import annotations
@@ -31,10 +35,15 @@ from pocketflow.protocol import (
     context,
 )
 
-__all__ = ["ServerInfo", "JobHandle", "TIERS", "WEIGHT_SIGNIFICANT_DIGITS"]
+__all__ = [
+    "ServerInfo", "JobHandle", "LostServer", "TIERS", "WEIGHT_SIGNIFICANT_DIGITS",
+    "LOST_SERVERS_MAX",
+]
 
 TIERS = ("dram", "nvme")
 WEIGHT_SIGNIFICANT_DIGITS = 6
+LOST_SERVERS_MAX = 16
+"""Most lost servers a weight map remembers (keeps a handle small); the oldest are dropped."""
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
@@ -86,20 +95,43 @@ class ServerInfo:
         return cls(str(node_id), str(address), str(tier), float(weight), bool(persist))
 
 
-def _servers_from_map(weight_map: Any) -> tuple[int, tuple[ServerInfo, ...]]:
+@dataclass(frozen=True, slots=True)
+class LostServer:
+    """A server declared dead while it was in the job's weight map (its data is gone)."""
+
+    node_id: str
+    address: str
+
+    def to_row(self) -> list[str]:
+        """The compact ``[node_id, address]`` row of the map's ``lost`` list."""
+        return [self.node_id, self.address]
+
+    @classmethod
+    def from_row(cls, row: Any) -> LostServer:
+        """Parse a ``lost`` row."""
+        if not isinstance(row, (list, tuple)) or len(row) != 2:
+            raise InvalidRequest(f"lost-server row must be [node_id, address], got {row!r}")
+        return cls(str(row[0]), str(row[1]))
+
+
+def _servers_from_map(
+    weight_map: Any,
+) -> tuple[int, tuple[ServerInfo, ...], tuple[LostServer, ...]]:
     if not isinstance(weight_map, dict) or "epoch" not in weight_map or "servers" not in weight_map:
         raise InvalidRequest(f"weight map must be {{'epoch', 'servers'}}, got {weight_map!r:.200}")
     try:
         epoch = int(weight_map["epoch"])
         servers = tuple(ServerInfo.from_row(row) for row in weight_map["servers"])
+        lost = tuple(LostServer.from_row(row) for row in weight_map.get("lost", ()))
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidRequest(f"malformed weight map: {exc}") from exc
-    return epoch, servers
+    return epoch, servers, lost
 
 
 @dataclass(frozen=True, slots=True)
 class JobHandle:
-    """A registered job: id, weight-map epoch, storage servers, capability token, block size."""
+    """A registered job: id, weight-map epoch, storage servers, capability token, block size,
+    and the servers it lost to failures (``lost``, see the module doc)."""
 
     job_id: str
     name: str
@@ -107,6 +139,7 @@ class JobHandle:
     servers: tuple[ServerInfo, ...]
     token: str
     block_size_bytes: int = BLOCK_SIZE_DEFAULT_BYTES
+    lost: tuple[LostServer, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.job_id or len(self.job_id.encode()) > JOB_ID_MAX_BYTES:
@@ -117,18 +150,31 @@ class JobHandle:
             )
         if not isinstance(self.servers, tuple):
             object.__setattr__(self, "servers", tuple(self.servers))
+        if not isinstance(self.lost, tuple) or len(self.lost) > LOST_SERVERS_MAX:
+            object.__setattr__(self, "lost", tuple(self.lost)[-LOST_SERVERS_MAX:])
         node_ids = [s.node_id for s in self.servers]
         if len(set(node_ids)) != len(node_ids):
             raise InvalidRequest(f"duplicate node ids in the weight map: {node_ids}")
 
     def weight_map(self) -> dict[str, Any]:
-        """The JSON-able weight map: ``{"epoch": n, "servers": [[node_id, address, ...], ...]}``."""
-        return {"epoch": self.epoch, "servers": [s.to_row() for s in self.servers]}
+        """The JSON-able weight map: ``{"epoch": n, "servers": [[node_id, address, ...], ...]}``
+        (plus ``"lost": [[node_id, address], ...]`` when the job lost servers)."""
+        weight_map: dict[str, Any] = {
+            "epoch": self.epoch, "servers": [s.to_row() for s in self.servers]
+        }
+        if self.lost:
+            weight_map["lost"] = [s.to_row() for s in self.lost]
+        return weight_map
 
     def with_weight_map(self, weight_map: dict[str, Any]) -> JobHandle:
         """This handle with another epoch and servers (from ``set_epoch`` or ``stale_epoch``)."""
-        epoch, servers = _servers_from_map(weight_map)
-        return dataclasses.replace(self, epoch=epoch, servers=servers)
+        epoch, servers, lost = _servers_from_map(weight_map)
+        return dataclasses.replace(self, epoch=epoch, servers=servers, lost=lost)
+
+    def with_lost(self, lost: LostServer) -> JobHandle:
+        """This handle also remembering ``lost`` (a server declared dead) as lost."""
+        kept = tuple(s for s in self.lost if s.node_id != lost.node_id)
+        return dataclasses.replace(self, lost=(*kept, lost))
 
     def context(self) -> dict[str, Any]:
         """The capability context (``{"job", "epoch", "token"}``) that every request carries."""
@@ -136,21 +182,24 @@ class JobHandle:
 
     def to_json(self) -> str:
         """Compact JSON, the form a framework passes to its tasks."""
-        return _dumps({
+        doc: dict[str, Any] = {
             "job": self.job_id,
             "name": self.name,
             "epoch": self.epoch,
             "token": self.token,
             "block_size": self.block_size_bytes,
             "servers": [s.to_row() for s in self.servers],
-        })
+        }
+        if self.lost:
+            doc["lost"] = [s.to_row() for s in self.lost]
+        return _dumps(doc)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JobHandle:
         """Parse :meth:`to_json` output."""
         try:
             doc = json.loads(text)
-            epoch, servers = _servers_from_map(doc)
+            epoch, servers, lost = _servers_from_map(doc)
             return cls(
                 job_id=str(doc["job"]),
                 name=str(doc.get("name", "")),
@@ -158,6 +207,7 @@ class JobHandle:
                 servers=servers,
                 token=str(doc["token"]),
                 block_size_bytes=int(doc.get("block_size", BLOCK_SIZE_DEFAULT_BYTES)),
+                lost=lost,
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, InvalidRequest):
@@ -171,5 +221,6 @@ class JobHandle:
     def __repr__(self) -> str:
         return (
             f"JobHandle(job_id={self.job_id!r}, name={self.name!r}, epoch={self.epoch}, "
-            f"servers=<{len(self.servers)}>, block_size_bytes={self.block_size_bytes})"
+            f"servers=<{len(self.servers)}>, block_size_bytes={self.block_size_bytes}"
+            + (f", lost=<{len(self.lost)}>)" if self.lost else ")")
         )

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from fixtures_cluster import extra_server, wait_for
 
+from pocketflow.client import connect
 from pocketflow.cluster import LocalCluster
 from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE
 from pocketflow.control.storage_node import StorageNodeInfo
@@ -97,10 +98,33 @@ def test_killed_server_is_declared_dead_and_its_jobs_move_on(
             assert info.node_id not in {s.node_id for s in handle.servers}
             assert any(s.weight > 0 for s in handle.servers)
 
+            # The new map remembers the lost server (in the handle JSON too).
+            assert [s.node_id for s in handle.lost] == [info.node_id]
+            assert info.address in handle.to_json()
+
             # The old client learns the new map from a live server and keeps working.
             assert pf.get("b", off[0]) == off[0].encode() * 100
+            assert pf.handle.epoch == handle.epoch
             pf.put("b", "after", b"new")
             assert pf.get("b", "after") == b"new"
+            # ... and what the dead server held is unavailable, not "not found".
+            with pytest.raises(DataUnavailable):
+                pf.get("b", on[-1])
+
+            # So it is for a fresh client with the controller's new handle, at once (the dead
+            # server is not in its map, so nothing waits on it); live keys read fine.
+            with connect(handle.to_json()) as fresh:
+                started = time.monotonic()
+                with pytest.raises(DataUnavailable) as lost:
+                    fresh.get("b", on[-1])
+                assert time.monotonic() - started < DEAD_AFTER_S
+                assert lost.value.server == info.address
+                with pytest.raises(DataUnavailable):
+                    fresh.exists("b", on[-1])
+                assert all(fresh.get("b", key) == key.encode() * 100 for key in off)
+                assert fresh.get("b", "after") == b"new"
+                # A key that a waiter expects is still awaited, not failed.
+                assert fresh.wait_for("b", [on[-1], "after"], timeout_s=0.2) == [on[-1]]
 
             # The other job never noticed.
             assert ray.get(

@@ -5,7 +5,7 @@ import pickle
 import pytest
 
 from pocketflow.errors import InvalidRequest
-from pocketflow.handle import JobHandle, ServerInfo
+from pocketflow.handle import LOST_SERVERS_MAX, JobHandle, LostServer, ServerInfo
 from pocketflow.placement import Placement
 
 TOKEN = "1767225600000." + "ab" * 32
@@ -62,6 +62,28 @@ def test_weight_map_round_trip_and_apply() -> None:
     assert newer.token == handle.token and newer.job_id == handle.job_id
     assert handle.epoch == 1  # frozen: the original is untouched
     assert newer.context() == {"job": "sort-3f2a9c", "epoch": 2, "token": TOKEN}
+
+
+def test_lost_servers_travel_in_the_map_json_and_pickle() -> None:
+    handle = _handle(3)
+    assert "lost" not in handle.weight_map() and '"lost"' not in handle.to_json()
+    dead = LostServer("dram-7", "127.0.0.1:40007")
+    lost = handle.with_lost(dead).with_lost(dead)  # remembered once
+    assert lost.lost == (dead,)
+    assert lost.weight_map()["lost"] == [["dram-7", "127.0.0.1:40007"]]
+    assert JobHandle.from_json(lost.to_json()) == lost
+    assert pickle.loads(pickle.dumps(lost)) == lost
+    # A stale_epoch map carries them to a client still on the old handle.
+    adopted = handle.with_weight_map(dict(lost.weight_map(), epoch=2))
+    assert adopted.lost == (dead,) and adopted.epoch == 2
+    # Bounded: the oldest are dropped.
+    many = handle
+    for i in range(LOST_SERVERS_MAX + 3):
+        many = many.with_lost(LostServer(f"dram-{100 + i}", f"127.0.0.1:{41000 + i}"))
+    assert len(many.lost) == LOST_SERVERS_MAX
+    assert many.lost[-1].node_id == f"dram-{100 + LOST_SERVERS_MAX + 2}"
+    with pytest.raises(InvalidRequest):
+        handle.with_weight_map(dict(handle.weight_map(), lost=[["only-id"]]))
 
 
 def test_repr_hides_the_token() -> None:

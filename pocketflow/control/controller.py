@@ -45,7 +45,7 @@ from pocketflow.errors import (
     JobNotRegistered,
     PocketflowError,
 )
-from pocketflow.handle import JobHandle, ServerInfo
+from pocketflow.handle import JobHandle, LostServer, ServerInfo
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +164,10 @@ def validate_job_name(name: str) -> str:
 class Controller:
     """Registers jobs, computes their weight maps, issues tokens and frees their data.
 
-    Thin glue over the allocation policy (:func:`pocketflow.control.allocation.allocate`), the
-    ``Metadata`` actor (job records and op log) and the storage servers' admin actions. Storage
-    servers are announced with :meth:`add_server`.
+    Thin glue over the placement policies (:func:`pocketflow.control.hints.demand_from_hints`
+    and :func:`pocketflow.control.packing.pack`), the ``Metadata`` actor (job records and op
+    log) and the storage servers' admin actions. Storage servers are announced with
+    :meth:`add_server`.
 
     Each server's ``StorageNode`` actor pushes a heartbeat (the server's ``stats``) every
     ``heartbeat_interval_ms``; status and allocation read the latest heartbeat instead of calling
@@ -392,7 +393,14 @@ class Controller:
                 for job_id, record in self._jobs.items()
                 if any(s.node_id == node_id for s in record.handle.servers)
             ]
+            lost = LostServer(node_id, info.address)
             for job_id in moved:
+                # The map remembers the lost server, so that reads of what it held raise
+                # DataUnavailable instead of ObjectNotFound (see pocketflow.handle).
+                record = self._jobs[job_id]
+                self._jobs[job_id] = dataclasses.replace(
+                    record, handle=record.handle.with_lost(lost)
+                )
                 self._exclude_from_job(job_id, node_id)
         if node is not None:
             try:

@@ -23,9 +23,8 @@ from pocketflow.control import (
     NAMESPACE,
     STORAGE_NODE_ACTOR_PREFIX,
 )
-from pocketflow.control.allocation import TIER_DRAM, TIER_NVME
 from pocketflow.control.loopback import keep_ray_on_loopback
-from pocketflow.control.tiers import local_spec
+from pocketflow.control.tiers import TIER_DRAM, TIER_NVME, local_spec
 from pocketflow.errors import ClusterError, ConfigError, PocketflowError
 from pocketflow.processes import ProcessRef, children, descendants, terminate, wait_gone
 from pocketflow.protocol import BLOCK_SIZE_MAX_BYTES

@@ -26,8 +26,7 @@ active server of the first tier with free capacity, weighted by free bytes.
 
 The shortfall: a latency-sensitive job launches servers of its first (DRAM) tier for the
 throughput it still lacks, and spills the capacity those cannot hold to its next tier; other jobs
-launch servers of their first (cheapest) tier. :mod:`pocketflow.control.allocation` is the older
-DRAM-first policy this module supersedes.
+launch servers of their first (cheapest) tier.
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ def test_idle_launched_servers_are_drained_and_long_running_ones_stay(
     assert any(action == "RemoveServer" for action, _ in scaling["actions"])
 
 
+def test_launched_long_running_servers_get_the_persist_ttl(scaling: dict[str, Any]) -> None:
+    assert scaling["launched_persist_ttl_ms"] == {"long_running": 90 * 60 * 1000, "ephemeral": 0}
+
+
 def test_a_full_tier_gets_another_server(scaling: dict[str, Any]) -> None:
     assert scaling["scaled_up"]
     assert len(scaling["after_fill"]) > 2

@@ -1,6 +1,7 @@
 """Scenario run by tests/test_scaling.py in its own process (its own Ray): an elastic cluster
 launches a server for a job that does not fit, drains launched servers once idle, and adds a
-server when its DRAM tier fills up. Prints one JSON line of observations."""
+server when its DRAM tier fills up; a long-running server the controller launches gets the
+cluster's PERSIST TTL. Prints one JSON line of observations."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import json
 import sys
 import time
 
+from pocketflow.auth import admin_token, read_secret_file
 from pocketflow.cluster import LocalCluster
+from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE
 from pocketflow.errors import CapacityExhausted
+from pocketflow.transport import AdminClient
 
 WAIT_S = 40.0
 
@@ -27,6 +31,22 @@ def server_ids(cluster: LocalCluster) -> set[str]:
     return {s["node_id"] for s in cluster.status()["servers"]}
 
 
+def launched_persist_ttl_ms(cluster: LocalCluster) -> dict[str, int]:
+    """``persist_ttl_ms`` of a long-running and of an ephemeral server the controller launches."""
+    import ray
+
+    controller = ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE)
+    token = admin_token(read_secret_file(cluster.secret_file), ttl_s=600)
+    ttl: dict[str, int] = {}
+    for long_running in (True, False):
+        info = ray.get(controller.launch_server.remote("dram", long_running=long_running),
+                       timeout=60)
+        with AdminClient(info.address, token) as admin:
+            stats = admin.stats()
+        ttl["long_running" if stats["long_running"] else "ephemeral"] = stats["persist_ttl_ms"]
+    return ttl
+
+
 def main() -> None:
     out: dict[str, object] = {}
     with LocalCluster(
@@ -36,6 +56,7 @@ def main() -> None:
         nvme_capacity="32MiB",
         autoscale=True,
         servers_max=4,
+        persist_ttl="90m",
         sizing_interval="300ms",
         sizing_cooldown="1s",
         num_cpus=1,
@@ -69,6 +90,7 @@ def main() -> None:
             out["actions"] = [
                 (a["action"], a.get("node_id")) for a in cluster.status()["sizing_actions"]
             ]
+        out["launched_persist_ttl_ms"] = launched_persist_ttl_ms(cluster)
     print(json.dumps(out))
 
 

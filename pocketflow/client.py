@@ -96,7 +96,7 @@ from pocketflow.protocol import (
     put_descriptor,
     small_header,
 )
-from pocketflow.transport import ExchangeOp, ServerConnection, Watchdog
+from pocketflow.transport import ExchangeOp, ServerConnection, Watchdog, wait_for_grpc_shutdown
 
 __all__ = ["Client", "ObjectInfo", "connect", "STALE_EPOCH_RETRIES_MAX"]
 
@@ -206,6 +206,9 @@ class Client:
     def _forget_after_fork(self) -> None:
         """In a forked child: drop the parent's connections and threads without touching them
         (gRPC channels and threads do not survive a fork); new ones are made on first use."""
+        # Kept referenced for good: collecting an inherited Flight client would run its
+        # finalizer, which closes gRPC state whose threads stayed in the parent and hangs.
+        _INHERITED_CONNECTIONS.extend(self._connections.values())
         self._lock = threading.Lock()
         self._connections = {}
         self._executor = None
@@ -237,6 +240,21 @@ class Client:
         for connection in connections:
             connection.close()
         self._watchdog.close()
+
+    def disconnect(self) -> None:
+        """Close every connection but keep the client usable: the next call reconnects.
+
+        Call it before ``os.fork()``: a forked child can open gRPC channels of its own only if
+        its parent had none open when it forked. Calls in flight on other threads fail.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            connections = list(self._connections.values())
+            self._connections.clear()
+        for connection in connections:
+            connection.close()
+        wait_for_grpc_shutdown()
 
     def __enter__(self) -> Client:
         return self
@@ -1372,6 +1390,8 @@ class Client:
 
 
 _LIVE_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+_INHERITED_CONNECTIONS: list[ServerConnection] = []
+"""A forked child's share of its parent's connections: unusable, and never collected."""
 
 
 def _after_fork_in_child() -> None:

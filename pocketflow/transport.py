@@ -19,6 +19,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import pyarrow as pa
@@ -84,16 +85,58 @@ CONNECT_TIMEOUT_MIN_S = 1.0
 
 _OFFSETS = struct.Struct("<ii")
 
-# gRPC's threads and channels do not survive fork(): a child forked after this process opened a
-# channel hangs on its first call, even on a new channel. Such a child fails fast instead.
-_grpc_started = False
+# gRPC's threads and channels do not survive fork(): a child forked while this process has a
+# channel open hangs on its first call, even on a new channel. Such a child fails fast instead.
+# A process that closes all its channels before it forks (Client.disconnect) leaves a child that
+# opens its own.
+_channels_lock = threading.Lock()
+_channels_open = 0
 _forked_after_grpc = False
 
 
+GRPC_THREAD_NAMES = ("event_engine", "grpc_", "lifeguard", "default-executo", "resolver-execu")
+"""Prefixes of the names of gRPC's own threads (Linux ``/proc/self/task/*/comm``)."""
+GRPC_SHUTDOWN_WAIT_S = 2.0
+"""How long :func:`wait_for_grpc_shutdown` waits for gRPC's threads to exit."""
+
+
+def _grpc_threads() -> int:
+    """How many of this process's threads are gRPC's (0 where ``/proc`` is not available)."""
+    count = 0
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        try:
+            name = comm.read_text().strip()
+        except OSError:
+            continue  # The thread exited meanwhile.
+        if name.startswith(GRPC_THREAD_NAMES):
+            count += 1
+    return count
+
+
+def wait_for_grpc_shutdown(timeout_s: float = GRPC_SHUTDOWN_WAIT_S) -> bool:
+    """Once no channel is open, wait until gRPC's threads are gone; whether they are.
+
+    gRPC shuts itself down when its last channel closes, asynchronously, on a thread of its own.
+    A process that forks in the middle of that leaves a child whose first call hangs, so a
+    process that forks after closing its channels waits here first.
+    """
+    if _channels_open:
+        return False
+    deadline = time.monotonic() + timeout_s
+    while _grpc_threads():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
 def _note_fork_in_child() -> None:
-    global _forked_after_grpc
-    if _grpc_started:
+    global _forked_after_grpc, _channels_lock, _channels_open
+    if _channels_open:
         _forked_after_grpc = True
+    # The parent's channels are not this process's, and the lock may have been held at fork.
+    _channels_open = 0
+    _channels_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_note_fork_in_child)
@@ -542,16 +585,16 @@ class ServerConnection:
         client = self._client
         if client is not None:
             return client
-        global _grpc_started
+        global _channels_open
         with self._client_lock:
             if self._client is None:
                 if _forked_after_grpc:
                     raise InvalidRequest(
-                        "this process was forked after its parent used pocketflow; gRPC cannot "
-                        "run here. Start workers with multiprocessing 'spawn' or 'forkserver' "
-                        "(the job handle pickles), or fork before connecting."
+                        "this process was forked while its parent had pocketflow connections "
+                        "open; gRPC cannot run here. Start workers with multiprocessing 'spawn' "
+                        "or 'forkserver' (the job handle pickles), or call Client.disconnect() "
+                        "before forking."
                     )
-                _grpc_started = True
                 # Opening a DoExchange session blocks until the channel connects, before the
                 # watchdog can see it; gRPC's own connection deadline (20 s) is cut to ours.
                 connect_ms = int(max(self.first_reply_timeout_s, CONNECT_TIMEOUT_MIN_S) * 1000)
@@ -562,6 +605,8 @@ class ServerConnection:
                     )
                 except Exception as exc:
                     raise error_from_flight(exc, server=self.address) from exc
+                with _channels_lock:
+                    _channels_open += 1
             return self._client
 
     # -- exchange ----------------------------------------------------------------------------
@@ -795,6 +840,7 @@ class ServerConnection:
 
     def close(self) -> None:
         """Close every session and the channel."""
+        global _channels_open
         self._pool.close()
         with self._client_lock:
             client, self._client = self._client, None
@@ -803,6 +849,8 @@ class ServerConnection:
                 client.close()
             except Exception:  # noqa: BLE001 - closing a broken channel is harmless
                 pass
+            with _channels_lock:
+                _channels_open = max(_channels_open - 1, 0)
 
 
 class AdminClient:

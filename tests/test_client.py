@@ -776,6 +776,37 @@ def test_forked_child_fails_fast_instead_of_hanging(client: Client) -> None:
     assert client.get("b", "k") == b"v"  # the parent is unaffected
 
 
+def _forked_reader(pf: Client, queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    try:
+        queue.put(pf.get("b", "large")[:8])
+        pf.put("b", "from-child", b"c")
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        queue.put(repr(exc))
+
+
+def test_a_child_forked_after_disconnect_connects_on_its_own(client: Client) -> None:
+    client.create_bucket("b")
+    large = random.Random(7).randbytes(SMALL_OBJECT_MAX_BYTES * 40)
+    client.put("b", "large", large)
+    context = multiprocessing.get_context("fork")
+    for _ in range(3):  # gRPC shuts down asynchronously; every fork must find it gone
+        assert client.get("b", "large") == large
+        client.disconnect()
+        queue = context.Queue()
+        child = context.Process(target=_forked_reader, args=(client, queue))
+        child.start()
+        try:
+            outcome = queue.get(timeout=30)
+        finally:
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+        assert outcome == large[:8]
+        assert child.exitcode == 0
+        assert client.get("b", "from-child") == b"c"  # the parent reconnects
+        client.delete("b", "from-child")
+
+
 def test_lost_commit_reply_keeps_the_blocks(
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,7 +6,8 @@ CARGO ?= cargo
 SERVER_BINARY := servers/target/release/pocketflow-server
 PACKAGED_BINARY := pocketflow/_bin/pocketflow-server
 
-.PHONY: all install system-packages python-packages server demo test test-rust lint test-python clean
+.PHONY: all install system-packages python-packages server demo test test-rust lint test-python \
+	test-lithops clean
 
 all: install
 
@@ -35,7 +36,7 @@ server:
 demo: install
 	$(PYTHON) -m pocketflow demo
 
-test: install test-rust lint test-python
+test: install test-rust lint test-python test-lithops
 
 test-rust:
 	cd servers && $(CARGO) test --release --locked --workspace
@@ -46,6 +47,11 @@ lint:
 
 test-python:
 	$(PYTHON) -m pytest
+
+# Lithops' own storage, map, call_async and futures tests, run by pytest against the `pocket`
+# storage backend on an embedded local cluster; a failing Lithops test fails this target.
+test-lithops:
+	$(PYTHON) adapters/lithops/run_lithops_tests.py
 
 clean:
 	rm -rf $(PACKAGED_BINARY) .pytest_cache .ruff_cache

@@ -24,12 +24,18 @@ setting                    default     meaning
 ``sessions_per_server``    ``8``       most DoExchange sessions a client keeps open per server
 ``connect_timeout_s``      ``5s``      how long a new session waits for its first reply (the
                                        connection and the token check); at most ``op_timeout_s``
-``op_timeout_s``           ``30s``     how long one small operation may wait for its reply
+``op_timeout_s``           ``3s``      how long any call may wait without progress (the reply of
+                                       a small operation, the next piece of a DoGet) before the
+                                       server is given up with ``DataUnavailable``; a transfer
+                                       that keeps moving is never cut by it. The default matches
+                                       the control plane's ``dead_after`` (3 s), so a read from a
+                                       hung server fails within the failure bound
 ``rpc_timeout_s``          ``30s``     deadline of one action (enumerate, buckets, delete_prefix,
-                                       ...; get, lookup and delete use ``op_timeout_s``)
+                                       ...; get, lookup and delete use ``op_timeout_s``), and how
+                                       long a call waits for a free session of its server
 ``stream_timeout_s``       ``300s``    longest deadline of one DoPut or DoGet stream; a stream
-                                       gets ``op_timeout_s`` plus 1 s per 8 MiB it moves, up to
-                                       this
+                                       gets the longer of ``op_timeout_s`` and ``rpc_timeout_s``
+                                       plus 1 s per 8 MiB it moves, up to this
 =========================  ==========  ==========================================================
 
 Other components read their own table of the same file with :func:`load_file_table`.
@@ -226,7 +232,7 @@ class ClientConfig:
     io_threads: int = 8
     sessions_per_server: int = 8
     connect_timeout_s: float = 5.0
-    op_timeout_s: float = 30.0
+    op_timeout_s: float = 3.0
     rpc_timeout_s: float = 30.0
     stream_timeout_s: float = 300.0
     explicit: frozenset[str] = field(default=frozenset(), compare=False)

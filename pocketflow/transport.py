@@ -568,7 +568,12 @@ class ServerConnection:
         stream_timeout_s: float = 300.0,
     ) -> None:
         self.address = address
+        # op_timeout_s bounds every wait for progress (a reply, the next DoGet piece): a hung
+        # server fails a call within it. Waits that are not the server's progress (a free
+        # session of this client's pool; a stream's total deadline) get the longer of it and
+        # rpc_timeout_s, so that a busy client or a slow but moving transfer is not cut off.
         self.op_timeout_s = op_timeout_s
+        self.patience_s = max(op_timeout_s, rpc_timeout_s)
         # The first reply on a new session also waits for the connection and the token check;
         # it gets the shorter of the two bounds.
         self.first_reply_timeout_s = max(min(first_reply_timeout_s, op_timeout_s), 0.001)
@@ -640,7 +645,7 @@ class ServerConnection:
         value: bytes | bytearray | memoryview = b"",
     ) -> Reply:
         """Run one small operation; a stale pooled session is replaced once."""
-        session = self._pool.acquire(self.op_timeout_s)
+        session = self._pool.acquire(self.patience_s)
         reused = session.used
         try:
             reply = session.call(epoch, op, flags, bucket, key, header, value, self.op_timeout_s)
@@ -648,7 +653,7 @@ class ServerConnection:
             self._pool.release(session)
             if failure.sent or not reused or not isinstance(failure.error, DataUnavailable):
                 raise failure.error from failure
-            session = self._pool.acquire(self.op_timeout_s, fresh=True)
+            session = self._pool.acquire(self.patience_s, fresh=True)
             try:
                 reply = session.call(
                     epoch, op, flags, bucket, key, header, value, self.op_timeout_s
@@ -679,7 +684,7 @@ class ServerConnection:
         if not ops:
             return
         for attempt in (0, 1):
-            session = self._pool.acquire(self.op_timeout_s, fresh=attempt == 1)
+            session = self._pool.acquire(self.patience_s, fresh=attempt == 1)
             reused = attempt == 0 and session.used
             try:
                 session.run(epoch, ops, window, self.op_timeout_s)
@@ -740,10 +745,11 @@ class ServerConnection:
         return parsed if isinstance(parsed, dict) else {}
 
     def _stream_call_options(self, nbytes: int) -> flight.FlightCallOptions:
-        """A deadline that fits the transfer: the operation timeout plus the time ``nbytes``
-        take at ``STREAM_BYTES_PER_S_MIN``, capped by ``stream_timeout_s``. A hung server fails
-        a small transfer quickly, a large one still has time to finish."""
-        deadline_s = self.op_timeout_s + nbytes / STREAM_BYTES_PER_S_MIN
+        """A deadline that fits the transfer: ``patience_s`` plus the time ``nbytes`` take at
+        ``STREAM_BYTES_PER_S_MIN``, capped by ``stream_timeout_s``. A DoGet from a hung server
+        fails sooner, after ``op_timeout_s`` without a piece (the watchdog); a DoPut, which
+        pyarrow cannot cancel, only at this deadline."""
+        deadline_s = self.patience_s + nbytes / STREAM_BYTES_PER_S_MIN
         return flight.FlightCallOptions(timeout=min(self.stream_timeout_s, deadline_s))
 
     def get_ranges(

@@ -17,6 +17,7 @@ from fixtures_cluster import extra_server, wait_for
 
 from pocketflow.client import connect
 from pocketflow.cluster import LocalCluster
+from pocketflow.config import ClientConfig
 from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE
 from pocketflow.control.storage_node import StorageNodeInfo
 from pocketflow.errors import DataUnavailable
@@ -137,17 +138,21 @@ def test_killed_server_is_declared_dead_and_its_jobs_move_on(
     assert info.node_id not in {s["node_id"] for s in local_cluster.status()["servers"]}
 
 
-def test_hung_server_gives_data_unavailable_within_the_op_timeout(
+def test_hung_server_gives_data_unavailable_within_the_failure_bound(
     local_cluster: LocalCluster, extra: tuple[StorageNodeInfo, Any]
 ) -> None:
+    """With the default client settings (no timeout given), a read of a SIGSTOPped server's data
+    fails within the control plane's failure bound, never after a long RPC deadline."""
     import ray
 
     info, _ = extra
     controller = _controller()
+    default_op_timeout_s = ClientConfig().op_timeout_s
+    assert default_op_timeout_s <= DEAD_AFTER_S
     with local_cluster.register_job("hung") as job:
         on, off = _keys_on(job.handle, info.node_id)
         assert on and off
-        with job.connect(op_timeout_s=READ_TIMEOUT_S, connect_timeout_s="1s") as pf:
+        with job.connect() as pf:
             pf.create_bucket("b")
             for key in on[:4] + off[:4]:
                 pf.put("b", key, b"v")
@@ -156,13 +161,22 @@ def test_hung_server_gives_data_unavailable_within_the_op_timeout(
                 started = time.monotonic()
                 with pytest.raises(DataUnavailable):
                     pf.get("b", on[0])
-                assert time.monotonic() - started < READ_TIMEOUT_S + 3.0
+                assert time.monotonic() - started < default_op_timeout_s + DETECTION_SLACK_S
+                started = time.monotonic()
+                with pytest.raises(DataUnavailable):
+                    pf.exists("b", on[1])  # a new session to the hung server
+                assert time.monotonic() - started < default_op_timeout_s + DETECTION_SLACK_S
                 assert wait_for(
                     lambda: info.node_id
                     in ray.get(controller.dead_servers.remote(), timeout=30),
                     timeout_s=DEAD_AFTER_S + DETECTION_SLACK_S + 5,
                 )
                 assert pf.get("b", off[0]) == b"v"
+                # On the new map the hung server is lost: its keys fail at once.
+                started = time.monotonic()
+                with pytest.raises(DataUnavailable):
+                    pf.get("b", on[2])
+                assert time.monotonic() - started < 1.0
             finally:
                 if info.server_process().alive():
                     os.kill(info.server_pid, signal.SIGKILL)

@@ -50,7 +50,8 @@ def test_a_full_tier_gets_another_server(scaling: dict[str, Any]) -> None:
 def test_a_busy_server_gets_more_cores_before_more_servers(
     server_factory: Any, cluster_secret_file: Any
 ) -> None:
-    """Vertical first: the sizing loop gives a server whose cores are busy another core."""
+    """Vertical first: the sizing loop gives a server whose cores are busy another core, and
+    takes it back once the server is idle."""
     from pocketflow.control.controller import Controller
     from pocketflow.control.metadata import Metadata
     from pocketflow.control.sizing import SizingBounds
@@ -90,6 +91,15 @@ def test_a_busy_server_gets_more_cores_before_more_servers(
         assert done["action"] == "AddThreads" and done["node_id"] == "busy-0", done
         assert not done.get("skipped")
         with servers.admin(infos[0].address) as admin:
-            assert int(admin.stats()["cores"]) == 2
+            sample = admin.stats()
+        assert int(sample["cores"]) == 2
+        # Idle again: the core is released (vertical scale-down), the servers stay.
+        controller.heartbeat("busy-0", {**sample, "cpu_utilization": 0.1})
+        done = controller.size_cluster()
+        assert done["action"] == "RemoveThreads" and done["node_id"] == "busy-0", done
+        assert done["cores"] == 1 and not done.get("skipped")
+        with servers.admin(infos[0].address) as admin:
+            assert int(admin.stats()["cores"]) == 1
+        assert {s.node_id for s in controller.servers()} == {"busy-0", "busy-1"}
     finally:
         controller.close()

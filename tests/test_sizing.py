@@ -9,6 +9,7 @@ from pocketflow.control.sizing import (
     AddThreads,
     NoAction,
     RemoveServer,
+    RemoveThreads,
     ServerUtilization,
     SizingBounds,
     cluster_utilization,
@@ -18,6 +19,16 @@ from pocketflow.control.sizing import (
 GIB = 1 << 30
 NET = 1_000_000_000.0
 BOUNDS = SizingBounds(cooldown_s=5.0)
+
+
+class _AnyReason(str):
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, str)
+
+    __hash__ = str.__hash__
+
+
+ANY_REASON = _AnyReason()
 
 
 def server(
@@ -231,3 +242,45 @@ def test_threads_have_a_shorter_cooldown_than_servers() -> None:
     servers[2] = server("dram-2", cpu=0.95, net=0.9, threads=2, threads_max=2)
     assert isinstance(decide(servers, BOUNDS, now_s=100.0, last_action_s=97.0), NoAction)
     assert isinstance(decide(servers, BOUNDS, now_s=100.0, last_action_s=94.0), AddServer)
+
+
+def test_idle_threads_are_released_down_to_the_middle_of_the_band() -> None:
+    # Long-running servers stay; their idle cores go: 8 threads at 10% need ceil(8 x 0.1 / 0.7).
+    servers = [
+        server("lr-0", long_running=True, cpu=0.1, net=0.1, used=0.1, threads=8, threads_max=8),
+        server("lr-1", long_running=True, cpu=0.3, net=0.1, used=0.1, threads=1, threads_max=8),
+    ]
+    action = decide(servers, BOUNDS, now_s=100.0)
+    assert action == RemoveThreads("lr-0", 2, action.reason)
+    # CPU after the release stays in the band: rule 2 does not add them back.
+    after = [server("lr-0", long_running=True, cpu=0.1 * 8 / 2, net=0.1, used=0.1, threads=2,
+                    threads_max=8), servers[1]]
+    assert not isinstance(decide(after, BOUNDS, now_s=200.0), (AddThreads, RemoveThreads))
+    # Fully idle: down to threads_min, never below.
+    idle = [server("lr-0", long_running=True, cpu=0.0, net=0.0, used=0.0, threads=4,
+                   threads_max=8), servers[1]]
+    assert decide(idle, BOUNDS, now_s=100.0) == RemoveThreads("lr-0", 1, ANY_REASON)
+    bounds = SizingBounds(cooldown_s=5.0, threads_min=2)
+    assert decide(idle, bounds, now_s=100.0) == RemoveThreads("lr-0", 2, ANY_REASON)
+    idle[0] = server("lr-0", long_running=True, cpu=0.0, net=0.0, used=0.0, threads=2,
+                     threads_max=8)
+    assert isinstance(decide(idle, bounds, now_s=100.0), NoAction)
+    with pytest.raises(ValueError):
+        SizingBounds(threads_min=0)
+
+
+def test_removing_an_idle_server_comes_before_releasing_threads() -> None:
+    servers = base(cpu=0.05, net=0.05, used=0.05)
+    servers[2] = server("dram-2", cpu=0.05, net=0.05, used=0.05, threads=4, threads_max=4)
+    assert isinstance(decide(servers, BOUNDS, now_s=100.0), RemoveServer)
+
+
+def test_threads_are_not_released_while_a_dimension_is_hot_or_in_cooldown() -> None:
+    servers = base(cpu=0.1, net=0.9, used=0.1)
+    servers[2] = server("dram-2", cpu=0.1, net=0.9, used=0.1, threads=4, threads_max=4)
+    assert isinstance(decide(servers, BOUNDS, now_s=100.0), AddServer)
+    calm = base(cpu=0.1, net=0.1, used=0.65)  # capacity in the band: no removal
+    calm[2] = server("dram-2", cpu=0.1, net=0.1, used=0.65, threads=4, threads_max=4)
+    assert isinstance(decide(calm, BOUNDS, now_s=100.0, last_action_s=97.0), NoAction)
+    assert isinstance(decide(calm, BOUNDS, now_s=100.0, last_action_s=90.0), RemoveThreads)
+    assert isinstance(decide(calm, BOUNDS, now_s=100.0, pending={"dram": 1}), NoAction)

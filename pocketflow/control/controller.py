@@ -31,6 +31,7 @@ from pocketflow.control.sizing import (
     AddServer,
     AddThreads,
     RemoveServer,
+    RemoveThreads,
     ServerUtilization,
     SizingBounds,
     decide,
@@ -815,8 +816,8 @@ class Controller:
     def size_cluster(self) -> dict[str, Any]:
         """Run the sizing policy once on the latest heartbeats and carry out its action.
 
-        Vertical scaling is the servers' ``set_cores`` action; a new server is launched only
-        when the cluster may launch servers. Returns ``{"action", "reason", ...}``.
+        Vertical scaling (up and down) is the servers' ``set_cores`` action; a new server is
+        launched only when the cluster may launch servers. Returns ``{"action", "reason", ...}``.
         """
         if self._sizing is None:
             return {"action": "none", "reason": "sizing is disabled"}
@@ -828,7 +829,7 @@ class Controller:
                 last_action_s=self._sizing_last_action_s,
             )
             done: dict[str, Any] = {"action": type(action).__name__, "reason": action.reason}
-            if isinstance(action, AddThreads):
+            if isinstance(action, (AddThreads, RemoveThreads)):
                 done["node_id"] = action.node_id
                 done["cores"] = action.threads
                 info = self._servers.get(action.node_id)

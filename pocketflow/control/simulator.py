@@ -41,6 +41,7 @@ from pocketflow.control.sizing import (
     AddThreads,
     NoAction,
     RemoveServer,
+    RemoveThreads,
     ServerUtilization,
     SizingBounds,
     decide,
@@ -307,7 +308,7 @@ class _Cluster:
         if isinstance(action, RemoveServer):
             self._node(action.node_id).draining = True
             return f"drain {action.node_id}"
-        assert isinstance(action, AddThreads)
+        assert isinstance(action, (AddThreads, RemoveThreads))
         self._node(action.node_id).threads = action.threads
         return f"threads {action.node_id}={action.threads}"
 

@@ -10,7 +10,8 @@ API summary (for the controller's sizing loop and the simulator):
   were launched and are not up yet.
 - The action is one of :class:`AddThreads` (vertical scaling of one server),
   :class:`AddServer` (launch a server of a tier), :class:`RemoveServer` (drain one server and let
-  it exit) or :class:`NoAction` (with the reason). Every action has a ``reason`` for logs.
+  it exit), :class:`RemoveThreads` (vertical scale-down of one server) or :class:`NoAction` (with
+  the reason). Every action has a ``reason`` for logs.
 - ``cluster_utilization(servers) -> ClusterUtilization`` — the aggregate the rules look at.
 
 The rules, checked in this order:
@@ -30,9 +31,16 @@ The rules, checked in this order:
 5. Every dimension below the lower bound: remove a server from the tier with the lowest capacity
    use — the non-long-running server holding the fewest bytes — provided that no dimension would
    then rise above the upper bound (hysteresis). Long-running servers are never removed.
+6. Otherwise (and no server is starting), a server whose CPU is below the lower bound and that
+   runs more than ``bounds.threads_min`` threads releases threads: as many as keep its CPU at or
+   below the middle of the band (so rule 2 never adds them back), at least ``threads_min``. This
+   comes after removal, so a removable idle server goes at once (as in Pocket) instead of first
+   shrinking; it reaches the servers that stay (long-running ones, or a cluster held by one
+   dimension in the band), whose idle cores go back to the machine. Releasing threads is cheap
+   and reversible (rule 2 adds them back), but not urgent: it waits for the full cool-down and
+   is chosen only when no dimension is above the upper bound.
 
-Utilization counts active servers only (not draining, not dead). Scaling threads down is not
-part of this policy.
+Utilization counts active servers only (not draining, not dead).
 """
 
 from __future__ import annotations
@@ -81,13 +89,17 @@ class SizingBounds:
     long_running_min: int = 2
     servers_max: int = 64
     threads_step: int = 1
+    threads_min: int = 1
     default_tier: str = "dram"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.lower < self.upper <= 1.0:
             raise ValueError(f"need 0 <= lower < upper <= 1, got {self.lower}, {self.upper}")
-        if self.cooldown_s < 0 or self.threads_step < 1 or self.long_running_min < 0:
-            raise ValueError("cooldown_s >= 0, threads_step >= 1, long_running_min >= 0")
+        if (self.cooldown_s < 0 or self.threads_step < 1 or self.long_running_min < 0
+                or self.threads_min < 1):
+            raise ValueError(
+                "cooldown_s >= 0, threads_step >= 1, long_running_min >= 0, threads_min >= 1"
+            )
         if not 0 <= self.vertical_cooldown_s <= self.cooldown_s:
             raise ValueError("need 0 <= vertical_cooldown_s <= cooldown_s")
         if self.servers_max < self.long_running_min:
@@ -97,6 +109,15 @@ class SizingBounds:
 @dataclass(frozen=True)
 class AddThreads:
     """Vertical scaling: let server ``node_id`` run ``threads`` threads."""
+
+    node_id: str
+    threads: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RemoveThreads:
+    """Vertical scale-down: let server ``node_id`` run only ``threads`` threads."""
 
     node_id: str
     threads: int
@@ -127,7 +148,7 @@ class NoAction:
     reason: str
 
 
-SizingAction = AddThreads | AddServer | RemoveServer | NoAction
+SizingAction = AddThreads | AddServer | RemoveServer | RemoveThreads | NoAction
 
 
 @dataclass(frozen=True)
@@ -209,10 +230,25 @@ def decide(
             return NoAction(f"{reason}; at the limit of {bounds.servers_max} servers")
         return AddServer(tier, reason)
 
-    if usage.highest() >= bounds.lower:
+    below = usage.highest() < bounds.lower
+    if sum(pending.values()) == 0:
+        removal = _removal(active, usage, bounds) if below else None
+        if removal is not None:
+            return removal
+        release = _thread_release(active, bounds, target)
+        if release is not None:
+            return release
+    if not below:
         return NoAction(f"within bounds (highest {usage.highest():.0%})")
     if sum(pending.values()) > 0:
         return NoAction("below bounds, but servers are still starting")
+    return NoAction("below bounds, but no server can be removed")
+
+
+def _removal(
+    active: list[ServerUtilization], usage: ClusterUtilization, bounds: SizingBounds
+) -> RemoveServer | None:
+    """Rule 5: the server to drain when every dimension is below the lower bound, if any."""
     for tier in sorted(usage.capacity_by_tier, key=lambda t: (usage.capacity_by_tier[t], t)):
         candidates = sorted(
             (s for s in active if s.tier == tier and not s.long_running),
@@ -227,7 +263,27 @@ def decide(
                     f"all below {bounds.lower:.0%} (highest {usage.highest():.0%}); "
                     f"{tier} capacity use lowest at {usage.capacity_by_tier[tier]:.0%}",
                 )
-    return NoAction("below bounds, but no server can be removed")
+    return None
+
+
+def _thread_release(
+    active: list[ServerUtilization], bounds: SizingBounds, target: float
+) -> RemoveThreads | None:
+    """Rule 6: the idlest server running more threads than it needs, and how many to keep."""
+    for server in sorted(active, key=lambda s: (s.cpu_fraction, s.node_id)):
+        if server.cpu_fraction >= bounds.lower or server.threads <= bounds.threads_min:
+            continue
+        # Keep enough threads for the CPU to land at most in the middle of the band.
+        needed = math.ceil(server.threads * max(server.cpu_fraction, 0.0) / target)
+        threads = max(needed, bounds.threads_min)
+        if threads < server.threads:
+            return RemoveThreads(
+                server.node_id,
+                threads,
+                f"cpu {server.cpu_fraction:.0%} < {bounds.lower:.0%} on {server.node_id} "
+                f"with {server.threads} threads",
+            )
+    return None
 
 
 def _hot_tier(

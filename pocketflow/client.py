@@ -372,7 +372,8 @@ class Client:
         """The object's bytes; with ``delete`` the object is removed as it is read.
 
         Among concurrent readers with ``delete``, exactly one gets the object and the others get
-        :class:`ObjectNotFound`. Raises :class:`ObjectNotFound`, :class:`BucketNotFound`,
+        :class:`ObjectNotFound` (:class:`DataUnavailable` once the job has lost a server: see the
+        module doc). Raises :class:`ObjectNotFound`, :class:`BucketNotFound`,
         :class:`DataUnavailable`.
         """
         bucket_raw = check_bucket(bucket)

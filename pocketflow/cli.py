@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep-output", action="store_true",
                       help="keep the sorted output (PERSIST) instead of deleting it")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--lithops-storage", choices=("localhost", "pocket"), default="localhost",
+                      help="where Lithops keeps its own data (payloads, results): its localhost "
+                      "storage (default) or pocketflow's Lithops backend; the shuffle itself "
+                      "always goes through pocketflow")
     demo.add_argument("--address", default=None,
                       help="Ray address of a running cluster (`pocketflow up --local`); "
                       "default: start a local cluster for the demo")
@@ -276,7 +280,8 @@ def _run_demo(cluster: Any, config: Any, args: argparse.Namespace, out: TextIO) 
     from pocketflow.demo import run_sort
 
     # The shuffle registers the job itself, with the hints it knows (tasks, input size).
-    report = run_sort(cluster, config, progress=not args.no_progress)
+    report = run_sort(cluster, config, progress=not args.no_progress,
+                      lithops_storage=args.lithops_storage)
     for line in report.summary_lines():
         print(line, file=out)
     out.flush()

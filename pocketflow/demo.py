@@ -37,6 +37,8 @@ CAPACITY_POLL_INTERVAL_S = 0.25
 """How often the driver samples the servers' used bytes while the job runs."""
 SAMPLES_MAX = 200_000
 """Most samples one sampler takes; it stops sampling after that."""
+LITHOPS_POCKET_STORAGE = "pocket"
+"""Name of pocketflow's Lithops storage backend (``pocketflow.integrations.lithops_storage``)."""
 LITHOPS_MONITORING_INTERVAL_S = 0.1
 """How often Lithops' driver looks for finished calls (its default of 2 s dominates small jobs)."""
 
@@ -496,8 +498,9 @@ def run_sort(
     ``cluster`` is what :func:`pocketflow.register_job` takes (a LocalCluster, a control plane,
     or ``None`` for the running one). The shuffle registers its own job with hints (tasks, input
     size) and deregisters it at the end. ``fexec`` reuses a ``lithops.FunctionExecutor``;
-    otherwise one is made with :func:`lithops_config` (``lithops_storage`` for Lithops' own
-    data). Raises whatever a task raised.
+    otherwise one is made with :func:`lithops_config` with ``lithops_storage`` for Lithops' own
+    data: ``"localhost"`` (files), or ``"pocket"`` (pocketflow's Lithops storage backend, in a
+    job of its own, registered and deregistered here). Raises whatever a task raised.
     """
     import lithops
 
@@ -510,10 +513,18 @@ def run_sort(
     if cfg.block_size_bytes is not None:
         options.setdefault("block_size_bytes", cfg.block_size_bytes)
     own_fexec = fexec is None
+    lithops_job = None
     if own_fexec:
-        fexec = lithops.FunctionExecutor(
-            config=lithops_config(storage=lithops_storage, workers=cfg.pool_size())
-        )
+        extra: dict[str, Any] = {}
+        if lithops_storage == LITHOPS_POCKET_STORAGE:
+            # Lithops' own data (payloads, results, status) in a pocketflow job of its own,
+            # through the `pocket` storage backend.
+            from pocketflow.job import register_job
+
+            lithops_job = register_job("lithops-data", cluster=control)
+            extra = {LITHOPS_POCKET_STORAGE: {"handle": lithops_job.handle.to_json()}}
+        fexec = lithops.FunctionExecutor(config=lithops_config(
+            storage=lithops_storage, workers=cfg.pool_size(), extra=extra))
     phase_s: dict[str, float] = {}
     try:
         started = time.perf_counter()
@@ -549,6 +560,8 @@ def run_sort(
     finally:
         if own_fexec:
             fexec.clean()
+        if lithops_job is not None:
+            lithops_job.deregister()
     from pocketflow.handle import JobHandle
 
     handle = JobHandle.from_json(result.handle_json)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import numpy as np
@@ -131,3 +132,14 @@ def test_lithops_config_is_the_localhost_executor() -> None:
     assert config["localhost"] == {"runtime": sys.executable, "version": 1,
                                    "worker_processes": 3}
     assert config["redis"] == {"port": 1}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pocketflow.integrations.lithops_storage") is None,
+                    reason="pocketflow's Lithops storage backend is not in this checkout")
+def test_small_sort_with_lithops_own_data_in_pocketflow(local_cluster: LocalCluster) -> None:
+    config = SortConfig(mappers=2, reducers=2, records=10_000, seed=4, processes=2)
+    jobs_before = {j["job_id"] for j in local_cluster.status()["jobs"]}
+    report = run_sort(local_cluster, config, progress=False, lithops_storage="pocket")
+    assert report.ok, report.problems
+    # Both the shuffle's job and the job holding Lithops' data are deregistered.
+    assert {j["job_id"] for j in local_cluster.status()["jobs"]} == jobs_before

@@ -35,7 +35,11 @@ def job(local_cluster: LocalCluster) -> Iterator[Job]:
 
 @pytest.fixture(scope="module")
 def config(job: Job) -> dict:
-    return lithops_config(job.handle)
+    config = lithops_config(job.handle)
+    # Deregistering the job frees its data; a Lithops cleaner running after the cluster has
+    # stopped could not reach it and would leave a failing request behind on this machine.
+    config["lithops"]["data_cleaner"] = False
+    return config
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ compute backend is the localhost executor (``sys.executable``, version 1), and r
 directly on the test files shipped in the installed ``lithops`` package, with ``--storage pocket
 --backend localhost``. Unlike ``lithops test``, pytest's exit status is this script's, so a
 failing Lithops test fails CI. The job is deregistered and every process the cluster started is
-stopped by its process id afterwards, also when the tests fail or are interrupted.
+stopped by its process id afterwards, also when the tests fail or are interrupted. Lithops'
+temporary files go to a scratch ``TMPDIR`` that is removed at the end.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ def run(pytest_args: list[str]) -> int:
         num_cpus=2,
         object_store_memory="80MiB",
     )
-    with tempfile.TemporaryDirectory(prefix="pocketflow-lithops-tests-") as tmp, cluster:
+    with tempfile.TemporaryDirectory(
+        prefix="pocketflow-lithops-tests-", ignore_cleanup_errors=True
+    ) as tmp, cluster:
         job = cluster.register_job("lithops-tests")
         try:
             config = write_config(job.handle.to_json(), Path(tmp))
@@ -84,8 +87,13 @@ def run(pytest_args: list[str]) -> int:
             ]
             print("+", " ".join(command), flush=True)
             # A scratch working directory: Lithops and pytest write nothing into the repository.
+            # Lithops keeps its runner, its copy of itself, job files and clean-up requests under
+            # $TMPDIR/lithops-$USER; a scratch TMPDIR keeps this run apart from any other Lithops
+            # session on the machine, and a clean-up request that cannot run once the cluster
+            # is gone from every later Lithops cleaner (deregistering frees the data anyway).
+            env = {**os.environ, "TMPDIR": tmp}
             completed = subprocess.run(
-                command, cwd=tmp, env=os.environ.copy(), timeout=RUN_TIMEOUT_S, check=False
+                command, cwd=tmp, env=env, timeout=RUN_TIMEOUT_S, check=False
             )
             return completed.returncode
         finally:

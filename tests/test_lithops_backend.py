@@ -150,6 +150,8 @@ def test_byte_ranges_small_and_across_blocks(storage: lithops.Storage) -> None:
     assert get("range/small", "bytes=-3") == small[-3:]
     assert get("range/small", "bytes=5-100") == small[5:]
     assert get("range/small", "bytes=-100") == small
+    assert get("range/small", "bytes=10-") == b""
+    assert get("range/small", "bytes=-0") == b""
     assert get("range/small", "bytes=2-2", stream=True) == small[2:3]
     edge = MIB - 5
     assert get("range/large", f"bytes={edge}-{edge + 9}") == large[edge:edge + 10]

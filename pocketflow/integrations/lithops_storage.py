@@ -79,6 +79,9 @@ DELETE_THREADS_MAX = 8
 CLIENTS_CACHED_MAX = 8
 """Clients kept per process, one per distinct handle; Lithops builds many backend objects."""
 
+_OPEN_RANGE_BYTES = 1 << 62
+"""The length asked for by an open-ended Range (``bytes=L-``); the read stops at the end."""
+
 _T = TypeVar("_T")
 _clients: OrderedDict[str, Client] = OrderedDict()
 _clients_lock = threading.Lock()
@@ -238,10 +241,9 @@ class PocketStorageBackend:
         """Store ``data`` (str, bytes-like or binary file object), replacing any object there."""
         if isinstance(data, str):
             data = data.encode("utf-8")
-        elif hasattr(data, "read") and not isinstance(data, (bytes, bytearray, memoryview)):
-            # A text stream yields str: encode it; a binary stream is streamed block by block.
-            if isinstance(data, io.TextIOBase):
-                data = data.read().encode("utf-8")
+        elif isinstance(data, io.TextIOBase):
+            data = data.read().encode("utf-8")
+        # A binary stream is uploaded block by block, never read whole.
         stream = data if hasattr(data, "read") else None
         self._with_bucket(bucket_name, lambda: self._client.put(
             bucket_name, key, data, overwrite=True
@@ -279,8 +281,8 @@ class PocketStorageBackend:
             if last < first:
                 return b""
         if last is None:
-            size = self._client.lookup(bucket_name, key).size
-            last = size - 1
+            # get_range cuts at the object's end, like a slice: no size lookup needed.
+            return self._client.get_range(bucket_name, key, first, _OPEN_RANGE_BYTES)
         if last < first:
             raise InvalidRequest(f"Range {byte_range!r} ends before it starts")
         return self._client.get_range(bucket_name, key, first, last - first + 1)

@@ -180,8 +180,16 @@ pub(crate) async fn get(
     };
     let first_piece = pieces.next().expect("a ticket has at least one range");
     let first = transfer.read(first_piece).await?;
+    let mut rest = pieces.peekable();
+    if rest.peek().is_none() {
+        // One piece (a block of at most `BATCH_MAX_BYTES`, the common case): both messages are
+        // ready, so they are answered without a task and a channel. The piece is a copy, so
+        // the transfer ends here; with `delete`, dropping it frees the block.
+        drop(transfer);
+        return Ok(futures::stream::iter([Ok(schema_flight_data()), Ok(first)]).boxed());
+    }
     let (tx, rx) = mpsc::channel(GET_PIECES_QUEUED_MAX);
-    tokio::spawn(transfer.run(first, pieces, first_piece, tx));
+    tokio::spawn(transfer.run(first, rest, first_piece, tx));
     Ok(ReceiverStream::new(rx).boxed())
 }
 
@@ -282,6 +290,29 @@ mod tests {
             .unwrap();
         assert_eq!(err.kind(), pocketflow_protocol::ErrorKind::InvalidArgument);
         wait_until_freed(&state).await;
+    }
+
+    #[tokio::test]
+    async fn a_one_piece_delete_read_sends_the_piece_and_frees_the_block() {
+        let (state, key) = state_with_blocks().await;
+        let before = state.store.used_bytes();
+        let stream = get(state.clone(), delete_ticket(&key, "[[2,0,10]]"))
+            .await
+            .unwrap();
+        assert_eq!(state.transfers.available_permits(), 1);
+        let messages: Vec<_> = stream.collect().await;
+        assert_eq!(messages.len(), 2, "the schema, then the piece");
+        let piece = messages[1].as_ref().unwrap();
+        assert_eq!(&piece.data_body[8..18], &[2u8; 10]);
+        assert!(state.store.used_bytes() < before, "block 2 is freed");
+        let again = get(state.clone(), delete_ticket(&key, "[[2,0,10]]")).await;
+        assert_eq!(
+            again.err().unwrap().kind(),
+            pocketflow_protocol::ErrorKind::NotFound
+        );
+        assert!(get(state.clone(), delete_ticket(&key, "[[1,0,10]]"))
+            .await
+            .is_ok());
     }
 
     #[tokio::test]

@@ -100,17 +100,25 @@ GRPC_SHUTDOWN_WAIT_S = 2.0
 """How long :func:`wait_for_grpc_shutdown` waits for gRPC's threads to exit."""
 
 
-def _grpc_threads() -> int:
-    """How many of this process's threads are gRPC's (0 where ``/proc`` is not available)."""
-    count = 0
+def _grpc_thread_ids() -> set[int]:
+    """This process's threads named like gRPC's (none where ``/proc`` is not available)."""
+    found = set()
     for comm in Path("/proc/self/task").glob("*/comm"):
         try:
             name = comm.read_text().strip()
         except OSError:
             continue  # The thread exited meanwhile.
         if name.startswith(GRPC_THREAD_NAMES):
-            count += 1
-    return count
+            found.add(int(comm.parent.name))
+    return found
+
+
+# gRPC threads that were running before this process opened its first channel: another gRPC
+# in the process (Ray's, grpcio's) owns them, and they do not go away when our channels close.
+_foreign_grpc_threads: set[int] = set()
+_grpc_opened = False
+"""Whether this process ever opened a channel (only then is /proc looked at on fork)."""
+_grpc_running_at_fork = False
 
 
 def wait_for_grpc_shutdown(timeout_s: float = GRPC_SHUTDOWN_WAIT_S) -> bool:
@@ -118,28 +126,39 @@ def wait_for_grpc_shutdown(timeout_s: float = GRPC_SHUTDOWN_WAIT_S) -> bool:
 
     gRPC shuts itself down when its last channel closes, asynchronously, on a thread of its own.
     A process that forks in the middle of that leaves a child whose first call hangs, so a
-    process that forks after closing its channels waits here first.
+    process that forks after closing its channels waits here first. Threads of another gRPC
+    that were running before the first channel opened are not waited for.
     """
     if _channels_open:
         return False
     deadline = time.monotonic() + timeout_s
-    while _grpc_threads():
+    while _grpc_thread_ids() - _foreign_grpc_threads:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.002)
     return True
 
 
+def _note_fork_in_parent() -> None:
+    # gRPC may outlive the last close (a call still in flight holds the channel): a child forked
+    # while its threads run cannot use it either.
+    global _grpc_running_at_fork
+    _grpc_running_at_fork = _grpc_opened and bool(_grpc_thread_ids() - _foreign_grpc_threads)
+
+
 def _note_fork_in_child() -> None:
-    global _forked_after_grpc, _channels_lock, _channels_open
-    if _channels_open:
+    global _forked_after_grpc, _channels_lock, _channels_open, _foreign_grpc_threads, _grpc_opened
+    if _channels_open or _grpc_running_at_fork:
         _forked_after_grpc = True
-    # The parent's channels are not this process's, and the lock may have been held at fork.
+    # The parent's channels and threads are not this process's, and the lock may have been held
+    # at fork.
     _channels_open = 0
+    _foreign_grpc_threads = set()
+    _grpc_opened = False
     _channels_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_note_fork_in_child)
+os.register_at_fork(before=_note_fork_in_parent, after_in_child=_note_fork_in_child)
 _pack_frame_header = FRAME_HEADER_STRUCT.pack
 _pack_op = OP_STRUCT.pack
 
@@ -590,7 +609,7 @@ class ServerConnection:
         client = self._client
         if client is not None:
             return client
-        global _channels_open
+        global _channels_open, _foreign_grpc_threads, _grpc_opened
         with self._client_lock:
             if self._client is None:
                 if _forked_after_grpc:
@@ -604,14 +623,19 @@ class ServerConnection:
                 # watchdog can see it; gRPC's own connection deadline (20 s) is cut to ours.
                 connect_ms = int(max(self.first_reply_timeout_s, CONNECT_TIMEOUT_MIN_S) * 1000)
                 options = [*GRPC_OPTIONS, ("grpc.min_reconnect_backoff_ms", connect_ms)]
+                with _channels_lock:
+                    if not _channels_open:
+                        _foreign_grpc_threads = _grpc_thread_ids()
+                    _channels_open += 1  # Counted first, so a concurrent opener sees it.
+                    _grpc_opened = True
                 try:
                     self._client = flight.FlightClient(
                         f"grpc://{self.address}", generic_options=options
                     )
                 except Exception as exc:
+                    with _channels_lock:
+                        _channels_open = max(_channels_open - 1, 0)
                     raise error_from_flight(exc, server=self.address) from exc
-                with _channels_lock:
-                    _channels_open += 1
             return self._client
 
     # -- exchange ----------------------------------------------------------------------------

@@ -20,7 +20,8 @@ time something is put into it, so a fresh job needs no set-up. Objects are writt
 (Lithops rewrites status keys) and never with PERSIST: they live as long as the job. Missing keys
 raise Lithops' own :class:`~lithops.storage.utils.StorageNoSuchKeyError`; deleting a missing key
 is not an error, as in S3. Workers talk straight to the storage servers with the handle, never to
-Ray.
+Ray. Lithops forks its workers right after using the storage; a before-fork hook disconnects the
+cached clients so that the children can open gRPC channels of their own.
 """
 
 from __future__ import annotations

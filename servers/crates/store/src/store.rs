@@ -1110,6 +1110,29 @@ mod tests {
             .await
     }
 
+    /// A small PERSIST record of version 1 in bucket "b" (replacing one when `overwrite`).
+    async fn put_persist(
+        store: &Store,
+        key: &str,
+        value: &'static [u8],
+        overwrite: bool,
+    ) -> Result<Option<ObjectHeader>, StoreError> {
+        let header = ObjectHeader {
+            flags: HEADER_FLAG_PERSIST,
+            ..small(1, value)
+        };
+        store
+            .put_record(JOB, "b", key, header, Bytes::from_static(value), overwrite)
+            .await
+    }
+
+    /// The PERSIST data block 1 of "big" (version 9) in bucket "b": `abc`.
+    async fn put_persist_block(store: &Store) {
+        let mut write = store.begin_block(JOB, "b", "big", 9, 1, 3, true).unwrap();
+        write.append(Bytes::from_static(b"abc")).await.unwrap();
+        write.commit().await.unwrap();
+    }
+
     async fn put_block(
         store: &Store,
         key: &str,
@@ -1225,13 +1248,7 @@ mod tests {
     async fn invalid_puts_are_refused(tier: Tier) {
         let (store, _dir) = open(tier, 1 << 20, false);
         store.create_bucket(JOB, "b").unwrap();
-        let persist = ObjectHeader {
-            flags: HEADER_FLAG_PERSIST,
-            ..small(1, b"x")
-        };
-        let refused = store
-            .put_record(JOB, "b", "k", persist, Bytes::from_static(b"x"), false)
-            .await;
+        let refused = put_persist(&store, "k", b"x", false).await;
         assert!(matches!(refused, Err(StoreError::PersistRefused)));
         assert!(matches!(
             store.begin_block(JOB, "b", "k", 1, 1, 10, true),
@@ -1312,25 +1329,9 @@ mod tests {
     async fn persist_on_long_running(tier: Tier) {
         let (store, _dir) = open(tier, 1 << 20, true);
         store.create_bucket(JOB, "b").unwrap();
-        let persist = ObjectHeader {
-            flags: HEADER_FLAG_PERSIST,
-            ..small(1, b"keep")
-        };
-        store
-            .put_record(
-                JOB,
-                "b",
-                "kept",
-                persist,
-                Bytes::from_static(b"keep"),
-                false,
-            )
-            .await
-            .unwrap();
+        put_persist(&store, "kept", b"keep", false).await.unwrap();
         put(&store, "b", "dropped", b"drop").await.unwrap();
-        let mut write = store.begin_block(JOB, "b", "big", 9, 1, 3, true).unwrap();
-        write.append(Bytes::from_static(b"abc")).await.unwrap();
-        write.commit().await.unwrap();
+        put_persist_block(&store).await;
         store.create_bucket(JOB, "scratch").unwrap();
         let (deleted, freed) = store.delete_job(JOB);
         assert_eq!(
@@ -1688,48 +1689,12 @@ mod tests {
         let (store, _dir) = open_with_ttl(tier, ttl);
         assert_eq!(store.persist_ttl(), Some(ttl));
         store.create_bucket(JOB, "b").unwrap();
-        let persist = ObjectHeader {
-            flags: HEADER_FLAG_PERSIST,
-            ..small(1, b"keep")
-        };
         let written = Instant::now();
-        store
-            .put_record(
-                JOB,
-                "b",
-                "kept",
-                persist,
-                Bytes::from_static(b"keep"),
-                false,
-            )
-            .await
-            .unwrap();
-        let mut write = store.begin_block(JOB, "b", "big", 9, 1, 3, true).unwrap();
-        write.append(Bytes::from_static(b"abc")).await.unwrap();
-        write.commit().await.unwrap();
+        put_persist(&store, "kept", b"keep", false).await.unwrap();
+        put_persist_block(&store).await;
         // Overwritten before it expires: the replaced version's queue entry is stale.
-        store
-            .put_record(
-                JOB,
-                "b",
-                "twice",
-                persist,
-                Bytes::from_static(b"keep"),
-                false,
-            )
-            .await
-            .unwrap();
-        store
-            .put_record(
-                JOB,
-                "b",
-                "twice",
-                persist,
-                Bytes::from_static(b"kep2"),
-                true,
-            )
-            .await
-            .unwrap();
+        put_persist(&store, "twice", b"keep", false).await.unwrap();
+        put_persist(&store, "twice", b"kep2", true).await.unwrap();
         put(&store, "b", "plain", b"drop").await.unwrap();
         assert_eq!(store.expire_persist(written + ttl / 2, 100), (0, 0));
         store.delete_job(JOB);
@@ -1758,14 +1723,7 @@ mod tests {
         let ttl = Duration::from_millis(1);
         let (store, _dir) = open_with_ttl(tier, ttl);
         store.create_bucket(JOB, "b").unwrap();
-        let persist = ObjectHeader {
-            flags: HEADER_FLAG_PERSIST,
-            ..small(1, b"x")
-        };
-        store
-            .put_record(JOB, "b", "k", persist, Bytes::from_static(b"x"), false)
-            .await
-            .unwrap();
+        put_persist(&store, "k", b"x", false).await.unwrap();
         let (deleted, freed) = store.expire_persist(Instant::now() + ttl, 100);
         assert_eq!(deleted, 1);
         assert!(freed > 0);
@@ -1778,14 +1736,7 @@ mod tests {
     async fn without_a_ttl_persist_never_expires(tier: Tier) {
         let (store, _dir) = open(tier, 1 << 20, true);
         store.create_bucket(JOB, "b").unwrap();
-        let persist = ObjectHeader {
-            flags: HEADER_FLAG_PERSIST,
-            ..small(1, b"x")
-        };
-        store
-            .put_record(JOB, "b", "k", persist, Bytes::from_static(b"x"), false)
-            .await
-            .unwrap();
+        put_persist(&store, "k", b"x", false).await.unwrap();
         let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
         assert_eq!(store.expire_persist(far, 100), (0, 0));
         assert_eq!(store.persist_ttl(), None);

@@ -177,29 +177,7 @@ async fn persist_needs_a_long_running_server() {
     let client = long.client().await;
     client.create_bucket("job-a", "b").await;
     let mut session = client.session("job-a", 0).await.unwrap();
-    let replies = session
-        .run(
-            0,
-            &[
-                put(1, "b", "kept", Bytes::from_static(b"p"), OP_FLAG_PERSIST),
-                put(2, "b", "gone", Bytes::from_static(b"x"), 0),
-            ],
-        )
-        .await;
-    assert!(replies.values().all(|r| r.status == 0));
-    let result = client
-        .put_blocks(
-            put_descriptor("job-a", "b", "big", 5, 1024, true),
-            &[(1, pattern(1024, 1))],
-            1024,
-        )
-        .await;
-    assert_eq!(result.unwrap()["blocks"], 1);
-    let deleted = client
-        .action("delete_job", json!({"ctx": ctx("job-a", 0)}))
-        .await
-        .unwrap();
-    assert_eq!(deleted["deleted"], 1);
+    put_kept_and_gone_then_delete_job(&client, &mut session, 1024).await;
     let replies = session
         .run(
             0,

@@ -17,7 +17,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use pocketflow_protocol::batch::{GetPieceMeta, PutPieceMeta};
 use pocketflow_protocol::frame::{
-    decode_reply_frame, encode_request_frame, OpCode, Reply, RequestOp,
+    decode_reply_frame, encode_request_frame, OpCode, Reply, RequestOp, OP_FLAG_PERSIST,
 };
 use pocketflow_protocol::limits::{ADMIN_JOB_ID, MESSAGE_MAX_BYTES, READY_LINE_PREFIX};
 use pocketflow_protocol::token::{now_unix_ms, TokenKey};
@@ -359,6 +359,38 @@ pub fn put_descriptor(
 ) -> Value {
     json!({"ctx": ctx(job, 0), "bucket": bucket, "key": key, "version": version,
            "block_size": block_size, "persist": persist})
+}
+
+/// In job-a's bucket "b": a PERSIST record "kept", a plain record "gone" and a PERSIST one-block
+/// object "big" of `block_bytes`; then `delete_job` for job-a, which deletes only "gone".
+pub async fn put_kept_and_gone_then_delete_job(
+    client: &Client,
+    session: &mut Session,
+    block_bytes: u32,
+) {
+    let replies = session
+        .run(
+            0,
+            &[
+                put(1, "b", "kept", Bytes::from_static(b"p"), OP_FLAG_PERSIST),
+                put(2, "b", "gone", Bytes::from_static(b"x"), 0),
+            ],
+        )
+        .await;
+    assert!(replies.values().all(|r| r.status == 0));
+    let blocks = client
+        .put_blocks(
+            put_descriptor("job-a", "b", "big", 5, block_bytes, true),
+            &[(1, pattern(block_bytes as usize, 1))],
+            block_bytes as usize,
+        )
+        .await;
+    assert_eq!(blocks.unwrap()["blocks"], 1);
+    let deleted = client
+        .action("delete_job", json!({"ctx": ctx("job-a", 0)}))
+        .await
+        .unwrap();
+    assert_eq!(deleted["deleted"], 1);
 }
 
 /// Deterministic test bytes.

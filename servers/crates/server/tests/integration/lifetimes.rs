@@ -39,28 +39,7 @@ async fn persist_objects_outlive_their_job_and_expire_after_the_ttl() {
     client.create_bucket("job-a", "b").await;
     let mut session = client.session("job-a", 0).await.unwrap();
     let written = Instant::now();
-    let replies = session
-        .run(
-            0,
-            &[
-                put(1, "b", "kept", Bytes::from_static(b"p"), OP_FLAG_PERSIST),
-                put(2, "b", "gone", Bytes::from_static(b"x"), 0),
-            ],
-        )
-        .await;
-    assert!(replies.values().all(|r| r.status == 0));
-    let blocks = client
-        .put_blocks(
-            put_descriptor("job-a", "b", "big", 5, 4096, true),
-            &[(1, pattern(4096, 1))],
-            4096,
-        )
-        .await;
-    assert_eq!(blocks.unwrap()["blocks"], 1);
-    client
-        .action("delete_job", json!({"ctx": ctx("job-a", 0)}))
-        .await
-        .unwrap();
+    put_kept_and_gone_then_delete_job(&client, &mut session, 4096).await;
     // After the job is gone, its PERSIST object is still readable (well inside the TTL).
     let replies = session
         .run(0, &[simple(3, OpCode::Get, "b", "kept", 0)])

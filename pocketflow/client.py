@@ -70,6 +70,7 @@ from pocketflow.protocol import (
     ACTION_DELETE_PREFIX,
     ACTION_ENUMERATE,
     ACTION_WAIT,
+    BATCH_MAX_BYTES,
     ENUMERATE_LIMIT_MAX,
     KEY_MAX_BYTES,
     OP_DELETE,
@@ -1262,11 +1263,17 @@ class Client:
         pieces: dict[int, list[tuple[int, pa.Buffer]]] = {}
         received: dict[int, int] = {}
         lock = threading.Lock()
+        # A piece is a view of a received gRPC message; holding many of them until the join
+        # keeps gRPC's receive memory in use and slows the rest of the read down, so past one
+        # batch each piece is copied out as it arrives.
+        hold = end - start <= BATCH_MAX_BYTES
 
         def sink(index: int, offset: int, piece: pa.Buffer) -> None:
             at = (index - 1) * block_size + offset - start
             if dest is not None:
                 dest[at:at + piece.size] = memoryview(piece).cast("B")
+            elif not hold:
+                piece = pa.py_buffer(piece.to_pybytes())
             with lock:
                 if dest is None:
                     pieces.setdefault(index, []).append((at, piece))

@@ -10,10 +10,10 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import ray
+from polling import wait
 from ray.cluster_utils import Cluster
 
 from pocketflow.cluster import LocalCluster
@@ -24,15 +24,6 @@ from pocketflow.control.loopback import keep_ray_on_loopback
 MIB = 1024 * 1024
 OBJECT_STORE_BYTES = 80 * MIB
 SLOT = tier_resource("dram")
-
-
-def wait(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def main() -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import sys
-import time
+
+from polling import wait
 
 from pocketflow.auth import admin_token, read_secret_file
 from pocketflow.cluster import LocalCluster
@@ -16,15 +17,6 @@ from pocketflow.errors import CapacityExhausted
 from pocketflow.transport import AdminClient
 
 WAIT_S = 40.0
-
-
-def wait(predicate, timeout_s: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def server_ids(cluster: LocalCluster) -> set[str]:
@@ -72,7 +64,7 @@ def main() -> None:
                 pf.create_bucket("b")
                 pf.put("b", "k", b"x" * 1000)
                 out["big_roundtrip"] = pf.get("b", "k") == b"x" * 1000
-        out["scaled_down"] = wait(lambda: server_ids(cluster) == initial)
+        out["scaled_down"] = wait(lambda: server_ids(cluster) == initial, WAIT_S)
         out["after_idle"] = sorted(server_ids(cluster))
 
         with cluster.register_job("fill") as job, job.connect() as pf:
@@ -85,7 +77,7 @@ def main() -> None:
                 except CapacityExhausted:
                     pass
             out["filled_bytes"] = stored
-            out["scaled_up"] = wait(lambda: len(server_ids(cluster)) > len(initial))
+            out["scaled_up"] = wait(lambda: len(server_ids(cluster)) > len(initial), WAIT_S)
             out["after_fill"] = sorted(server_ids(cluster))
             out["actions"] = [
                 (a["action"], a.get("node_id")) for a in cluster.status()["sizing_actions"]

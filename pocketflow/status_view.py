@@ -86,7 +86,7 @@ def _servers_section(status: Mapping[str, Any]) -> list[str]:
         used, capacity = int(row.get("used_bytes", 0)), int(row.get("capacity_bytes", 0))
         rows.append([
             row["node_id"], row["tier"], row["address"], state,
-            str(row.get("threads", "-")), _cores(row),
+            "-" if row.get("threads") is None else str(row["threads"]), _cores(row),
             f"{format_bytes(used)} / {format_bytes(capacity)}", percent(used, capacity),
             f"{100.0 * float(row.get('cpu_utilization', 0.0)):.0f}%",
             format_rate(row.get("bytes_in_per_s", 0)), format_rate(row.get("bytes_out_per_s", 0)),

@@ -154,7 +154,9 @@ def _status_fixture() -> dict[str, object]:
             {"node_id": "nvme-0", "tier": "nvme", "address": "127.0.0.1:3", "reachable": True,
              "draining": True, "long_running": False, "capacity_bytes": 8 * 1024**2,
              "used_bytes": 2048, "objects": 1, "cpu_utilization": 0.0, "bytes_in_per_s": 0,
-             "bytes_out_per_s": 512, "jobs": {"sort-abc123": {"used_bytes": 2048, "objects": 1}}},
+             "bytes_out_per_s": 512, "jobs": {"sort-abc123": {"used_bytes": 2048, "objects": 1}},
+             # What the controller reports before the server's first heartbeat.
+             "threads": None, "cores": None, "cores_max": None},
         ],
         "tiers": {"dram": {"servers": 1, "capacity_bytes": 4 * 1024**2, "used_bytes": 1024**2},
                   "nvme": {"servers": 1, "capacity_bytes": 8 * 1024**2, "used_bytes": 2048}},
@@ -175,7 +177,7 @@ def test_status_view_shows_states_utilization_and_jobs() -> None:
     assert row["dram-0"].split()[3:6] == ["live", "2", "1/2"]
     assert "1.0 MiB / 4.0 MiB" in row["dram-0"] and "25.0%" in row["dram-0"]
     assert "50%" in row["dram-0"] and "2.0 MiB/s" in row["dram-0"]
-    assert row["nvme-0"].split()[3] == "draining"
+    assert row["nvme-0"].split()[3:6] == ["draining", "-", "-"]
     assert row["dram-1"].split()[3] == "dead"
     assert "dram-1 dead: no heartbeat for 3.0 s" in text
     tiers = lines[lines.index("TIERS") + 1:]

@@ -214,6 +214,8 @@ def register_job(
     pass. ``lease_ms=None`` takes no lease: the job then lives until it is deregistered.
     """
     coerced = Hints.coerce(hints)
+    if lease_ms is not None:
+        check_lease_ms(lease_ms)  # before registering: a refused lease leaves no job behind
     control = _resolve_control_plane(cluster)
     handle = control.register(name, coerced.to_dict())
     return Job(handle, control, lease_ms=lease_ms)

@@ -148,3 +148,12 @@ def test_the_renewal_thread_gives_up_after_a_lease_without_renewal(
     thread.join(timeout=10)
     assert not thread.is_alive()
     assert time.monotonic() - started >= 0.3
+
+
+def test_a_bad_lease_is_refused_before_the_job_registers(local_cluster: LocalCluster) -> None:
+    import pocketflow
+
+    before = {j["job_id"] for j in local_cluster.control.status()["jobs"]}
+    with pytest.raises(ConfigError):
+        pocketflow.register_job("bad-lease", cluster=local_cluster, lease_ms=LEASE_MS_MIN - 1)
+    assert {j["job_id"] for j in local_cluster.control.status()["jobs"]} == before

@@ -23,6 +23,7 @@ from pocketflow.control import (
     NAMESPACE,
     STORAGE_NODE_ACTOR_PREFIX,
 )
+from pocketflow.control.leases import LEASE_MS_DEFAULT
 from pocketflow.control.loopback import keep_ray_on_loopback
 from pocketflow.control.tiers import TIER_DRAM, TIER_NVME, local_spec
 from pocketflow.errors import ClusterError, ConfigError, PocketflowError
@@ -332,12 +333,16 @@ class LocalCluster:
         return self.control.status()
 
     def register_job(
-        self, name: str, hints: Hints | Mapping[str, Any] | None = None
+        self,
+        name: str,
+        hints: Hints | Mapping[str, Any] | None = None,
+        *,
+        lease_ms: int | None = LEASE_MS_DEFAULT,
     ) -> Job:
         """Register a job on this cluster (see :func:`pocketflow.register_job`)."""
         from pocketflow.job import register_job
 
-        return register_job(name, hints, cluster=self)
+        return register_job(name, hints, cluster=self, lease_ms=lease_ms)
 
     def __repr__(self) -> str:
         return (

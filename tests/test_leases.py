@@ -156,4 +156,6 @@ def test_a_bad_lease_is_refused_before_the_job_registers(local_cluster: LocalClu
     before = {j["job_id"] for j in local_cluster.control.status()["jobs"]}
     with pytest.raises(ConfigError):
         pocketflow.register_job("bad-lease", cluster=local_cluster, lease_ms=LEASE_MS_MIN - 1)
+    with pytest.raises(ConfigError):
+        local_cluster.register_job("bad-lease", lease_ms=LEASE_MS_MIN - 1)
     assert {j["job_id"] for j in local_cluster.control.status()["jobs"]} == before

@@ -532,12 +532,13 @@ async fn wait_parks_until_every_key_is_put_or_the_deadline() {
     let server = TestServer::start(ServerOptions::default());
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
-    let wait_body = |keys: &[&str], timeout_ms: u64| {
-        json!({"ctx": ctx("job-a", 0), "bucket": "b", "keys": keys, "timeout_ms": timeout_ms})
-    };
+    let wait_body = |keys: &[&str], timeout_ms: u64| json!({"ctx": ctx("job-a", 0), "bucket": "b", "keys": keys, "timeout_ms": timeout_ms});
     // Nothing there: the call is parked for its whole timeout and names every key.
     let started = std::time::Instant::now();
-    let result = client.action("wait", wait_body(&["k1", "k2"], 300)).await.unwrap();
+    let result = client
+        .action("wait", wait_body(&["k1", "k2"], 300))
+        .await
+        .unwrap();
     assert!(started.elapsed() >= Duration::from_millis(300));
     assert_eq!(result, json!({"missing": ["k1", "k2"]}));
 
@@ -552,10 +553,14 @@ async fn wait_parks_until_every_key_is_put_or_the_deadline() {
     };
     let mut session = client.session("job-a", 0).await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
-    session.run(0, &[put(1, "b", "k1", pattern(10, 1), 0)]).await;
+    session
+        .run(0, &[put(1, "b", "k1", pattern(10, 1), 0)])
+        .await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(!waiter.is_finished(), "returned with k2 still missing");
-    session.run(0, &[put(2, "b", "k2", pattern(10, 2), 0)]).await;
+    session
+        .run(0, &[put(2, "b", "k2", pattern(10, 2), 0)])
+        .await;
     let (result, elapsed) = tokio::time::timeout(Duration::from_secs(5), waiter)
         .await
         .expect("wait returns after the put")
@@ -590,7 +595,10 @@ async fn wait_parks_until_every_key_is_put_or_the_deadline() {
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     client
-        .action("delete_bucket", json!({"ctx": ctx("job-a", 0), "bucket": "b"}))
+        .action(
+            "delete_bucket",
+            json!({"ctx": ctx("job-a", 0), "bucket": "b"}),
+        )
         .await
         .unwrap();
     let status = tokio::time::timeout(Duration::from_secs(5), waiter)

@@ -41,6 +41,7 @@ test: install test-rust lint test-python test-lithops
 test-rust:
 	cd servers && $(CARGO) test --release --locked --workspace
 	cd servers && $(CARGO) clippy --release --workspace --all-targets --locked -- -D warnings
+	cd servers && $(CARGO) fmt --all --check
 
 lint:
 	$(PYTHON) -m ruff check .

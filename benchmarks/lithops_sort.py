@@ -60,6 +60,7 @@ from pocketflow.demo import (
     check_output,
     check_partition,
     describe_partition,
+    forget_inherited_lithops_session,
     format_bytes,
     generate_records,
     lithops_config,
@@ -446,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     records = args.records or SHAPES[shape]["records"]
     if not 1 <= records <= SHAPES["full"]["records"] * 10:
         parser.error("--records out of range")
+    forget_inherited_lithops_session()
     results = run(shape, repeats, args.out, records=records)
     ok = all(s["all_ok"] for k, s in results["summary"].items() if isinstance(s, dict))
     return 0 if ok else 1

@@ -15,12 +15,18 @@ import sys
 import lithops
 
 import pocketflow
-from pocketflow.demo import SortConfig, lithops_config, run_sort
+from pocketflow.demo import (
+    SortConfig,
+    forget_inherited_lithops_session,
+    lithops_config,
+    run_sort,
+)
 
 
 def main() -> int:
     """Start a local cluster, run the sort on Lithops, print the report."""
     config = SortConfig(mappers=4, reducers=2, records=200_000)
+    forget_inherited_lithops_session()
     with pocketflow.LocalCluster(num_cpus=2) as cluster:
         # The executor's own storage (payloads, results) is Lithops' localhost storage; the
         # shuffle's data goes to pocketflow.

@@ -252,7 +252,9 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``pocketflow demo``: the MapReduce sort, on a fresh local cluster or a running one."""
-    from pocketflow.demo import SortConfig
+    from pocketflow.demo import SortConfig, forget_inherited_lithops_session
+
+    forget_inherited_lithops_session()
 
     config = SortConfig(
         mappers=args.mappers,

@@ -37,6 +37,10 @@ CAPACITY_POLL_INTERVAL_S = 0.25
 """How often the driver samples the servers' used bytes while the job runs."""
 SAMPLES_MAX = 200_000
 """Most samples one sampler takes; it stops sampling after that."""
+LITHOPS_ENV_PREFIX = "__LITHOPS_"
+"""Prefix of the environment variables Lithops passes to child processes (its session)."""
+SORT_TIMEOUT_DEFAULT_S = 3600.0
+"""Default bound on each wait for a stage of the sort (Lithops raises ``TimeoutError``)."""
 LITHOPS_POCKET_STORAGE = "pocket"
 """Name of pocketflow's Lithops storage backend (``pocketflow.integrations.lithops_storage``)."""
 LITHOPS_MONITORING_INTERVAL_S = 0.1
@@ -372,6 +376,20 @@ def check_partition(handle_json: str, bucket: str, key: str, reducer: int) -> Pa
 # -- the driver -------------------------------------------------------------------------------
 
 
+def forget_inherited_lithops_session() -> None:
+    """Make this process start a Lithops session of its own; call it before any executor.
+
+    Lithops exports its session id and executor count to child processes so they join the
+    parent's session, continuing the count from the parent's snapshot; but the parent keeps
+    counting too, so a parent and a child that both create executors later reuse the same
+    executor ids, and with them the same storage keys for results and statuses (seen as one
+    sort reading another process's results). A program that runs as its own command (the demo,
+    the benchmark) therefore drops the inherited variables first.
+    """
+    for name in [n for n in os.environ if n.startswith(LITHOPS_ENV_PREFIX)]:
+        del os.environ[name]
+
+
 def lithops_config(*, storage: str = "localhost", workers: int | None = None,
                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Lithops configuration of the localhost executor with this interpreter as the runtime.
@@ -492,6 +510,7 @@ def run_sort(
     fexec: Any = None,
     lithops_storage: str = "localhost",
     client_options: dict[str, Any] | None = None,
+    timeout_s: float | None = SORT_TIMEOUT_DEFAULT_S,
 ) -> SortReport:
     """Run the sort on Lithops' localhost executor, shuffling through pocketflow; the report.
 
@@ -500,7 +519,9 @@ def run_sort(
     size) and deregisters it at the end. ``fexec`` reuses a ``lithops.FunctionExecutor``;
     otherwise one is made with :func:`lithops_config` with ``lithops_storage`` for Lithops' own
     data: ``"localhost"`` (files), or ``"pocket"`` (pocketflow's Lithops storage backend, in a
-    job of its own, registered and deregistered here). Raises whatever a task raised.
+    job of its own, registered and deregistered here). ``timeout_s`` bounds each wait for a
+    stage's Lithops results (``TimeoutError``; only enforced on the main thread, where Lithops
+    can arm its alarm). Raises whatever a task raised.
     """
     import lithops
 
@@ -509,6 +530,8 @@ def run_sort(
 
     cfg = config or SortConfig()
     control = _resolve_control_plane(cluster)
+    if threading.current_thread() is not threading.main_thread():
+        timeout_s = None
     options = dict(client_options or {})
     if cfg.block_size_bytes is not None:
         options.setdefault("block_size_bytes", cfg.block_size_bytes)
@@ -534,7 +557,7 @@ def run_sort(
                 fexec, functools.partial(map_records, cfg), reduce_records, range(cfg.mappers),
                 reducers=cfg.reducers, cluster=control, name="sort",
                 input_size_bytes=2 * cfg.input_bytes, persist_output=True,
-                client_options=options,
+                client_options=options, timeout_s=timeout_s,
             )
             phase_s["map"] = result.map_s
             phase_s["shuffle+reduce"] = result.elapsed_s - result.map_s
@@ -543,7 +566,7 @@ def run_sort(
             checks: list[PartitionCheck] = fexec.get_result(fexec.map(
                 check_partition,
                 [(result.handle_json, o.bucket, o.key, r) for r, o in enumerate(result.outputs)],
-            ))
+            ), timeout=timeout_s)
             phase_s["validate"] = time.perf_counter() - phase_started
         elapsed_s = time.perf_counter() - started
         maps: list[MapResult] = result.map_values

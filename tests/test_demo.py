@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 import numpy as np
@@ -15,6 +16,7 @@ from pocketflow.demo import (
     PartitionCheck,
     SortConfig,
     check_output,
+    forget_inherited_lithops_session,
     generate_records,
     is_sorted,
     lithops_config,
@@ -23,6 +25,9 @@ from pocketflow.demo import (
     run_sort,
     sort_records,
 )
+
+SORT_TIMEOUT_S = 240
+"""Bound on each stage of a test sort: a stuck Lithops job fails the test instead of hanging."""
 
 
 def test_generation_is_deterministic_and_covers_every_record() -> None:
@@ -109,7 +114,7 @@ def test_small_sort_end_to_end(local_cluster: LocalCluster) -> None:
     baseline = used_bytes(local_cluster)
     config = SortConfig(mappers=3, reducers=2, records=30_000, seed=3, processes=2,
                         block_size_bytes=64 * 1024)
-    report = run_sort(local_cluster, config, progress=False)
+    report = run_sort(local_cluster, config, progress=False, timeout_s=SORT_TIMEOUT_S)
     assert report.ok, report.problems
     assert report.output_records == 30_000
     assert report.output_checksum == report.input_checksum
@@ -139,7 +144,20 @@ def test_lithops_config_is_the_localhost_executor() -> None:
 def test_small_sort_with_lithops_own_data_in_pocketflow(local_cluster: LocalCluster) -> None:
     config = SortConfig(mappers=2, reducers=2, records=10_000, seed=4, processes=2)
     jobs_before = {j["job_id"] for j in local_cluster.status()["jobs"]}
-    report = run_sort(local_cluster, config, progress=False, lithops_storage="pocket")
+    report = run_sort(local_cluster, config, progress=False, lithops_storage="pocket",
+                      timeout_s=SORT_TIMEOUT_S)
     assert report.ok, report.problems
     # Both the shuffle's job and the job holding Lithops' data are deregistered.
     assert {j["job_id"] for j in local_cluster.status()["jobs"]} == jobs_before
+
+
+def test_a_command_forgets_the_lithops_session_it_inherited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("__LITHOPS_SESSION_ID", "abc123")
+    monkeypatch.setenv("__LITHOPS_TOTAL_EXECUTORS", "4")
+    monkeypatch.setenv("LITHOPS_CONFIG_FILE", "/nonexistent")
+    forget_inherited_lithops_session()
+    assert "__LITHOPS_SESSION_ID" not in os.environ
+    assert "__LITHOPS_TOTAL_EXECUTORS" not in os.environ
+    assert os.environ["LITHOPS_CONFIG_FILE"] == "/nonexistent"

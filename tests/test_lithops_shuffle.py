@@ -102,7 +102,7 @@ def test_shuffle_delivers_every_partition_in_mapper_order(
 ) -> None:
     baseline = used_bytes(local_cluster)
     result = shuffle(fexec, _emit_bytes, _join, [1, 2, 3], reducers=3, cluster=local_cluster,
-                     input_size_bytes=1000)
+                     input_size_bytes=1000, timeout_s=SHUFFLE_TIMEOUT_S)
     assert result.map_values == [100, 200, 300]
     assert result.outputs == [
         f"{r}:".encode() + b"".join(bytes([m]) * (10 * (r + 1)) + b"|" for m in (1, 2, 3))
@@ -123,7 +123,7 @@ def test_sort_output_persists_and_reducers_wait_for_late_mappers(
     config = SortConfig(mappers=2, reducers=2, records=20_000, seed=5)
     result = shuffle(fexec, functools.partial(map_records, config), reduce_records, range(2),
                      reducers=2, cluster=local_cluster, persist_output=True,
-                     input_size_bytes=config.input_bytes)
+                     input_size_bytes=config.input_bytes, timeout_s=SHUFFLE_TIMEOUT_S)
     assert all(isinstance(o, OutputInfo) and o.bucket == "output" for o in result.outputs)
     checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
     with pocketflow.connect(result.handle_json) as pf:
@@ -134,7 +134,7 @@ def test_sort_output_persists_and_reducers_wait_for_late_mappers(
 
     # A reducer starts while its only mapper still runs and is parked until the input arrives.
     result = shuffle(fexec, functools.partial(_slow_then_emit, 3.0), _reduce_started, [0],
-                     reducers=1, cluster=local_cluster)
+                     reducers=1, cluster=local_cluster, timeout_s=SHUFFLE_TIMEOUT_S)
     reducer_started_s, inputs = result.outputs[0]
     assert inputs == [b"late"]
     assert result.input_wait_s[0] >= 1.0, result.input_wait_s
@@ -148,7 +148,7 @@ def test_a_failing_mapper_fails_the_shuffle_and_deregisters_its_job(
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="mapper 1 breaks"):
         shuffle(fexec, _failing_map, _join, [0, 1], reducers=1, cluster=local_cluster,
-                input_wait_s=60)
+                input_wait_s=60, timeout_s=SHUFFLE_TIMEOUT_S)
     assert time.monotonic() - started < SHUFFLE_TIMEOUT_S
     assert {j["job_id"] for j in local_cluster.status()["jobs"]} == jobs_before
 
@@ -266,7 +266,9 @@ def test_benchmark_script_runs_every_variant(tmp_path: Path) -> None:
         [sys.executable, "-m", "benchmarks.lithops_sort", "--quick", "--records", "8000",
          "--out", str(tmp_path)],
         cwd=repo, capture_output=True, text=True, timeout=BENCHMARK_TIMEOUT_S,
-        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+        # Not this process's Ray, nor its Lithops session (whose executor ids it would reuse).
+        env={k: v for k, v in os.environ.items()
+             if k != "RAY_ADDRESS" and not k.startswith("__LITHOPS_")},
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (result_file,) = tmp_path.glob("lithops-sort-*-quick.json")

@@ -227,6 +227,7 @@ def shuffle(
     regenerate_rounds_max: int = REGENERATE_ROUNDS_MAX,
     client_options: dict[str, Any] | None = None,
     delete_inputs: bool = True,
+    timeout_s: float | None = None,
 ) -> ShuffleResult:
     """Run a map/shuffle/reduce on a ``lithops.FunctionExecutor``, shuffling through pocketflow.
 
@@ -239,7 +240,9 @@ def shuffle(
     shuffle in an already registered job (not deregistered here). ``client_options`` are
     :class:`~pocketflow.config.ClientConfig` settings for the tasks' clients.
     ``delete_inputs=False`` reads the shuffle objects without DELETE (they then live until the
-    job is deregistered); it exists to measure what DELETE saves.
+    job is deregistered); it exists to measure what DELETE saves. ``timeout_s`` bounds each wait
+    for a stage's Lithops results (Lithops raises ``TimeoutError``; it arms ``SIGALRM``, so pass
+    it only from the main thread).
 
     Raises :class:`ShuffleFailed` when lost partitions could not be regenerated within
     ``regenerate_rounds_max`` rounds, and whatever a task raised (Lithops re-raises it here).
@@ -257,7 +260,7 @@ def shuffle(
     if job is not None:
         return _run(fexec, job, map_function, reduce_function, map_inputs, reducers,
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
-                    client_options, delete_inputs)
+                    client_options, delete_inputs, timeout_s)
     hints = Hints(
         max_concurrent_tasks=min(mappers + reducers, 1_000_000),
         data_size_bytes=input_size_bytes,
@@ -266,7 +269,7 @@ def shuffle(
     with register_job(name, hints, cluster=cluster) as own_job:
         return _run(fexec, own_job, map_function, reduce_function, map_inputs, reducers,
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
-                    client_options, delete_inputs)
+                    client_options, delete_inputs, timeout_s)
 
 
 def _run(
@@ -274,6 +277,7 @@ def _run(
     reduce_function: Callable[[int, list[bytes]], Any], map_inputs: Sequence[Any],
     reducers: int, persist_output: bool, output_bucket: str, input_wait_s: float,
     regenerate_rounds_max: int, client_options: dict[str, Any] | None, delete_inputs: bool,
+    timeout_s: float | None,
 ) -> ShuffleResult:
     started = time.perf_counter()
     started_unix_s = time.time()
@@ -305,7 +309,7 @@ def _run(
         # held by a parked reducer never keeps a mapper from running.
         futures = fexec.map(_shuffle_task, [(call,) for call in map_calls + reduce_calls])
         try:
-            outcomes = fexec.get_result(futures)
+            outcomes = fexec.get_result(futures, timeout=timeout_s)
         except BaseException:
             # Deleting the bucket wakes reducers still parked on it; they fail at once instead
             # of holding their workers until their wait bound.
@@ -349,10 +353,11 @@ def _run(
                 for m, rs in sorted(lost_by_mapper.items())
             ]
             rewritten_bytes += sum(
-                o.bytes_written for o in fexec.get_result(fexec.map(_shuffle_task, reruns))
+                o.bytes_written
+                for o in fexec.get_result(fexec.map(_shuffle_task, reruns), timeout=timeout_s)
             )
             retries = [(_ReduceCall(spec, reduce_function, o.reducer),) for o in failed]
-            outcomes = fexec.get_result(fexec.map(_shuffle_task, retries))
+            outcomes = fexec.get_result(fexec.map(_shuffle_task, retries), timeout=timeout_s)
             done.update({o.reducer: o for o in outcomes if not o.lost_mappers})
             failed = [o for o in outcomes if o.lost_mappers]
         handle_json = pf.handle.to_json()

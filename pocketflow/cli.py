@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from pocketflow.config import parse_size
+from pocketflow.config import parse_duration, parse_size
 from pocketflow.errors import ConfigError, PocketflowError
 
 EXIT_OK = 0
@@ -24,6 +24,13 @@ EXIT_INTERRUPTED = 130
 def _size(text: str) -> int:
     try:
         return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _duration_s(text: str) -> float:
+    try:
+        return parse_duration(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
@@ -50,6 +57,8 @@ def _add_cluster_shape(parser: argparse.ArgumentParser) -> None:
                        help="block size of large objects (default 1MiB)")
     group.add_argument("--num-cpus", type=_positive, default=2,
                        help="CPUs Ray may schedule on (default 2)")
+    group.add_argument("--persist-ttl", type=_duration_s, default="24h",
+                       help="how long PERSIST objects live on long-running servers (default 24h)")
     group.add_argument("--autoscale", action="store_true",
                        help="launch servers for jobs that do not fit, and run the sizing loop")
     group.add_argument("--sizing-interval", default="5s",
@@ -138,6 +147,7 @@ def _local_cluster(args: argparse.Namespace) -> Any:
         nvme_capacity=args.nvme_capacity,
         block_size=args.block_size,
         num_cpus=args.num_cpus,
+        persist_ttl=args.persist_ttl,
         autoscale=args.autoscale,
         sizing_interval=args.sizing_interval if args.autoscale else None,
     )

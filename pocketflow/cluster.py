@@ -309,6 +309,11 @@ class LocalCluster:
         return self._block_size_bytes
 
     @property
+    def persist_ttl_ms(self) -> int | None:
+        """How long PERSIST objects live on the long-running servers (``None``: until deleted)."""
+        return self._persist_ttl_ms
+
+    @property
     def servers(self) -> tuple[StorageNodeInfo, ...]:
         """The started storage servers, in start order (DRAM first)."""
         return tuple(self._infos[p.node_id] for p in self._plans if p.node_id in self._infos)

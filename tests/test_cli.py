@@ -43,12 +43,26 @@ def test_up_without_local_is_a_usage_error() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["demo", "--mappers", "0"], ["demo", "--block-size", "big"], ["frobnicate"]],
+    [
+        ["demo", "--mappers", "0"],
+        ["demo", "--block-size", "big"],
+        ["up", "--local", "--persist-ttl", "forever"],
+        ["frobnicate"],
+    ],
 )
 def test_bad_arguments_are_usage_errors(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(argv)
     assert exit_info.value.code == 2
+
+
+def test_persist_ttl_option_reaches_the_cluster() -> None:
+    from pocketflow.cli import _local_cluster
+
+    args = build_parser().parse_args(["up", "--local", "--persist-ttl", "90m"])
+    assert _local_cluster(args).persist_ttl_ms == 90 * 60 * 1000
+    default = build_parser().parse_args(["demo"])
+    assert _local_cluster(default).persist_ttl_ms == 24 * 3600 * 1000
 
 
 def test_status_prints_the_servers_and_tiers(local_cluster: LocalCluster) -> None:

@@ -26,7 +26,7 @@ from pocketflow.placement import Placement
 DEAD_AFTER_S = 3.0
 """The session cluster's default ``dead_after``."""
 
-DETECTION_SLACK_S = 2.5
+DETECTION_SLACK_S = 3.5
 """Allowed lateness of the failure detector on a loaded 2-core machine."""
 
 READ_TIMEOUT_S = 2.0
@@ -166,10 +166,11 @@ def test_hung_server_gives_data_unavailable_within_the_failure_bound(
                 with pytest.raises(DataUnavailable):
                     pf.exists("b", on[1])  # a new session to the hung server
                 assert time.monotonic() - started < default_op_timeout_s + DETECTION_SLACK_S
+                # Silent for dead_after, then the probe waits dead_after for an answer.
                 assert wait_for(
                     lambda: info.node_id
                     in ray.get(controller.dead_servers.remote(), timeout=30),
-                    timeout_s=DEAD_AFTER_S + DETECTION_SLACK_S + 5,
+                    timeout_s=2 * DEAD_AFTER_S + DETECTION_SLACK_S + 5,
                 )
                 assert pf.get("b", off[0]) == b"v"
                 # On the new map the hung server is lost: its keys fail at once.

@@ -88,8 +88,12 @@ MONITOR_INTERVAL_S_MAX = 0.25
 ADMIN_CALL_TIMEOUT_S = 5.0
 """Deadline of one admin call (``set_epoch``, ``delete_job``, ``drain``) to a storage server."""
 
-PROBE_TIMEOUT_S = 1.0
-"""Deadline of the direct ``stats`` probe of a server whose heartbeats are late."""
+PROBE_TIMEOUT_S_MIN = 1.0
+"""Shortest deadline of the direct ``stats`` probe of a server whose heartbeats are late.
+
+The probe's deadline is ``dead_after`` (at least this): a server busy on a loaded machine is
+not stopped for one slow answer, while a killed one refuses the connection at once and a hung
+one is declared dead ``dead_after`` later (about twice ``dead_after`` after it hung)."""
 
 DEAD_SERVERS_KEPT_MAX = 256
 """Most dead servers remembered for ``status``; the oldest are forgotten past it."""
@@ -214,7 +218,9 @@ class Controller:
         self._secret = read_secret_file(secret_file)
         self._admin = AdminTokens(Path(secret_file), timeout_s=ADMIN_CALL_TIMEOUT_S)
         # Used only by the monitor thread (AdminTokens is not shared between threads).
-        self._probe = AdminTokens(Path(secret_file), timeout_s=PROBE_TIMEOUT_S)
+        self._probe = AdminTokens(
+            Path(secret_file), timeout_s=max(PROBE_TIMEOUT_S_MIN, dead_after_ms / 1000.0)
+        )
         self._metadata = metadata
         self._block_size_bytes = block_size_bytes
         self._token_ttl_s = token_ttl_s
@@ -338,11 +344,11 @@ class Controller:
         return declared
 
     def _answers(self, info: StorageNodeInfo) -> bool:
-        """Whether a silent server still answers ``stats`` within ``PROBE_TIMEOUT_S``.
+        """Whether a silent server still answers ``stats`` within the probe's deadline.
 
         Heartbeats travel through Ray and can be late on a loaded machine; a server that
         answers is alive and its answer counts as a heartbeat. A killed server refuses the
-        connection at once, a hung one costs one probe timeout.
+        connection at once, a hung one costs one probe deadline (``dead_after``).
         """
         sampled = time.time()
         try:

@@ -18,7 +18,8 @@ from pocketflow.errors import BucketNotFound, InvalidRequest, ObjectNotFound
 from pocketflow.handle import ServerInfo
 from pocketflow.transport import AdminClient
 
-PERSIST_TTL_MS = 2000
+PERSIST_TTL_MS = 4000
+"""Long enough for the writes and reads before it to finish on a loaded machine."""
 EXPIRY_WAIT_S = 10.0
 """How long the PERSIST data may take to disappear after its TTL (sweeps every 250 ms)."""
 

@@ -17,8 +17,15 @@ from pocketflow.cluster import LocalCluster
 CLI_TIMEOUT_S = 180
 
 
+def _child_env(*dropped: str) -> dict[str, str]:
+    """This process's environment without ``dropped``, Ray's address and any Lithops session
+    (whose executor ids a child would reuse)."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("RAY_ADDRESS", *dropped) and not k.startswith("__LITHOPS_")}
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = _child_env()
     return subprocess.run(
         [sys.executable, "-m", "pocketflow", *args],
         capture_output=True,
@@ -109,7 +116,7 @@ def run_module(
     *args: str, cwd: Path, pythonpath: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """``python -m pocketflow ARGS`` in ``cwd``, optionally with only ``pythonpath`` added."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
+    env = _child_env("PYTHONPATH")
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     return subprocess.run(

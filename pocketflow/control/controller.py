@@ -236,6 +236,10 @@ class Controller:
         self._dead: dict[str, dict[str, Any]] = {}
         self._jobs: dict[str, JobRecord] = {}
         self._leases = LeaseTable()
+        # Renewals take only this lock, so a lease does not run out while its renewal waits
+        # behind a registration (one that waits for a restarting Metadata actor, or a launch).
+        # Taken after ``_lock`` when both are held.
+        self._lease_lock = threading.Lock()
         self._cluster_spec = cluster_spec
         self._launcher = Launcher(launch) if launch is not None else None
         self._launched: dict[str, Any] = {}
@@ -501,7 +505,8 @@ class Controller:
             if job_id not in self._jobs:
                 raise JobNotRegistered(f"job {job_id!r} is not registered")
             del self._jobs[job_id]
-            self._leases.release(job_id)
+            with self._lease_lock:
+                self._leases.release(job_id)
             self._call_metadata("remove_job", job_id, True)
         deleted = freed_bytes = 0
         unreachable: list[str] = []
@@ -532,23 +537,33 @@ class Controller:
         A job whose lease runs out (its driver died) is deregistered by the monitor loop, which
         frees its non-PERSIST data. Raises ``JobNotRegistered`` for an unknown job.
         """
-        with self._lock:
-            if job_id not in self._jobs:
-                raise JobNotRegistered(f"job {job_id!r} is not registered")
-            self._leases.renew(job_id, lease_ms=lease_ms, now_s=time.monotonic())
+        now_s = time.monotonic()
+        # No ``_lock``: a renewal must not wait behind a registration. A job deregistered just
+        # after this check leaves a lease that expire_leases finds and releases.
+        if job_id not in self._jobs:
+            raise JobNotRegistered(f"job {job_id!r} is not registered")
+        with self._lease_lock:
+            self._leases.renew(job_id, lease_ms=lease_ms, now_s=now_s)
         return lease_ms / 1000.0
 
     def expire_leases(self) -> list[str]:
         """Deregister up to ``LEASE_EXPIRIES_PER_PASS_MAX`` jobs whose lease ran out."""
-        with self._lock:
+        with self._lease_lock:
             due = self._leases.expired(now_s=time.monotonic(), limit=LEASE_EXPIRIES_PER_PASS_MAX)
         expired = []
         for job_id in due:
+            with self._lock:
+                # Re-checked once no registration runs (renewals do not wait for it): the
+                # driver may have renewed meanwhile.
+                with self._lease_lock:
+                    lease = self._leases.get(job_id)
+                if lease is None or lease.expires_at_s > time.monotonic():
+                    continue
             log.warning("job %s: its driver's lease ran out; deregistering it", job_id)
             try:
                 self.deregister_job(job_id)
             except JobNotRegistered:
-                with self._lock:
+                with self._lease_lock:
                     self._leases.release(job_id)
             expired.append(job_id)
         return expired

@@ -56,6 +56,10 @@ GATE_TIMEOUT_S = 60.0
 """How long the gated mapper waits for the test to open its gate."""
 BENCHMARK_TIMEOUT_S = 300.0
 """Bound on the benchmark script's tiny run."""
+DOOMED_CAPACITY_BYTES = 512 * 1024 * 1024
+"""The killed server's capacity: several times the session's DRAM servers' free bytes."""
+REDUCERS_MAX = 32
+"""Most reducers the regeneration test tries when looking for inputs on the killed server."""
 
 
 @pytest.fixture
@@ -166,8 +170,14 @@ def test_bad_arguments_are_refused(local_cluster: LocalCluster, fexec: Any) -> N
 
 @pytest.fixture
 def doomed_server(local_cluster: LocalCluster) -> Iterator[StorageNodeInfo]:
-    """A DRAM server added to the session cluster for this test only, killed by the test."""
-    with extra_server(local_cluster, prefix="doomed") as (info, _):
+    """A DRAM server added to the session cluster for this test only, killed by the test.
+
+    It is bigger than the session's DRAM servers, so that a no-hints job (weights by free bytes)
+    places most keys on it and a few reducers are enough to have inputs on it.
+    """
+    with extra_server(local_cluster, prefix="doomed", capacity_bytes=DOOMED_CAPACITY_BYTES) as (
+        info, _
+    ):
         yield info
 
 
@@ -197,11 +207,13 @@ def test_partitions_lost_with_a_killed_server_are_regenerated(
         # Enough reducers that mapper 1 (which writes before the kill) has inputs on the doomed
         # server (and, when the job has other servers with weight, elsewhere too).
         on_doomed = [placement.server_for(shuffle_key(mapper=1, reducer=i).encode(), 0).node_id
-                     == info.node_id for i in range(16)]
-        reducers = 2 + next(
-            i for i in range(15)
-            if any(on_doomed[:i + 2]) and (all(on_doomed) or not all(on_doomed[:i + 2]))
+                     == info.node_id for i in range(REDUCERS_MAX)]
+        reducers = next(
+            (n for n in range(2, REDUCERS_MAX + 1)
+             if any(on_doomed[:n]) and (all(on_doomed) or not all(on_doomed[:n]))),
+            None,
         )
+        assert reducers is not None, f"no reducer count up to {REDUCERS_MAX} fits: {on_doomed}"
         config = SortConfig(mappers=2, reducers=reducers, records=4_000, seed=11)
         outcome: dict[str, Any] = {}
         with job.connect() as pf:

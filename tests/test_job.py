@@ -121,6 +121,19 @@ def test_hints_larger_than_free_dram_add_nvme(local_cluster: LocalCluster) -> No
         assert weights["nvme-0"] > 0 and weights["dram-0"] > 0 and weights["dram-1"] > 0
 
 
+def test_more_throughput_than_the_tier_has_spreads_over_all_its_servers(
+    local_cluster: LocalCluster,
+) -> None:
+    # 12 tasks x 600 Mb/s is more than the session's two local DRAM servers offer, and this
+    # cluster cannot launch servers: the job gets all the DRAM tier's free throughput, so both
+    # servers carry its data (packing by capacity alone would put it all on one).
+    hints = Hints(data_size_bytes="10MiB", max_concurrent_tasks=12)
+    with local_cluster.register_job("wide", hints) as job:
+        weights = {s.node_id: s.weight for s in job.handle.servers}
+        assert weights["dram-0"] > 0.2 and weights["dram-1"] > 0.2, weights
+        assert weights.get("nvme-0", 0) == 0, weights
+
+
 def test_hints_larger_than_the_cluster_are_refused(local_cluster: LocalCluster) -> None:
     with pytest.raises(CapacityExhausted):
         local_cluster.register_job("huge", {"data_size_bytes": "64GiB"})

@@ -8,6 +8,7 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,10 @@ REGISTER_TIMEOUT_S_DEFAULT = 60.0
 
 LAUNCH_ROUNDS_MAX = 4
 """Most rounds of "pack, launch the shortfall, pack again" in one registration."""
+
+RELAXED_THROUGHPUT_SHARE = 0.99
+"""Share of a tier's free throughput granted to a job that wants more and cannot launch servers
+(below 1 so rounding in the packing never turns "all of it" into "not enough")."""
 
 SIZING_INTERVAL_MS_DEFAULT = 5000
 """How often the sizing loop (when enabled) looks at the heartbeats and acts."""
@@ -717,10 +722,11 @@ class Controller:
     ) -> Allocation:
         """Pack with ``solve(loads, demand)``; launch the shortfall and pack again until it fits.
 
-        Without a launcher, a job whose throughput does not fit is packed by capacity alone
-        (its throughput over-committed, logged); one whose capacity does not fit is refused with
-        ``CapacityExhausted``, as is a registration whose servers are not up by ``deadline_s``.
-        Callers hold the lock.
+        Without a launcher, a job whose throughput does not fit gets the free throughput of its
+        first tier (spread over that tier's servers), failing that it is packed by capacity alone
+        (its throughput over-committed either way, logged); one whose capacity does not fit is
+        refused with ``CapacityExhausted``, as is a registration whose servers are not up by
+        ``deadline_s``. Callers hold the lock.
         """
         result: PackResult | None = None
         for _ in range(LAUNCH_ROUNDS_MAX):
@@ -733,13 +739,17 @@ class Controller:
             if self._launcher is None or not all(
                 self._launcher.can_launch(t) for t in result.shortfall
             ):
-                relaxed = solve(self._server_loads(), _without_throughput(demand))
-                if relaxed.fits and any(p.weight > 0 for p in relaxed.allocation.placements):
-                    log.warning(
-                        "throughput of %d bytes/s over-committed: no server can be launched",
-                        demand.throughput_bytes_per_s,
-                    )
-                    return relaxed.allocation
+                loads = self._server_loads()
+                for relaxed_demand in _relaxed_demands(demand, loads):
+                    relaxed = solve(loads, relaxed_demand)
+                    if relaxed.fits and any(p.weight > 0 for p in relaxed.allocation.placements):
+                        log.warning(
+                            "throughput of %d bytes/s over-committed (%d granted): no server can "
+                            "be launched",
+                            demand.throughput_bytes_per_s,
+                            relaxed_demand.throughput_bytes_per_s,
+                        )
+                        return relaxed.allocation
                 raise CapacityExhausted(
                     f"the job needs more servers ({result.shortfall}) and none can be launched"
                 )
@@ -1128,3 +1138,23 @@ class Controller:
 def _without_throughput(demand: JobDemand) -> JobDemand:
     """``demand`` asking for capacity only (when throughput cannot be had)."""
     return dataclasses.replace(demand, throughput_bytes_per_s=0)
+
+
+def _relaxed_demands(demand: JobDemand, loads: Sequence[ServerLoad]) -> list[JobDemand]:
+    """What to ask for, in order, when ``demand``'s throughput cannot be had.
+
+    First all the free throughput of the job's first tier (so the job is spread over every
+    server of that tier that has any, rather than packed by capacity onto one), then capacity
+    alone.
+    """
+    first_tier = demand.tiers[0] if demand.tiers else None
+    available = sum(
+        load.free_throughput_bytes_per_s
+        for load in loads
+        if load.active and load.tier == first_tier
+    )
+    granted = min(int(available * RELAXED_THROUGHPUT_SHARE), demand.throughput_bytes_per_s)
+    relaxed = [_without_throughput(demand)]
+    if granted > 0:
+        relaxed.insert(0, dataclasses.replace(demand, throughput_bytes_per_s=granted))
+    return relaxed

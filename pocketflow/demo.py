@@ -27,8 +27,6 @@ import numpy as np
 
 RECORD_BYTES = 100
 KEY_BYTES = 10
-SHUFFLE_BUCKET = "shuffle"
-OUTPUT_BUCKET = "output"
 TASKS_PER_STAGE_MAX = 1024
 """Most mappers, and most reducers, of one sort."""
 RECORDS_MAX = 100_000_000
@@ -108,16 +106,6 @@ class MapResult:
     mapper: int
     records: int
     checksum: int
-    bytes_written: int
-
-
-@dataclass(frozen=True)
-class ReduceResult:
-    """What one reducer read and wrote."""
-
-    reducer: int
-    records: int
-    bytes_read: int
     bytes_written: int
 
 
@@ -277,16 +265,6 @@ def is_sorted(records: np.ndarray) -> bool:
     later_high, earlier_high = high[1:], high[:-1]
     ordered = (later_high > earlier_high) | ((later_high == earlier_high) & (low[1:] >= low[:-1]))
     return bool(ordered.all())
-
-
-def shuffle_key(*, reducer: int, mapper: int) -> str:
-    """Key of the object mapper ``mapper`` writes for reducer ``reducer``."""
-    return f"r{reducer:05d}/m{mapper:05d}"
-
-
-def output_key(reducer: int) -> str:
-    """Key of reducer ``reducer``'s sorted output."""
-    return f"part-{reducer:05d}"
 
 
 def check_output(

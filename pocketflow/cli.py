@@ -204,7 +204,7 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _print_up(cluster: Any, elapsed_s: float, out: TextIO) -> None:
-    from pocketflow.demo import format_bytes
+    from pocketflow.status_view import format_bytes, table
 
     address = cluster.ray_address
     rows = [
@@ -214,7 +214,8 @@ def _print_up(cluster: Any, elapsed_s: float, out: TextIO) -> None:
     ]
     print(f"pocketflow local cluster is up ({elapsed_s:.1f} s; Ray at {address}, "
           f"namespace pocketflow)", file=out)
-    _print_table(["NODE", "TIER", "ADDRESS", "CAPACITY", "PERSIST", "PID"], rows, out)
+    header = ["NODE", "TIER", "ADDRESS", "CAPACITY", "PERSIST", "PID"]
+    print("\n".join(table(header, rows, right=set())), file=out)
     print(
         "\nConnect from another process on this machine:\n"
         f"  pocketflow status --address {address}\n"
@@ -225,13 +226,6 @@ def _print_up(cluster: Any, elapsed_s: float, out: TextIO) -> None:
         file=out,
         flush=True,
     )
-
-
-def _print_table(header: list[str], rows: list[list[str]], out: TextIO) -> None:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
-    for row in [header, *rows]:
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
-              .rstrip(), file=out)
 
 
 # -- status -----------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from pocketflow.status_view import format_bytes
+
 RECORD_BYTES = 100
 KEY_BYTES = 10
 TASKS_PER_STAGE_MAX = 1024
@@ -184,16 +186,6 @@ class SortReport:
             lines.append("  validation: FAILED")
             lines.extend(f"    - {problem}" for problem in self.problems)
         return lines
-
-
-def format_bytes(n: int) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 # -- records ----------------------------------------------------------------------------------

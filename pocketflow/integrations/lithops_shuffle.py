@@ -440,15 +440,14 @@ def refresh_map(pf: Client, unreachable: set[str], *, bucket: str,
         pause_s = min(pause_s * 2, pause_max_s)
 
 
-def _write_all(pf: Client, spec: _Spec, items: list[tuple[str, memoryview]], *,
-               persist: bool = False, bucket: str | None = None) -> int:
-    """Write ``items`` (write-once); after an unreachable server, wait for the new map and write
-    what is missing again. Returns how many write rounds it took."""
-    bucket = bucket or spec.bucket
+def _write_all(pf: Client, spec: _Spec, items: list[tuple[str, memoryview]]) -> int:
+    """Write ``items`` to the shuffle bucket (write-once); after an unreachable server, wait for
+    the new map and write what is missing again. Returns how many write rounds it took."""
+    bucket = spec.bucket
     pending = items
     for attempt in range(1, WRITE_ATTEMPTS_MAX + 1):
         try:
-            pf.put_many(bucket, pending, persist=persist)
+            pf.put_many(bucket, pending)
             return attempt
         except DataUnavailable as exc:
             if attempt == WRITE_ATTEMPTS_MAX:
@@ -460,7 +459,7 @@ def _write_all(pf: Client, spec: _Spec, items: list[tuple[str, memoryview]], *,
         still = []
         for key, data in pending:
             try:
-                pf.put(bucket, key, data, persist=persist)
+                pf.put(bucket, key, data)
             except ObjectExists:
                 continue
             except DataUnavailable as exc:

@@ -730,7 +730,8 @@ class Controller:
         """
         result: PackResult | None = None
         for _ in range(LAUNCH_ROUNDS_MAX):
-            result = solve(self._server_loads(), demand)
+            loads = self._server_loads()
+            result = solve(loads, demand)
             if result.fits and not any(p.weight > 0 for p in result.allocation.placements):
                 # Nothing can take the job's data (e.g. no server of its tier is active).
                 result = PackResult(result.allocation, {demand.tiers[0]: 1})
@@ -739,7 +740,6 @@ class Controller:
             if self._launcher is None or not all(
                 self._launcher.can_launch(t) for t in result.shortfall
             ):
-                loads = self._server_loads()
                 for relaxed_demand in _relaxed_demands(demand, loads):
                     relaxed = solve(loads, relaxed_demand)
                     if relaxed.fits and any(p.weight > 0 for p in relaxed.allocation.placements):

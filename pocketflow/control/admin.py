@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from pocketflow.auth import admin_token, read_secret_file
 from pocketflow.transport import ADMIN_TIMEOUT_DEFAULT_S, AdminClient
@@ -47,6 +48,14 @@ class AdminTokens:
             found = AdminClient(address, self._token, timeout_s=self._timeout_s)
             self._clients[address] = found
         return found
+
+    def sampled_stats(self, address: str) -> dict[str, Any]:
+        """The server's ``stats``, stamped ``sampled_at_unix_s`` with the time the call started
+        (the controller keeps the latest sample of each server by it)."""
+        sampled = time.time()
+        stats = self.client(address).stats()
+        stats["sampled_at_unix_s"] = sampled
+        return stats
 
     def forget(self, address: str) -> None:
         """Close and drop the connection to ``address`` (after the server failed or left)."""

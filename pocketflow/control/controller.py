@@ -314,13 +314,11 @@ class Controller:
 
     def _refresh_stats(self, info: StorageNodeInfo) -> None:
         """Read a server's ``stats`` now (after a change the next heartbeat would lag behind)."""
-        sampled = time.time()
         try:
-            stats = self._admin.client(info.address).stats()
+            stats = self._admin.sampled_stats(info.address)
         except PocketflowError as exc:
             log.info("stats of %s failed: %s", info.node_id, exc)
             return
-        stats["sampled_at_unix_s"] = sampled
         with self._heartbeat_lock:
             if info.node_id in self._last_heartbeat:
                 self._keep_newer_stats(info.node_id, stats)
@@ -359,13 +357,11 @@ class Controller:
         answers is alive and its answer counts as a heartbeat. A killed server refuses the
         connection at once, a hung one costs one probe deadline (``dead_after``).
         """
-        sampled = time.time()
         try:
-            stats = self._probe.client(info.address).stats()
+            stats = self._probe.sampled_stats(info.address)
         except PocketflowError:
             self._probe.forget(info.address)
             return False
-        stats["sampled_at_unix_s"] = sampled
         log.warning("heartbeats of %s are late but it answers; still alive", info.node_id)
         self.heartbeat(info.node_id, stats)
         return True

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,9 +178,8 @@ class StorageNode:
                 if not self._process.alive():
                     log.warning("server %s exited; heartbeats stop", node_id)
                     return
-                sampled = time.time()
                 try:
-                    stats = admin.client(self.info().address).stats()
+                    stats = admin.sampled_stats(self.info().address)
                 except PocketflowError as exc:
                     log.warning("no heartbeat from %s: stats failed: %s", node_id, exc)
                     admin.forget(self.info().address)
@@ -191,7 +189,6 @@ class StorageNode:
                 if len(in_flight) >= HEARTBEATS_IN_FLIGHT_MAX:
                     log.warning("controller is slow; heartbeat of %s skipped", node_id)
                     continue
-                stats["sampled_at_unix_s"] = sampled
                 try:
                     in_flight.append(controller.heartbeat.remote(node_id, stats))
                 except Exception as exc:  # the controller actor is gone or Ray is shutting down

@@ -595,20 +595,20 @@ class Controller:
         now = time.monotonic()
         for info in self.servers():
             row: dict[str, Any] = asdict(info)
-            stats = self._latest_stats(info.node_id)
             with self._heartbeat_lock:
+                stats = self._heartbeat_stats.get(info.node_id) or {}
                 seen = self._last_heartbeat.get(info.node_id, now)
             row["reachable"] = True
             row["heartbeat_age_ms"] = int((now - seen) * 1000)
-            row["bytes_in_per_s"] = int(stats.get("bytes_in_per_s", 0)) if stats else 0
-            row["bytes_out_per_s"] = int(stats.get("bytes_out_per_s", 0)) if stats else 0
-            row["used_bytes"] = int(stats.get("used_bytes", 0)) if stats else 0
-            row["objects"] = int(stats.get("objects", 0)) if stats else 0
-            row["draining"] = bool(stats.get("draining", False)) if stats else False
-            row["cpu_utilization"] = float(stats.get("cpu_utilization", 0.0)) if stats else 0.0
-            row["jobs"] = dict(stats.get("jobs", {})) if stats else {}
+            row["bytes_in_per_s"] = int(stats.get("bytes_in_per_s", 0))
+            row["bytes_out_per_s"] = int(stats.get("bytes_out_per_s", 0))
+            row["used_bytes"] = int(stats.get("used_bytes", 0))
+            row["objects"] = int(stats.get("objects", 0))
+            row["draining"] = bool(stats.get("draining", False))
+            row["cpu_utilization"] = float(stats.get("cpu_utilization", 0.0))
+            row["jobs"] = dict(stats.get("jobs", {}))
             for name in ("threads", "cores", "cores_max"):
-                row[name] = int(stats[name]) if stats and name in stats else None
+                row[name] = int(stats[name]) if name in stats else None
             servers.append(row)
             tier = tiers.setdefault(
                 info.tier, {"servers": 0, "capacity_bytes": 0, "used_bytes": 0}

@@ -1009,33 +1009,30 @@ class Controller:
         The policy's "threads" of a server are the CPU cores it runs on (``set_cores``), and its
         CPU fraction is its CPU use over those cores.
         """
-        spec = self._spec()
-        reserved = {load.node_id: load.allocated_capacity_bytes for load in self._server_loads()}
         rows = []
-        for info in self.servers():
-            stats = self._latest_stats(info.node_id) or {}
-            throughput = (
-                spec.tier(info.tier).throughput_bytes_per_s if spec.has_tier(info.tier) else 1
-            )
+        # The packing's view of each server already holds its tier's throughput, its measured
+        # use and what registered jobs reserve on it.
+        for load in self._server_loads():
+            stats = self._latest_stats(load.node_id) or {}
             # A job's reservation counts as used: a server launched for a job that has not
             # written yet must not look idle.
-            used = max(int(stats.get("used_bytes", 0)), reserved.get(info.node_id, 0))
+            used = max(int(stats.get("used_bytes", 0)), load.allocated_capacity_bytes)
             cores = max(int(stats.get("cores", 1)), 1)
             rows.append(
                 ServerUtilization(
-                    node_id=info.node_id,
-                    tier=info.tier,
+                    node_id=load.node_id,
+                    tier=load.tier,
                     cpu_fraction=float(stats.get("cpu_utilization", 0.0)) / cores,
                     net_bytes_per_s=float(
                         stats.get("bytes_in_per_s", 0) + stats.get("bytes_out_per_s", 0)
                     ),
-                    net_capacity_bytes_per_s=float(throughput),
+                    net_capacity_bytes_per_s=float(load.throughput_bytes_per_s),
                     used_bytes=used,
-                    capacity_bytes=info.capacity_bytes,
+                    capacity_bytes=load.capacity_bytes,
                     threads=cores,
                     threads_max=max(int(stats.get("cores_max", cores)), cores),
-                    long_running=info.long_running,
-                    draining=info.node_id in self._draining,
+                    long_running=load.long_running,
+                    draining=load.node_id in self._draining,
                 )
             )
         return rows

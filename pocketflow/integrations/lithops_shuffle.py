@@ -509,11 +509,12 @@ def _map_task(call: _MapCall) -> _MapOutcome:
     )
 
 
-def _server_of(handle: JobHandle, key: str) -> str:
-    """Address of the server holding ``key``'s block 0 under ``handle``'s map."""
+def _servers_of(handle: JobHandle, keys: dict[int, str]) -> dict[int, str]:
+    """Address of the server holding each key's block 0 under ``handle``'s map."""
     from pocketflow.placement import Placement
 
-    return Placement(handle.servers).server_for(key.encode(), 0).address
+    placement = Placement(handle.servers)
+    return {m: placement.server_for(key.encode(), 0).address for m, key in keys.items()}
 
 
 def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
@@ -539,7 +540,8 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
                 # Inputs placed on the unreachable server are gone (or will be written under
                 # the next map): they are regenerated; the others are still awaited.
                 unreachable.add(exc.server or "")
-                gone = {m for m, k in pending.items() if _server_of(placed_by, k) in unreachable}
+                gone = {m for m, address in _servers_of(placed_by, pending).items()
+                        if address in unreachable}
                 if not gone:
                     raise
                 lost |= gone

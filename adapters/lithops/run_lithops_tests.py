@@ -36,7 +36,16 @@ TEST_TIMEOUT_S = 120
 """pytest-timeout per test: a hung Lithops job fails its test instead of stalling CI."""
 
 RUN_TIMEOUT_S = 900
-"""The whole pytest run is killed after this long."""
+"""One pytest run is killed after this long."""
+
+PYTEST_TESTS_FAILED = 1
+"""pytest's exit status when tests ran and some failed."""
+
+RERUNS_MAX = 1
+"""Reruns of the failed tests. Rarely (seen once in four CI rehearsals), a Lithops localhost job
+never finishes: its runner process waits on a forked worker that does not exit, and the test
+times out. Until that is understood, the failed tests get one more run; a test that fails twice
+fails CI."""
 
 
 def lithops_tests_dir() -> Path:
@@ -83,21 +92,31 @@ def run(pytest_args: list[str]) -> int:
             command = [
                 sys.executable, "-m", "pytest", *files,
                 "--config", str(config), "--storage", "pocket", "--backend", "localhost",
-                "-p", "no:cacheprovider", f"--timeout={TEST_TIMEOUT_S}", "-q", *pytest_args,
+                "-o", f"cache_dir={Path(tmp) / '.pytest_cache'}",
+                f"--timeout={TEST_TIMEOUT_S}", "-q", *pytest_args,
             ]
-            print("+", " ".join(command), flush=True)
             # A scratch working directory: Lithops and pytest write nothing into the repository.
             # Lithops keeps its runner, its copy of itself, job files and clean-up requests under
             # $TMPDIR/lithops-$USER; a scratch TMPDIR keeps this run apart from any other Lithops
             # session on the machine, and a clean-up request that cannot run once the cluster
             # is gone from every later Lithops cleaner (deregistering frees the data anyway).
             env = {**os.environ, "TMPDIR": tmp}
-            completed = subprocess.run(
-                command, cwd=tmp, env=env, timeout=RUN_TIMEOUT_S, check=False
-            )
-            return completed.returncode
+            returncode = _pytest(command, cwd=tmp, env=env)
+            for _ in range(RERUNS_MAX):
+                if returncode != PYTEST_TESTS_FAILED:
+                    break
+                # The known flake of RERUNS_MAX: rerun only the failed tests, and say so loudly.
+                print("!! some Lithops tests failed; rerunning only those", flush=True)
+                returncode = _pytest([*command, "--last-failed"], cwd=tmp, env=env)
+            return returncode
         finally:
             job.deregister()
+
+
+def _pytest(command: list[str], *, cwd: str, env: dict[str, str]) -> int:
+    print("+", " ".join(command), flush=True)
+    completed = subprocess.run(command, cwd=cwd, env=env, timeout=RUN_TIMEOUT_S, check=False)
+    return completed.returncode
 
 
 def main(argv: list[str] | None = None) -> int:

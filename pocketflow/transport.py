@@ -100,17 +100,35 @@ GRPC_SHUTDOWN_WAIT_S = 2.0
 """How long :func:`wait_for_grpc_shutdown` waits for gRPC's threads to exit."""
 
 
-def _grpc_thread_ids() -> set[int]:
-    """This process's threads named like gRPC's (none where ``/proc`` is not available)."""
+GRPC_QUIET_SCANS = 2
+"""Consecutive scans that must find no gRPC thread before :func:`wait_for_grpc_shutdown` trusts it.
+
+One scan is not enough: it is not atomic, and gRPC's ``grpc_shutdown`` thread can start just
+as the thread that starts it exits, so a scan can see neither. Trusting one empty scan, about 1
+fork in 100 still saw gRPC running (its child failed on its first call: in Lithops a worker that
+lost its call, whose job then never finished); with two, none in 1000.
+"""
+
+
+def _grpc_thread_scan() -> tuple[set[int], bool]:
+    """This process's threads named like gRPC's, and whether no listed thread exited mid-scan
+    (a thread that did may have just started another)."""
     found = set()
+    complete = True
     for comm in Path("/proc/self/task").glob("*/comm"):
         try:
             name = comm.read_text().strip()
         except OSError:
-            continue  # The thread exited meanwhile.
+            complete = False  # The thread exited meanwhile.
+            continue
         if name.startswith(GRPC_THREAD_NAMES):
             found.add(int(comm.parent.name))
-    return found
+    return found, complete
+
+
+def _grpc_thread_ids() -> set[int]:
+    """This process's threads named like gRPC's (none where ``/proc`` is not available)."""
+    return _grpc_thread_scan()[0]
 
 
 # gRPC threads that were running before this process opened its first channel: another gRPC
@@ -132,11 +150,15 @@ def wait_for_grpc_shutdown(timeout_s: float = GRPC_SHUTDOWN_WAIT_S) -> bool:
     if _channels_open:
         return False
     deadline = time.monotonic() + timeout_s
-    while _grpc_thread_ids() - _foreign_grpc_threads:
+    quiet_scans = 0
+    while True:
+        found, complete = _grpc_thread_scan()
+        quiet_scans = quiet_scans + 1 if complete and not found - _foreign_grpc_threads else 0
+        if quiet_scans >= GRPC_QUIET_SCANS:
+            return True
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.002)
-    return True
 
 
 def _note_fork_in_parent() -> None:

@@ -56,7 +56,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -74,6 +73,7 @@ from pocketflow.errors import (
 if TYPE_CHECKING:
     from pocketflow.client import Client
     from pocketflow.handle import JobHandle
+    from pocketflow.integrations.worker_clients import ClientCache
     from pocketflow.job import Job
 
 __all__ = [
@@ -382,7 +382,7 @@ def _run(
 # -- tasks (run in Lithops workers) -------------------------------------------------------------
 
 
-_CLIENTS: OrderedDict[tuple[str, tuple[tuple[str, Any], ...]], Client] = OrderedDict()
+_CLIENTS: ClientCache | None = None
 _CLIENTS_LOCK = threading.Lock()
 
 
@@ -390,22 +390,16 @@ def _client(spec: _Spec) -> Client:
     """This worker process's client for the shuffle's handle, kept open for the next task.
 
     A warm worker (Lithops runs many calls per worker process) reuses its connections and
-    sessions instead of opening new ones per task; at most ``WORKER_CLIENTS_MAX`` are kept.
+    sessions instead of opening new ones per task; at most ``WORKER_CLIENTS_MAX`` are kept, and
+    they are disconnected before the process forks.
     """
-    import pocketflow
+    global _CLIENTS
+    from pocketflow.integrations.worker_clients import ClientCache
 
-    key = (spec.handle_json, spec.client_options)
-    with _CLIENTS_LOCK:
-        client = _CLIENTS.pop(key, None)
-        if client is None:
-            client = pocketflow.connect(spec.handle_json, **dict(spec.client_options))
-        _CLIENTS[key] = client
-        evicted = []
-        while len(_CLIENTS) > WORKER_CLIENTS_MAX:
-            evicted.append(_CLIENTS.popitem(last=False)[1])
-    for old in evicted:
-        old.close()
-    return client
+    with _CLIENTS_LOCK:  # Made on first use, like this module's other imports of the client.
+        if _CLIENTS is None:
+            _CLIENTS = ClientCache(WORKER_CLIENTS_MAX)
+    return _CLIENTS.get(spec.handle_json, **dict(spec.client_options))
 
 
 def _unreachable_in_map(pf: Client, unreachable: set[str]) -> bool:

@@ -32,15 +32,13 @@ import json
 import logging
 import os
 import sys
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from lithops.storage.utils import StorageNoSuchKeyError
 
-from pocketflow.client import Client, connect
+from pocketflow.client import Client
 from pocketflow.errors import (
     BucketExists,
     BucketNotFound,
@@ -50,6 +48,7 @@ from pocketflow.errors import (
     PocketflowError,
 )
 from pocketflow.handle import JobHandle
+from pocketflow.integrations.worker_clients import ClientCache
 
 __all__ = [
     "BACKEND_NAME",
@@ -84,8 +83,7 @@ _OPEN_RANGE_BYTES = 1 << 62
 """The length asked for by an open-ended Range (``bytes=L-``); the read stops at the end."""
 
 _T = TypeVar("_T")
-_clients: OrderedDict[str, Client] = OrderedDict()
-_clients_lock = threading.Lock()
+_clients = ClientCache(CLIENTS_CACHED_MAX)
 
 
 def lithops_config(
@@ -156,39 +154,12 @@ def _handle_json(section: dict[str, Any]) -> str:
 
 
 def _client_for(handle_json: str) -> Client:
-    """The process's client for a handle: one per handle, at most ``CLIENTS_CACHED_MAX``."""
-    with _clients_lock:
-        client = _clients.get(handle_json)
-        if client is not None:
-            _clients.move_to_end(handle_json)
-            return client
-        client = connect(handle_json)
-        _clients[handle_json] = client
-        while len(_clients) > CLIENTS_CACHED_MAX:
-            _, evicted = _clients.popitem(last=False)
-            evicted.close()
-        return client
+    """The process's client for a handle: one per handle, at most ``CLIENTS_CACHED_MAX``.
 
-
-def _disconnect_before_fork() -> None:
-    """Close the cached clients' connections so that a forked child can open its own.
-
-    Lithops forks its worker processes, and each worker forks a process per call, right after
-    using the storage; gRPC does not survive a fork with channels open. The clients reconnect on
-    their next call, in the parent and in the child.
+    The cache disconnects its clients before the process forks (Lithops forks its workers and a
+    process per call right after using the storage).
     """
-    with _clients_lock:
-        clients = list(_clients.values())
-    for client in clients:
-        client.disconnect()
-
-
-def _reset_lock_in_child() -> None:
-    global _clients_lock
-    _clients_lock = threading.Lock()
-
-
-os.register_at_fork(before=_disconnect_before_fork, after_in_child=_reset_lock_in_child)
+    return _clients.get(handle_json)
 
 
 def _parse_range(header: str) -> tuple[int | None, int | None]:

@@ -13,7 +13,12 @@ from setuptools.command.build_py import build_py
 
 PTH_NAME = "pocketflow_lithops.pth"
 # Sorted after "__editable__.*.pth", so an editable install's finder is in place when it runs.
-PTH_LINE = "import _pocketflow_lithops\n"
+# It imports the hook only when it can be found: an editable install whose source tree is gone
+# must not print a traceback at the start of every Python process on the machine.
+PTH_LINE = (
+    "import importlib.util as _pf_util; "
+    "_pf_util.find_spec('_pocketflow_lithops') and __import__('_pocketflow_lithops')\n"
+)
 
 
 class BuildPyWithPth(build_py):

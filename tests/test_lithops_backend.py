@@ -66,6 +66,41 @@ def test_a_fresh_interpreter_finds_the_backend_from_any_directory(tmp_path: Path
     assert result.stdout.split() == [target, target]
 
 
+def test_the_installed_pth_hook_is_silent_when_its_module_is_gone(tmp_path: Path) -> None:
+    """The installed ``.pth`` loads the hook when it is importable and says nothing otherwise.
+
+    An editable install whose source tree was moved must not print a traceback at the start of
+    every Python process on the machine.
+    """
+    import site
+
+    pth = next(
+        (Path(d) / "pocketflow_lithops.pth" for d in site.getsitepackages()
+         if (Path(d) / "pocketflow_lithops.pth").is_file()),
+        None,
+    )
+    assert pth is not None, "pocketflow_lithops.pth is not installed in site-packages"
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    (site_dir / pth.name).write_text(pth.read_text(encoding="utf-8"), encoding="utf-8")
+    repo_root = Path(__file__).resolve().parent.parent
+    code = (
+        "import site, sys\n"
+        f"if len(sys.argv) > 1: sys.path.insert(0, {str(repo_root)!r})\n"
+        f"site.addsitedir({str(site_dir)!r})\n"
+        "print('_pocketflow_lithops' in sys.modules)\n"
+    )
+    # -I -S: no user site, no site-packages, no cwd; only what the code above adds.
+    for extra, loaded in (([], "False"), (["with-repo"], "True")):
+        result = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", code, *extra], cwd=tmp_path, capture_output=True,
+            text=True, timeout=60, check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stderr == ""
+        assert result.stdout.split() == [loaded]
+
+
 def test_unrelated_names_under_the_backends_package_stay_missing() -> None:
     with pytest.raises(ModuleNotFoundError):
         __import__("lithops.storage.backends.pocket_not_ours")

@@ -999,7 +999,7 @@ class Controller:
                 import ray
 
                 node.stop.remote()
-                ray.kill(node, no_restart=False)
+                ray.kill(node, no_restart=True)
             except Exception as exc:
                 log.info("could not stop the node of %s: %s", node_id, exc)
 

@@ -79,6 +79,13 @@ def main() -> None:
             out["filled_bytes"] = stored
             out["scaled_up"] = wait(lambda: len(server_ids(cluster)) > len(initial), WAIT_S)
             out["after_fill"] = sorted(server_ids(cluster))
+            # The sizing loop records its action only after launch_server has added the
+            # server, and status() reads the servers without the lock: wait (bounded) until
+            # the action that launched a new server is recorded too.
+            added = set(out["after_fill"]) - initial
+            if added:
+                wait(lambda: any(a["action"] == "AddServer" and a.get("node_id") in added
+                                 for a in cluster.status()["sizing_actions"]), WAIT_S)
             out["actions"] = [
                 (a["action"], a.get("node_id")) for a in cluster.status()["sizing_actions"]
             ]

@@ -390,14 +390,6 @@ class Controller:
             with self._heartbeat_lock:
                 self._last_heartbeat.pop(node_id, None)
                 self._heartbeat_stats.pop(node_id, None)
-            self._dead[node_id] = {
-                "address": info.address,
-                "tier": info.tier,
-                "reason": reason,
-                "at_unix_s": time.time(),
-            }
-            while len(self._dead) > DEAD_SERVERS_KEPT_MAX:
-                del self._dead[next(iter(self._dead))]
             self._admin.forget(info.address)
             log.warning("storage server %s declared dead: %s", node_id, reason)
             moved = [
@@ -406,14 +398,26 @@ class Controller:
                 if any(s.node_id == node_id for s in record.handle.servers)
             ]
             lost = LostServer(node_id, info.address)
-            for job_id in moved:
-                # The map remembers the lost server, so that reads of what it held raise
-                # DataUnavailable instead of ObjectNotFound (see pocketflow.handle).
-                record = self._jobs[job_id]
-                self._jobs[job_id] = dataclasses.replace(
-                    record, handle=record.handle.with_lost(lost)
-                )
-                self._exclude_from_job(job_id, node_id)
+            try:
+                for job_id in moved:
+                    # The map remembers the lost server, so that reads of what it held raise
+                    # DataUnavailable instead of ObjectNotFound (see pocketflow.handle).
+                    record = self._jobs[job_id]
+                    self._jobs[job_id] = dataclasses.replace(
+                        record, handle=record.handle.with_lost(lost)
+                    )
+                    self._exclude_from_job(job_id, node_id)
+            finally:
+                # Listed as dead only once its jobs have moved (dead_servers reads without the
+                # lock): whoever sees it dead also finds the jobs' new epochs on the servers.
+                self._dead[node_id] = {
+                    "address": info.address,
+                    "tier": info.tier,
+                    "reason": reason,
+                    "at_unix_s": time.time(),
+                }
+                while len(self._dead) > DEAD_SERVERS_KEPT_MAX:
+                    del self._dead[next(iter(self._dead))]
         if node is not None:
             try:
                 node.stop.remote()

@@ -127,7 +127,7 @@ pub(crate) async fn run(
 
 /// `wait`: park until every named key has a block-0 record or `timeout_ms` passes, then return
 /// the keys still missing. Readers of a shuffle wait here instead of polling with `not_found`;
-/// the store wakes parked calls on every insert, and each re-checks only its missing keys.
+/// an insert wakes only the parked calls watching its key, and each re-checks its missing keys.
 async fn wait(state: &ServiceState, job: &str, body: &[u8]) -> Result<Bytes, ServiceError> {
     let req = WaitRequest::parse(body)?;
     let _permit =
@@ -141,18 +141,17 @@ async fn wait(state: &ServiceState, job: &str, body: &[u8]) -> Result<Bytes, Ser
             })?;
     let deadline = Instant::now() + Duration::from_millis(req.timeout_ms);
     let mut missing = req.keys;
+    let mut waiter = state.store.waiter(job, &req.bucket);
     loop {
-        // Register for the next insert before checking, so an insert in between is not lost.
-        let inserted = state.store.inserted();
-        tokio::pin!(inserted);
-        inserted.as_mut().enable();
+        // Watch before checking, so an insert in between is not lost.
+        waiter.watch(&missing);
         missing = state.store.missing(job, &req.bucket, &missing)?;
         if missing.is_empty() || Instant::now() >= deadline {
             return Ok(json(&WaitResult { missing }));
         }
-        // Woken by an insert or at the deadline: the next round re-checks either way (and
-        // returns at the deadline).
-        let _ = tokio::time::timeout_at(deadline, inserted).await;
+        // Woken by an insert of a watched key, by a bucket or job going away, or at the
+        // deadline: the next round re-checks either way (and returns at the deadline).
+        let _ = tokio::time::timeout_at(deadline, waiter.notified()).await;
     }
 }
 

@@ -29,7 +29,8 @@
 //!
 //! Locks nest as job map, then a job's bucket map, then one bucket, and no lock is held across
 //! an await, a copy of object bytes or I/O. Engine writers copy into their reserved extent
-//! without any lock.
+//! without any lock. The lock of the parked readers (`waiters`) is never
+//! held together with an index lock.
 
 #![warn(missing_docs)]
 
@@ -40,6 +41,7 @@ pub mod error;
 mod expiry;
 mod index;
 pub mod store;
+pub mod waiters;
 
 pub use capacity::INDEX_ENTRY_OVERHEAD_BYTES;
 pub use engine::{BlockWriter, Engine, StoredBlock, Tier};

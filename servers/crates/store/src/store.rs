@@ -25,6 +25,7 @@ use crate::index::{
     lock, split_prefix, BlockKey, BucketIndex, BucketRef, JobIndex, JobMap, Record, Stored,
     BUCKETS_PER_JOB_MAX, JOBS_MAX,
 };
+use crate::waiters::{Waiter, Waiters};
 
 /// How to open a [`Store`].
 #[derive(Clone, Debug, Default)]
@@ -82,8 +83,8 @@ struct Shared {
     jobs: JobMap,
     long_running: bool,
     expiry: Option<Arc<Expiry>>,
-    /// Woken after every block-0 insert, so readers parked on absent keys re-check them.
-    inserted: tokio::sync::Notify,
+    /// Readers parked on absent keys; a block-0 insert wakes those watching its key.
+    waiters: Arc<Waiters>,
 }
 
 /// Writer of one data block, returned by [`Store::begin_block`].
@@ -179,7 +180,7 @@ impl Store {
                 jobs: JobMap::default(),
                 long_running,
                 expiry: persist_ttl.map(|ttl| Arc::new(Expiry::new(ttl))),
-                inserted: tokio::sync::Notify::new(),
+                waiters: Arc::new(Waiters::default()),
             }),
         }
     }
@@ -451,7 +452,7 @@ impl Store {
                 }
             }
         };
-        self.shared.inserted.notify_waiters();
+        self.shared.waiters.inserted(job, bucket, key);
         if let (true, Some(expiry)) = (header.persist(), &self.shared.expiry) {
             expiry.push(job, bucket, Slot::Record(key.to_string()), &stored);
         }
@@ -510,18 +511,24 @@ impl Store {
         })
     }
 
-    /// A future that resolves at the next block-0 insert into any bucket of the store.
+    /// A reader parked on keys of `bucket` of `job`, woken by the block-0 inserts of the keys it
+    /// watches.
     ///
-    /// To wait for a key without missing its insert, create and `enable` this future first,
-    /// then check the key ([`Store::missing`]), then await the future.
-    pub fn inserted(&self) -> tokio::sync::futures::Notified<'_> {
-        self.shared.inserted.notified()
+    /// To wait for keys without missing their insert, [`Waiter::watch`] them first, then check
+    /// them ([`Store::missing`]), then await [`Waiter::notified`].
+    pub fn waiter(&self, job: &str, bucket: &str) -> Waiter {
+        Waiter::new(self.shared.waiters.clone(), job, bucket)
     }
 
-    /// Wake every future of [`Store::inserted`] without an insert (a bucket or job went away,
-    /// so parked readers re-check and fail instead of waiting for their deadline).
+    /// Wake every parked [`Waiter`] without an insert (a bucket or job went away, so parked
+    /// readers re-check and fail instead of waiting for their deadline).
     pub fn wake_waiters(&self) {
-        self.shared.inserted.notify_waiters();
+        self.shared.waiters.wake_all();
+    }
+
+    /// Keys watched by parked readers, each reader counting once per key.
+    pub fn watched_keys(&self) -> usize {
+        self.shared.waiters.watched_keys()
     }
 
     /// The header of a block-0 record.
@@ -1743,6 +1750,28 @@ mod tests {
         assert_eq!(store.usage().objects, 1);
     }
 
+    async fn inserts_wake_the_waiters_of_their_keys(tier: Tier) {
+        let (store, _dir) = open(tier, 1 << 20, false);
+        store.create_bucket(JOB, "b").unwrap();
+        let wanted = vec!["k".to_string()];
+        let mut waiter = store.waiter(JOB, "b");
+        waiter.watch(&wanted);
+        assert_eq!(store.missing(JOB, "b", &wanted).unwrap(), wanted);
+        put(&store, "b", "other", b"x").await.unwrap();
+        assert!(!waiter.try_notified(), "woken by a key it does not watch");
+        put(&store, "b", "k", b"x").await.unwrap();
+        assert!(waiter.try_notified());
+        assert!(store.missing(JOB, "b", &wanted).unwrap().is_empty());
+        assert_eq!(store.watched_keys(), 0);
+        waiter.watch(&["later".to_string()]);
+        assert_eq!(store.watched_keys(), 1);
+        store.delete_bucket(JOB, "b").unwrap();
+        store.wake_waiters();
+        assert!(waiter.try_notified(), "a deleted bucket wakes its readers");
+        drop(waiter);
+        assert_eq!(store.watched_keys(), 0);
+    }
+
     macro_rules! per_tier {
         ($($name:ident),* $(,)?) => {
             mod dram {
@@ -1771,5 +1800,6 @@ mod tests {
         persist_expires_after_its_ttl,
         expiry_keeps_the_buckets_of_a_live_job,
         without_a_ttl_persist_never_expires,
+        inserts_wake_the_waiters_of_their_keys,
     );
 }

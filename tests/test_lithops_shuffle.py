@@ -137,7 +137,9 @@ def test_sort_output_persists_and_reducers_wait_for_late_mappers(
     assert sum(record_checksum(p) for p in parts) % (1 << 64) == checksum
 
     # A reducer starts while its only mapper still runs and is parked until the input arrives.
-    result = shuffle(fexec, functools.partial(_slow_then_emit, 3.0), _reduce_started, [0],
+    # The mapper sleeps 5 s: the reducer's worker may start up to 4 s after it on a loaded
+    # machine and still be seen parked for at least 1 s.
+    result = shuffle(fexec, functools.partial(_slow_then_emit, 5.0), _reduce_started, [0],
                      reducers=1, cluster=local_cluster, timeout_s=SHUFFLE_TIMEOUT_S)
     reducer_started_s, inputs = result.outputs[0]
     assert inputs == [b"late"]

@@ -172,9 +172,8 @@ def test_hung_server_gives_data_unavailable_within_the_failure_bound(
                     in ray.get(controller.dead_servers.remote(), timeout=30),
                     timeout_s=2 * DEAD_AFTER_S + DETECTION_SLACK_S + 5,
                 )
-                # declare_dead lists the server as dead before it tells the live servers the
-                # job's new epoch; job_handle waits for the controller's lock, so once it shows
-                # the new epoch the live servers have it and the read below brings it to pf.
+                # job_handle answers behind the controller's lock: once it shows the new epoch,
+                # the live servers have it and the read below brings it to pf.
                 handle = ray.get(controller.job_handle.remote(job.job_id), timeout=30)
                 assert handle.epoch == job.handle.epoch + 1
                 assert pf.get("b", off[0]) == b"v"

@@ -6,7 +6,7 @@ use std::sync::{Arc, RwLock};
 
 use pocketflow_protocol::limits::ADMIN_JOB_ID;
 use pocketflow_protocol::token::{now_unix_ms, TokenKey};
-use pocketflow_protocol::Context;
+use pocketflow_protocol::{Context, TokenError};
 
 use crate::bounds::EPOCH_TABLE_JOBS_MAX;
 use crate::status::ServiceError;
@@ -34,7 +34,8 @@ impl Authority {
         }
     }
 
-    fn verify(&self, ctx: &Context) -> Result<(), ServiceError> {
+    /// Verify `ctx`'s token; returns its expiry (Unix ms).
+    fn verify(&self, ctx: &Context) -> Result<u64, ServiceError> {
         ctx.validate()?;
         self.key
             .verify(&ctx.job, &ctx.token, now_unix_ms())
@@ -44,7 +45,13 @@ impl Authority {
     /// Authorize a job-scoped request: a valid token of `ctx.job` (not the admin job) whose epoch
     /// is current. Returns the job id every record of the request belongs to.
     pub fn job(&self, ctx: &Context) -> Result<String, ServiceError> {
-        self.verify(ctx)?;
+        self.job_until(ctx).map(|(job, _)| job)
+    }
+
+    /// [`Authority::job`], also returning when the token expires (Unix ms), for a session that
+    /// outlives the request it was opened with.
+    pub fn job_until(&self, ctx: &Context) -> Result<(String, u64), ServiceError> {
+        let expiry_unix_ms = self.verify(ctx)?;
         if ctx.job == ADMIN_JOB_ID {
             return Err(ServiceError::ForeignJob {
                 token_job: ctx.job.clone(),
@@ -52,7 +59,22 @@ impl Authority {
             });
         }
         self.check_epoch(&ctx.job, ctx.epoch)?;
-        Ok(ctx.job.clone())
+        Ok((ctx.job.clone(), expiry_unix_ms))
+    }
+
+    /// Fail with `token_expired` once `expiry_unix_ms` (of a token verified earlier) has passed.
+    pub fn check_not_expired(expiry_unix_ms: u64) -> Result<(), ServiceError> {
+        let now_unix_ms = now_unix_ms();
+        if now_unix_ms >= expiry_unix_ms {
+            return Err(ServiceError::Protocol(
+                TokenError::Expired {
+                    expiry_unix_ms,
+                    now_unix_ms,
+                }
+                .into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Authorize a control-plane request: a valid admin token.

@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
 
+use crate::auth::Authority;
 use crate::bounds::{EXCHANGE_SESSIONS_MAX, REPLY_FRAMES_QUEUED_MAX, REPLY_FRAME_TARGET_BYTES};
 use crate::service::{descriptor_cmd, ServiceState};
 use crate::status::ServiceError;
@@ -40,7 +41,8 @@ pub(crate) async fn open(
         }
     };
     let descriptor = ExchangeDescriptor::parse(&descriptor_cmd(&first)?)?;
-    let job: Arc<str> = state.auth.job(&descriptor.ctx)?.into();
+    let (job, token_expiry_unix_ms) = state.auth.job_until(&descriptor.ctx)?;
+    let job: Arc<str> = job.into();
     let permit =
         state
             .sessions
@@ -54,6 +56,7 @@ pub(crate) async fn open(
     let session = Session {
         state,
         job,
+        token_expiry_unix_ms,
         input,
         tx,
         _permit: permit,
@@ -66,6 +69,8 @@ pub(crate) async fn open(
 struct Session {
     state: Arc<ServiceState>,
     job: Arc<str>,
+    /// When the token the session was opened with expires: later frames are refused.
+    token_expiry_unix_ms: u64,
     input: Streaming<FlightData>,
     tx: mpsc::Sender<Result<FlightData, Status>>,
     _permit: OwnedSemaphorePermit,
@@ -142,6 +147,7 @@ impl Session {
         if data.app_metadata.is_empty() {
             return Ok(());
         }
+        Authority::check_not_expired(self.token_expiry_unix_ms)?;
         let frame = decode_request_frame(&data.app_metadata)?;
         let stale_map = match self.state.auth.check_epoch(&self.job, frame.epoch) {
             Err(ServiceError::StaleEpoch { map_json }) => Some(map_json),

@@ -48,9 +48,10 @@ impl TokenKey {
         format!("{expiry_unix_ms}.{}", hex::encode(tag))
     }
 
-    /// Check that `token` was made for `job` with this key and has not expired at `now_unix_ms`.
-    /// The MAC comparison is constant-time; the expiry is only reported for authentic tokens.
-    pub fn verify(&self, job: &str, token: &str, now_unix_ms: u64) -> Result<(), TokenError> {
+    /// Check that `token` was made for `job` with this key and has not expired at `now_unix_ms`;
+    /// returns its expiry. The MAC comparison is constant-time; the expiry is only reported for
+    /// authentic tokens.
+    pub fn verify(&self, job: &str, token: &str, now_unix_ms: u64) -> Result<u64, TokenError> {
         if token.is_empty() {
             return Err(TokenError::Missing);
         }
@@ -76,7 +77,7 @@ impl TokenKey {
                 now_unix_ms,
             });
         }
-        Ok(())
+        Ok(expiry_unix_ms)
     }
 }
 
@@ -100,8 +101,8 @@ mod tests {
         let token = key.make("job-1", 2_000);
         assert!(token.starts_with("2000."));
         assert_eq!(token.len(), 5 + 64);
-        assert_eq!(key.verify("job-1", &token, 1_999), Ok(()));
-        assert_eq!(key.verify("job-1", &token.to_uppercase(), 1_000), Ok(()));
+        assert_eq!(key.verify("job-1", &token, 1_999), Ok(2_000));
+        assert_eq!(key.verify("job-1", &token.to_uppercase(), 1_000), Ok(2_000));
     }
 
     #[test]

@@ -7,6 +7,7 @@ use bytes::Bytes;
 use pocketflow_protocol::frame::{
     encode_request_frame, OpCode, OP_FLAG_DELETE, OP_FLAG_OVERWRITE, OP_FLAG_PERSIST,
 };
+use pocketflow_protocol::token::{now_unix_ms, TokenKey};
 use pocketflow_protocol::{ObjectHeader, HEADER_FLAG_PERSIST};
 use serde_json::json;
 use tonic::Code;
@@ -393,4 +394,41 @@ async fn stale_epochs_get_the_new_map() {
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::FailedPrecondition);
+}
+
+#[tokio::test]
+async fn a_session_stops_when_its_token_expires() {
+    let server = TestServer::start(ServerOptions::default());
+    let client = server.client().await;
+    client.create_bucket("job-a", "b").await;
+    let expiry_unix_ms = now_unix_ms() + 3_000;
+    let token = TokenKey::new(SECRET).unwrap().make("job-a", expiry_unix_ms);
+    let descriptor = json!({"ctx": {"job": "job-a", "epoch": 0, "token": token}});
+    let mut session = Session::open(&client, descriptor.to_string().into(), None)
+        .await
+        .unwrap();
+    let ops = [put(1, "b", "k", Bytes::from_static(b"v"), 0)];
+    assert_eq!(session.run(0, &ops).await[&1].status, 0);
+
+    let wait_ms = expiry_unix_ms.saturating_sub(now_unix_ms()) + 100;
+    tokio::time::sleep(Duration::from_millis(wait_ms)).await;
+    session
+        .send(0, &[simple(2, OpCode::Get, "b", "k", 0)])
+        .await;
+    let status = session
+        .next_replies()
+        .await
+        .expect("a status ends the stream")
+        .expect_err("no reply after the token expired");
+    assert_eq!(
+        (status.code(), status_kind(&status)),
+        (Code::PermissionDenied, "permission_denied".into())
+    );
+    assert!(status.message().contains("expired"), "{}", status.message());
+    // A fresh token still works, and the object is there.
+    let mut again = client.session("job-a", 0).await.unwrap();
+    assert_eq!(
+        again.run(0, &[simple(3, OpCode::Get, "b", "k", 0)]).await[&3].status,
+        0
+    );
 }

@@ -24,8 +24,10 @@ may have been on the lost server, and the client cannot tell.
 
 Small objects (up to ``SMALL_OBJECT_MAX_BYTES``) and every block-0 operation travel over pipelined
 DoExchange sessions; data blocks over DoPut and DoGet streams, one per server, in parallel on
-``io_threads`` threads. A server that answers ``stale_epoch`` sends the job's new weight map; the
-client adopts it and retries, up to :data:`STALE_EPOCH_RETRIES_MAX` times.
+``io_threads`` threads. ``put_many`` and ``get_many`` move up to ``LARGE_OBJECTS_IN_FLIGHT_MAX``
+large objects at once, each on a thread of its own that waits for its blocks. A server that
+answers ``stale_epoch`` sends the job's new weight map; the client adopts it and retries, up to
+:data:`STALE_EPOCH_RETRIES_MAX` times.
 """
 
 from __future__ import annotations
@@ -113,6 +115,9 @@ STREAM_GROUP_BYTES_MIN = 4 * 1024 * 1024
 """A streamed upload sends a server's blocks once this many bytes are waiting for it."""
 STREAM_PENDING_GROUPS_MAX = 4
 """A streamed upload holds at most this many groups' worth of unsent bytes in total."""
+LARGE_OBJECTS_IN_FLIGHT_MAX = 4
+"""``put_many`` and ``get_many`` move at most this many large objects at once (fewer if
+``io_threads`` is smaller); each one already spreads its blocks over the I/O threads."""
 
 T = TypeVar("T")
 
@@ -200,6 +205,8 @@ class Client:
         self._connections: dict[str, ServerConnection] = {}
         self._watchdog = Watchdog(min(0.1, max(self._config.op_timeout_s / 4, 0.005)))
         self._executor: ThreadPoolExecutor | None = None
+        self._objects_executor: ThreadPoolExecutor | None = None
+        self._objects_in_flight = min(LARGE_OBJECTS_IN_FLIGHT_MAX, self._config.io_threads)
         self._repaired_buckets: set[tuple[str, str]] = set()
         self._closed = False
         _LIVE_CLIENTS.add(self)
@@ -213,6 +220,7 @@ class Client:
         self._lock = threading.Lock()
         self._connections = {}
         self._executor = None
+        self._objects_executor = None
         self._watchdog = Watchdog(min(0.1, max(self._config.op_timeout_s / 4, 0.005)))
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -236,8 +244,11 @@ class Client:
             connections = list(self._connections.values())
             self._connections.clear()
             executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
+            objects_executor, self._objects_executor = self._objects_executor, None
+        # Object threads wait on the I/O threads, so they stop first.
+        for pool in (objects_executor, executor):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
         for connection in connections:
             connection.close()
         self._watchdog.close()
@@ -573,9 +584,12 @@ class Client:
     ) -> int:
         """Store many objects; returns how many were stored.
 
-        Small objects are pipelined over one session per server, all servers in parallel; large
-        ones are put one after the other afterwards. On an error the first one is raised after
-        every other object of its round has been stored.
+        Small objects are pipelined over one session per server, all servers in parallel, in
+        rounds of at most ``PUT_MANY_CHUNK_OPS`` objects and ``PUT_MANY_CHUNK_BYTES``; large ones
+        form the last round and are put afterwards, up to ``LARGE_OBJECTS_IN_FLIGHT_MAX`` at once.
+        On an error the first one (in the order of ``items``) is raised after every other object
+        of its round has been stored; later rounds are not sent. A large object that fails leaves
+        none of its blocks behind.
         """
         bucket_raw = check_bucket(bucket)
         flags = (OP_FLAG_PERSIST if persist else 0) | (OP_FLAG_OVERWRITE if overwrite else 0)
@@ -599,11 +613,16 @@ class Client:
         if ops:
             self._put_ops(bucket, bucket_raw, ops, persist=persist, overwrite=overwrite)
             stored += len(ops)
-        for key, key_raw, view in large:
-            self._put_large(bucket, bucket_raw, key, key_raw, view, persist=persist,
-                            overwrite=overwrite)
-            stored += 1
-        return stored
+        errors = self._for_each_object([
+            lambda key=key, key_raw=key_raw, view=view: self._put_large(
+                bucket, bucket_raw, key, key_raw, view, persist=persist, overwrite=overwrite
+            )
+            for key, key_raw, view in large
+        ])
+        first_error = next((error for error in errors if error is not None), None)
+        if first_error is not None:
+            raise first_error
+        return stored + len(large)
 
     def get_many(
         self, bucket: str, keys: Iterable[str], *, delete: bool = False
@@ -611,8 +630,10 @@ class Client:
         """The bytes of many objects, in the order of ``keys``.
 
         Block-0 reads are pipelined over one session per server, all servers in parallel; large
-        objects' blocks are fetched afterwards. Raises :class:`ObjectNotFound` for the first
-        missing key (with ``delete``, objects already read are gone).
+        objects' blocks are fetched afterwards, up to ``LARGE_OBJECTS_IN_FLIGHT_MAX`` objects at
+        once. Every object is read before an error is raised: :class:`ObjectNotFound` for the
+        first missing key, or the first other failure (with ``delete``, the objects read are
+        gone).
         """
         bucket_raw = check_bucket(bucket)
         key_list = list(keys)
@@ -670,15 +691,23 @@ class Client:
                 large.append((index, header))
             else:
                 results[index] = bytes(reply.body)
-        for index, header in large:
+
+        def read(index: int, header: ObjectHeader) -> None:
             key = key_list[index]
-            try:
-                results[index] = self._read_blocks(
-                    bucket, key, check_key(key), header, 0, header.size, delete=delete
-                )
-            except PocketflowError as exc:
-                if first_error is None:
-                    first_error = exc
+            results[index] = self._read_blocks(
+                bucket, key, check_key(key), header, 0, header.size, delete=delete
+            )
+
+        errors = self._for_each_object([
+            lambda index=index, header=header: read(index, header) for index, header in large
+        ])
+        for error in errors:
+            if error is None:
+                continue
+            if not isinstance(error, PocketflowError):
+                raise error
+            if first_error is None:
+                first_error = error
         if first_error is not None:
             raise first_error
         return [r if r is not None else b"" for r in results]
@@ -867,6 +896,62 @@ class Client:
                     max_workers=self._config.io_threads, thread_name_prefix="pocketflow-io"
                 )
             return self._executor
+
+    def _objects_executor_get(self) -> ThreadPoolExecutor:
+        executor = self._objects_executor
+        if executor is not None:
+            return executor
+        with self._lock:
+            if self._closed:
+                raise InvalidRequest("the client is closed")
+            if self._objects_executor is None:
+                self._objects_executor = ThreadPoolExecutor(
+                    max_workers=max(1, self._objects_in_flight - 1),
+                    thread_name_prefix="pocketflow-objects",
+                )
+            return self._objects_executor
+
+    def _for_each_object(self, tasks: Sequence[Callable[[], None]]) -> list[BaseException | None]:
+        """Run whole-object tasks, up to ``LARGE_OBJECTS_IN_FLIGHT_MAX`` at once; returns each
+        task's failure (or ``None``) in order, once every task taken has finished.
+
+        The calling thread takes tasks too, and the others run on the client's object threads,
+        never on the I/O threads: a task waits for the I/O threads to move its blocks, and a
+        bounded pool whose threads wait on that same pool can deadlock. An interrupt of the
+        calling thread stops the taking of new tasks and is raised once the running ones end.
+        """
+        errors: list[BaseException | None] = [None] * len(tasks)
+        lock = threading.Lock()
+        taken = 0
+        stopped = False
+
+        def drain() -> None:
+            nonlocal taken, stopped
+            while True:
+                with lock:
+                    if stopped or taken == len(tasks):
+                        return
+                    index = taken
+                    taken += 1
+                try:
+                    tasks[index]()
+                except Exception as exc:  # noqa: BLE001 - returned to the caller, in order
+                    errors[index] = exc
+                except BaseException:
+                    with lock:
+                        stopped = True
+                    raise
+
+        helpers = min(self._objects_in_flight, len(tasks)) - 1
+        futures = [self._objects_executor_get().submit(drain) for _ in range(helpers)]
+        try:
+            drain()
+        finally:
+            # A helper still queued behind another call's tasks is not needed any more.
+            for future in futures:
+                future.cancel()
+            wait(futures)
+        return errors
 
     def _parallel(self, tasks: Sequence[Callable[[], T]]) -> list[T]:
         """Run tasks on the I/O threads, the first one on the calling thread; re-raise the first

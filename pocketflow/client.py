@@ -951,6 +951,11 @@ class Client:
             for future in futures:
                 future.cancel()
             wait(futures)
+        # A helper stopped by something other than an Exception left tasks untaken: the call
+        # did not do its work, so that is raised rather than reported as success.
+        for future in futures:
+            if not future.cancelled() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
         return errors
 
     def _parallel(self, tasks: Sequence[Callable[[], T]]) -> list[T]:

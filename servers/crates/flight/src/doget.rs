@@ -2,6 +2,7 @@
 //! `BATCH_MAX_BYTES`, optionally removing each block once its last range is sent.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use arrow_flight::FlightData;
@@ -88,6 +89,24 @@ impl Transfer {
         Ok(encode_piece(&value, Bytes::copy_from_slice(&meta.encode())))
     }
 
+    /// Queue `message` for the client. False when the client is gone, or when it took nothing
+    /// for the transfer idle time: then `idle` is set, the transfer ends (its slot is given
+    /// back) and the client's stream ends with `TransferIdle` after what was queued.
+    async fn send(
+        &self,
+        tx: &Sender,
+        message: Result<FlightData, Status>,
+        idle: &AtomicBool,
+    ) -> bool {
+        match tokio::time::timeout(self.state.transfer_idle, tx.send(message)).await {
+            Ok(sent) => sent.is_ok(),
+            Err(_) => {
+                idle.store(true, Ordering::Release);
+                false
+            }
+        }
+    }
+
     /// After range `range_at` was sent completely, remove the blocks it named last.
     fn after_range(&self, range_at: usize) {
         if !self.ticket.delete {
@@ -110,8 +129,11 @@ impl Transfer {
         mut rest: impl Iterator<Item = Piece>,
         first_piece: Piece,
         tx: Sender,
+        idle: Arc<AtomicBool>,
     ) {
-        if tx.send(Ok(schema_flight_data())).await.is_err() || tx.send(Ok(first)).await.is_err() {
+        if !self.send(&tx, Ok(schema_flight_data()), &idle).await
+            || !self.send(&tx, Ok(first), &idle).await
+        {
             return;
         }
         let mut previous = first_piece;
@@ -123,7 +145,7 @@ impl Transfer {
             let Some(piece) = next else { return };
             let message = self.read(piece).await.map_err(|e| e.to_status());
             let failed = message.is_err();
-            if tx.send(message).await.is_err() || failed {
+            if !self.send(&tx, message, &idle).await || failed {
                 return;
             }
             previous = piece;
@@ -189,8 +211,20 @@ pub(crate) async fn get(
         return Ok(futures::stream::iter([Ok(schema_flight_data()), Ok(first)]).boxed());
     }
     let (tx, rx) = mpsc::channel(GET_PIECES_QUEUED_MAX);
-    tokio::spawn(transfer.run(first, rest, first_piece, tx));
-    Ok(ReceiverStream::new(rx).boxed())
+    let idle = Arc::new(AtomicBool::new(false));
+    let idle_error = ServiceError::TransferIdle {
+        transfer: "DoGet",
+        idle_ms: transfer.state.transfer_idle.as_millis() as u64,
+    }
+    .to_status();
+    tokio::spawn(transfer.run(first, rest, first_piece, tx, idle.clone()));
+    // Once the task's sender is gone, a transfer it ended for idleness says so.
+    let ended_idle =
+        futures::stream::once(
+            async move { idle.load(Ordering::Acquire).then_some(Err(idle_error)) },
+        )
+        .filter_map(futures::future::ready);
+    Ok(ReceiverStream::new(rx).chain(ended_idle).boxed())
 }
 
 #[cfg(test)]
@@ -235,6 +269,7 @@ mod tests {
             transfers: Arc::new(Semaphore::new(1)),
             sessions: Arc::new(Semaphore::new(1)),
             waits: Arc::new(Semaphore::new(1)),
+            transfer_idle: std::time::Duration::from_secs(30),
         };
         (Arc::new(state), key)
     }

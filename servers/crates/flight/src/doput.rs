@@ -201,7 +201,16 @@ pub(crate) async fn put(
             ..first
         })
         .await?;
-    while let Some(message) = input.next().await {
+    // A client that stops sending would hold the transfer slot: it gets `transfer_idle`.
+    let idle = state.transfer_idle;
+    loop {
+        let message = tokio::time::timeout(idle, input.next())
+            .await
+            .map_err(|_| ServiceError::TransferIdle {
+                transfer: "DoPut",
+                idle_ms: idle.as_millis() as u64,
+            })?;
+        let Some(message) = message else { break };
         let data = message.map_err(|_| ServiceError::StreamShape("DoPut request stream failed"))?;
         upload.accept(data).await?;
     }

@@ -35,6 +35,8 @@ pub struct ServiceConfig {
     pub node_id: String,
     /// Key made from the cluster secret.
     pub token_key: TokenKey,
+    /// How long a DoPut or DoGet may move nothing before it is ended (its slot given back).
+    pub transfer_idle: Duration,
 }
 
 /// State shared by every request handler.
@@ -47,6 +49,7 @@ pub(crate) struct ServiceState {
     pub(crate) transfers: Arc<Semaphore>,
     pub(crate) sessions: Arc<Semaphore>,
     pub(crate) waits: Arc<Semaphore>,
+    pub(crate) transfer_idle: Duration,
 }
 
 /// The pocketflow storage server's Flight service; clones share state.
@@ -67,6 +70,7 @@ impl StorageService {
             transfers: Arc::new(Semaphore::new(TRANSFERS_MAX)),
             sessions: Arc::new(Semaphore::new(EXCHANGE_SESSIONS_MAX)),
             waits: Arc::new(Semaphore::new(WAITS_PARKED_MAX)),
+            transfer_idle: config.transfer_idle,
         };
         Self {
             state: Arc::new(state),

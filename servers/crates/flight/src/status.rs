@@ -58,6 +58,14 @@ pub enum ServiceError {
         /// The bound.
         max: usize,
     },
+    /// A DoPut or DoGet moved nothing for the server's transfer idle time and was ended.
+    #[error("{transfer} moved nothing for {idle_ms} ms and was ended")]
+    TransferIdle {
+        /// `DoPut` or `DoGet`.
+        transfer: &'static str,
+        /// The idle time.
+        idle_ms: u64,
+    },
     /// A DoPut stream ended or changed blocks before a block was complete.
     #[error("block {index} ended after {written} of {declared} bytes")]
     BlockIncomplete {
@@ -85,7 +93,8 @@ impl ServiceError {
             ServiceError::Protocol(e) => e.kind(),
             ServiceError::Ipc(_)
             | ServiceError::BlockIncomplete { .. }
-            | ServiceError::StreamShape(_) => ErrorKind::InvalidArgument,
+            | ServiceError::StreamShape(_)
+            | ServiceError::TransferIdle { .. } => ErrorKind::InvalidArgument,
             ServiceError::StaleEpoch { .. } => ErrorKind::StaleEpoch,
             ServiceError::Draining { .. } => ErrorKind::Draining,
             ServiceError::PersistRefused { .. } => ErrorKind::PersistRefused,

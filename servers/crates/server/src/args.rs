@@ -9,10 +9,11 @@ use pocketflow_store::Tier;
 /// Usage text printed by `--help` and after a flag error.
 pub const USAGE: &str = "usage: pocketflow-server --tier dram|nvme --capacity SIZE --secret-file PATH \
 [--listen 127.0.0.1:PORT] [--nvme-path FILE] [--long-running] [--node-id NAME] [--parent-pid PID] [--threads N] \
-[--persist-ttl DURATION]
+[--persist-ttl DURATION] [--transfer-idle DURATION]
   SIZE is bytes, or a number with KiB, MiB, GiB or TiB (e.g. 256MiB, 2GiB)
   DURATION is seconds, or a number with ms, s, m or h (e.g. 500ms, 30s, 24h); PERSIST objects
-  never expire without --persist-ttl";
+  never expire without --persist-ttl; a DoPut or DoGet that moves nothing for --transfer-idle
+  (default 30s) is ended and gives back its transfer slot";
 
 /// Everything the flags say.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,6 +38,8 @@ pub struct Args {
     pub threads: usize,
     /// How long PERSIST objects live after they are written (`None`: until the server exits).
     pub persist_ttl: Option<Duration>,
+    /// How long a DoPut or DoGet may move nothing before it is ended.
+    pub transfer_idle: Duration,
 }
 
 /// What the command line asks for.
@@ -92,6 +95,13 @@ pub fn parse_size_bytes(text: &str) -> Result<u64, ArgsError> {
     }
     Ok(bytes)
 }
+
+/// `--transfer-idle` when not given.
+pub const TRANSFER_IDLE_DEFAULT: Duration = Duration::from_secs(30);
+/// Shortest `--transfer-idle`.
+pub const TRANSFER_IDLE_MIN: Duration = Duration::from_millis(100);
+/// Longest `--transfer-idle`.
+pub const TRANSFER_IDLE_MAX: Duration = Duration::from_secs(3600);
 
 /// Longest `--persist-ttl`: 365 days.
 pub const PERSIST_TTL_MAX: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -168,6 +178,7 @@ pub fn parse(argv: impl IntoIterator<Item = String>) -> Result<Command, ArgsErro
     let mut parent_pid = None;
     let mut threads = None;
     let mut persist_ttl = None;
+    let mut transfer_idle = TRANSFER_IDLE_DEFAULT;
     let mut argv = argv.into_iter();
     while let Some(flag) = argv.next() {
         // Accept both `--flag value` and `--flag=value`.
@@ -230,6 +241,12 @@ pub fn parse(argv: impl IntoIterator<Item = String>) -> Result<Command, ArgsErro
                 threads = Some(n)
             }
             "--persist-ttl" => persist_ttl = Some(parse_duration(&value("--persist-ttl")?)?),
+            "--transfer-idle" => {
+                transfer_idle = parse_duration(&value("--transfer-idle")?)?;
+                if transfer_idle < TRANSFER_IDLE_MIN || transfer_idle > TRANSFER_IDLE_MAX {
+                    return err("--transfer-idle must be in 100ms..=1h");
+                }
+            }
             other => return err(format!("unknown flag {other:?}")),
         }
     }
@@ -248,6 +265,7 @@ pub fn parse(argv: impl IntoIterator<Item = String>) -> Result<Command, ArgsErro
         parent_pid,
         threads: threads.unwrap_or_else(default_threads),
         persist_ttl,
+        transfer_idle,
     }))
 }
 
@@ -295,7 +313,8 @@ mod tests {
     fn full_command_line() {
         let cmd = parse(argv(
             "--listen 127.0.0.1:0 --node-id n1 --tier nvme --capacity 268435456 --secret-file /s \
-             --long-running --nvme-path /tmp/x --threads 2 --parent-pid 42 --persist-ttl 90s",
+             --long-running --nvme-path /tmp/x --threads 2 --parent-pid 42 --persist-ttl 90s \
+             --transfer-idle 5s",
         ))
         .unwrap();
         let Command::Run(args) = cmd else {
@@ -308,6 +327,7 @@ mod tests {
         assert_eq!(args.parent_pid, Some(42));
         assert_eq!(args.threads, 2);
         assert_eq!(args.persist_ttl, Some(Duration::from_secs(90)));
+        assert_eq!(args.transfer_idle, Duration::from_secs(5));
         assert_eq!(args.nvme_path, Some(PathBuf::from("/tmp/x")));
         let Command::Run(args) =
             parse(argv("--tier=dram --capacity=1MiB --secret-file=/s")).unwrap()
@@ -316,6 +336,7 @@ mod tests {
         };
         assert_eq!(args.capacity_bytes, 1 << 20);
         assert_eq!(args.persist_ttl, None);
+        assert_eq!(args.transfer_idle, TRANSFER_IDLE_DEFAULT);
     }
 
     #[test]
@@ -352,6 +373,8 @@ mod tests {
             "--tier dram --capacity 1MiB --secret-file /s --parent-pid x",
             "--tier dram --capacity 1MiB --secret-file /s --bogus",
             "--tier dram --capacity 1MiB --secret-file /s --persist-ttl 0s",
+            "--tier dram --capacity 1MiB --secret-file /s --transfer-idle 50ms",
+            "--tier dram --capacity 1MiB --secret-file /s --transfer-idle 2h",
             "--tier dram --capacity",
         ] {
             assert!(parse(argv(bad)).is_err(), "{bad}");

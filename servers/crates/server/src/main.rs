@@ -89,6 +89,7 @@ async fn serve(args: Args) -> Result<(), String> {
         ServiceConfig {
             node_id: args.node_id.clone(),
             token_key,
+            transfer_idle: args.transfer_idle,
         },
     );
     let signals = lifecycle::StopSignals::install()

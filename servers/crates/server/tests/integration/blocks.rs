@@ -383,3 +383,109 @@ async fn small_op_completes_while_a_big_upload_is_paused() {
     let result: serde_json::Value = serde_json::from_slice(&result.app_metadata).unwrap();
     assert_eq!(result, json!({"blocks": 4, "bytes": 64 * MIB}));
 }
+
+/// The first error status of a stream, after any data messages; the data bytes before it.
+async fn status_after_data(
+    stream: &mut tonic::Streaming<FlightData>,
+) -> (usize, Option<tonic::Status>) {
+    let mut received = 0;
+    while let Some(message) = stream.next().await {
+        match message {
+            Ok(data) => received += data.data_body.len(),
+            Err(status) => return (received, Some(status)),
+        }
+    }
+    (received, None)
+}
+
+#[tokio::test]
+async fn idle_transfers_are_ended_and_leave_nothing() {
+    let server = TestServer::start(ServerOptions {
+        capacity: "256MiB".into(),
+        transfer_idle: Some("300ms".into()),
+        ..Default::default()
+    });
+    let client = server.client().await;
+    client.create_bucket("job-a", "b").await;
+    let baseline = used_bytes(&client).await;
+
+    // A DoPut that stops sending mid-block is ended; its partial block is freed.
+    let block = pattern(16 * MIB, 3);
+    let descriptor = put_descriptor("job-a", "b", "stalled", 5, 16 * MIB as u32, false);
+    let messages = put_messages(descriptor, &[(1, block)], MIB);
+    let (tx, rx) = mpsc::channel::<FlightData>(1);
+    let mut inner = client.inner.clone();
+    let upload = tokio::spawn(async move { inner.do_put(ReceiverStream::new(rx)).await });
+    for message in messages.into_iter().take(3) {
+        tx.send(message).await.unwrap();
+    }
+    let status = match tokio::time::timeout(Duration::from_secs(10), upload)
+        .await
+        .expect("the server ends an idle DoPut")
+        .unwrap()
+    {
+        Err(status) => status,
+        Ok(response) => response
+            .into_inner()
+            .next()
+            .await
+            .expect("a PutResult or a status")
+            .expect_err("an idle DoPut ends with a status"),
+    };
+    assert_eq!(
+        (status.code(), status_kind(&status)),
+        (Code::InvalidArgument, "invalid_argument".into())
+    );
+    assert!(
+        status.message().contains("DoPut moved nothing"),
+        "{status:?}"
+    );
+    drop(tx);
+    wait_used(&client, baseline).await;
+
+    // A DoGet whose client stops reading is ended after the bytes already queued.
+    let big = pattern(64 * MIB, 4);
+    let blocks: Vec<(u32, Bytes)> = big
+        .chunks(16 * MIB)
+        .enumerate()
+        .map(|(i, c)| (i as u32 + 1, Bytes::copy_from_slice(c)))
+        .collect();
+    client
+        .put_blocks(
+            put_descriptor("job-a", "b", "big", 6, 16 * MIB as u32, false),
+            &blocks,
+            4 * MIB,
+        )
+        .await
+        .unwrap();
+    let ranges: Vec<serde_json::Value> = (1..=4).map(|i| json!([i, 0, 16 * MIB])).collect();
+    let mut inner = client.inner.clone();
+    let mut stream = inner
+        .do_get(arrow_flight::Ticket {
+            ticket: ticket("job-a", "big", 6, json!(ranges), false)
+                .to_string()
+                .into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    stream.next().await.expect("schema").unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (received, status) =
+        tokio::time::timeout(Duration::from_secs(10), status_after_data(&mut stream))
+            .await
+            .expect("the stream ends");
+    let status = status.expect("an idle DoGet ends with a status");
+    assert!(
+        status.message().contains("DoGet moved nothing"),
+        "{status:?}"
+    );
+    assert!(received < 64 * MIB, "all {received} bytes arrived");
+    // The object itself is untouched and reads whole.
+    let pieces = client
+        .get_ranges(ticket("job-a", "big", 6, json!(ranges), false))
+        .await
+        .unwrap();
+    let total: usize = pieces.iter().map(|(_, bytes)| bytes.len()).sum();
+    assert_eq!(total, 64 * MIB);
+}

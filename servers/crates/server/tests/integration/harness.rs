@@ -40,6 +40,7 @@ pub struct ServerOptions {
     pub parent_pid: Option<u32>,
     pub threads: u32,
     pub persist_ttl: Option<String>,
+    pub transfer_idle: Option<String>,
 }
 
 impl Default for ServerOptions {
@@ -51,6 +52,7 @@ impl Default for ServerOptions {
             parent_pid: None,
             threads: 2,
             persist_ttl: None,
+            transfer_idle: None,
         }
     }
 }
@@ -93,6 +95,9 @@ impl TestServer {
         }
         if let Some(pid) = options.parent_pid {
             cmd.args(["--parent-pid", &pid.to_string()]);
+        }
+        if let Some(idle) = &options.transfer_idle {
+            cmd.args(["--transfer-idle", idle]);
         }
         if let Some(ttl) = &options.persist_ttl {
             cmd.args(["--persist-ttl", ttl]);

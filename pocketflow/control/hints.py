@@ -24,7 +24,8 @@ be retrieved (see ``tests/test_hints.py``), so the reference controller is the c
 - Capacity ``D``: the ``data_size`` hint; else derived from ``B`` through the same ratio (a job
   that only hints its throughput gets the capacity of the servers that throughput needs).
 - No hint about size or throughput: a conservative default, ``spread=True``: the job's data is
-  spread over every active server, DRAM first, then NVMe.
+  spread over every active server of the first tier with free capacity (DRAM, else NVMe),
+  weighted by free bytes (see :mod:`pocketflow.control.packing`).
 - Latency-sensitive jobs may use every tier, low-latency (DRAM) first; packing spills capacity
   that DRAM cannot hold to the next tier. Latency-insensitive jobs get no DRAM: their tiers are
   the other tiers, cheapest first for this job's ``B`` and ``D`` (servers needed x cost/hour).

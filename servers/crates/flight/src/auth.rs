@@ -62,7 +62,8 @@ impl Authority {
         Ok((ctx.job.clone(), expiry_unix_ms))
     }
 
-    /// Fail with `token_expired` once `expiry_unix_ms` (of a token verified earlier) has passed.
+    /// Fail with `permission_denied` (an expired token) once `expiry_unix_ms`, of a token
+    /// verified earlier, has passed.
     pub fn check_not_expired(expiry_unix_ms: u64) -> Result<(), ServiceError> {
         let now_unix_ms = now_unix_ms();
         if now_unix_ms >= expiry_unix_ms {

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from pocketflow.errors import (
+    CapacityExhausted,
     DataUnavailable,
     InternalError,
     InvalidRequest,
@@ -77,6 +78,8 @@ DATA_SCHEMA = pa.schema([pa.field(DATA_COLUMN_NAME, pa.binary(), nullable=False)
 WATCHDOG_INTERVAL_MAX_S = 0.1
 SESSION_CLOSE_TIMEOUT_S = 2.0
 POOL_WAIT_SLICE_S = 0.05
+SESSION_REFUSALS_MAX = 8
+"""How often one call goes back to its pool after the server refused a new session."""
 STREAM_BYTES_PER_S_MIN = 8 * 1024 * 1024
 """Slowest transfer rate a data stream's deadline allows for (see ``_stream_call_options``)."""
 ADMIN_TIMEOUT_DEFAULT_S = 10.0
@@ -563,6 +566,17 @@ class _SessionPool:
                 self._cond.notify()
             raise
 
+    def shrink(self) -> bool:
+        """The server refused a new session (its bound on sessions, shared by all clients): from
+        now on keep at most the sessions open now, and wait for one of them. False when none is
+        open, so there is nothing to wait for."""
+        with self._cond:
+            if self._open <= 0:
+                return False
+            self._size_max = min(self._size_max, self._open)
+            self._cond.notify_all()
+            return True
+
     def release(self, session: ExchangeSession) -> None:
         """Return a session; a broken one is closed and frees its slot."""
         if not session.broken and not self._closed and not self._waiters:
@@ -690,33 +704,46 @@ class ServerConnection:
         header: bytes = ZERO_HEADER,
         value: bytes | bytearray | memoryview = b"",
     ) -> Reply:
-        """Run one small operation; a stale pooled session is replaced once."""
-        session = self._pool.acquire(self.patience_s)
-        reused = session.used
-        try:
-            reply = session.call(epoch, op, flags, bucket, key, header, value, self.op_timeout_s)
-        except SessionFailure as failure:
-            self._pool.release(session)
-            if failure.sent or not reused or not isinstance(failure.error, DataUnavailable):
-                raise failure.error from failure
-            session = self._pool.acquire(self.patience_s, fresh=True)
+        """Run one small operation; a stale pooled session is replaced once, and a new session
+        the server refuses for its session bound waits for one of this client's others."""
+        fresh = False
+        refusals = 0
+        while True:
+            session = self._pool.acquire(self.patience_s, fresh=fresh)
+            reused = session.used
             try:
                 reply = session.call(
                     epoch, op, flags, bucket, key, header, value, self.op_timeout_s
                 )
-            except SessionFailure as second:
+            except SessionFailure as failure:
                 self._pool.release(session)
-                raise second.error from second
+                if self._refused(failure, reused, refusals):
+                    refusals += 1
+                    continue
+                if (fresh or failure.sent or not reused
+                        or not isinstance(failure.error, DataUnavailable)):
+                    raise failure.error from failure
+                fresh = True
+                continue
             except BaseException:
                 self._release_interrupted(session)
                 raise
             self._pool.release(session)
             return reply
-        except BaseException:
-            self._release_interrupted(session)
-            raise
-        self._pool.release(session)
-        return reply
+
+    def _refused(self, failure: SessionFailure, reused: bool, refusals: int) -> bool:
+        """Whether a failed new session was refused by the server's bound on sessions and the
+        pool shrank to the sessions it has (so the call waits for one of them).
+
+        A session that ends with ``capacity_exhausted`` before its first reply can only have been
+        refused when it opened (per-operation failures are replies): none of its operations ran.
+        """
+        return (
+            not reused
+            and isinstance(failure.error, CapacityExhausted)
+            and refusals < SESSION_REFUSALS_MAX
+            and self._pool.shrink()
+        )
 
     def _release_interrupted(self, session: ExchangeSession) -> None:
         """Give back a session left mid-call by an unexpected exception (``KeyboardInterrupt``,
@@ -729,15 +756,22 @@ class ServerConnection:
         """Run many small operations pipelined over one session; fills each op's ``reply``."""
         if not ops:
             return
-        for attempt in (0, 1):
-            session = self._pool.acquire(self.patience_s, fresh=attempt == 1)
-            reused = attempt == 0 and session.used
+        fresh = False
+        refusals = 0
+        while True:
+            session = self._pool.acquire(self.patience_s, fresh=fresh)
+            reused = not fresh and session.used
             try:
                 session.run(epoch, ops, window, self.op_timeout_s)
             except SessionFailure as failure:
                 self._pool.release(session)
-                if failure.sent or not reused or not isinstance(failure.error, DataUnavailable):
+                if self._refused(failure, reused, refusals):
+                    refusals += 1
+                    continue
+                if (fresh or failure.sent or not reused
+                        or not isinstance(failure.error, DataUnavailable)):
                     raise failure.error from failure
+                fresh = True
                 continue
             except BaseException:
                 self._release_interrupted(session)

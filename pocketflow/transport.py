@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -69,6 +69,8 @@ __all__ = [
     "Watchdog",
     "AdminClient",
 ]
+
+T = TypeVar("T")
 
 GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MESSAGE_MAX_BYTES),
@@ -704,32 +706,42 @@ class ServerConnection:
         header: bytes = ZERO_HEADER,
         value: bytes | bytearray | memoryview = b"",
     ) -> Reply:
-        """Run one small operation; a stale pooled session is replaced once, and a new session
-        the server refuses for its session bound waits for one of this client's others."""
-        fresh = False
+        """Run one small operation (see :meth:`_on_session` for the retries)."""
+        return self._on_session(lambda session: session.call(
+            epoch, op, flags, bucket, key, header, value, self.op_timeout_s
+        ))
+
+    def _on_session(self, use: Callable[[ExchangeSession], T]) -> T:
+        """``use`` a pooled session and give it back; returns what ``use`` returned.
+
+        A pooled session that turns out stale (``DataUnavailable`` before anything was sent) is
+        replaced by a fresh one once; a new session the server refuses for its bound on sessions
+        makes the call wait for one of the sessions this pool already has.
+        """
+        replaced = False  # a stale pooled session was replaced (once at most)
+        fresh = False  # the next acquire retires the idle sessions first
         refusals = 0
         while True:
             session = self._pool.acquire(self.patience_s, fresh=fresh)
+            fresh = False
             reused = session.used
             try:
-                reply = session.call(
-                    epoch, op, flags, bucket, key, header, value, self.op_timeout_s
-                )
+                result = use(session)
             except SessionFailure as failure:
                 self._pool.release(session)
                 if self._refused(failure, reused, refusals):
                     refusals += 1
                     continue
-                if (fresh or failure.sent or not reused
+                if (replaced or failure.sent or not reused
                         or not isinstance(failure.error, DataUnavailable)):
                     raise failure.error from failure
-                fresh = True
+                replaced = fresh = True
                 continue
             except BaseException:
                 self._release_interrupted(session)
                 raise
             self._pool.release(session)
-            return reply
+            return result
 
     def _refused(self, failure: SessionFailure, reused: bool, refusals: int) -> bool:
         """Whether a failed new session was refused by the server's bound on sessions and the
@@ -754,30 +766,8 @@ class ServerConnection:
 
     def run(self, epoch: int, ops: Sequence[ExchangeOp], window: int) -> None:
         """Run many small operations pipelined over one session; fills each op's ``reply``."""
-        if not ops:
-            return
-        fresh = False
-        refusals = 0
-        while True:
-            session = self._pool.acquire(self.patience_s, fresh=fresh)
-            reused = not fresh and session.used
-            try:
-                session.run(epoch, ops, window, self.op_timeout_s)
-            except SessionFailure as failure:
-                self._pool.release(session)
-                if self._refused(failure, reused, refusals):
-                    refusals += 1
-                    continue
-                if (fresh or failure.sent or not reused
-                        or not isinstance(failure.error, DataUnavailable)):
-                    raise failure.error from failure
-                fresh = True
-                continue
-            except BaseException:
-                self._release_interrupted(session)
-                raise
-            self._pool.release(session)
-            return
+        if ops:
+            self._on_session(lambda session: session.run(epoch, ops, window, self.op_timeout_s))
 
     # -- data streams ------------------------------------------------------------------------
 

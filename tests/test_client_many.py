@@ -7,9 +7,10 @@ import random
 import subprocess
 import sys
 import threading
-import time
+from collections.abc import Callable
 
 import pytest
+from fixtures_cluster import wait_for
 from fixtures_servers import CLIENT_OPTIONS, ServerSet
 
 from pocketflow.client import LARGE_OBJECTS_IN_FLIGHT_MAX, Client, connect
@@ -40,13 +41,8 @@ def job_used_bytes(servers: ServerSet, handle: JobHandle) -> int:
     return total
 
 
-def wait_until(predicate, timeout_s: float = STATS_TIMEOUT_S) -> bool:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return predicate()
+def wait_until(predicate: Callable[[], bool]) -> bool:
+    return wait_for(predicate, timeout_s=STATS_TIMEOUT_S)
 
 
 def object_threads() -> set[threading.Thread]:

@@ -9,6 +9,8 @@ fill or kill. Every process started here is stopped by its process id.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +31,18 @@ DRAM_CAPACITY_BYTES = 96 * 1024 * 1024
 NVME_CAPACITY_BYTES = 128 * 1024 * 1024
 TEST_BLOCK_SIZE_BYTES = 1024 * 1024
 CLIENT_OPTIONS = {"op_timeout_s": "10s", "rpc_timeout_s": "10s", "stream_timeout_s": "60s"}
+
+
+def run_with_handle(script: str, handle: JobHandle, *, timeout_s: float) -> list[str]:
+    """Run ``script`` in a fresh interpreter with ``handle``'s JSON on stdin; it must exit 0.
+    Returns its stdout's words. A fresh interpreter, because this one may hold gRPC calls of
+    earlier tests (hung servers) that a fork would inherit."""
+    result = subprocess.run(
+        [sys.executable, "-c", script], input=handle.to_json(), capture_output=True, text=True,
+        timeout=timeout_s, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
 
 
 def _require_binary() -> None:

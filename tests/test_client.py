@@ -5,14 +5,12 @@ from __future__ import annotations
 import io
 import multiprocessing
 import random
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from fixtures_servers import CLIENT_OPTIONS, ServerSet
+from fixtures_servers import CLIENT_OPTIONS, ServerSet, run_with_handle
 
 from pocketflow.auth import make_token
 from pocketflow.client import Client, ObjectInfo, connect
@@ -803,13 +801,7 @@ print("ok")
 
 
 def test_a_child_forked_after_disconnect_connects_on_its_own(job_handle: JobHandle) -> None:
-    # A fresh interpreter: this one may hold gRPC calls of earlier tests (hung servers).
-    result = subprocess.run(
-        [sys.executable, "-c", _FORK_AFTER_DISCONNECT_SCRIPT], input=job_handle.to_json(),
-        capture_output=True, text=True, timeout=90, check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["ok"]
+    assert run_with_handle(_FORK_AFTER_DISCONNECT_SCRIPT, job_handle, timeout_s=90) == ["ok"]
 
 
 _FOREIGN_GRPC_SCRIPT = """
@@ -836,12 +828,7 @@ print(wait_for_grpc_shutdown(timeout_s=5.0), round(time.monotonic() - started, 3
 
 
 def test_disconnect_waits_only_for_its_own_grpc_threads(job_handle: JobHandle) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", _FOREIGN_GRPC_SCRIPT], input=job_handle.to_json(),
-        capture_output=True, text=True, timeout=60, check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    finished, elapsed_s = result.stdout.split()
+    finished, elapsed_s = run_with_handle(_FOREIGN_GRPC_SCRIPT, job_handle, timeout_s=60)
     assert finished == "True"
     assert float(elapsed_s) < 2.0  # GRPC_SHUTDOWN_WAIT_S: it did not wait for the foreign thread
 
@@ -881,12 +868,7 @@ print(failed)
 def test_no_child_forked_after_disconnect_finds_grpc_running(job_handle: JobHandle) -> None:
     # Trusting one empty scan of /proc for gRPC's threads let about 1 fork in 100 happen while
     # gRPC was still shutting down; such a child fails its first call (a lost Lithops call).
-    result = subprocess.run(
-        [sys.executable, "-c", _FORK_STORM_SCRIPT], input=job_handle.to_json(),
-        capture_output=True, text=True, timeout=120, check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["0"]
+    assert run_with_handle(_FORK_STORM_SCRIPT, job_handle, timeout_s=120) == ["0"]
 
 
 def test_lost_commit_reply_keeps_the_blocks(

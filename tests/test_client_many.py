@@ -4,14 +4,12 @@ small ones, and the failure of some objects of a call."""
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 
 import pytest
 from fixtures_cluster import wait_for
-from fixtures_servers import CLIENT_OPTIONS, ServerSet
+from fixtures_servers import CLIENT_OPTIONS, ServerSet, run_with_handle
 
 from pocketflow.client import LARGE_OBJECTS_IN_FLIGHT_MAX, Client, connect
 from pocketflow.errors import CapacityExhausted, ObjectExists, ObjectNotFound
@@ -214,9 +212,4 @@ print("ok")
 
 
 def test_a_forked_child_moves_many_objects_on_threads_of_its_own(job_handle: JobHandle) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", _FORK_SCRIPT], input=job_handle.to_json(),
-        capture_output=True, text=True, timeout=120, check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["ok"]
+    assert run_with_handle(_FORK_SCRIPT, job_handle, timeout_s=120) == ["ok"]

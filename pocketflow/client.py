@@ -885,31 +885,29 @@ class Client:
             return connection
 
     def _executor_get(self) -> ThreadPoolExecutor:
-        executor = self._executor
-        if executor is not None:
-            return executor
-        with self._lock:
-            if self._closed:
-                raise InvalidRequest("the client is closed")
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=self._config.io_threads, thread_name_prefix="pocketflow-io"
-                )
-            return self._executor
+        """The I/O threads (data blocks), made on first use."""
+        return self._pool_get("_executor", self._config.io_threads, "pocketflow-io")
 
     def _objects_executor_get(self) -> ThreadPoolExecutor:
-        executor = self._objects_executor
+        """The object threads of ``put_many``/``get_many``, made on first use."""
+        return self._pool_get(
+            "_objects_executor", max(1, self._objects_in_flight - 1), "pocketflow-objects"
+        )
+
+    def _pool_get(self, attribute: str, workers: int, thread_prefix: str) -> ThreadPoolExecutor:
+        """The thread pool kept in ``attribute``, made on first use; none for a closed client."""
+        executor = getattr(self, attribute)
         if executor is not None:
             return executor
         with self._lock:
             if self._closed:
                 raise InvalidRequest("the client is closed")
-            if self._objects_executor is None:
-                self._objects_executor = ThreadPoolExecutor(
-                    max_workers=max(1, self._objects_in_flight - 1),
-                    thread_name_prefix="pocketflow-objects",
-                )
-            return self._objects_executor
+            executor = getattr(self, attribute)
+            if executor is None:
+                executor = ThreadPoolExecutor(max_workers=workers,
+                                              thread_name_prefix=thread_prefix)
+                setattr(self, attribute, executor)
+            return executor
 
     def _for_each_object(self, tasks: Sequence[Callable[[], None]]) -> list[BaseException | None]:
         """Run whole-object tasks, up to ``LARGE_OBJECTS_IN_FLIGHT_MAX`` at once; returns each

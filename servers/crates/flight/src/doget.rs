@@ -212,18 +212,20 @@ pub(crate) async fn get(
     }
     let (tx, rx) = mpsc::channel(GET_PIECES_QUEUED_MAX);
     let idle = Arc::new(AtomicBool::new(false));
-    let idle_error = ServiceError::TransferIdle {
-        transfer: "DoGet",
-        idle_ms: transfer.state.transfer_idle.as_millis() as u64,
-    }
-    .to_status();
+    let idle_ms = transfer.state.transfer_idle.as_millis() as u64;
     tokio::spawn(transfer.run(first, rest, first_piece, tx, idle.clone()));
-    // Once the task's sender is gone, a transfer it ended for idleness says so.
-    let ended_idle =
-        futures::stream::once(
-            async move { idle.load(Ordering::Acquire).then_some(Err(idle_error)) },
-        )
-        .filter_map(futures::future::ready);
+    // Once the task's sender is gone, a transfer it ended for idleness says so (the status is
+    // built only then).
+    let ended_idle = futures::stream::once(async move {
+        idle.load(Ordering::Acquire).then(|| {
+            Err(ServiceError::TransferIdle {
+                transfer: "DoGet",
+                idle_ms,
+            }
+            .to_status())
+        })
+    })
+    .filter_map(futures::future::ready);
     Ok(ReceiverStream::new(rx).chain(ended_idle).boxed())
 }
 

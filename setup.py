@@ -1,4 +1,6 @@
-"""Build hook: installs ``pocketflow_lithops.pth`` next to the package; the rest is setup.cfg.
+"""Build hooks: the native client core ``pocketflow._core`` (Rust, built by setuptools-rust from
+``servers/crates/pyclient``) and ``pocketflow_lithops.pth`` next to the package; the rest is
+setup.cfg.
 
 The ``.pth`` file imports ``_pocketflow_lithops`` at interpreter start, which makes Lithops find
 the ``pocket`` storage backend in every process, workers included. A wheel carries it at its
@@ -9,6 +11,7 @@ the editable wheel's root, since ``build_py`` output is not packed in that mode.
 import os
 
 from setuptools import setup
+from setuptools_rust import Binding, RustExtension
 from setuptools.command.build_py import build_py
 
 PTH_NAME = "pocketflow_lithops.pth"
@@ -41,4 +44,11 @@ class BuildPyWithPth(build_py):
         return outputs
 
 
-setup(cmdclass={"build_py": BuildPyWithPth})
+NATIVE_CORE = RustExtension(
+    "pocketflow._core",
+    path="servers/crates/pyclient/Cargo.toml",
+    binding=Binding.PyO3,
+    debug=False,
+)
+
+setup(cmdclass={"build_py": BuildPyWithPth}, rust_extensions=[NATIVE_CORE], zip_safe=False)

@@ -47,8 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Literal, TypeVar, overload
 
-import pyarrow as pa
-
 from pocketflow.config import ClientConfig
 from pocketflow.errors import (
     BucketExists,
@@ -72,7 +70,6 @@ from pocketflow.protocol import (
     ACTION_DELETE_PREFIX,
     ACTION_ENUMERATE,
     ACTION_WAIT,
-    BATCH_MAX_BYTES,
     ENUMERATE_LIMIT_MAX,
     KEY_MAX_BYTES,
     OP_DELETE,
@@ -99,7 +96,7 @@ from pocketflow.protocol import (
     put_descriptor,
     small_header,
 )
-from pocketflow.transport import ExchangeOp, ServerConnection, Watchdog, wait_for_grpc_shutdown
+from pocketflow.transport import ExchangeOp, ServerConnection, new_bytes
 
 __all__ = ["Client", "ObjectInfo", "connect", "STALE_EPOCH_RETRIES_MAX"]
 
@@ -203,7 +200,6 @@ class Client:
         self._view = _view_of(handle)
         self._lock = threading.Lock()
         self._connections: dict[str, ServerConnection] = {}
-        self._watchdog = Watchdog(min(0.1, max(self._config.op_timeout_s / 4, 0.005)))
         self._executor: ThreadPoolExecutor | None = None
         self._objects_executor: ThreadPoolExecutor | None = None
         self._objects_in_flight = min(LARGE_OBJECTS_IN_FLIGHT_MAX, self._config.io_threads)
@@ -212,16 +208,13 @@ class Client:
         _LIVE_CLIENTS.add(self)
 
     def _forget_after_fork(self) -> None:
-        """In a forked child: drop the parent's connections and threads without touching them
-        (gRPC channels and threads do not survive a fork); new ones are made on first use."""
-        # Kept referenced for good: collecting an inherited Flight client would run its
-        # finalizer, which closes gRPC state whose threads stayed in the parent and hangs.
-        _INHERITED_CONNECTIONS.extend(self._connections.values())
+        """In a forked child: drop the parent's connections and threads (a native connection
+        made by the parent refuses calls in the child and is never torn down there); new ones
+        are made on first use, on the child's own native runtime."""
         self._lock = threading.Lock()
         self._connections = {}
         self._executor = None
         self._objects_executor = None
-        self._watchdog = Watchdog(min(0.1, max(self._config.op_timeout_s / 4, 0.005)))
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -251,13 +244,12 @@ class Client:
                 pool.shutdown(wait=True, cancel_futures=True)
         for connection in connections:
             connection.close()
-        self._watchdog.close()
 
     def disconnect(self) -> None:
         """Close every connection but keep the client usable: the next call reconnects.
 
-        Call it before ``os.fork()``: a forked child can open gRPC channels of its own only if
-        its parent had none open when it forked. Calls in flight on other threads fail.
+        Not needed around ``fork()``: a forked child makes connections of its own on first use.
+        Calls in flight on other threads finish on the connections they hold.
         """
         with self._lock:
             if self._closed:
@@ -266,7 +258,6 @@ class Client:
             self._connections.clear()
         for connection in connections:
             connection.close()
-        wait_for_grpc_shutdown()
 
     def __enter__(self) -> Client:
         return self
@@ -874,7 +865,6 @@ class Client:
                 connection = ServerConnection(
                     address,
                     exchange_command=lambda: self._view.exchange_command,
-                    watchdog=self._watchdog,
                     sessions_max=cfg.sessions_per_server,
                     op_timeout_s=cfg.op_timeout_s,
                     first_reply_timeout_s=cfg.connect_timeout_s,
@@ -1335,107 +1325,100 @@ class Client:
         """Read object bytes ``[start, end)`` of a large object from its data blocks.
 
         With ``dest`` the bytes land in ``dest[0:end-start]`` and the count is returned;
-        without, they are returned as ``bytes`` (joined once from the received pieces).
+        without, they land in a ``bytes`` of the exact size, filled in place, which is returned.
+        Each server's ranges are read by the native core with the GIL released, servers in
+        parallel.
         """
         view = self._view
         block_size = header.block_size
         first = start // block_size + 1
         last = (end - 1) // block_size + 1
-        groups: dict[str, list[tuple[int, int, int]]] = {}
+        groups: dict[str, list[tuple[int, int, int, int]]] = {}
         for index in range(first, last + 1):
             block_start = (index - 1) * block_size
             low = max(start, block_start)
             high = min(end, block_start + block_size, header.size)
             server = self._block_server(view, key_raw, index, header.persist)
-            groups.setdefault(server.address, []).append((index, low - block_start, high - low))
-        pieces: dict[int, list[tuple[int, pa.Buffer]]] = {}
+            groups.setdefault(server.address, []).append(
+                (index, low - block_start, high - low, low - start)
+            )
+        expected = end - start
+        target: Any = dest if dest is not None else new_bytes(expected)
         received: dict[int, int] = {}
         lock = threading.Lock()
-        # A piece is a view of a received gRPC message; holding many of them until the join
-        # keeps gRPC's receive memory in use and slows the rest of the read down, so past one
-        # batch each piece is copied out as it arrives.
-        hold = end - start <= BATCH_MAX_BYTES
 
-        def sink(index: int, offset: int, piece: pa.Buffer) -> None:
-            at = (index - 1) * block_size + offset - start
-            if dest is not None:
-                dest[at:at + piece.size] = memoryview(piece).cast("B")
-            elif not hold:
-                piece = pa.py_buffer(piece.to_pybytes())
-            with lock:
-                if dest is None:
-                    pieces.setdefault(index, []).append((at, piece))
-                received[index] = received.get(index, 0) + piece.size
-
-        def fetch(address: str, ranges: list[tuple[int, int, int]]) -> None:
+        def fetch(address: str, ranges: list[tuple[int, int, int, int]]) -> None:
             for at in range(0, len(ranges), TICKET_RANGES_MAX):
                 chunk = ranges[at:at + TICKET_RANGES_MAX]
                 try:
                     self._get_ranges_current(address, bucket, key, header.version, chunk,
-                                             delete=delete, sink=sink)
+                                             target, received, lock, delete=delete)
                 except NotFound:
                     if view.epoch <= 1:
                         raise
                     self._fetch_moved_blocks(view, bucket, key, key_raw, header, address,
-                                             chunk, received, pieces, lock, sink, delete=delete)
+                                             chunk, target, received, lock, delete=delete)
 
         self._parallel([
             lambda address=address, ranges=ranges: fetch(address, ranges)
             for address, ranges in groups.items()
         ])
-        expected = end - start
         if sum(received.values()) != expected:
             raise InternalError(
                 f"internal: read {sum(received.values())} bytes of {key!r}, expected {expected}"
             )
-        if dest is not None:
-            return expected
-        ordered = sorted(
-            (item for block in pieces.values() for item in block), key=lambda item: item[0]
-        )
-        return b"".join(memoryview(piece) for _, piece in ordered)
+        return expected if dest is not None else target
 
     def _get_ranges_current(
         self, address: str, bucket: str, key: str, version: int,
-        ranges: list[tuple[int, int, int]], *, delete: bool,
-        sink: Callable[[int, int, pa.Buffer], None],
+        ranges: list[tuple[int, int, int, int]], target: Any, received: dict[int, int],
+        lock: threading.Lock, *, delete: bool,
     ) -> None:
-        """One DoGet with the newest context; a stale epoch (refused before any byte was sent)
-        is adopted and the ticket sent again."""
+        """One DoGet of ``ranges`` (``block, offset, length, dest_at``) into ``target`` with the
+        newest context, counting what arrived per block in ``received``; a stale epoch
+        (refused before any byte was sent) is adopted and the ticket sent again."""
         for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
             ticket = get_ticket(self._view.ctx, bucket=bucket, key=key, version=version,
-                                ranges=ranges, delete=delete)
+                                ranges=[(index, offset, length) for index, offset, length, _
+                                        in ranges],
+                                delete=delete)
             try:
-                self._connection(address).get_ranges(
-                    ticket, sink, nbytes=sum(length for _, _, length in ranges)
-                )
-                return
+                counts, error = self._connection(address).get_ranges(ticket, ranges, target)
             except StaleEpoch as exc:
                 if attempt == STALE_EPOCH_RETRIES_MAX:
                     raise
                 self._adopt(exc)
+                continue
+            with lock:
+                for (index, _, _, _), count in zip(ranges, counts, strict=True):
+                    if count:
+                        received[index] = received.get(index, 0) + count
+            if error is not None:
+                raise error
+            return
 
     def _fetch_moved_blocks(
         self, view: _View, bucket: str, key: str, key_raw: bytes, header: ObjectHeader,
-        tried: str, ranges: list[tuple[int, int, int]], received: dict[int, int],
-        pieces: dict[int, list[tuple[int, pa.Buffer]]], lock: threading.Lock,
-        sink: Callable[[int, int, pa.Buffer], None], *, delete: bool,
+        tried: str, ranges: list[tuple[int, int, int, int]], target: Any,
+        received: dict[int, int], lock: threading.Lock, *, delete: bool,
     ) -> None:
         """Find blocks written under an earlier weight map: probe the other servers in order."""
-        for index, offset, length in ranges:
+        for index, offset, length, dest_at in ranges:
             with lock:
                 if received.get(index, 0) == length:
                     continue
                 received.pop(index, None)
-                pieces.pop(index, None)
             for server in view.placement.ranked(key_raw, index):
                 if server.address == tried:
                     continue
                 try:
                     self._get_ranges_current(server.address, bucket, key, header.version,
-                                             [(index, offset, length)], delete=delete, sink=sink)
+                                             [(index, offset, length, dest_at)], target,
+                                             received, lock, delete=delete)
                     break
                 except NotFound:
+                    with lock:
+                        received.pop(index, None)
                     continue
             else:
                 what = f"block {index} of {bucket}/{key}"
@@ -1486,8 +1469,6 @@ class Client:
 
 
 _LIVE_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
-_INHERITED_CONNECTIONS: list[ServerConnection] = []
-"""A forked child's share of its parent's connections: unusable, and never collected."""
 
 
 def _after_fork_in_child() -> None:

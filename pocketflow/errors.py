@@ -49,6 +49,7 @@ __all__ = [
     "error_from_kind",
     "error_from_status",
     "error_from_flight",
+    "error_from_grpc",
 ]
 
 GRPC_CODE_OK = 0
@@ -340,11 +341,25 @@ def error_from_flight(exc: BaseException, *, server: str | None = None) -> Pocke
         code = GRPC_CODE_UNAVAILABLE
     else:
         code = GRPC_CODE_INTERNAL
-    if code in (GRPC_CODE_UNAVAILABLE, GRPC_CODE_DEADLINE_EXCEEDED, GRPC_CODE_CANCELLED):
+    return error_from_grpc(code, text, server=server)
+
+
+def error_from_grpc(code: int, message: str, *, server: str | None = None) -> PocketflowError:
+    """Map a gRPC status (code and message) to a pocketflow error; the Rust client core
+    (``pocketflow._core``) raises every failure through this function.
+
+    The kind is read from the message, which the server opens with ``"<kind>: "``; the code only
+    decides when no known kind appears. Transport codes (unavailable, deadline, cancelled,
+    unknown) are :class:`DataUnavailable` unless the server said it is draining.
+    """
+    if code in (GRPC_CODE_UNAVAILABLE, GRPC_CODE_DEADLINE_EXCEEDED, GRPC_CODE_CANCELLED,
+                GRPC_CODE_UNKNOWN):
         # A draining server answers UNAVAILABLE with its kind; anything else with these codes is
         # the transport failing, whatever words the message happens to contain.
-        match = _KIND_PATTERN.search(text)
+        match = _KIND_PATTERN.search(message)
         if match is not None and match.group(1) == ServerDraining.kind:
-            return error_from_kind(match.group(1), text[match.end():], server=server)
-        return DataUnavailable(f"unavailable: {text}", server=server)
-    return _from_text(text, code, server)
+            return error_from_kind(match.group(1), message[match.end():], server=server)
+        if message.startswith("unavailable: "):
+            return DataUnavailable(message, server=server)
+        return DataUnavailable(f"unavailable: {message}", server=server)
+    return _from_text(message, code, server)

@@ -12,7 +12,7 @@ mod doget;
 mod doput;
 pub mod drain;
 mod exchange;
-pub mod ipc;
+pub use pocketflow_protocol::ipc;
 mod service;
 pub mod stats;
 pub mod status;

@@ -10,6 +10,7 @@ pub mod descriptor;
 pub mod error;
 pub mod frame;
 pub mod header;
+pub mod ipc;
 pub mod limits;
 pub mod ticket;
 pub mod token;

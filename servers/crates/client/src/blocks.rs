@@ -1,0 +1,214 @@
+//! Data blocks: DoPut streams that write them and DoGet streams that read ranges of them
+//! straight into the caller's memory.
+
+use arrow_flight::flight_descriptor::DescriptorType;
+use arrow_flight::{FlightData, FlightDescriptor, Ticket};
+use bytes::Bytes;
+use pocketflow_protocol::batch::{GetPieceMeta, PutPieceMeta};
+use pocketflow_protocol::ipc::{decode_piece, encode_piece, is_schema_message, schema_flight_data};
+use pocketflow_protocol::limits::BATCH_MAX_BYTES;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::config::PUT_PIECES_QUEUED_MAX;
+use crate::connection::Connection;
+use crate::error::ClientError;
+
+/// One block to write: its index (>= 1) and its bytes, borrowed from the caller.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockSlice<'a> {
+    /// Block index.
+    pub index: u32,
+    /// The block's bytes.
+    pub data: &'a [u8],
+}
+
+/// Where the bytes of one ticket range go: `[block, offset in block, length]` of the ticket and
+/// the position in the destination of its first byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RangeTarget {
+    /// Block index.
+    pub block: u32,
+    /// Offset in the block.
+    pub offset: u64,
+    /// Bytes of the range.
+    pub len: u64,
+    /// Destination position of the range's first byte.
+    pub dest_at: usize,
+}
+
+/// What a DoGet moved: the bytes received per range (in ticket order), and the error that ended
+/// it early, if any (the counts then tell which ranges are complete).
+#[derive(Debug)]
+pub struct ReadOutcome {
+    /// Bytes received for each range.
+    pub received: Vec<u64>,
+    /// Why the stream ended before every range was complete.
+    pub error: Option<ClientError>,
+}
+
+impl Connection {
+    /// Write `blocks` of one object version over one DoPut stream described by `command`;
+    /// returns the server's JSON result (`{"blocks": n, "bytes": total}`).
+    ///
+    /// Each block goes as pieces of at most `BATCH_MAX_BYTES`, encoded on the calling thread
+    /// (one copy, into the message body) at most `PUT_PIECES_QUEUED_MAX` ahead of the stream.
+    pub async fn put_blocks(
+        &self,
+        command: Bytes,
+        blocks: &[BlockSlice<'_>],
+    ) -> Result<Bytes, ClientError> {
+        let inner = self.inner()?;
+        let nbytes: u64 = blocks.iter().map(|b| b.data.len() as u64).sum();
+        let deadline = inner.config.stream_deadline(nbytes);
+        let (tx, rx) = mpsc::channel::<FlightData>(PUT_PIECES_QUEUED_MAX);
+        let mut opening = schema_flight_data();
+        opening.flight_descriptor = Some(FlightDescriptor {
+            r#type: DescriptorType::Cmd as i32,
+            cmd: command,
+            path: vec![],
+        });
+        let mut client = inner.client.clone();
+        let call = async move {
+            let response = client.do_put(ReceiverStream::new(rx)).await?;
+            let mut results = response.into_inner();
+            let mut first = Bytes::new();
+            while let Some(result) = results.message().await? {
+                if first.is_empty() {
+                    first = result.app_metadata;
+                }
+            }
+            Ok::<Bytes, tonic::Status>(first)
+        };
+        let feed = async move {
+            if tx.send(opening).await.is_err() {
+                return;
+            }
+            for block in blocks {
+                let meta = Bytes::copy_from_slice(
+                    &PutPieceMeta {
+                        block_index: block.index,
+                        block_len: block.data.len() as u64,
+                    }
+                    .encode(),
+                );
+                for piece in block.data.chunks(BATCH_MAX_BYTES as usize) {
+                    if tx.send(encode_piece(piece, meta.clone())).await.is_err() {
+                        // The call ended (its status says why).
+                        return;
+                    }
+                }
+            }
+        };
+        let both = async { tokio::join!(call, feed).0 };
+        match tokio::time::timeout(deadline, both).await {
+            Ok(result) => result.map_err(ClientError::from),
+            Err(_) => Err(ClientError::Unavailable(format!(
+                "DoPut of {nbytes} bytes did not finish within {:.1}s",
+                deadline.as_secs_f64()
+            ))),
+        }
+    }
+
+    /// Read the ranges of a DoGet `ticket` into `dest` at each range's `dest_at`.
+    ///
+    /// Pieces arrive in ticket order; each is copied once, from the received message into
+    /// `dest`. Every wait for a piece is bounded by the op timeout, the whole stream by the
+    /// stream deadline. A failure after some ranges arrived is returned with their counts.
+    pub async fn get_ranges(
+        &self,
+        ticket: Bytes,
+        ranges: &[RangeTarget],
+        dest: &mut [u8],
+    ) -> Result<ReadOutcome, ClientError> {
+        let inner = self.inner()?;
+        for range in ranges {
+            let end = range.dest_at.checked_add(range.len as usize);
+            if end.is_none_or(|end| end > dest.len()) {
+                return Err(ClientError::InvalidArgument(format!(
+                    "range of block {} ({} bytes at {}) does not fit a destination of {} bytes",
+                    range.block,
+                    range.len,
+                    range.dest_at,
+                    dest.len()
+                )));
+            }
+        }
+        let nbytes: u64 = ranges.iter().map(|r| r.len).sum();
+        let deadline = tokio::time::Instant::now() + inner.config.stream_deadline(nbytes);
+        let op_timeout = inner.config.op_timeout;
+        let mut received = vec![0u64; ranges.len()];
+        let mut client = inner.client.clone();
+        let opened = tokio::time::timeout_at(deadline, client.do_get(Ticket { ticket })).await;
+        let mut stream = match opened {
+            Err(_) => {
+                return Err(ClientError::Unavailable(
+                    "DoGet got no answer before its deadline".into(),
+                ))
+            }
+            Ok(result) => result.map_err(ClientError::from)?.into_inner(),
+        };
+        let mut current = 0usize;
+        loop {
+            let bound = (tokio::time::Instant::now() + op_timeout).min(deadline);
+            let message = match tokio::time::timeout_at(bound, stream.message()).await {
+                Err(_) => {
+                    let error = ClientError::Unavailable(format!(
+                        "no data for {:.1}s; stream cancelled",
+                        op_timeout.as_secs_f64()
+                    ));
+                    return Ok(ReadOutcome {
+                        received,
+                        error: Some(error),
+                    });
+                }
+                Ok(Err(status)) => {
+                    return Ok(ReadOutcome {
+                        received,
+                        error: Some(ClientError::from(status)),
+                    })
+                }
+                Ok(Ok(None)) => break,
+                Ok(Ok(Some(message))) => message,
+            };
+            if is_schema_message(&message.data_header) {
+                continue;
+            }
+            let meta = GetPieceMeta::decode(&message.app_metadata)
+                .map_err(|e| ClientError::Protocol(format!("DoGet piece metadata: {e}")))?;
+            let piece = decode_piece(&message.data_header, &message.data_body)
+                .map_err(|e| ClientError::Protocol(format!("DoGet piece: {e}")))?;
+            if piece.len() as u64 != meta.len {
+                return Err(ClientError::Protocol(format!(
+                    "DoGet piece of block {} has {} bytes, metadata says {}",
+                    meta.block_index,
+                    piece.len(),
+                    meta.len
+                )));
+            }
+            // Pieces come in ticket order: find the range this one belongs to.
+            while current < ranges.len() && !contains(&ranges[current], &meta) {
+                current += 1;
+            }
+            let Some(range) = ranges.get(current) else {
+                return Err(ClientError::Protocol(format!(
+                    "DoGet piece of block {} at {} is in no range of the ticket",
+                    meta.block_index, meta.offset
+                )));
+            };
+            let at = range.dest_at + (meta.offset - range.offset) as usize;
+            dest[at..at + piece.len()].copy_from_slice(&piece);
+            received[current] += meta.len;
+        }
+        Ok(ReadOutcome {
+            received,
+            error: None,
+        })
+    }
+}
+
+fn contains(range: &RangeTarget, piece: &GetPieceMeta) -> bool {
+    piece.block_index == range.block
+        && piece.offset >= range.offset
+        && piece.offset + piece.len <= range.offset + range.len
+}

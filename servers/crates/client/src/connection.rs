@@ -1,0 +1,281 @@
+//! One client's connection to one storage server: small operations over pooled DoExchange
+//! sessions, data blocks over DoPut and DoGet streams, and actions.
+
+use std::mem::ManuallyDrop;
+
+use arrow_flight::flight_service_client::FlightServiceClient;
+use arrow_flight::Action;
+use bytes::Bytes;
+use pocketflow_protocol::frame::{
+    encode_request_frame, OpCode, RequestOp, REQUEST_FRAME_HEAD_BYTES,
+};
+use pocketflow_protocol::header::ObjectHeader;
+use pocketflow_protocol::limits::{
+    FRAME_MAX_BYTES, FRAME_OPS_MAX, MESSAGE_MAX_BYTES, SESSION_INFLIGHT_MAX,
+};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::config::{
+    ConnectionConfig, CONNECTION_WINDOW_BYTES, CONNECT_TIMEOUT_MIN, SESSION_REFUSALS_MAX,
+    STREAM_WINDOW_BYTES,
+};
+use crate::error::ClientError;
+use crate::runtime::runtime_handle;
+use crate::session::{Acquired, Session, SessionFailure, SessionPool};
+
+/// One small operation to send over a session.
+#[derive(Debug, Clone)]
+pub struct ExchangeRequest {
+    /// What to do.
+    pub op: OpCode,
+    /// Op flag bits.
+    pub flags: u8,
+    /// Bucket name (UTF-8, checked by the caller).
+    pub bucket: String,
+    /// Object key (UTF-8, checked by the caller).
+    pub key: String,
+    /// Object header (PUT only).
+    pub header: ObjectHeader,
+    /// Value (PUT of a small object only).
+    pub value: Bytes,
+}
+
+/// The server's answer to one [`ExchangeRequest`].
+#[derive(Debug, Clone)]
+pub struct ExchangeReply {
+    /// 0 OK, else the gRPC code of the error kind.
+    pub status: u8,
+    /// The object header, when the reply carries one.
+    pub header: Option<ObjectHeader>,
+    /// The value (GET OK) or `"<kind>: <message>"`.
+    pub body: Bytes,
+}
+
+pub(crate) struct Inner {
+    pub(crate) address: String,
+    pub(crate) config: ConnectionConfig,
+    pub(crate) client: FlightServiceClient<Channel>,
+    pool: SessionPool,
+}
+
+/// Everything one client uses to talk to one storage server.
+///
+/// A connection belongs to the process that made it: in a forked child it refuses every call
+/// (the child makes its own) and is never torn down, since its tasks ran on the parent's threads.
+pub struct Connection {
+    inner: ManuallyDrop<Inner>,
+    pid: u32,
+}
+
+impl Connection {
+    /// A connection to `address` (`host:port`); the TCP and HTTP/2 connection is made on the
+    /// first call, within the first-reply bound.
+    pub fn new(address: &str, config: ConnectionConfig) -> Result<Self, ClientError> {
+        let endpoint = Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|e| ClientError::InvalidArgument(format!("bad address {address:?}: {e}")))?
+            .connect_timeout(config.first_reply().max(CONNECT_TIMEOUT_MIN))
+            .tcp_nodelay(true)
+            .initial_stream_window_size(STREAM_WINDOW_BYTES)
+            .initial_connection_window_size(CONNECTION_WINDOW_BYTES);
+        let handle = runtime_handle();
+        let channel = {
+            let _entered = handle.enter();
+            endpoint.connect_lazy()
+        };
+        let client = FlightServiceClient::new(channel)
+            .max_decoding_message_size(MESSAGE_MAX_BYTES)
+            .max_encoding_message_size(MESSAGE_MAX_BYTES);
+        Ok(Connection {
+            inner: ManuallyDrop::new(Inner {
+                address: address.to_string(),
+                pool: SessionPool::new(config.sessions_max),
+                config,
+                client,
+            }),
+            pid: std::process::id(),
+        })
+    }
+
+    /// The server's address.
+    pub fn address(&self) -> &str {
+        &self.inner.address
+    }
+
+    pub(crate) fn inner(&self) -> Result<&Inner, ClientError> {
+        if std::process::id() != self.pid {
+            return Err(ClientError::InvalidArgument(
+                "this connection was made by the parent of this forked process; \
+                 make a new one here"
+                    .into(),
+            ));
+        }
+        Ok(&self.inner)
+    }
+
+    /// Run `requests` over one pooled session, at most `window` in flight, and return their
+    /// replies in request order. `command` is the job's DoExchange descriptor, used if a new
+    /// session has to be opened.
+    pub async fn exchange(
+        &self,
+        command: &Bytes,
+        epoch: u64,
+        requests: &[ExchangeRequest],
+        window: usize,
+    ) -> Result<Vec<ExchangeReply>, ClientError> {
+        let inner = self.inner()?;
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        let window = window.clamp(1, SESSION_INFLIGHT_MAX);
+        let mut replaced = false;
+        let mut fresh = false;
+        let mut refusals = 0;
+        loop {
+            let acquired = inner.pool.acquire(inner.config.patience(), fresh).await?;
+            fresh = false;
+            let mut session = match acquired {
+                Acquired::Idle(session) => session,
+                Acquired::OpenNew => {
+                    let mut client = inner.client.clone();
+                    match Session::open(&mut client, command.clone(), inner.config.first_reply())
+                        .await
+                    {
+                        Ok(session) => Box::new(session),
+                        Err(error) => {
+                            inner.pool.release(None);
+                            if error.is_capacity_exhausted()
+                                && refusals < SESSION_REFUSALS_MAX
+                                && inner.pool.shrink()
+                            {
+                                refusals += 1;
+                                continue;
+                            }
+                            return Err(error);
+                        }
+                    }
+                }
+            };
+            let reused = session.used;
+            let frames = build_frames(&mut session, epoch, requests, window);
+            let outcome = session
+                .run(
+                    frames.0,
+                    window,
+                    inner.config.op_timeout,
+                    inner.config.first_reply(),
+                )
+                .await;
+            inner.pool.release(Some(session));
+            match outcome {
+                Ok(mut replies) => {
+                    return Ok(frames
+                        .1
+                        .iter()
+                        .map(|id| {
+                            let reply = replies.remove(id).expect("every op was answered");
+                            ExchangeReply {
+                                status: reply.status,
+                                header: reply.header,
+                                body: reply.body,
+                            }
+                        })
+                        .collect())
+                }
+                Err(SessionFailure { error, sent }) => {
+                    // A pooled session that had gone stale is replaced once, when nothing ran.
+                    if replaced || sent || !reused || !error.is_unavailable() {
+                        return Err(error);
+                    }
+                    replaced = true;
+                    fresh = true;
+                }
+            }
+        }
+    }
+
+    /// Run one DoAction and return its first result body (empty when there is none).
+    pub async fn action(&self, name: &str, body: Bytes) -> Result<Bytes, ClientError> {
+        let inner = self.inner()?;
+        let mut client = inner.client.clone();
+        let bound = inner.config.rpc_timeout;
+        let call = async move {
+            let mut results = client
+                .do_action(Action {
+                    r#type: name.to_string(),
+                    body,
+                })
+                .await?
+                .into_inner();
+            let mut first = Bytes::new();
+            while let Some(result) = results.message().await? {
+                if first.is_empty() {
+                    first = result.body;
+                }
+            }
+            Ok::<Bytes, tonic::Status>(first)
+        };
+        match tokio::time::timeout(bound, call).await {
+            Ok(result) => result.map_err(ClientError::from),
+            Err(_) => Err(ClientError::Unavailable(format!(
+                "action {name} got no answer within {:.1}s",
+                bound.as_secs_f64()
+            ))),
+        }
+    }
+
+    /// Close every idle session; calls in flight on other threads finish or fail.
+    pub fn close(&self) {
+        if let Ok(inner) = self.inner() {
+            inner.pool.close();
+        }
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        if std::process::id() == self.pid {
+            // SAFETY: dropped exactly once, here; in a forked child it is leaked instead.
+            unsafe { ManuallyDrop::drop(&mut self.inner) }
+        }
+    }
+}
+
+/// Encode `requests` into frames with ids from `session`: at most `FRAME_OPS_MAX` ops,
+/// `FRAME_MAX_BYTES` and `window` ops per frame. Returns the frames and the ids in request order.
+fn build_frames(
+    session: &mut Session,
+    epoch: u64,
+    requests: &[ExchangeRequest],
+    window: usize,
+) -> (Vec<(Bytes, Vec<u64>)>, Vec<u64>) {
+    let ops_max = window.min(FRAME_OPS_MAX as usize);
+    let first_id = session.take_ids(requests.len());
+    let mut frames = Vec::new();
+    let mut ids_in_order = Vec::with_capacity(requests.len());
+    let mut ops: Vec<RequestOp> = Vec::new();
+    let mut ids: Vec<u64> = Vec::new();
+    let mut size = REQUEST_FRAME_HEAD_BYTES;
+    for (i, request) in requests.iter().enumerate() {
+        let op = RequestOp {
+            request_id: first_id + i as u64,
+            op: request.op,
+            flags: request.flags,
+            bucket: request.bucket.clone(),
+            key: request.key.clone(),
+            header: request.header,
+            value: request.value.clone(),
+        };
+        let len = op.encoded_len();
+        if !ops.is_empty() && (ops.len() == ops_max || size + len > FRAME_MAX_BYTES) {
+            frames.push((encode_request_frame(epoch, &ops), std::mem::take(&mut ids)));
+            ops.clear();
+            size = REQUEST_FRAME_HEAD_BYTES;
+        }
+        size += len;
+        ids.push(op.request_id);
+        ids_in_order.push(op.request_id);
+        ops.push(op);
+    }
+    frames.push((encode_request_frame(epoch, &ops), ids));
+    (frames, ids_in_order)
+}

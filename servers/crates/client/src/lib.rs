@@ -1,0 +1,24 @@
+//! The pocketflow client core: everything a client process does on the wire to its storage
+//! servers, in Rust, with no Python in it. One [`Connection`] per server holds one HTTP/2
+//! connection (a tonic channel), a bounded pool of pipelined DoExchange sessions for small
+//! operations, and runs DoPut and DoGet streams of data blocks and DoActions. Every wait is bounded
+//! by a timeout from [`ConnectionConfig`], so a dead or hung server surfaces as
+//! [`ClientError::Unavailable`], never as a hang.
+//!
+//! All I/O runs on one tokio runtime per process ([`runtime`]), made lazily and made again in a
+//! forked child, which never touches its parent's runtime threads or connections.
+
+#![warn(missing_docs)]
+
+mod blocks;
+mod config;
+mod connection;
+mod error;
+mod runtime;
+mod session;
+
+pub use blocks::{BlockSlice, RangeTarget, ReadOutcome};
+pub use config::ConnectionConfig;
+pub use connection::{Connection, ExchangeReply, ExchangeRequest};
+pub use error::ClientError;
+pub use runtime::{block_on, runtime_handle};

@@ -1,0 +1,365 @@
+//! `pocketflow._core`: the Python face of the client core. Thin on purpose: it converts
+//! arguments, releases the GIL around every blocking call, and maps the core's errors to
+//! `pocketflow.errors` in one function ([`to_py_err`]).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use pocketflow_client::{
+    block_on, BlockSlice, ClientError, Connection, ConnectionConfig, ExchangeReply,
+    ExchangeRequest, RangeTarget,
+};
+use pocketflow_protocol::frame::OpCode;
+use pocketflow_protocol::header::{ObjectHeader, HEADER_LEN_BYTES};
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+
+/// The one place a core error becomes a Python exception: `pocketflow.errors.error_from_grpc`
+/// picks the class from the code and the kind the message starts with.
+fn to_py_err(py: Python<'_>, error: &ClientError, server: &str) -> PyErr {
+    let built = py
+        .import("pocketflow.errors")
+        .and_then(|errors| errors.getattr("error_from_grpc"))
+        .and_then(|from_grpc| {
+            let kwargs = [("server", server)].into_py_dict(py)?;
+            from_grpc.call((error.code(), error.to_string()), Some(&kwargs))
+        });
+    match built {
+        Ok(exception) => PyErr::from_value(exception),
+        Err(import_failed) => import_failed,
+    }
+}
+
+use pyo3::types::IntoPyDict;
+
+/// Memory the caller lent for the length of one call, usable without the GIL.
+struct Lent {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the memory is owned by a Python object that the calling frame keeps alive (and, for a
+// buffer, exported) until the call returns; only the thread running the call touches it.
+unsafe impl Send for Lent {}
+
+impl Lent {
+    /// The bytes; valid while the lender is held.
+    unsafe fn slice(&self) -> &[u8] {
+        std::slice::from_raw_parts(self.ptr, self.len)
+    }
+
+    /// The bytes, writable; valid while the lender is held.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice_mut(&self) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.ptr, self.len)
+    }
+}
+
+fn readable(buffer: &PyBuffer<u8>) -> PyResult<Lent> {
+    if !buffer.is_c_contiguous() {
+        return Err(PyValueError::new_err("the buffer must be C-contiguous"));
+    }
+    Ok(Lent {
+        ptr: buffer.buf_ptr() as *mut u8,
+        len: buffer.len_bytes(),
+    })
+}
+
+fn header_of(raw: &[u8]) -> PyResult<ObjectHeader> {
+    if raw.len() != HEADER_LEN_BYTES {
+        return Err(PyValueError::new_err(format!(
+            "an object header is {HEADER_LEN_BYTES} bytes, got {}",
+            raw.len()
+        )));
+    }
+    ObjectHeader::decode(raw).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+fn utf8(raw: &[u8], what: &str) -> PyResult<String> {
+    String::from_utf8(raw.to_vec())
+        .map_err(|_| PyValueError::new_err(format!("the {what} is not UTF-8")))
+}
+
+fn request_of(
+    op: u8,
+    flags: u8,
+    bucket: &[u8],
+    key: &[u8],
+    header: &[u8],
+    value: &Bound<'_, PyAny>,
+) -> PyResult<ExchangeRequest> {
+    let op = OpCode::from_code(op).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let value = if value.is_none() {
+        Bytes::new()
+    } else {
+        let buffer = PyBuffer::<u8>::get(value)?;
+        let lent = readable(&buffer)?;
+        // SAFETY: `buffer` is held for the copy.
+        Bytes::copy_from_slice(unsafe { lent.slice() })
+    };
+    Ok(ExchangeRequest {
+        op,
+        flags,
+        bucket: utf8(bucket, "bucket")?,
+        key: utf8(key, "key")?,
+        header: header_of(header)?,
+        value,
+    })
+}
+
+fn reply_tuple<'py>(py: Python<'py>, reply: &ExchangeReply) -> PyResult<Bound<'py, PyTuple>> {
+    let header = reply
+        .header
+        .map(|h| PyBytes::new(py, &h.encode()).into_any())
+        .unwrap_or_else(|| py.None().into_bound(py));
+    PyTuple::new(
+        py,
+        [
+            reply.status.into_pyobject(py)?.into_any(),
+            header,
+            PyBytes::new(py, &reply.body).into_any(),
+        ],
+    )
+}
+
+/// A connection to one storage server (see `pocketflow/transport.py`).
+#[pyclass(name = "Connection", module = "pocketflow._core", frozen)]
+struct PyConnection {
+    connection: Connection,
+}
+
+#[pymethods]
+impl PyConnection {
+    #[new]
+    #[pyo3(signature = (address, *, sessions_max, op_timeout_s, first_reply_timeout_s,
+                        rpc_timeout_s, stream_timeout_s))]
+    fn new(
+        py: Python<'_>,
+        address: &str,
+        sessions_max: usize,
+        op_timeout_s: f64,
+        first_reply_timeout_s: f64,
+        rpc_timeout_s: f64,
+        stream_timeout_s: f64,
+    ) -> PyResult<Self> {
+        let seconds = |s: f64, name: &str| {
+            Duration::try_from_secs_f64(s)
+                .map_err(|_| PyValueError::new_err(format!("{name} must be >= 0, got {s}")))
+        };
+        let config = ConnectionConfig {
+            sessions_max: sessions_max.max(1),
+            op_timeout: seconds(op_timeout_s, "op_timeout_s")?,
+            first_reply_timeout: seconds(first_reply_timeout_s, "first_reply_timeout_s")?,
+            rpc_timeout: seconds(rpc_timeout_s, "rpc_timeout_s")?,
+            stream_timeout: seconds(stream_timeout_s, "stream_timeout_s")?,
+        };
+        let connection =
+            Connection::new(address, config).map_err(|e| to_py_err(py, &e, address))?;
+        Ok(PyConnection { connection })
+    }
+
+    /// The server's `host:port`.
+    #[getter]
+    fn address(&self) -> &str {
+        self.connection.address()
+    }
+
+    /// Run one small operation; returns `(status, header or None, body)`.
+    #[allow(clippy::too_many_arguments)]
+    fn call<'py>(
+        &self,
+        py: Python<'py>,
+        command: &[u8],
+        epoch: u64,
+        op: u8,
+        flags: u8,
+        bucket: &[u8],
+        key: &[u8],
+        header: &[u8],
+        value: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let request = request_of(op, flags, bucket, key, header, value)?;
+        let command = Bytes::copy_from_slice(command);
+        let connection = &self.connection;
+        let result = py.detach(|| {
+            block_on(connection.exchange(&command, epoch, std::slice::from_ref(&request), 1))
+        });
+        match result {
+            Ok(replies) => reply_tuple(py, &replies[0]),
+            Err(e) => Err(to_py_err(py, &e, connection.address())),
+        }
+    }
+
+    /// Run many small operations pipelined over one session, at most `window` in flight.
+    /// `ops` holds `(op, flags, bucket, key, header, value)` tuples; returns one
+    /// `(status, header or None, body)` per op, in order.
+    fn run<'py>(
+        &self,
+        py: Python<'py>,
+        command: &[u8],
+        epoch: u64,
+        ops: &Bound<'py, PyList>,
+        window: usize,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let mut requests = Vec::with_capacity(ops.len());
+        for item in ops.iter() {
+            let (op, flags, bucket, key, header, value): (
+                u8,
+                u8,
+                Vec<u8>,
+                Vec<u8>,
+                Vec<u8>,
+                Bound<'py, PyAny>,
+            ) = item.extract()?;
+            requests.push(request_of(op, flags, &bucket, &key, &header, &value)?);
+        }
+        let command = Bytes::copy_from_slice(command);
+        let connection = &self.connection;
+        let result =
+            py.detach(|| block_on(connection.exchange(&command, epoch, &requests, window)));
+        match result {
+            Ok(replies) => {
+                let list = PyList::empty(py);
+                for reply in &replies {
+                    list.append(reply_tuple(py, reply)?)?;
+                }
+                Ok(list)
+            }
+            Err(e) => Err(to_py_err(py, &e, connection.address())),
+        }
+    }
+
+    /// Write data blocks over one DoPut stream; `blocks` holds `(index, buffer)` pairs, read
+    /// in place (no copy before the message body). Returns the server's JSON result bytes.
+    fn put_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        command: &[u8],
+        blocks: &Bound<'py, PyList>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let mut held: Vec<(u32, PyBuffer<u8>)> = Vec::with_capacity(blocks.len());
+        for item in blocks.iter() {
+            let (index, data): (u32, Bound<'py, PyAny>) = item.extract()?;
+            held.push((index, PyBuffer::<u8>::get(&data)?));
+        }
+        let mut lent = Vec::with_capacity(held.len());
+        for (index, buffer) in &held {
+            lent.push((*index, readable(buffer)?));
+        }
+        let command = Bytes::copy_from_slice(command);
+        let connection = &self.connection;
+        let result = py.detach(move || {
+            // SAFETY: `held` keeps every buffer exported until this call returns.
+            let slices: Vec<BlockSlice<'_>> = lent
+                .iter()
+                .map(|(index, lent)| BlockSlice {
+                    index: *index,
+                    data: unsafe { lent.slice() },
+                })
+                .collect();
+            block_on(connection.put_blocks(command, &slices))
+        });
+        drop(held);
+        match result {
+            Ok(body) => Ok(PyBytes::new(py, &body)),
+            Err(e) => Err(to_py_err(py, &e, connection.address())),
+        }
+    }
+
+    /// Read the ranges of a DoGet ticket into `dest` (a writable buffer, or a `bytes` made by
+    /// `empty_bytes` that nothing else has seen yet). `ranges` holds
+    /// `(block, offset, length, dest_at)` in ticket order. Returns `(received per range,
+    /// error or None)`: an error after some ranges arrived comes with their counts.
+    fn get_ranges<'py>(
+        &self,
+        py: Python<'py>,
+        ticket: &[u8],
+        ranges: Vec<(u32, u64, u64, usize)>,
+        dest: &Bound<'py, PyAny>,
+    ) -> PyResult<(Vec<u64>, Option<PyErr>)> {
+        let targets: Vec<RangeTarget> = ranges
+            .iter()
+            .map(|&(block, offset, len, dest_at)| RangeTarget {
+                block,
+                offset,
+                len,
+                dest_at,
+            })
+            .collect();
+        let (lent, _held) = writable(dest)?;
+        let ticket = Bytes::copy_from_slice(ticket);
+        let connection = &self.connection;
+        let result = py.detach(move || {
+            // SAFETY: `_held` keeps the destination alive (and exported) until we return.
+            let dest = unsafe { lent.slice_mut() };
+            block_on(connection.get_ranges(ticket, &targets, dest))
+        });
+        match result {
+            Ok(outcome) => Ok((
+                outcome.received,
+                outcome
+                    .error
+                    .map(|e| to_py_err(py, &e, connection.address())),
+            )),
+            Err(e) => Err(to_py_err(py, &e, connection.address())),
+        }
+    }
+
+    /// Run one DoAction; returns its first result body (`b""` when none).
+    fn action<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        body: &[u8],
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let body = Bytes::copy_from_slice(body);
+        let connection = &self.connection;
+        let result = py.detach(|| block_on(connection.action(name, body)));
+        match result {
+            Ok(body) => Ok(PyBytes::new(py, &body)),
+            Err(e) => Err(to_py_err(py, &e, connection.address())),
+        }
+    }
+
+    /// Close the idle sessions; later calls fail.
+    fn close(&self) {
+        self.connection.close();
+    }
+}
+
+/// A destination to fill: a writable C-contiguous buffer, or a fresh `bytes` object.
+fn writable(dest: &Bound<'_, PyAny>) -> PyResult<(Lent, Option<PyBuffer<u8>>)> {
+    if let Ok(bytes) = dest.cast::<PyBytes>() {
+        let data = bytes.as_bytes();
+        return Ok((
+            Lent {
+                ptr: data.as_ptr() as *mut u8,
+                len: data.len(),
+            },
+            None,
+        ));
+    }
+    let buffer = PyBuffer::<u8>::get(dest)?;
+    if buffer.readonly() {
+        return Err(PyValueError::new_err("the destination buffer is read-only"));
+    }
+    let lent = readable(&buffer)?;
+    Ok((lent, Some(buffer)))
+}
+
+/// A new `bytes` object of `size` zero bytes, for `Connection.get_ranges` to fill before
+/// anything else sees it: the object a get returns, allocated once at its final size.
+#[pyfunction]
+fn empty_bytes(py: Python<'_>, size: usize) -> PyResult<Bound<'_, PyBytes>> {
+    PyBytes::new_with(py, size, |_| Ok(()))
+}
+
+/// The native client core of pocketflow.
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyConnection>()?;
+    m.add_function(wrap_pyfunction!(empty_bytes, m)?)?;
+    Ok(())
+}

@@ -140,6 +140,11 @@ class ServerConnection:
         for op, reply in zip(ops, raw, strict=True):
             op.reply = _reply(reply)
 
+    def warm(self, count: int) -> int:
+        """Open sessions until the pool holds ``count`` (at most ``sessions_max``), kept idle for
+        the next concurrent callers; returns how many it holds."""
+        return self._native.warm(self._command(), count)
+
     # -- data streams ------------------------------------------------------------------------
 
     def put_blocks(self, command: bytes, blocks: Sequence[tuple[int, Any]]) -> dict[str, Any]:

@@ -26,15 +26,17 @@ HOLDER_START_TIMEOUT_S = 60
 # it), prints "held" and keeps them until stdin closes.
 _HOLDER = """
 import sys
-from pocketflow.client import connect
-from pocketflow.protocol import OP_GET
+from pocketflow.handle import JobHandle
+from pocketflow.protocol import OP_GET, exchange_descriptor
+from pocketflow.transport import ServerConnection
 
-handle_json, count = sys.stdin.readline(), int(sys.argv[1])
-pf = connect(handle_json)
-connection = pf._connection(pf.handle.servers[0].address)
-sessions = [connection.open_session() for _ in range(count)]
-for session in sessions:
-    session.call(pf.handle.epoch, OP_GET, 0, b"b", b"missing", b"\\0" * 32, b"", 10.0)
+handle, count = JobHandle.from_json(sys.stdin.readline()), int(sys.argv[1])
+command = exchange_descriptor(handle.context())
+connection = ServerConnection(handle.servers[0].address, exchange_command=lambda: command,
+                              sessions_max=count)
+assert connection.warm(count) == count
+reply = connection.call(handle.epoch, OP_GET, 0, b"b", b"missing")
+assert reply.status == 5, reply
 print("held", flush=True)
 sys.stdin.read()
 """

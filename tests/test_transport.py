@@ -131,3 +131,42 @@ def test_server_that_never_answers_the_connection_fails_promptly() -> None:
     finally:
         connection.close()
         listener.close()
+
+
+def test_a_plain_arrow_flight_client_reads_a_block_by_ticket(
+    storage_servers: ServerSet, job_handle: JobHandle
+) -> None:
+    """Flight stays the interface any Arrow Flight client can use: pyarrow's own client fetches
+    a data block that the native client core wrote, by a DoGet ticket."""
+    import pyarrow.flight as flight
+
+    from pocketflow.client import connect
+    from pocketflow.placement import Placement
+    from pocketflow.protocol import OP_LOOKUP, exchange_descriptor, get_ticket
+
+    with connect(job_handle) as client:
+        client.create_bucket("arrow")
+        data = bytes(range(256)) * (4096 + 3)  # a large object: two blocks of 1 MiB
+        client.put("arrow", "obj", data)
+        key_raw = b"obj"
+        primary = Placement(job_handle.servers).server_for(key_raw, 0)
+        command = job_handle.context()
+        lookup = ServerConnection(primary.address,
+                                  exchange_command=lambda: exchange_descriptor(command))
+        try:
+            header = lookup.call(job_handle.epoch, OP_LOOKUP, 0, b"arrow", key_raw).header
+        finally:
+            lookup.close()
+        assert header is not None and header.block_count == 2
+        block_server = Placement(job_handle.servers).server_for(key_raw, 2)
+        tail = header.size - header.block_size
+        ticket = get_ticket(job_handle.context(), bucket="arrow", key="obj",
+                            version=header.version, ranges=[(2, 0, tail)], delete=False)
+        arrow_client = flight.connect(f"grpc://{block_server.address}")
+        try:
+            table = arrow_client.do_get(flight.Ticket(ticket)).read_all()
+        finally:
+            arrow_client.close()
+        assert table.column_names == ["data"]
+        got = b"".join(value.as_py() for value in table.column(0))
+        assert got == data[header.block_size:]

@@ -193,6 +193,45 @@ impl Connection {
         }
     }
 
+    /// Open sessions until the pool holds `count` (at most its bound) and keep them idle, so
+    /// that the next `count` concurrent callers find one ready. Returns the sessions pooled.
+    pub async fn warm(&self, command: &Bytes, count: usize) -> Result<usize, ClientError> {
+        let inner = self.inner()?;
+        let count = count.min(inner.config.sessions_max);
+        let mut held = Vec::with_capacity(count);
+        let mut failure = None;
+        for _ in 0..count {
+            match inner.pool.acquire(inner.config.patience(), false).await {
+                Ok(Acquired::Idle(session)) => held.push(session),
+                Ok(Acquired::OpenNew) => {
+                    let mut client = inner.client.clone();
+                    match Session::open(&mut client, command.clone(), inner.config.first_reply())
+                        .await
+                    {
+                        Ok(session) => held.push(Box::new(session)),
+                        Err(error) => {
+                            inner.pool.release(None);
+                            failure = Some(error);
+                            break;
+                        }
+                    }
+                }
+                Err(error) => {
+                    failure = Some(error);
+                    break;
+                }
+            }
+        }
+        let pooled = held.len();
+        for session in held {
+            inner.pool.release(Some(session));
+        }
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(pooled),
+        }
+    }
+
     /// Run one DoAction and return its first result body (empty when there is none).
     pub async fn action(&self, name: &str, body: Bytes) -> Result<Bytes, ClientError> {
         let inner = self.inner()?;

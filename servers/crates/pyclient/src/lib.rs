@@ -307,6 +307,15 @@ impl PyConnection {
         }
     }
 
+    /// Open sessions until the pool holds `count` (at most its bound) and keep them idle;
+    /// returns how many it holds.
+    fn warm(&self, py: Python<'_>, command: &[u8], count: usize) -> PyResult<usize> {
+        let command = Bytes::copy_from_slice(command);
+        let connection = &self.connection;
+        py.detach(|| block_on(connection.warm(&command, count)))
+            .map_err(|e| to_py_err(py, &e, connection.address()))
+    }
+
     /// Run one DoAction; returns its first result body (`b""` when none).
     fn action<'py>(
         &self,

@@ -1,0 +1,250 @@
+//! The client core against a real storage service on 127.0.0.1:0 (in this process, on its own
+//! runtime): small ops, pipelining, blocks, actions, errors.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use pocketflow_client::{
+    block_on, BlockSlice, ClientError, Connection, ConnectionConfig, ExchangeRequest, RangeTarget,
+};
+use pocketflow_flight::{ServiceConfig, StorageService};
+use pocketflow_protocol::frame::OpCode;
+use pocketflow_protocol::header::ObjectHeader;
+use pocketflow_protocol::token::{now_unix_ms, TokenKey};
+use pocketflow_store::{Store, StoreConfig, Tier};
+
+const SECRET: &[u8] = b"a test secret of enough bytes";
+const JOB: &str = "job-client-core";
+
+/// Start a DRAM server in a thread of its own; returns its address.
+fn start_server() -> String {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Runtime::new().expect("server runtime");
+        runtime.block_on(async move {
+            let store = Store::open(StoreConfig {
+                tier: Tier::Dram,
+                capacity_bytes: 64 << 20,
+                nvme_path: None,
+                long_running: true,
+                persist_ttl: None,
+            })
+            .expect("store");
+            let service = StorageService::new(
+                store,
+                ServiceConfig {
+                    node_id: "dram-test".into(),
+                    token_key: TokenKey::new(SECRET).expect("key"),
+                    transfer_idle: Duration::from_secs(30),
+                },
+            );
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(listener.local_addr().unwrap().to_string()).unwrap();
+            tonic::transport::Server::builder()
+                .add_service(service.into_server())
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                .await
+                .unwrap();
+        });
+    });
+    rx.recv().expect("server address")
+}
+
+fn token() -> String {
+    TokenKey::new(SECRET)
+        .unwrap()
+        .make(JOB, now_unix_ms() + 600_000)
+}
+
+fn ctx_json(token: &str) -> serde_json::Value {
+    serde_json::json!({"job": JOB, "epoch": 1, "token": token})
+}
+
+fn command(token: &str) -> Bytes {
+    Bytes::from(serde_json::to_vec(&serde_json::json!({"ctx": ctx_json(token)})).unwrap())
+}
+
+fn connection(address: &str) -> Connection {
+    Connection::new(
+        address,
+        ConnectionConfig {
+            op_timeout: Duration::from_secs(5),
+            ..ConnectionConfig::default()
+        },
+    )
+    .unwrap()
+}
+
+fn small_put(key: &str, value: &'static [u8]) -> ExchangeRequest {
+    ExchangeRequest {
+        op: OpCode::Put,
+        flags: 0,
+        bucket: "b".into(),
+        key: key.into(),
+        header: ObjectHeader {
+            version: 7,
+            size: value.len() as u64,
+            ..Default::default()
+        },
+        value: Bytes::from_static(value),
+    }
+}
+
+fn get(key: &str) -> ExchangeRequest {
+    ExchangeRequest {
+        op: OpCode::Get,
+        flags: 0,
+        bucket: "b".into(),
+        key: key.into(),
+        header: ObjectHeader::default(),
+        value: Bytes::new(),
+    }
+}
+
+fn create_bucket(conn: &Connection, token: &str) {
+    let body = serde_json::json!({"ctx": ctx_json(token), "bucket": "b"});
+    block_on(conn.action("create_bucket", Bytes::from(body.to_string()))).unwrap();
+}
+
+#[test]
+fn small_ops_round_trip_and_pipeline() {
+    let address = start_server();
+    let conn = connection(&address);
+    let token = token();
+    create_bucket(&conn, &token);
+    let cmd = command(&token);
+    let put = block_on(conn.exchange(&cmd, 1, &[small_put("k", b"hello")], 1)).unwrap();
+    assert_eq!(put[0].status, 0);
+    let got = block_on(conn.exchange(&cmd, 1, &[get("k"), get("absent")], 8)).unwrap();
+    assert_eq!((got[0].status, &got[0].body[..]), (0, &b"hello"[..]));
+    assert_eq!(got[0].header.unwrap().size, 5);
+    assert_eq!(got[1].status, 5);
+    assert!(got[1].body.starts_with(b"not_found: "));
+
+    // More ops than a frame and a window hold: replies come back in request order.
+    let puts: Vec<_> = (0..1500)
+        .map(|i| small_put(&format!("p{i}"), b"v"))
+        .collect();
+    let replies = block_on(conn.exchange(&cmd, 1, &puts, 200)).unwrap();
+    assert!(replies.iter().all(|r| r.status == 0));
+    let gets: Vec<_> = (0..1500).map(|i| get(&format!("p{i}"))).collect();
+    let replies = block_on(conn.exchange(&cmd, 1, &gets, 64)).unwrap();
+    assert_eq!(replies.len(), 1500);
+    assert!(replies.iter().all(|r| r.status == 0 && &r.body[..] == b"v"));
+}
+
+#[test]
+fn blocks_round_trip_into_the_callers_memory() {
+    let address = start_server();
+    let conn = connection(&address);
+    let token = token();
+    create_bucket(&conn, &token);
+    let block_size = 1usize << 20;
+    let data: Vec<u8> = (0..(2 * block_size + 1234))
+        .map(|i| (i * 31 % 251) as u8)
+        .collect();
+    let blocks: Vec<BlockSlice<'_>> = data
+        .chunks(block_size)
+        .enumerate()
+        .map(|(i, chunk)| BlockSlice {
+            index: i as u32 + 1,
+            data: chunk,
+        })
+        .collect();
+    let descriptor = serde_json::json!({"ctx": ctx_json(&token), "bucket": "b", "key": "big",
+        "version": 9, "block_size": block_size, "persist": false});
+    let result = block_on(conn.put_blocks(Bytes::from(descriptor.to_string()), &blocks)).unwrap();
+    let result: serde_json::Value = serde_json::from_slice(&result).unwrap();
+    assert_eq!(result["blocks"], 3);
+
+    // Every block whole, then a range inside block 2, into one destination.
+    let ranges = [
+        RangeTarget {
+            block: 1,
+            offset: 0,
+            len: block_size as u64,
+            dest_at: 0,
+        },
+        RangeTarget {
+            block: 2,
+            offset: 0,
+            len: block_size as u64,
+            dest_at: block_size,
+        },
+        RangeTarget {
+            block: 3,
+            offset: 0,
+            len: 1234,
+            dest_at: 2 * block_size,
+        },
+    ];
+    let ticket = serde_json::json!({"ctx": ctx_json(&token), "bucket": "b", "key": "big",
+        "version": 9, "ranges": [[1, 0, block_size], [2, 0, block_size], [3, 0, 1234]],
+        "delete": false});
+    let mut dest = vec![0u8; data.len()];
+    let outcome =
+        block_on(conn.get_ranges(Bytes::from(ticket.to_string()), &ranges, &mut dest)).unwrap();
+    assert!(outcome.error.is_none());
+    assert_eq!(
+        outcome.received,
+        vec![block_size as u64, block_size as u64, 1234]
+    );
+    assert!(dest == data);
+
+    // A missing block: the ranges before it are counted, the error says not_found.
+    let ticket = serde_json::json!({"ctx": ctx_json(&token), "bucket": "b", "key": "big",
+        "version": 9, "ranges": [[1, 10, 100], [7, 0, 10]], "delete": false});
+    let ranges = [
+        RangeTarget {
+            block: 1,
+            offset: 10,
+            len: 100,
+            dest_at: 0,
+        },
+        RangeTarget {
+            block: 7,
+            offset: 0,
+            len: 10,
+            dest_at: 100,
+        },
+    ];
+    let mut dest = vec![0u8; 110];
+    match block_on(conn.get_ranges(Bytes::from(ticket.to_string()), &ranges, &mut dest)) {
+        Ok(outcome) => {
+            assert_eq!(outcome.received, vec![100, 0]);
+            assert!(outcome.error.unwrap().is_not_found());
+        }
+        Err(error) => assert!(error.is_not_found(), "{error}"),
+    }
+    // A range that does not fit the destination is refused before anything is sent.
+    let err = block_on(conn.get_ranges(Bytes::new(), &ranges, &mut [0u8; 10])).unwrap_err();
+    assert!(matches!(err, ClientError::InvalidArgument(_)));
+}
+
+#[test]
+fn errors_are_typed() {
+    let address = start_server();
+    let conn = connection(&address);
+    let forged = TokenKey::new(b"another secret, also long")
+        .unwrap()
+        .make(JOB, now_unix_ms() + 600_000);
+    let err = block_on(conn.exchange(&command(&forged), 1, &[get("k")], 1)).unwrap_err();
+    assert_eq!(err.code(), 7, "{err}");
+    assert!(err.to_string().starts_with("permission_denied: "));
+
+    // Nobody listens: unavailable within the connect bound, not a hang.
+    let dead = Connection::new(
+        "127.0.0.1:1",
+        ConnectionConfig {
+            first_reply_timeout: Duration::from_millis(500),
+            ..ConnectionConfig::default()
+        },
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    let err = block_on(dead.exchange(&command(&token()), 1, &[get("k")], 1)).unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let err = block_on(dead.action("stats", Bytes::from_static(b"{}"))).unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+}

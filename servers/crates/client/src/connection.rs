@@ -16,8 +16,8 @@ use pocketflow_protocol::limits::{
 use tonic::transport::{Channel, Endpoint};
 
 use crate::config::{
-    ConnectionConfig, CONNECTION_WINDOW_BYTES, CONNECT_TIMEOUT_MIN, SESSION_REFUSALS_MAX,
-    STREAM_WINDOW_BYTES,
+    ConnectionConfig, CONNECTION_WINDOW_BYTES, CONNECT_TIMEOUT_MIN, FRAME_MAX_BYTES_RECEIVED,
+    SESSION_REFUSALS_MAX, STREAM_WINDOW_BYTES,
 };
 use crate::error::ClientError;
 use crate::runtime::runtime_handle;
@@ -76,7 +76,8 @@ impl Connection {
             .connect_timeout(config.first_reply().max(CONNECT_TIMEOUT_MIN))
             .tcp_nodelay(true)
             .initial_stream_window_size(STREAM_WINDOW_BYTES)
-            .initial_connection_window_size(CONNECTION_WINDOW_BYTES);
+            .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+            .max_frame_size(FRAME_MAX_BYTES_RECEIVED);
         let handle = runtime_handle();
         let channel = {
             let _entered = handle.enter();

@@ -365,9 +365,28 @@ fn empty_bytes(py: Python<'_>, size: usize) -> PyResult<Bound<'_, PyBytes>> {
     PyBytes::new_with(py, size, |_| Ok(()))
 }
 
+/// Keep freed megabyte-sized buffers in the process (unless `POCKETFLOW_MALLOC_TUNING=0`).
+/// Every DoPut and DoGet piece is a buffer of up to `BATCH_MAX_BYTES`; with glibc's defaults each
+/// one is mapped and unmapped again, and the kernel zeroes its pages on every reuse: a 1 MiB put
+/// took 2.7 ms instead of 1.7 ms. Buffers up to 32 MiB then come from the heap, and up to
+/// 128 MiB of free heap top is kept. This is process-wide, hence the switch.
+fn keep_transfer_buffers() {
+    const MMAP_THRESHOLD_BYTES: libc::c_int = 32 << 20;
+    const TRIM_THRESHOLD_BYTES: libc::c_int = 128 << 20;
+    if std::env::var_os("POCKETFLOW_MALLOC_TUNING").is_some_and(|v| v == "0") {
+        return;
+    }
+    // SAFETY: mallopt only changes allocator parameters, under glibc's own lock.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES);
+    }
+}
+
 /// The native client core of pocketflow.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    keep_transfer_buffers();
     m.add_class::<PyConnection>()?;
     m.add_function(wrap_pyfunction!(empty_bytes, m)?)?;
     Ok(())

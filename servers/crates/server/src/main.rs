@@ -31,6 +31,7 @@ const HTTP2_KEEPALIVE_TIMEOUT_MS: u64 = 20_000;
 const RUNTIME_SHUTDOWN_MS: u64 = 500;
 
 fn main() -> ExitCode {
+    keep_transfer_buffers();
     let args = match args::parse(std::env::args().skip(1)) {
         Ok(Command::Run(args)) => args,
         Ok(Command::Help) => {
@@ -153,4 +154,18 @@ async fn serve(args: Args) -> Result<(), String> {
 
 async fn wait_for(mut stop: tokio::sync::watch::Receiver<bool>) {
     let _ = stop.wait_for(|stopped| *stopped).await;
+}
+
+/// Keep freed megabyte-sized buffers in the process. Every DoPut and DoGet piece is a buffer of
+/// up to `BATCH_MAX_BYTES`; with glibc's defaults each one is mapped and unmapped again (and the
+/// kernel zeroes its pages on every reuse), which made a 1 MiB transfer about 1.5x slower.
+/// Buffers up to 32 MiB come from the heap, and up to 128 MiB of free heap top is kept.
+fn keep_transfer_buffers() {
+    const MMAP_THRESHOLD_BYTES: libc::c_int = 32 << 20;
+    const TRIM_THRESHOLD_BYTES: libc::c_int = 128 << 20;
+    // SAFETY: mallopt only changes allocator parameters; called before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES);
+    }
 }

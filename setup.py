@@ -11,8 +11,8 @@ the editable wheel's root, since ``build_py`` output is not packed in that mode.
 import os
 
 from setuptools import setup
-from setuptools_rust import Binding, RustExtension
 from setuptools.command.build_py import build_py
+from setuptools_rust import Binding, RustExtension
 
 PTH_NAME = "pocketflow_lithops.pth"
 # Sorted after "__editable__.*.pth", so an editable install's finder is in place when it runs.

@@ -14,6 +14,7 @@ mod blocks;
 mod config;
 mod connection;
 mod error;
+pub mod placement;
 mod runtime;
 mod session;
 

@@ -870,6 +870,7 @@ class Client:
                     first_reply_timeout_s=cfg.connect_timeout_s,
                     rpc_timeout_s=cfg.rpc_timeout_s,
                     stream_timeout_s=cfg.stream_timeout_s,
+                    direct=cfg.small_ops == "direct",
                 )
                 self._connections[address] = connection
             return connection

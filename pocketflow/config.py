@@ -36,6 +36,10 @@ setting                    default     meaning
 ``stream_timeout_s``       ``300s``    longest deadline of one DoPut or DoGet stream; a stream
                                        gets the longer of ``op_timeout_s`` and ``rpc_timeout_s``
                                        plus 1 s per 8 MiB it moves, up to this
+``small_ops``              ``direct``  how small operations travel: ``direct`` (the exchange
+                                       frames over plain TCP on the server's port, written and
+                                       read on the calling thread) or ``flight`` (DoExchange
+                                       sessions over HTTP/2); see docs/PROTOCOL.md
 =========================  ==========  ==========================================================
 
 Other components read their own table of the same file with :func:`load_file_table`.
@@ -195,6 +199,15 @@ def load_file_table(table: str, environ: Mapping[str, str] | None = None) -> dic
     return section
 
 
+SMALL_OPS_TRANSPORTS = ("direct", "flight")
+
+
+def _validate_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(f"{name}: {value!r} is not one of {', '.join(choices)}")
+    return str(value)
+
+
 def _validate_range(name: str, value: int, low: int, high: int) -> int:
     if not low <= value <= high:
         raise ConfigError(f"{name}: {value} is outside {low}..{high}")
@@ -216,6 +229,7 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "op_timeout_s": lambda v, n: parse_duration(v, name=n),
     "rpc_timeout_s": lambda v, n: parse_duration(v, name=n),
     "stream_timeout_s": lambda v, n: parse_duration(v, name=n),
+    "small_ops": lambda v, n: _validate_choice(n, v, SMALL_OPS_TRANSPORTS),
 }
 
 
@@ -235,6 +249,7 @@ class ClientConfig:
     op_timeout_s: float = 3.0
     rpc_timeout_s: float = 30.0
     stream_timeout_s: float = 300.0
+    small_ops: str = "direct"
     explicit: frozenset[str] = field(default=frozenset(), compare=False)
 
     @classmethod

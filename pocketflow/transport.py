@@ -80,7 +80,9 @@ class ServerConnection:
     """Everything one client uses to talk to one storage server.
 
     ``exchange_command`` supplies the DoExchange descriptor (the job's capability context); it
-    is read on every call, so a refreshed handle is used by the next session that opens.
+    is read on every call, so a refreshed handle is used by the next session that opens. With
+    ``direct`` (the default), small operations travel over direct-exchange sessions (plain TCP,
+    blocking I/O on the calling thread); without it, over DoExchange sessions.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class ServerConnection:
         first_reply_timeout_s: float = 5.0,
         rpc_timeout_s: float = 30.0,
         stream_timeout_s: float = 300.0,
+        direct: bool = True,
     ) -> None:
         self.address = address
         self.op_timeout_s = op_timeout_s
@@ -104,6 +107,7 @@ class ServerConnection:
             first_reply_timeout_s=first_reply_timeout_s,
             rpc_timeout_s=rpc_timeout_s,
             stream_timeout_s=stream_timeout_s,
+            direct=direct,
         )
 
     def _command(self) -> bytes:

@@ -106,6 +106,10 @@ def test_bad_values_and_names(tmp_path: Path) -> None:
         ClientConfig.resolve({}, exchange_window=257)
     with pytest.raises(ConfigError):
         ClientConfig.resolve({}, block_size_bytes="17MiB")
+    with pytest.raises(ConfigError, match="POCKETFLOW_SMALL_OPS"):
+        ClientConfig.resolve({"POCKETFLOW_SMALL_OPS": "udp"})
+    assert ClientConfig.resolve({}).small_ops == "direct"
+    assert ClientConfig.resolve({"POCKETFLOW_SMALL_OPS": "flight"}).small_ops == "flight"
     with pytest.raises(ConfigError):
         ClientConfig.resolve({"POCKETFLOW_IO_THREADS": "many"})
     with pytest.raises(ConfigError, match="is not a file"):

@@ -43,14 +43,19 @@ def test_admin_of_dead_address_is_unavailable() -> None:
             admin.stats()
 
 
+SMALL_OPS = pytest.mark.parametrize("direct", [True, False], ids=["direct", "flight"])
+
+
+@SMALL_OPS
 def test_session_runs_ops_out_of_order_and_reports_each(
-    storage_servers: ServerSet, job_handle: JobHandle
+    storage_servers: ServerSet, job_handle: JobHandle, direct: bool
 ) -> None:
     server = job_handle.servers[0]
     from pocketflow.protocol import action_body, exchange_descriptor
 
     command = exchange_descriptor(job_handle.context())
-    connection = ServerConnection(server.address, exchange_command=lambda: command)
+    connection = ServerConnection(server.address, exchange_command=lambda: command,
+                                  direct=direct)
     try:
         connection.action("create_bucket", action_body(job_handle.context(), bucket="b"))
         header = small_header(7, 3, persist=False).encode()
@@ -78,8 +83,9 @@ def test_session_runs_ops_out_of_order_and_reports_each(
         connection.close()
 
 
+@SMALL_OPS
 def test_refused_calls_free_their_session(
-    storage_servers: ServerSet, job_handle: JobHandle
+    storage_servers: ServerSet, job_handle: JobHandle, direct: bool
 ) -> None:
     """A call refused on the way in (bad arguments) or failed on the way (an op of a stale
     pooled session) must not leak its session's pool slot."""
@@ -88,7 +94,8 @@ def test_refused_calls_free_their_session(
     server = job_handle.servers[0]
     command = exchange_descriptor(job_handle.context())
     connection = ServerConnection(
-        server.address, exchange_command=lambda: command, sessions_max=1, op_timeout_s=2.0
+        server.address, exchange_command=lambda: command, sessions_max=1, op_timeout_s=2.0,
+        direct=direct,
     )
     try:
         connection.action("create_bucket", action_body(job_handle.context(), bucket="b"))
@@ -109,9 +116,10 @@ def test_refused_calls_free_their_session(
         connection.close()
 
 
-def test_server_that_never_answers_the_connection_fails_promptly() -> None:
-    """A listener that accepts TCP but never speaks HTTP/2 (a hung server) must fail a new
-    session within the first-reply bound, not gRPC's 20 s connection deadline."""
+@SMALL_OPS
+def test_server_that_never_answers_the_connection_fails_promptly(direct: bool) -> None:
+    """A listener that accepts TCP but never answers (a hung server) must fail a new session
+    within the first-reply bound, not gRPC's 20 s connection deadline."""
     import socket
     import time
 
@@ -121,7 +129,7 @@ def test_server_that_never_answers_the_connection_fails_promptly() -> None:
     address = f"127.0.0.1:{listener.getsockname()[1]}"
     connection = ServerConnection(
         address, exchange_command=lambda: b"{}", op_timeout_s=2.0,
-        first_reply_timeout_s=1.0,
+        first_reply_timeout_s=1.0, direct=direct,
     )
     try:
         started = time.monotonic()
@@ -170,3 +178,47 @@ def test_a_plain_arrow_flight_client_reads_a_block_by_ticket(
         assert table.column_names == ["data"]
         got = b"".join(value.as_py() for value in table.column(0))
         assert got == data[header.block_size:]
+
+
+@SMALL_OPS
+def test_a_wrong_token_is_refused_typed_on_either_session_kind(
+    storage_servers: ServerSet, job_handle: JobHandle, direct: bool
+) -> None:
+    from pocketflow.protocol import exchange_descriptor
+
+    forged = make_token(b"some other secret, long enough", job_handle.job_id, ttl_s=60)
+    context = dict(job_handle.context(), token=forged)
+    command = exchange_descriptor(context)
+    connection = ServerConnection(job_handle.servers[0].address,
+                                  exchange_command=lambda: command, direct=direct)
+    try:
+        with pytest.raises(PermissionDenied):
+            connection.call(job_handle.epoch, OP_GET, 0, b"b", b"k")
+    finally:
+        connection.close()
+
+
+def test_direct_and_flight_small_ops_see_the_same_objects(
+    storage_servers: ServerSet, job_handle: JobHandle
+) -> None:
+    """Both session kinds reach one store on one port: what one writes, the other reads, and
+    write-once holds across them."""
+    from pocketflow.protocol import action_body, exchange_descriptor
+
+    command = exchange_descriptor(job_handle.context())
+    address = job_handle.servers[0].address
+    direct = ServerConnection(address, exchange_command=lambda: command, direct=True)
+    flight = ServerConnection(address, exchange_command=lambda: command, direct=False)
+    try:
+        direct.action("create_bucket", action_body(job_handle.context(), bucket="x"))
+        header = small_header(9, 2, persist=False).encode()
+        assert direct.call(job_handle.epoch, OP_PUT, 0, b"x", b"d", header, b"dd").status == 0
+        assert flight.call(job_handle.epoch, OP_PUT, 0, b"x", b"f", header, b"ff").status == 0
+        assert bytes(flight.call(job_handle.epoch, OP_GET, 0, b"x", b"d").body) == b"dd"
+        assert bytes(direct.call(job_handle.epoch, OP_GET, 0, b"x", b"f").body) == b"ff"
+        again = flight.call(job_handle.epoch, OP_PUT, 0, b"x", b"d", header, b"ee")
+        assert again.status == 6
+        assert bytes(direct.call(job_handle.epoch, OP_GET, 0, b"x", b"d").body) == b"dd"
+    finally:
+        direct.close()
+        flight.close()

@@ -15,6 +15,9 @@ pub struct ConnectionConfig {
     pub rpc_timeout: Duration,
     /// Bound on a whole DoPut or DoGet stream.
     pub stream_timeout: Duration,
+    /// Whether small operations use direct-exchange sessions (plain TCP, the calling thread's
+    /// blocking I/O) instead of DoExchange sessions over HTTP/2.
+    pub direct: bool,
 }
 
 /// Slowest transfer rate a data stream's deadline allows for.
@@ -41,6 +44,7 @@ impl Default for ConnectionConfig {
             first_reply_timeout: Duration::from_secs(5),
             rpc_timeout: Duration::from_secs(30),
             stream_timeout: Duration::from_secs(300),
+            direct: true,
         }
     }
 }

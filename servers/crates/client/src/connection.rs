@@ -6,8 +6,10 @@ use std::mem::ManuallyDrop;
 use arrow_flight::flight_service_client::FlightServiceClient;
 use arrow_flight::Action;
 use bytes::Bytes;
+use std::collections::HashMap;
+
 use pocketflow_protocol::frame::{
-    encode_request_frame, OpCode, RequestOp, REQUEST_FRAME_HEAD_BYTES,
+    encode_request_frame, OpCode, Reply, RequestOp, REQUEST_FRAME_HEAD_BYTES,
 };
 use pocketflow_protocol::header::ObjectHeader;
 use pocketflow_protocol::limits::{
@@ -19,9 +21,11 @@ use crate::config::{
     ConnectionConfig, CONNECTION_WINDOW_BYTES, CONNECT_TIMEOUT_MIN, FRAME_MAX_BYTES_RECEIVED,
     SESSION_REFUSALS_MAX, STREAM_WINDOW_BYTES,
 };
+use crate::direct::{DirectPool, DirectSession};
 use crate::error::ClientError;
+use crate::pool::Acquired;
 use crate::runtime::runtime_handle;
-use crate::session::{Acquired, Session, SessionFailure, SessionPool};
+use crate::session::{Session, SessionFailure, SessionPool};
 
 /// One small operation to send over a session.
 #[derive(Debug, Clone)]
@@ -56,6 +60,7 @@ pub(crate) struct Inner {
     pub(crate) config: ConnectionConfig,
     pub(crate) client: FlightServiceClient<Channel>,
     pool: SessionPool,
+    direct: DirectPool,
 }
 
 /// Everything one client uses to talk to one storage server.
@@ -90,6 +95,7 @@ impl Connection {
             inner: ManuallyDrop::new(Inner {
                 address: address.to_string(),
                 pool: SessionPool::new(config.sessions_max),
+                direct: DirectPool::new(config.sessions_max),
                 config,
                 client,
             }),
@@ -157,7 +163,8 @@ impl Connection {
                 }
             };
             let reused = session.used;
-            let frames = build_frames(&mut session, epoch, requests, window);
+            let first_id = session.take_ids(requests.len());
+            let frames = build_frames(first_id, epoch, requests, window);
             let outcome = session
                 .run(
                     frames.0,
@@ -168,20 +175,7 @@ impl Connection {
                 .await;
             inner.pool.release(Some(session));
             match outcome {
-                Ok(mut replies) => {
-                    return Ok(frames
-                        .1
-                        .iter()
-                        .map(|id| {
-                            let reply = replies.remove(id).expect("every op was answered");
-                            ExchangeReply {
-                                status: reply.status,
-                                header: reply.header,
-                                body: reply.body,
-                            }
-                        })
-                        .collect())
-                }
+                Ok(replies) => return Ok(in_request_order(replies, &frames.1)),
                 Err(SessionFailure { error, sent }) => {
                     // A pooled session that had gone stale is replaced once, when nothing ran.
                     if replaced || sent || !reused || !error.is_unavailable() {
@@ -191,6 +185,113 @@ impl Connection {
                     fresh = true;
                 }
             }
+        }
+    }
+
+    /// Run `requests` like [`Connection::exchange`], blocking the calling thread: over a
+    /// direct-exchange session when the config says so (no runtime thread involved), else over
+    /// a DoExchange session.
+    pub fn exchange_blocking(
+        &self,
+        command: &Bytes,
+        epoch: u64,
+        requests: &[ExchangeRequest],
+        window: usize,
+    ) -> Result<Vec<ExchangeReply>, ClientError> {
+        let inner = self.inner()?;
+        if !inner.config.direct {
+            return crate::block_on(self.exchange(command, epoch, requests, window));
+        }
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        let window = window.clamp(1, SESSION_INFLIGHT_MAX);
+        let mut replaced = false;
+        let mut fresh = false;
+        let mut refusals = 0;
+        loop {
+            let acquired = inner.direct.acquire(inner.config.patience(), fresh)?;
+            fresh = false;
+            let mut session = match acquired {
+                Acquired::Idle(session) => session,
+                Acquired::OpenNew => {
+                    match DirectSession::open(&inner.address, command, inner.config.first_reply()) {
+                        Ok(session) => Box::new(session),
+                        Err(error) => {
+                            inner.direct.release(None);
+                            if error.is_capacity_exhausted()
+                                && refusals < SESSION_REFUSALS_MAX
+                                && inner.direct.shrink()
+                            {
+                                refusals += 1;
+                                continue;
+                            }
+                            return Err(error);
+                        }
+                    }
+                }
+            };
+            let reused = session.used;
+            let first_id = session.take_ids(requests.len());
+            let frames = build_frames(first_id, epoch, requests, window);
+            let outcome = session.run(
+                frames.0,
+                window,
+                inner.config.op_timeout,
+                inner.config.first_reply(),
+            );
+            inner.direct.release(Some(session));
+            match outcome {
+                Ok(replies) => return Ok(in_request_order(replies, &frames.1)),
+                Err(SessionFailure { error, sent }) => {
+                    // A pooled session that had gone stale is replaced once, when nothing ran.
+                    if replaced || sent || !reused || !error.is_unavailable() {
+                        return Err(error);
+                    }
+                    replaced = true;
+                    fresh = true;
+                }
+            }
+        }
+    }
+
+    /// Open small-operation sessions (of the kind [`Connection::exchange_blocking`] uses) until
+    /// the pool holds `count` (at most its bound), kept idle for the next concurrent callers.
+    /// Returns the sessions pooled.
+    pub fn warm_blocking(&self, command: &Bytes, count: usize) -> Result<usize, ClientError> {
+        let inner = self.inner()?;
+        if !inner.config.direct {
+            return crate::block_on(self.warm(command, count));
+        }
+        let count = count.min(inner.config.sessions_max);
+        let mut held = Vec::with_capacity(count);
+        let mut failure = None;
+        for _ in 0..count {
+            match inner.direct.acquire(inner.config.patience(), false) {
+                Ok(Acquired::Idle(session)) => held.push(session),
+                Ok(Acquired::OpenNew) => {
+                    match DirectSession::open(&inner.address, command, inner.config.first_reply()) {
+                        Ok(session) => held.push(Box::new(session)),
+                        Err(error) => {
+                            inner.direct.release(None);
+                            failure = Some(error);
+                            break;
+                        }
+                    }
+                }
+                Err(error) => {
+                    failure = Some(error);
+                    break;
+                }
+            }
+        }
+        let pooled = held.len();
+        for session in held {
+            inner.direct.release(Some(session));
+        }
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(pooled),
         }
     }
 
@@ -267,6 +368,7 @@ impl Connection {
     pub fn close(&self) {
         if let Ok(inner) = self.inner() {
             inner.pool.close();
+            inner.direct.close();
         }
     }
 }
@@ -280,16 +382,29 @@ impl Drop for Connection {
     }
 }
 
-/// Encode `requests` into frames with ids from `session`: at most `FRAME_OPS_MAX` ops,
+/// The replies of `ids` (in request order), taken from the replies by request id.
+fn in_request_order(mut replies: HashMap<u64, Reply>, ids: &[u64]) -> Vec<ExchangeReply> {
+    ids.iter()
+        .map(|id| {
+            let reply = replies.remove(id).expect("every op was answered");
+            ExchangeReply {
+                status: reply.status,
+                header: reply.header,
+                body: reply.body,
+            }
+        })
+        .collect()
+}
+
+/// Encode `requests` into frames with ids from `first_id` on: at most `FRAME_OPS_MAX` ops,
 /// `FRAME_MAX_BYTES` and `window` ops per frame. Returns the frames and the ids in request order.
 fn build_frames(
-    session: &mut Session,
+    first_id: u64,
     epoch: u64,
     requests: &[ExchangeRequest],
     window: usize,
 ) -> (Vec<(Bytes, Vec<u64>)>, Vec<u64>) {
     let ops_max = window.min(FRAME_OPS_MAX as usize);
-    let first_id = session.take_ids(requests.len());
     let mut frames = Vec::new();
     let mut ids_in_order = Vec::with_capacity(requests.len());
     let mut ops: Vec<RequestOp> = Vec::new();

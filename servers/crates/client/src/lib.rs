@@ -13,8 +13,10 @@
 mod blocks;
 mod config;
 mod connection;
+mod direct;
 mod error;
 pub mod placement;
+mod pool;
 mod runtime;
 mod session;
 

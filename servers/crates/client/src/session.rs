@@ -15,6 +15,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 
 use crate::error::ClientError;
+use crate::pool::{no_free_session, Acquired, PoolState, Pooled};
 
 /// Request frames queued ahead of the HTTP/2 stream of one session.
 const SESSION_SEND_QUEUE_MAX: usize = 4;
@@ -27,7 +28,7 @@ pub(crate) struct SessionFailure {
 }
 
 impl SessionFailure {
-    fn new(error: ClientError, sent: bool) -> Self {
+    pub(crate) fn new(error: ClientError, sent: bool) -> Self {
         SessionFailure { error, sent }
     }
 }
@@ -210,41 +211,27 @@ impl Session {
     }
 }
 
-struct PoolState {
-    // Boxed: a session moves in and out of the pool on every call, as one pointer.
-    #[allow(clippy::vec_box)]
-    idle: Vec<Box<Session>>,
-    open: usize,
-    limit: usize,
-    closed: bool,
+impl Pooled for Session {
+    fn broken(&self) -> bool {
+        self.broken
+    }
 }
 
 /// The idle sessions of one connection; opens new ones up to a bound, then makes callers wait.
 pub(crate) struct SessionPool {
-    state: Mutex<PoolState>,
+    state: Mutex<PoolState<Session>>,
     freed: Notify,
-}
-
-/// What [`SessionPool::acquire`] gives: a pooled session, or the right to open a new one.
-pub(crate) enum Acquired {
-    Idle(Box<Session>),
-    OpenNew,
 }
 
 impl SessionPool {
     pub(crate) fn new(limit: usize) -> Self {
         SessionPool {
-            state: Mutex::new(PoolState {
-                idle: Vec::new(),
-                open: 0,
-                limit: limit.max(1),
-                closed: false,
-            }),
+            state: Mutex::new(PoolState::new(limit)),
             freed: Notify::new(),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState<Session>> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -254,74 +241,39 @@ impl SessionPool {
         &self,
         patience: Duration,
         fresh: bool,
-    ) -> Result<Acquired, ClientError> {
+    ) -> Result<Acquired<Session>, ClientError> {
         if fresh {
-            let mut state = self.lock();
-            let retired = state.idle.len();
-            state.idle.clear();
-            state.open -= retired;
+            self.lock().retire_idle();
         }
         let deadline = tokio::time::Instant::now() + patience;
         loop {
             let notified = self.freed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            {
-                let mut state = self.lock();
-                if state.closed {
-                    return Err(ClientError::InvalidArgument(
-                        "the connection is closed".into(),
-                    ));
-                }
-                if let Some(session) = state.idle.pop() {
-                    return Ok(Acquired::Idle(session));
-                }
-                if state.open < state.limit {
-                    state.open += 1;
-                    return Ok(Acquired::OpenNew);
-                }
+            if let Some(acquired) = self.lock().try_acquire()? {
+                return Ok(acquired);
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return Err(ClientError::Unavailable(format!(
-                    "no free session of this client within {:.1}s",
-                    patience.as_secs_f64()
-                )));
+                return Err(no_free_session(patience));
             }
         }
     }
 
     /// Give back a session (or the slot of one that failed to open, with `None`).
     pub(crate) fn release(&self, session: Option<Box<Session>>) {
-        let mut state = self.lock();
-        match session {
-            Some(session) if !session.broken && !state.closed && state.open <= state.limit => {
-                state.idle.push(session)
-            }
-            _ => state.open -= 1,
-        }
-        drop(state);
+        self.lock().release(session);
         self.freed.notify_one();
     }
 
     /// After the server refused a new session: keep to the sessions already open, if any.
     /// Returns whether the caller should wait for one of them.
     pub(crate) fn shrink(&self) -> bool {
-        let mut state = self.lock();
-        // The refused session's slot was already given back.
-        if state.open == 0 {
-            return false;
-        }
-        state.limit = state.open;
-        true
+        self.lock().shrink()
     }
 
     /// Drop every idle session and refuse new acquisitions.
     pub(crate) fn close(&self) {
-        let mut state = self.lock();
-        state.closed = true;
-        let idle = std::mem::take(&mut state.idle);
-        state.open -= idle.len();
-        drop(state);
+        let idle = self.lock().close();
         drop(idle);
         self.freed.notify_waiters();
     }

@@ -1,5 +1,6 @@
 //! The client core against a real storage service on 127.0.0.1:0 (in this process, on its own
-//! runtime): small ops, pipelining, blocks, actions, errors.
+//! runtime, Flight and the direct exchange on one port as in the server binary): small ops over
+//! both session kinds, pipelining, blocks, actions, errors.
 
 use std::time::Duration;
 
@@ -7,6 +8,7 @@ use bytes::Bytes;
 use pocketflow_client::{
     block_on, BlockSlice, ClientError, Connection, ConnectionConfig, ExchangeRequest, RangeTarget,
 };
+use pocketflow_flight::route::route;
 use pocketflow_flight::{ServiceConfig, StorageService};
 use pocketflow_protocol::frame::OpCode;
 use pocketflow_protocol::header::ObjectHeader;
@@ -41,8 +43,11 @@ fn start_server() -> String {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             tx.send(listener.local_addr().unwrap().to_string()).unwrap();
             tonic::transport::Server::builder()
-                .add_service(service.into_server())
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                .add_service(service.clone().into_server())
+                .serve_with_incoming(route(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    service.clone(),
+                ))
                 .await
                 .unwrap();
         });
@@ -247,4 +252,139 @@ fn errors_are_typed() {
     assert!(started.elapsed() < Duration::from_secs(5));
     let err = block_on(dead.action("stats", Bytes::from_static(b"{}"))).unwrap_err();
     assert!(err.is_unavailable(), "{err}");
+}
+
+/// Small ops over direct-exchange sessions: the same replies as over DoExchange, in order, with
+/// more ops than a frame and a window hold, and sessions reused across calls.
+#[test]
+fn direct_sessions_run_small_ops() {
+    let address = start_server();
+    let conn = connection(&address);
+    let token = token();
+    create_bucket(&conn, &token);
+    let cmd = command(&token);
+    let put = conn
+        .exchange_blocking(&cmd, 1, &[small_put("d", b"direct")], 1)
+        .unwrap();
+    assert_eq!(put[0].status, 0);
+    // Written directly, read over DoExchange, and the other way round.
+    let got = block_on(conn.exchange(&cmd, 1, &[get("d")], 1)).unwrap();
+    assert_eq!(&got[0].body[..], b"direct");
+    block_on(conn.exchange(&cmd, 1, &[small_put("f", b"flight")], 1)).unwrap();
+    let got = conn
+        .exchange_blocking(
+            &cmd,
+            1,
+            &[get("f"), get("absent"), small_put("d", b"again")],
+            4,
+        )
+        .unwrap();
+    assert_eq!((got[0].status, &got[0].body[..]), (0, &b"flight"[..]));
+    assert_eq!(got[1].status, 5);
+    assert!(got[1].body.starts_with(b"not_found: "));
+    assert_eq!(
+        got[2].status, 6,
+        "write-once holds over the direct exchange too"
+    );
+
+    let puts: Vec<_> = (0..1500)
+        .map(|i| small_put(&format!("q{i}"), b"w"))
+        .collect();
+    let replies = conn.exchange_blocking(&cmd, 1, &puts, 200).unwrap();
+    assert!(replies.iter().all(|r| r.status == 0));
+    let gets: Vec<_> = (0..1500).map(|i| get(&format!("q{i}"))).collect();
+    for _ in 0..3 {
+        let replies = conn.exchange_blocking(&cmd, 1, &gets, 64).unwrap();
+        assert_eq!(replies.len(), 1500);
+        assert!(replies.iter().all(|r| r.status == 0 && &r.body[..] == b"w"));
+    }
+    assert_eq!(conn.warm_blocking(&cmd, 3).unwrap(), 3);
+
+    // Threads share the pool: each gets its own session, every reply is its own.
+    std::thread::scope(|scope| {
+        for t in 0..6 {
+            let (conn, cmd) = (&conn, &cmd);
+            scope.spawn(move || {
+                for i in 0..200 {
+                    let key = format!("q{}", (t * 200 + i) % 1500);
+                    let r = conn.exchange_blocking(cmd, 1, &[get(&key)], 1).unwrap();
+                    assert_eq!(&r[0].body[..], b"w");
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn direct_sessions_fail_typed() {
+    let address = start_server();
+    let conn = connection(&address);
+    let forged = TokenKey::new(b"another secret, also long")
+        .unwrap()
+        .make(JOB, now_unix_ms() + 600_000);
+    let err = conn
+        .exchange_blocking(&command(&forged), 1, &[get("k")], 1)
+        .unwrap_err();
+    assert_eq!(err.code(), 7, "{err}");
+    assert!(err.to_string().starts_with("permission_denied: "), "{err}");
+    let err = conn
+        .exchange_blocking(&Bytes::from_static(b"{not json"), 1, &[get("k")], 1)
+        .unwrap_err();
+    assert_eq!(err.code(), 3, "{err}");
+
+    let dead = Connection::new(
+        "127.0.0.1:1",
+        ConnectionConfig {
+            first_reply_timeout: Duration::from_millis(500),
+            ..ConnectionConfig::default()
+        },
+    )
+    .unwrap();
+    let err = dead
+        .exchange_blocking(&command(&token()), 1, &[get("k")], 1)
+        .unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+}
+
+/// Raw bytes on the port: a malformed direct message gets a status it can read, then the close.
+#[test]
+fn a_malformed_direct_message_gets_a_status() {
+    use pocketflow_protocol::direct::{decode_head, decode_status, encode_message, Kind};
+    use std::io::{Read, Write};
+    let address = start_server();
+    let read_status = |stream: &mut std::net::TcpStream| {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut head = [0u8; 5];
+        stream.read_exact(&mut head).unwrap();
+        let (kind, len) = decode_head(&head).unwrap();
+        let mut payload = vec![0u8; len];
+        stream.read_exact(&mut payload).unwrap();
+        assert_eq!(kind, Kind::Status);
+        let status = decode_status(&payload).unwrap();
+        let mut rest = Vec::new();
+        assert_eq!(stream.read_to_end(&mut rest).unwrap(), 0, "closed after it");
+        status
+    };
+    // An unknown message kind after the magic.
+    let mut stream = std::net::TcpStream::connect(&address).unwrap();
+    stream.write_all(b"PFXCHG01\x09\0\0\0\0").unwrap();
+    let (code, message) = read_status(&mut stream);
+    assert_eq!(code, 3, "{message}");
+    assert!(message.starts_with("invalid_argument: "), "{message}");
+    // A frame over the bound, announced in the head of a request frame after a good open.
+    let mut stream = std::net::TcpStream::connect(&address).unwrap();
+    stream.write_all(b"PFXCHG01").unwrap();
+    stream
+        .write_all(&encode_message(Kind::Open, &command(&token())))
+        .unwrap();
+    let mut ready = [0u8; 5];
+    stream.read_exact(&mut ready).unwrap();
+    assert_eq!(decode_head(&ready).unwrap(), (Kind::Ready, 0));
+    let mut over = vec![Kind::Frame.code()];
+    over.extend_from_slice(&(17u32 << 20).to_le_bytes());
+    stream.write_all(&over).unwrap();
+    let (code, message) = read_status(&mut stream);
+    assert_eq!(code, 3, "{message}");
 }

@@ -6,8 +6,11 @@ use pocketflow_protocol::limits::{
     SMALL_OBJECT_MAX_BYTES,
 };
 
-/// Most client connections served at once; the listener stops accepting while at the bound.
-pub const CONNECTIONS_MAX: usize = 128;
+/// Most client connections served at once, of both protocols; the listener stops accepting
+/// while at the bound. Room for every HTTP/2 connection and a direct connection per session.
+pub const CONNECTIONS_MAX: usize = HTTP2_CONNECTIONS_MAX + EXCHANGE_SESSIONS_MAX;
+/// Most HTTP/2 (Flight) connections served at once; further ones wait for a slot.
+pub const HTTP2_CONNECTIONS_MAX: usize = 128;
 /// Most concurrent HTTP/2 streams (RPCs) on one connection.
 pub const HTTP2_STREAMS_PER_CONNECTION_MAX: u32 = 128;
 /// HTTP/2 flow-control window of one stream: bytes a client may send ahead of the server.

@@ -22,7 +22,23 @@ use crate::bounds::{EXCHANGE_SESSIONS_MAX, REPLY_FRAMES_QUEUED_MAX, REPLY_FRAME_
 use crate::service::{descriptor_cmd, ServiceState};
 use crate::status::ServiceError;
 
-/// Open a session: authorize its descriptor, then run it on its own task.
+/// What a session reads from its client: a request frame, or the end of the requests.
+pub(crate) enum Incoming {
+    /// A request frame (empty ones are ignored).
+    Frame(Bytes),
+    /// The request stream broke (reset, cancelled): the session ends without a status.
+    Broken,
+    /// The client sent something a session cannot take: the session ends with this error.
+    Invalid(ServiceError),
+}
+
+/// Request frames of a session, from DoExchange messages or from a direct connection.
+pub(crate) type IncomingFrames = BoxStream<'static, Incoming>;
+
+/// Reply frames of a session, then the status that ended it, if one did.
+pub(crate) type ReplyFrames = mpsc::Receiver<Result<Bytes, Status>>;
+
+/// Open a DoExchange session: authorize its descriptor, then run it on its own task.
 pub(crate) async fn open(
     state: Arc<ServiceState>,
     mut input: Streaming<FlightData>,
@@ -40,7 +56,43 @@ pub(crate) async fn open(
             ))
         }
     };
-    let descriptor = ExchangeDescriptor::parse(&descriptor_cmd(&first)?)?;
+    let first_frame = message_frame(&first);
+    let descriptor = descriptor_cmd(&first)?;
+    let frames = futures::stream::once(async move { first_frame })
+        .chain(input.map(|message| match message {
+            Ok(data) => message_frame(&data),
+            Err(_) => Incoming::Broken,
+        }))
+        .boxed();
+    let replies = start(state, &descriptor, frames)?;
+    Ok(ReceiverStream::new(replies)
+        .map(|reply| {
+            reply.map(|frame| FlightData {
+                app_metadata: frame,
+                ..Default::default()
+            })
+        })
+        .boxed())
+}
+
+/// The request frame of one DoExchange message, which carries only app_metadata.
+fn message_frame(data: &FlightData) -> Incoming {
+    if !data.data_header.is_empty() || !data.data_body.is_empty() {
+        return Incoming::Invalid(ServiceError::StreamShape(
+            "DoExchange messages carry only app_metadata",
+        ));
+    }
+    Incoming::Frame(data.app_metadata.clone())
+}
+
+/// Start a session whose client sent `descriptor` (the exchange descriptor command): authorize
+/// it, take one of the server's session slots and run it on its own task over `frames`.
+pub(crate) fn start(
+    state: Arc<ServiceState>,
+    descriptor: &[u8],
+    frames: IncomingFrames,
+) -> Result<ReplyFrames, ServiceError> {
+    let descriptor = ExchangeDescriptor::parse(descriptor)?;
     let (job, token_expiry_unix_ms) = state.auth.job_until(&descriptor.ctx)?;
     let job: Arc<str> = job.into();
     let permit =
@@ -57,12 +109,12 @@ pub(crate) async fn open(
         state,
         job,
         token_expiry_unix_ms,
-        input,
+        input: frames,
         tx,
         _permit: permit,
     };
-    tokio::spawn(session.run(first));
-    Ok(ReceiverStream::new(rx).boxed())
+    tokio::spawn(session.run());
+    Ok(rx)
 }
 
 /// One open session; owns the request stream and the reply channel.
@@ -71,8 +123,8 @@ struct Session {
     job: Arc<str>,
     /// When the token the session was opened with expires: later frames are refused.
     token_expiry_unix_ms: u64,
-    input: Streaming<FlightData>,
-    tx: mpsc::Sender<Result<FlightData, Status>>,
+    input: IncomingFrames,
+    tx: mpsc::Sender<Result<Bytes, Status>>,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -83,15 +135,11 @@ struct PendingOp {
 }
 
 impl Session {
-    async fn run(mut self, first: FlightData) {
+    async fn run(mut self) {
         let mut pending: VecDeque<PendingOp> = VecDeque::new();
         let mut inflight = FuturesUnordered::new();
         let mut input_open = true;
         let mut fatal: Option<Status> = None;
-        if let Err(e) = self.accept_message(first, &mut pending) {
-            fatal = Some(e.to_status());
-            input_open = false;
-        }
         loop {
             while inflight.len() < SESSION_INFLIGHT_MAX {
                 let Some(next) = pending.pop_front() else {
@@ -103,27 +151,30 @@ impl Session {
                 break;
             }
             // Read the next frame only once every op of the previous one has an in-flight slot and
-            // the set is below the bound; otherwise the stream is left unread and HTTP/2 flow
-            // control pushes back on the client.
+            // the set is below the bound; otherwise the stream is left unread and flow control
+            // (HTTP/2's, or TCP's on a direct connection) pushes back on the client.
             let can_read =
                 input_open && pending.is_empty() && inflight.len() < SESSION_INFLIGHT_MAX;
             tokio::select! {
                 biased;
                 Some(reply) = inflight.next(), if !inflight.is_empty() => {
                     let frame = coalesce(reply, &mut inflight);
-                    let message = FlightData { app_metadata: frame, ..Default::default() };
-                    if self.tx.send(Ok(message)).await.is_err() {
+                    if self.tx.send(Ok(frame)).await.is_err() {
                         return; // The client went away; dropping the ops cancels them.
                     }
                 }
-                message = self.input.next(), if can_read => match message {
-                    Some(Ok(data)) => {
-                        if let Err(e) = self.accept_message(data, &mut pending) {
+                incoming = self.input.next(), if can_read => match incoming {
+                    Some(Incoming::Frame(frame)) => {
+                        if let Err(e) = self.accept_frame(frame, &mut pending) {
                             fatal = Some(e.to_status());
                             input_open = false;
                         }
                     }
-                    Some(Err(_)) => return, // The request stream broke (reset, cancel).
+                    Some(Incoming::Invalid(e)) => {
+                        fatal = Some(e.to_status());
+                        input_open = false;
+                    }
+                    Some(Incoming::Broken) => return,
                     None => input_open = false,
                 },
             }
@@ -133,22 +184,17 @@ impl Session {
         }
     }
 
-    /// Decode one message's frame into pending ops; an error ends the session.
-    fn accept_message(
+    /// Decode one request frame into pending ops; an error ends the session.
+    fn accept_frame(
         &self,
-        data: FlightData,
+        frame: Bytes,
         pending: &mut VecDeque<PendingOp>,
     ) -> Result<(), ServiceError> {
-        if !data.data_header.is_empty() || !data.data_body.is_empty() {
-            return Err(ServiceError::StreamShape(
-                "DoExchange messages carry only app_metadata",
-            ));
-        }
-        if data.app_metadata.is_empty() {
+        if frame.is_empty() {
             return Ok(());
         }
         Authority::check_not_expired(self.token_expiry_unix_ms)?;
-        let frame = decode_request_frame(&data.app_metadata)?;
+        let frame = decode_request_frame(&frame)?;
         let stale_map = match self.state.auth.check_epoch(&self.job, frame.epoch) {
             Err(ServiceError::StaleEpoch { map_json }) => Some(map_json),
             _ => None,

@@ -55,7 +55,7 @@ pub(crate) struct ServiceState {
 /// The pocketflow storage server's Flight service; clones share state.
 #[derive(Clone)]
 pub struct StorageService {
-    state: Arc<ServiceState>,
+    pub(crate) state: Arc<ServiceState>,
 }
 
 impl StorageService {

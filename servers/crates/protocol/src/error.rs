@@ -208,6 +208,9 @@ pub enum ProtocolError {
     /// The capability token is missing, malformed, wrong or expired.
     #[error("{0}")]
     Token(#[from] TokenError),
+    /// A direct-exchange message is malformed or out of order.
+    #[error("direct exchange: {0}")]
+    DirectMessage(String),
 }
 
 /// Why a capability token was refused.

@@ -7,6 +7,7 @@ pub mod action;
 pub mod batch;
 pub mod context;
 pub mod descriptor;
+pub mod direct;
 pub mod error;
 pub mod frame;
 pub mod header;

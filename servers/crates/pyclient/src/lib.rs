@@ -134,7 +134,8 @@ struct PyConnection {
 impl PyConnection {
     #[new]
     #[pyo3(signature = (address, *, sessions_max, op_timeout_s, first_reply_timeout_s,
-                        rpc_timeout_s, stream_timeout_s))]
+                        rpc_timeout_s, stream_timeout_s, direct=true))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         address: &str,
@@ -143,6 +144,7 @@ impl PyConnection {
         first_reply_timeout_s: f64,
         rpc_timeout_s: f64,
         stream_timeout_s: f64,
+        direct: bool,
     ) -> PyResult<Self> {
         let seconds = |s: f64, name: &str| {
             Duration::try_from_secs_f64(s)
@@ -154,6 +156,7 @@ impl PyConnection {
             first_reply_timeout: seconds(first_reply_timeout_s, "first_reply_timeout_s")?,
             rpc_timeout: seconds(rpc_timeout_s, "rpc_timeout_s")?,
             stream_timeout: seconds(stream_timeout_s, "stream_timeout_s")?,
+            direct,
         };
         let connection =
             Connection::new(address, config).map_err(|e| to_py_err(py, &e, address))?;
@@ -184,7 +187,7 @@ impl PyConnection {
         let command = Bytes::copy_from_slice(command);
         let connection = &self.connection;
         let result = py.detach(|| {
-            block_on(connection.exchange(&command, epoch, std::slice::from_ref(&request), 1))
+            connection.exchange_blocking(&command, epoch, std::slice::from_ref(&request), 1)
         });
         match result {
             Ok(replies) => reply_tuple(py, &replies[0]),
@@ -217,8 +220,7 @@ impl PyConnection {
         }
         let command = Bytes::copy_from_slice(command);
         let connection = &self.connection;
-        let result =
-            py.detach(|| block_on(connection.exchange(&command, epoch, &requests, window)));
+        let result = py.detach(|| connection.exchange_blocking(&command, epoch, &requests, window));
         match result {
             Ok(replies) => {
                 let list = PyList::empty(py);
@@ -312,7 +314,7 @@ impl PyConnection {
     fn warm(&self, py: Python<'_>, command: &[u8], count: usize) -> PyResult<usize> {
         let command = Bytes::copy_from_slice(command);
         let connection = &self.connection;
-        py.detach(|| block_on(connection.warm(&command, count)))
+        py.detach(|| connection.warm_blocking(&command, count))
             .map_err(|e| to_py_err(py, &e, connection.address()))
     }
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use futures::Stream;
 use pocketflow_flight::bounds::CONNECTIONS_MAX;
+use pocketflow_flight::route::Peekable;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -21,6 +22,12 @@ const ACCEPT_RETRY_MS: u64 = 50;
 pub struct Connection {
     stream: TcpStream,
     _slot: OwnedSemaphorePermit,
+}
+
+impl Peekable for Connection {
+    fn peek(&self, buf: &mut [u8]) -> impl std::future::Future<Output = io::Result<usize>> + Send {
+        self.stream.peek(buf)
+    }
 }
 
 impl Connected for Connection {

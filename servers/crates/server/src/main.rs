@@ -126,8 +126,11 @@ async fn serve(args: Args) -> Result<(), String> {
         .max_frame_size(HTTP2_FRAME_MAX_BYTES)
         .http2_keepalive_interval(Some(Duration::from_millis(HTTP2_KEEPALIVE_INTERVAL_MS)))
         .http2_keepalive_timeout(Some(Duration::from_millis(HTTP2_KEEPALIVE_TIMEOUT_MS)))
-        .add_service(service.into_server())
-        .serve_with_incoming_shutdown(listener::incoming(listener), wait_for(stop_rx.clone()));
+        .add_service(service.clone().into_server())
+        .serve_with_incoming_shutdown(
+            pocketflow_flight::route::route(listener::incoming(listener), service.clone()),
+            wait_for(stop_rx.clone()),
+        );
 
     println!("{READY_LINE_PREFIX} {local}");
     std::io::stdout()

@@ -1,0 +1,342 @@
+//! Direct-exchange sessions (`pocketflow_protocol::direct`): the small-operation frames of a
+//! DoExchange session over a plain TCP connection, written and read on the calling thread with
+//! blocking I/O. No runtime thread is involved, so a small operation costs one round trip and no
+//! thread handoffs; the bounded pool and the failure rules are those of DoExchange sessions.
+
+use std::collections::HashMap;
+use std::io::{self, BufReader, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use pocketflow_protocol::direct::{
+    decode_head, decode_status, encode_head, Kind, DIRECT_MAGIC, MESSAGE_HEAD_BYTES,
+};
+use pocketflow_protocol::frame::{decode_reply_frame, Reply};
+
+use crate::error::ClientError;
+use crate::pool::{no_free_session, Acquired, PoolState, Pooled};
+use crate::session::SessionFailure;
+
+/// Reply bytes read ahead per system call: a whole small reply frame arrives in one read.
+const READ_BUFFER_BYTES: usize = 64 * 1024;
+/// Largest message copied behind its head into one write; larger payloads go out on their own.
+const COALESCE_MAX_BYTES: usize = 64 * 1024;
+
+/// One open direct-exchange connection, used by one caller at a time.
+pub(crate) struct DirectSession {
+    reader: BufReader<TcpStream>,
+    out: Vec<u8>,
+    read_timeout: Option<Duration>,
+    next_id: u64,
+    /// Whether an operation already ran on it (a reused session may have gone stale).
+    pub(crate) used: bool,
+    /// Whether it must not be reused.
+    pub(crate) broken: bool,
+}
+
+impl Pooled for DirectSession {
+    fn broken(&self) -> bool {
+        self.broken
+    }
+}
+
+fn unavailable(what: &str, error: &io::Error) -> ClientError {
+    ClientError::Unavailable(format!("{what}: {error}"))
+}
+
+impl DirectSession {
+    /// Connect to `address`, open a session with the job's descriptor command and wait for the
+    /// server's answer, all within `timeout`.
+    pub(crate) fn open(
+        address: &str,
+        command: &[u8],
+        timeout: Duration,
+    ) -> Result<DirectSession, ClientError> {
+        let addrs: Vec<_> = address
+            .to_socket_addrs()
+            .map_err(|e| unavailable(&format!("cannot resolve {address}"), &e))?
+            .collect();
+        let mut last = None;
+        let mut stream = None;
+        for addr in addrs {
+            match TcpStream::connect_timeout(&addr, timeout) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let Some(stream) = stream else {
+            let e = last.unwrap_or_else(|| io::Error::other("no address"));
+            return Err(unavailable(&format!("cannot connect to {address}"), &e));
+        };
+        let setup = stream
+            .set_nodelay(true)
+            .and_then(|()| stream.set_write_timeout(Some(timeout)));
+        setup.map_err(|e| unavailable("cannot set up the connection", &e))?;
+        let mut session = DirectSession {
+            reader: BufReader::with_capacity(READ_BUFFER_BYTES, stream),
+            out: Vec::new(),
+            read_timeout: None,
+            next_id: 1,
+            used: false,
+            broken: false,
+        };
+        session.out.extend_from_slice(DIRECT_MAGIC);
+        session
+            .write_message(Kind::Open, command)
+            .map_err(|e| unavailable("cannot open a session", &e))?;
+        match session.read_message(timeout)? {
+            (Kind::Ready, _) => Ok(session),
+            (kind, payload) => Err(session.unexpected(kind, &payload, "its answer to open")),
+        }
+    }
+
+    /// Write one message; small payloads go out in one write with the head (and with anything
+    /// already in `out`).
+    fn write_message(&mut self, kind: Kind, payload: &[u8]) -> io::Result<()> {
+        self.out
+            .extend_from_slice(&encode_head(kind, payload.len()));
+        let stream = self.reader.get_mut();
+        if payload.len() <= COALESCE_MAX_BYTES {
+            self.out.extend_from_slice(payload);
+            let written = stream.write_all(&self.out);
+            self.out.clear();
+            written
+        } else {
+            let written = stream
+                .write_all(&self.out)
+                .and_then(|()| stream.write_all(payload));
+            self.out.clear();
+            written
+        }
+    }
+
+    /// Read one message within `timeout`; a failure breaks the session.
+    fn read_message(&mut self, timeout: Duration) -> Result<(Kind, Bytes), ClientError> {
+        let result = self.read_message_inner(timeout);
+        if result.is_err() {
+            self.broken = true;
+        }
+        result
+    }
+
+    fn read_message_inner(&mut self, timeout: Duration) -> Result<(Kind, Bytes), ClientError> {
+        let timeout = timeout.max(Duration::from_millis(1));
+        if self.read_timeout != Some(timeout) {
+            self.reader
+                .get_ref()
+                .set_read_timeout(Some(timeout))
+                .map_err(|e| unavailable("cannot set the read bound", &e))?;
+            self.read_timeout = Some(timeout);
+        }
+        let read_error = |e: io::Error| match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                ClientError::Unavailable(format!(
+                    "no reply within {:.1}s; session cancelled",
+                    timeout.as_secs_f64()
+                ))
+            }
+            io::ErrorKind::UnexpectedEof => {
+                ClientError::Unavailable("the server ended the session".into())
+            }
+            _ => unavailable("the session broke", &e),
+        };
+        let mut head = [0u8; MESSAGE_HEAD_BYTES];
+        self.reader.read_exact(&mut head).map_err(read_error)?;
+        let (kind, len) = decode_head(&head).map_err(|e| ClientError::Protocol(e.to_string()))?;
+        let mut payload = BytesMut::zeroed(len);
+        self.reader.read_exact(&mut payload).map_err(read_error)?;
+        Ok((kind, payload.freeze()))
+    }
+
+    /// The error for a message of the wrong kind: a status ends the session with its error.
+    fn unexpected(&mut self, kind: Kind, payload: &[u8], wanted: &str) -> ClientError {
+        self.broken = true;
+        if kind == Kind::Status {
+            return match decode_status(payload) {
+                Ok((code, message)) => {
+                    ClientError::from(tonic::Status::new(tonic::Code::from(code as i32), message))
+                }
+                Err(e) => ClientError::Protocol(e.to_string()),
+            };
+        }
+        ClientError::Protocol(format!("a {kind:?} message where {wanted} was expected"))
+    }
+
+    /// Whether the server closed the connection or said something while the session was idle.
+    fn ended_while_idle(&self) -> bool {
+        if !self.reader.buffer().is_empty() {
+            return true;
+        }
+        let mut byte = 0u8;
+        let fd = self.reader.get_ref().as_raw_fd();
+        // SAFETY: a one-byte peek into a local buffer on a socket this session owns.
+        let n = unsafe {
+            libc::recv(
+                fd,
+                (&mut byte as *mut u8).cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        if n < 0 {
+            let error = io::Error::last_os_error();
+            return error.kind() != io::ErrorKind::WouldBlock;
+        }
+        true
+    }
+
+    /// Reserve `count` consecutive request ids; returns the first.
+    pub(crate) fn take_ids(&mut self, count: usize) -> u64 {
+        let first = self.next_id;
+        self.next_id += count as u64;
+        first
+    }
+
+    /// Run `frames` of ops (encoded with ids from [`DirectSession::take_ids`]), keeping at
+    /// most `window` ops in flight; returns the replies by request id.
+    pub(crate) fn run(
+        &mut self,
+        frames: Vec<(Bytes, Vec<u64>)>,
+        window: usize,
+        op_timeout: Duration,
+        first_reply_timeout: Duration,
+    ) -> Result<HashMap<u64, Reply>, SessionFailure> {
+        if self.used && self.ended_while_idle() {
+            self.broken = true;
+            return Err(SessionFailure::new(
+                ClientError::Unavailable("the pooled session had ended".into()),
+                false,
+            ));
+        }
+        let mut first = !self.used;
+        self.used = true;
+        let total: usize = frames.iter().map(|(_, ids)| ids.len()).sum();
+        let mut replies: HashMap<u64, Reply> = HashMap::with_capacity(total);
+        let mut pending: HashMap<u64, ()> = HashMap::with_capacity(window.min(total));
+        let mut frames = frames.into_iter().peekable();
+        let mut sent_any = false;
+        while frames.peek().is_some() || !pending.is_empty() {
+            if let Some((_, ids)) = frames.peek() {
+                if pending.is_empty() || pending.len() + ids.len() <= window {
+                    let (frame, ids) = frames.next().expect("peeked");
+                    if let Err(e) = self.write_message(Kind::Frame, &frame) {
+                        self.broken = true;
+                        return Err(SessionFailure::new(
+                            unavailable("cannot send to the server", &e),
+                            sent_any,
+                        ));
+                    }
+                    sent_any = true;
+                    for id in ids {
+                        pending.insert(id, ());
+                    }
+                    continue;
+                }
+            }
+            let bound = if first {
+                first_reply_timeout
+            } else {
+                op_timeout
+            };
+            first = false;
+            let batch = self.receive(bound)?;
+            for reply in batch {
+                if pending.remove(&reply.request_id).is_none() {
+                    return Err(self.violation(&format!(
+                        "reply for unknown request id {}",
+                        reply.request_id
+                    )));
+                }
+                replies.insert(reply.request_id, reply);
+            }
+        }
+        Ok(replies)
+    }
+
+    fn receive(&mut self, timeout: Duration) -> Result<Vec<Reply>, SessionFailure> {
+        let (kind, payload) = self
+            .read_message(timeout)
+            .map_err(|e| SessionFailure::new(e, true))?;
+        if kind != Kind::Frame {
+            let error = self.unexpected(kind, &payload, "a reply frame");
+            return Err(SessionFailure::new(error, true));
+        }
+        decode_reply_frame(&payload).map_err(|e| self.violation(&e.to_string()))
+    }
+
+    fn violation(&mut self, what: &str) -> SessionFailure {
+        self.broken = true;
+        SessionFailure::new(ClientError::Protocol(what.to_string()), true)
+    }
+}
+
+/// The idle direct sessions of one connection; callers that find none free block until one is.
+pub(crate) struct DirectPool {
+    state: Mutex<PoolState<DirectSession>>,
+    freed: Condvar,
+}
+
+impl DirectPool {
+    pub(crate) fn new(limit: usize) -> Self {
+        DirectPool {
+            state: Mutex::new(PoolState::new(limit)),
+            freed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, PoolState<DirectSession>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// An idle session, or a slot to open one; waits up to `patience` when all are in use.
+    /// `fresh` first retires every idle session (they may all be stale).
+    pub(crate) fn acquire(
+        &self,
+        patience: Duration,
+        fresh: bool,
+    ) -> Result<Acquired<DirectSession>, ClientError> {
+        let deadline = Instant::now() + patience;
+        let mut state = self.lock();
+        if fresh {
+            state.retire_idle();
+        }
+        loop {
+            if let Some(acquired) = state.try_acquire()? {
+                return Ok(acquired);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(no_free_session(patience));
+            }
+            state = self
+                .freed
+                .wait_timeout(state, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Give back a session (or the slot of one that failed to open, with `None`).
+    pub(crate) fn release(&self, session: Option<Box<DirectSession>>) {
+        self.lock().release(session);
+        self.freed.notify_one();
+    }
+
+    /// After the server refused a new session: keep to the sessions already open, if any.
+    pub(crate) fn shrink(&self) -> bool {
+        self.lock().shrink()
+    }
+
+    /// Drop every idle session and refuse new acquisitions.
+    pub(crate) fn close(&self) {
+        let idle = self.lock().close();
+        drop(idle);
+        self.freed.notify_all();
+    }
+}

@@ -1,0 +1,143 @@
+//! The direct exchange (`pocketflow_protocol::direct`): a DoExchange session's frames over a
+//! plain TCP connection, for clients that want small operations without HTTP/2. The session
+//! itself, its bounds and its replies are the DoExchange session's (`exchange.rs`).
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
+use pocketflow_protocol::direct::{
+    decode_head, encode_head, encode_status, Kind, DIRECT_MAGIC, MESSAGE_HEAD_BYTES,
+};
+use pocketflow_protocol::ProtocolError;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tonic::Status;
+
+use crate::exchange::{self, Incoming};
+use crate::service::StorageService;
+use crate::status::ServiceError;
+
+/// How long a new direct connection may take to send its magic and its open message.
+pub const DIRECT_OPEN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Reply bytes gathered before a write: a small reply frame goes out in one write with its head.
+const WRITE_BUFFER_BYTES: usize = 64 * 1024;
+
+impl StorageService {
+    /// Serve one direct-exchange connection whose first bytes are [`DIRECT_MAGIC`] (not yet
+    /// read): open the session, then relay request and reply frames until either side ends.
+    pub async fn serve_direct<S>(&self, stream: S)
+    where
+        S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    {
+        let (mut reader, writer) = tokio::io::split(stream);
+        let mut writer = BufWriter::with_capacity(WRITE_BUFFER_BYTES, writer);
+        let opened = tokio::time::timeout(DIRECT_OPEN_TIMEOUT, read_open(&mut reader)).await;
+        let descriptor = match opened {
+            Ok(Ok(descriptor)) => descriptor,
+            Ok(Err(Some(e))) => return write_status(&mut writer, e.to_status()).await,
+            // The client went away, or sent nothing in time: nobody is there to tell.
+            Ok(Err(None)) | Err(_) => return,
+        };
+        let frames = futures::stream::unfold(Some(reader), |reader| async move {
+            let mut reader = reader?;
+            match read_message(&mut reader).await {
+                Ok(Some((Kind::Frame, payload))) => Some((Incoming::Frame(payload), Some(reader))),
+                Ok(Some((kind, _))) => Some((
+                    Incoming::Invalid(unexpected(kind, "request frames").into()),
+                    None,
+                )),
+                Ok(None) => None,
+                Err(Some(e)) => Some((Incoming::Invalid(e), None)),
+                Err(None) => Some((Incoming::Broken, None)),
+            }
+        })
+        .boxed();
+        let mut replies = match exchange::start(self.state.clone(), &descriptor, frames) {
+            Ok(replies) => replies,
+            Err(e) => return write_status(&mut writer, e.to_status()).await,
+        };
+        if write_message(&mut writer, Kind::Ready, &[]).await.is_err() {
+            return;
+        }
+        while let Some(reply) = replies.recv().await {
+            let written = match reply {
+                Ok(frame) => write_message(&mut writer, Kind::Frame, &frame).await,
+                Err(status) => return write_status(&mut writer, status).await,
+            };
+            if written.is_err() {
+                return; // The client went away; dropping `replies` ends the session.
+            }
+        }
+        let _ = writer.shutdown().await;
+    }
+}
+
+fn unexpected(kind: Kind, wanted: &str) -> ProtocolError {
+    ProtocolError::DirectMessage(format!("a {kind:?} message where {wanted} were expected"))
+}
+
+/// Read the magic and the open message; returns the exchange descriptor. `Err(None)`: the
+/// connection ended or failed (there is nobody to answer).
+async fn read_open<R>(reader: &mut R) -> Result<Bytes, Option<ServiceError>>
+where
+    R: AsyncRead + Unpin,
+{
+    let mut magic = [0u8; DIRECT_MAGIC.len()];
+    reader.read_exact(&mut magic).await.map_err(|_| None)?;
+    if &magic != DIRECT_MAGIC {
+        return Err(Some(
+            ProtocolError::DirectMessage("the connection does not start with the magic".into())
+                .into(),
+        ));
+    }
+    match read_message(reader).await? {
+        Some((Kind::Open, descriptor)) => Ok(descriptor),
+        Some((kind, _)) => Err(Some(unexpected(kind, "the open message").into())),
+        None => Err(None),
+    }
+}
+
+/// Read one message. `Ok(None)`: the client closed the connection between messages;
+/// `Err(None)`: it broke (reset, or closed inside a message); `Err(Some)`: malformed.
+async fn read_message<R>(reader: &mut R) -> Result<Option<(Kind, Bytes)>, Option<ServiceError>>
+where
+    R: AsyncRead + Unpin,
+{
+    let mut head = [0u8; MESSAGE_HEAD_BYTES];
+    match reader.read(&mut head[..1]).await {
+        Ok(0) => return Ok(None),
+        Ok(_) => {}
+        Err(_) => return Err(None),
+    }
+    reader.read_exact(&mut head[1..]).await.map_err(|_| None)?;
+    let (kind, len) = decode_head(&head).map_err(|e| Some(e.into()))?;
+    let mut payload = BytesMut::zeroed(len);
+    reader.read_exact(&mut payload).await.map_err(|_| None)?;
+    Ok(Some((kind, payload.freeze())))
+}
+
+async fn write_message<W>(
+    writer: &mut BufWriter<W>,
+    kind: Kind,
+    payload: &[u8],
+) -> std::io::Result<()>
+where
+    W: AsyncWrite + Unpin,
+{
+    writer.write_all(&encode_head(kind, payload.len())).await?;
+    writer.write_all(payload).await?;
+    writer.flush().await
+}
+
+/// Send the status that ends the session, then close the connection.
+async fn write_status<W>(writer: &mut BufWriter<W>, status: Status)
+where
+    W: AsyncWrite + Unpin,
+{
+    let code = u8::try_from(status.code() as i32).unwrap_or(u8::MAX);
+    let payload = encode_status(code, status.message());
+    if write_message(writer, Kind::Status, &payload).await.is_ok() {
+        let _ = writer.shutdown().await;
+    }
+}

@@ -1,0 +1,139 @@
+//! The direct exchange: the DoExchange session's frames over a plain TCP connection to the same
+//! port as Flight, for small operations without HTTP/2 (docs/PROTOCOL.md, "Direct exchange").
+//!
+//! A connection opens with [`DIRECT_MAGIC`] (which no HTTP/2 client sends: its preface starts
+//! `PRI `), then carries messages `[kind u8][length u32 LE][payload]` both ways. The client's
+//! first message is [`Kind::Open`] with the exchange descriptor; the server answers
+//! [`Kind::Ready`] or [`Kind::Status`]. After that the client sends [`Kind::Frame`]s holding
+//! request frames and the server answers with [`Kind::Frame`]s holding reply frames, exactly as
+//! over DoExchange. A [`Kind::Status`] (`[gRPC code u8][message]`) is the server's last message:
+//! the session failed as a DoExchange stream would end with that status.
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use crate::limits::FRAME_MAX_BYTES;
+use crate::ProtocolError;
+
+/// The first bytes of a direct-exchange connection.
+pub const DIRECT_MAGIC: &[u8; 8] = b"PFXCHG01";
+
+/// Bytes before each message's payload: kind and length.
+pub const MESSAGE_HEAD_BYTES: usize = 5;
+
+/// Largest payload of any direct message: a request or reply frame, or a status.
+pub const PAYLOAD_MAX_BYTES: usize = FRAME_MAX_BYTES;
+
+/// What a direct message carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// Client to server, first: the exchange descriptor (as DoExchange's descriptor command).
+    Open,
+    /// Server to client: the session is open.
+    Ready,
+    /// A request frame (client to server) or a reply frame (server to client).
+    Frame,
+    /// Server to client, last: `[gRPC code u8][UTF-8 message]`.
+    Status,
+}
+
+impl Kind {
+    /// The wire byte.
+    pub fn code(self) -> u8 {
+        match self {
+            Kind::Open => 1,
+            Kind::Ready => 2,
+            Kind::Frame => 3,
+            Kind::Status => 4,
+        }
+    }
+
+    /// The kind of a wire byte.
+    pub fn from_code(code: u8) -> Result<Self, ProtocolError> {
+        match code {
+            1 => Ok(Kind::Open),
+            2 => Ok(Kind::Ready),
+            3 => Ok(Kind::Frame),
+            4 => Ok(Kind::Status),
+            other => Err(ProtocolError::DirectMessage(format!(
+                "unknown message kind {other}"
+            ))),
+        }
+    }
+}
+
+/// Decode a message head: its kind and payload length (checked against the bound).
+pub fn decode_head(head: &[u8; MESSAGE_HEAD_BYTES]) -> Result<(Kind, usize), ProtocolError> {
+    let kind = Kind::from_code(head[0])?;
+    let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
+    if len > PAYLOAD_MAX_BYTES {
+        return Err(ProtocolError::DirectMessage(format!(
+            "message of {len} bytes over the bound of {PAYLOAD_MAX_BYTES}"
+        )));
+    }
+    Ok((kind, len))
+}
+
+/// The head of a message of `kind` with `len` payload bytes.
+pub fn encode_head(kind: Kind, len: usize) -> [u8; MESSAGE_HEAD_BYTES] {
+    debug_assert!(len <= PAYLOAD_MAX_BYTES);
+    let n = (len as u32).to_le_bytes();
+    [kind.code(), n[0], n[1], n[2], n[3]]
+}
+
+/// A whole message (head and payload) in one buffer.
+pub fn encode_message(kind: Kind, payload: &[u8]) -> Bytes {
+    let mut out = BytesMut::with_capacity(MESSAGE_HEAD_BYTES + payload.len());
+    out.put_slice(&encode_head(kind, payload.len()));
+    out.put_slice(payload);
+    out.freeze()
+}
+
+/// The payload of a [`Kind::Status`] message.
+pub fn encode_status(code: u8, message: &str) -> Bytes {
+    let mut out = BytesMut::with_capacity(1 + message.len());
+    out.put_u8(code);
+    // A status message is short; cut a long one at a character boundary under the bound.
+    let mut end = message.len().min(PAYLOAD_MAX_BYTES - 1);
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    out.put_slice(&message.as_bytes()[..end]);
+    out.freeze()
+}
+
+/// The gRPC code and message of a [`Kind::Status`] payload.
+pub fn decode_status(payload: &[u8]) -> Result<(u8, String), ProtocolError> {
+    let (&code, message) = payload
+        .split_first()
+        .ok_or_else(|| ProtocolError::DirectMessage("empty status message".into()))?;
+    Ok((code, String::from_utf8_lossy(message).into_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heads_round_trip_and_bound_the_length() {
+        for kind in [Kind::Open, Kind::Ready, Kind::Frame, Kind::Status] {
+            let head = encode_head(kind, 1234);
+            assert_eq!(decode_head(&head).unwrap(), (kind, 1234));
+        }
+        let mut over = encode_head(Kind::Frame, 0);
+        over[1..].copy_from_slice(&((PAYLOAD_MAX_BYTES + 1) as u32).to_le_bytes());
+        assert!(decode_head(&over).is_err());
+        assert!(decode_head(&[9, 0, 0, 0, 0]).is_err());
+    }
+
+    #[test]
+    fn statuses_round_trip() {
+        let payload = encode_status(7, "permission_denied: bad token");
+        assert_eq!(
+            decode_status(&payload).unwrap(),
+            (7, "permission_denied: bad token".to_string())
+        );
+        assert!(decode_status(&[]).is_err());
+        let message = encode_message(Kind::Status, &payload);
+        assert_eq!(message.len(), MESSAGE_HEAD_BYTES + payload.len());
+    }
+}

@@ -12,7 +12,10 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::config::PUT_PIECES_QUEUED_MAX;
 use crate::connection::Connection;
+use crate::direct::DirectSession;
 use crate::error::ClientError;
+use crate::pool::Acquired;
+use crate::session::SessionFailure;
 
 /// One block to write: its index (>= 1) and its bytes, borrowed from the caller.
 #[derive(Debug, Clone, Copy)]
@@ -122,18 +125,7 @@ impl Connection {
         dest: &mut [u8],
     ) -> Result<ReadOutcome, ClientError> {
         let inner = self.inner()?;
-        for range in ranges {
-            let end = range.dest_at.checked_add(range.len as usize);
-            if end.is_none_or(|end| end > dest.len()) {
-                return Err(ClientError::InvalidArgument(format!(
-                    "range of block {} ({} bytes at {}) does not fit a destination of {} bytes",
-                    range.block,
-                    range.len,
-                    range.dest_at,
-                    dest.len()
-                )));
-            }
-        }
+        check_ranges(ranges, dest.len())?;
         let nbytes: u64 = ranges.iter().map(|r| r.len).sum();
         let deadline = tokio::time::Instant::now() + inner.config.stream_deadline(nbytes);
         let op_timeout = inner.config.op_timeout;
@@ -207,7 +199,73 @@ impl Connection {
     }
 }
 
-fn contains(range: &RangeTarget, piece: &GetPieceMeta) -> bool {
+/// Refuse ranges that do not fit a destination of `dest_len` bytes.
+fn check_ranges(ranges: &[RangeTarget], dest_len: usize) -> Result<(), ClientError> {
+    for range in ranges {
+        let end = range.dest_at.checked_add(range.len as usize);
+        if end.is_none_or(|end| end > dest_len) {
+            return Err(ClientError::InvalidArgument(format!(
+                "range of block {} ({} bytes at {}) does not fit a destination of {} bytes",
+                range.block, range.len, range.dest_at, dest_len
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl Connection {
+    /// Read a ticket's ranges like [`Connection::get_ranges`], blocking the calling thread: over
+    /// a direct connection when the config says so (raw bytes read straight into `dest`, no
+    /// runtime thread), else over DoGet.
+    pub fn get_ranges_blocking(
+        &self,
+        ticket: Bytes,
+        ranges: &[RangeTarget],
+        dest: &mut [u8],
+    ) -> Result<ReadOutcome, ClientError> {
+        let inner = self.inner()?;
+        if !inner.config.direct {
+            return crate::block_on(self.get_ranges(ticket, ranges, dest));
+        }
+        check_ranges(ranges, dest.len())?;
+        let nbytes: u64 = ranges.iter().map(|r| r.len).sum();
+        let deadline = std::time::Instant::now() + inner.config.stream_deadline(nbytes);
+        let mut fresh = false;
+        loop {
+            let mut connection = match inner
+                .direct_blocks
+                .acquire(inner.config.patience(), fresh)?
+            {
+                Acquired::Idle(connection) => connection,
+                Acquired::OpenNew => {
+                    match DirectSession::connect(&inner.address, inner.config.first_reply()) {
+                        Ok(connection) => Box::new(connection),
+                        Err(error) => {
+                            inner.direct_blocks.release(None);
+                            return Err(error);
+                        }
+                    }
+                }
+            };
+            let reused = connection.used;
+            let outcome =
+                connection.get_ranges(&ticket, ranges, dest, inner.config.op_timeout, deadline);
+            inner.direct_blocks.release(Some(connection));
+            match outcome {
+                Ok(outcome) => return Ok(outcome),
+                Err(SessionFailure { error, sent }) => {
+                    // A pooled connection that had gone stale is replaced once, when nothing ran.
+                    if fresh || sent || !reused {
+                        return Err(error);
+                    }
+                    fresh = true;
+                }
+            }
+        }
+    }
+}
+
+pub(crate) fn contains(range: &RangeTarget, piece: &GetPieceMeta) -> bool {
     piece.block_index == range.block
         && piece.offset >= range.offset
         && piece.offset + piece.len <= range.offset + range.len

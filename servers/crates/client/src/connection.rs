@@ -61,6 +61,7 @@ pub(crate) struct Inner {
     pub(crate) client: FlightServiceClient<Channel>,
     pool: SessionPool,
     direct: DirectPool,
+    pub(crate) direct_blocks: DirectPool,
 }
 
 /// Everything one client uses to talk to one storage server.
@@ -96,6 +97,7 @@ impl Connection {
                 address: address.to_string(),
                 pool: SessionPool::new(config.sessions_max),
                 direct: DirectPool::new(config.sessions_max),
+                direct_blocks: DirectPool::new(config.sessions_max),
                 config,
                 client,
             }),
@@ -369,6 +371,7 @@ impl Connection {
         if let Ok(inner) = self.inner() {
             inner.pool.close();
             inner.direct.close();
+            inner.direct_blocks.close();
         }
     }
 }

@@ -11,11 +11,14 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use pocketflow_protocol::batch::GetPieceMeta;
 use pocketflow_protocol::direct::{
-    decode_head, decode_status, encode_head, Kind, DIRECT_MAGIC, MESSAGE_HEAD_BYTES,
+    decode_head, decode_status, encode_head, Kind, DATA_META_BYTES, DIRECT_MAGIC,
+    MESSAGE_HEAD_BYTES,
 };
 use pocketflow_protocol::frame::{decode_reply_frame, Reply};
 
+use crate::blocks::{contains, RangeTarget, ReadOutcome};
 use crate::error::ClientError;
 use crate::pool::{no_free_session, Acquired, PoolState, Pooled};
 use crate::session::SessionFailure;
@@ -47,6 +50,20 @@ fn unavailable(what: &str, error: &io::Error) -> ClientError {
     ClientError::Unavailable(format!("{what}: {error}"))
 }
 
+/// The error of a failed read that waited at most `timeout`.
+fn read_error(error: io::Error, timeout: Duration) -> ClientError {
+    match error.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ClientError::Unavailable(format!(
+            "no reply within {:.1}s; session cancelled",
+            timeout.as_secs_f64()
+        )),
+        io::ErrorKind::UnexpectedEof => {
+            ClientError::Unavailable("the server ended the session".into())
+        }
+        _ => unavailable("the session broke", &error),
+    }
+}
+
 impl DirectSession {
     /// Connect to `address`, open a session with the job's descriptor command and wait for the
     /// server's answer, all within `timeout`.
@@ -55,6 +72,18 @@ impl DirectSession {
         command: &[u8],
         timeout: Duration,
     ) -> Result<DirectSession, ClientError> {
+        let mut session = DirectSession::connect(address, timeout)?;
+        session
+            .write_message(Kind::Open, command)
+            .map_err(|e| unavailable("cannot open a session", &e))?;
+        match session.read_message(timeout)? {
+            (Kind::Ready, _) => Ok(session),
+            (kind, payload) => Err(session.unexpected(kind, &payload, "its answer to open")),
+        }
+    }
+
+    /// Connect to `address` within `timeout`; the magic goes out with the first message.
+    pub(crate) fn connect(address: &str, timeout: Duration) -> Result<DirectSession, ClientError> {
         let addrs: Vec<_> = address
             .to_socket_addrs()
             .map_err(|e| unavailable(&format!("cannot resolve {address}"), &e))?
@@ -87,13 +116,7 @@ impl DirectSession {
             broken: false,
         };
         session.out.extend_from_slice(DIRECT_MAGIC);
-        session
-            .write_message(Kind::Open, command)
-            .map_err(|e| unavailable("cannot open a session", &e))?;
-        match session.read_message(timeout)? {
-            (Kind::Ready, _) => Ok(session),
-            (kind, payload) => Err(session.unexpected(kind, &payload, "its answer to open")),
-        }
+        Ok(session)
     }
 
     /// Write one message; small payloads go out in one write with the head (and with anything
@@ -126,6 +149,16 @@ impl DirectSession {
     }
 
     fn read_message_inner(&mut self, timeout: Duration) -> Result<(Kind, Bytes), ClientError> {
+        let (kind, len) = self.read_head(timeout)?;
+        let mut payload = BytesMut::zeroed(len);
+        self.reader
+            .read_exact(&mut payload)
+            .map_err(|e| read_error(e, timeout))?;
+        Ok((kind, payload.freeze()))
+    }
+
+    /// Read a message head within `timeout` (the payload is the caller's to read).
+    fn read_head(&mut self, timeout: Duration) -> Result<(Kind, usize), ClientError> {
         let timeout = timeout.max(Duration::from_millis(1));
         if self.read_timeout != Some(timeout) {
             self.reader
@@ -134,24 +167,11 @@ impl DirectSession {
                 .map_err(|e| unavailable("cannot set the read bound", &e))?;
             self.read_timeout = Some(timeout);
         }
-        let read_error = |e: io::Error| match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-                ClientError::Unavailable(format!(
-                    "no reply within {:.1}s; session cancelled",
-                    timeout.as_secs_f64()
-                ))
-            }
-            io::ErrorKind::UnexpectedEof => {
-                ClientError::Unavailable("the server ended the session".into())
-            }
-            _ => unavailable("the session broke", &e),
-        };
         let mut head = [0u8; MESSAGE_HEAD_BYTES];
-        self.reader.read_exact(&mut head).map_err(read_error)?;
-        let (kind, len) = decode_head(&head).map_err(|e| ClientError::Protocol(e.to_string()))?;
-        let mut payload = BytesMut::zeroed(len);
-        self.reader.read_exact(&mut payload).map_err(read_error)?;
-        Ok((kind, payload.freeze()))
+        self.reader
+            .read_exact(&mut head)
+            .map_err(|e| read_error(e, timeout))?;
+        decode_head(&head).map_err(|e| ClientError::Protocol(e.to_string()))
     }
 
     /// The error for a message of the wrong kind: a status ends the session with its error.
@@ -270,13 +290,114 @@ impl DirectSession {
         decode_reply_frame(&payload).map_err(|e| self.violation(&e.to_string()))
     }
 
+    /// Read a DoGet ticket's ranges into `dest` (ranges already checked against it): send GET,
+    /// then place each DATA piece where its range says, until END. A failure before any byte
+    /// arrived is the `Err`; one after is the outcome's error (as over DoGet).
+    pub(crate) fn get_ranges(
+        &mut self,
+        ticket: &[u8],
+        ranges: &[RangeTarget],
+        dest: &mut [u8],
+        op_timeout: Duration,
+        deadline: Instant,
+    ) -> Result<ReadOutcome, SessionFailure> {
+        if self.used && self.ended_while_idle() {
+            self.broken = true;
+            return Err(SessionFailure::new(
+                ClientError::Unavailable("the pooled connection had ended".into()),
+                false,
+            ));
+        }
+        self.used = true;
+        if let Err(e) = self.write_message(Kind::Get, ticket) {
+            self.broken = true;
+            return Err(SessionFailure::new(
+                unavailable("cannot send to the server", &e),
+                false,
+            ));
+        }
+        let mut received = vec![0u64; ranges.len()];
+        let mut current = 0usize;
+        let outcome = |received: Vec<u64>, error: ClientError| {
+            if received.iter().all(|&n| n == 0) {
+                Err(SessionFailure::new(error, true))
+            } else {
+                Ok(ReadOutcome {
+                    received,
+                    error: Some(error),
+                })
+            }
+        };
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                self.broken = true;
+                let error = ClientError::Unavailable("the read did not finish in time".into());
+                return outcome(received, error);
+            }
+            let (kind, len) = match self.read_head(op_timeout.min(left)) {
+                Ok(head) => head,
+                Err(error) => {
+                    self.broken = true;
+                    return outcome(received, error);
+                }
+            };
+            match kind {
+                Kind::End if len == 0 => {
+                    return Ok(ReadOutcome {
+                        received,
+                        error: None,
+                    })
+                }
+                Kind::Data if len >= DATA_META_BYTES => {}
+                Kind::Status => {
+                    let mut payload = vec![0u8; len];
+                    let error = match self.reader.read_exact(&mut payload) {
+                        Ok(()) => self.unexpected(kind, &payload, "data"),
+                        Err(e) => read_error(e, op_timeout),
+                    };
+                    self.broken = true;
+                    return outcome(received, error);
+                }
+                _ => return Err(self.violation(&format!("a {kind:?} message of {len} bytes"))),
+            }
+            let mut meta = [0u8; DATA_META_BYTES];
+            if let Err(e) = self.reader.read_exact(&mut meta) {
+                self.broken = true;
+                return outcome(received, read_error(e, op_timeout));
+            }
+            let piece = GetPieceMeta {
+                block_index: u32::from_le_bytes(meta[..4].try_into().expect("4 bytes")),
+                offset: u64::from_le_bytes(meta[4..].try_into().expect("8 bytes")),
+                len: (len - DATA_META_BYTES) as u64,
+            };
+            while current < ranges.len() && !contains(&ranges[current], &piece) {
+                current += 1;
+            }
+            let Some(range) = ranges.get(current) else {
+                return Err(self.violation(&format!(
+                    "a piece of block {} at {} is in no range of the ticket",
+                    piece.block_index, piece.offset
+                )));
+            };
+            let at = range.dest_at + (piece.offset - range.offset) as usize;
+            let target = &mut dest[at..at + piece.len as usize];
+            if let Err(e) = self.reader.read_exact(target) {
+                self.broken = true;
+                return outcome(received, read_error(e, op_timeout));
+            }
+            received[current] += piece.len;
+        }
+    }
+
     fn violation(&mut self, what: &str) -> SessionFailure {
         self.broken = true;
         SessionFailure::new(ClientError::Protocol(what.to_string()), true)
     }
 }
 
-/// The idle direct sessions of one connection; callers that find none free block until one is.
+/// The idle direct connections of one kind to one server; callers that find none free block
+/// until one is.
 pub(crate) struct DirectPool {
     state: Mutex<PoolState<DirectSession>>,
     freed: Condvar,

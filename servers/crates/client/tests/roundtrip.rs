@@ -139,9 +139,26 @@ fn small_ops_round_trip_and_pipeline() {
 }
 
 #[test]
-fn blocks_round_trip_into_the_callers_memory() {
+fn blocks_round_trip_into_the_callers_memory_over_doget() {
+    blocks_round_trip(false);
+}
+
+#[test]
+fn blocks_round_trip_into_the_callers_memory_over_a_direct_connection() {
+    blocks_round_trip(true);
+}
+
+fn blocks_round_trip(direct: bool) {
     let address = start_server();
-    let conn = connection(&address);
+    let conn = Connection::new(
+        &address,
+        ConnectionConfig {
+            op_timeout: Duration::from_secs(5),
+            direct,
+            ..ConnectionConfig::default()
+        },
+    )
+    .unwrap();
     let token = token();
     create_bucket(&conn, &token);
     let block_size = 1usize << 20;
@@ -186,15 +203,19 @@ fn blocks_round_trip_into_the_callers_memory() {
     let ticket = serde_json::json!({"ctx": ctx_json(&token), "bucket": "b", "key": "big",
         "version": 9, "ranges": [[1, 0, block_size], [2, 0, block_size], [3, 0, 1234]],
         "delete": false});
-    let mut dest = vec![0u8; data.len()];
-    let outcome =
-        block_on(conn.get_ranges(Bytes::from(ticket.to_string()), &ranges, &mut dest)).unwrap();
-    assert!(outcome.error.is_none());
-    assert_eq!(
-        outcome.received,
-        vec![block_size as u64, block_size as u64, 1234]
-    );
-    assert!(dest == data);
+    // Twice: the second read reuses the pooled connection.
+    for _ in 0..2 {
+        let mut dest = vec![0u8; data.len()];
+        let outcome = conn
+            .get_ranges_blocking(Bytes::from(ticket.to_string()), &ranges, &mut dest)
+            .unwrap();
+        assert!(outcome.error.is_none());
+        assert_eq!(
+            outcome.received,
+            vec![block_size as u64, block_size as u64, 1234]
+        );
+        assert!(dest == data);
+    }
 
     // A missing block: the ranges before it are counted, the error says not_found.
     let ticket = serde_json::json!({"ctx": ctx_json(&token), "bucket": "b", "key": "big",
@@ -214,16 +235,59 @@ fn blocks_round_trip_into_the_callers_memory() {
         },
     ];
     let mut dest = vec![0u8; 110];
-    match block_on(conn.get_ranges(Bytes::from(ticket.to_string()), &ranges, &mut dest)) {
+    match conn.get_ranges_blocking(Bytes::from(ticket.to_string()), &ranges, &mut dest) {
         Ok(outcome) => {
             assert_eq!(outcome.received, vec![100, 0]);
             assert!(outcome.error.unwrap().is_not_found());
         }
         Err(error) => assert!(error.is_not_found(), "{error}"),
     }
+    assert_eq!(&dest[..100], &data[10..110]);
     // A range that does not fit the destination is refused before anything is sent.
-    let err = block_on(conn.get_ranges(Bytes::new(), &ranges, &mut [0u8; 10])).unwrap_err();
+    let err = conn
+        .get_ranges_blocking(Bytes::new(), &ranges, &mut [0u8; 10])
+        .unwrap_err();
     assert!(matches!(err, ClientError::InvalidArgument(_)));
+    // A forged token: refused before any byte, typed.
+    let forged = TokenKey::new(b"another secret, also long")
+        .unwrap()
+        .make(JOB, now_unix_ms() + 600_000);
+    let ticket = serde_json::json!({"ctx": ctx_json(&forged), "bucket": "b", "key": "big",
+        "version": 9, "ranges": [[1, 10, 100]], "delete": false});
+    let err = conn
+        .get_ranges_blocking(Bytes::from(ticket.to_string()), &ranges[..1], &mut dest)
+        .unwrap_err();
+    assert_eq!(err.code(), 7, "{err}");
+    // After failures, reads work again (a fresh connection replaces the closed one).
+    let ticket = serde_json::json!({"ctx": ctx_json(&token), "bucket": "b", "key": "big",
+        "version": 9, "ranges": [[3, 0, 1234]], "delete": true});
+    let mut tail = vec![0u8; 1234];
+    let outcome = conn
+        .get_ranges_blocking(
+            Bytes::from(ticket.to_string()),
+            &[RangeTarget {
+                block: 3,
+                offset: 0,
+                len: 1234,
+                dest_at: 0,
+            }],
+            &mut tail,
+        )
+        .unwrap();
+    assert_eq!(outcome.received, vec![1234]);
+    assert_eq!(&tail[..], &data[2 * block_size..]);
+    // Read with delete: the block is gone afterwards.
+    let again = conn.get_ranges_blocking(
+        Bytes::from(ticket.to_string()),
+        &[RangeTarget {
+            block: 3,
+            offset: 0,
+            len: 1234,
+            dest_at: 0,
+        }],
+        &mut tail,
+    );
+    assert!(again.unwrap_err().is_not_found());
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! The direct exchange (`pocketflow_protocol::direct`): a DoExchange session's frames over a
-//! plain TCP connection, for clients that want small operations without HTTP/2. The session
-//! itself, its bounds and its replies are the DoExchange session's (`exchange.rs`).
+//! plain TCP connection, for clients that want small operations without HTTP/2, or DoGet
+//! tickets answered with raw block bytes. The session itself, its bounds and its replies are the
+//! DoExchange session's (`exchange.rs`); a ticket's checks, slot and pieces are DoGet's.
 
 use std::time::Duration;
 
@@ -13,6 +14,7 @@ use pocketflow_protocol::ProtocolError;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tonic::Status;
 
+use crate::doget;
 use crate::exchange::{self, Incoming};
 use crate::service::StorageService;
 use crate::status::ServiceError;
@@ -32,9 +34,14 @@ impl StorageService {
     {
         let (mut reader, writer) = tokio::io::split(stream);
         let mut writer = BufWriter::with_capacity(WRITE_BUFFER_BYTES, writer);
-        let opened = tokio::time::timeout(DIRECT_OPEN_TIMEOUT, read_open(&mut reader)).await;
+        let opened = tokio::time::timeout(DIRECT_OPEN_TIMEOUT, read_first(&mut reader)).await;
         let descriptor = match opened {
-            Ok(Ok(descriptor)) => descriptor,
+            Ok(Ok((Kind::Open, descriptor))) => descriptor,
+            Ok(Ok((Kind::Get, ticket))) => return self.serve_gets(ticket, reader, writer).await,
+            Ok(Ok((kind, _))) => {
+                let e: ServiceError = unexpected(kind, "OPEN or GET").into();
+                return write_status(&mut writer, e.to_status()).await;
+            }
             Ok(Err(Some(e))) => return write_status(&mut writer, e.to_status()).await,
             // The client went away, or sent nothing in time: nobody is there to tell.
             Ok(Err(None)) | Err(_) => return,
@@ -43,10 +50,9 @@ impl StorageService {
             let mut reader = reader?;
             match read_message(&mut reader).await {
                 Ok(Some((Kind::Frame, payload))) => Some((Incoming::Frame(payload), Some(reader))),
-                Ok(Some((kind, _))) => Some((
-                    Incoming::Invalid(unexpected(kind, "request frames").into()),
-                    None,
-                )),
+                Ok(Some((kind, _))) => {
+                    Some((Incoming::Invalid(unexpected(kind, "FRAME").into()), None))
+                }
                 Ok(None) => None,
                 Err(Some(e)) => Some((Incoming::Invalid(e), None)),
                 Err(None) => Some((Incoming::Broken, None)),
@@ -73,13 +79,43 @@ impl StorageService {
     }
 }
 
-fn unexpected(kind: Kind, wanted: &str) -> ProtocolError {
-    ProtocolError::DirectMessage(format!("a {kind:?} message where {wanted} were expected"))
+impl StorageService {
+    /// A connection of block reads: answer each GET with its data and END, until the client
+    /// closes; an error ends the connection with a STATUS.
+    async fn serve_gets<R, W>(&self, mut ticket: Bytes, mut reader: R, mut writer: BufWriter<W>)
+    where
+        R: AsyncRead + Unpin,
+        W: AsyncWrite + Unpin,
+    {
+        loop {
+            match doget::send_direct(self.state.clone(), &ticket, &mut writer).await {
+                Ok(()) => {}
+                Err(Some(e)) => return write_status(&mut writer, e.to_status()).await,
+                Err(None) => return,
+            }
+            if write_message(&mut writer, Kind::End, &[]).await.is_err() {
+                return;
+            }
+            ticket = match read_message(&mut reader).await {
+                Ok(Some((Kind::Get, ticket))) => ticket,
+                Ok(Some((kind, _))) => {
+                    let e: ServiceError = unexpected(kind, "GET").into();
+                    return write_status(&mut writer, e.to_status()).await;
+                }
+                Err(Some(e)) => return write_status(&mut writer, e.to_status()).await,
+                Ok(None) | Err(None) => return,
+            };
+        }
+    }
 }
 
-/// Read the magic and the open message; returns the exchange descriptor. `Err(None)`: the
-/// connection ended or failed (there is nobody to answer).
-async fn read_open<R>(reader: &mut R) -> Result<Bytes, Option<ServiceError>>
+fn unexpected(kind: Kind, wanted: &str) -> ProtocolError {
+    ProtocolError::DirectMessage(format!("a {kind:?} message where {wanted} was expected"))
+}
+
+/// Read the magic and the first message. `Err(None)`: the connection ended or failed (there
+/// is nobody to answer).
+async fn read_first<R>(reader: &mut R) -> Result<(Kind, Bytes), Option<ServiceError>>
 where
     R: AsyncRead + Unpin,
 {
@@ -91,11 +127,7 @@ where
                 .into(),
         ));
     }
-    match read_message(reader).await? {
-        Some((Kind::Open, descriptor)) => Ok(descriptor),
-        Some((kind, _)) => Err(Some(unexpected(kind, "the open message").into())),
-        None => Err(None),
-    }
+    read_message(reader).await?.ok_or(None)
 }
 
 /// Read one message. `Ok(None)`: the client closed the connection between messages;

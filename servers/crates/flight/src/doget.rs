@@ -66,6 +66,17 @@ struct Transfer {
 
 impl Transfer {
     async fn read(&self, piece: Piece) -> Result<FlightData, ServiceError> {
+        let value = self.read_raw(piece).await?;
+        let meta = GetPieceMeta {
+            block_index: piece.index,
+            offset: piece.offset,
+            len: value.len() as u64,
+        };
+        Ok(encode_piece(&value, Bytes::copy_from_slice(&meta.encode())))
+    }
+
+    /// The bytes of one piece, as the store holds them.
+    async fn read_raw(&self, piece: Piece) -> Result<Bytes, ServiceError> {
         let t = &self.ticket;
         let value = self
             .state
@@ -81,12 +92,7 @@ impl Transfer {
             )
             .await?;
         self.state.stats.counters.add_out(value.len() as u64);
-        let meta = GetPieceMeta {
-            block_index: piece.index,
-            offset: piece.offset,
-            len: value.len() as u64,
-        };
-        Ok(encode_piece(&value, Bytes::copy_from_slice(&meta.encode())))
+        Ok(value)
     }
 
     /// Queue `message` for the client. False when the client is gone, or when it took nothing
@@ -171,13 +177,12 @@ impl Drop for Transfer {
 
 type Sender = mpsc::Sender<Result<FlightData, Status>>;
 
-/// Answer a DoGet: the first piece is read before the response starts, so a missing block or a
-/// bad range is the RPC's status; the rest streams from a task.
-pub(crate) async fn get(
+/// Check a ticket and take a transfer slot for it; returns the transfer and its pieces.
+async fn begin(
     state: Arc<ServiceState>,
-    ticket_bytes: Bytes,
-) -> Result<BoxStream<'static, Result<FlightData, Status>>, ServiceError> {
-    let ticket = GetTicket::parse(&ticket_bytes)?;
+    ticket_bytes: &[u8],
+) -> Result<(Transfer, impl Iterator<Item = Piece> + Send + 'static), ServiceError> {
+    let ticket = GetTicket::parse(ticket_bytes)?;
     let job = state.auth.job(&ticket.ctx)?;
     state.stats.counters.add_ops(1);
     let slot = state
@@ -192,7 +197,7 @@ pub(crate) async fn get(
         .enumerate()
         .map(|(at, r)| (r.index(), at))
         .collect();
-    let mut pieces = pieces(&ticket);
+    let pieces = pieces(&ticket);
     let transfer = Transfer {
         state,
         job,
@@ -200,6 +205,66 @@ pub(crate) async fn get(
         last_range_of,
         _slot: slot,
     };
+    Ok((transfer, pieces))
+}
+
+/// Send a ticket's pieces over a direct connection (`pocketflow_protocol::direct`): each as a
+/// DATA message `[block index u32][offset u64][bytes]` straight from the store, then END; an
+/// error is a STATUS, after which the connection ends (`Err`). A client that takes nothing
+/// for the transfer idle time ends it too.
+pub(crate) async fn send_direct<W>(
+    state: Arc<ServiceState>,
+    ticket_bytes: &[u8],
+    writer: &mut W,
+) -> Result<(), Option<ServiceError>>
+where
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    use pocketflow_protocol::direct::{encode_head, Kind, DATA_META_BYTES};
+    use tokio::io::AsyncWriteExt;
+
+    let idle = state.transfer_idle;
+    let (transfer, pieces) = begin(state, ticket_bytes).await.map_err(Some)?;
+    let mut previous: Option<Piece> = None;
+    for piece in pieces {
+        if let Some(done) = previous.filter(|p| p.range_at != piece.range_at) {
+            transfer.after_range(done.range_at);
+        }
+        let value = transfer.read_raw(piece).await.map_err(Some)?;
+        let mut head = [0u8; 5 + DATA_META_BYTES];
+        head[..5].copy_from_slice(&encode_head(Kind::Data, DATA_META_BYTES + value.len()));
+        head[5..9].copy_from_slice(&piece.index.to_le_bytes());
+        head[9..].copy_from_slice(&piece.offset.to_le_bytes());
+        let sent = async {
+            writer.write_all(&head).await?;
+            writer.write_all(&value).await?;
+            writer.flush().await
+        };
+        match tokio::time::timeout(idle, sent).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(None),
+            Err(_) => {
+                return Err(Some(ServiceError::TransferIdle {
+                    transfer: "direct GET",
+                    idle_ms: idle.as_millis() as u64,
+                }))
+            }
+        }
+        previous = Some(piece);
+    }
+    if let Some(done) = previous {
+        transfer.after_range(done.range_at);
+    }
+    Ok(())
+}
+
+/// Answer a DoGet: the first piece is read before the response starts, so a missing block or a
+/// bad range is the RPC's status; the rest streams from a task.
+pub(crate) async fn get(
+    state: Arc<ServiceState>,
+    ticket_bytes: Bytes,
+) -> Result<BoxStream<'static, Result<FlightData, Status>>, ServiceError> {
+    let (transfer, mut pieces) = begin(state, &ticket_bytes).await?;
     let first_piece = pieces.next().expect("a ticket has at least one range");
     let first = transfer.read(first_piece).await?;
     let mut rest = pieces.peekable();

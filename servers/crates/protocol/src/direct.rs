@@ -34,7 +34,16 @@ pub enum Kind {
     Frame,
     /// Server to client, last: `[gRPC code u8][UTF-8 message]`.
     Status,
+    /// Client to server, first or after an END: a DoGet ticket to send the data of.
+    Get,
+    /// Server to client: `[block index u32 LE][offset u64 LE]` and a piece of a ticket's range.
+    Data,
+    /// Server to client: every piece of the ticket was sent.
+    End,
 }
+
+/// Bytes of a DATA message's payload before the piece: block index and offset in the block.
+pub const DATA_META_BYTES: usize = 12;
 
 impl Kind {
     /// The wire byte.
@@ -44,6 +53,9 @@ impl Kind {
             Kind::Ready => 2,
             Kind::Frame => 3,
             Kind::Status => 4,
+            Kind::Get => 5,
+            Kind::Data => 6,
+            Kind::End => 7,
         }
     }
 
@@ -54,6 +66,9 @@ impl Kind {
             2 => Ok(Kind::Ready),
             3 => Ok(Kind::Frame),
             4 => Ok(Kind::Status),
+            5 => Ok(Kind::Get),
+            6 => Ok(Kind::Data),
+            7 => Ok(Kind::End),
             other => Err(ProtocolError::DirectMessage(format!(
                 "unknown message kind {other}"
             ))),
@@ -115,7 +130,15 @@ mod tests {
 
     #[test]
     fn heads_round_trip_and_bound_the_length() {
-        for kind in [Kind::Open, Kind::Ready, Kind::Frame, Kind::Status] {
+        for kind in [
+            Kind::Open,
+            Kind::Ready,
+            Kind::Frame,
+            Kind::Status,
+            Kind::Get,
+            Kind::Data,
+            Kind::End,
+        ] {
             let head = encode_head(kind, 1234);
             assert_eq!(decode_head(&head).unwrap(), (kind, 1234));
         }

@@ -296,7 +296,7 @@ impl PyConnection {
         let result = py.detach(move || {
             // SAFETY: `_held` keeps the destination alive (and exported) until we return.
             let dest = unsafe { lent.slice_mut() };
-            block_on(connection.get_ranges(ticket, &targets, dest))
+            connection.get_ranges_blocking(ticket, &targets, dest)
         });
         match result {
             Ok(outcome) => Ok((

@@ -36,10 +36,10 @@ setting                    default     meaning
 ``stream_timeout_s``       ``300s``    longest deadline of one DoPut or DoGet stream; a stream
                                        gets the longer of ``op_timeout_s`` and ``rpc_timeout_s``
                                        plus 1 s per 8 MiB it moves, up to this
-``small_ops``              ``direct``  how small operations and block reads travel: ``direct``
+``small_ops``              ``direct``  how small operations and data blocks travel: ``direct``
                                        (plain TCP on the server's port, written and read on the
-                                       calling thread) or ``flight`` (DoExchange sessions and
-                                       DoGet over HTTP/2); see docs/PROTOCOL.md
+                                       calling thread) or ``flight`` (DoExchange sessions, DoPut
+                                       and DoGet over HTTP/2); see docs/PROTOCOL.md
 =========================  ==========  ==========================================================
 
 Other components read their own table of the same file with :func:`load_file_table`.

@@ -232,21 +232,7 @@ impl Connection {
         let deadline = std::time::Instant::now() + inner.config.stream_deadline(nbytes);
         let mut fresh = false;
         loop {
-            let mut connection = match inner
-                .direct_blocks
-                .acquire(inner.config.patience(), fresh)?
-            {
-                Acquired::Idle(connection) => connection,
-                Acquired::OpenNew => {
-                    match DirectSession::connect(&inner.address, inner.config.first_reply()) {
-                        Ok(connection) => Box::new(connection),
-                        Err(error) => {
-                            inner.direct_blocks.release(None);
-                            return Err(error);
-                        }
-                    }
-                }
-            };
+            let mut connection = self.block_connection(fresh)?;
             let reused = connection.used;
             let outcome =
                 connection.get_ranges(&ticket, ranges, dest, inner.config.op_timeout, deadline);
@@ -259,6 +245,66 @@ impl Connection {
                         return Err(error);
                     }
                     fresh = true;
+                }
+            }
+        }
+    }
+}
+
+impl Connection {
+    /// Write data blocks like [`Connection::put_blocks`], blocking the calling thread: over a
+    /// direct connection when the config says so (each block written from the caller's memory
+    /// straight to the socket), else over DoPut.
+    pub fn put_blocks_blocking(
+        &self,
+        command: Bytes,
+        blocks: &[BlockSlice<'_>],
+    ) -> Result<Bytes, ClientError> {
+        let inner = self.inner()?;
+        if !inner.config.direct {
+            return crate::block_on(self.put_blocks(command, blocks));
+        }
+        let nbytes: u64 = blocks.iter().map(|b| b.data.len() as u64).sum();
+        let deadline = std::time::Instant::now() + inner.config.stream_deadline(nbytes);
+        let mut fresh = false;
+        loop {
+            let mut connection = self.block_connection(fresh)?;
+            let reused = connection.used;
+            let outcome =
+                connection.put_blocks(&command, blocks, inner.config.op_timeout, deadline);
+            inner.direct_blocks.release(Some(connection));
+            match outcome {
+                Ok(result) => return Ok(result),
+                Err(SessionFailure { error, sent }) => {
+                    // A pooled connection that had gone stale is replaced once, when nothing ran.
+                    if fresh || sent || !reused {
+                        return Err(error);
+                    }
+                    fresh = true;
+                }
+            }
+        }
+    }
+
+    /// A pooled block connection, or a new one (`fresh`: retire the idle ones first).
+    fn block_connection(&self, fresh: bool) -> Result<Box<DirectSession>, ClientError> {
+        let inner = self.inner()?;
+        match inner
+            .direct_blocks
+            .acquire(inner.config.patience(), fresh)?
+        {
+            Acquired::Idle(connection) => Ok(connection),
+            Acquired::OpenNew => {
+                match DirectSession::connect(
+                    &inner.address,
+                    inner.config.first_reply(),
+                    inner.config.op_timeout,
+                ) {
+                    Ok(connection) => Ok(Box::new(connection)),
+                    Err(error) => {
+                        inner.direct_blocks.release(None);
+                        Err(error)
+                    }
                 }
             }
         }

@@ -14,11 +14,12 @@ use bytes::{Bytes, BytesMut};
 use pocketflow_protocol::batch::GetPieceMeta;
 use pocketflow_protocol::direct::{
     decode_head, decode_status, encode_head, Kind, DATA_META_BYTES, DIRECT_MAGIC,
-    MESSAGE_HEAD_BYTES,
+    MESSAGE_HEAD_BYTES, PIECE_META_BYTES,
 };
 use pocketflow_protocol::frame::{decode_reply_frame, Reply};
+use pocketflow_protocol::limits::BATCH_MAX_BYTES;
 
-use crate::blocks::{contains, RangeTarget, ReadOutcome};
+use crate::blocks::{contains, BlockSlice, RangeTarget, ReadOutcome};
 use crate::error::ClientError;
 use crate::pool::{no_free_session, Acquired, PoolState, Pooled};
 use crate::session::SessionFailure;
@@ -27,6 +28,8 @@ use crate::session::SessionFailure;
 const READ_BUFFER_BYTES: usize = 64 * 1024;
 /// Largest message copied behind its head into one write; larger payloads go out on their own.
 const COALESCE_MAX_BYTES: usize = 64 * 1024;
+/// How long a refused upload waits for the server's STATUS after its writes stopped.
+const REFUSAL_READ_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// One open direct-exchange connection, used by one caller at a time.
 pub(crate) struct DirectSession {
@@ -72,7 +75,7 @@ impl DirectSession {
         command: &[u8],
         timeout: Duration,
     ) -> Result<DirectSession, ClientError> {
-        let mut session = DirectSession::connect(address, timeout)?;
+        let mut session = DirectSession::connect(address, timeout, timeout)?;
         session
             .write_message(Kind::Open, command)
             .map_err(|e| unavailable("cannot open a session", &e))?;
@@ -82,8 +85,13 @@ impl DirectSession {
         }
     }
 
-    /// Connect to `address` within `timeout`; the magic goes out with the first message.
-    pub(crate) fn connect(address: &str, timeout: Duration) -> Result<DirectSession, ClientError> {
+    /// Connect to `address` within `timeout`; the magic goes out with the first message. Every
+    /// write may then wait `write_timeout` for the server to take bytes.
+    pub(crate) fn connect(
+        address: &str,
+        timeout: Duration,
+        write_timeout: Duration,
+    ) -> Result<DirectSession, ClientError> {
         let addrs: Vec<_> = address
             .to_socket_addrs()
             .map_err(|e| unavailable(&format!("cannot resolve {address}"), &e))?
@@ -103,9 +111,9 @@ impl DirectSession {
             let e = last.unwrap_or_else(|| io::Error::other("no address"));
             return Err(unavailable(&format!("cannot connect to {address}"), &e));
         };
-        let setup = stream
-            .set_nodelay(true)
-            .and_then(|()| stream.set_write_timeout(Some(timeout)));
+        let setup = stream.set_nodelay(true).and_then(|()| {
+            stream.set_write_timeout(Some(write_timeout.max(Duration::from_millis(1))))
+        });
         setup.map_err(|e| unavailable("cannot set up the connection", &e))?;
         let mut session = DirectSession {
             reader: BufReader::with_capacity(READ_BUFFER_BYTES, stream),
@@ -388,6 +396,83 @@ impl DirectSession {
             }
             received[current] += piece.len;
         }
+    }
+
+    /// Write data blocks as one upload: PUT with the DoPut descriptor, each block in PIECE
+    /// messages of at most `BATCH_MAX_BYTES` read straight from the caller's memory, END; returns
+    /// the server's result JSON. A refusal the server sends while pieces are still going out
+    /// stops the upload and is the error.
+    pub(crate) fn put_blocks(
+        &mut self,
+        descriptor: &[u8],
+        blocks: &[BlockSlice<'_>],
+        op_timeout: Duration,
+        deadline: Instant,
+    ) -> Result<Bytes, SessionFailure> {
+        if self.used && self.ended_while_idle() {
+            self.broken = true;
+            return Err(SessionFailure::new(
+                ClientError::Unavailable("the pooled connection had ended".into()),
+                false,
+            ));
+        }
+        self.used = true;
+        if let Err(e) = self.write_message(Kind::Put, descriptor) {
+            self.broken = true;
+            return Err(SessionFailure::new(
+                unavailable("cannot send to the server", &e),
+                false,
+            ));
+        }
+        for block in blocks {
+            let block_len = (block.data.len() as u64).to_le_bytes();
+            for piece in block.data.chunks(BATCH_MAX_BYTES as usize) {
+                if Instant::now() > deadline {
+                    self.broken = true;
+                    let error =
+                        ClientError::Unavailable("the upload did not finish in time".into());
+                    return Err(SessionFailure::new(error, true));
+                }
+                // The server refused the upload (full tier, bad block): stop sending, read why.
+                if self.ended_while_idle() {
+                    return Err(self.refusal(op_timeout));
+                }
+                self.out
+                    .extend_from_slice(&encode_head(Kind::Piece, PIECE_META_BYTES + piece.len()));
+                self.out.extend_from_slice(&block.index.to_le_bytes());
+                self.out.extend_from_slice(&block_len);
+                let stream = self.reader.get_mut();
+                let written = stream
+                    .write_all(&self.out)
+                    .and_then(|()| stream.write_all(piece));
+                self.out.clear();
+                if written.is_err() {
+                    return Err(self.refusal(op_timeout));
+                }
+            }
+        }
+        if self.write_message(Kind::End, &[]).is_err() {
+            return Err(self.refusal(op_timeout));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        match self.read_message(op_timeout.min(left).max(Duration::from_millis(1))) {
+            Ok((Kind::Stored, result)) => Ok(result),
+            Ok((kind, payload)) => {
+                let error = self.unexpected(kind, &payload, "the upload's result");
+                Err(SessionFailure::new(error, true))
+            }
+            Err(error) => Err(SessionFailure::new(error, true)),
+        }
+    }
+
+    /// After an upload stopped early: the server's STATUS if it sent one, else unavailable.
+    fn refusal(&mut self, op_timeout: Duration) -> SessionFailure {
+        self.broken = true;
+        let error = match self.read_message(op_timeout.min(REFUSAL_READ_TIMEOUT)) {
+            Ok((kind, payload)) => self.unexpected(kind, &payload, "the upload's result"),
+            Err(error) => error,
+        };
+        SessionFailure::new(error, true)
     }
 
     fn violation(&mut self, what: &str) -> SessionFailure {

@@ -175,9 +175,36 @@ fn blocks_round_trip(direct: bool) {
         .collect();
     let descriptor = serde_json::json!({"ctx": ctx_json(&token), "bucket": "b", "key": "big",
         "version": 9, "block_size": block_size, "persist": false});
-    let result = block_on(conn.put_blocks(Bytes::from(descriptor.to_string()), &blocks)).unwrap();
+    let result = conn
+        .put_blocks_blocking(Bytes::from(descriptor.to_string()), &blocks)
+        .unwrap();
     let result: serde_json::Value = serde_json::from_slice(&result).unwrap();
     assert_eq!(result["blocks"], 3);
+    assert_eq!(result["bytes"], data.len());
+
+    // An upload larger than the tier (64 MiB) is refused with a typed error while its pieces
+    // are still going out; nothing of it stays, and the connection pool keeps working.
+    let huge = vec![7u8; 80 << 20];
+    let huge_blocks: Vec<BlockSlice<'_>> = huge
+        .chunks(block_size)
+        .enumerate()
+        .map(|(i, chunk)| BlockSlice {
+            index: i as u32 + 1,
+            data: chunk,
+        })
+        .collect();
+    let descriptor_huge = serde_json::json!({"ctx": ctx_json(&token), "bucket": "b",
+        "key": "huge", "version": 3, "block_size": block_size, "persist": false});
+    let err = conn
+        .put_blocks_blocking(Bytes::from(descriptor_huge.to_string()), &huge_blocks)
+        .unwrap_err();
+    assert_eq!(err.code(), 8, "{err}");
+    assert!(err.to_string().starts_with("capacity_exhausted: "), "{err}");
+    let again = conn
+        .put_blocks_blocking(Bytes::from(descriptor_huge.to_string()), &huge_blocks[..2])
+        .unwrap();
+    let again: serde_json::Value = serde_json::from_slice(&again).unwrap();
+    assert_eq!(again["blocks"], 2, "the refused upload's blocks were freed");
 
     // Every block whole, then a range inside block 2, into one destination.
     let ranges = [

@@ -14,16 +14,21 @@ use pocketflow_protocol::ProtocolError;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tonic::Status;
 
-use crate::doget;
 use crate::exchange::{self, Incoming};
 use crate::service::StorageService;
 use crate::status::ServiceError;
+use crate::{doget, doput};
 
 /// How long a new direct connection may take to send its magic and its open message.
 pub const DIRECT_OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Reply bytes gathered before a write: a small reply frame goes out in one write with its head.
 const WRITE_BUFFER_BYTES: usize = 64 * 1024;
+/// After refusing a transfer, how long and how much of the client's remaining input is read and
+/// dropped before the connection closes.
+const REFUSED_DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+const REFUSED_DRAIN_MAX_BYTES: usize = 64 << 20;
+const DRAIN_BUFFER_BYTES: usize = 64 * 1024;
 
 impl StorageService {
     /// Serve one direct-exchange connection whose first bytes are [`DIRECT_MAGIC`] (not yet
@@ -37,9 +42,11 @@ impl StorageService {
         let opened = tokio::time::timeout(DIRECT_OPEN_TIMEOUT, read_first(&mut reader)).await;
         let descriptor = match opened {
             Ok(Ok((Kind::Open, descriptor))) => descriptor,
-            Ok(Ok((Kind::Get, ticket))) => return self.serve_gets(ticket, reader, writer).await,
+            Ok(Ok((kind @ (Kind::Get | Kind::Put), first))) => {
+                return self.serve_blocks(kind, first, reader, writer).await
+            }
             Ok(Ok((kind, _))) => {
-                let e: ServiceError = unexpected(kind, "OPEN or GET").into();
+                let e: ServiceError = unexpected(kind, "OPEN, GET or PUT").into();
                 return write_status(&mut writer, e.to_status()).await;
             }
             Ok(Err(Some(e))) => return write_status(&mut writer, e.to_status()).await,
@@ -80,29 +87,46 @@ impl StorageService {
 }
 
 impl StorageService {
-    /// A connection of block reads: answer each GET with its data and END, until the client
-    /// closes; an error ends the connection with a STATUS.
-    async fn serve_gets<R, W>(&self, mut ticket: Bytes, mut reader: R, mut writer: BufWriter<W>)
-    where
+    /// A connection of block transfers: answer each GET with its data and END, and each PUT
+    /// (followed by its pieces and END) with STORED, until the client closes. An error ends the
+    /// connection with a STATUS.
+    async fn serve_blocks<R, W>(
+        &self,
+        mut kind: Kind,
+        mut request: Bytes,
+        mut reader: R,
+        mut writer: BufWriter<W>,
+    ) where
         R: AsyncRead + Unpin,
         W: AsyncWrite + Unpin,
     {
         loop {
-            match doget::send_direct(self.state.clone(), &ticket, &mut writer).await {
+            let done = if kind == Kind::Get {
+                match doget::send_direct(self.state.clone(), &request, &mut writer).await {
+                    Ok(()) => write_message(&mut writer, Kind::End, &[])
+                        .await
+                        .map_err(|_| None),
+                    Err(e) => Err(e),
+                }
+            } else {
+                match doput::receive_direct(self.state.clone(), &request, &mut reader).await {
+                    Ok(result) => write_message(&mut writer, Kind::Stored, &result)
+                        .await
+                        .map_err(|_| None),
+                    Err(e) => Err(e),
+                }
+            };
+            match done {
                 Ok(()) => {}
-                Err(Some(e)) => return write_status(&mut writer, e.to_status()).await,
+                Err(Some(e)) => return refuse(e, reader, writer).await,
                 Err(None) => return,
             }
-            if write_message(&mut writer, Kind::End, &[]).await.is_err() {
-                return;
-            }
-            ticket = match read_message(&mut reader).await {
-                Ok(Some((Kind::Get, ticket))) => ticket,
-                Ok(Some((kind, _))) => {
-                    let e: ServiceError = unexpected(kind, "GET").into();
-                    return write_status(&mut writer, e.to_status()).await;
+            (kind, request) = match read_message(&mut reader).await {
+                Ok(Some((next @ (Kind::Get | Kind::Put), request))) => (next, request),
+                Ok(Some((other, _))) => {
+                    return refuse(unexpected(other, "GET or PUT").into(), reader, writer).await
                 }
-                Err(Some(e)) => return write_status(&mut writer, e.to_status()).await,
+                Err(Some(e)) => return refuse(e, reader, writer).await,
                 Ok(None) | Err(None) => return,
             };
         }
@@ -160,6 +184,28 @@ where
     writer.write_all(&encode_head(kind, payload.len())).await?;
     writer.write_all(payload).await?;
     writer.flush().await
+}
+
+/// End a block connection with `error`: send its STATUS, then read and drop what the client
+/// still sends (the rest of an upload) for a bounded time, so that closing does not reset the
+/// connection before the client read the status.
+async fn refuse<R, W>(error: ServiceError, mut reader: R, mut writer: BufWriter<W>)
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    write_status(&mut writer, error.to_status()).await;
+    let mut sink = vec![0u8; DRAIN_BUFFER_BYTES];
+    let _ = tokio::time::timeout(REFUSED_DRAIN_TIMEOUT, async {
+        let mut drained = 0usize;
+        while drained < REFUSED_DRAIN_MAX_BYTES {
+            match reader.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => drained += n,
+            }
+        }
+    })
+    .await;
 }
 
 /// Send the status that ends the session, then close the connection.

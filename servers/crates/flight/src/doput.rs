@@ -4,13 +4,14 @@
 use std::sync::Arc;
 
 use arrow_flight::{FlightData, PutResult};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use pocketflow_protocol::batch::PutPieceMeta;
 use pocketflow_protocol::descriptor::PutDescriptor;
 use pocketflow_protocol::limits::BATCH_MAX_BYTES;
 use pocketflow_protocol::ProtocolError;
 use pocketflow_store::BlockWrite;
+use tokio::sync::OwnedSemaphorePermit;
 use tonic::Streaming;
 
 use crate::bounds::PUT_STREAM_BLOCKS_MAX;
@@ -157,6 +158,40 @@ fn field(what: &'static str, why: &'static str) -> ServiceError {
     ServiceError::Protocol(ProtocolError::Field { what, why })
 }
 
+/// Check a descriptor and take a transfer slot for its upload.
+async fn begin(
+    state: &Arc<ServiceState>,
+    descriptor: &[u8],
+    schema_seen: bool,
+) -> Result<(Upload, OwnedSemaphorePermit), ServiceError> {
+    let descriptor = PutDescriptor::parse(descriptor)?;
+    let job = state.auth.job(&descriptor.ctx)?;
+    state.drain.check_write(&state.node_id)?;
+    if descriptor.persist && !state.store.long_running() {
+        return Err(ServiceError::PersistRefused {
+            node_id: state.node_id.clone(),
+        });
+    }
+    state.stats.counters.add_ops(1);
+    let slot = state
+        .transfers
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("transfer semaphore is never closed");
+    let upload = Upload {
+        state: state.clone(),
+        job,
+        descriptor,
+        schema_seen,
+        open: None,
+        committed: Vec::new(),
+        bytes: 0,
+        finished: false,
+    };
+    Ok((upload, slot))
+}
+
 /// Run one DoPut stream to its end and return its single PutResult.
 pub(crate) async fn put(
     state: Arc<ServiceState>,
@@ -170,31 +205,7 @@ pub(crate) async fn put(
             ))
         }
     };
-    let descriptor = PutDescriptor::parse(&descriptor_cmd(&first)?)?;
-    let job = state.auth.job(&descriptor.ctx)?;
-    state.drain.check_write(&state.node_id)?;
-    if descriptor.persist && !state.store.long_running() {
-        return Err(ServiceError::PersistRefused {
-            node_id: state.node_id.clone(),
-        });
-    }
-    state.stats.counters.add_ops(1);
-    let _slot = state
-        .transfers
-        .clone()
-        .acquire_owned()
-        .await
-        .expect("transfer semaphore is never closed");
-    let mut upload = Upload {
-        state: state.clone(),
-        job,
-        descriptor,
-        schema_seen: false,
-        open: None,
-        committed: Vec::new(),
-        bytes: 0,
-        finished: false,
-    };
+    let (mut upload, _slot) = begin(&state, &descriptor_cmd(&first)?, false).await?;
     upload
         .accept(FlightData {
             flight_descriptor: None,
@@ -216,4 +227,68 @@ pub(crate) async fn put(
     }
     let app_metadata = upload.finish()?;
     Ok(PutResult { app_metadata })
+}
+
+/// Receive an upload over a direct connection (`pocketflow_protocol::direct`): PIECE messages
+/// `[block index u32][block length u64][bytes]` until END; returns the result JSON. Same checks,
+/// slot, idle bound and cleanup as DoPut. `Err(None)`: the connection broke.
+pub(crate) async fn receive_direct<R>(
+    state: Arc<ServiceState>,
+    descriptor: &[u8],
+    reader: &mut R,
+) -> Result<Bytes, Option<ServiceError>>
+where
+    R: tokio::io::AsyncRead + Unpin,
+{
+    use pocketflow_protocol::direct::{decode_head, Kind, MESSAGE_HEAD_BYTES, PIECE_META_BYTES};
+    use tokio::io::AsyncReadExt;
+
+    let (mut upload, _slot) = begin(&state, descriptor, true).await.map_err(Some)?;
+    let idle = state.transfer_idle;
+    loop {
+        let mut head = [0u8; MESSAGE_HEAD_BYTES + PIECE_META_BYTES];
+        let read = tokio::time::timeout(idle, reader.read_exact(&mut head[..MESSAGE_HEAD_BYTES]));
+        match read.await {
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) => return Err(None),
+            Err(_) => {
+                return Err(Some(ServiceError::TransferIdle {
+                    transfer: "direct PUT",
+                    idle_ms: idle.as_millis() as u64,
+                }))
+            }
+        }
+        let (kind, len) = decode_head(head[..MESSAGE_HEAD_BYTES].try_into().expect("head"))
+            .map_err(|e| Some(e.into()))?;
+        match kind {
+            Kind::End if len == 0 => return upload.finish().map_err(Some),
+            Kind::Piece if len >= PIECE_META_BYTES => {}
+            _ => {
+                return Err(Some(
+                    ProtocolError::DirectMessage(format!(
+                        "a {kind:?} message of {len} bytes inside an upload"
+                    ))
+                    .into(),
+                ))
+            }
+        }
+        let mut payload = BytesMut::zeroed(len);
+        let read = tokio::time::timeout(idle, reader.read_exact(&mut payload));
+        match read.await {
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) => return Err(None),
+            Err(_) => {
+                return Err(Some(ServiceError::TransferIdle {
+                    transfer: "direct PUT",
+                    idle_ms: idle.as_millis() as u64,
+                }))
+            }
+        }
+        let piece = payload.split_off(PIECE_META_BYTES).freeze();
+        let meta = PutPieceMeta {
+            block_index: u32::from_le_bytes(payload[..4].try_into().expect("4 bytes")),
+            block_len: u64::from_le_bytes(payload[4..12].try_into().expect("8 bytes")),
+        };
+        upload.write_piece(meta, piece).await.map_err(Some)?;
+    }
 }

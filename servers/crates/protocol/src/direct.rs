@@ -38,9 +38,19 @@ pub enum Kind {
     Get,
     /// Server to client: `[block index u32 LE][offset u64 LE]` and a piece of a ticket's range.
     Data,
-    /// Server to client: every piece of the ticket was sent.
+    /// Server to client: every piece of the ticket was sent. Client to server: every piece of
+    /// the upload was sent.
     End,
+    /// Client to server, first or after a finished transfer: a DoPut descriptor.
+    Put,
+    /// Client to server: `[block index u32 LE][block length u64 LE]` then a piece of the block.
+    Piece,
+    /// Server to client: the upload's result JSON (DoPut's `{"blocks", "bytes"}`).
+    Stored,
 }
+
+/// Bytes of a PIECE message's payload before the piece: block index and block length.
+pub const PIECE_META_BYTES: usize = 12;
 
 /// Bytes of a DATA message's payload before the piece: block index and offset in the block.
 pub const DATA_META_BYTES: usize = 12;
@@ -56,6 +66,9 @@ impl Kind {
             Kind::Get => 5,
             Kind::Data => 6,
             Kind::End => 7,
+            Kind::Put => 8,
+            Kind::Piece => 9,
+            Kind::Stored => 10,
         }
     }
 
@@ -69,6 +82,9 @@ impl Kind {
             5 => Ok(Kind::Get),
             6 => Ok(Kind::Data),
             7 => Ok(Kind::End),
+            8 => Ok(Kind::Put),
+            9 => Ok(Kind::Piece),
+            10 => Ok(Kind::Stored),
             other => Err(ProtocolError::DirectMessage(format!(
                 "unknown message kind {other}"
             ))),
@@ -138,6 +154,9 @@ mod tests {
             Kind::Get,
             Kind::Data,
             Kind::End,
+            Kind::Put,
+            Kind::Piece,
+            Kind::Stored,
         ] {
             let head = encode_head(kind, 1234);
             assert_eq!(decode_head(&head).unwrap(), (kind, 1234));

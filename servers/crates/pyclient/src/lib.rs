@@ -261,7 +261,7 @@ impl PyConnection {
                     data: unsafe { lent.slice() },
                 })
                 .collect();
-            block_on(connection.put_blocks(command, &slices))
+            connection.put_blocks_blocking(command, &slices)
         });
         drop(held);
         match result {

@@ -115,6 +115,9 @@ STREAM_PENDING_GROUPS_MAX = 4
 LARGE_OBJECTS_IN_FLIGHT_MAX = 4
 """``put_many`` and ``get_many`` move at most this many large objects at once (fewer if
 ``io_threads`` is smaller); each one already spreads its blocks over the I/O threads."""
+READ_TICKET_BLOCKS_MIN = 4
+"""Fewest blocks of one object that one read ticket carries: a large object's blocks on one
+server are read as several tickets in parallel, each at least this many blocks."""
 
 T = TypeVar("T")
 
@@ -1327,8 +1330,8 @@ class Client:
 
         With ``dest`` the bytes land in ``dest[0:end-start]`` and the count is returned;
         without, they land in a ``bytes`` of the exact size, filled in place, which is returned.
-        Each server's ranges are read by the native core with the GIL released, servers in
-        parallel.
+        Each server's ranges are read by the native core with the GIL released, as tickets of at
+        least ``READ_TICKET_BLOCKS_MIN`` blocks in parallel, servers in parallel too.
         """
         view = self._view
         block_size = header.block_size
@@ -1348,21 +1351,25 @@ class Client:
         received: dict[int, int] = {}
         lock = threading.Lock()
 
-        def fetch(address: str, ranges: list[tuple[int, int, int, int]]) -> None:
-            for at in range(0, len(ranges), TICKET_RANGES_MAX):
-                chunk = ranges[at:at + TICKET_RANGES_MAX]
-                try:
-                    self._get_ranges_current(address, bucket, key, header.version, chunk,
-                                             target, received, lock, delete=delete)
-                except NotFound:
-                    if view.epoch <= 1:
-                        raise
-                    self._fetch_moved_blocks(view, bucket, key, key_raw, header, address,
-                                             chunk, target, received, lock, delete=delete)
+        def fetch(address: str, chunk: list[tuple[int, int, int, int]]) -> None:
+            try:
+                self._get_ranges_current(address, bucket, key, header.version, chunk,
+                                         target, received, lock, delete=delete)
+            except NotFound:
+                if view.epoch <= 1:
+                    raise
+                self._fetch_moved_blocks(view, bucket, key, key_raw, header, address,
+                                         chunk, target, received, lock, delete=delete)
 
+        # A server's ranges are cut into tickets read in parallel over its connections: at
+        # least READ_TICKET_BLOCKS_MIN blocks each, so the I/O threads share a large object.
+        per_ticket = max(READ_TICKET_BLOCKS_MIN,
+                         -(-(last - first + 1) // self._config.io_threads))
+        per_ticket = min(per_ticket, TICKET_RANGES_MAX)
         self._parallel([
-            lambda address=address, ranges=ranges: fetch(address, ranges)
+            lambda address=address, chunk=ranges[at:at + per_ticket]: fetch(address, chunk)
             for address, ranges in groups.items()
+            for at in range(0, len(ranges), per_ticket)
         ])
         if sum(received.values()) != expected:
             raise InternalError(

@@ -38,16 +38,6 @@ TEST_TIMEOUT_S = 120
 RUN_TIMEOUT_S = 900
 """One pytest run is killed after this long."""
 
-PYTEST_TESTS_FAILED = 1
-"""pytest's exit status when tests ran and some failed."""
-
-RERUNS_MAX = 1
-"""Reruns of the failed tests; a test that fails twice fails CI. Added when a forked Lithops
-worker sometimes found gRPC still shutting down (one scan of /proc missed its thread), failed its
-first storage call, and lost a call Lithops never retries: its job then never finished. That race
-is fixed (``transport.wait_for_grpc_shutdown`` wants two quiet scans); the rerun stays as a guard
-because any storage error in a Lithops worker before its status is written still loses the call
-for good, and every rerun is announced in the log."""
 
 
 def lithops_tests_dir() -> Path:
@@ -103,14 +93,8 @@ def run(pytest_args: list[str]) -> int:
             # session on the machine, and a clean-up request that cannot run once the cluster
             # is gone from every later Lithops cleaner (deregistering frees the data anyway).
             env = {**os.environ, "TMPDIR": tmp}
-            returncode = _pytest(command, cwd=tmp, env=env)
-            for _ in range(RERUNS_MAX):
-                if returncode != PYTEST_TESTS_FAILED:
-                    break
-                # The known flake of RERUNS_MAX: rerun only the failed tests, and say so loudly.
-                print("!! some Lithops tests failed; rerunning only those", flush=True)
-                returncode = _pytest([*command, "--last-failed"], cwd=tmp, env=env)
-            return returncode
+            # One run, no rerun: a failing Lithops test fails CI.
+            return _pytest(command, cwd=tmp, env=env)
         finally:
             job.deregister()
 

@@ -1,9 +1,9 @@
-"""A bounded per-process cache of pocketflow clients that disconnects them before every fork.
+"""A bounded per-process cache of pocketflow clients.
 
 Serverless workers (Lithops' among them) run many calls per process and fork a process per call
-right after using the storage. Keeping one client per handle saves a connection per call; gRPC
-does not survive a fork with channels open, so every cache closes its clients' connections before
-the process forks (the clients reconnect on their next call, in the parent and in the child).
+right after using the storage. Keeping one client per handle saves a connection per call. A
+client survives a fork as it is (a forked child makes its own native runtime and connections on
+first use), so nothing happens before a fork; the child only gets fresh locks.
 """
 
 from __future__ import annotations
@@ -45,23 +45,11 @@ class ClientCache:
             old.close()
         return client
 
-    def disconnect_all(self) -> None:
-        """Close every cached client's connections; the clients stay usable."""
-        with self._lock:
-            clients = list(self._clients.values())
-        for client in clients:
-            client.disconnect()
-
     def _reset_lock(self) -> None:
         self._lock = threading.Lock()
 
 
 _caches: weakref.WeakSet[ClientCache] = weakref.WeakSet()
-
-
-def _disconnect_before_fork() -> None:
-    for cache in list(_caches):
-        cache.disconnect_all()
 
 
 def _reset_locks_in_child() -> None:
@@ -70,4 +58,4 @@ def _reset_locks_in_child() -> None:
         cache._reset_lock()
 
 
-os.register_at_fork(before=_disconnect_before_fork, after_in_child=_reset_locks_in_child)
+os.register_at_fork(after_in_child=_reset_locks_in_child)

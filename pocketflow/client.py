@@ -96,7 +96,7 @@ from pocketflow.protocol import (
     put_descriptor,
     small_header,
 )
-from pocketflow.transport import ExchangeOp, ServerConnection, new_bytes
+from pocketflow.transport import ExchangeOp, ServerConnection, new_bytes, run_groups
 
 __all__ = ["Client", "ObjectInfo", "connect", "STALE_EPOCH_RETRIES_MAX"]
 
@@ -1283,10 +1283,10 @@ class Client:
         self, view: _View, ops: Sequence[ExchangeOp], *, persist: bool
     ) -> dict[str, list[ExchangeOp]]:
         groups: dict[str, list[ExchangeOp]] = {}
-        server_for = view.placement.server_for
-        for op in ops:
+        servers = view.placement.servers_for([op.key for op in ops], 0, persist=persist)
+        for op, server in zip(ops, servers, strict=True):
             op.reply = None
-            address = server_for(op.key, 0, persist=persist).address
+            address = server.address
             group = groups.get(address)
             if group is None:
                 groups[address] = [op]
@@ -1302,20 +1302,17 @@ class Client:
         outcome per op, in one place.
         """
         window = self._config.exchange_window
-
-        def run(address: str, group: list[ExchangeOp]) -> None:
-            try:
-                self._connection(address).run(view.epoch, group, window)
-            except PocketflowError as exc:
-                failed = _failure_reply(exc)
-                for op in group:
-                    if op.reply is None:
-                        op.reply = failed
-
-        self._parallel([
-            lambda address=address, group=group: run(address, group)
+        failures = run_groups([
+            (self._connection(address), view.epoch, group, window)
             for address, group in groups.items()
         ])
+        for group, failure in zip(groups.values(), failures, strict=True):
+            if failure is None:
+                continue
+            failed = _failure_reply(failure)
+            for op in group:
+                if op.reply is None:
+                    op.reply = failed
 
     # -- internals: data blocks --------------------------------------------------------------
 

@@ -11,6 +11,10 @@ every process of a job places every block the same way.
 Small objects and manifests are block 0; data block ``i`` of a large object is placed by
 ``(key, i)``, which stripes a large object over the job's servers. PERSIST objects are placed over
 the servers marked ``persist`` only.
+
+The same placement exists in the Rust client core (``servers/crates/client/src/placement.rs``);
+:meth:`Placement.servers_for` places a whole batch of keys there in one call. Both are checked
+against the shared cases of ``tests/vectors/placement.json``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import hashlib
 import math
 from collections.abc import Sequence
 
+from pocketflow import _core
 from pocketflow.errors import DataUnavailable, PersistNotSupported
 from pocketflow.handle import ServerInfo
 
@@ -116,10 +121,22 @@ class Placement:
         # they rank after every active server.
         weights_all = [s.weight if s.weight > 0 else 1e-9 for s in servers]
         self._all = _Pool(servers, weights_all) if servers else None
+        self._native = _core.Placement([(s.node_id, s.weight, s.persist) for s in servers])
 
     def server_for(self, key: bytes, block: int = 0, *, persist: bool = False) -> ServerInfo:
         """The server that holds block ``block`` of ``key`` (UTF-8 bytes)."""
         return self.server_for_hash(hash_block(key, block), persist=persist)
+
+    def servers_for(
+        self, keys: list[bytes], block: int = 0, *, persist: bool = False
+    ) -> list[ServerInfo]:
+        """The server of block ``block`` of each key, as :meth:`server_for` would pick it, placed
+        in one call to the native core (for batches)."""
+        picked = self._native.servers_for(keys, block, persist)
+        if picked and min(picked) < 0:
+            self.server_for(keys[picked.index(-1)], block, persist=persist)  # raises the error
+        servers = self.servers
+        return [servers[i] for i in picked]
 
     def server_for_hash(self, h: int, *, persist: bool = False) -> ServerInfo:
         """The server for a precomputed :func:`hash_block` value."""

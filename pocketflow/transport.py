@@ -34,7 +34,10 @@ from pocketflow.protocol import (
     context,
 )
 
-__all__ = ["ExchangeOp", "ServerConnection", "AdminClient", "ADMIN_TIMEOUT_DEFAULT_S", "new_bytes"]
+__all__ = [
+    "ExchangeOp", "ServerConnection", "AdminClient", "ADMIN_TIMEOUT_DEFAULT_S", "new_bytes",
+    "run_groups",
+]
 
 ADMIN_TIMEOUT_DEFAULT_S = 10.0
 
@@ -74,6 +77,39 @@ class ExchangeOp:
         self.value = value
         self.tag = tag
         self.reply: Reply | None = None
+
+
+def _op_tuples(ops: Sequence[ExchangeOp]) -> list[tuple[Any, ...]]:
+    return [(op.op, op.flags, op.bucket, op.key, op.header, op.value) for op in ops]
+
+
+def _fill_replies(
+    ops: Sequence[ExchangeOp], raw: Sequence[tuple[int, bytes | None, bytes]]
+) -> None:
+    for op, reply in zip(ops, raw, strict=True):
+        op.reply = _reply(reply)
+
+
+def run_groups(
+    groups: Sequence[tuple[ServerConnection, int, Sequence[ExchangeOp], int]],
+) -> list[PocketflowError | None]:
+    """Run each ``(connection, epoch, ops, window)`` group over one session of its server, all
+    servers at once in the native core (GIL released); fills each op's ``reply``. Returns per
+    group the error that failed it before its replies came (ops without a reply), or ``None``."""
+    raw = _core.run_groups([
+        (connection._native, connection._command(), epoch, _op_tuples(ops), window)
+        for connection, epoch, ops, window in groups
+    ])
+    failures: list[PocketflowError | None] = []
+    for (_, _, ops, _), result in zip(groups, raw, strict=True):
+        if isinstance(result, BaseException):
+            if not isinstance(result, PocketflowError):
+                raise result
+            failures.append(result)
+            continue
+        _fill_replies(ops, result)
+        failures.append(None)
+    return failures
 
 
 class ServerConnection:
@@ -136,13 +172,8 @@ class ServerConnection:
         """Run many small operations pipelined over one session; fills each op's ``reply``."""
         if not ops:
             return
-        raw = self._native.run(
-            self._command(), epoch,
-            [(op.op, op.flags, op.bucket, op.key, op.header, op.value) for op in ops],
-            window,
-        )
-        for op, reply in zip(ops, raw, strict=True):
-            op.reply = _reply(reply)
+        raw = self._native.run(self._command(), epoch, _op_tuples(ops), window)
+        _fill_replies(ops, raw)
 
     def warm(self, count: int) -> int:
         """Open sessions until the pool holds ``count`` (at most ``sessions_max``), kept idle for

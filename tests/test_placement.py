@@ -133,6 +133,13 @@ def test_placement_matches_the_shared_vectors() -> None:
             except (PersistNotSupported, DataUnavailable):
                 got = None
             assert got == expected, (case["name"], key, block, persist)
+            # The native batch placement of the client core picks the same.
+            try:
+                batch = placement.servers_for([key.encode()], block, persist=persist)
+                got = batch[0].node_id
+            except (PersistNotSupported, DataUnavailable):
+                got = None
+            assert got == expected, ("native", case["name"], key, block, persist)
             checked += 1
         for key, block, expected in case["ranked"]:
             got = [s.node_id for s in placement.ranked(key.encode(), block)]

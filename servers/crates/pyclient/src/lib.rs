@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use pocketflow_client::placement::{PlacedServer, Placement};
 use pocketflow_client::{
     block_on, BlockSlice, ClientError, Connection, ConnectionConfig, ExchangeReply,
     ExchangeRequest, RangeTarget,
@@ -124,6 +125,153 @@ fn reply_tuple<'py>(py: Python<'py>, reply: &ExchangeReply) -> PyResult<Bound<'p
     )
 }
 
+/// `(op, flags, bucket, key, header, value)` tuples as requests.
+fn requests_of(ops: &Bound<'_, PyList>) -> PyResult<Vec<ExchangeRequest>> {
+    let mut requests = Vec::with_capacity(ops.len());
+    for item in ops.iter() {
+        let (op, flags, bucket, key, header, value): (
+            u8,
+            u8,
+            Vec<u8>,
+            Vec<u8>,
+            Vec<u8>,
+            Bound<'_, PyAny>,
+        ) = item.extract()?;
+        requests.push(request_of(op, flags, &bucket, &key, &header, &value)?);
+    }
+    Ok(requests)
+}
+
+/// The replies of one run as a list of `(status, header or None, body)`, or its error.
+fn replies_list<'py>(
+    py: Python<'py>,
+    result: Result<Vec<ExchangeReply>, ClientError>,
+    server: &str,
+) -> PyResult<Bound<'py, PyList>> {
+    match result {
+        Ok(replies) => {
+            let list = PyList::empty(py);
+            for reply in &replies {
+                list.append(reply_tuple(py, reply)?)?;
+            }
+            Ok(list)
+        }
+        Err(e) => Err(to_py_err(py, &e, server)),
+    }
+}
+
+/// Run each group's ops over one session of its connection, all groups at once (the first on
+/// the calling thread, the others on threads of their own), with the GIL released. `groups`
+/// holds `(connection, command, epoch, ops, window)`; returns per group its reply list or the
+/// exception that failed it.
+#[pyfunction]
+fn run_groups<'py>(py: Python<'py>, groups: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyList>> {
+    let mut work = Vec::with_capacity(groups.len());
+    for item in groups.iter() {
+        let (connection, command, epoch, ops, window): (
+            Bound<'py, PyConnection>,
+            Vec<u8>,
+            u64,
+            Bound<'py, PyList>,
+            usize,
+        ) = item.extract()?;
+        let requests = requests_of(&ops)?;
+        work.push((
+            connection.unbind(),
+            Bytes::from(command),
+            epoch,
+            requests,
+            window,
+        ));
+    }
+    let results: Vec<Result<Vec<ExchangeReply>, ClientError>> = py.detach(|| {
+        let run = |(connection, command, epoch, requests, window): &(
+            Py<PyConnection>,
+            Bytes,
+            u64,
+            Vec<ExchangeRequest>,
+            usize,
+        )| {
+            connection
+                .get()
+                .connection
+                .exchange_blocking(command, *epoch, requests, *window)
+        };
+        std::thread::scope(|scope| {
+            let others: Vec<_> = work[1.min(work.len())..]
+                .iter()
+                .map(|group| scope.spawn(move || run(group)))
+                .collect();
+            let mut results = Vec::with_capacity(work.len());
+            if let Some(first) = work.first() {
+                results.push(run(first));
+            }
+            for handle in others {
+                results.push(handle.join().unwrap_or_else(|_| {
+                    Err(ClientError::Protocol("a group's thread panicked".into()))
+                }));
+            }
+            results
+        })
+    });
+    let out = PyList::empty(py);
+    for ((connection, ..), result) in work.iter().zip(results) {
+        let address = connection.get().connection.address().to_string();
+        match replies_list(py, result, &address) {
+            Ok(list) => out.append(list)?,
+            Err(e) => out.append(e.into_value(py))?,
+        }
+    }
+    Ok(out)
+}
+
+/// Weighted rendezvous placement over one weight map (`pocketflow_client::placement`, the same
+/// picks as `pocketflow/placement.py`), for batches: one call places many keys.
+#[pyclass(name = "Placement", module = "pocketflow._core", frozen)]
+struct PyPlacement {
+    placement: Placement,
+}
+
+#[pymethods]
+impl PyPlacement {
+    /// `servers` holds `(node_id, weight, persist)` in the weight map's order.
+    #[new]
+    fn new(servers: Vec<(String, f64, bool)>) -> Self {
+        let placed: Vec<PlacedServer> = servers
+            .into_iter()
+            .map(|(node_id, weight, persist)| PlacedServer {
+                node_id,
+                weight,
+                persist,
+            })
+            .collect();
+        PyPlacement {
+            placement: Placement::new(&placed),
+        }
+    }
+
+    /// The index (in the map's order) of the server for block `block` of each key (`bytes`),
+    /// or -1 where no server can hold it.
+    #[pyo3(signature = (keys, block=0, persist=false))]
+    fn servers_for(
+        &self,
+        keys: &Bound<'_, PyList>,
+        block: u32,
+        persist: bool,
+    ) -> PyResult<Vec<i64>> {
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys.iter() {
+            let key = key.cast::<PyBytes>()?;
+            out.push(
+                self.placement
+                    .server_for(key.as_bytes(), block, persist)
+                    .map_or(-1, |i| i as i64),
+            );
+        }
+        Ok(out)
+    }
+}
+
 /// A connection to one storage server (see `pocketflow/transport.py`).
 #[pyclass(name = "Connection", module = "pocketflow._core", frozen)]
 struct PyConnection {
@@ -206,31 +354,11 @@ impl PyConnection {
         ops: &Bound<'py, PyList>,
         window: usize,
     ) -> PyResult<Bound<'py, PyList>> {
-        let mut requests = Vec::with_capacity(ops.len());
-        for item in ops.iter() {
-            let (op, flags, bucket, key, header, value): (
-                u8,
-                u8,
-                Vec<u8>,
-                Vec<u8>,
-                Vec<u8>,
-                Bound<'py, PyAny>,
-            ) = item.extract()?;
-            requests.push(request_of(op, flags, &bucket, &key, &header, &value)?);
-        }
+        let requests = requests_of(ops)?;
         let command = Bytes::copy_from_slice(command);
         let connection = &self.connection;
         let result = py.detach(|| connection.exchange_blocking(&command, epoch, &requests, window));
-        match result {
-            Ok(replies) => {
-                let list = PyList::empty(py);
-                for reply in &replies {
-                    list.append(reply_tuple(py, reply)?)?;
-                }
-                Ok(list)
-            }
-            Err(e) => Err(to_py_err(py, &e, connection.address())),
-        }
+        replies_list(py, result, connection.address())
     }
 
     /// Write data blocks over one DoPut stream; `blocks` holds `(index, buffer)` pairs, read
@@ -390,6 +518,8 @@ fn keep_transfer_buffers() {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     keep_transfer_buffers();
     m.add_class::<PyConnection>()?;
+    m.add_class::<PyPlacement>()?;
+    m.add_function(wrap_pyfunction!(run_groups, m)?)?;
     m.add_function(wrap_pyfunction!(empty_bytes, m)?)?;
     Ok(())
 }

@@ -46,9 +46,13 @@ new_bytes: Callable[[int], bytes] = _core.empty_bytes
 get returns the object it received into, without a join or a copy."""
 
 
-def _reply(raw: tuple[int, bytes | None, bytes]) -> Reply:
+RawReply = tuple[int, tuple[int, int, int, int, int] | None, bytes]
+"""A reply as the native core gives it: status, the header's fields or ``None``, body."""
+
+
+def _reply(raw: RawReply) -> Reply:
     status, header, body = raw
-    return Reply(0, status, None if header is None else ObjectHeader.decode(header), body)
+    return Reply(0, status, None if header is None else ObjectHeader(*header), body)
 
 
 class ExchangeOp:
@@ -83,9 +87,7 @@ def _op_tuples(ops: Sequence[ExchangeOp]) -> list[tuple[Any, ...]]:
     return [(op.op, op.flags, op.bucket, op.key, op.header, op.value) for op in ops]
 
 
-def _fill_replies(
-    ops: Sequence[ExchangeOp], raw: Sequence[tuple[int, bytes | None, bytes]]
-) -> None:
+def _fill_replies(ops: Sequence[ExchangeOp], raw: Sequence[RawReply]) -> None:
     for op, reply in zip(ops, raw, strict=True):
         op.reply = _reply(reply)
 

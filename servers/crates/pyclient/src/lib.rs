@@ -111,10 +111,14 @@ fn request_of(
 }
 
 fn reply_tuple<'py>(py: Python<'py>, reply: &ExchangeReply) -> PyResult<Bound<'py, PyTuple>> {
-    let header = reply
-        .header
-        .map(|h| PyBytes::new(py, &h.encode()).into_any())
-        .unwrap_or_else(|| py.None().into_bound(py));
+    // The header as `(version, size, block_count, block_size, flags)`: cheaper for Python than
+    // bytes to unpack.
+    let header = match reply.header {
+        Some(h) => (h.version, h.size, h.block_count, h.block_size, h.flags)
+            .into_pyobject(py)?
+            .into_any(),
+        None => py.None().into_bound(py),
+    };
     PyTuple::new(
         py,
         [
@@ -317,7 +321,7 @@ impl PyConnection {
         self.connection.address()
     }
 
-    /// Run one small operation; returns `(status, header or None, body)`.
+    /// Run one small operation; returns `(status, header fields or None, body)`.
     #[allow(clippy::too_many_arguments)]
     fn call<'py>(
         &self,

@@ -56,6 +56,7 @@ from pocketflow.errors import (
     InternalError,
     InvalidRequest,
     NotFound,
+    ObjectExists,
     ObjectNotFound,
     PocketflowError,
     StaleEpoch,
@@ -65,6 +66,7 @@ from pocketflow.handle import JobHandle, ServerInfo
 from pocketflow.placement import Placement
 from pocketflow.protocol import (
     ACTION_CREATE_BUCKET,
+    ACTION_DELETE,
     ACTION_DELETE_BLOCKS,
     ACTION_DELETE_BUCKET,
     ACTION_DELETE_PREFIX,
@@ -1104,6 +1106,16 @@ class Client:
                 if overwrite:
                     self._after_overwrite(view, bucket, bucket_raw, key_raw, server, reply.header,
                                           persist=persist)
+                    return
+                rivals = self._rivals(view, key_raw, server, persist=persist)
+                if rivals:
+                    found = self._find_rival_records(view, bucket_raw, [(key_raw, rivals)])
+                    rival = found.get(key_raw)
+                    if rival is not None:
+                        if uploader is not None:
+                            uploader.committed = False  # its blocks are freed by its abort
+                        raise self._withdraw(view, bucket, bucket_raw, key_raw, server, header,
+                                             rival)
                 return
             error = error_from_status(reply.status, reply.body, server=server.address)
             if isinstance(error, StaleEpoch) and attempt < STALE_EPOCH_RETRIES_MAX:
@@ -1115,6 +1127,69 @@ class Client:
                     continue
             raise error
         raise AssertionError("unreachable")
+
+    def _rivals(
+        self, view: _View, key_raw: bytes, written: ServerInfo, *, persist: bool
+    ) -> list[ServerInfo]:
+        """The other servers where a read would find block 0 of ``key_raw``: the home of the
+        other placement (PERSIST or ephemeral) and, once the job changed maps, every server of
+        the map (see :meth:`_probe_fallbacks`). A non-overwrite put checks them after writing,
+        so that write-once holds per key, not per server."""
+        placement = view.placement
+        rivals: list[ServerInfo] = []
+        if placement.has_persist():
+            try:
+                rivals.append(placement.server_for(key_raw, 0, persist=not persist))
+            except PocketflowError:
+                pass  # no server of the other placement: nothing to find there
+        if view.epoch > 1:
+            rivals += placement.ranked(key_raw)
+        seen = {written.node_id}
+        unique = []
+        for server in rivals:
+            if server.node_id not in seen:
+                seen.add(server.node_id)
+                unique.append(server)
+        return unique
+
+    def _find_rival_records(
+        self, view: _View, bucket_raw: bytes, checks: list[tuple[bytes, list[ServerInfo]]]
+    ) -> dict[bytes, ServerInfo]:
+        """LOOKUP each key on its rival servers, all servers at once; returns, per key found on
+        one, that server. A server that cannot answer is skipped (its reads fail too)."""
+        groups: dict[str, list[ExchangeOp]] = {}
+        servers: dict[str, ServerInfo] = {}
+        for key_raw, rivals in checks:
+            for server in rivals:
+                servers[server.address] = server
+                groups.setdefault(server.address, []).append(
+                    ExchangeOp(OP_LOOKUP, 0, bucket_raw, key_raw)
+                )
+        self._run_groups(view, groups)
+        found: dict[bytes, ServerInfo] = {}
+        for address, ops in groups.items():
+            for op in ops:
+                if op.reply is not None and op.reply.status == 0:
+                    found.setdefault(op.key, servers[address])
+        return found
+
+    def _withdraw(
+        self, view: _View, bucket: str, bucket_raw: bytes, key_raw: bytes, written: ServerInfo,
+        header: ObjectHeader, rival: ServerInfo,
+    ) -> ObjectExists:
+        """Take back a put that found the key already held on ``rival``: remove its record
+        (only that version: an overwrite that replaced it stays) and say why it lost."""
+        body = action_body(view.ctx, bucket=bucket, key=key_raw.decode(), version=header.version)
+        try:
+            self._connection(written.address).action(ACTION_DELETE, body)
+        except NotFound:
+            pass  # already gone (read with DELETE, or replaced by an overwrite)
+        except PocketflowError as exc:
+            log.warning("could not withdraw the losing put of %r: %s", key_raw, exc)
+        return ObjectExists(
+            f"already_exists: {bucket}/{key_raw.decode()} is held on {rival.node_id}",
+            server=rival.address,
+        )
 
     def _after_overwrite(
         self, view: _View, bucket: str, bucket_raw: bytes, key_raw: bytes, written: ServerInfo,
@@ -1230,6 +1305,7 @@ class Client:
         """Run PUT ops pipelined; retry stale-epoch and repairable missing-bucket failures."""
         first_error: PocketflowError | None = None
         replaced: list[tuple[bytes, ServerInfo, ObjectHeader | None]] = []
+        stored: list[tuple[ExchangeOp, ServerInfo]] = []
         repaired: set[str] = set()
         for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
             view = self._view
@@ -1246,6 +1322,8 @@ class Client:
                     if reply.status == 0:
                         if overwrite:
                             replaced.append((op.key, servers[address], reply.header))
+                        else:
+                            stored.append((op, servers[address]))
                         continue
                     error = error_from_status(reply.status, reply.body, server=address)
                     if isinstance(error, StaleEpoch) and attempt < STALE_EPOCH_RETRIES_MAX:
@@ -1276,8 +1354,37 @@ class Client:
             for key_raw, server, header in replaced:
                 self._after_overwrite(view, bucket, bucket_raw, key_raw, server, header,
                                       persist=persist)
+        else:
+            lost = self._check_rivals(bucket, bucket_raw, stored, persist=persist)
+            if first_error is None:
+                first_error = lost
         if first_error is not None:
             raise first_error
+
+    def _check_rivals(
+        self, bucket: str, bucket_raw: bytes, stored: list[tuple[ExchangeOp, ServerInfo]], *,
+        persist: bool,
+    ) -> ObjectExists | None:
+        """Write-once per key for a batch: withdraw every stored op whose key another server
+        holds (see :meth:`_rivals`); returns the error of the first, or ``None``."""
+        view = self._view
+        checks = []
+        for op, server in stored:
+            rivals = self._rivals(view, op.key, server, persist=persist)
+            if rivals:
+                checks.append((op.key, rivals))
+        if not checks:
+            return None
+        found = self._find_rival_records(view, bucket_raw, checks)
+        first: ObjectExists | None = None
+        for op, server in stored:
+            rival = found.get(op.key)
+            if rival is None:
+                continue
+            lost = self._withdraw(view, bucket, bucket_raw, op.key, server,
+                                  ObjectHeader.decode(op.header), rival)
+            first = first or lost
+        return first
 
     def _group_ops(
         self, view: _View, ops: Sequence[ExchangeOp], *, persist: bool

@@ -458,9 +458,9 @@ fn a_malformed_direct_message_gets_a_status() {
         assert_eq!(stream.read_to_end(&mut rest).unwrap(), 0, "closed after it");
         status
     };
-    // An unknown message kind after the magic.
+    // An unknown message kind (42) after the magic.
     let mut stream = std::net::TcpStream::connect(&address).unwrap();
-    stream.write_all(b"PFXCHG01\x09\0\0\0\0").unwrap();
+    stream.write_all(b"PFXCHG01\x2a\0\0\0\0").unwrap();
     let (code, message) = read_status(&mut stream);
     assert_eq!(code, 3, "{message}");
     assert!(message.starts_with("invalid_argument: "), "{message}");

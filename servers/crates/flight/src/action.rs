@@ -54,10 +54,11 @@ pub(crate) async fn run(
         }
         ActionName::Delete => {
             let req = ObjectRequest::parse(body)?;
-            Ok(json(&HeaderJson::from(store.delete_record(
+            Ok(json(&HeaderJson::from(store.delete_record_version(
                 job,
                 &req.bucket,
                 &req.key,
+                req.version,
             )?)))
         }
         ActionName::DeleteBlocks => {

@@ -102,7 +102,9 @@ impl ActionName {
     pub fn description(self) -> &'static str {
         match self {
             ActionName::Lookup => "header of one object: {bucket, key}",
-            ActionName::Delete => "remove one object, returning its header: {bucket, key}",
+            ActionName::Delete => {
+                "remove one object, returning its header: {bucket, key, version?}"
+            }
             ActionName::DeleteBlocks => {
                 "free data blocks of one version: {bucket, key, version, blocks}"
             }
@@ -142,6 +144,10 @@ pub struct ObjectRequest {
     pub bucket: String,
     /// Key.
     pub key: String,
+    /// `delete` only: remove the record only if it is this version (`not_found` otherwise), so a
+    /// writer can withdraw its own put without touching one that replaced it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<u64>,
 }
 
 /// `delete_blocks`.

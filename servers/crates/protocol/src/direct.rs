@@ -164,7 +164,8 @@ mod tests {
         let mut over = encode_head(Kind::Frame, 0);
         over[1..].copy_from_slice(&((PAYLOAD_MAX_BYTES + 1) as u32).to_le_bytes());
         assert!(decode_head(&over).is_err());
-        assert!(decode_head(&[9, 0, 0, 0, 0]).is_err());
+        assert!(decode_head(&[0, 0, 0, 0, 0]).is_err());
+        assert!(decode_head(&[42, 0, 0, 0, 0]).is_err());
     }
 
     #[test]

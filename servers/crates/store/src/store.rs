@@ -550,8 +550,28 @@ impl Store {
         bucket: &str,
         key: &str,
     ) -> Result<ObjectHeader, StoreError> {
+        self.delete_record_version(job, bucket, key, None)
+    }
+
+    /// [`Store::delete_record`], only if the record is `version` when one is given (else
+    /// `NotFound`, and the record stays).
+    pub fn delete_record_version(
+        &self,
+        job: &str,
+        bucket: &str,
+        key: &str,
+        version: Option<u64>,
+    ) -> Result<ObjectHeader, StoreError> {
         check_names(job, bucket, Some(key))?;
         let record = self.with_bucket(job, bucket, |b, account| {
+            if let Some(version) = version {
+                if b.records
+                    .get(key)
+                    .is_some_and(|r| r.header.version != version)
+                {
+                    return Err(not_found(bucket, key));
+                }
+            }
             let record = b
                 .records
                 .remove(key)
@@ -1188,6 +1208,18 @@ mod tests {
                 objects: 2
             }
         );
+        // A delete of another version leaves the record; of its own version removes it.
+        assert!(matches!(
+            store.delete_record_version(JOB, "b", "k1", Some(header.version + 1)),
+            Err(StoreError::NotFound { .. })
+        ));
+        assert_eq!(
+            store
+                .delete_record_version(JOB, "b", "k1", Some(header.version))
+                .unwrap(),
+            header
+        );
+        put(&store, "b", "k1", b"hello").await.unwrap();
         assert_eq!(store.delete_record(JOB, "b", "k1").unwrap(), header);
         assert!(matches!(
             store.get_record(JOB, "b", "k1", false).await,

@@ -1,0 +1,141 @@
+"""Write-once and exactly-once DELETE per key, not per server record: across a grow (block 0 of a
+key moves to another server) and across PERSIST and ephemeral placement (different servers for
+the same key), a second non-overwrite put of a key loses and two DELETE readers never both get it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from pocketflow.client import Client
+from pocketflow.cluster import LocalCluster
+from pocketflow.errors import DataUnavailable, ObjectExists, ObjectNotFound
+from pocketflow.protocol import OP_LOOKUP
+
+KEYS = 60
+
+
+def _records(pf: Client, bucket: str, key: str) -> int:
+    """How many servers of the job hold a block-0 record of ``key``."""
+    view = pf._view
+    found = 0
+    for server in view.handle.servers:
+        reply = pf._call(view, server, OP_LOOKUP, 0, bucket.encode(), key.encode())
+        found += reply.status == 0
+    return found
+
+
+def test_a_key_stays_written_once_across_a_grow(local_cluster: LocalCluster) -> None:
+    with local_cluster.register_job("write-once-grow", {"data_size_bytes": "8MiB"}) as job:
+        with job.connect() as pf:
+            pf.create_bucket("b")
+            for i in range(KEYS):
+                pf.put("b", f"k{i}", f"first-{i}".encode())
+            before = pf._view.placement
+            local_cluster.control.grow_job(job.job_id, {"data_size_bytes": "300MiB"})
+            pf.get("b", "k0")  # adopts the new map
+            after = pf._view.placement
+            moved = [i for i in range(KEYS)
+                     if before.server_for(f"k{i}".encode()).node_id
+                     != after.server_for(f"k{i}".encode()).node_id]
+            assert moved, "the grow moved no key's block 0; the test needs some that moved"
+            for i in range(KEYS):
+                try:
+                    pf.put("b", f"k{i}", b"second")
+                except ObjectExists:
+                    pass
+                else:
+                    raise AssertionError(f"k{i} (moved: {i in moved}) was written twice")
+                assert pf.get("b", f"k{i}") == f"first-{i}".encode()
+                assert _records(pf, "b", f"k{i}") == 1
+
+            # Two DELETE readers of each moved key: exactly one gets it.
+            for i in moved:
+                got = []
+                for _ in range(2):
+                    try:
+                        got.append(pf.get("b", f"k{i}", delete=True))
+                    except (ObjectNotFound, DataUnavailable):
+                        pass
+                assert got == [f"first-{i}".encode()]
+
+
+def _split_keys(pf: Client, count: int) -> list[str]:
+    """Keys whose PERSIST block-0 server differs from their ephemeral one."""
+    placement = pf._view.placement
+    keys = []
+    for i in range(10_000):
+        key = f"split-{i}"
+        if (placement.server_for(key.encode()).node_id
+                != placement.server_for(key.encode(), persist=True).node_id):
+            keys.append(key)
+            if len(keys) == count:
+                return keys
+    raise AssertionError(f"PERSIST and ephemeral keys are placed alike: {pf._view.handle}")
+
+
+# A job larger than the DRAM servers: its map holds the NVMe server (not long-running) too, so
+# PERSIST objects (long-running servers only) and ephemeral ones are placed differently.
+SPLIT_HINTS = {"data_size_bytes": "300MiB"}
+
+
+def test_persist_and_ephemeral_puts_of_one_key_are_one_key(local_cluster: LocalCluster) -> None:
+    with local_cluster.register_job("write-once-flags", SPLIT_HINTS) as job:
+        with job.connect() as pf:
+            pf.create_bucket("b")
+            keys = _split_keys(pf, 20)
+            for n, key in enumerate(keys):
+                first_persist = n % 2 == 0
+                pf.put("b", key, b"first", persist=first_persist)
+                try:
+                    pf.put("b", key, b"second", persist=not first_persist)
+                except ObjectExists:
+                    pass
+                else:
+                    raise AssertionError(f"{key} written twice (persist first: {first_persist})")
+                assert pf.get("b", key) == b"first"
+                assert _records(pf, "b", key) == 1
+            # Large objects too: the loser leaves none of its blocks behind.
+            big = bytes(3 * 1024 * 1024)
+            pf.put("b", keys[0] + "-big", big, persist=True)
+            try:
+                pf.put("b", keys[0] + "-big", big)
+            except ObjectExists:
+                pass
+            else:
+                raise AssertionError("a large object was written twice")
+            assert pf.get("b", keys[0] + "-big") == big
+
+
+def test_concurrent_writers_with_mixed_flags_leave_at_most_one_record(
+    local_cluster: LocalCluster,
+) -> None:
+    with local_cluster.register_job("write-once-race", SPLIT_HINTS) as job:
+        with job.connect() as pf:
+            pf.create_bucket("b")
+            keys = _split_keys(pf, 25)
+            wins: dict[str, list[int]] = {key: [] for key in keys}
+            lock = threading.Lock()
+
+            def writer(n: int) -> None:
+                with job.connect() as own:
+                    for key in keys:
+                        try:
+                            own.put("b", key, f"w{n}".encode(), persist=n % 2 == 1)
+                        except ObjectExists:
+                            continue
+                        with lock:
+                            wins[key].append(n)
+
+            threads = [threading.Thread(target=writer, args=(n,)) for n in range(6)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=120)
+            assert not any(thread.is_alive() for thread in threads)
+            for key in keys:
+                assert len(wins[key]) <= 1, (key, wins[key])
+                held = _records(pf, "b", key)
+                assert held == len(wins[key]), (key, held, wins[key])
+                if wins[key]:
+                    assert pf.get("b", key) == f"w{wins[key][0]}".encode()

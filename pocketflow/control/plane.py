@@ -37,9 +37,15 @@ class ControlPlane:
     def __init__(self, controller: Any) -> None:
         self._controller = controller
 
-    def register(self, name: str, hints: dict[str, Any]) -> JobHandle:
-        """Register a job; returns its handle."""
-        return self._call("register_job", name, hints)
+    def register(self, name: str, hints: Any) -> JobHandle:
+        """Register a job; returns its handle.
+
+        ``hints`` is a :class:`pocketflow.job.Hints` or a mapping of its fields (sizes as numbers
+        or strings such as ``"8MiB"``), checked here as :func:`pocketflow.register_job` does.
+        """
+        from pocketflow.job import Hints
+
+        return self._call("register_job", name, Hints.coerce(hints).to_dict())
 
     def grow_job(self, job_id: str, hints: Any) -> JobHandle:
         """Give a running job more room (new hints): a new epoch with added servers.

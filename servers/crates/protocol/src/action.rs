@@ -203,8 +203,8 @@ pub struct PrefixRequest {
     pub ctx: Context,
     /// Bucket.
     pub bucket: String,
-    /// Key prefix; empty removes every record of the bucket.
-    #[serde(default)]
+    /// Key prefix, required (a body without one is refused rather than taken as "everything");
+    /// an explicit empty prefix removes every record of the bucket.
     pub prefix: String,
 }
 
@@ -372,6 +372,12 @@ impl SetEpochRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
         let req: Self = parse_json("action body", body)?;
         check_job_id(&req.job)?;
+        if req.epoch == 0 {
+            return Err(ProtocolError::Field {
+                what: "epoch",
+                why: "must be at least 1 (epochs start at 1)",
+            });
+        }
         Ok(req)
     }
 

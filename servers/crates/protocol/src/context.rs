@@ -15,10 +15,25 @@ pub struct Context {
     /// Weight-map epoch the client placed the request with.
     #[serde(default)]
     pub epoch: u64,
-    /// Capability token for `job`.
-    #[serde(default)]
+    /// Capability token for `job`. Missing is empty; a value that is not a string is kept as
+    /// text that is no token, so both are refused as `permission_denied` by the token check,
+    /// not as a malformed body.
+    #[serde(default, deserialize_with = "token_text")]
     pub token: String,
 }
+
+/// Any JSON value as token text: a string as it is, anything else as a marker that never parses
+/// as a token.
+fn token_text<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+    match serde_json::Value::deserialize(deserializer)? {
+        serde_json::Value::String(text) => Ok(text),
+        serde_json::Value::Null => Ok(String::new()),
+        _ => Ok(NOT_A_STRING_TOKEN.to_string()),
+    }
+}
+
+/// What a token that was not a JSON string becomes.
+const NOT_A_STRING_TOKEN: &str = "(not a string)";
 
 impl Context {
     /// Check the job id's bounds (the token is checked by the service, which holds the secret).
@@ -125,6 +140,16 @@ mod tests {
             parse_json::<Context>("ctx", b"{"),
             Err(ProtocolError::Json { what: "ctx", .. })
         ));
+        // A token that is missing, null or not a string parses (the token check refuses it).
+        for body in [
+            &br#"{"job":"j"}"#[..],
+            br#"{"job":"j","token":null}"#,
+            br#"{"job":"j","token":12}"#,
+            br#"{"job":"j","token":{"a":1}}"#,
+        ] {
+            let ctx: Context = parse_json("ctx", body).unwrap();
+            assert!(ctx.token.is_empty() || ctx.token == NOT_A_STRING_TOKEN);
+        }
     }
 
     #[test]

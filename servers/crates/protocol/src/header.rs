@@ -46,6 +46,9 @@ pub enum HeaderError {
     /// Flag bits that this version does not know.
     #[error("unknown object flags {0:#x}")]
     UnknownFlags(u32),
+    /// The reserved last four bytes are not zero.
+    #[error("the object header's reserved field is not zero")]
+    ReservedNonZero,
 }
 
 impl ObjectHeader {
@@ -115,6 +118,9 @@ impl ObjectHeader {
         }
         let u64_at = |at: usize| u64::from_le_bytes(buf[at..at + 8].try_into().expect("8 bytes"));
         let u32_at = |at: usize| u32::from_le_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
+        if u32_at(28) != 0 {
+            return Err(HeaderError::ReservedNonZero);
+        }
         Ok(Self {
             version: u64_at(0),
             size: u64_at(8),
@@ -128,6 +134,21 @@ impl ObjectHeader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reserved_bytes_must_be_zero() {
+        let mut raw = ObjectHeader {
+            version: 7,
+            size: 3,
+            ..Default::default()
+        }
+        .encode();
+        raw[31] = 1;
+        assert_eq!(
+            ObjectHeader::decode(&raw),
+            Err(HeaderError::ReservedNonZero)
+        );
+    }
 
     #[test]
     fn round_trip() {

@@ -61,6 +61,11 @@ pub(crate) async fn open(
     let frames = futures::stream::once(async move { first_frame })
         .chain(input.map(|message| match message {
             Ok(data) => message_frame(&data),
+            // A message over the size bound is refused by the decoder, not by the peer: the
+            // client is still there and gets the refusal as the session's status.
+            Err(status) if status.code() == tonic::Code::OutOfRange => {
+                Incoming::Invalid(ServiceError::MessageRefused(status.message().to_string()))
+            }
             Err(_) => Incoming::Broken,
         }))
         .boxed();

@@ -79,6 +79,10 @@ pub enum ServiceError {
     /// A stream message is missing, or lacks what it must carry, or carries what it must not.
     #[error("{0}")]
     StreamShape(&'static str),
+    /// A request message the transport could not take (over the message size bound): the
+    /// transport's own words.
+    #[error("request message refused: {0}")]
+    MessageRefused(String),
     /// `set_cores` asked for an impossible number of cores or the kernel refused it.
     #[error(transparent)]
     Cores(#[from] crate::cores::CoresError),
@@ -94,6 +98,7 @@ impl ServiceError {
             ServiceError::Ipc(_)
             | ServiceError::BlockIncomplete { .. }
             | ServiceError::StreamShape(_)
+            | ServiceError::MessageRefused(_)
             | ServiceError::TransferIdle { .. } => ErrorKind::InvalidArgument,
             ServiceError::StaleEpoch { .. } => ErrorKind::StaleEpoch,
             ServiceError::Draining { .. } => ErrorKind::Draining,

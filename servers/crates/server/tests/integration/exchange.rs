@@ -432,3 +432,50 @@ async fn a_session_stops_when_its_token_expires() {
         0
     );
 }
+
+/// A message over the 16 MiB message bound (refused by the decoder, not the peer) ends the
+/// session with a status the client can read, not with a silent OK end.
+#[tokio::test]
+async fn an_over_limit_message_gets_a_status() {
+    use arrow_flight::{FlightData, FlightDescriptor};
+    use futures::StreamExt;
+
+    let server = TestServer::start(ServerOptions::default());
+    let client = server.client().await;
+    client.create_bucket("job-a", "b").await;
+    let descriptor = json!({"ctx": ctx("job-a", 0)}).to_string();
+    let first = FlightData {
+        flight_descriptor: Some(FlightDescriptor::new_cmd(descriptor)),
+        ..Default::default()
+    };
+    let huge = FlightData {
+        app_metadata: Bytes::from(vec![0u8; 17 << 20]),
+        ..Default::default()
+    };
+    let mut inner = client.inner.clone().max_encoding_message_size(64 << 20);
+    let response = inner
+        .do_exchange(futures::stream::iter(vec![first, huge]))
+        .await
+        .expect("the session opens");
+    let mut stream = response.into_inner();
+    let mut status = None;
+    while let Ok(Some(message)) = tokio::time::timeout(Duration::from_secs(10), stream.next()).await
+    {
+        if let Err(s) = message {
+            status = Some(s);
+            break;
+        }
+    }
+    let status = status.expect("the session ended with a status, not silently");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().starts_with("invalid_argument: "),
+        "{status:?}"
+    );
+    // The server keeps serving.
+    let mut session = client.session("job-a", 0).await.unwrap();
+    let replies = session
+        .run(0, &[put(1, "b", "after", Bytes::from_static(b"v"), 0)])
+        .await;
+    assert_eq!(replies[&1].status, 0);
+}

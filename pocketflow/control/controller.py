@@ -96,6 +96,13 @@ The probe's deadline is ``dead_after`` (at least this): a server busy on a loade
 not stopped for one slow answer, while a killed one refuses the connection at once and a hung
 one is declared dead ``dead_after`` later (about twice ``dead_after`` after it hung)."""
 
+SUSPECT_RECHECK_S = 5.0
+"""How often a suspect server (silent, not answering, but its process is running: hung, stopped
+or overloaded) is probed again; between probes the failure detector skips it."""
+
+NODE_CALL_TIMEOUT_S = 5.0
+"""Deadline of asking a server's ``StorageNode`` actor whether its process still runs."""
+
 DEAD_SERVERS_KEPT_MAX = 256
 """Most dead servers remembered for ``status``; the oldest are forgotten past it."""
 
@@ -250,6 +257,9 @@ class Controller:
         self._launched: dict[str, Any] = {}
         self._register_timeout_s = register_timeout_s
         self._draining: set[str] = set()
+        # Silent servers whose process still runs: ``node_id -> monotonic time last probed``.
+        # Not dead (never stopped, data kept) and given no new jobs until they answer again.
+        self._suspects: dict[str, float] = {}
         self._sizing = sizing
         self._sizing_interval_s = sizing_interval_ms / 1000.0
         self._sizing_last_action_s: float | None = None
@@ -300,6 +310,8 @@ class Controller:
                 return
             self._last_heartbeat[node_id] = time.monotonic()
             self._keep_newer_stats(node_id, stats)
+            if self._suspects.pop(node_id, None) is not None:
+                log.warning("storage server %s answers again; no longer suspect", node_id)
 
     def _keep_newer_stats(self, node_id: str, stats: dict[str, Any]) -> None:
         """Keep ``stats`` unless a sample taken later is already kept. Callers hold the lock.
@@ -328,7 +340,12 @@ class Controller:
         return {n: dict(d) for n, d in list(self._dead.items())}
 
     def check_failures(self) -> list[str]:
-        """Declare dead every server whose heartbeats are missing for ``dead_after_ms``.
+        """Declare dead every server whose heartbeats are missing for ``dead_after_ms``, that does
+        not answer a direct probe either, and whose process is gone (or whose node cannot say).
+
+        A silent server whose process still runs (hung, SIGSTOPped, overloaded) is a *suspect*
+        instead: never stopped, its data kept, no new jobs placed on it, probed again every
+        ``SUSPECT_RECHECK_S``; its next heartbeat or answer clears it.
 
         Runs in the background every ``MONITOR_INTERVAL_S_MAX`` at most; returns the node ids
         declared dead by this call.
@@ -336,8 +353,22 @@ class Controller:
         declared = []
         for node_id in self._silent_servers():
             info = self._servers.get(node_id)
-            if info is not None and self._answers(info):
-                continue
+            if info is not None:
+                with self._heartbeat_lock:
+                    probed = self._suspects.get(node_id)
+                if probed is not None and time.monotonic() - probed < SUSPECT_RECHECK_S:
+                    continue
+                if self._answers(info):
+                    continue
+                if self._process_runs(node_id):
+                    # Hung, stopped or overloaded, not gone: its data stays, it gets no new
+                    # jobs, and its clients' calls fail within their op timeout meanwhile.
+                    with self._heartbeat_lock:
+                        if node_id not in self._suspects:
+                            log.warning("storage server %s is silent but its process runs; "
+                                        "suspect, not dead", node_id)
+                        self._suspects[node_id] = time.monotonic()
+                    continue
             with self._lock:
                 # Re-checked under the lock: a heartbeat may have come in meanwhile.
                 silent_s = self._silent_servers().get(node_id)
@@ -365,6 +396,25 @@ class Controller:
         log.warning("heartbeats of %s are late but it answers; still alive", info.node_id)
         self.heartbeat(info.node_id, stats)
         return True
+
+    def _process_runs(self, node_id: str) -> bool:
+        """Whether the server's process still runs, by its ``StorageNode`` actor (on the
+        server's own machine). An actor that cannot answer counts as gone."""
+        import ray
+
+        node = self._nodes.get(node_id)
+        if node is None:
+            return False
+        try:
+            return bool(ray.get(node.alive.remote(), timeout=NODE_CALL_TIMEOUT_S))
+        except Exception as exc:  # noqa: BLE001 - any failure to answer means gone
+            log.info("the node of %s did not answer: %s", node_id, exc)
+            return False
+
+    def suspect_servers(self) -> list[str]:
+        """Servers that are silent but whose process runs (see ``check_failures``)."""
+        with self._heartbeat_lock:
+            return sorted(self._suspects)
 
     def _silent_servers(self) -> dict[str, float]:
         """``node_id -> seconds since its last heartbeat`` for servers silent too long."""
@@ -636,6 +686,7 @@ class Controller:
             "jobs": jobs,
             "dead_servers": self.dead_servers(),
             "draining": sorted(list(self._draining)),
+            "suspect": self.suspect_servers(),
             "sizing_actions": self.sizing_actions(),
             "resource_requests": list(self._launcher.resource_requests)
             if self._launcher is not None
@@ -703,6 +754,7 @@ class Controller:
                     used_bytes=int(stats.get("used_bytes", 0)),
                     long_running=info.long_running,
                     draining=info.node_id in self._draining
+                    or info.node_id in self._suspects
                     or bool(stats.get("draining", False)),
                 )
             )

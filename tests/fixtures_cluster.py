@@ -32,7 +32,8 @@ def local_cluster() -> Iterator[LocalCluster]:
     try:
         find_server_binary()
     except ServerStartError as exc:
-        pytest.skip(f"storage server binary not built: {exc}")
+        # A missing binary is a broken install, not a reason to pass: fail every cluster test.
+        pytest.fail(f"storage server binary not built ({exc}); run `make install`", pytrace=False)
     cluster = LocalCluster(
         dram_servers=2,
         nvme_servers=1,

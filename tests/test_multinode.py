@@ -22,7 +22,7 @@ def test_long_running_servers_start_where_storage_slots_are(multinode: dict[str,
 
 
 def test_a_job_that_needs_room_gets_a_server_on_an_added_node(multinode: dict[str, Any]) -> None:
-    assert multinode["autoscaler_asked"]
+    assert multinode["autoscaler_asked"], multinode.get("resource_requests")
     assert multinode["servers_on_new_node"] == ["dram-2"]
     assert multinode["job_uses_new_node"]
 

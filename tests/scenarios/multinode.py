@@ -63,9 +63,14 @@ def main() -> None:
             # 20 MiB does not fit on two 8 MiB servers, and no node has a free slot yet.
             controller = ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE)
             pending = controller.register_job.remote("big", {"data_size_bytes": 20 * MIB})
+            # Asked, and the request went through (an "request failed: ..." outcome is no ask).
             out["autoscaler_asked"] = wait(
-                lambda: bool(cluster.status()["resource_requests"]), timeout_s=30
+                lambda: any(
+                    r["outcome"] == "requested" for r in cluster.status()["resource_requests"]
+                ),
+                timeout_s=30,
             )
+            out["resource_requests"] = cluster.status()["resource_requests"]
             node = ray_cluster.add_node(
                 num_cpus=1, object_store_memory=OBJECT_STORE_BYTES, resources={SLOT: 1}
             )

@@ -85,6 +85,9 @@ async fn garbage_at_every_rpc_is_refused_and_the_server_keeps_serving() {
     let server = TestServer::start(ServerOptions::default());
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
+    let used_before = client.stats().await["used_bytes"]
+        .as_u64()
+        .expect("used_bytes");
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut inner = client.inner.clone();
 
@@ -214,11 +217,13 @@ async fn garbage_at_every_rpc_is_refused_and_the_server_keeps_serving() {
             Ok(response) => {
                 let mut stream = response.into_inner();
                 let mut code = Code::Ok;
-                while let Ok(Some(message)) =
-                    tokio::time::timeout(Duration::from_secs(5), stream.next()).await
-                {
-                    if let Err(status) = message {
-                        code = status.code();
+                // The request stream is complete, so the session must end: a hang is a failure.
+                loop {
+                    match tokio::time::timeout(Duration::from_secs(5), stream.next()).await {
+                        Ok(Some(Err(status))) => code = status.code(),
+                        Ok(Some(Ok(_))) => {}
+                        Ok(None) => break,
+                        Err(_) => panic!("a DoExchange of garbage hung for 5 s"),
                     }
                 }
                 code
@@ -251,4 +256,16 @@ async fn garbage_at_every_rpc_is_refused_and_the_server_keeps_serving() {
         .await;
     assert_eq!(replies[&3].body, pattern(10, 1));
     assert!(server.memory_bytes().0 > 0);
+    // Nothing the garbage got in stayed: only the one object written after it is counted.
+    let deleted = client
+        .action(
+            "delete",
+            json!({"ctx": ctx("job-a", 0), "bucket": "b", "key": "after"}),
+        )
+        .await;
+    assert!(deleted.is_ok(), "{deleted:?}");
+    let used_after = client.stats().await["used_bytes"]
+        .as_u64()
+        .expect("used_bytes");
+    assert_eq!(used_after, used_before, "garbage left bytes behind");
 }

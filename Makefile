@@ -23,8 +23,10 @@ system-packages:
 		echo "warning: redis-server or fio missing and not root; benchmarks needing them skip" >&2; \
 	fi
 
+# The core package (with its native client core), then each adapter, a package of its own.
 python-packages:
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e adapters/lithops
 
 server:
 	cd servers && $(CARGO) build --release --locked

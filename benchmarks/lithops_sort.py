@@ -15,7 +15,7 @@ worker processes), one after the other in this one run, in a rotating order per 
   writes its output there too. Lithops' own data (payloads, results) uses the same storage.
 - ``lithops-redis``: the same tasks on Lithops' ``redis`` storage backend, on a redis-server this
   script starts on 127.0.0.1 and a free port and stops by pid.
-- ``pocketflow``: :func:`pocketflow.integrations.lithops_shuffle.shuffle` on an embedded local
+- ``pocketflow``: :func:`pocketflow_lithops.shuffle.shuffle` on an embedded local
   cluster (job registration with hints, reducers parked by the ``wait`` action, DELETE-on-read,
   PERSIST outputs, deregistration); Lithops' own data in its localhost storage.
 - ``pocketflow-no-delete``: the same with ``delete_inputs=False``, to measure what DELETE saves.
@@ -211,9 +211,10 @@ def run_storage_variant(name: str, fexec: Any, config: SortConfig,
 
 def run_pocketflow_variant(name: str, fexec: Any, config: SortConfig, cluster: Any,
                            sample: Callable[[], int], *, delete_inputs: bool) -> Run:
-    """The sort with :func:`~pocketflow.integrations.lithops_shuffle.shuffle`."""
+    """The sort with :func:`~pocketflow_lithops.shuffle.shuffle`."""
+    from pocketflow_lithops.shuffle import shuffle
+
     import pocketflow
-    from pocketflow.integrations.lithops_shuffle import shuffle
 
     with PeakSampler(sample, interval_s=SAMPLE_INTERVAL_S) as sampler:
         started = time.perf_counter()

@@ -2,8 +2,8 @@
 
 Run with ``python3 examples/sort.py``. It starts an embedded local cluster, then sorts generated
 100-byte records (10-byte keys) with 4 mappers and 2 reducers on Lithops' localhost executor.
-The drop-in shuffle (:func:`pocketflow.integrations.lithops_shuffle.shuffle`, documented in
-``adapters/lithops/shuffle.py``) registers a pocketflow job with hints, writes one object per
+The drop-in shuffle (:func:`pocketflow_lithops.shuffle.shuffle`, documented in
+``adapters/lithops``) registers a pocketflow job with hints, writes one object per
 (mapper, reducer), lets reducers wait for their inputs on the storage servers and read them with
 DELETE, writes the sorted partitions with PERSIST and deregisters the job. The output is then
 read back and validated: globally sorted, complete, same checksum as the input.

@@ -2,7 +2,7 @@
 
 Mappers and reducers are Lithops calls on the localhost executor (worker subprocesses of this
 interpreter, no Ray in the tasks), wired together by the drop-in shuffle of
-:mod:`pocketflow.integrations.lithops_shuffle`: the shuffle registers a job with hints, tasks
+:mod:`pocketflow_lithops.shuffle`: the shuffle registers a job with hints, tasks
 receive only the job handle's JSON. Mapper ``i`` generates its share of records
 deterministically from the seed (10-byte keys) and range-partitions them by key into ``R``
 partitions, one object per (mapper, reducer); reducer ``r`` waits for and reads its ``M`` inputs
@@ -42,7 +42,7 @@ LITHOPS_ENV_PREFIX = "__LITHOPS_"
 SORT_TIMEOUT_DEFAULT_S = 3600.0
 """Default bound on each wait for a stage of the sort (Lithops raises ``TimeoutError``)."""
 LITHOPS_POCKET_STORAGE = "pocket"
-"""Name of pocketflow's Lithops storage backend (``pocketflow.integrations.lithops_storage``)."""
+"""Name of pocketflow's Lithops storage backend (``pocketflow_lithops.storage``)."""
 LITHOPS_MONITORING_INTERVAL_S = 0.1
 """How often Lithops' driver looks for finished calls (its default of 2 s dominates small jobs)."""
 
@@ -494,8 +494,8 @@ def run_sort(
     can arm its alarm). Raises whatever a task raised.
     """
     import lithops
+    from pocketflow_lithops.shuffle import shuffle
 
-    from pocketflow.integrations.lithops_shuffle import shuffle
     from pocketflow.job import _resolve_control_plane
 
     cfg = config or SortConfig()

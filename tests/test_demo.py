@@ -139,7 +139,7 @@ def test_lithops_config_is_the_localhost_executor() -> None:
     assert config["redis"] == {"port": 1}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pocketflow.integrations.lithops_storage") is None,
+@pytest.mark.skipif(importlib.util.find_spec("pocketflow_lithops.storage") is None,
                     reason="pocketflow's Lithops storage backend is not in this checkout")
 def test_small_sort_with_lithops_own_data_in_pocketflow(local_cluster: LocalCluster) -> None:
     config = SortConfig(mappers=2, reducers=2, records=10_000, seed=4, processes=2)

@@ -53,8 +53,7 @@ def lithops_tests_dir() -> Path:
 def write_config(handle_json: str, directory: Path) -> Path:
     """Write the Lithops config file (YAML) for the job into ``directory``; returns its path."""
     import yaml
-
-    from pocketflow.integrations.lithops_storage import lithops_config
+    from pocketflow_lithops.storage import lithops_config
 
     path = directory / "lithops_config.yaml"
     path.write_text(yaml.safe_dump(lithops_config(handle_json)), encoding="utf-8")

@@ -2,7 +2,7 @@
 
 Use it by registering a pocketflow job and giving Lithops its handle::
 
-    from pocketflow.integrations.lithops_storage import lithops_config
+    from pocketflow_lithops.storage import lithops_config
 
     job = pocketflow.register_job("etl", hints)
     fexec = lithops.FunctionExecutor(config=lithops_config(job.handle))
@@ -48,7 +48,7 @@ from pocketflow.errors import (
     PocketflowError,
 )
 from pocketflow.handle import JobHandle
-from pocketflow.integrations.worker_clients import ClientCache
+from pocketflow_lithops.worker_clients import ClientCache
 
 __all__ = [
     "BACKEND_NAME",
@@ -129,7 +129,7 @@ def load_config(config_data: dict[str, Any]) -> None:
     if not isinstance(section, dict):
         raise InvalidRequest(
             f"the '{BACKEND_NAME}' section is mandatory in the Lithops configuration "
-            "when storage is 'pocket' (see pocketflow.integrations.lithops_storage)"
+            "when storage is 'pocket' (see pocketflow_lithops.storage)"
         )
     section["handle"] = _handle_json(section)
     section.pop("handle_file", None)

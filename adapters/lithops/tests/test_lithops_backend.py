@@ -12,15 +12,15 @@ from pathlib import Path
 import lithops
 import pytest
 from lithops.storage.utils import StorageNoSuchKeyError
-
-from pocketflow.cluster import LocalCluster
-from pocketflow.errors import InvalidRequest
-from pocketflow.integrations.lithops_storage import (
+from pocketflow_lithops.storage import (
     MONITORING_INTERVAL_DEFAULT_S,
     PocketStorageBackend,
     lithops_config,
     load_config,
 )
+
+from pocketflow.cluster import LocalCluster
+from pocketflow.errors import InvalidRequest
 from pocketflow.job import Job
 
 BUCKET = "lithops"
@@ -62,7 +62,7 @@ def test_a_fresh_interpreter_finds_the_backend_from_any_directory(tmp_path: Path
         timeout=60, check=False,
     )
     assert result.returncode == 0, result.stderr
-    target = "pocketflow.integrations.lithops_storage"
+    target = "pocketflow_lithops.storage"
     assert result.stdout.split() == [target, target]
 
 
@@ -83,10 +83,10 @@ def test_the_installed_pth_hook_is_silent_when_its_module_is_gone(tmp_path: Path
     site_dir = tmp_path / "site"
     site_dir.mkdir()
     (site_dir / pth.name).write_text(pth.read_text(encoding="utf-8"), encoding="utf-8")
-    repo_root = Path(__file__).resolve().parent.parent
+    adapter_root = Path(__file__).resolve().parent.parent  # holds _pocketflow_lithops.py
     code = (
         "import site, sys\n"
-        f"if len(sys.argv) > 1: sys.path.insert(0, {str(repo_root)!r})\n"
+        f"if len(sys.argv) > 1: sys.path.insert(0, {str(adapter_root)!r})\n"
         f"site.addsitedir({str(site_dir)!r})\n"
         "print('_pocketflow_lithops' in sys.modules)\n"
     )

@@ -2,7 +2,7 @@
 
 Lithops loads a storage backend named ``<name>`` by importing ``lithops.storage.backends.<name>``
 (a ``StorageBackend`` class) and ``lithops.storage.backends.<name>.config`` (a ``load_config``
-function). pocketflow's backend lives in :mod:`pocketflow.integrations.lithops_storage`; this hook
+function). pocketflow's backend lives in :mod:`pocketflow_lithops.storage`; this hook
 adds a meta-path finder that answers for exactly those two module names with small modules that
 re-export it, so Lithops' installed files are never edited.
 
@@ -24,7 +24,7 @@ from types import ModuleType
 BACKEND_PACKAGE = "lithops.storage.backends.pocket"
 """The module name Lithops imports for ``storage: pocket``."""
 
-TARGET_MODULE = "pocketflow.integrations.lithops_storage"
+TARGET_MODULE = "pocketflow_lithops.storage"
 """Where the backend is implemented."""
 
 # Alias module name -> the names it re-exports from TARGET_MODULE.

@@ -21,6 +21,12 @@ from typing import Any
 import cloudpickle
 import pytest
 from fixtures_cluster import extra_server, used_bytes, wait_for
+from pocketflow_lithops.shuffle import (
+    OutputInfo,
+    refresh_map,
+    shuffle,
+    shuffle_key,
+)
 
 import pocketflow
 from pocketflow.cluster import LocalCluster
@@ -38,12 +44,6 @@ from pocketflow.demo import (
 )
 from pocketflow.errors import BucketNotFound, DataUnavailable, ShuffleFailed
 from pocketflow.handle import JobHandle
-from pocketflow.integrations.lithops_shuffle import (
-    OutputInfo,
-    refresh_map,
-    shuffle,
-    shuffle_key,
-)
 from pocketflow.placement import Placement
 
 # Lithops pickles the task functions; the ones defined here travel by value (workers cannot
@@ -275,7 +275,7 @@ def test_benchmark_script_runs_every_variant(tmp_path: Path) -> None:
     """``benchmarks/lithops_sort.py`` end to end on a tiny sort (its own cluster and redis, in a
     subprocess: Ray runs once per process). It checks the script works, not how fast anything
     is."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[3]
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.lithops_sort", "--quick", "--records", "8000",
          "--out", str(tmp_path)],

@@ -45,9 +45,9 @@ What it does, in Pocket's terms:
   ``regenerate_rounds_max`` times. A mapper whose write fails the same way waits for the new map
   and writes again (keys it already wrote are kept: ``ObjectExists`` is expected there).
 
-Task code runs in Lithops' worker processes, so this module is part of the installed
-``pocketflow`` package; ``adapters/lithops/shuffle.py`` re-exports it as the documented home.
-Workers talk straight to the storage servers with the job handle, never to Ray.
+Task code runs in Lithops' worker processes, which import it from the installed
+``pocketflow-lithops`` package (``adapters/lithops``). Workers talk straight to the storage
+servers with the job handle, never to Ray.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ from pocketflow.errors import (
 if TYPE_CHECKING:
     from pocketflow.client import Client
     from pocketflow.handle import JobHandle
-    from pocketflow.integrations.worker_clients import ClientCache
     from pocketflow.job import Job
+    from pocketflow_lithops.worker_clients import ClientCache
 
 __all__ = [
     "OutputInfo",
@@ -394,7 +394,7 @@ def _client(spec: _Spec) -> Client:
     they are disconnected before the process forks.
     """
     global _CLIENTS
-    from pocketflow.integrations.worker_clients import ClientCache
+    from pocketflow_lithops.worker_clients import ClientCache
 
     with _CLIENTS_LOCK:  # Made on first use, like this module's other imports of the client.
         if _CLIENTS is None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pocketflow.errors import ConfigError
 from pocketflow.status_view import format_bytes
 
 RECORD_BYTES = 100
@@ -494,9 +495,16 @@ def run_sort(
     can arm its alarm). Raises whatever a task raised.
     """
     import lithops
-    from pocketflow_lithops.shuffle import shuffle
 
     from pocketflow.job import _resolve_control_plane
+
+    try:
+        from pocketflow_lithops.shuffle import shuffle
+    except ModuleNotFoundError as exc:
+        raise ConfigError(
+            "the demo runs on the Lithops adapter, which is not installed: "
+            "pip install -e adapters/lithops (make install does it)"
+        ) from exc
 
     cfg = config or SortConfig()
     control = _resolve_control_plane(cluster)

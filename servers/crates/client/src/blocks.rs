@@ -229,25 +229,10 @@ impl Connection {
         }
         check_ranges(ranges, dest.len())?;
         let nbytes: u64 = ranges.iter().map(|r| r.len).sum();
-        let deadline = std::time::Instant::now() + inner.config.stream_deadline(nbytes);
-        let mut fresh = false;
-        loop {
-            let mut connection = self.block_connection(fresh)?;
-            let reused = connection.used;
-            let outcome =
-                connection.get_ranges(&ticket, ranges, dest, inner.config.op_timeout, deadline);
-            inner.direct_blocks.release(Some(connection));
-            match outcome {
-                Ok(outcome) => return Ok(outcome),
-                Err(SessionFailure { error, sent }) => {
-                    // A pooled connection that had gone stale is replaced once, when nothing ran.
-                    if fresh || sent || !reused {
-                        return Err(error);
-                    }
-                    fresh = true;
-                }
-            }
-        }
+        let op_timeout = inner.config.op_timeout;
+        self.on_block_connection(nbytes, |connection, deadline| {
+            connection.get_ranges(&ticket, ranges, dest, op_timeout, deadline)
+        })
     }
 }
 
@@ -265,18 +250,30 @@ impl Connection {
             return crate::block_on(self.put_blocks(command, blocks));
         }
         let nbytes: u64 = blocks.iter().map(|b| b.data.len() as u64).sum();
+        let op_timeout = inner.config.op_timeout;
+        self.on_block_connection(nbytes, |connection, deadline| {
+            connection.put_blocks(&command, blocks, op_timeout, deadline)
+        })
+    }
+
+    /// Run one transfer of `nbytes` on a pooled block connection within the stream deadline;
+    /// a pooled connection that had gone stale is replaced once, when nothing was sent.
+    fn on_block_connection<T>(
+        &self,
+        nbytes: u64,
+        mut transfer: impl FnMut(&mut DirectSession, std::time::Instant) -> Result<T, SessionFailure>,
+    ) -> Result<T, ClientError> {
+        let inner = self.inner()?;
         let deadline = std::time::Instant::now() + inner.config.stream_deadline(nbytes);
         let mut fresh = false;
         loop {
             let mut connection = self.block_connection(fresh)?;
             let reused = connection.used;
-            let outcome =
-                connection.put_blocks(&command, blocks, inner.config.op_timeout, deadline);
+            let outcome = transfer(&mut connection, deadline);
             inner.direct_blocks.release(Some(connection));
             match outcome {
-                Ok(result) => return Ok(result),
+                Ok(done) => return Ok(done),
                 Err(SessionFailure { error, sent }) => {
-                    // A pooled connection that had gone stale is replaced once, when nothing ran.
                     if fresh || sent || !reused {
                         return Err(error);
                     }

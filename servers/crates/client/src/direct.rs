@@ -219,6 +219,18 @@ impl DirectSession {
         true
     }
 
+    /// Before a pooled connection is used again: fail (nothing sent) if it ended while idle.
+    fn check_reusable(&mut self) -> Result<(), SessionFailure> {
+        if self.used && self.ended_while_idle() {
+            self.broken = true;
+            return Err(SessionFailure::new(
+                ClientError::Unavailable("the pooled connection had ended".into()),
+                false,
+            ));
+        }
+        Ok(())
+    }
+
     /// Reserve `count` consecutive request ids; returns the first.
     pub(crate) fn take_ids(&mut self, count: usize) -> u64 {
         let first = self.next_id;
@@ -235,13 +247,7 @@ impl DirectSession {
         op_timeout: Duration,
         first_reply_timeout: Duration,
     ) -> Result<HashMap<u64, Reply>, SessionFailure> {
-        if self.used && self.ended_while_idle() {
-            self.broken = true;
-            return Err(SessionFailure::new(
-                ClientError::Unavailable("the pooled session had ended".into()),
-                false,
-            ));
-        }
+        self.check_reusable()?;
         let mut first = !self.used;
         self.used = true;
         let total: usize = frames.iter().map(|(_, ids)| ids.len()).sum();
@@ -309,13 +315,7 @@ impl DirectSession {
         op_timeout: Duration,
         deadline: Instant,
     ) -> Result<ReadOutcome, SessionFailure> {
-        if self.used && self.ended_while_idle() {
-            self.broken = true;
-            return Err(SessionFailure::new(
-                ClientError::Unavailable("the pooled connection had ended".into()),
-                false,
-            ));
-        }
+        self.check_reusable()?;
         self.used = true;
         if let Err(e) = self.write_message(Kind::Get, ticket) {
             self.broken = true;
@@ -409,13 +409,7 @@ impl DirectSession {
         op_timeout: Duration,
         deadline: Instant,
     ) -> Result<Bytes, SessionFailure> {
-        if self.used && self.ended_while_idle() {
-            self.broken = true;
-            return Err(SessionFailure::new(
-                ClientError::Unavailable("the pooled connection had ended".into()),
-                false,
-            ));
-        }
+        self.check_reusable()?;
         self.used = true;
         if let Err(e) = self.write_message(Kind::Put, descriptor) {
             self.broken = true;

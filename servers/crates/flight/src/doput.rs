@@ -229,6 +229,28 @@ pub(crate) async fn put(
     Ok(PutResult { app_metadata })
 }
 
+/// Fill `buf` from an upload's connection within the transfer idle time. `Err(None)`: the
+/// connection broke.
+async fn read_within<R>(
+    reader: &mut R,
+    buf: &mut [u8],
+    idle: std::time::Duration,
+) -> Result<(), Option<ServiceError>>
+where
+    R: tokio::io::AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt;
+
+    match tokio::time::timeout(idle, reader.read_exact(buf)).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(_)) => Err(None),
+        Err(_) => Err(Some(ServiceError::TransferIdle {
+            transfer: "direct PUT",
+            idle_ms: idle.as_millis() as u64,
+        })),
+    }
+}
+
 /// Receive an upload over a direct connection (`pocketflow_protocol::direct`): PIECE messages
 /// `[block index u32][block length u64][bytes]` until END; returns the result JSON. Same checks,
 /// slot, idle bound and cleanup as DoPut. `Err(None)`: the connection broke.
@@ -241,25 +263,13 @@ where
     R: tokio::io::AsyncRead + Unpin,
 {
     use pocketflow_protocol::direct::{decode_head, Kind, MESSAGE_HEAD_BYTES, PIECE_META_BYTES};
-    use tokio::io::AsyncReadExt;
 
     let (mut upload, _slot) = begin(&state, descriptor, true).await.map_err(Some)?;
     let idle = state.transfer_idle;
     loop {
-        let mut head = [0u8; MESSAGE_HEAD_BYTES + PIECE_META_BYTES];
-        let read = tokio::time::timeout(idle, reader.read_exact(&mut head[..MESSAGE_HEAD_BYTES]));
-        match read.await {
-            Ok(Ok(_)) => {}
-            Ok(Err(_)) => return Err(None),
-            Err(_) => {
-                return Err(Some(ServiceError::TransferIdle {
-                    transfer: "direct PUT",
-                    idle_ms: idle.as_millis() as u64,
-                }))
-            }
-        }
-        let (kind, len) = decode_head(head[..MESSAGE_HEAD_BYTES].try_into().expect("head"))
-            .map_err(|e| Some(e.into()))?;
+        let mut head = [0u8; MESSAGE_HEAD_BYTES];
+        read_within(reader, &mut head, idle).await?;
+        let (kind, len) = decode_head(&head).map_err(|e| Some(e.into()))?;
         match kind {
             Kind::End if len == 0 => return upload.finish().map_err(Some),
             Kind::Piece if len >= PIECE_META_BYTES => {}
@@ -273,17 +283,7 @@ where
             }
         }
         let mut payload = BytesMut::zeroed(len);
-        let read = tokio::time::timeout(idle, reader.read_exact(&mut payload));
-        match read.await {
-            Ok(Ok(_)) => {}
-            Ok(Err(_)) => return Err(None),
-            Err(_) => {
-                return Err(Some(ServiceError::TransferIdle {
-                    transfer: "direct PUT",
-                    idle_ms: idle.as_millis() as u64,
-                }))
-            }
-        }
+        read_within(reader, &mut payload, idle).await?;
         let piece = payload.split_off(PIECE_META_BYTES).freeze();
         let meta = PutPieceMeta {
             block_index: u32::from_le_bytes(payload[..4].try_into().expect("4 bytes")),

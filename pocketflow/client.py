@@ -42,7 +42,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Literal, TypeVar, overload
@@ -51,7 +51,6 @@ from pocketflow.config import ClientConfig
 from pocketflow.errors import (
     BucketExists,
     BucketNotFound,
-    CapacityExhausted,
     DataUnavailable,
     InternalError,
     InvalidRequest,
@@ -63,7 +62,14 @@ from pocketflow.errors import (
     error_from_status,
 )
 from pocketflow.handle import JobHandle, ServerInfo
-from pocketflow.placement import Placement
+from pocketflow.layout import (
+    STALE_EPOCH_RETRIES_MAX,
+    BlockUploader,
+    View,
+    new_version,
+    view_of,
+)
+from pocketflow.objectfile import ObjectReader, ObjectWriter
 from pocketflow.protocol import (
     ACTION_CREATE_BUCKET,
     ACTION_DELETE,
@@ -92,10 +98,8 @@ from pocketflow.protocol import (
     check_bucket,
     check_key,
     encode_json,
-    exchange_descriptor,
     get_ticket,
     large_header,
-    put_descriptor,
     small_header,
 )
 from pocketflow.transport import ExchangeOp, ServerConnection, new_bytes, run_groups
@@ -104,16 +108,10 @@ __all__ = ["Client", "ObjectInfo", "connect", "STALE_EPOCH_RETRIES_MAX"]
 
 log = logging.getLogger(__name__)
 
-STALE_EPOCH_RETRIES_MAX = 4
-"""How many times one call adopts a newer weight map and retries."""
 PUT_MANY_CHUNK_OPS = 4096
 """``put_many`` sends at most this many small objects per round of pipelined sessions."""
 PUT_MANY_CHUNK_BYTES = 64 * 1024 * 1024
 """... and at most this many bytes."""
-STREAM_GROUP_BYTES_MIN = 4 * 1024 * 1024
-"""A streamed upload sends a server's blocks once this many bytes are waiting for it."""
-STREAM_PENDING_GROUPS_MAX = 4
-"""A streamed upload holds at most this many groups' worth of unsent bytes in total."""
 LARGE_OBJECTS_IN_FLIGHT_MAX = 4
 """``put_many`` and ``get_many`` move at most this many large objects at once (fewer if
 ``io_threads`` is smaller); each one already spreads its blocks over the I/O threads."""
@@ -134,31 +132,6 @@ class ObjectInfo:
     key: str
     size: int
     persist: bool | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _View:
-    """One consistent weight map: handle, placement, context; swapped whole on a new epoch."""
-
-    handle: JobHandle
-    placement: Placement
-    ctx: dict[str, Any]
-    exchange_command: bytes
-
-    @property
-    def epoch(self) -> int:
-        return self.handle.epoch
-
-
-def _view_of(handle: JobHandle) -> _View:
-    ctx = handle.context()
-    return _View(handle, Placement(handle.servers), ctx, exchange_descriptor(ctx))
-
-
-def _new_version() -> int:
-    # os.urandom, not the random module: a program that seeds `random` must not make two writers
-    # of one key pick the same version.
-    return int.from_bytes(os.urandom(8), "little") or 1
 
 
 def _as_view(data: Any) -> memoryview:
@@ -202,7 +175,7 @@ class Client:
         self._config = config if config is not None else ClientConfig.resolve()
         if "block_size_bytes" in self._config.explicit:
             handle = dataclasses.replace(handle, block_size_bytes=self._config.block_size_bytes)
-        self._view = _view_of(handle)
+        self._view = view_of(handle)
         self._lock = threading.Lock()
         self._connections: dict[str, ServerConnection] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -364,8 +337,6 @@ class Client:
         bucket_raw = check_bucket(bucket)
         key_raw = check_key(key)
         if _is_stream(data):
-            from pocketflow.objectfile import ObjectWriter
-
             with ObjectWriter(self, bucket, key, persist=persist, overwrite=overwrite) as writer:
                 writer.write_from(data)  # type: ignore[arg-type]
             return
@@ -558,8 +529,6 @@ class Client:
         ``"wb"``: a writer that streams each block to its server as soon as it fills and commits
         the object on ``close()``; leaving a ``with`` block by an exception discards it.
         """
-        from pocketflow.objectfile import ObjectReader, ObjectWriter
-
         if mode == "rb":
             reader = ObjectReader(self, bucket, key)
             buffer_size = max(reader.block_size, io.DEFAULT_BUFFER_SIZE)
@@ -599,7 +568,7 @@ class Client:
             if len(view) > SMALL_OBJECT_MAX_BYTES:
                 large.append((key, key_raw, view))
                 continue
-            header = small_header(_new_version(), len(view), persist=persist).encode()
+            header = small_header(new_version(), len(view), persist=persist).encode()
             ops.append(ExchangeOp(OP_PUT, flags, bucket_raw, key_raw, header, view))
             batch_bytes += len(view)
             if len(ops) >= PUT_MANY_CHUNK_OPS or batch_bytes >= PUT_MANY_CHUNK_BYTES:
@@ -987,12 +956,12 @@ class Client:
             except (TypeError, ValueError):
                 raise stale from None
             if epoch > current.epoch:
-                self._view = _view_of(current.with_weight_map(weight_map))
+                self._view = view_of(current.with_weight_map(weight_map))
                 log.debug("job %s: adopted weight map epoch %d", current.job_id, epoch)
 
     # -- internals: block 0 ------------------------------------------------------------------
 
-    def _call(self, view: _View, server: ServerInfo, op: int, flags: int, bucket_raw: bytes,
+    def _call(self, view: View, server: ServerInfo, op: int, flags: int, bucket_raw: bytes,
               key_raw: bytes, header: bytes = ZERO_HEADER,
               value: bytes | bytearray | memoryview = b"") -> Reply:
         return self._connection(server.address).call(
@@ -1048,7 +1017,7 @@ class Client:
         raise AssertionError("unreachable")
 
     def _probe_fallbacks(
-        self, view: _View, primary: ServerInfo, op: int, flags: int, bucket_raw: bytes,
+        self, view: View, primary: ServerInfo, op: int, flags: int, bucket_raw: bytes,
         key_raw: bytes,
     ) -> tuple[tuple[ServerInfo, Reply] | None, StaleEpoch | None, bool]:
         """Try block 0 on the PERSIST placement, then (epoch > 1) every other server."""
@@ -1129,7 +1098,7 @@ class Client:
         raise AssertionError("unreachable")
 
     def _rivals(
-        self, view: _View, key_raw: bytes, written: ServerInfo, *, persist: bool
+        self, view: View, key_raw: bytes, written: ServerInfo, *, persist: bool
     ) -> list[ServerInfo]:
         """The other servers where a read would find block 0 of ``key_raw``: the home of the
         other placement (PERSIST or ephemeral) and, once the job changed maps, every server of
@@ -1153,7 +1122,7 @@ class Client:
         return unique
 
     def _find_rival_records(
-        self, view: _View, bucket_raw: bytes, checks: list[tuple[bytes, list[ServerInfo]]]
+        self, view: View, bucket_raw: bytes, checks: list[tuple[bytes, list[ServerInfo]]]
     ) -> dict[bytes, ServerInfo]:
         """LOOKUP each key on its rival servers, all servers at once; returns, per key found on
         one, that server. A server that cannot answer is skipped (its reads fail too)."""
@@ -1174,7 +1143,7 @@ class Client:
         return found
 
     def _withdraw(
-        self, view: _View, bucket: str, bucket_raw: bytes, key_raw: bytes, written: ServerInfo,
+        self, view: View, bucket: str, bucket_raw: bytes, key_raw: bytes, written: ServerInfo,
         header: ObjectHeader, rival: ServerInfo,
     ) -> ObjectExists:
         """Take back a put that found the key already held on ``rival``: remove its record
@@ -1192,7 +1161,7 @@ class Client:
         )
 
     def _after_overwrite(
-        self, view: _View, bucket: str, bucket_raw: bytes, key_raw: bytes, written: ServerInfo,
+        self, view: View, bucket: str, bucket_raw: bytes, key_raw: bytes, written: ServerInfo,
         replaced: ObjectHeader | None, *, persist: bool,
     ) -> None:
         """Free the replaced version's blocks; a PERSIST overwrite also removes an ephemeral
@@ -1234,7 +1203,7 @@ class Client:
             log.warning("could not restore %r after a failed DELETE read: %s", key_raw,
                         error_from_status(reply.status, reply.body))
 
-    def _repair_bucket(self, view: _View, bucket: str, server: ServerInfo) -> bool:
+    def _repair_bucket(self, view: View, bucket: str, server: ServerInfo) -> bool:
         """Create ``bucket`` on a server that lacks it if another server of the job has it.
 
         Buckets live per server; a server added to the job after the bucket was created learns of
@@ -1270,7 +1239,7 @@ class Client:
         self, bucket: str, bucket_raw: bytes, key_raw: bytes, value: memoryview | bytes, *,
         persist: bool, overwrite: bool,
     ) -> None:
-        header = small_header(_new_version(), len(value), persist=persist)
+        header = small_header(new_version(), len(value), persist=persist)
         self._put_record(bucket, bucket_raw, key_raw, header, value, persist=persist,
                          overwrite=overwrite)
 
@@ -1387,7 +1356,7 @@ class Client:
         return first
 
     def _group_ops(
-        self, view: _View, ops: Sequence[ExchangeOp], *, persist: bool
+        self, view: View, ops: Sequence[ExchangeOp], *, persist: bool
     ) -> dict[str, list[ExchangeOp]]:
         groups: dict[str, list[ExchangeOp]] = {}
         servers = view.placement.servers_for([op.key for op in ops], 0, persist=persist)
@@ -1401,7 +1370,7 @@ class Client:
                 group.append(op)
         return groups
 
-    def _run_groups(self, view: _View, groups: dict[str, list[ExchangeOp]]) -> None:
+    def _run_groups(self, view: View, groups: dict[str, list[ExchangeOp]]) -> None:
         """Run each server's ops over one of its sessions, servers in parallel.
 
         An op whose session failed before its reply came gets a synthetic reply carrying the
@@ -1423,7 +1392,7 @@ class Client:
 
     # -- internals: data blocks --------------------------------------------------------------
 
-    def _block_server(self, view: _View, key_raw: bytes, index: int, persist: bool) -> ServerInfo:
+    def _block_server(self, view: View, key_raw: bytes, index: int, persist: bool) -> ServerInfo:
         return view.placement.server_for(key_raw, index, persist=persist)
 
     def _read_blocks(
@@ -1510,7 +1479,7 @@ class Client:
             return
 
     def _fetch_moved_blocks(
-        self, view: _View, bucket: str, key: str, key_raw: bytes, header: ObjectHeader,
+        self, view: View, bucket: str, key: str, key_raw: bytes, header: ObjectHeader,
         tried: str, ranges: list[tuple[int, int, int, int]], target: Any,
         received: dict[int, int], lock: threading.Lock, *, delete: bool,
     ) -> None:
@@ -1591,185 +1560,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class BlockUploader:
-    """Writes the data blocks of one new version of an object, many servers in parallel.
-
-    Blocks are grouped per server and each group goes over one DoPut stream. For data already in
-    memory (``streamed=False``) every server's blocks form one group, sent when :meth:`finish` is
-    called; for a stream, a server's group is sent once ``STREAM_GROUP_BYTES_MIN`` bytes wait for
-    it, so memory stays bounded. :meth:`abort` frees every block sent so far.
-    """
-
-    def __init__(
-        self, client: Client, bucket: str, key: str, key_raw: bytes, block_size: int, *,
-        persist: bool, streamed: bool,
-    ) -> None:
-        self.version = _new_version()
-        self._client = client
-        self._bucket = bucket
-        self._key = key
-        self._key_raw = key_raw
-        self._block_size = block_size
-        self._persist = persist
-        self._group_bytes = max(STREAM_GROUP_BYTES_MIN, block_size) if streamed else None
-        self._pending: dict[str, list[tuple[int, memoryview]]] = {}
-        self._pending_bytes: dict[str, int] = {}
-        self._pending_total = 0
-        self._placed: dict[str, set[int]] = {}
-        self._lock = threading.Lock()
-        self._futures: set[Future[None]] = set()
-        self._errors: list[BaseException] = []
-        self._inflight_max = client.config.io_threads
-        self._done = False
-        self.committing = False
-        """Set when the block-0 record has been sent (the commit may have happened)."""
-        self.committed = False
-        """Set when the server stored the block-0 record: the blocks now belong to the object."""
-
-    def add(self, index: int, data: memoryview) -> None:
-        """Queue data block ``index`` (1-based); may send groups and raise earlier failures."""
-        self._raise_failed()
-        view = self._client._view
-        address = self._client._block_server(view, self._key_raw, index, self._persist).address
-        self._pending.setdefault(address, []).append((index, data))
-        self._pending_bytes[address] = self._pending_bytes.get(address, 0) + len(data)
-        self._pending_total += len(data)
-        if self._group_bytes is None:
-            return
-        if self._pending_bytes[address] >= self._group_bytes:
-            self._submit(address)
-        elif self._pending_total >= STREAM_PENDING_GROUPS_MAX * self._group_bytes:
-            self._submit(max(self._pending_bytes, key=self._pending_bytes.__getitem__))
-
-    def finish(self) -> None:
-        """Send everything still queued and wait; raises the first failure (nothing is freed:
-        the caller calls :meth:`abort`)."""
-        addresses = list(self._pending)
-        inline = addresses.pop() if addresses else None
-        for address in addresses:
-            self._submit(address)
-        if inline is not None:
-            blocks = self._take(inline)
-            try:
-                self._send(inline, blocks)
-            except BaseException as exc:  # noqa: BLE001 - collected, raised below
-                self._errors.append(exc)
-        self._wait(0)
-        self._raise_failed()
-
-    def abort(self, cause: BaseException | None = None) -> None:
-        """Wait for sends in progress, then free every block this upload placed anywhere.
-
-        Does nothing once the object is committed. If the commit was sent and ``cause`` leaves
-        its outcome unknown (a lost connection, a timeout, an interrupt), the blocks are kept:
-        the record may be stored and point at them (if not, they stay as garbage until the job
-        is deleted, which is better than an object whose blocks are gone).
-        """
-        if self._done:
-            return
-        self._done = True
-        if self.committed:
-            return
-        if self.committing and not _refused(cause):
-            log.warning("the commit of %s/%s has an unknown outcome (%s); its blocks are kept",
-                        self._bucket, self._key, cause)
-            for future in list(self._futures):
-                future.cancel()
-            self._wait(0, raise_errors=False)
-            return
-        for future in list(self._futures):
-            future.cancel()
-        self._wait(0, raise_errors=False)
-        with self._lock:
-            groups = {address: sorted(blocks) for address, blocks in self._placed.items() if blocks}
-        if groups:
-            client = self._client
-            client._delete_block_groups(self._bucket, self._key, self.version, groups)
-
-    # -- internals ---------------------------------------------------------------------------
-
-    def _take(self, address: str) -> list[tuple[int, memoryview]]:
-        blocks = self._pending.pop(address)
-        self._pending_total -= self._pending_bytes.pop(address)
-        with self._lock:
-            self._placed.setdefault(address, set()).update(index for index, _ in blocks)
-        return blocks
-
-    def _submit(self, address: str) -> None:
-        blocks = self._take(address)
-        self._wait(self._inflight_max - 1)
-        future = self._client._executor_get().submit(self._send, address, blocks)
-        self._futures.add(future)
-
-    def _wait(self, most_left: int, *, raise_errors: bool = True) -> None:
-        while len(self._futures) > most_left:
-            done, _ = wait(self._futures, return_when=FIRST_COMPLETED)
-            for future in done:
-                self._futures.discard(future)
-                if future.cancelled():
-                    continue
-                exc = future.exception()
-                if exc is not None:
-                    self._errors.append(exc)
-        if raise_errors:
-            self._raise_failed()
-
-    def _raise_failed(self) -> None:
-        if self._errors:
-            # CapacityExhausted is what the caller can act on; report it over follow-on failures.
-            for error in self._errors:
-                if isinstance(error, CapacityExhausted):
-                    raise error
-            raise self._errors[0]
-
-    def _send(self, address: str, blocks: list[tuple[int, memoryview]],
-              attempts_left: int = STALE_EPOCH_RETRIES_MAX) -> None:
-        client = self._client
-        repaired = False
-        while True:
-            view = client._view
-            command = put_descriptor(view.ctx, bucket=self._bucket, key=self._key,
-                                     version=self.version, block_size=self._block_size,
-                                     persist=self._persist)
-            try:
-                client._connection(address).put_blocks(command, blocks)
-                return
-            except StaleEpoch as exc:
-                if attempts_left == 0:
-                    raise
-                client._adopt(exc)
-                self._send_replaced(blocks, attempts_left - 1)
-                return
-            except BucketNotFound:
-                server = next((s for s in view.handle.servers if s.address == address), None)
-                if repaired or server is None or not client._repair_bucket(view, self._bucket,
-                                                                          server):
-                    raise
-                repaired = True
-
-    def _send_replaced(self, blocks: list[tuple[int, memoryview]], attempts_left: int) -> None:
-        """Send blocks again where the newly adopted weight map places them."""
-        view = self._client._view
-        regrouped: dict[str, list[tuple[int, memoryview]]] = {}
-        for index, data in blocks:
-            address = self._client._block_server(view, self._key_raw, index, self._persist).address
-            regrouped.setdefault(address, []).append((index, data))
-        with self._lock:
-            for address, group in regrouped.items():
-                self._placed.setdefault(address, set()).update(index for index, _ in group)
-        for address, group in regrouped.items():
-            self._send(address, group, attempts_left)
-
-
-def _refused(exc: BaseException | None) -> bool:
-    """Whether ``exc`` is a server's definite refusal (the operation did not happen), as opposed
-    to a failure that leaves the outcome unknown (unreachable, timed out, interrupted, a bug)."""
-    return isinstance(exc, PocketflowError) and not isinstance(
-        exc, (DataUnavailable, InternalError)
-    )
-
-
-def _lost_error(view: _View, what: str) -> DataUnavailable | None:
+def _lost_error(view: View, what: str) -> DataUnavailable | None:
     """The error for ``what`` being on no live server of a job that lost servers, or ``None``
     when the job lost none (then it is simply not found)."""
     lost = view.handle.lost

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import io
 import os
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 from pocketflow.errors import InvalidRequest
+from pocketflow.layout import BlockUploader, ObjectHost
 from pocketflow.protocol import (
     OP_GET,
     SMALL_OBJECT_MAX_BYTES,
@@ -22,9 +23,6 @@ from pocketflow.protocol import (
     check_key,
     large_header,
 )
-
-if TYPE_CHECKING:
-    from pocketflow.client import BlockUploader, Client
 
 __all__ = ["ObjectReader", "ObjectWriter"]
 
@@ -36,7 +34,7 @@ class ObjectReader(io.RawIOBase):
     replaced, later reads of its data blocks raise :class:`~pocketflow.errors.ObjectNotFound`.
     """
 
-    def __init__(self, client: Client, bucket: str, key: str) -> None:
+    def __init__(self, client: ObjectHost, bucket: str, key: str) -> None:
         super().__init__()
         self._client = client
         self._bucket = bucket
@@ -138,7 +136,7 @@ class ObjectWriter(io.BufferedIOBase):
     """
 
     def __init__(
-        self, client: Client, bucket: str, key: str, *, persist: bool = False,
+        self, client: ObjectHost, bucket: str, key: str, *, persist: bool = False,
         overwrite: bool = False,
     ) -> None:
         super().__init__()

@@ -1,0 +1,84 @@
+"""The client's layers import one way only: placement and sessions under the object layout, the
+object layout under the file objects, all of them under the API (``pocketflow.client``).
+
+Every import of a ``pocketflow`` module counts, wherever it stands in a file (top level, inside a
+function, under ``TYPE_CHECKING``), since each of those is a dependency a reader has to follow.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pocketflow
+
+PACKAGE_DIR = Path(pocketflow.__file__).parent
+
+LAYERS = [
+    ["errors", "config", "handle", "protocol", "placement"],
+    ["transport"],
+    ["layout"],
+    ["objectfile"],
+    ["client"],
+]
+"""The data path's modules, bottom first; a module may import only modules of lower layers (and
+of its own layer, for the leaf modules of the first one)."""
+
+
+def _imports_of(module: str) -> set[str]:
+    """The ``pocketflow`` modules that ``pocketflow/<module>.py`` imports anywhere."""
+    tree = ast.parse((PACKAGE_DIR / f"{module}.py").read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "pocketflow":
+                found.update(alias.name for alias in node.names)
+            elif node.module.startswith("pocketflow."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("pocketflow."):
+                    found.add(alias.name.split(".")[1])
+    return found
+
+
+def test_each_layer_imports_only_the_layers_below_it() -> None:
+    rank = {module: level for level, modules in enumerate(LAYERS) for module in modules}
+    upward = []
+    for module, level in rank.items():
+        for imported in _imports_of(module):
+            if imported in rank and rank[imported] > level:
+                upward.append(f"{module} imports {imported}")
+            if imported in rank and rank[imported] == level and level > 0:
+                upward.append(f"{module} imports {imported} of its own layer")
+    assert upward == []
+
+
+def test_the_data_path_modules_have_no_import_cycle() -> None:
+    modules = [module for layer in LAYERS for module in layer]
+    graph = {module: _imports_of(module) & set(modules) for module in modules}
+    state: dict[str, str] = {}
+    cycles: list[str] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for imported in sorted(graph[module]):
+            if state.get(imported) == "open":
+                cycles.append(" -> ".join([*path, module, imported]))
+            elif imported not in state:
+                visit(imported, [*path, module])
+        state[module] = "done"
+
+    for module in modules:
+        if module not in state:
+            visit(module, [])
+    assert cycles == []
+
+
+def test_the_layer_list_names_real_modules_that_import_something() -> None:
+    # Guards the two tests above against a renamed module or a parser that finds nothing.
+    for layer in LAYERS:
+        for module in layer:
+            assert (PACKAGE_DIR / f"{module}.py").is_file(), module
+    assert "layout" in _imports_of("objectfile")
+    assert {"layout", "objectfile", "transport"} <= _imports_of("client")

@@ -300,7 +300,9 @@ def error_from_status(
 
 
 def error_from_flight(exc: BaseException, *, server: str | None = None) -> PocketflowError:
-    """Map an exception raised by ``pyarrow.flight`` (or the socket below it) to a pocketflow error.
+    """Map an exception raised by ``pyarrow.flight`` (or the socket below it) to a pocketflow error,
+    for programs that talk to the servers with a plain Arrow Flight client (``pip install
+    pocketflow[flight]``); the pocketflow client itself does not use pyarrow.
 
     The kind is read from the message, which the server opens with ``"<kind>: "``; the exception
     class only decides when no known kind appears (a transport failure, a proxy, a crash). The

@@ -1,4 +1,5 @@
-"""Pytest plugin: one embedded local cluster (Ray + real storage servers) for the whole session."""
+"""Pytest plugin: one embedded local cluster (Ray + real storage servers) for the whole session,
+and what tests need to add a server of their own to it (to kill or stop) and find its keys."""
 
 from __future__ import annotations
 
@@ -16,10 +17,18 @@ from pocketflow.cluster import LocalCluster
 from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE
 from pocketflow.control.storage_node import StorageNode, StorageNodeInfo
 from pocketflow.errors import ServerStartError
+from pocketflow.handle import JobHandle
+from pocketflow.placement import Placement
 from pocketflow.server_process import find_server_binary
 
 STATS_SETTLE_TIMEOUT_S = 10.0
 """How long to wait for the servers' statistics (sampled every second) to show a change."""
+DEAD_AFTER_S = 3.0
+"""The session cluster's default ``dead_after``."""
+DETECTION_SLACK_S = 3.5
+"""Allowed lateness of the failure detector on a loaded 2-core machine."""
+PLACED_KEYS = 48
+"""How many test keys :func:`keys_on` places."""
 
 
 @pytest.fixture(scope="session")
@@ -97,3 +106,27 @@ def extra_server(
         if info.server_process().alive():
             os.kill(info.server_pid, signal.SIGKILL)
         ray.kill(node, no_restart=True)
+
+
+@pytest.fixture
+def added_server(local_cluster: LocalCluster) -> Iterator[tuple[StorageNodeInfo, Any]]:
+    """A DRAM server of this test only, to kill or stop (see :func:`extra_server`)."""
+    with extra_server(local_cluster, prefix="extra") as added:
+        yield added
+
+
+def controller_actor() -> Any:
+    """The session cluster's controller actor."""
+    import ray
+
+    return ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE)
+
+
+def keys_on(handle: JobHandle, node_id: str) -> tuple[list[str], list[str]]:
+    """Of ``PLACED_KEYS`` test keys (``k0``, ``k1``, ...), those ``handle``'s map places on
+    ``node_id`` and those it places elsewhere."""
+    placement = Placement(handle.servers)
+    keys = [f"k{i}" for i in range(PLACED_KEYS)]
+    on = [k for k in keys if placement.server_for(k.encode(), 0).node_id == node_id]
+    off = [k for k in keys if k not in on]
+    return on, off

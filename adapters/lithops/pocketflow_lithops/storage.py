@@ -14,10 +14,14 @@ configuration section is::
     pocket:
       handle: '<JobHandle JSON>'     # or handle_file: /path/to/handle.json
       storage_bucket: lithops        # the bucket Lithops keeps its job data in (default)
+      persist_buckets: [outputs]     # user buckets whose objects outlive the job (default none)
 
 Lithops buckets are pocketflow buckets of the same name in the job. A bucket is created the first
-time something is put into it, so a fresh job needs no set-up. Objects are written with overwrite
-(Lithops rewrites status keys) and never with PERSIST: they live as long as the job. Missing keys
+time something is put into it, so a fresh job needs no set-up. The put flags follow from what an
+object is (:mod:`pocketflow_lithops.object_kinds`): a job's call arguments and a call's start
+marker are write-once, everything else is overwritten as in S3; only user objects in
+``persist_buckets`` are written with PERSIST; nothing is read with DELETE, since no kind is read
+exactly once in every code path (Lithops deletes a job's objects itself). Missing keys
 raise Lithops' own :class:`~lithops.storage.utils.StorageNoSuchKeyError`; deleting a missing key
 is not an error, as in S3. Workers talk straight to the storage servers with the handle, never to
 Ray. Lithops forks its workers right after using the storage; a before-fork hook disconnects the
@@ -48,6 +52,7 @@ from pocketflow.errors import (
     PocketflowError,
 )
 from pocketflow.handle import JobHandle
+from pocketflow_lithops.object_kinds import WriteFlags, object_kind, write_flags
 from pocketflow_lithops.worker_clients import ClientCache
 
 __all__ = [
@@ -90,6 +95,7 @@ def lithops_config(
     handle: JobHandle | str,
     *,
     storage_bucket: str = STORAGE_BUCKET_DEFAULT,
+    persist_buckets: Iterable[str] = (),
     compute_backend: str = "localhost",
     runtime: str | None = None,
     monitoring_interval_s: float = MONITORING_INTERVAL_DEFAULT_S,
@@ -98,8 +104,9 @@ def lithops_config(
     """A Lithops configuration dict whose storage is the pocketflow job of ``handle``.
 
     With ``compute_backend="localhost"`` (the default) the workers run as subprocesses of
-    ``runtime`` (default ``sys.executable``) with Lithops' version-1 localhost executor. Merge
-    more Lithops settings into the returned dict as needed.
+    ``runtime`` (default ``sys.executable``) with Lithops' version-1 localhost executor.
+    Objects put into ``persist_buckets`` (user buckets, never ``storage_bucket``) are written with
+    PERSIST and outlive the job. Merge more Lithops settings into the returned dict as needed.
     """
     handle_json = handle.to_json() if isinstance(handle, JobHandle) else str(handle)
     JobHandle.from_json(handle_json)  # Fail here, not in a worker, on a malformed handle.
@@ -110,10 +117,13 @@ def lithops_config(
     }
     if log_level is not None:
         lithops_section["log_level"] = log_level
-    config: dict[str, Any] = {
-        "lithops": lithops_section,
-        BACKEND_NAME: {"handle": handle_json, "storage_bucket": storage_bucket},
+    section: dict[str, Any] = {
+        "handle": handle_json,
+        "storage_bucket": storage_bucket,
+        "persist_buckets": list(persist_buckets),
     }
+    section["persist_buckets"] = _persist_buckets(section)  # Fail here, not in a worker.
+    config: dict[str, Any] = {"lithops": lithops_section, BACKEND_NAME: section}
     if compute_backend == "localhost":
         config["localhost"] = {"runtime": runtime or sys.executable, "version": 1}
     return config
@@ -123,7 +133,8 @@ def load_config(config_data: dict[str, Any]) -> None:
     """Check and complete the ``pocket`` section of a Lithops configuration (Lithops calls it).
 
     Requires ``handle`` (a JobHandle's JSON, or the dict it encodes) or ``handle_file``; fills in
-    ``storage_bucket`` and a short ``monitoring_interval`` unless the user set them.
+    ``storage_bucket``, ``persist_buckets`` (checked: a list of bucket names without the storage
+    bucket) and a short ``monitoring_interval`` unless the user set them.
     """
     section = config_data.get(BACKEND_NAME)
     if not isinstance(section, dict):
@@ -134,6 +145,7 @@ def load_config(config_data: dict[str, Any]) -> None:
     section["handle"] = _handle_json(section)
     section.pop("handle_file", None)
     section.setdefault("storage_bucket", STORAGE_BUCKET_DEFAULT)
+    section["persist_buckets"] = _persist_buckets(section)
     lithops_section = config_data.setdefault("lithops", {})
     lithops_section.setdefault("monitoring_interval", MONITORING_INTERVAL_DEFAULT_S)
 
@@ -151,6 +163,24 @@ def _handle_json(section: dict[str, Any]) -> str:
     if isinstance(handle, dict):
         handle = json.dumps(handle)
     return JobHandle.from_json(str(handle)).to_json()
+
+
+def _persist_buckets(section: dict[str, Any]) -> list[str]:
+    """The checked ``persist_buckets`` of a ``pocket`` section (a list of bucket names).
+
+    Lithops' storage bucket may not be one: Lithops' own objects there are dead once the job ends
+    and would only hold capacity until their PERSIST TTL.
+    """
+    buckets = section.get("persist_buckets") or []
+    if not isinstance(buckets, (list, tuple)) or not all(isinstance(b, str) and b for b in buckets):
+        raise InvalidRequest(f"'persist_buckets' must be a list of bucket names, got {buckets!r}")
+    storage_bucket = section.get("storage_bucket", STORAGE_BUCKET_DEFAULT)
+    if storage_bucket in buckets:
+        raise InvalidRequest(
+            f"'persist_buckets' may not hold the storage bucket {storage_bucket!r}, where Lithops "
+            "keeps its job data; put outputs that must outlive the job in a bucket of their own"
+        )
+    return list(dict.fromkeys(buckets))
 
 
 def _client_for(handle_json: str) -> Client:
@@ -183,6 +213,8 @@ class PocketStorageBackend:
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
         self._handle_json = _handle_json(config)
+        self._storage_bucket = str(config.get("storage_bucket", STORAGE_BUCKET_DEFAULT))
+        self._persist_buckets = frozenset(_persist_buckets(config))
         self._client = _client_for(self._handle_json)
         logger.debug("pocket storage backend for %r", self._client)
 
@@ -209,8 +241,18 @@ class PocketStorageBackend:
 
     # -- objects ---------------------------------------------------------------------------------
 
+    def write_flags(self, bucket_name: str, key: str) -> WriteFlags:
+        """The put flags of ``bucket_name/key``, from the kind of object it is."""
+        kind = object_kind(bucket_name, key, storage_bucket=self._storage_bucket)
+        return write_flags(kind, persist_bucket=bucket_name in self._persist_buckets)
+
     def put_object(self, bucket_name: str, key: str, data: Any) -> None:
-        """Store ``data`` (str, bytes-like or binary file object), replacing any object there."""
+        """Store ``data`` (str, bytes-like or binary file object) with the flags of its kind.
+
+        A write-once kind raises :class:`~pocketflow.errors.ObjectExists` if the key is held;
+        the others replace what is there.
+        """
+        flags = self.write_flags(bucket_name, key)
         if isinstance(data, str):
             data = data.encode("utf-8")
         elif isinstance(data, io.TextIOBase):
@@ -218,7 +260,7 @@ class PocketStorageBackend:
         # A binary stream is uploaded block by block, never read whole.
         stream = data if hasattr(data, "read") else None
         self._with_bucket(bucket_name, lambda: self._client.put(
-            bucket_name, key, data, overwrite=True
+            bucket_name, key, data, persist=flags.persist, overwrite=flags.overwrite
         ), stream=stream)
 
     def get_object(
@@ -319,11 +361,13 @@ class PocketStorageBackend:
         extra_args: dict[str, Any] | None = None,
         config: Any = None,
     ) -> bool:
-        """Store a local file (memory-mapped, not read whole); ``False`` if that failed."""
+        """Store a local file (memory-mapped, not read whole) with the flags of its kind;
+        ``False`` if that failed."""
         key = key if key is not None else os.path.basename(file_name)
+        flags = self.write_flags(bucket, key)
         try:
             self._with_bucket(bucket, lambda: self._client.put_file(
-                bucket, key, file_name, overwrite=True
+                bucket, key, file_name, persist=flags.persist, overwrite=flags.overwrite
             ))
         except (OSError, PocketflowError):
             logger.error("upload of %s to %s/%s failed", file_name, bucket, key, exc_info=True)

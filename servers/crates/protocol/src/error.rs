@@ -184,7 +184,7 @@ pub enum ProtocolError {
     #[error("PERSIST op flag and object header PERSIST flag disagree")]
     PersistMismatch,
     /// A JSON body could not be parsed into the expected structure.
-    #[error("bad {what} JSON: {source}")]
+    #[error("bad {what} JSON: {}", json_complaint(.source))]
     Json {
         /// What was being parsed.
         what: &'static str,
@@ -211,6 +211,30 @@ pub enum ProtocolError {
     /// A direct-exchange message is malformed or out of order.
     #[error("direct exchange: {0}")]
     DirectMessage(String),
+}
+
+/// Most bytes of a JSON parser's complaint kept in an error message. serde quotes an offending
+/// value in full (`invalid type: string "..."`), and the message becomes a status that must not
+/// echo megabytes of a request back.
+const JSON_COMPLAINT_MAX_BYTES: usize = 256;
+
+/// The parser's complaint, cut to `JSON_COMPLAINT_MAX_BYTES` at a character boundary; a cut one
+/// still ends with where in the body the parser stopped.
+fn json_complaint(source: &serde_json::Error) -> String {
+    let text = source.to_string();
+    if text.len() <= JSON_COMPLAINT_MAX_BYTES {
+        return text;
+    }
+    let mut end = JSON_COMPLAINT_MAX_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!(
+        "{}... at line {} column {}",
+        &text[..end],
+        source.line(),
+        source.column()
+    )
 }
 
 /// Why a capability token was refused.
@@ -266,6 +290,21 @@ mod tests {
         assert_eq!(ErrorKind::PersistRefused.grpc_code(), 9);
         assert_eq!(ErrorKind::Internal.grpc_code(), 13);
         assert_eq!(ErrorKind::InvalidArgument.grpc_code(), 3);
+    }
+
+    #[test]
+    fn json_complaints_are_bounded() {
+        let body = format!(r#"{{"n":"{}"}}"#, "é".repeat(10_000));
+        let source = serde_json::from_str::<std::collections::HashMap<String, u64>>(&body)
+            .expect_err("a string is no u64");
+        let error = ProtocolError::Json {
+            what: "body",
+            source,
+        };
+        let text = error.to_string();
+        assert!(text.len() < 2 * JSON_COMPLAINT_MAX_BYTES, "{text}");
+        assert!(text.starts_with("bad body JSON: invalid type: string"));
+        assert!(text.ends_with("at line 1 column 20007"), "{text}");
     }
 
     #[test]

@@ -226,6 +226,7 @@ _KIND_TO_CLASS: dict[str, type[PocketflowError]] = {
     for cls in (
         ObjectNotFound,
         BucketNotFound,
+        JobNotRegistered,
         ObjectExists,
         BucketExists,
         CapacityExhausted,

@@ -14,6 +14,7 @@ from pocketflow.errors import (
     FailedPrecondition,
     InternalError,
     InvalidRequest,
+    JobNotRegistered,
     NotFound,
     ObjectExists,
     ObjectNotFound,
@@ -31,6 +32,7 @@ from pocketflow.errors import (
 PROTOCOL_TABLE = [
     ("not_found", 5, ObjectNotFound),
     ("bucket_not_found", 5, BucketNotFound),
+    ("job_not_registered", 5, JobNotRegistered),
     ("already_exists", 6, ObjectExists),
     ("bucket_exists", 6, BucketExists),
     ("capacity_exhausted", 8, CapacityExhausted),

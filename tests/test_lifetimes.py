@@ -14,7 +14,7 @@ from fixtures_servers import CLIENT_OPTIONS, ServerSet
 from pocketflow.auth import admin_token, read_secret_file
 from pocketflow.client import connect
 from pocketflow.cluster import LocalCluster
-from pocketflow.errors import BucketNotFound, InvalidRequest, ObjectNotFound
+from pocketflow.errors import BucketNotFound, InvalidRequest, JobNotRegistered, ObjectNotFound
 from pocketflow.handle import ServerInfo
 from pocketflow.transport import AdminClient
 
@@ -134,3 +134,34 @@ def test_the_cluster_gives_long_running_servers_a_persist_ttl(local_cluster: Loc
 
 def _admin_token(cluster: LocalCluster) -> str:
     return admin_token(read_secret_file(cluster.secret_file), ttl_s=600)
+
+
+def test_a_straggler_of_a_deregistered_job_cannot_write_and_still_reads_its_persist_data(
+    local_cluster: LocalCluster,
+) -> None:
+    baseline = used_bytes(local_cluster)
+    big = bytes(range(256)) * 8192  # 2 MiB: a manifest and data blocks
+    with local_cluster.register_job("straggler") as job:
+        handle = job.handle
+        with job.connect() as client:
+            client.create_bucket("b")
+            client.put("b", "output", big, persist=True)
+            client.put("b", "scratch", b"ephemeral")
+    # A task that outlived its job keeps its handle and its (still unexpired) token.
+    with connect(handle, **CLIENT_OPTIONS) as straggler:
+        for write in (
+            lambda: straggler.put("b", "late", b"x"),
+            lambda: straggler.put("b", "late-large", big),
+            lambda: straggler.put("b", "output", b"x", persist=True, overwrite=True),
+            lambda: straggler.create_bucket("c"),
+        ):
+            with pytest.raises(JobNotRegistered, match="deregistered"):
+                write()
+        assert straggler.get("b", "output") == big
+        with pytest.raises(ObjectNotFound):
+            straggler.get("b", "scratch")
+        straggler.delete("b", "output")
+    # Nothing the straggler tried is left anywhere.
+    assert wait_for(lambda: used_bytes(local_cluster) == baseline), (
+        used_bytes(local_cluster), baseline
+    )

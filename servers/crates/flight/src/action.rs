@@ -40,6 +40,7 @@ pub(crate) async fn run(
     }
     if action.is_write() {
         state.drain.check_write(&state.node_id)?;
+        state.auth.check_may_write(&ctx.job)?;
     }
     let job = ctx.job.as_str();
     let store = &state.store;
@@ -156,8 +157,8 @@ async fn wait(state: &ServiceState, job: &str, body: &[u8]) -> Result<Bytes, Ser
     }
 }
 
-/// `delete_job`: a job frees its own data; the admin frees the data of the job it names and
-/// forgets that job's epoch.
+/// `delete_job`: a job frees its own data; the admin (the control plane deregistering a job)
+/// frees the data of the job it names and ends that job here (`Authority::end`).
 fn delete_job(state: &ServiceState, body: &[u8]) -> Result<Bytes, ServiceError> {
     let req = DeleteJobRequest::parse(body)?;
     let target = if state.auth.is_admin(&req.ctx) {
@@ -166,7 +167,7 @@ fn delete_job(state: &ServiceState, body: &[u8]) -> Result<Bytes, ServiceError> 
             why: "is required with the admin token",
         })?;
         check_job_id(&target)?;
-        state.auth.forget(&target);
+        state.auth.end(&target);
         target
     } else {
         match req.job {

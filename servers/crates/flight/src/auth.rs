@@ -1,14 +1,15 @@
-//! Capability checks: token verification per request, the admin token, and the per-job epoch table
-//! that turns requests with an old weight map into `stale_epoch`.
+//! Capability checks: token verification per request, the admin token, the per-job epoch table
+//! that turns requests with an old weight map into `stale_epoch`, and the jobs the control plane
+//! ended here, whose writes are `job_not_registered` however valid their token.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, RwLock};
 
 use pocketflow_protocol::limits::ADMIN_JOB_ID;
 use pocketflow_protocol::token::{now_unix_ms, TokenKey};
 use pocketflow_protocol::{Context, TokenError};
 
-use crate::bounds::EPOCH_TABLE_JOBS_MAX;
+use crate::bounds::{ENDED_JOBS_MAX, EPOCH_TABLE_JOBS_MAX};
 use crate::status::ServiceError;
 
 /// A job's current epoch and weight map.
@@ -18,11 +19,30 @@ struct JobEpoch {
     map_json: Arc<str>,
 }
 
-/// Verifies capability contexts and holds the epoch table.
+/// The jobs a server knows of: current epochs, and the jobs ended here (oldest first).
+#[derive(Debug, Default)]
+struct JobTable {
+    epochs: HashMap<String, JobEpoch>,
+    ended: HashSet<String>,
+    ended_order: VecDeque<String>,
+}
+
+impl JobTable {
+    fn check_not_ended(&self, job: &str) -> Result<(), ServiceError> {
+        if self.ended.contains(job) {
+            return Err(ServiceError::JobEnded {
+                job: job.to_owned(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Verifies capability contexts and holds the job table.
 #[derive(Debug)]
 pub struct Authority {
     key: TokenKey,
-    epochs: RwLock<HashMap<String, JobEpoch>>,
+    jobs: RwLock<JobTable>,
 }
 
 impl Authority {
@@ -30,7 +50,7 @@ impl Authority {
     pub fn new(key: TokenKey) -> Self {
         Self {
             key,
-            epochs: RwLock::new(HashMap::new()),
+            jobs: RwLock::new(JobTable::default()),
         }
     }
 
@@ -43,7 +63,7 @@ impl Authority {
     }
 
     /// Authorize a job-scoped request: a valid token of `ctx.job` (not the admin job) whose epoch
-    /// is current. Returns the job id every record of the request belongs to.
+    /// is current. A request that writes also needs [`Authority::check_may_write`]. Returns the job id every record of the request belongs to.
     pub fn job(&self, ctx: &Context) -> Result<String, ServiceError> {
         self.job_until(ctx).map(|(job, _)| job)
     }
@@ -92,10 +112,19 @@ impl Authority {
         ctx.job == ADMIN_JOB_ID && self.verify(ctx).is_ok()
     }
 
+    /// Fail with `job_not_registered` if the job was ended here: what is left of an ended job (its
+    /// PERSIST objects) can still be read and deleted with its token, but nothing new is written.
+    pub fn check_may_write(&self, job: &str) -> Result<(), ServiceError> {
+        self.jobs
+            .read()
+            .expect("job table lock")
+            .check_not_ended(job)
+    }
+
     /// Fail with `stale_epoch` if `epoch` is older than the job's current epoch.
     pub fn check_epoch(&self, job: &str, epoch: u64) -> Result<(), ServiceError> {
-        let epochs = self.epochs.read().expect("epoch table lock");
-        match epochs.get(job) {
+        let jobs = self.jobs.read().expect("job table lock");
+        match jobs.epochs.get(job) {
             Some(current) if epoch < current.epoch => Err(ServiceError::StaleEpoch {
                 map_json: current.map_json.clone(),
             }),
@@ -106,7 +135,9 @@ impl Authority {
     /// Record a job's current epoch and map. Epochs only move forward: an older one fails with
     /// `stale_epoch` carrying the current map.
     pub fn set_epoch(&self, job: &str, epoch: u64, map_json: String) -> Result<(), ServiceError> {
-        let mut epochs = self.epochs.write().expect("epoch table lock");
+        let mut jobs = self.jobs.write().expect("job table lock");
+        jobs.check_not_ended(job)?;
+        let epochs = &mut jobs.epochs;
         if let Some(current) = epochs.get(job) {
             if epoch < current.epoch {
                 return Err(ServiceError::StaleEpoch {
@@ -129,9 +160,21 @@ impl Authority {
         Ok(())
     }
 
-    /// Forget a job's epoch (after the control plane deleted the job).
-    pub fn forget(&self, job: &str) {
-        self.epochs.write().expect("epoch table lock").remove(job);
+    /// End a job here (the control plane deregistered it): forget its epoch, and refuse every later
+    /// write of it (a put, a block upload, a new bucket, a new epoch) with `job_not_registered`, so
+    /// a straggler task cannot bring the job back with data that nothing would free. Remembers at
+    /// most `ENDED_JOBS_MAX` jobs.
+    pub fn end(&self, job: &str) {
+        let mut jobs = self.jobs.write().expect("job table lock");
+        jobs.epochs.remove(job);
+        if jobs.ended.insert(job.to_owned()) {
+            jobs.ended_order.push_back(job.to_owned());
+            if jobs.ended_order.len() > ENDED_JOBS_MAX {
+                if let Some(oldest) = jobs.ended_order.pop_front() {
+                    jobs.ended.remove(&oldest);
+                }
+            }
+        }
     }
 }
 
@@ -201,7 +244,43 @@ mod tests {
             auth.set_epoch("j", 2, "{}".into()).unwrap_err().kind(),
             ErrorKind::StaleEpoch
         );
-        auth.forget("j");
-        assert!(auth.job(&ctx(&key, "j", 0)).is_ok());
+        auth.end("j");
+        assert!(
+            auth.job(&ctx(&key, "j", 0)).is_ok(),
+            "reads of what is left stay allowed"
+        );
+        assert_eq!(
+            auth.check_may_write("j").unwrap_err().kind(),
+            ErrorKind::JobNotRegistered
+        );
+    }
+
+    #[test]
+    fn an_ended_job_stays_ended_and_the_table_is_bounded() {
+        let (auth, _) = authority();
+        auth.set_epoch("j", 1, "{}".into()).unwrap();
+        auth.end("j");
+        auth.end("j");
+        assert_eq!(
+            auth.set_epoch("j", 2, "{}".into()).unwrap_err().kind(),
+            ErrorKind::JobNotRegistered
+        );
+        assert_eq!(
+            auth.check_may_write("j").unwrap_err().kind(),
+            ErrorKind::JobNotRegistered
+        );
+        assert!(auth.check_may_write("other").is_ok());
+        for i in 0..ENDED_JOBS_MAX {
+            auth.end(&format!("later-{i}"));
+        }
+        let jobs = auth.jobs.read().unwrap();
+        assert_eq!(jobs.ended.len(), ENDED_JOBS_MAX);
+        assert_eq!(jobs.ended_order.len(), ENDED_JOBS_MAX);
+        drop(jobs);
+        // The oldest ended job was forgotten to keep the bound.
+        assert!(auth.check_may_write("j").is_ok());
+        assert!(auth
+            .check_may_write(&format!("later-{}", ENDED_JOBS_MAX - 1))
+            .is_err());
     }
 }

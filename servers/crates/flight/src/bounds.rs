@@ -29,6 +29,9 @@ pub const WAITS_PARKED_MAX: usize = 4096;
 pub const PUT_STREAM_BLOCKS_MAX: usize = 1 << 20;
 /// Most jobs whose epoch the server remembers; `set_epoch` for one more is `capacity_exhausted`.
 pub const EPOCH_TABLE_JOBS_MAX: usize = 65_536;
+/// Most ended (deregistered) jobs the server remembers in order to refuse their tokens; past it the
+/// oldest is forgotten, and a token of that job would reach an empty job again until it expires.
+pub const ENDED_JOBS_MAX: usize = 65_536;
 /// A session stops coalescing replies into a frame past this size (one reply may exceed it).
 pub const REPLY_FRAME_TARGET_BYTES: usize = 1024 * 1024;
 /// Reply frames of one session queued for the transport.

@@ -167,6 +167,7 @@ async fn begin(
     let descriptor = PutDescriptor::parse(descriptor)?;
     let job = state.auth.job(&descriptor.ctx)?;
     state.drain.check_write(&state.node_id)?;
+    state.auth.check_may_write(&job)?;
     if descriptor.persist && !state.store.long_running() {
         return Err(ServiceError::PersistRefused {
             node_id: state.node_id.clone(),

@@ -267,6 +267,7 @@ async fn execute(
     match op.op {
         OpCode::Put => {
             state.drain.check_write(&state.node_id)?;
+            state.auth.check_may_write(job)?;
             if op.persist() && !store.long_running() {
                 return Err(ServiceError::PersistRefused {
                     node_id: state.node_id.clone(),

@@ -50,6 +50,12 @@ pub enum ServiceError {
         /// Job the request names.
         target_job: String,
     },
+    /// The control plane ended (deregistered) the job on this server.
+    #[error("job {job:?} was deregistered; its tokens no longer reach this server")]
+    JobEnded {
+        /// The job.
+        job: String,
+    },
     /// A bounded server resource (sessions, epoch table) is full.
     #[error("server has the maximum of {max} {what}")]
     ResourceBound {
@@ -107,6 +113,7 @@ impl ServiceError {
                 ErrorKind::PermissionDenied
             }
             ServiceError::ResourceBound { .. } => ErrorKind::CapacityExhausted,
+            ServiceError::JobEnded { .. } => ErrorKind::JobNotRegistered,
             ServiceError::Cores(crate::cores::CoresError::OutOfRange { .. }) => {
                 ErrorKind::InvalidArgument
             }

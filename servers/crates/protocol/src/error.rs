@@ -10,6 +10,9 @@ pub enum ErrorKind {
     NotFound,
     /// The bucket is not known to this server.
     BucketNotFound,
+    /// The job was deregistered: the control plane ended it on this server, and its tokens no
+    /// longer reach anything here.
+    JobNotRegistered,
     /// The object exists and OVERWRITE was not set.
     AlreadyExists,
     /// The bucket exists already.
@@ -52,9 +55,10 @@ pub mod grpc_code {
 
 impl ErrorKind {
     /// Every kind, in the order of the table in docs/PROTOCOL.md.
-    pub const ALL: [ErrorKind; 11] = [
+    pub const ALL: [ErrorKind; 12] = [
         ErrorKind::NotFound,
         ErrorKind::BucketNotFound,
+        ErrorKind::JobNotRegistered,
         ErrorKind::AlreadyExists,
         ErrorKind::BucketExists,
         ErrorKind::CapacityExhausted,
@@ -71,6 +75,7 @@ impl ErrorKind {
         match self {
             ErrorKind::NotFound => "not_found",
             ErrorKind::BucketNotFound => "bucket_not_found",
+            ErrorKind::JobNotRegistered => "job_not_registered",
             ErrorKind::AlreadyExists => "already_exists",
             ErrorKind::BucketExists => "bucket_exists",
             ErrorKind::CapacityExhausted => "capacity_exhausted",
@@ -93,7 +98,9 @@ impl ErrorKind {
     /// The gRPC status code of the kind, which is also its DoExchange status byte.
     pub fn grpc_code(self) -> u8 {
         match self {
-            ErrorKind::NotFound | ErrorKind::BucketNotFound => grpc_code::NOT_FOUND,
+            ErrorKind::NotFound | ErrorKind::BucketNotFound | ErrorKind::JobNotRegistered => {
+                grpc_code::NOT_FOUND
+            }
             ErrorKind::AlreadyExists | ErrorKind::BucketExists => grpc_code::ALREADY_EXISTS,
             ErrorKind::CapacityExhausted => grpc_code::RESOURCE_EXHAUSTED,
             ErrorKind::InvalidArgument => grpc_code::INVALID_ARGUMENT,

@@ -6,7 +6,7 @@ use std::time::Duration;
 use arrow_flight::{Criteria, Empty, FlightDescriptor, Ticket};
 use bytes::Bytes;
 use futures::StreamExt;
-use pocketflow_protocol::frame::OpCode;
+use pocketflow_protocol::frame::{OpCode, OP_FLAG_OVERWRITE, OP_FLAG_PERSIST};
 use pocketflow_protocol::limits::ADMIN_JOB_ID;
 use pocketflow_protocol::token::{now_unix_ms, TokenKey};
 use serde_json::json;
@@ -607,4 +607,96 @@ async fn wait_parks_until_every_key_is_put_or_the_deadline() {
         .unwrap()
         .unwrap_err();
     assert_eq!(status_kind(&status), "bucket_not_found");
+}
+
+#[tokio::test]
+async fn a_job_the_admin_deleted_is_ended_for_writes_and_keeps_its_persist_data_readable() {
+    let server = TestServer::start(ServerOptions {
+        long_running: true,
+        ..Default::default()
+    });
+    let client = server.client().await;
+    client.create_bucket("job-a", "b").await;
+    client.create_bucket("job-b", "b").await;
+    let mut session = client.session("job-a", 0).await.unwrap();
+    let replies = session
+        .run(
+            0,
+            &[
+                put(1, "b", "gone", pattern(100, 1), 0),
+                put(2, "b", "kept", pattern(100, 2), OP_FLAG_PERSIST),
+            ],
+        )
+        .await;
+    assert_eq!((replies[&1].status, replies[&2].status), (0, 0));
+
+    let deleted = client
+        .action("delete_job", json!({"ctx": admin_ctx(), "job": "job-a"}))
+        .await
+        .unwrap();
+    assert_eq!(deleted["deleted"], 1);
+
+    // The open session still reads what is left, but a put is refused, at any epoch.
+    let replies = session
+        .run(
+            7,
+            &[
+                simple(3, OpCode::Get, "b", "kept", 0),
+                put(4, "b", "new", pattern(100, 4), 0),
+                put(
+                    5,
+                    "b",
+                    "kept",
+                    pattern(100, 5),
+                    OP_FLAG_PERSIST | OP_FLAG_OVERWRITE,
+                ),
+            ],
+        )
+        .await;
+    assert_eq!(replies[&3].status, 0);
+    assert_eq!(replies[&3].body, pattern(100, 2));
+    assert_eq!(reply_kind(&replies[&4]), "job_not_registered");
+    assert_eq!(reply_kind(&replies[&5]), "job_not_registered");
+    // A straggler's token cannot bring the job back with a new bucket or a block upload, and the
+    // admin cannot give the job an epoch again; listing and deleting what is left still work.
+    for (name, body) in [
+        (
+            "create_bucket",
+            json!({"ctx": ctx("job-a", 0), "bucket": "c"}),
+        ),
+        (
+            "set_epoch",
+            json!({"ctx": admin_ctx(), "job": "job-a", "epoch": 2, "map": {}}),
+        ),
+    ] {
+        let status = client.action(name, body).await.unwrap_err();
+        assert_eq!(status.code(), Code::NotFound, "{name}");
+        assert_eq!(status_kind(&status), "job_not_registered", "{name}");
+    }
+    let descriptor = put_descriptor("job-a", "b", "big", 7, 1024, false);
+    let status = client
+        .put_blocks(descriptor, &[(1, pattern(1024, 7))], 1024)
+        .await
+        .unwrap_err();
+    assert_eq!(status_kind(&status), "job_not_registered");
+    let listed = client
+        .action(
+            "enumerate",
+            json!({"ctx": ctx("job-a", 0), "bucket": "b", "prefix": "", "limit": 10}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(listed["keys"], json!([{"key": "kept", "size": 100}]));
+    client
+        .action(
+            "delete",
+            json!({"ctx": ctx("job-a", 0), "bucket": "b", "key": "kept"}),
+        )
+        .await
+        .unwrap();
+    // Other jobs are untouched.
+    let mut other = client.session("job-b", 0).await.unwrap();
+    let replies = other.run(0, &[put(1, "b", "k", pattern(100, 9), 0)]).await;
+    assert_eq!(replies[&1].status, 0);
+    assert_eq!(client.stats().await["objects"], 1);
 }

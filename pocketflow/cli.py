@@ -1,4 +1,5 @@
-"""The ``pocketflow`` command: run a local cluster, show its status, run the demo sort."""
+"""The ``pocketflow`` command: run a local cluster, show its status, run the demo sort, list and
+delete the PERSIST data of ended jobs."""
 
 from __future__ import annotations
 
@@ -90,6 +91,33 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Ray address of the cluster (default $RAY_ADDRESS or 'auto')")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     status.set_defaults(func=cmd_status)
+
+    persist = commands.add_parser(
+        "persist", help="list or delete the PERSIST data that ended jobs left",
+        description="PERSIST objects outlive their job until their TTL. Once the job has ended, "
+        "its token can no longer write, and these commands let the operator see and delete what "
+        "is left.",
+    )
+    persist_commands = persist.add_subparsers(dest="persist_command", metavar="ACTION",
+                                              required=True)
+    persist_ls = persist_commands.add_parser(
+        "ls", help="list jobs that are no longer registered and still hold data",
+        description="List the jobs that are no longer registered and still hold data (their "
+        "PERSIST objects), with objects and bytes per server.",
+    )
+    persist_ls.add_argument("--json", action="store_true", help="print the listing as JSON")
+    persist_rm = persist_commands.add_parser(
+        "rm", help="delete everything ended jobs left, PERSIST objects included",
+        description="Delete everything the named ended jobs left on every server, PERSIST "
+        "objects included. A registered job is refused: deregister it first.",
+    )
+    persist_rm.add_argument("jobs", nargs="*", metavar="JOB", help="job ids (see `persist ls`)")
+    persist_rm.add_argument("--all", action="store_true",
+                            help="every job that `persist ls` lists")
+    for sub in (persist_ls, persist_rm):
+        sub.add_argument("--address", default=None,
+                         help="Ray address of the cluster (default $RAY_ADDRESS or 'auto')")
+    persist.set_defaults(func=cmd_persist)
 
     demo = commands.add_parser(
         "demo", help="run a MapReduce sort through pocketflow and validate it",
@@ -249,6 +277,45 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
     from pocketflow.status_view import format_status
 
     out.write(format_status(status))
+
+
+# -- persist ----------------------------------------------------------------------------------
+
+
+def cmd_persist(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``pocketflow persist ls|rm``: the data that ended jobs left (their PERSIST objects)."""
+    from pocketflow.control.plane import connect_control_plane
+    from pocketflow.status_view import format_bytes
+
+    if args.persist_command == "rm" and bool(args.jobs) == bool(args.all):
+        parser.error("persist rm: name the jobs or give --all, not both")
+    plane = connect_control_plane(args.address)
+    if args.persist_command == "ls":
+        listing = plane.persist_list()
+        if args.json:
+            json.dump(listing, sys.stdout, indent=2, sort_keys=True)
+            print()
+            return EXIT_OK
+        if not listing["jobs"]:
+            print("no ended job holds data")
+        for row in listing["jobs"]:
+            servers = ", ".join(sorted(row["servers"]))
+            print(f"{row['job_id']}  {row['objects']} objects  "
+                  f"{format_bytes(row['used_bytes'])}  on {servers}")
+        for node_id in listing["unreachable"]:
+            print(f"warning: {node_id} did not answer", file=sys.stderr)
+        return EXIT_OK if not listing["unreachable"] else EXIT_FAILED
+    jobs = args.jobs or [row["job_id"] for row in plane.persist_list()["jobs"]]
+    if not jobs:
+        print("no ended job holds data")
+        return EXIT_OK
+    result = plane.persist_delete(jobs)
+    print(f"deleted {result['deleted']} objects, freed {format_bytes(result['freed_bytes'])} "
+          f"of {len(jobs)} job(s)")
+    for node_id in result["unreachable"]:
+        print(f"warning: {node_id} did not answer; its data of these jobs is left",
+              file=sys.stderr)
+    return EXIT_OK if not result["unreachable"] else EXIT_FAILED
 
 
 # -- demo -------------------------------------------------------------------------------------

@@ -265,9 +265,13 @@ class AdminClient:
             ACTION_SET_EPOCH, action_body(self._ctx, job=job_id, epoch=epoch, map=weight_map)
         )
 
-    def delete_job(self, job_id: str) -> dict[str, Any]:
-        """Free every non-PERSIST record of a job; returns ``{"deleted", "freed_bytes"}``."""
-        return self._connection.action(ACTION_DELETE_JOB, action_body(self._ctx, job=job_id))
+    def delete_job(self, job_id: str, *, persist: bool = False) -> dict[str, Any]:
+        """End a job on the server and free every non-PERSIST record of it (with ``persist``,
+        its PERSIST records too); returns ``{"deleted", "freed_bytes"}``."""
+        fields: dict[str, Any] = {"job": job_id}
+        if persist:
+            fields["persist"] = True
+        return self._connection.action(ACTION_DELETE_JOB, action_body(self._ctx, **fields))
 
     def close(self) -> None:
         """Close the connection."""

@@ -233,3 +233,48 @@ def test_status_shows_a_jobs_allocation_and_bytes(local_cluster: LocalCluster) -
             assert f"{server.node_id}:" in job_line
         dram = next(line for line in lines if line.startswith("dram-0"))
         assert dram.split()[3] == "live"
+
+
+def test_persist_ls_and_rm_show_and_free_what_an_ended_job_left(
+    local_cluster: LocalCluster,
+) -> None:
+    from fixtures_cluster import used_bytes, wait_for
+
+    address = local_cluster.ray_address
+    baseline = used_bytes(local_cluster)
+    with local_cluster.register_job("persist-cli") as job:
+        job_id = job.job_id
+        with job.connect() as client:
+            client.create_bucket("out")
+            client.put("out", "result", b"r" * 5000, persist=True)
+            client.put("out", "large", bytes(3 * 1024 * 1024), persist=True)
+            client.put("out", "scratch", b"s" * 5000)
+        registered = run_cli("persist", "rm", job_id, "--address", address)
+        assert registered.returncode == 1
+        assert "registered" in registered.stderr and job_id in registered.stderr
+        listed = json.loads(run_cli("persist", "ls", "--json", "--address", address).stdout)
+        assert job_id not in {row["job_id"] for row in listed["jobs"]}
+
+    listed = run_cli("persist", "ls", "--json", "--address", address)
+    assert listed.returncode == 0, listed.stderr
+    rows = {row["job_id"]: row for row in json.loads(listed.stdout)["jobs"]}
+    assert rows[job_id]["objects"] == 2
+    assert rows[job_id]["used_bytes"] > 3 * 1024 * 1024
+    text = run_cli("persist", "ls", "--address", address).stdout
+    assert any(line.startswith(f"{job_id}  2 objects") for line in text.splitlines()), text
+
+    removed = run_cli("persist", "rm", job_id, "--address", address)
+    assert removed.returncode == 0, removed.stderr
+    assert removed.stdout.startswith("deleted 2 objects"), removed.stdout
+    assert wait_for(lambda: used_bytes(local_cluster) == baseline), (
+        used_bytes(local_cluster), baseline
+    )
+    listed = json.loads(run_cli("persist", "ls", "--json", "--address", address).stdout)
+    assert job_id not in {row["job_id"] for row in listed["jobs"]}
+
+
+def test_persist_rm_needs_jobs_or_all_but_not_both() -> None:
+    for argv in (["persist", "rm"], ["persist", "rm", "some-job", "--all"]):
+        result = run_cli(*argv, "--address", "127.0.0.1:1")
+        assert result.returncode == 2
+        assert "name the jobs or give --all" in result.stderr

@@ -584,6 +584,70 @@ class Controller:
             "unreachable": unreachable,
         }
 
+    # -- PERSIST data of ended jobs (`pocketflow persist ls/rm`) ---------------------------------
+
+    def persist_list(self) -> dict[str, Any]:
+        """What jobs that are no longer registered left on the servers (their PERSIST data).
+
+        Returns ``{"jobs": [{"job_id", "servers": {node id: {"objects", "used_bytes"}},
+        "objects", "used_bytes"}], "unreachable": [node ids]}``, jobs sorted by id. Read from
+        each server's ``stats`` now, not from the last heartbeat.
+        """
+        registered = set(self._jobs)
+        jobs: dict[str, dict[str, Any]] = {}
+        unreachable: list[str] = []
+        for info in self.servers():
+            try:
+                stats = self._admin.client(info.address).stats()
+            except PocketflowError as exc:
+                log.warning("stats of %s failed: %s", info.node_id, exc)
+                self._admin.forget(info.address)
+                unreachable.append(info.node_id)
+                continue
+            for job_id, usage in dict(stats.get("jobs", {})).items():
+                if job_id in registered:
+                    continue
+                row = jobs.setdefault(
+                    job_id, {"job_id": job_id, "servers": {}, "objects": 0, "used_bytes": 0}
+                )
+                objects, used = int(usage.get("objects", 0)), int(usage.get("used_bytes", 0))
+                row["servers"][info.node_id] = {"objects": objects, "used_bytes": used}
+                row["objects"] += objects
+                row["used_bytes"] += used
+        return {"jobs": [jobs[j] for j in sorted(jobs)], "unreachable": unreachable}
+
+    def persist_delete(self, job_ids: list[str]) -> dict[str, Any]:
+        """Delete everything, PERSIST data included, that the named ended jobs left on every
+        server. Raises ``InvalidRequest`` (and deletes nothing) if one of them is registered.
+
+        Returns ``{"deleted", "freed_bytes", "unreachable": [node ids]}``.
+        """
+        job_ids = list(dict.fromkeys(job_ids))
+        if not job_ids:
+            raise InvalidRequest("name at least one job")
+        running = [job_id for job_id in job_ids if job_id in self._jobs]
+        if running:
+            raise InvalidRequest(
+                f"job(s) {', '.join(running)} are registered: deregister them first"
+            )
+        deleted = freed_bytes = 0
+        unreachable: list[str] = []
+        for info in self.servers():
+            try:
+                admin = self._admin.client(info.address)
+                for job_id in job_ids:
+                    result = admin.delete_job(job_id, persist=True)
+                    deleted += int(result.get("deleted", 0))
+                    freed_bytes += int(result.get("freed_bytes", 0))
+            except PocketflowError as exc:
+                log.warning("persist delete on %s failed: %s", info.node_id, exc)
+                self._admin.forget(info.address)
+                unreachable.append(info.node_id)
+                continue
+            self._refresh_stats(info)
+        log.info("deleted the data of ended jobs %s: freed %d bytes", job_ids, freed_bytes)
+        return {"deleted": deleted, "freed_bytes": freed_bytes, "unreachable": unreachable}
+
     # -- leases (driver liveness; policy in control/leases.py) ----------------------------------
 
     def renew_lease(self, job_id: str, lease_ms: int) -> float:

@@ -76,6 +76,15 @@ class ControlPlane:
         """The handle of a registered job."""
         return self._call("job_handle", job_id)
 
+    def persist_list(self) -> dict[str, Any]:
+        """PERSIST data left by jobs that are no longer registered (``Controller.persist_list``)."""
+        return self._call("persist_list")
+
+    def persist_delete(self, job_ids: list[str]) -> dict[str, Any]:
+        """Delete what the named ended jobs left, PERSIST data included
+        (``Controller.persist_delete``)."""
+        return self._call("persist_delete", list(job_ids))
+
     def status(self) -> dict[str, Any]:
         """Servers, tiers and jobs, as reported by ``Controller.status``."""
         return self._call("status")

@@ -158,9 +158,13 @@ async fn wait(state: &ServiceState, job: &str, body: &[u8]) -> Result<Bytes, Ser
 }
 
 /// `delete_job`: a job frees its own data; the admin (the control plane deregistering a job)
-/// frees the data of the job it names and ends that job here (`Authority::end`).
+/// frees the data of the job it names and ends that job here (`Authority::end`), and with
+/// `persist` also frees the job's PERSIST data.
 fn delete_job(state: &ServiceState, body: &[u8]) -> Result<Bytes, ServiceError> {
     let req = DeleteJobRequest::parse(body)?;
+    if req.persist && !state.auth.is_admin(&req.ctx) {
+        return Err(ServiceError::AdminRequired("delete_job with persist"));
+    }
     let target = if state.auth.is_admin(&req.ctx) {
         let target = req.job.ok_or(ProtocolError::Field {
             what: "job",
@@ -180,7 +184,11 @@ fn delete_job(state: &ServiceState, body: &[u8]) -> Result<Bytes, ServiceError> 
             _ => req.ctx.job,
         }
     };
-    let (deleted, freed_bytes) = state.store.delete_job(&target);
+    let (deleted, freed_bytes) = if req.persist {
+        state.store.delete_job_with_persist(&target)
+    } else {
+        state.store.delete_job(&target)
+    };
     state.store.wake_waiters();
     Ok(json(&DeletedResult {
         deleted,

@@ -114,7 +114,9 @@ impl ActionName {
             ActionName::DeletePrefix => {
                 "remove every record of a bucket under a prefix: {bucket, prefix}"
             }
-            ActionName::DeleteJob => "remove every non-PERSIST record of a job: {job?}",
+            ActionName::DeleteJob => {
+                "remove every non-PERSIST record of a job (with persist, every record): {job?, persist?}"
+            }
             ActionName::SetEpoch => "admin: set a job's weight-map epoch: {job, epoch, map}",
             ActionName::Stats => "admin: server statistics",
             ActionName::Drain => {
@@ -216,6 +218,10 @@ pub struct DeleteJobRequest {
     /// Whose data (admin only); defaults to the ctx job.
     #[serde(default)]
     pub job: Option<String>,
+    /// Also delete the job's PERSIST data (admin only): the operator removing what an ended job
+    /// left (`pocketflow persist rm`).
+    #[serde(default)]
+    pub persist: bool,
 }
 
 /// `set_epoch`.

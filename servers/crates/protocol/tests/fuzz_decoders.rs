@@ -1055,7 +1055,7 @@ proptest! {
         json_round_trip(&BucketRequest { ctx: ctx.clone(), bucket: bucket.clone() }, BucketRequest::parse);
         let by_prefix = PrefixRequest { ctx: ctx.clone(), bucket: bucket.clone(), prefix };
         json_round_trip(&by_prefix, PrefixRequest::parse);
-        json_round_trip(&DeleteJobRequest { ctx: ctx.clone(), job: job.clone() }, DeleteJobRequest::parse);
+        json_round_trip(&DeleteJobRequest { ctx: ctx.clone(), job: job.clone(), persist: false }, DeleteJobRequest::parse);
         let set_epoch = SetEpochRequest {
             ctx: ctx.clone(), job: job.unwrap_or_else(|| "j".into()), epoch, map,
         };

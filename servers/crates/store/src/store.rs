@@ -810,6 +810,16 @@ impl Store {
     /// forgotten if no bucket remains, so a deregistered job leaves nothing behind; a job that
     /// keeps working afterwards creates its buckets again.
     pub fn delete_job(&self, job: &str) -> (u64, u64) {
+        self.delete_job_data(job, true)
+    }
+
+    /// [`Store::delete_job`] that also deletes the job's PERSIST records and blocks: what an
+    /// operator runs on the data an ended job left behind (`pocketflow persist rm`).
+    pub fn delete_job_with_persist(&self, job: &str) -> (u64, u64) {
+        self.delete_job_data(job, false)
+    }
+
+    fn delete_job_data(&self, job: &str, keep_persist: bool) -> (u64, u64) {
         let Some(job_index) = self.job(job) else {
             return (0, 0);
         };
@@ -827,10 +837,10 @@ impl Store {
                 let mut guard = lock(&bucket_ref);
                 let (keep_records, records) = std::mem::take(&mut guard.records)
                     .into_iter()
-                    .partition(|(_, r)| r.header.persist());
+                    .partition(|(_, r)| keep_persist && r.header.persist());
                 let (keep_blocks, blocks) = std::mem::take(&mut guard.blocks)
                     .into_iter()
-                    .partition(|(_, s)| s.persist);
+                    .partition(|(_, s)| keep_persist && s.persist);
                 guard.records = keep_records;
                 guard.blocks = keep_blocks;
                 let records: BTreeMap<String, Record> = records;
@@ -1397,6 +1407,20 @@ mod tests {
         assert_eq!(store.delete_bucket(JOB, "b").unwrap(), used);
         assert_eq!(store.used_bytes(), 0);
         assert!(store.is_empty());
+
+        // The operator's delete of an ended job's data takes the PERSIST data too.
+        store.create_bucket(JOB, "b").unwrap();
+        put_persist(&store, "kept", b"keep", false).await.unwrap();
+        put_persist_block(&store).await;
+        store.delete_job(JOB);
+        let used = store.used_bytes();
+        assert!(used > 0);
+        // One record ("kept"); the bytes of its data block count too.
+        assert_eq!(store.delete_job_with_persist(JOB), (1, used));
+        assert_eq!(store.used_bytes(), 0);
+        assert!(store.is_empty());
+        assert!(store.usage().per_job.is_empty());
+        assert_eq!(store.delete_job_with_persist(JOB), (0, 0));
     }
 
     async fn data_blocks(tier: Tier) {

@@ -700,3 +700,51 @@ async fn a_job_the_admin_deleted_is_ended_for_writes_and_keeps_its_persist_data_
     assert_eq!(replies[&1].status, 0);
     assert_eq!(client.stats().await["objects"], 1);
 }
+
+#[tokio::test]
+async fn the_admin_deletes_what_an_ended_job_left_persist_data_included() {
+    let server = TestServer::start(ServerOptions {
+        long_running: true,
+        ..Default::default()
+    });
+    let client = server.client().await;
+    let baseline = client.stats().await["used_bytes"].as_u64().unwrap();
+    client.create_bucket("job-c", "b").await;
+    let mut session = client.session("job-c", 0).await.unwrap();
+    let replies = session
+        .run(0, &[put(1, "b", "kept", pattern(5000, 1), OP_FLAG_PERSIST)])
+        .await;
+    assert_eq!(replies[&1].status, 0);
+    let ended = client
+        .action("delete_job", json!({"ctx": admin_ctx(), "job": "job-c"}))
+        .await
+        .unwrap();
+    assert_eq!(ended["deleted"], 0);
+    assert_eq!(client.stats().await["jobs"]["job-c"]["objects"], 1);
+
+    // Only the admin may take PERSIST data.
+    let status = client
+        .action(
+            "delete_job",
+            json!({"ctx": ctx("job-c", 0), "persist": true}),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(status_kind(&status), "permission_denied");
+    let deleted = client
+        .action(
+            "delete_job",
+            json!({"ctx": admin_ctx(), "job": "job-c", "persist": true}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(deleted["deleted"], 1);
+    let stats = client.stats().await;
+    assert_eq!(stats["objects"], 0);
+    assert!(stats["jobs"].get("job-c").is_none());
+    let used = stats["used_bytes"].as_u64().unwrap();
+    assert!(
+        used <= baseline + 4096,
+        "used {used} vs baseline {baseline}"
+    );
+}

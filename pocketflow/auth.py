@@ -23,6 +23,7 @@ __all__ = [
     "make_token",
     "admin_token",
     "verify_token",
+    "token_expiry_unix_ms",
     "new_secret",
     "write_secret_file",
     "read_secret_file",
@@ -66,6 +67,15 @@ def verify_token(secret: bytes, job_id: str, token: str, *, now_ms: int | None =
         raise PermissionDenied("permission_denied: token expired")
     if not hmac.compare_digest(mac, _mac(secret, job_id, expiry_ms)):
         raise PermissionDenied("permission_denied: token does not match the job")
+
+
+def token_expiry_unix_ms(token: str) -> int:
+    """When ``token`` expires (Unix ms), read from the token itself (no secret needed); raises
+    :class:`PermissionDenied` for a malformed token."""
+    expiry_text, dot, _ = token.partition(".")
+    if not dot or not expiry_text.isdigit():
+        raise PermissionDenied("permission_denied: malformed token")
+    return int(expiry_text)
 
 
 def new_secret() -> bytes:

@@ -223,6 +223,24 @@ class Client:
         for connection in connections:
             connection.close()
 
+    def update_handle(self, handle: JobHandle) -> None:
+        """Take a newer handle of the same job: a renewed token (``Job.renew_token``) or a newer
+        weight map. New sessions and requests use it at once; sessions opened with the old token
+        are ended by their server when it expires and are then replaced, without failing a call.
+        Raises :class:`InvalidRequest` for another job's handle.
+        """
+        if not isinstance(handle, JobHandle):
+            raise InvalidRequest(f"expected a JobHandle, got {type(handle).__name__}")
+        with self._lock:
+            current = self._view.handle
+            if handle.job_id != current.job_id:
+                raise InvalidRequest(
+                    f"handle of job {handle.job_id!r}, not of this client's job {current.job_id!r}"
+                )
+            if handle.epoch < current.epoch:
+                handle = dataclasses.replace(current, token=handle.token)
+            self._view = view_of(handle)
+
     def disconnect(self) -> None:
         """Close every connection but keep the client usable: the next call reconnects.
 

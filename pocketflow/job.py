@@ -7,11 +7,12 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pocketflow.auth import token_expiry_unix_ms
 from pocketflow.config import parse_size
 from pocketflow.control.leases import LEASE_MS_DEFAULT, check_lease_ms
 from pocketflow.errors import JobNotRegistered
@@ -109,11 +110,13 @@ class Job:
         self._deregistered = False
         self._clients: weakref.WeakSet[Client] = weakref.WeakSet()
         self._lease_stop = threading.Event()
+        self._token_received_unix_ms = int(time.time() * 1000)
         if lease_ms is not None:
             check_lease_ms(lease_ms)
             threading.Thread(
                 target=_renew_lease,
-                args=(control, handle.job_id, lease_ms, self._lease_stop),
+                args=(control, handle.job_id, lease_ms, self._lease_stop,
+                      self._renew_token_if_half_gone),
                 name=f"pocketflow-lease-{handle.job_id}",
                 daemon=True,
             ).start()
@@ -145,6 +148,30 @@ class Job:
         client = connect(self._handle, **options)
         self._clients.add(client)
         return client
+
+    def renew_token(self) -> JobHandle:
+        """Get the job a new token (valid for the cluster's token TTL from now) and give it to
+        this job's handle and to every client opened by :meth:`connect`; returns the new handle.
+
+        The lease thread calls it once half of the current token's life is gone, so a job that
+        runs longer than a token lives keeps its access. Tasks elsewhere hold the handle they were
+        given: pass them :attr:`handle` again, and a task's client takes it with
+        :meth:`pocketflow.Client.update_handle`.
+        """
+        handle = self._control.renew_token(self._handle.job_id)
+        with self._lock:
+            if handle.epoch < self._handle.epoch:
+                handle = dataclasses.replace(self._handle, token=handle.token)
+            self._handle = handle
+            self._token_received_unix_ms = int(time.time() * 1000)
+        for client in list(self._clients):
+            client.update_handle(handle)
+        return handle
+
+    def _renew_token_if_half_gone(self) -> None:
+        if token_half_gone(self._handle.token, received_unix_ms=self._token_received_unix_ms,
+                           now_unix_ms=int(time.time() * 1000)):
+            self.renew_token()
 
     def status(self) -> dict[str, Any]:
         """The cluster's status (servers, tiers, jobs) as the controller reports it."""
@@ -221,8 +248,19 @@ def register_job(
     return Job(handle, control, lease_ms=lease_ms)
 
 
-def _renew_lease(control: ControlPlane, job_id: str, lease_ms: int, stop: threading.Event) -> None:
-    """Renew a job's lease every third of ``lease_ms`` until ``stop`` is set or the job is gone.
+def token_half_gone(token: str, *, received_unix_ms: int, now_unix_ms: int) -> bool:
+    """Whether half of the life ``token`` had when it was received is gone (time to renew it)."""
+    expiry_ms = token_expiry_unix_ms(token)
+    return now_unix_ms >= expiry_ms - (expiry_ms - received_unix_ms) / 2
+
+
+def _renew_lease(
+    control: ControlPlane, job_id: str, lease_ms: int, stop: threading.Event,
+    renew_token: Callable[[], None],
+) -> None:
+    """Renew a job's lease every third of ``lease_ms`` until ``stop`` is set or the job is gone,
+    and after each renewal ``renew_token`` (which renews the job's token when half of its life
+    is gone).
 
     Each renewal is one bounded controller call; a failed one is logged and retried at the next
     turn, so two may fail before the lease runs out. Once no renewal succeeded for a whole lease
@@ -234,6 +272,7 @@ def _renew_lease(control: ControlPlane, job_id: str, lease_ms: int, stop: thread
         try:
             control.renew_lease(job_id, lease_ms)
             last_ok_s = time.monotonic()
+            renew_token()
         except JobNotRegistered:
             return
         except Exception as exc:

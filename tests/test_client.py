@@ -324,6 +324,36 @@ def test_server_refuses_persist_when_not_long_running(storage_servers: ServerSet
 # -- security ------------------------------------------------------------------------------------
 
 
+def test_a_client_given_a_renewed_token_keeps_working_past_the_old_ones_expiry(
+    storage_servers: ServerSet, job_handle: JobHandle
+) -> None:
+    import dataclasses
+
+    ttl_s = 3.0
+    short = dataclasses.replace(
+        job_handle, token=make_token(storage_servers.secret, job_handle.job_id, ttl_s=ttl_s))
+    expires_at = time.monotonic() + ttl_s
+    with connect(short, **CLIENT_OPTIONS) as pf:
+        pf.create_bucket("renew")
+        # Pooled sessions (and block connections) opened with the short-lived token.
+        for i in range(8):
+            pf.put("renew", f"k{i}", payload(1000, i))
+        pf.put("renew", "big", payload(2 * MiB, 99))
+        renewed = dataclasses.replace(
+            job_handle, token=make_token(storage_servers.secret, job_handle.job_id, ttl_s=60))
+        pf.update_handle(renewed)
+        assert pf.handle.token == renewed.token
+        time.sleep(max(0.0, expires_at - time.monotonic()) + 0.5)
+        # Every call after the old token's expiry works: the servers ended the old sessions at
+        # the expiry, and the client replaced them with sessions on the new token.
+        for i in range(8):
+            assert pf.get("renew", f"k{i}") == payload(1000, i)
+        assert pf.get("renew", "big") == payload(2 * MiB, 99)
+        pf.put("renew", "after", b"v")
+        with pytest.raises(InvalidRequest, match="not of this client's job"):
+            pf.update_handle(dataclasses.replace(renewed, job_id="another-job"))
+
+
 def test_wrong_token_is_permission_denied(storage_servers: ServerSet, job_handle: JobHandle
                                           ) -> None:
     import dataclasses

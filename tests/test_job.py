@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from fixtures_cluster import used_bytes, wait_for
@@ -281,3 +282,42 @@ def test_failed_deregistration_can_be_retried() -> None:
     assert not job.deregistered
     assert job.deregister() == {"job_id": "j-000001", "deleted": 0, "freed_bytes": 0}
     assert job.deregister() is None
+
+
+def test_renew_token_gives_the_job_and_its_clients_a_later_token(
+    local_cluster: LocalCluster,
+) -> None:
+    from pocketflow.auth import token_expiry_unix_ms
+
+    with local_cluster.register_job("renew-token") as job:
+        first = job.handle
+        with job.connect() as client:
+            client.create_bucket("b")
+            client.put("b", "before", b"v")
+            time.sleep(0.01)  # the new token's expiry is a later millisecond
+            renewed = job.renew_token()
+            assert job.handle is renewed and renewed.token != first.token
+            assert token_expiry_unix_ms(renewed.token) > token_expiry_unix_ms(first.token)
+            assert (renewed.job_id, renewed.epoch) == (first.job_id, first.epoch)
+            assert client.handle.token == renewed.token
+            client.put("b", "after", b"w")
+            assert client.get("b", "before") == b"v"
+        # The controller hands out the renewed token from now on.
+        assert local_cluster.control.job_handle(job.job_id).token == renewed.token
+        # The old token stays valid until it expires: tasks that hold it keep working.
+        with pocketflow.connect(first) as old:
+            assert old.get("b", "after") == b"w"
+    with pytest.raises(JobNotRegistered):
+        local_cluster.control.renew_token(job.job_id)
+
+
+def test_a_token_is_renewed_once_half_of_its_life_is_gone() -> None:
+    from pocketflow.auth import make_token
+    from pocketflow.job import token_half_gone
+
+    token = make_token(b"0123456789abcdef0123", "j", ttl_s=100)
+    received = int(time.time() * 1000)
+    assert not token_half_gone(token, received_unix_ms=received, now_unix_ms=received)
+    assert not token_half_gone(token, received_unix_ms=received,
+                               now_unix_ms=received + 49_000)
+    assert token_half_gone(token, received_unix_ms=received, now_unix_ms=received + 51_000)

@@ -687,6 +687,20 @@ class Controller:
             expired.append(job_id)
         return expired
 
+    def renew_token(self, job_id: str) -> JobHandle:
+        """Give a registered job a new token valid for the cluster's token TTL from now; returns
+        the job's handle with it (later handles carry it too). The old token stays valid until it
+        expires. Raises ``JobNotRegistered``.
+        """
+        with self._lock:
+            record = self._jobs.get(job_id)
+            if record is None:
+                raise JobNotRegistered(f"job {job_id!r} is not registered")
+            token = make_token(self._secret, job_id, ttl_s=self._token_ttl_s)
+            handle = dataclasses.replace(record.handle, token=token)
+            self._jobs[job_id] = dataclasses.replace(record, handle=handle)
+            return handle
+
     def job_handle(self, job_id: str) -> JobHandle:
         """The handle of a registered job. Raises ``JobNotRegistered``."""
         try:

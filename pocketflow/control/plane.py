@@ -72,6 +72,10 @@ class ControlPlane:
         """Start or extend a job's lease (see ``Controller.renew_lease``)."""
         return self._call("renew_lease", job_id, lease_ms)
 
+    def renew_token(self, job_id: str) -> JobHandle:
+        """A new token for a registered job, in its current handle (``Controller.renew_token``)."""
+        return self._call("renew_token", job_id)
+
     def job_handle(self, job_id: str) -> JobHandle:
         """The handle of a registered job."""
         return self._call("job_handle", job_id)

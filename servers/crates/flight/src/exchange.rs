@@ -122,6 +122,13 @@ pub(crate) fn start(
     Ok(rx)
 }
 
+/// When a token that expires at `expiry_unix_ms` (wall clock) expires, on tokio's clock.
+fn token_expiry_instant(expiry_unix_ms: u64) -> tokio::time::Instant {
+    let left_ms = expiry_unix_ms.saturating_sub(pocketflow_protocol::token::now_unix_ms());
+    // Far-future tokens are capped so the deadline stays representable.
+    tokio::time::Instant::now() + std::time::Duration::from_millis(left_ms.min(u64::from(u32::MAX)))
+}
+
 /// One open session; owns the request stream and the reply channel.
 struct Session {
     state: Arc<ServiceState>,
@@ -145,6 +152,12 @@ impl Session {
         let mut inflight = FuturesUnordered::new();
         let mut input_open = true;
         let mut fatal: Option<Status> = None;
+        // The session ends by itself when its token expires, idle or not: a client that holds a
+        // renewed token then finds the pooled session ended while idle and opens a new one
+        // instead of losing its next call to `permission_denied`.
+        let expiry = token_expiry_instant(self.token_expiry_unix_ms);
+        let expired = tokio::time::sleep_until(expiry);
+        tokio::pin!(expired);
         loop {
             while inflight.len() < SESSION_INFLIGHT_MAX {
                 let Some(next) = pending.pop_front() else {
@@ -182,6 +195,16 @@ impl Session {
                     Some(Incoming::Broken) => return,
                     None => input_open = false,
                 },
+                () = &mut expired, if input_open => {
+                    if let Err(e) = Authority::check_not_expired(self.token_expiry_unix_ms) {
+                        fatal = Some(e.to_status());
+                        input_open = false;
+                    } else {
+                        // Woken a little early (clock steps): wait for the rest.
+                        let expiry = token_expiry_instant(self.token_expiry_unix_ms);
+                        expired.as_mut().reset(expiry + std::time::Duration::from_millis(1));
+                    }
+                }
             }
         }
         if let Some(status) = fatal {

@@ -56,6 +56,9 @@ METADATA_RESTARTS_MAX = 100
 CONTROLLER_CONCURRENCY_MAX = 8
 """Threads of the ``Controller`` actor: heartbeats are taken while a registration waits."""
 
+CONTROLLER_RESTARTS_MAX = 10
+"""How many crashes of the ``Controller`` actor Ray repairs by restarting it."""
+
 _registry_lock = threading.Lock()
 _running: list[LocalCluster] = []
 
@@ -451,12 +454,14 @@ class LocalCluster:
         if first_error is not None:
             raise first_error
 
+        # Ray restarts a crashed Controller, which rebuilds its state from the Metadata actor's
+        # records and the storage nodes (Controller._restore).
         self._controller = (
             ray.remote(Controller)
             .options(
                 name=CONTROLLER_ACTOR_NAME,
                 max_concurrency=CONTROLLER_CONCURRENCY_MAX,
-                **options,
+                **{**options, "max_restarts": CONTROLLER_RESTARTS_MAX},
             )
             .remote(
                 secret_file=str(self.secret_file),

@@ -14,6 +14,7 @@ from fixtures_cluster import used_bytes, wait_for
 
 import pocketflow
 from pocketflow.cluster import LocalCluster
+from pocketflow.control.leases import LEASE_MS_DEFAULT
 from pocketflow.errors import (
     CapacityExhausted,
     InvalidRequest,
@@ -90,8 +91,11 @@ def test_registrations_are_logged_by_the_metadata_actor(local_cluster: LocalClus
         record = ray.get(metadata.get_job.remote(job.job_id))
         assert record["hints"]["data_size_bytes"] == 1024 * 1024
         assert record["weight_map"] == job.handle.weight_map()
+        # The lease the driver started is logged too, for a restarted controller.
+        assert wait_for(lambda: "lease_ms" in ray.get(metadata.get_job.remote(job.job_id)))
     ops = [op for op in ray.get(metadata.ops.remote()) if op["job_id"] == job.job_id]
-    assert [op["op"] for op in ops] == ["register_job", "deregister_job"]
+    assert [op["op"] for op in ops] == ["register_job", "update_job", "deregister_job"]
+    assert ops[1]["fields"] == {"lease_ms": LEASE_MS_DEFAULT}
 
 
 def test_job_ids_are_unique(local_cluster: LocalCluster) -> None:

@@ -155,7 +155,8 @@ def test_the_renewal_thread_gives_up_after_a_lease_without_renewal(
         pytest.fail("renew_lease of an unknown job returned normally")
 
     stop = threading.Event()
-    thread = threading.Thread(target=_renew_lease, args=(control, "j", 300, stop), daemon=True)
+    thread = threading.Thread(target=_renew_lease, args=(control, "j", 300, stop, lambda: None),
+                              daemon=True)
     started = time.monotonic()
     thread.start()
     thread.join(timeout=10)

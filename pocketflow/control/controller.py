@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import secrets
 import threading
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pocketflow.auth import make_token, read_secret_file
+from pocketflow.control import NAMESPACE
 from pocketflow.control.admin import AdminTokens
 from pocketflow.control.hints import JobDemand, demand_from_hints
 from pocketflow.control.launcher import Launcher, LaunchSpec
@@ -89,6 +91,9 @@ MONITOR_INTERVAL_S_MAX = 0.25
 ADMIN_CALL_TIMEOUT_S = 5.0
 """Deadline of one admin call (``set_epoch``, ``delete_job``, ``drain``) to a storage server."""
 
+RESTORE_SERVERS_MAX = 4096
+"""Most storage nodes a restarted controller takes back."""
+
 PROBE_TIMEOUT_S_MIN = 1.0
 """Shortest deadline of the direct ``stats`` probe of a server whose heartbeats are late.
 
@@ -151,6 +156,27 @@ class JobRecord:
                 PackedPlacement(node_id=s.node_id, weight=s.weight, persist=s.persist)
                 for s in self.handle.servers
             )
+        )
+
+    @classmethod
+    def from_metadata(
+        cls, record: dict[str, Any], *, token: str, block_size_bytes: int
+    ) -> JobRecord:
+        """A record read back from the ``Metadata`` actor (:meth:`to_metadata` output), with a
+        new ``token`` (the log holds none)."""
+        handle = JobHandle(
+            job_id=str(record["job_id"]),
+            name=str(record["name"]),
+            epoch=FIRST_EPOCH,
+            servers=(),
+            token=token,
+            block_size_bytes=block_size_bytes,
+        ).with_weight_map(record["weight_map"])
+        return cls(
+            handle=handle,
+            hints=dict(record.get("hints", {})),
+            registered_at_unix_s=float(record["registered_at_unix_s"]),
+            demand=dict(record.get("demand", {})),
         )
 
     def to_metadata(self) -> dict[str, Any]:
@@ -266,6 +292,9 @@ class Controller:
         self._sizing_next_s = time.monotonic() + self._sizing_interval_s
         self._sizing_actions: list[dict[str, Any]] = []
         self._stopping = threading.Event()
+        self._restored: dict[str, Any] | None = None
+        if _restarted_by_ray():
+            self._restored = self._restore()
         self._monitor: threading.Thread | None = None
         if failure_detection:
             self._monitor = threading.Thread(
@@ -648,6 +677,69 @@ class Controller:
         log.info("deleted the data of ended jobs %s: freed %d bytes", job_ids, freed_bytes)
         return {"deleted": deleted, "freed_bytes": freed_bytes, "unreachable": unreachable}
 
+    # -- restart ------------------------------------------------------------------------------
+
+    def _restore(self) -> dict[str, Any]:
+        """Rebuild the tables after Ray restarted this actor (the previous instance crashed): the
+        storage servers from their ``StorageNode`` actors (which go on sending heartbeats to
+        this actor), the jobs from the ``Metadata`` actor's records, with a new token each and
+        a new lease for each job that had one. Tasks notice nothing: they talk to the servers.
+
+        Returns what was restored (``restored()``). Not restored: servers launched by the
+        crashed instance (Ray ends them with it), the record of dead servers, draining marks.
+        """
+        import ray
+
+        from pocketflow.control import STORAGE_NODE_ACTOR_PREFIX
+
+        names = sorted(
+            str(entry["name"])
+            for entry in ray.util.list_named_actors(all_namespaces=True)
+            if entry.get("namespace") == NAMESPACE
+            and str(entry.get("name", "")).startswith(STORAGE_NODE_ACTOR_PREFIX)
+        )
+        servers: list[str] = []
+        for name in names[:RESTORE_SERVERS_MAX]:
+            try:
+                node = ray.get_actor(name, namespace=NAMESPACE)
+                info, alive = ray.get(
+                    [node.info.remote(), node.alive.remote()], timeout=ADMIN_CALL_TIMEOUT_S
+                )
+            except Exception as exc:  # noqa: BLE001 - a node that cannot answer is left out
+                log.warning("restart: storage node %s did not answer: %s", name, exc)
+                continue
+            if alive:
+                self.add_server(info, node)
+                servers.append(info.node_id)
+        now_s = time.monotonic()
+        jobs: list[str] = []
+        for record in self._call_metadata("jobs"):
+            job_id = str(record["job_id"])
+            token = make_token(self._secret, job_id, ttl_s=self._token_ttl_s)
+            self._jobs[job_id] = JobRecord.from_metadata(
+                record, token=token, block_size_bytes=self._block_size_bytes
+            )
+            if record.get("lease_ms"):
+                with self._lease_lock:
+                    self._leases.renew(job_id, lease_ms=int(record["lease_ms"]), now_s=now_s)
+            jobs.append(job_id)
+            missing = [s.node_id for s in self._jobs[job_id].handle.servers
+                       if s.node_id not in self._servers]
+            if missing:
+                log.warning("restart: job %s uses servers that are gone: %s", job_id, missing)
+        log.warning("restarted after a crash: restored %d storage servers and %d jobs",
+                    len(servers), len(jobs))
+        return {"servers": servers, "jobs": jobs}
+
+    def restored(self) -> dict[str, Any] | None:
+        """What this instance rebuilt after a crash (``{"servers", "jobs"}``), or ``None`` if it
+        is the first instance."""
+        return self._restored
+
+    def pid(self) -> int:
+        """This actor's process id (to tell instances apart, and for fault tests)."""
+        return os.getpid()
+
     # -- leases (driver liveness; policy in control/leases.py) ----------------------------------
 
     def renew_lease(self, job_id: str, lease_ms: int) -> float:
@@ -662,7 +754,14 @@ class Controller:
         if job_id not in self._jobs:
             raise JobNotRegistered(f"job {job_id!r} is not registered")
         with self._lease_lock:
+            lease = self._leases.get(job_id)
             self._leases.renew(job_id, lease_ms=lease_ms, now_s=now_s)
+        if lease is None or lease.lease_ms != lease_ms:
+            # A restarted controller gives the job a lease of this length again.
+            try:
+                self._call_metadata("update_job", job_id, {"lease_ms": int(lease_ms)})
+            except JobNotRegistered:
+                pass  # deregistered meanwhile
         return lease_ms / 1000.0
 
     def expire_leases(self) -> list[str]:
@@ -1285,3 +1384,19 @@ def _relaxed_demands(demand: JobDemand, loads: Sequence[ServerLoad]) -> list[Job
     if granted > 0:
         relaxed.insert(0, dataclasses.replace(demand, throughput_bytes_per_s=granted))
     return relaxed
+
+
+def _restarted_by_ray() -> bool:
+    """Whether this process is a Ray actor that Ray restarted after a crash."""
+    import sys
+
+    if "ray" not in sys.modules:
+        return False
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    try:
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - not inside an actor
+        return False

@@ -1,10 +1,14 @@
 """A controller that crashes (SIGKILL) is restarted by Ray and rebuilds its state from the
-Metadata actor's records and the storage nodes (issue 17, item 2): tasks reading and writing
-meanwhile never notice, the job stays registered (its driver's lease renewals reach the new
-instance), ``status`` shows the same jobs, and deregistration and new registrations work."""
+Metadata actor's records and the storage nodes (issue 17, item 2): a shuffle whose mappers run
+while the controller dies completes with a verified output, a task reading and writing meanwhile
+never notices, the job stays registered (its driver's lease renewals reach the new instance),
+``status`` shows the same jobs, and deregistration and new registrations work.
+
+The shuffle's tasks are those of ``test_killed_server_mid_shuffle`` (spawned pool, public API)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -12,9 +16,24 @@ import time
 from typing import Any
 
 from fixtures_cluster import controller_actor, used_bytes, wait_for
+from test_killed_server_mid_shuffle import (
+    MAPPERS,
+    OUTPUT_BUCKET,
+    POOL_PROCESSES,
+    RECORDS,
+    REDUCERS,
+    SEED,
+    SHUFFLE_BUCKET,
+    TASK_TIMEOUT_S,
+    _map_task,
+    _reduce_task,
+    _run_all,
+    output_key,
+)
 
 from pocketflow.cluster import LocalCluster
 from pocketflow.control.leases import LEASE_MS_DEFAULT
+from pocketflow.demo import SortConfig, check_output, describe_partition
 from pocketflow.errors import PocketflowError
 
 RESTART_BOUND_S = 60.0
@@ -43,7 +62,11 @@ def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
     import ray
 
     baseline = used_bytes(local_cluster)
-    with local_cluster.register_job("restart", lease_ms=LEASE_MS_DEFAULT) as job:
+    config = SortConfig(mappers=MAPPERS, reducers=REDUCERS, records=RECORDS, seed=SEED)
+    context = multiprocessing.get_context("spawn")
+    # Leaving the pool's block terminates its worker processes (by pid), also on a failure.
+    with local_cluster.register_job("restart", lease_ms=LEASE_MS_DEFAULT) as job, \
+            context.Pool(POOL_PROCESSES) as pool:
         before = local_cluster.control.status()
         servers_before = sorted(s["node_id"] for s in before["servers"])
         jobs_before = {j["job_id"]: j["epoch"] for j in before["jobs"]}
@@ -74,6 +97,14 @@ def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
         thread = threading.Thread(target=task, daemon=True)
         thread.start()
         assert wait_for(lambda: ops[0] > 50), "the task did not start"
+        handle_json = job.handle.to_json()
+        with job.connect() as pf:
+            pf.create_bucket(SHUFFLE_BUCKET)
+            pf.create_bucket(OUTPUT_BUCKET)
+        maps = pool.starmap_async(
+            _map_task, [(handle_json, config, m, None) for m in range(MAPPERS)], chunksize=1
+        )
+        time.sleep(0.5)  # the mappers are starting or running
 
         first_pid = _controller_pid()
         os.kill(first_pid, signal.SIGKILL)
@@ -90,6 +121,19 @@ def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
         assert {j["job_id"]: j["epoch"] for j in after["jobs"]} == jobs_before
         assert local_cluster.control.job_handle(job.job_id).servers == job.handle.servers
 
+        # The shuffle completes: its tasks never needed the controller.
+        mapped = maps.get(TASK_TIMEOUT_S)
+        outcomes = _run_all(pool, _reduce_task,
+                            [(handle_json, r, MAPPERS) for r in range(REDUCERS)])
+        assert all(o.complete for o in outcomes), outcomes
+        with job.connect() as pf:
+            outputs = [pf.get(OUTPUT_BUCKET, output_key(r), delete=True) for r in range(REDUCERS)]
+            assert pf.list(SHUFFLE_BUCKET) == []
+        checks = [describe_partition(r, data) for r, data in enumerate(outputs)]
+        input_checksum = sum(m.checksum for m in mapped) % (1 << 64)
+        assert sum(m.records for m in mapped) == RECORDS
+        assert check_output(config, input_checksum=input_checksum, checks=checks) == []
+
         # Past a whole lease after the restart the job is still registered: its driver's
         # renewals reached the new instance, which gave the job its lease again.
         time.sleep(LEASE_MS_DEFAULT / 1000.0 + 1.0)
@@ -99,8 +143,9 @@ def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
         stop.set()
         thread.join(30)
         assert failures == [], failures[:3]
-        print(f"controller restarted in {restarted_in_s:.1f} s; the task ran {ops[0]} "
-              "put+get pairs across it with no error")
+        print(f"controller restarted in {restarted_in_s:.1f} s; a {MAPPERS}x{REDUCERS} shuffle "
+              f"of {RECORDS} records completed across it and a task ran {ops[0]} put+get pairs "
+              "with no error")
 
         # The restarted controller registers new jobs.
         with local_cluster.register_job("after-restart") as other:

@@ -10,6 +10,7 @@ import threading
 from pocketflow.client import Client
 from pocketflow.cluster import LocalCluster
 from pocketflow.errors import DataUnavailable, ObjectExists, ObjectNotFound
+from pocketflow.placement import Placement
 from pocketflow.protocol import OP_LOOKUP
 
 KEYS = 60
@@ -139,3 +140,56 @@ def test_concurrent_writers_with_mixed_flags_leave_at_most_one_record(
                 assert held == len(wins[key]), (key, held, wins[key])
                 if wins[key]:
                     assert pf.get("b", key) == f"w{wins[key][0]}".encode()
+
+
+def test_concurrent_delete_readers_of_mixed_flag_keys_after_a_grow_have_one_winner(
+    local_cluster: LocalCluster,
+) -> None:
+    """Keys written with either flag on a small job, then the job grown (block 0 placed by the
+    old map, looked for through the new one, where PERSIST and ephemeral placements differ), read
+    at once by 4 DELETE readers each: exactly one gets the bytes."""
+    with local_cluster.register_job("delete-race", {"data_size_bytes": "8MiB"}) as job:
+        with job.connect() as pf:
+            pf.create_bucket("b")
+            keys = [f"k{i}" for i in range(KEYS)]
+            for n, key in enumerate(keys):
+                pf.put("b", key, f"value-{n}".encode(), persist=n % 2 == 0)
+            grown = local_cluster.control.grow_job(job.job_id, SPLIT_HINTS)
+            before, after = Placement(job.handle.servers), Placement(grown.servers)
+            assert grown.epoch > job.handle.epoch
+            assert any(
+                before.server_for(key.encode(), persist=n % 2 == 0).node_id
+                != after.server_for(key.encode(), persist=n % 2 == 0).node_id
+                for n, key in enumerate(keys)
+            ), "the grow moved no key's block 0; the test needs some that moved"
+            got: dict[str, list[bytes]] = {key: [] for key in keys}
+            errors: list[BaseException] = []
+            lock = threading.Lock()
+            start = threading.Barrier(4)
+
+            def reader() -> None:
+                with job.connect() as own:
+                    start.wait(30)
+                    for key in keys:
+                        try:
+                            value = own.get("b", key, delete=True)
+                        except ObjectNotFound:
+                            continue
+                        except BaseException as exc:  # noqa: BLE001 - reported below
+                            with lock:
+                                errors.append(exc)
+                            continue
+                        with lock:
+                            got[key].append(value)
+
+            threads = [threading.Thread(target=reader) for _ in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=120)
+            assert not any(thread.is_alive() for thread in threads)
+            assert errors == [], errors[:3]
+            assert not pf.exists("b", keys[0])  # also adopts the grown map for _records
+            for n, key in enumerate(keys):
+                assert got[key] == [f"value-{n}".encode()], (key, got[key])
+                assert _records(pf, "b", key) == 0

@@ -1,21 +1,16 @@
-//! Command-line flags of `pocketflow-server`, parsed once at the edge into typed values.
+//! Command-line flags of `pocketflow-server`, parsed once at the edge (by clap) into typed values.
 
+use std::ffi::OsString;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::builder::{PossibleValuesParser, RangedU64ValueParser, TypedValueParser};
+use clap::Parser;
+
 use pocketflow_store::Tier;
 
-/// Usage text printed by `--help` and after a flag error.
-pub const USAGE: &str = "usage: pocketflow-server --tier dram|nvme --capacity SIZE --secret-file PATH \
-[--listen 127.0.0.1:PORT] [--nvme-path FILE] [--long-running] [--node-id NAME] [--parent-pid PID] [--threads N] \
-[--persist-ttl DURATION] [--transfer-idle DURATION]
-  SIZE is bytes, or a number with KiB, MiB, GiB or TiB (e.g. 256MiB, 2GiB)
-  DURATION is seconds, or a number with ms, s, m or h (e.g. 500ms, 30s, 24h); PERSIST objects
-  never expire without --persist-ttl; a DoPut or DoGet that moves nothing for --transfer-idle
-  (default 30s) is ended and gives back its transfer slot";
-
-/// Everything the flags say.
+/// Everything the flags say, with every default resolved.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Args {
     /// Tier served.
@@ -42,22 +37,127 @@ pub struct Args {
     pub transfer_idle: Duration,
 }
 
-/// What the command line asks for.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Command {
-    /// Run the server.
-    Run(Args),
-    /// Print usage and exit 0.
-    Help,
-}
-
-/// A flag error, with a message for the user.
+/// A flag value that does not parse, with a message for the user (clap names the flag).
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct ArgsError(pub String);
 
 fn err<T>(message: impl Into<String>) -> Result<T, ArgsError> {
     Err(ArgsError(message.into()))
+}
+
+/// Explains the value syntax below the flag list of `--help`.
+const VALUE_SYNTAX: &str = "\
+SIZE is bytes, or a whole number with B, KiB, MiB, GiB or TiB (e.g. 256MiB, 2GiB).
+DURATION is seconds, or a whole number with ms, s, m or h (e.g. 500ms, 30s, 24h).
+Flags take `--flag value` or `--flag=value`; a flag given twice keeps its last value.
+Flag errors exit with status 2, startup errors with status 1.";
+
+/// `--listen` when not given.
+pub const LISTEN_DEFAULT: &str = "127.0.0.1:0";
+/// `--transfer-idle` when not given.
+pub const TRANSFER_IDLE_DEFAULT: &str = "30s";
+/// Shortest `--transfer-idle`.
+pub const TRANSFER_IDLE_MIN: Duration = Duration::from_millis(100);
+/// Longest `--transfer-idle`.
+pub const TRANSFER_IDLE_MAX: Duration = Duration::from_secs(3600);
+/// Longest `--persist-ttl`: 365 days.
+pub const PERSIST_TTL_MAX: Duration = Duration::from_secs(365 * 24 * 3600);
+/// Longest `--node-id`, in bytes.
+pub const NODE_ID_MAX_BYTES: usize = 128;
+/// Most `--threads`.
+pub const THREADS_MAX: u64 = 1024;
+
+/// The flags as clap declares them; [`Args`] resolves the defaults that depend on other flags.
+#[derive(Debug, Parser)]
+#[command(
+    name = "pocketflow-server",
+    about = "One pocketflow storage server: serves one tier over Arrow Flight on a loopback address.",
+    long_about = None,
+    after_help = VALUE_SYNTAX,
+    args_override_self = true
+)]
+struct Flags {
+    /// Tier served.
+    #[arg(
+        long,
+        value_name = "TIER",
+        value_parser = PossibleValuesParser::new(["dram", "nvme"]).try_map(|name| name.parse::<Tier>())
+    )]
+    tier: Tier,
+    /// Capacity of the tier, in bytes (a SIZE).
+    #[arg(long = "capacity", value_name = "SIZE", value_parser = parse_size_bytes)]
+    capacity_bytes: u64,
+    /// File holding the cluster secret (its exact bytes, at least 16).
+    #[arg(long, value_name = "PATH")]
+    secret_file: PathBuf,
+    /// Address to listen on; loopback only (127.0.0.1, [::1] or localhost), port 0 picks one.
+    #[arg(long, value_name = "HOST:PORT", default_value = LISTEN_DEFAULT, value_parser = parse_listen)]
+    listen: SocketAddr,
+    /// File or block device of the NVMe tier (required with --tier nvme).
+    #[arg(long, value_name = "FILE", required_if_eq("tier", "nvme"))]
+    nvme_path: Option<PathBuf>,
+    /// Accept PERSIST objects.
+    #[arg(long)]
+    long_running: bool,
+    /// Name of the server in statistics, 1 to 128 bytes [default: <tier>-<pid>].
+    #[arg(long, value_name = "NAME", value_parser = parse_node_id)]
+    node_id: Option<String>,
+    /// Exit when the process with this id is gone.
+    #[arg(long, value_name = "PID", value_parser = clap::value_parser!(i32).range(1..))]
+    parent_pid: Option<i32>,
+    /// Runtime worker threads, 1 to 1024 [default: the number of cores].
+    #[arg(
+        long,
+        value_name = "N",
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=THREADS_MAX)
+    )]
+    threads: Option<usize>,
+    /// How long PERSIST objects live after they are written, a DURATION of 1ms to 365 days
+    /// [default: until the server exits].
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    persist_ttl: Option<Duration>,
+    /// A DoPut or DoGet that moves nothing for this long is ended and gives back its transfer
+    /// slot; a DURATION of 100ms to 1h.
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = TRANSFER_IDLE_DEFAULT,
+        value_parser = parse_transfer_idle
+    )]
+    transfer_idle: Duration,
+}
+
+impl From<Flags> for Args {
+    fn from(flags: Flags) -> Args {
+        let tier = flags.tier;
+        Args {
+            tier,
+            capacity_bytes: flags.capacity_bytes,
+            secret_file: flags.secret_file,
+            listen: flags.listen,
+            nvme_path: flags.nvme_path,
+            long_running: flags.long_running,
+            node_id: flags
+                .node_id
+                .unwrap_or_else(|| format!("{}-{}", tier.as_str(), std::process::id())),
+            parent_pid: flags.parent_pid,
+            threads: flags.threads.unwrap_or_else(default_threads),
+            persist_ttl: flags.persist_ttl,
+            transfer_idle: flags.transfer_idle,
+        }
+    }
+}
+
+/// Parse a command line, program name first. `--help` and `-h` come back as an error of kind
+/// `DisplayHelp`: its `exit()` prints the help and exits 0, while a flag error's `exit()` prints
+/// the error and usage on stderr and exits 2.
+pub fn parse<I, T>(argv: I) -> Result<Args, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    Flags::try_parse_from(argv).map(Args::from)
 }
 
 /// Parse a size: plain bytes or a number with a binary unit (`KiB`, `MiB`, `GiB`, `TiB`; `B` too).
@@ -96,16 +196,6 @@ pub fn parse_size_bytes(text: &str) -> Result<u64, ArgsError> {
     Ok(bytes)
 }
 
-/// `--transfer-idle` when not given.
-pub const TRANSFER_IDLE_DEFAULT: Duration = Duration::from_secs(30);
-/// Shortest `--transfer-idle`.
-pub const TRANSFER_IDLE_MIN: Duration = Duration::from_millis(100);
-/// Longest `--transfer-idle`.
-pub const TRANSFER_IDLE_MAX: Duration = Duration::from_secs(3600);
-
-/// Longest `--persist-ttl`: 365 days.
-pub const PERSIST_TTL_MAX: Duration = Duration::from_secs(365 * 24 * 3600);
-
 /// Parse a duration: seconds, or a number with `ms`, `s`, `m` or `h`; 1 ms..=365 days.
 pub fn parse_duration(text: &str) -> Result<Duration, ArgsError> {
     let text = text.trim();
@@ -139,25 +229,42 @@ pub fn parse_duration(text: &str) -> Result<Duration, ArgsError> {
     Ok(duration)
 }
 
+/// Parse a `--transfer-idle` duration: 100 ms..=1 h.
+fn parse_transfer_idle(text: &str) -> Result<Duration, ArgsError> {
+    let idle = parse_duration(text)?;
+    if !(TRANSFER_IDLE_MIN..=TRANSFER_IDLE_MAX).contains(&idle) {
+        return err(format!("transfer idle time {text:?} must be in 100ms..=1h"));
+    }
+    Ok(idle)
+}
+
 /// Parse a listen address; only loopback addresses are accepted (`localhost` means 127.0.0.1).
 pub fn parse_listen(text: &str) -> Result<SocketAddr, ArgsError> {
     let addr = match text.strip_prefix("localhost:") {
         Some(port) => {
             let port = port
                 .parse()
-                .map_err(|_| ArgsError(format!("--listen {text:?}: bad port")))?;
+                .map_err(|_| ArgsError(format!("{text:?} has a bad port")))?;
             SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port)
         }
         None => text
             .parse()
-            .map_err(|_| ArgsError(format!("--listen {text:?} is not HOST:PORT")))?,
+            .map_err(|_| ArgsError(format!("{text:?} is not HOST:PORT")))?,
     };
     if !addr.ip().is_loopback() {
         return err(format!(
-            "--listen {text:?} refused: the server binds to loopback addresses only"
+            "{text:?} refused: the server binds to loopback addresses only"
         ));
     }
     Ok(addr)
+}
+
+/// Parse a `--node-id`: 1..=128 bytes.
+fn parse_node_id(text: &str) -> Result<String, ArgsError> {
+    if text.is_empty() || text.len() > NODE_ID_MAX_BYTES {
+        return err(format!("a node id must be 1..={NODE_ID_MAX_BYTES} bytes"));
+    }
+    Ok(text.to_owned())
 }
 
 fn default_threads() -> usize {
@@ -166,115 +273,24 @@ fn default_threads() -> usize {
         .unwrap_or(1)
 }
 
-/// Parse the arguments after the program name.
-pub fn parse(argv: impl IntoIterator<Item = String>) -> Result<Command, ArgsError> {
-    let mut tier = None;
-    let mut capacity_bytes = None;
-    let mut secret_file = None;
-    let mut listen = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
-    let mut nvme_path = None;
-    let mut long_running = false;
-    let mut node_id = None;
-    let mut parent_pid = None;
-    let mut threads = None;
-    let mut persist_ttl = None;
-    let mut transfer_idle = TRANSFER_IDLE_DEFAULT;
-    let mut argv = argv.into_iter();
-    while let Some(flag) = argv.next() {
-        // Accept both `--flag value` and `--flag=value`.
-        let (name, inline) = match flag.split_once('=') {
-            Some((name, value)) if name.starts_with("--") => {
-                (name.to_owned(), Some(value.to_owned()))
-            }
-            _ => (flag.clone(), None),
-        };
-        let mut value = |name: &str| -> Result<String, ArgsError> {
-            match inline.clone().or_else(|| argv.next()) {
-                Some(v) => Ok(v),
-                None => err(format!("{name} needs a value")),
-            }
-        };
-        match name.as_str() {
-            "--help" | "-h" => return Ok(Command::Help),
-            "--tier" => {
-                tier = Some(match value("--tier")?.as_str() {
-                    "dram" => Tier::Dram,
-                    "nvme" => Tier::Nvme,
-                    other => return err(format!("--tier {other:?}: expected dram or nvme")),
-                })
-            }
-            "--capacity" => capacity_bytes = Some(parse_size_bytes(&value("--capacity")?)?),
-            "--secret-file" => secret_file = Some(PathBuf::from(value("--secret-file")?)),
-            "--listen" => listen = parse_listen(&value("--listen")?)?,
-            "--nvme-path" => nvme_path = Some(PathBuf::from(value("--nvme-path")?)),
-            "--long-running" => {
-                if inline.is_some() {
-                    return err("--long-running takes no value");
-                }
-                long_running = true
-            }
-            "--node-id" => {
-                let id = value("--node-id")?;
-                if id.is_empty() || id.len() > 128 {
-                    return err("--node-id must be 1..=128 bytes");
-                }
-                node_id = Some(id)
-            }
-            "--parent-pid" => {
-                let text = value("--parent-pid")?;
-                let pid: i32 = text
-                    .parse()
-                    .map_err(|_| ArgsError(format!("--parent-pid {text:?} is not a pid")))?;
-                if pid <= 0 {
-                    return err(format!("--parent-pid {pid} is not a pid"));
-                }
-                parent_pid = Some(pid)
-            }
-            "--threads" => {
-                let text = value("--threads")?;
-                let n: usize = text
-                    .parse()
-                    .map_err(|_| ArgsError(format!("--threads {text:?} is not a number")))?;
-                if n == 0 || n > 1024 {
-                    return err("--threads must be in 1..=1024");
-                }
-                threads = Some(n)
-            }
-            "--persist-ttl" => persist_ttl = Some(parse_duration(&value("--persist-ttl")?)?),
-            "--transfer-idle" => {
-                transfer_idle = parse_duration(&value("--transfer-idle")?)?;
-                if transfer_idle < TRANSFER_IDLE_MIN || transfer_idle > TRANSFER_IDLE_MAX {
-                    return err("--transfer-idle must be in 100ms..=1h");
-                }
-            }
-            other => return err(format!("unknown flag {other:?}")),
-        }
-    }
-    let tier = tier.ok_or_else(|| ArgsError("--tier is required".into()))?;
-    if tier == Tier::Nvme && nvme_path.is_none() {
-        return err("--tier nvme needs --nvme-path");
-    }
-    Ok(Command::Run(Args {
-        tier,
-        capacity_bytes: capacity_bytes.ok_or_else(|| ArgsError("--capacity is required".into()))?,
-        secret_file: secret_file.ok_or_else(|| ArgsError("--secret-file is required".into()))?,
-        listen,
-        nvme_path,
-        long_running,
-        node_id: node_id.unwrap_or_else(|| format!("{}-{}", tier.as_str(), std::process::id())),
-        parent_pid,
-        threads: threads.unwrap_or_else(default_threads),
-        persist_ttl,
-        transfer_idle,
-    }))
-}
-
 #[cfg(test)]
 mod tests {
+    use clap::error::ErrorKind;
+    use clap::CommandFactory;
+
     use super::*;
 
+    /// The program name, then `text` split at whitespace.
     fn argv(text: &str) -> Vec<String> {
-        text.split_whitespace().map(str::to_owned).collect()
+        std::iter::once("pocketflow-server")
+            .chain(text.split_whitespace())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn clap_declaration_is_consistent() {
+        Flags::command().debug_assert();
     }
 
     #[test]
@@ -311,17 +327,16 @@ mod tests {
 
     #[test]
     fn full_command_line() {
-        let cmd = parse(argv(
+        let args = parse(argv(
             "--listen 127.0.0.1:0 --node-id n1 --tier nvme --capacity 268435456 --secret-file /s \
              --long-running --nvme-path /tmp/x --threads 2 --parent-pid 42 --persist-ttl 90s \
              --transfer-idle 5s",
         ))
         .unwrap();
-        let Command::Run(args) = cmd else {
-            panic!("expected run")
-        };
         assert_eq!(args.tier, Tier::Nvme);
         assert_eq!(args.capacity_bytes, 256 << 20);
+        assert_eq!(args.secret_file, PathBuf::from("/s"));
+        assert_eq!(args.listen, "127.0.0.1:0".parse().unwrap());
         assert_eq!(args.node_id, "n1");
         assert!(args.long_running);
         assert_eq!(args.parent_pid, Some(42));
@@ -329,14 +344,31 @@ mod tests {
         assert_eq!(args.persist_ttl, Some(Duration::from_secs(90)));
         assert_eq!(args.transfer_idle, Duration::from_secs(5));
         assert_eq!(args.nvme_path, Some(PathBuf::from("/tmp/x")));
-        let Command::Run(args) =
-            parse(argv("--tier=dram --capacity=1MiB --secret-file=/s")).unwrap()
-        else {
-            panic!("expected run")
-        };
+    }
+
+    #[test]
+    fn defaults() {
+        let args = parse(argv("--tier=dram --capacity=1MiB --secret-file=/s")).unwrap();
+        assert_eq!(args.tier, Tier::Dram);
         assert_eq!(args.capacity_bytes, 1 << 20);
+        assert_eq!(args.listen, "127.0.0.1:0".parse().unwrap());
+        assert_eq!(args.nvme_path, None);
+        assert!(!args.long_running);
+        assert_eq!(args.node_id, format!("dram-{}", std::process::id()));
+        assert_eq!(args.parent_pid, None);
+        assert_eq!(args.threads, default_threads());
         assert_eq!(args.persist_ttl, None);
-        assert_eq!(args.transfer_idle, TRANSFER_IDLE_DEFAULT);
+        assert_eq!(args.transfer_idle, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn a_repeated_flag_keeps_its_last_value() {
+        let args = parse(argv(
+            "--tier nvme --tier dram --capacity 1MiB --capacity 2MiB --secret-file /s",
+        ))
+        .unwrap();
+        assert_eq!(args.tier, Tier::Dram);
+        assert_eq!(args.capacity_bytes, 2 << 20);
     }
 
     #[test]
@@ -357,27 +389,118 @@ mod tests {
         ] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }
+        assert_eq!(parse_transfer_idle("100ms"), Ok(TRANSFER_IDLE_MIN));
+        assert_eq!(parse_transfer_idle("1h"), Ok(TRANSFER_IDLE_MAX));
     }
 
     #[test]
     fn flag_errors() {
-        assert_eq!(parse(argv("--help")), Ok(Command::Help));
-        for bad in [
-            "--capacity 1MiB --secret-file /s",
-            "--tier dram --secret-file /s",
-            "--tier dram --capacity 1MiB",
-            "--tier tape --capacity 1MiB --secret-file /s",
-            "--tier nvme --capacity 1MiB --secret-file /s",
-            "--tier dram --capacity 1MiB --secret-file /s --listen 0.0.0.0:1",
-            "--tier dram --capacity 1MiB --secret-file /s --threads 0",
-            "--tier dram --capacity 1MiB --secret-file /s --parent-pid x",
-            "--tier dram --capacity 1MiB --secret-file /s --bogus",
-            "--tier dram --capacity 1MiB --secret-file /s --persist-ttl 0s",
-            "--tier dram --capacity 1MiB --secret-file /s --transfer-idle 50ms",
-            "--tier dram --capacity 1MiB --secret-file /s --transfer-idle 2h",
-            "--tier dram --capacity",
+        assert_eq!(
+            parse(argv("--help")).unwrap_err().kind(),
+            ErrorKind::DisplayHelp
+        );
+        assert_eq!(
+            parse(argv("-h")).unwrap_err().kind(),
+            ErrorKind::DisplayHelp
+        );
+        for (bad, flag) in [
+            ("--capacity 1MiB --secret-file /s", "--tier"),
+            ("--tier dram --secret-file /s", "--capacity"),
+            ("--tier dram --capacity 1MiB", "--secret-file"),
+            ("--tier tape --capacity 1MiB --secret-file /s", "--tier"),
+            (
+                "--tier nvme --capacity 1MiB --secret-file /s",
+                "--nvme-path",
+            ),
+            ("--tier dram --capacity 0 --secret-file /s", "--capacity"),
+            (
+                "--tier dram --capacity 1MiB --secret-file /s --listen 0.0.0.0:1",
+                "--listen",
+            ),
+            (
+                "--tier dram --capacity 1MiB --secret-file /s --threads 0",
+                "--threads",
+            ),
+            (
+                "--tier dram --capacity 1MiB --secret-file /s --threads 1025",
+                "--threads",
+            ),
+            (
+                "--tier dram --capacity 1MiB --secret-file /s --parent-pid x",
+                "--parent-pid",
+            ),
+            (
+                "--tier dram --capacity 1MiB --secret-file /s --parent-pid 0",
+                "--parent-pid",
+            ),
+            (
+                "--tier dram --capacity 1MiB --secret-file /s --node-id=",
+                "--node-id",
+            ),
+            (
+                "--tier dram --capacity 1MiB --secret-file /s --long-running=yes",
+                "--long-running",
+            ),
+            (
+                "--tier dram --capacity 1MiB --secret-file /s --bogus",
+                "--bogus",
+            ),
+            (
+                "--tier dram --capacity 1MiB --secret-file /s stray",
+                "stray",
+            ),
+            (
+                "--tier dram --capacity 1MiB --secret-file /s --persist-ttl 0s",
+                "--persist-ttl",
+            ),
+            (
+                "--tier dram --capacity 1MiB --secret-file /s --transfer-idle 50ms",
+                "--transfer-idle",
+            ),
+            (
+                "--tier dram --capacity 1MiB --secret-file /s --transfer-idle 2h",
+                "--transfer-idle",
+            ),
+            ("--tier dram --capacity", "--capacity"),
         ] {
-            assert!(parse(argv(bad)).is_err(), "{bad}");
+            let error = parse(argv(bad)).expect_err(bad);
+            assert_eq!(error.exit_code(), 2, "{bad}");
+            let message = error.to_string();
+            assert!(message.contains(flag), "{bad}: {message}");
+        }
+        let long_name = format!("--node-id={}", "n".repeat(NODE_ID_MAX_BYTES + 1));
+        let error = parse(argv(&format!(
+            "--tier dram --capacity 1MiB --secret-file /s {long_name}"
+        )))
+        .unwrap_err();
+        assert!(error.to_string().contains("1..=128 bytes"), "{error}");
+    }
+
+    #[test]
+    fn help_lists_every_flag_with_its_unit_and_default() {
+        let help = Flags::command().render_long_help().to_string();
+        for flag in [
+            "--tier <TIER>",
+            "--capacity <SIZE>",
+            "--secret-file <PATH>",
+            "--listen <HOST:PORT>",
+            "--nvme-path <FILE>",
+            "--long-running",
+            "--node-id <NAME>",
+            "--parent-pid <PID>",
+            "--threads <N>",
+            "--persist-ttl <DURATION>",
+            "--transfer-idle <DURATION>",
+            "[possible values: dram, nvme]",
+            "[default: 127.0.0.1:0]",
+            "[default: 30s]",
+            "[default: <tier>-<pid>]",
+            "[default: the number of cores]",
+            "[default: until the server exits]",
+            "SIZE is bytes",
+            "DURATION is seconds",
+        ] {
+            assert!(help.contains(flag), "{flag} missing from:\n{help}");
         }
     }
 }

@@ -19,7 +19,7 @@ use pocketflow_protocol::limits::READY_LINE_PREFIX;
 use pocketflow_protocol::token::TokenKey;
 use pocketflow_store::{Store, StoreConfig};
 
-use crate::args::{Args, Command, USAGE};
+use crate::args::Args;
 
 /// Largest HTTP/2 frame the server accepts; large frames cut per-frame work on block transfers.
 const HTTP2_FRAME_MAX_BYTES: u32 = 1024 * 1024;
@@ -32,17 +32,8 @@ const RUNTIME_SHUTDOWN_MS: u64 = 500;
 
 fn main() -> ExitCode {
     keep_transfer_buffers();
-    let args = match args::parse(std::env::args().skip(1)) {
-        Ok(Command::Run(args)) => args,
-        Ok(Command::Help) => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("pocketflow-server: {e}\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
+    // `--help` prints the help and exits 0; a flag error prints itself and the usage and exits 2.
+    let args = args::parse(std::env::args_os()).unwrap_or_else(|e| e.exit());
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.threads)
         .thread_name("pocketflow-worker")

@@ -56,6 +56,20 @@ pub const PIECE_META_BYTES: usize = 12;
 pub const DATA_META_BYTES: usize = 12;
 
 impl Kind {
+    /// Every kind, in code order.
+    pub const ALL: [Kind; 10] = [
+        Kind::Open,
+        Kind::Ready,
+        Kind::Frame,
+        Kind::Status,
+        Kind::Get,
+        Kind::Data,
+        Kind::End,
+        Kind::Put,
+        Kind::Piece,
+        Kind::Stored,
+    ];
+
     /// The wire byte.
     pub fn code(self) -> u8 {
         match self {
@@ -146,18 +160,7 @@ mod tests {
 
     #[test]
     fn heads_round_trip_and_bound_the_length() {
-        for kind in [
-            Kind::Open,
-            Kind::Ready,
-            Kind::Frame,
-            Kind::Status,
-            Kind::Get,
-            Kind::Data,
-            Kind::End,
-            Kind::Put,
-            Kind::Piece,
-            Kind::Stored,
-        ] {
+        for kind in Kind::ALL {
             let head = encode_head(kind, 1234);
             assert_eq!(decode_head(&head).unwrap(), (kind, 1234));
         }

@@ -859,18 +859,7 @@ fn frames_at_their_bounds() {
 
 // ---- Direct exchange ----
 
-const KINDS: [Kind; 10] = [
-    Kind::Open,
-    Kind::Ready,
-    Kind::Frame,
-    Kind::Status,
-    Kind::Get,
-    Kind::Data,
-    Kind::End,
-    Kind::Put,
-    Kind::Piece,
-    Kind::Stored,
-];
+const KINDS: [Kind; 10] = Kind::ALL;
 
 proptest! {
     #![proptest_config(config())]

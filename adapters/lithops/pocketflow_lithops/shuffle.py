@@ -44,6 +44,17 @@ What it does, in Pocket's terms:
   reruns exactly those mappers, writing only the lost partitions, and reruns the reducer, at most
   ``regenerate_rounds_max`` times. A mapper whose write fails the same way waits for the new map
   and writes again (keys it already wrote are kept: ``ObjectExists`` is expected there).
+- **A retried reducer recovers what its earlier attempt consumed.** Before each round of DELETE
+  reads a reducer writes a small marker, ``consuming/r{r:05d}/<attempt>``, naming the mappers
+  whose inputs it is about to consume. A reducer first looks for its inputs without waiting;
+  if some are missing, it reads its reducer's markers: inputs that a marker names and no live
+  server holds were consumed by an attempt that never committed, so it reads nothing and
+  reports them as lost, as after a dead server, and the driver reruns exactly those mappers for
+  that partition. The driver submits a reducer again when its task fails, at most
+  ``reduce_retries`` times; a retry by anyone else (Lithops, a FaaS platform) recovers the same
+  way. Inputs missing with no marker naming them are awaited, and after ``input_wait_s`` fail
+  the shuffle with :class:`ShuffleFailed`. The driver deletes the markers once every reducer is
+  done. Why lineage, and not holding inputs until the reducer commits: the package's README.
 
 Task code runs in Lithops' worker processes, which import it from the installed
 ``pocketflow-lithops`` package (``adapters/lithops``). Workers talk straight to the storage
@@ -56,6 +67,7 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -82,6 +94,7 @@ __all__ = [
     "shuffle",
     "shuffle_key",
     "output_key",
+    "consuming_key",
     "SHUFFLE_BUCKET",
     "OUTPUT_BUCKET",
 ]
@@ -98,6 +111,12 @@ INPUT_WAIT_DEFAULT_S = 300.0
 """Default bound on how long a reducer waits for all of its inputs."""
 REGENERATE_ROUNDS_MAX = 3
 """Default bound on rounds of rerunning mappers and reducers after lost partitions."""
+REDUCE_RETRIES_DEFAULT = 2
+"""Default bound on how many times the driver submits one reducer again after its task failed."""
+CONSUMING_PREFIX = "consuming/"
+"""Prefix of the reducers' markers in the shuffle bucket (see :func:`consuming_key`)."""
+ATTEMPT_MARKERS_MAX = 64
+"""Most markers of earlier attempts a reducer reads; beyond, it treats every input as marked."""
 MAP_REFRESH_TIMEOUT_S = 30.0
 """How long a task waits for the control plane to move the job off an unreachable server."""
 MAP_REFRESH_BACKOFF_S = (0.05, 1.0)
@@ -119,6 +138,27 @@ def shuffle_key(*, mapper: int, reducer: int) -> str:
 def output_key(reducer: int) -> str:
     """Key of reducer ``reducer``'s output (with ``persist_output``)."""
     return f"part-{reducer:05d}"
+
+
+def consuming_key(*, reducer: int, attempt: str) -> str:
+    """Key of the marker in which one attempt of reducer ``reducer`` names the mappers whose
+    inputs it has consumed or is about to consume (a bitmap, one bit per mapper)."""
+    return f"{_consuming_prefix(reducer)}{attempt}"
+
+
+def _consuming_prefix(reducer: int) -> str:
+    return f"{CONSUMING_PREFIX}r{reducer:05d}/"
+
+
+def _encode_mappers(mappers: set[int], count: int) -> bytes:
+    bitmap = bytearray((count + 7) // 8)
+    for m in mappers:
+        bitmap[m // 8] |= 1 << (m % 8)
+    return bytes(bitmap)
+
+
+def _decode_mappers(data: bytes, count: int) -> set[int]:
+    return {m for m in range(min(count, 8 * len(data))) if data[m // 8] >> (m % 8) & 1}
 
 
 @dataclass(frozen=True)
@@ -191,9 +231,10 @@ class ShuffleResult:
     value; ``map_values[m]`` is mapper ``m``'s return value (of its first successful run).
     ``handle_json`` is the job's handle, with which PERSIST outputs are read after the job is
     gone. ``regenerated`` lists, per round, the ``(mapper, reducer)`` partitions rerun after a
-    storage server was lost. ``input_wait_s`` and ``io_s`` are per reducer: time parked waiting
-    for inputs and time reading inputs and writing the output; ``map_io_s`` is per mapper, time
-    writing its partitions.
+    storage server was lost or a failed reducer attempt had consumed them; ``retried`` names the
+    reducer of each resubmission after a failed task. ``input_wait_s`` and ``io_s`` are per
+    reducer: time parked waiting for inputs and time reading inputs and writing the output;
+    ``map_io_s`` is per mapper, time writing its partitions.
     """
 
     job_id: str
@@ -208,6 +249,7 @@ class ShuffleResult:
     io_s: list[float] = field(default_factory=list)
     map_io_s: list[float] = field(default_factory=list)
     regenerated: list[list[tuple[int, int]]] = field(default_factory=list)
+    retried: list[int] = field(default_factory=list)
 
 
 def shuffle(
@@ -225,6 +267,7 @@ def shuffle(
     output_bucket: str = OUTPUT_BUCKET,
     input_wait_s: float = INPUT_WAIT_DEFAULT_S,
     regenerate_rounds_max: int = REGENERATE_ROUNDS_MAX,
+    reduce_retries: int = REDUCE_RETRIES_DEFAULT,
     client_options: dict[str, Any] | None = None,
     delete_inputs: bool = True,
     timeout_s: float | None = None,
@@ -239,13 +282,16 @@ def shuffle(
     regeneration. ``cluster`` is what :func:`pocketflow.register_job` takes; ``job`` runs the
     shuffle in an already registered job (not deregistered here). ``client_options`` are
     :class:`~pocketflow.config.ClientConfig` settings for the tasks' clients.
+    ``reduce_retries`` bounds how many times one reducer is submitted again after its task
+    failed (a mapper's failure is never retried: it fails the shuffle at once).
     ``delete_inputs=False`` reads the shuffle objects without DELETE (they then live until the
     job is deregistered); it exists to measure what DELETE saves. ``timeout_s`` bounds each wait
     for a stage's Lithops results (Lithops raises ``TimeoutError``; it arms ``SIGALRM``, so pass
     it only from the main thread).
 
     Raises :class:`ShuffleFailed` when lost partitions could not be regenerated within
-    ``regenerate_rounds_max`` rounds, and whatever a task raised (Lithops re-raises it here).
+    ``regenerate_rounds_max`` rounds or a reducer's inputs did not arrive, and whatever a mapper
+    raised, or a reducer on its last attempt (Lithops re-raises it here).
     """
     from pocketflow.job import Hints, register_job
 
@@ -257,10 +303,12 @@ def shuffle(
         raise ValueError(f"input_wait_s must be positive and finite, got {input_wait_s}")
     if regenerate_rounds_max < 0:
         raise ValueError("regenerate_rounds_max must be >= 0")
+    if reduce_retries < 0:
+        raise ValueError("reduce_retries must be >= 0")
     if job is not None:
         return _run(fexec, job, map_function, reduce_function, map_inputs, reducers,
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
-                    client_options, delete_inputs, timeout_s)
+                    reduce_retries, client_options, delete_inputs, timeout_s)
     hints = Hints(
         max_concurrent_tasks=min(mappers + reducers, 1_000_000),
         data_size_bytes=input_size_bytes,
@@ -269,15 +317,15 @@ def shuffle(
     with register_job(name, hints, cluster=cluster) as own_job:
         return _run(fexec, own_job, map_function, reduce_function, map_inputs, reducers,
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
-                    client_options, delete_inputs, timeout_s)
+                    reduce_retries, client_options, delete_inputs, timeout_s)
 
 
 def _run(
     fexec: Any, job: Job, map_function: Callable[..., Any],
     reduce_function: Callable[[int, list[bytes]], Any], map_inputs: Sequence[Any],
     reducers: int, persist_output: bool, output_bucket: str, input_wait_s: float,
-    regenerate_rounds_max: int, client_options: dict[str, Any] | None, delete_inputs: bool,
-    timeout_s: float | None,
+    regenerate_rounds_max: int, reduce_retries: int, client_options: dict[str, Any] | None,
+    delete_inputs: bool, timeout_s: float | None,
 ) -> ShuffleResult:
     started = time.perf_counter()
     started_unix_s = time.time()
@@ -302,14 +350,59 @@ def _run(
         map_calls = [_MapCall(spec, map_function, item, m, None)
                      for m, item in enumerate(map_inputs)]
         reduce_calls = [_ReduceCall(spec, reduce_function, r) for r in range(reducers)]
-        # One Lithops job holds every mapper and then every reducer: executors start calls in
-        # order as workers free up (Lithops' localhost v1 runs whole jobs one after another), so
-        # reducers start while the last mappers run and park on the servers until their inputs
-        # are written, instead of waiting for a barrier. All mappers come first, so a worker
-        # held by a parked reducer never keeps a mapper from running.
-        futures = fexec.map(_shuffle_task, [(call,) for call in map_calls + reduce_calls])
+        retries_left = dict.fromkeys(range(reducers), reduce_retries)
+        retried: list[int] = []
         try:
-            outcomes = fexec.get_result(futures, timeout=timeout_s)
+            # One Lithops job holds every mapper and then every reducer: executors start calls
+            # in order as workers free up (Lithops' localhost v1 runs whole jobs one after
+            # another), so reducers start while the last mappers run and park on the servers
+            # until their inputs are written, instead of waiting for a barrier. All mappers come
+            # first, so a worker held by a parked reducer never keeps a mapper from running.
+            outcomes = _gather(fexec, map_calls + reduce_calls, retries_left=retries_left,
+                               retried=retried, timeout_s=timeout_s)
+            map_outcomes: list[_MapOutcome] = outcomes[:len(map_calls)]
+            reduce_outcomes: list[_ReduceOutcome] = outcomes[len(map_calls):]
+            map_s = max(o.finished_unix_s for o in map_outcomes) - started_unix_s
+
+            done = {o.reducer: o for o in reduce_outcomes if not o.lost_mappers}
+            failed = [o for o in reduce_outcomes if o.lost_mappers]
+            regenerated: list[list[tuple[int, int]]] = []
+            rewritten_bytes = 0
+            while failed:
+                if len(regenerated) == regenerate_rounds_max:
+                    lost = sorted({(m, o.reducer) for o in failed for m in o.lost_mappers})
+                    raise ShuffleFailed(
+                        f"partitions {lost[:8]}{'...' if len(lost) > 8 else ''} still lost "
+                        f"after {regenerate_rounds_max} rounds of regeneration"
+                    )
+                # Reruns and retries get the map without the lost servers, so none of them
+                # starts by reaching for a dead server.
+                unreachable = {a for o in failed for a in o.unreachable}
+                if unreachable:
+                    refresh_map(pf, unreachable, bucket=SHUFFLE_BUCKET)
+                spec = dataclasses.replace(spec, handle_json=pf.handle.to_json())
+                lost_by_mapper: dict[int, set[int]] = {}
+                for outcome in failed:
+                    for mapper in outcome.lost_mappers:
+                        lost_by_mapper.setdefault(mapper, set()).add(outcome.reducer)
+                regenerated.append(
+                    sorted((m, r) for m, rs in lost_by_mapper.items() for r in rs)
+                )
+                log.warning("shuffle %s: regenerating %d lost partitions of %d mappers",
+                            job.job_id, len(regenerated[-1]), len(lost_by_mapper))
+                reruns = [_MapCall(spec, map_function, map_inputs[m], m, frozenset(rs))
+                          for m, rs in sorted(lost_by_mapper.items())]
+                rewritten_bytes += sum(
+                    o.bytes_written
+                    for o in _gather(fexec, reruns, retries_left=retries_left, retried=retried,
+                                     timeout_s=timeout_s)
+                )
+                outcomes = _gather(
+                    fexec, [_ReduceCall(spec, reduce_function, o.reducer) for o in failed],
+                    retries_left=retries_left, retried=retried, timeout_s=timeout_s,
+                )
+                done.update({o.reducer: o for o in outcomes if not o.lost_mappers})
+                failed = [o for o in outcomes if o.lost_mappers]
         except BaseException:
             # Deleting the bucket wakes reducers still parked on it; they fail at once instead
             # of holding their workers until their wait bound.
@@ -318,48 +411,8 @@ def _run(
             except PocketflowError as exc:
                 log.warning("shuffle %s: could not delete its bucket: %s", job.job_id, exc)
             raise
-        map_outcomes: list[_MapOutcome] = outcomes[:len(map_calls)]
-        reduce_outcomes: list[_ReduceOutcome] = outcomes[len(map_calls):]
-        map_s = max(o.finished_unix_s for o in map_outcomes) - started_unix_s
-
-        done = {o.reducer: o for o in reduce_outcomes if not o.lost_mappers}
-        failed = [o for o in reduce_outcomes if o.lost_mappers]
-        regenerated: list[list[tuple[int, int]]] = []
-        rewritten_bytes = 0
-        while failed:
-            if len(regenerated) == regenerate_rounds_max:
-                lost = sorted({(m, o.reducer) for o in failed for m in o.lost_mappers})
-                raise ShuffleFailed(
-                    f"partitions {lost[:8]}{'...' if len(lost) > 8 else ''} still lost after "
-                    f"{regenerate_rounds_max} rounds of regeneration"
-                )
-            # Reruns and retries get the map without the lost servers, so none of them starts
-            # by reaching for a dead server.
-            unreachable = {a for o in failed for a in o.unreachable}
-            if unreachable:
-                refresh_map(pf, unreachable, bucket=SHUFFLE_BUCKET)
-            spec = dataclasses.replace(spec, handle_json=pf.handle.to_json())
-            lost_by_mapper: dict[int, set[int]] = {}
-            for outcome in failed:
-                for mapper in outcome.lost_mappers:
-                    lost_by_mapper.setdefault(mapper, set()).add(outcome.reducer)
-            regenerated.append(
-                sorted((m, r) for m, rs in lost_by_mapper.items() for r in rs)
-            )
-            log.warning("shuffle %s: regenerating %d lost partitions of %d mappers",
-                        job.job_id, len(regenerated[-1]), len(lost_by_mapper))
-            reruns = [
-                (_MapCall(spec, map_function, map_inputs[m], m, frozenset(rs)),)
-                for m, rs in sorted(lost_by_mapper.items())
-            ]
-            rewritten_bytes += sum(
-                o.bytes_written
-                for o in fexec.get_result(fexec.map(_shuffle_task, reruns), timeout=timeout_s)
-            )
-            retries = [(_ReduceCall(spec, reduce_function, o.reducer),) for o in failed]
-            outcomes = fexec.get_result(fexec.map(_shuffle_task, retries), timeout=timeout_s)
-            done.update({o.reducer: o for o in outcomes if not o.lost_mappers})
-            failed = [o for o in outcomes if o.lost_mappers]
+        # Every reducer has committed: the markers of its attempts are no longer needed.
+        pf.delete_prefix(SHUFFLE_BUCKET, CONSUMING_PREFIX)
         handle_json = pf.handle.to_json()
 
     ordered = [done[r] for r in range(reducers)]
@@ -376,7 +429,65 @@ def _run(
         io_s=[o.io_s for o in ordered],
         map_io_s=[o.io_s for o in sorted(map_outcomes, key=lambda o: o.mapper)],
         regenerated=regenerated,
+        retried=retried,
     )
+
+
+def _gather(
+    fexec: Any, calls: Sequence[_MapCall | _ReduceCall], *, retries_left: dict[int, int],
+    retried: list[int], timeout_s: float | None,
+) -> list[Any]:
+    """Run ``calls`` as one Lithops job and return their outcomes, in the order of ``calls``.
+
+    A reducer whose task failed (it raised, or its process died: Lithops reports both as a
+    failed call) is submitted again while ``retries_left[reducer]`` allows, and the reducer is
+    appended to ``retried``; it recovers the inputs its failed attempt consumed through its
+    markers (see the module doc). A mapper's
+    failure, a reducer's :class:`ShuffleFailed` (its inputs never arrived: a retry would only
+    wait again) and a reducer's failure with no retries left are raised at once. ``timeout_s``
+    bounds the whole wait (Lithops raises ``TimeoutError``).
+    """
+    from lithops.wait import ANY_COMPLETED
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    futures = list(fexec.map(_shuffle_task, [(call,) for call in calls]))
+    slot = {id(f): i for i, f in enumerate(futures)}
+    outcomes: list[Any] = [None] * len(calls)
+    every = list(futures)  # Kept alive, so that ids in ``slot`` stay unique.
+    pending = list(futures)
+    while pending:
+        left_s = None if deadline is None else deadline - time.monotonic()
+        # Any completed call, not all: a failure is seen (and a mapper's raised) as it happens.
+        finished, not_done = fexec.wait(pending, throw_except=False, return_when=ANY_COMPLETED,
+                                        download_results=True, timeout=left_s,
+                                        show_progressbar=False)
+        pending = list(not_done)
+        for future in finished:
+            i = slot[id(future)]
+            call = calls[i]
+            if not future.error:
+                outcomes[i] = future.result()
+                continue
+            try:
+                future.result()  # raises what the task raised
+            except ShuffleFailed:
+                raise
+            except Exception as exc:
+                if not isinstance(call, _ReduceCall) or retries_left[call.reducer] <= 0:
+                    raise
+                retries_left[call.reducer] -= 1
+                retried.append(call.reducer)
+                log.warning("reducer %d failed (%s: %s); submitting it again (%d retries left)",
+                            call.reducer, type(exc).__name__, exc, retries_left[call.reducer])
+                (again,) = fexec.map(_shuffle_task, [(call,)])
+                slot[id(again)] = i
+                every.append(again)
+                pending.append(again)
+                continue
+            raise ShuffleFailed(f"task {i} of the shuffle failed without an exception")
+    # Every call is done: this wait returns at once and lets Lithops clean the jobs' data.
+    fexec.wait(every, throw_except=False, show_progressbar=False)
+    return outcomes
 
 
 # -- tasks (run in Lithops workers) -------------------------------------------------------------
@@ -503,6 +614,14 @@ def _map_task(call: _MapCall) -> _MapOutcome:
     )
 
 
+def _home_nodes(handle: JobHandle, keys: dict[int, str]) -> dict[int, str]:
+    """Node id of the server holding each key's block 0 under ``handle``'s map."""
+    from pocketflow.placement import Placement
+
+    placement = Placement(handle.servers)
+    return {m: placement.server_for(key.encode(), 0).node_id for m, key in keys.items()}
+
+
 def _servers_of(handle: JobHandle, keys: dict[int, str]) -> dict[int, str]:
     """Address of the server holding each key's block 0 under ``handle``'s map."""
     from pocketflow.placement import Placement
@@ -512,8 +631,11 @@ def _servers_of(handle: JobHandle, keys: dict[int, str]) -> dict[int, str]:
 
 
 def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
-    """One reducer: wait for its inputs, read them with DELETE, run the user's function, write
-    the output; or, when inputs were lost with a server, put back what it read and say which."""
+    """One reducer: wait for its inputs, mark and read them with DELETE, run the user's function,
+    write the output; or, when inputs were lost (with a server, or consumed by an earlier
+    attempt of this reducer that never committed), put back what it read and say which."""
+    from pocketflow.handle import JobHandle
+
     spec = call.spec
     keys = {m: shuffle_key(mapper=m, reducer=call.reducer) for m in range(spec.mappers)}
     inputs: dict[int, bytes] = {}
@@ -522,14 +644,28 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
     wait_s = io_s = 0.0
     deadline = time.monotonic() + spec.input_wait_s
     pf = _client(spec)
+    marker = consuming_key(reducer=call.reducer, attempt=uuid.uuid4().hex[:16])
+    consuming: set[int] = set()
+    # Where the stage's mappers first placed each input: one whose server the job has since
+    # lost, and which no live server holds, is gone with it.
+    homes = _home_nodes(JobHandle.from_json(spec.handle_json), keys)
+    markers_checked = not spec.delete_inputs
+    waited_epoch: int | None = None
     with ThreadPoolExecutor(min(READ_THREADS_MAX, spec.mappers)) as pool:
         pending = dict(keys)
         while pending:
             started = time.perf_counter()
             placed_by = pf.handle
+            # Look without waiting first, and again whenever the client's map changed since
+            # the last look (a read or a listing learnt a new one): inputs are only waited for
+            # once none of them is known to be lost or consumed.
+            probing = placed_by.epoch != waited_epoch
+            waited_epoch = placed_by.epoch
             try:
-                missing = set(pf.wait_for(spec.bucket, list(pending.values()),
-                                          timeout_s=max(0.0, deadline - time.monotonic())))
+                missing = set(pf.wait_for(
+                    spec.bucket, list(pending.values()),
+                    timeout_s=0.0 if probing else max(0.0, deadline - time.monotonic()),
+                ))
             except DataUnavailable as exc:
                 # Inputs placed on the unreachable server are gone (or will be written under
                 # the next map): they are regenerated; the others are still awaited.
@@ -542,15 +678,44 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
                 for m in gone:
                     del pending[m]
                 wait_s += time.perf_counter() - started
+                if probing:
+                    waited_epoch = None  # look again before waiting
                 continue
             wait_s += time.perf_counter() - started
+            # The client may have learnt the map without a lost server before it asked that
+            # server for anything (another task of this worker, a read): then nothing raised,
+            # and the inputs it held would be awaited on live servers until the bound.
+            lost_nodes = {s.node_id for s in pf.handle.lost}
+            gone = {m for m, k in pending.items() if k in missing and homes[m] in lost_nodes}
+            lost |= gone
+            for m in gone:
+                del pending[m]
+            if not markers_checked and any(k in missing for k in pending.values()):
+                # Inputs are missing: not written yet, or consumed by an earlier attempt of
+                # this reducer that never committed, in which case it marked them first.
+                markers_checked = True
+                earlier = _marked_by_earlier_attempts(pf, spec, call.reducer)
+                consumed = {m for m, k in pending.items() if m in earlier and k in missing}
+                if consumed:
+                    # Nothing read yet: report them for regeneration and read nothing.
+                    lost |= consumed
+                    break
+                continue
             ready = {m: k for m, k in pending.items() if k not in missing}
             if not ready:
+                if probing or not pending:
+                    continue
                 raise ShuffleFailed(
                     f"reducer {call.reducer}: inputs of mappers "
-                    f"{sorted(pending)[:8]} did not arrive within {spec.input_wait_s:.0f} s"
+                    f"{sorted(pending)[:8]} did not arrive within {spec.input_wait_s:.0f} s "
+                    f"(never written, and no earlier attempt of this reducer marked them)"
                 )
             started = time.perf_counter()
+            if spec.delete_inputs:
+                # The marker is written before the reads that consume, so that a retry of this
+                # reducer knows what may be gone.
+                consuming |= ready.keys()
+                _write_marker(pf, spec, marker, _encode_mappers(consuming, spec.mappers))
             results = list(pool.map(
                 lambda k: _read_once(pf, spec.bucket, k, delete=spec.delete_inputs),
                 ready.values(),
@@ -562,7 +727,10 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
                     inputs[m] = result
                 else:
                     lost.add(m)
-                    unreachable.add(result.server or "")
+                    if isinstance(result, DataUnavailable):
+                        unreachable.add(result.server or "")
+                    # ObjectNotFound on a live server: another reader (a concurrent attempt of
+                    # this reducer) consumed it; regenerated by lineage like a lost one.
         if lost:
             started = time.perf_counter()
             _put_back(pf, spec, call.reducer, inputs, unreachable)
@@ -584,9 +752,48 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
                           io_s=io_s)
 
 
+def _marked_by_earlier_attempts(pf: Client, spec: _Spec, reducer: int) -> set[int]:
+    """Mappers whose inputs earlier attempts of ``reducer`` marked (empty on a first attempt).
+
+    A marker that cannot be read, or more than ``ATTEMPT_MARKERS_MAX`` of them, count as naming
+    every mapper: an input then counts as consumed only if it is missing when the retry starts.
+    """
+    prefix = _consuming_prefix(reducer)
+    for attempt in range(1, WRITE_ATTEMPTS_MAX + 1):
+        try:
+            markers = sorted({info.key for info in pf.list(spec.bucket, prefix)})
+            break
+        except DataUnavailable as exc:
+            # A server of the map cannot be listed: wait for the map without it.
+            if attempt == WRITE_ATTEMPTS_MAX:
+                raise
+            refresh_map(pf, {exc.server} if exc.server else set(), bucket=spec.bucket)
+    if len(markers) > ATTEMPT_MARKERS_MAX:
+        return set(range(spec.mappers))
+    marked: set[int] = set()
+    for key in markers:
+        try:
+            marked |= _decode_mappers(pf.get(spec.bucket, key), spec.mappers)
+        except (DataUnavailable, ObjectNotFound):
+            return set(range(spec.mappers))
+    return marked
+
+
+def _write_marker(pf: Client, spec: _Spec, key: str, data: bytes) -> None:
+    """Write (overwrite) this attempt's marker; after an unreachable server, under the new map."""
+    for attempt in range(1, WRITE_ATTEMPTS_MAX + 1):
+        try:
+            pf.put(spec.bucket, key, data, overwrite=True)
+            return
+        except DataUnavailable as exc:
+            if attempt == WRITE_ATTEMPTS_MAX:
+                raise
+            refresh_map(pf, {exc.server} if exc.server else set(), bucket=spec.bucket)
+
+
 def _read_once(pf: Client, bucket: str, key: str, *, delete: bool) -> bytes | PocketflowError:
-    """Read (and delete) one input; a lost one (server unreachable, or its manifest gone with a
-    data block) comes back as the error instead of being raised."""
+    """Read (and delete) one input; a lost one (server unreachable, or consumed by another
+    reader) comes back as the error instead of being raised."""
     try:
         return pf.get(bucket, key, delete=delete)
     except (DataUnavailable, ObjectNotFound) as exc:

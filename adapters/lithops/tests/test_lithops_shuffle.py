@@ -1,11 +1,14 @@
 """Tests of the Lithops drop-in shuffle on the real localhost executor and the session cluster.
 
 Lost partitions: a storage server added for the test is killed by pid in the middle of a
-shuffle; the control plane moves the job off it and the shuffle regenerates what it held.
+shuffle; the control plane moves the job off it and the shuffle regenerates what it held. A
+reducer that fails after its DELETE reads is retried, and its retry has what the failed attempt
+consumed regenerated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -22,7 +25,12 @@ import cloudpickle
 import pytest
 from fixtures_cluster import extra_server, used_bytes, wait_for
 from pocketflow_lithops.shuffle import (
+    CONSUMING_PREFIX,
     OutputInfo,
+    _ReduceCall,
+    _ReduceOutcome,
+    _shuffle_task,
+    _Spec,
     refresh_map,
     shuffle,
     shuffle_key,
@@ -60,6 +68,8 @@ DOOMED_CAPACITY_BYTES = 512 * 1024 * 1024
 """The killed server's capacity: several times the session's DRAM servers' free bytes."""
 REDUCERS_MAX = 32
 """Most reducers the regeneration test tries when looking for inputs on the killed server."""
+RETRY_PROBE_MAX_S = 10.0
+"""Bound on a retried reducer finding its consumed inputs (it looks without waiting for them)."""
 
 
 @pytest.fixture
@@ -93,6 +103,24 @@ def _slow_then_emit(delay_s: float, item: int, emit: Callable[[int, Any], None])
 
 def _reduce_started(partition: int, inputs: list[bytes]) -> tuple[float, list[bytes]]:
     return time.time(), inputs
+
+
+def _reduce_crashing_once(flag_dir: str, crashing: int, how: str, partition: int,
+                          inputs: list[bytes]) -> bytes:
+    """The sort's reducer; reducer ``crashing`` fails on its first attempt, after its inputs
+    were read with DELETE: it raises, or its process dies (a file in ``flag_dir`` tells the
+    attempts apart)."""
+    flag = Path(flag_dir) / f"reducer-{partition}"
+    if partition == crashing and not flag.exists():
+        flag.write_text(str(sum(len(i) for i in inputs)))
+        if how == "exit":
+            os._exit(3)
+        raise RuntimeError(f"reducer {partition} crashes after its reads")
+    return reduce_records(partition, inputs)
+
+
+def _raise_on_reduce(partition: int, inputs: list[bytes]) -> bytes:
+    raise RuntimeError("the reduce function breaks")
 
 
 def _failing_map(item: int, emit: Callable[[int, Any], None]) -> None:
@@ -159,11 +187,77 @@ def test_a_failing_mapper_fails_the_shuffle_and_deregisters_its_job(
     assert {j["job_id"] for j in local_cluster.status()["jobs"]} == jobs_before
 
 
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_reducer_retried_after_its_delete_reads_has_its_inputs_regenerated(
+    local_cluster: LocalCluster, fexec: Any, tmp_path: Path, how: str
+) -> None:
+    baseline = used_bytes(local_cluster)
+    config = SortConfig(mappers=3, reducers=3, records=6_000, seed=17)
+    with local_cluster.register_job("reducer-retry") as job:
+        result = shuffle(fexec, functools.partial(map_records, config),
+                         functools.partial(_reduce_crashing_once, str(tmp_path), 1, how), range(3),
+                         reducers=3, job=job, persist_output=True,
+                         input_size_bytes=config.input_bytes, timeout_s=SHUFFLE_TIMEOUT_S)
+        # Reducer 1's first attempt read all of its inputs with DELETE, then failed.
+        assert int((tmp_path / "reducer-1").read_text()) > 0
+        assert result.retried == [1]
+        # Its retry found them consumed; exactly its partitions were regenerated, once.
+        assert result.regenerated == [[(m, 1) for m in range(3)]]
+        with job.connect() as pf:
+            assert pf.list("shuffle") == []  # no input and no marker left behind
+            checks = [describe_partition(r, pf.get(o.bucket, o.key, delete=True))
+                      for r, o in enumerate(result.outputs)]
+    input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
+    assert check_output(config, input_checksum=input_checksum, checks=checks) == []
+    assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)
+
+
+def test_a_retried_reducer_tells_consumed_inputs_from_never_written_ones(
+    local_cluster: LocalCluster,
+) -> None:
+    """The reducer task on its own, in this process: with the marker of an attempt that read
+    its inputs it reports them lost at once; with inputs nobody marked it waits its bound and
+    fails clearly."""
+    with local_cluster.register_job("reducer-marker") as job, job.connect() as pf:
+        pf.create_bucket("shuffle")
+        spec = _Spec(handle_json=job.handle.to_json(), mappers=2, reducers=1, bucket="shuffle",
+                     output_bucket="output", persist_output=False, input_wait_s=60.0,
+                     client_options=())
+        inputs = [(shuffle_key(mapper=m, reducer=0), f"input {m}".encode()) for m in range(2)]
+        pf.put_many("shuffle", inputs)
+        with pytest.raises(RuntimeError, match="reduce function breaks"):
+            _shuffle_task(_ReduceCall(spec, _raise_on_reduce, 0))
+        assert [i.key for i in pf.list("shuffle")] == [
+            i.key for i in pf.list("shuffle", CONSUMING_PREFIX)
+        ], "the inputs were read with DELETE, and the attempt's marker is left"
+
+        started = time.monotonic()
+        outcome = _shuffle_task(_ReduceCall(spec, _join, 0))
+        assert isinstance(outcome, _ReduceOutcome)
+        assert outcome.lost_mappers == (0, 1) and outcome.unreachable == ()
+        assert time.monotonic() - started < RETRY_PROBE_MAX_S
+
+        # The driver reruns the mappers; the next attempt reads what they wrote again.
+        pf.put_many("shuffle", inputs)
+        outcome = _shuffle_task(_ReduceCall(spec, _join, 0))
+        assert outcome.value == b"0:input 0input 1" and outcome.lost_mappers == ()
+
+        # Inputs that never arrive, with no marker naming them: a clear error, no loop.
+        spec = dataclasses.replace(spec, input_wait_s=1.0)
+        started = time.monotonic()
+        with pytest.raises(ShuffleFailed, match=r"reducer 1: inputs of mappers \[0, 1\] did not"):
+            _shuffle_task(_ReduceCall(spec, _join, 1))
+        assert time.monotonic() - started < RETRY_PROBE_MAX_S
+
+
 def test_bad_arguments_are_refused(local_cluster: LocalCluster, fexec: Any) -> None:
     with pytest.raises(ValueError):
         shuffle(fexec, _emit_bytes, _join, [], reducers=1, cluster=local_cluster)
     with pytest.raises(ValueError):
         shuffle(fexec, _emit_bytes, _join, [1], reducers=0, cluster=local_cluster)
+    with pytest.raises(ValueError):
+        shuffle(fexec, _emit_bytes, _join, [1], reducers=1, cluster=local_cluster,
+                reduce_retries=-1)
     assert issubclass(ShuffleFailed, pocketflow.errors.PocketflowError)
 
 

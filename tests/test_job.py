@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from fixtures_cluster import used_bytes, wait_for
 import pocketflow
 from pocketflow.cluster import LocalCluster
 from pocketflow.control.leases import LEASE_MS_DEFAULT
+from pocketflow.control.tiers import MEGABIT_BYTES
 from pocketflow.errors import (
     CapacityExhausted,
     InvalidRequest,
@@ -126,17 +128,55 @@ def test_hints_larger_than_free_dram_add_nvme(local_cluster: LocalCluster) -> No
         assert weights["nvme-0"] > 0 and weights["dram-0"] > 0 and weights["dram-1"] > 0
 
 
+def measured_throughputs(cluster: LocalCluster) -> dict[str, int]:
+    """Each server's ``throughput_bytes_per_s`` in the status, once every server reports one."""
+    found: dict[str, int] = {}
+
+    def reported() -> bool:
+        found.clear()
+        for row in cluster.status()["servers"]:
+            found[row["node_id"]] = int(row.get("throughput_bytes_per_s") or 0)
+        return bool(found) and all(value > 0 for value in found.values())
+
+    assert wait_for(reported), found
+    return dict(found)
+
+
 def test_more_throughput_than_the_tier_has_spreads_over_all_its_servers(
     local_cluster: LocalCluster,
 ) -> None:
-    # 12 tasks x 600 Mb/s is more than the session's two local DRAM servers offer, and this
-    # cluster cannot launch servers: the job gets all the DRAM tier's free throughput, so both
-    # servers carry its data (packing by capacity alone would put it all on one).
-    hints = Hints(data_size_bytes="10MiB", max_concurrent_tasks=12)
+    # Four times what the session's two local DRAM servers measured, in 600 Mb/s tasks, is more
+    # than they offer, and this cluster cannot launch servers: the job gets all the DRAM tier's
+    # free throughput, so both servers carry its data (packing by capacity alone would put it all
+    # on one). The figures only rise, so the margin covers traffic until registration.
+    measured = measured_throughputs(local_cluster)
+    dram_bytes_per_s = measured["dram-0"] + measured["dram-1"]
+    tasks = math.ceil(4 * dram_bytes_per_s / (600 * MEGABIT_BYTES))
+    hints = Hints(data_size_bytes="10MiB", max_concurrent_tasks=tasks)
     with local_cluster.register_job("wide", hints) as job:
         weights = {s.node_id: s.weight for s in job.handle.servers}
-        assert weights["dram-0"] > 0.2 and weights["dram-1"] > 0.2, weights
+        assert weights["dram-0"] > 0.2 and weights["dram-1"] > 0.2, (weights, measured)
         assert weights.get("nvme-0", 0) == 0, weights
+
+
+def test_packing_uses_the_throughput_servers_measured(local_cluster: LocalCluster) -> None:
+    # Every server reports what its self-test (and traffic since) showed it can move, and the
+    # status shows it.
+    measured = measured_throughputs(local_cluster)
+    assert set(measured) >= {"dram-0", "dram-1", "nvme-0"}, measured
+    nominal = 1000 * MEGABIT_BYTES
+    # A DRAM arena moves far more than a nominal 1000 Mb/s even on a loaded machine; this is the
+    # premise of the check below, not a bound on the figure.
+    assert min(measured["dram-0"], measured["dram-1"]) > 2 * nominal, measured
+    # 1.5 times the nominal figure: packed against the nominal figure the job would need both
+    # DRAM servers; against the measured one it fits in one.
+    demand = nominal * 3 // 2
+    hints = Hints(data_size_bytes="1MiB", peak_throughput_bytes_per_s=demand)
+    with local_cluster.register_job("measured", hints) as job:
+        used = {s.node_id: s.weight for s in job.handle.servers if s.weight > 0}
+        assert len(used) == 1, (used, measured)
+        (node_id,) = used
+        assert measured[node_id] >= demand, (used, measured)
 
 
 def test_hints_larger_than_the_cluster_are_refused(local_cluster: LocalCluster) -> None:

@@ -833,6 +833,7 @@ class Controller:
             row["heartbeat_age_ms"] = int((now - seen) * 1000)
             row["bytes_in_per_s"] = int(stats.get("bytes_in_per_s", 0))
             row["bytes_out_per_s"] = int(stats.get("bytes_out_per_s", 0))
+            row["throughput_bytes_per_s"] = _measured_throughput(stats)
             row["used_bytes"] = int(stats.get("used_bytes", 0))
             row["objects"] = int(stats.get("objects", 0))
             row["draining"] = bool(stats.get("draining", False))
@@ -914,12 +915,16 @@ class Controller:
         )
 
     def _server_loads(self, *, excluding_job: str | None = None) -> list[ServerLoad]:
-        """Every live server with its measured use and what registered jobs reserve on it."""
+        """Every live server with its measured use and what registered jobs reserve on it.
+
+        A server's throughput is what it reports it can move (``throughput_bytes_per_s`` of its
+        latest heartbeat), else its tier's nominal figure.
+        """
         spec = self._spec()
         loads = []
         for info in self.servers():
             stats = self._latest_stats(info.node_id) or {}
-            throughput = (
+            throughput = _measured_throughput(stats) or (
                 spec.tier(info.tier).throughput_bytes_per_s if spec.has_tier(info.tier) else 1
             )
             loads.append(
@@ -1243,8 +1248,8 @@ class Controller:
         CPU fraction is its CPU use over those cores.
         """
         rows = []
-        # The packing's view of each server already holds its tier's throughput, its measured
-        # use and what registered jobs reserve on it.
+        # The packing's view of each server already holds the throughput it measured (or its
+        # tier's nominal one), its measured use and what registered jobs reserve on it.
         for load in self._server_loads():
             stats = self._latest_stats(load.node_id) or {}
             # A job's reservation counts as used: a server launched for a job that has not
@@ -1359,6 +1364,14 @@ class Controller:
         raise ClusterError(
             f"metadata.{method} did not answer within {METADATA_CALL_TIMEOUT_S:.0f}s"
         )
+
+
+def _measured_throughput(stats: dict[str, Any]) -> int:
+    """The bytes per second a server's ``stats`` say it can move; 0 when they do not say."""
+    try:
+        return max(int(stats.get("throughput_bytes_per_s", 0)), 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _without_throughput(demand: JobDemand) -> JobDemand:

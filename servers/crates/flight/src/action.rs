@@ -211,6 +211,7 @@ pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
         bytes_in_per_s: sample.bytes_in_per_s,
         bytes_out_per_s: sample.bytes_out_per_s,
         ops_per_s: sample.ops_per_s,
+        throughput_bytes_per_s: state.stats.throughput_bytes_per_s(),
         capacity_bytes: usage.capacity_bytes,
         used_bytes: usage.used_bytes,
         objects: usage.objects,

@@ -84,6 +84,11 @@ impl StorageService {
             .max_encoding_message_size(MESSAGE_MAX_BYTES)
     }
 
+    /// Record the start-up self-test's figure (see [`crate::stats::Stats::set_measured_throughput`]).
+    pub fn set_measured_throughput(&self, bytes_per_s: u64) {
+        self.state.stats.set_measured_throughput(bytes_per_s);
+    }
+
     /// Sample statistics every `STATS_INTERVAL_MS`, forever.
     pub async fn run_sampler(&self) {
         self.state

@@ -55,12 +55,14 @@ pub struct Sample {
     pub ops_per_s: u64,
 }
 
-/// The counters and the last sample.
+/// The counters, the last sample and the throughput the server has shown it can move.
 #[derive(Debug, Default)]
 pub struct Stats {
     /// Counters of the current interval.
     pub counters: Counters,
     last: Mutex<Sample>,
+    /// The start-up self-test's figure, raised by the busiest sample since (bytes in plus out).
+    throughput_bytes_per_s: AtomicU64,
 }
 
 /// User plus system CPU time of this process.
@@ -90,6 +92,18 @@ impl Stats {
         *self.last.lock().expect("stats lock")
     }
 
+    /// Bytes per second the server can move: the larger of the self-test's figure
+    /// ([`Stats::set_measured_throughput`]) and the busiest sample's bytes in plus out.
+    pub fn throughput_bytes_per_s(&self) -> u64 {
+        self.throughput_bytes_per_s.load(Ordering::Relaxed)
+    }
+
+    /// Record the start-up self-test's figure (bytes per second).
+    pub fn set_measured_throughput(&self, bytes_per_s: u64) {
+        self.throughput_bytes_per_s
+            .fetch_max(bytes_per_s, Ordering::Relaxed);
+    }
+
     /// Sample forever, every `interval`.
     pub async fn run_sampler(&self, interval: Duration) {
         let mut ticker = tokio::time::interval(interval);
@@ -116,6 +130,10 @@ impl Stats {
                 ops_per_s: per_second(ops, wall),
             };
             *self.last.lock().expect("stats lock") = sample;
+            // A server that moved this much can move it: the figure only rises.
+            self.set_measured_throughput(
+                sample.bytes_in_per_s.saturating_add(sample.bytes_out_per_s),
+            );
             (wall_start, cpu_start) = (wall_end, cpu_end);
         }
     }
@@ -144,6 +162,32 @@ mod tests {
             "{sample:?}"
         );
         assert!(sample.ops_per_s > 0, "{sample:?}");
+        assert_eq!(
+            stats.throughput_bytes_per_s(),
+            sample.bytes_in_per_s + sample.bytes_out_per_s
+        );
+        sampler.abort();
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn throughput_is_the_larger_of_the_self_test_and_the_busiest_sample() {
+        let stats = std::sync::Arc::new(Stats::default());
+        stats.set_measured_throughput(1500);
+        let sampler = tokio::spawn({
+            let stats = stats.clone();
+            async move { stats.run_sampler(Duration::from_millis(1000)).await }
+        });
+        tokio::task::yield_now().await;
+        stats.counters.add_in(500);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(stats.throughput_bytes_per_s(), 1500, "{:?}", stats.last());
+        stats.counters.add_in(2000);
+        stats.counters.add_out(1000);
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        assert_eq!(stats.throughput_bytes_per_s(), 3000, "{:?}", stats.last());
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        assert_eq!(stats.last().bytes_in_per_s, 0);
+        assert_eq!(stats.throughput_bytes_per_s(), 3000);
         sampler.abort();
     }
 

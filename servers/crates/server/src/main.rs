@@ -3,6 +3,7 @@
 
 mod args;
 mod lifecycle;
+mod link;
 mod listener;
 mod sweeper;
 
@@ -17,7 +18,7 @@ use pocketflow_flight::bounds::{
 use pocketflow_flight::{ServiceConfig, StorageService};
 use pocketflow_protocol::limits::READY_LINE_PREFIX;
 use pocketflow_protocol::token::TokenKey;
-use pocketflow_store::{Store, StoreConfig};
+use pocketflow_store::{Store, StoreConfig, Throughput, Tier};
 
 use crate::args::Args;
 
@@ -74,6 +75,11 @@ async fn serve(args: Args) -> Result<(), String> {
         persist_ttl: args.persist_ttl,
     })
     .map_err(|e| format!("cannot open the {} store: {e}", args.tier))?;
+    // What the tier moves, measured before serving so the test block meets no job.
+    let measured = store
+        .measure_throughput()
+        .await
+        .map_err(|e| format!("cannot measure the {} store: {e}", args.tier))?;
     tokio::spawn(sweeper::run(store.clone()));
     pocketflow_flight::cores::init(args.threads);
     let service = StorageService::new(
@@ -93,6 +99,7 @@ async fn serve(args: Args) -> Result<(), String> {
     let local = listener
         .local_addr()
         .map_err(|e| format!("cannot read the listening address: {e}"))?;
+    report_throughput(&service, args.tier, measured, local.ip());
 
     tokio::spawn({
         let service = service.clone();
@@ -144,6 +151,32 @@ async fn serve(args: Args) -> Result<(), String> {
         }
         Err(e) => Err(format!("shutdown watcher failed: {e}")),
     }
+}
+
+/// Give `service` the throughput it reports: the slower direction of the start-up self-test,
+/// capped by the link speed of the interface it listens on (none on loopback), and log it.
+fn report_throughput(
+    service: &StorageService,
+    tier: Tier,
+    measured: Option<Throughput>,
+    listen: std::net::IpAddr,
+) {
+    let Some(measured) = measured else {
+        eprintln!("pocketflow-server: {tier} too small for a throughput self-test");
+        return;
+    };
+    let cap = link::throughput_cap_bytes_per_s(listen);
+    let reported = measured.bytes_per_s().min(cap.unwrap_or(u64::MAX));
+    eprintln!(
+        "pocketflow-server: {tier} self-test ({} MiB): write {} MB/s, read {} MB/s; link cap {}; \
+         reporting {} MB/s",
+        measured.test_bytes >> 20,
+        measured.write_bytes_per_s / 1_000_000,
+        measured.read_bytes_per_s / 1_000_000,
+        cap.map_or("none".to_owned(), |cap| format!("{} MB/s", cap / 1_000_000)),
+        reported / 1_000_000,
+    );
+    service.set_measured_throughput(reported);
 }
 
 async fn wait_for(mut stop: tokio::sync::watch::Receiver<bool>) {

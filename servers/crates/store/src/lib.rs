@@ -13,6 +13,8 @@
 //!   blocks keyed by `(key, version, index)`), write-once / overwrite, DELETE-on-read, PERSIST,
 //!   prefix and job deletion, usage, and the expiry of PERSIST entries after the server's
 //!   PERSIST time-to-live ([`Store::expire_persist`]).
+//! - [`throughput`]: the start-up self-test of what the engine can move
+//!   ([`Store::measure_throughput`]).
 //!
 //! # Accounting
 //!
@@ -41,6 +43,7 @@ pub mod error;
 mod expiry;
 mod index;
 pub mod store;
+pub mod throughput;
 pub mod waiters;
 
 pub use capacity::INDEX_ENTRY_OVERHEAD_BYTES;
@@ -48,3 +51,4 @@ pub use engine::{BlockWriter, Engine, StoredBlock, Tier};
 pub use error::StoreError;
 pub use index::{BUCKETS_PER_JOB_MAX, JOBS_MAX};
 pub use store::{BlockWrite, JobUsage, Store, StoreConfig, Usage};
+pub use throughput::Throughput;

@@ -25,6 +25,7 @@ use crate::index::{
     lock, split_prefix, BlockKey, BucketIndex, BucketRef, JobIndex, JobMap, Record, Stored,
     BUCKETS_PER_JOB_MAX, JOBS_MAX,
 };
+use crate::throughput::Throughput;
 use crate::waiters::{Waiter, Waiters};
 
 /// How to open a [`Store`].
@@ -203,6 +204,18 @@ impl Store {
     /// Bytes charged now (see [`Usage::used_bytes`]).
     pub fn used_bytes(&self) -> u64 {
         self.shared.budget.used_bytes()
+    }
+
+    /// Bytes the engine has allocated now, index overhead not included.
+    pub fn engine_used_bytes(&self) -> u64 {
+        self.shared.engine.used_bytes()
+    }
+
+    /// Measure what the engine can move: one test block of `min(64 MiB, capacity / 8)` written
+    /// and read back in 1 MiB pieces below the index, then freed (see [`crate::throughput`]).
+    /// `None` when the tier is too small for a test block. Run it before serving.
+    pub async fn measure_throughput(&self) -> Result<Option<Throughput>, StoreError> {
+        crate::throughput::measure(self.shared.engine.as_ref()).await
     }
 
     fn job(&self, job: &str) -> Option<Arc<JobIndex>> {

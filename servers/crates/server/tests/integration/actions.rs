@@ -305,6 +305,7 @@ async fn stats_report_every_field() {
         "bytes_in_per_s",
         "bytes_out_per_s",
         "ops_per_s",
+        "throughput_bytes_per_s",
         "capacity_bytes",
         "used_bytes",
         "objects",
@@ -324,6 +325,37 @@ async fn stats_report_every_field() {
     assert!((900..=3000).contains(&interval), "{interval}");
     let cpu = stats["cpu_utilization"].as_f64().unwrap();
     assert!((0.0..=8.0).contains(&cpu), "{cpu}");
+}
+
+#[tokio::test]
+async fn stats_report_the_throughput_measured_at_start() {
+    for nvme in [false, true] {
+        let server = TestServer::start(ServerOptions {
+            nvme,
+            ..Default::default()
+        });
+        let client = server.client().await;
+        // The self-test ran before the server served: its figure is there from the first call,
+        // and its test block is gone.
+        let stats = client.stats().await;
+        let throughput = stats["throughput_bytes_per_s"].as_u64().unwrap();
+        assert!(throughput > 0, "{stats}");
+        assert_eq!(stats["used_bytes"], 0, "{stats}");
+        assert_eq!(stats["objects"], 0, "{stats}");
+        assert!(stats["jobs"].as_object().unwrap().is_empty(), "{stats}");
+        // The figure never falls, whatever the traffic since.
+        client.create_bucket("job-a", "b").await;
+        let mut session = client.session("job-a", 0).await.unwrap();
+        let ops: Vec<_> = (0..20)
+            .map(|i| put(i, "b", &format!("k{i}"), pattern(10_000, i), 0))
+            .collect();
+        session.run(0, &ops).await;
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let later = client.stats().await["throughput_bytes_per_s"]
+            .as_u64()
+            .unwrap();
+        assert!(later >= throughput, "{later} < {throughput}");
+    }
 }
 
 #[tokio::test]

@@ -685,8 +685,10 @@ class Controller:
         this actor), the jobs from the ``Metadata`` actor's records, with a new token each and
         a new lease for each job that had one. Tasks notice nothing: they talk to the servers.
 
-        Returns what was restored (``restored()``). Not restored: servers launched by the
-        crashed instance (Ray ends them with it), the record of dead servers, draining marks.
+        Dead servers are rebuilt from nodes whose process is gone and from the jobs' ``lost``
+        lists, draining marks from the servers' own stats. Returns what was restored
+        (``restored()``). Not restored: servers launched by the crashed instance (Ray ends them
+        with it), and the sizing history.
         """
         import ray
 
@@ -708,9 +710,25 @@ class Controller:
             except Exception as exc:  # noqa: BLE001 - a node that cannot answer is left out
                 log.warning("restart: storage node %s did not answer: %s", name, exc)
                 continue
-            if alive:
-                self.add_server(info, node)
-                servers.append(info.node_id)
+            if not alive:
+                self._dead[info.node_id] = {
+                    "address": info.address,
+                    "tier": info.tier,
+                    "reason": "its process was gone when the controller restarted",
+                    "at_unix_s": time.time(),
+                }
+                continue
+            self.add_server(info, node)
+            servers.append(info.node_id)
+            try:
+                stats = ray.get(node.stats.remote(), timeout=ADMIN_CALL_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - the next heartbeat brings them
+                log.warning("restart: stats of %s failed: %s", info.node_id, exc)
+                continue
+            with self._heartbeat_lock:
+                self._keep_newer_stats(info.node_id, stats)
+            if stats.get("draining"):
+                self._draining.add(info.node_id)
         now_s = time.monotonic()
         jobs: list[str] = []
         for record in self._call_metadata("jobs"):
@@ -727,6 +745,15 @@ class Controller:
                        if s.node_id not in self._servers]
             if missing:
                 log.warning("restart: job %s uses servers that are gone: %s", job_id, missing)
+            for lost in self._jobs[job_id].handle.lost:
+                self._dead.setdefault(lost.node_id, {
+                    "address": lost.address,
+                    "tier": "unknown",
+                    "reason": f"lost by job {job_id} before the controller restarted",
+                    "at_unix_s": time.time(),
+                })
+        while len(self._dead) > DEAD_SERVERS_KEPT_MAX:
+            del self._dead[next(iter(self._dead))]
         log.warning("restarted after a crash: restored %d storage servers and %d jobs",
                     len(servers), len(jobs))
         return {"servers": servers, "jobs": jobs}

@@ -13,8 +13,11 @@ import os
 import signal
 import threading
 import time
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 from fixtures_cluster import controller_actor, used_bytes, wait_for
 from test_killed_server_mid_shuffle import (
     MAPPERS,
@@ -32,7 +35,9 @@ from test_killed_server_mid_shuffle import (
 )
 
 from pocketflow.cluster import LocalCluster
+from pocketflow.control import NAMESPACE, STORAGE_NODE_ACTOR_PREFIX
 from pocketflow.control.leases import LEASE_MS_DEFAULT
+from pocketflow.control.storage_node import StorageNode
 from pocketflow.demo import SortConfig, check_output, describe_partition
 from pocketflow.errors import PocketflowError
 
@@ -56,12 +61,35 @@ def _status_or_none(cluster: LocalCluster) -> dict[str, Any] | None:
         return None
 
 
+@pytest.fixture
+def dead_named_server(local_cluster: LocalCluster) -> Iterator[str]:
+    """A storage node named as the cluster names its own, whose server was SIGKILLed and then
+    declared dead by the controller; its actor is killed afterwards."""
+    import ray
+
+    node_id = f"restart-dead-{uuid.uuid4().hex[:6]}"
+    node = ray.remote(StorageNode).options(
+        name=STORAGE_NODE_ACTOR_PREFIX + node_id, namespace=NAMESPACE, num_cpus=0
+    ).remote(node_id=node_id, tier="dram", capacity_bytes=16 * 1024 * 1024,
+             secret_file=str(local_cluster.secret_file))
+    try:
+        info = ray.get(node.start.remote(), timeout=60)
+        ray.get(controller_actor().add_server.remote(info, node), timeout=30)
+        os.kill(info.server_pid, signal.SIGKILL)
+        assert wait_for(lambda: node_id in local_cluster.control.status()["dead_servers"],
+                        timeout_s=30), "the killed server was not declared dead"
+        yield node_id
+    finally:
+        ray.kill(node, no_restart=True)
+
+
 def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
-    local_cluster: LocalCluster,
+    local_cluster: LocalCluster, dead_named_server: str
 ) -> None:
     import ray
 
     baseline = used_bytes(local_cluster)
+    dead_node_id = dead_named_server
     config = SortConfig(mappers=MAPPERS, reducers=REDUCERS, records=RECORDS, seed=SEED)
     context = multiprocessing.get_context("spawn")
     # Leaving the pool's block terminates its worker processes (by pid), also on a failure.
@@ -118,6 +146,8 @@ def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
 
         after = local_cluster.control.status()
         assert sorted(s["node_id"] for s in after["servers"]) == servers_before
+        # The dead server is still known as dead (its node's process is gone).
+        assert dead_node_id in after["dead_servers"]
         assert {j["job_id"]: j["epoch"] for j in after["jobs"]} == jobs_before
         assert local_cluster.control.job_handle(job.job_id).servers == job.handle.servers
 

@@ -146,7 +146,10 @@ class Job:
         from pocketflow.client import connect
 
         client = connect(self._handle, **options)
-        self._clients.add(client)
+        with self._lock:
+            self._clients.add(client)
+            if client.handle.token != self._handle.token:
+                client.update_handle(self._handle)  # renewed while it was connecting
         return client
 
     def renew_token(self) -> JobHandle:
@@ -164,7 +167,8 @@ class Job:
                 handle = dataclasses.replace(self._handle, token=handle.token)
             self._handle = handle
             self._token_received_unix_ms = int(time.time() * 1000)
-        for client in list(self._clients):
+            clients = list(self._clients)
+        for client in clients:
             client.update_handle(handle)
         return handle
 
@@ -189,7 +193,9 @@ class Job:
                 return None
             self._deregistered = True
         self._lease_stop.set()
-        for client in list(self._clients):
+        with self._lock:
+            clients = list(self._clients)
+        for client in clients:
             client.close()
         try:
             return self._control.deregister(self._handle.job_id)

@@ -10,6 +10,7 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,10 @@ class Controller:
         # behind a registration (one that waits for a restarting Metadata actor, or a launch).
         # Taken after ``_lock`` when both are held.
         self._lease_lock = threading.Lock()
+        # Lease lengths written to the Metadata records (for a restart), and those being written.
+        self._leases_logged: dict[str, int] = {}
+        self._leases_logging: set[str] = set()
+        self._lease_logger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-log")
         self._cluster_spec = cluster_spec
         self._launcher = Launcher(launch) if launch is not None else None
         self._launched: dict[str, Any] = {}
@@ -591,6 +596,7 @@ class Controller:
             del self._jobs[job_id]
             with self._lease_lock:
                 self._leases.release(job_id)
+                self._leases_logged.pop(job_id, None)
             self._call_metadata("remove_job", job_id, True)
         deleted = freed_bytes = 0
         unreachable: list[str] = []
@@ -731,6 +737,7 @@ class Controller:
                 self._draining.add(info.node_id)
         now_s = time.monotonic()
         jobs: list[str] = []
+        leases: dict[str, int] = {}
         for record in self._call_metadata("jobs"):
             job_id = str(record["job_id"])
             token = make_token(self._secret, job_id, ttl_s=self._token_ttl_s)
@@ -740,11 +747,22 @@ class Controller:
             if record.get("lease_ms"):
                 with self._lease_lock:
                     self._leases.renew(job_id, lease_ms=int(record["lease_ms"]), now_s=now_s)
+                    self._leases_logged[job_id] = int(record["lease_ms"])
+                leases[job_id] = int(record["lease_ms"])
             jobs.append(job_id)
-            missing = [s.node_id for s in self._jobs[job_id].handle.servers
-                       if s.node_id not in self._servers]
-            if missing:
-                log.warning("restart: job %s uses servers that are gone: %s", job_id, missing)
+            gone = [s for s in self._jobs[job_id].handle.servers
+                    if s.node_id not in self._servers and s.weight > 0]
+            for server in gone:
+                # Declared dead now, as the failure detector would have: the job moves to a new
+                # epoch without it, remembering it as lost (reads of its data: DataUnavailable).
+                log.warning("restart: job %s used %s, which is gone", job_id, server.node_id)
+                with self._lock:
+                    record = self._jobs[job_id]
+                    self._jobs[job_id] = dataclasses.replace(
+                        record,
+                        handle=record.handle.with_lost(LostServer(server.node_id, server.address)),
+                    )
+                    self._exclude_from_job(job_id, server.node_id)
             for lost in self._jobs[job_id].handle.lost:
                 self._dead.setdefault(lost.node_id, {
                     "address": lost.address,
@@ -756,11 +774,11 @@ class Controller:
             del self._dead[next(iter(self._dead))]
         log.warning("restarted after a crash: restored %d storage servers and %d jobs",
                     len(servers), len(jobs))
-        return {"servers": servers, "jobs": jobs}
+        return {"servers": servers, "jobs": jobs, "leases": leases}
 
     def restored(self) -> dict[str, Any] | None:
-        """What this instance rebuilt after a crash (``{"servers", "jobs"}``), or ``None`` if it
-        is the first instance."""
+        """What this instance rebuilt after a crash (``{"servers", "jobs", "leases"}``, leases as
+        job id -> lease_ms), or ``None`` if it is the first instance."""
         return self._restored
 
     def pid(self) -> int:
@@ -781,15 +799,31 @@ class Controller:
         if job_id not in self._jobs:
             raise JobNotRegistered(f"job {job_id!r} is not registered")
         with self._lease_lock:
-            lease = self._leases.get(job_id)
             self._leases.renew(job_id, lease_ms=lease_ms, now_s=now_s)
-        if lease is None or lease.lease_ms != lease_ms:
-            # A restarted controller gives the job a lease of this length again.
-            try:
-                self._call_metadata("update_job", job_id, {"lease_ms": int(lease_ms)})
-            except JobNotRegistered:
-                pass  # deregistered meanwhile
+            log_it = (self._leases_logged.get(job_id) != lease_ms
+                      and job_id not in self._leases_logging)
+            if log_it:
+                self._leases_logging.add(job_id)
+        if log_it:
+            # A restarted controller gives the job a lease of this length again. Logged on a
+            # thread of its own: a renewal must not wait for the Metadata actor either.
+            self._lease_logger.submit(self._log_lease, job_id, lease_ms)
         return lease_ms / 1000.0
+
+    def _log_lease(self, job_id: str, lease_ms: int) -> None:
+        """Record a job's lease length in its Metadata record; a failure is retried by the next
+        renewal."""
+        try:
+            self._call_metadata("update_job", job_id, {"lease_ms": int(lease_ms)})
+            with self._lease_lock:
+                self._leases_logged[job_id] = lease_ms
+        except JobNotRegistered:
+            pass  # deregistered meanwhile
+        except Exception as exc:  # noqa: BLE001 - logged; the next renewal tries again
+            log.warning("logging the lease of job %s failed: %s", job_id, exc)
+        finally:
+            with self._lease_lock:
+                self._leases_logging.discard(job_id)
 
     def expire_leases(self) -> list[str]:
         """Deregister up to ``LEASE_EXPIRIES_PER_PASS_MAX`` jobs whose lease ran out."""
@@ -818,14 +852,17 @@ class Controller:
         the job's handle with it (later handles carry it too). The old token stays valid until it
         expires. Raises ``JobNotRegistered``.
         """
-        with self._lock:
-            record = self._jobs.get(job_id)
-            if record is None:
-                raise JobNotRegistered(f"job {job_id!r} is not registered")
-            token = make_token(self._secret, job_id, ttl_s=self._token_ttl_s)
-            handle = dataclasses.replace(record.handle, token=token)
+        # No ``_lock``: the driver's lease thread calls this, and must not wait behind a
+        # registration. An epoch move racing with it may keep the older token in the record;
+        # both tokens are valid, and the caller gets the new one.
+        record = self._jobs.get(job_id)
+        if record is None:
+            raise JobNotRegistered(f"job {job_id!r} is not registered")
+        token = make_token(self._secret, job_id, ttl_s=self._token_ttl_s)
+        handle = dataclasses.replace(record.handle, token=token)
+        if self._jobs.get(job_id) is record:
             self._jobs[job_id] = dataclasses.replace(record, handle=handle)
-            return handle
+        return handle
 
     def job_handle(self, job_id: str) -> JobHandle:
         """The handle of a registered job. Raises ``JobNotRegistered``."""
@@ -901,6 +938,7 @@ class Controller:
     def close(self) -> None:
         """Stop the background loops and close the admin connections (the actor is ending)."""
         self._stopping.set()
+        self._lease_logger.shutdown(wait=False, cancel_futures=True)
         monitor = self._monitor
         if monitor is not None and monitor is not threading.current_thread():
             monitor.join(timeout=ADMIN_CALL_TIMEOUT_S * 2)

@@ -35,7 +35,7 @@ from test_killed_server_mid_shuffle import (
 )
 
 from pocketflow.cluster import LocalCluster
-from pocketflow.control import NAMESPACE, STORAGE_NODE_ACTOR_PREFIX
+from pocketflow.control import METADATA_ACTOR_NAME, NAMESPACE, STORAGE_NODE_ACTOR_PREFIX
 from pocketflow.control.leases import LEASE_MS_DEFAULT
 from pocketflow.control.storage_node import StorageNode
 from pocketflow.demo import SortConfig, check_output, describe_partition
@@ -134,6 +134,10 @@ def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
         )
         time.sleep(0.5)  # the mappers are starting or running
 
+        # The lease length its driver's first renewal logs (on a thread of the controller).
+        metadata = ray.get_actor(METADATA_ACTOR_NAME, namespace=NAMESPACE)
+        assert wait_for(lambda: "lease_ms" in ray.get(metadata.get_job.remote(job.job_id)))
+
         first_pid = _controller_pid()
         os.kill(first_pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -143,6 +147,8 @@ def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
         assert _controller_pid() != first_pid
         restored = ray.get(controller_actor().restored.remote(), timeout=30)
         assert restored is not None and job.job_id in restored["jobs"]
+        # The lease its driver had is given back from the log, not started by a renewal.
+        assert restored["leases"][job.job_id] == LEASE_MS_DEFAULT
 
         after = local_cluster.control.status()
         assert sorted(s["node_id"] for s in after["servers"]) == servers_before

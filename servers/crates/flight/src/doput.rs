@@ -106,6 +106,7 @@ impl Upload {
                     "more than PUT_STREAM_BLOCKS_MAX in one stream",
                 ));
             }
+            self.state.auth.check_may_write(&self.job)?;
             let d = &self.descriptor;
             let writer = self.state.store.begin_block(
                 &self.job,
@@ -148,6 +149,9 @@ impl Upload {
                 declared: open.declared,
             });
         }
+        // A job ended while its upload ran gets nothing stored: the unfinished upload's blocks
+        // are freed when it is dropped.
+        self.state.auth.check_may_write(&self.job)?;
         self.finished = true;
         let result = serde_json::json!({"blocks": self.committed.len(), "bytes": self.bytes});
         Ok(Bytes::from(result.to_string()))

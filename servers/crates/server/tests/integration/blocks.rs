@@ -489,3 +489,76 @@ async fn idle_transfers_are_ended_and_leave_nothing() {
     let total: usize = pieces.iter().map(|(_, bytes)| bytes.len()).sum();
     assert_eq!(total, 64 * MIB);
 }
+
+/// A block upload that runs while the admin ends its job stores nothing, also in a bucket that
+/// the job's PERSIST data keeps alive.
+#[tokio::test]
+async fn an_upload_spanning_the_end_of_its_job_leaves_nothing() {
+    let server = TestServer::start(ServerOptions {
+        long_running: true,
+        ..Default::default()
+    });
+    let client = server.client().await;
+    client.create_bucket("job-a", "b").await;
+    let mut session = client.session("job-a", 0).await.unwrap();
+    let replies = session
+        .run(
+            0,
+            &[put(
+                1,
+                "b",
+                "kept",
+                pattern(100, 1),
+                pocketflow_protocol::frame::OP_FLAG_PERSIST,
+            )],
+        )
+        .await;
+    assert_eq!(replies[&1].status, 0);
+    let used_before = client.stats().await["used_bytes"].as_u64().unwrap();
+
+    let blocks: Vec<(u32, Bytes)> = (1..=3).map(|i| (i, pattern(MIB, u64::from(i)))).collect();
+    let descriptor = put_descriptor("job-a", "b", "late", 21, MIB as u32, false);
+    let messages = put_messages(descriptor, &blocks, MIB);
+    let (tx, rx) = mpsc::channel::<FlightData>(1);
+    let mut inner = client.inner.clone();
+    let upload = tokio::spawn(async move { inner.do_put(ReceiverStream::new(rx)).await });
+    let mut messages = messages.into_iter();
+    // The schema and the first block.
+    for message in messages.by_ref().take(2) {
+        tx.send(message).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    client
+        .action("delete_job", json!({"ctx": admin_ctx(), "job": "job-a"}))
+        .await
+        .unwrap();
+    for message in messages {
+        if tx.send(message).await.is_err() {
+            break; // the server ended the stream
+        }
+    }
+    drop(tx);
+    let status = match upload.await.unwrap() {
+        Err(status) => status,
+        Ok(response) => {
+            let mut results = response.into_inner();
+            results
+                .next()
+                .await
+                .expect("a result or a status")
+                .unwrap_err()
+        }
+    };
+    assert_eq!(status_kind(&status), "job_not_registered");
+    // Only the PERSIST record is left.
+    let mut used = 0;
+    for _ in 0..50 {
+        used = client.stats().await["used_bytes"].as_u64().unwrap();
+        if used == used_before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(used, used_before);
+    assert_eq!(client.stats().await["objects"], 1);
+}

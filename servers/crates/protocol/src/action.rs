@@ -552,8 +552,8 @@ pub struct StatsReport {
     /// Operations (exchange ops, DoPut/DoGet streams, actions) per second.
     pub ops_per_s: u64,
     /// Bytes per second the server can move: the larger of its start-up self-test (the slower of
-    /// writing and reading back a test block through its engine, capped by the link speed of the
-    /// interface it serves on) and the busiest sampled `bytes_in_per_s + bytes_out_per_s` since
+    /// writing and reading back a test block through its engine, capped by the link speed of a
+    /// non-loopback interface it serves on) and the busiest sampled `bytes_in_per_s + bytes_out_per_s` since
     /// it started. 0 when it has neither.
     #[serde(default)]
     pub throughput_bytes_per_s: u64,

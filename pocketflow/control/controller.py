@@ -9,11 +9,11 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pocketflow.auth import make_token, read_secret_file
 from pocketflow.control import NAMESPACE
@@ -51,8 +51,11 @@ from pocketflow.errors import (
     PocketflowError,
 )
 from pocketflow.handle import JobHandle, LostServer, ServerInfo
+from pocketflow.transport import AdminClient
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 JOB_NAME_MAX_BYTES = 100
 """Longest job name; the job id adds a dash and a random suffix (JOB_ID_MAX_BYTES is 128)."""
@@ -476,38 +479,48 @@ class Controller:
                 self._heartbeat_stats.pop(node_id, None)
             self._admin.forget(info.address)
             log.warning("storage server %s declared dead: %s", node_id, reason)
-            moved = [
-                job_id
-                for job_id, record in self._jobs.items()
-                if any(s.node_id == node_id for s in record.handle.servers)
-            ]
-            lost = LostServer(node_id, info.address)
+            moved: list[str] = []
             try:
-                for job_id in moved:
-                    # The map remembers the lost server, so that reads of what it held raise
-                    # DataUnavailable instead of ObjectNotFound (see pocketflow.handle).
-                    record = self._jobs[job_id]
-                    self._jobs[job_id] = dataclasses.replace(
-                        record, handle=record.handle.with_lost(lost)
-                    )
-                    self._exclude_from_job(job_id, node_id)
+                moved = self._move_jobs_off(LostServer(node_id, info.address))
             finally:
                 # Listed as dead only once its jobs have moved (dead_servers reads without the
                 # lock): whoever sees it dead also finds the jobs' new epochs on the servers.
-                self._dead[node_id] = {
-                    "address": info.address,
-                    "tier": info.tier,
-                    "reason": reason,
-                    "at_unix_s": time.time(),
-                }
-                while len(self._dead) > DEAD_SERVERS_KEPT_MAX:
-                    del self._dead[next(iter(self._dead))]
+                self._remember_dead(node_id, address=info.address, tier=info.tier, reason=reason)
         if node is not None:
             try:
                 node.stop.remote()
             except Exception as exc:  # the actor itself is gone
                 log.info("could not ask %s to stop: %s", node_id, exc)
         return moved
+
+    def _move_jobs_off(self, lost: LostServer) -> list[str]:
+        """Move every job whose map holds ``lost`` to a new epoch without it; returns their ids.
+        Callers hold the lock."""
+        moved = [
+            job_id
+            for job_id, record in self._jobs.items()
+            if any(s.node_id == lost.node_id for s in record.handle.servers)
+        ]
+        for job_id in moved:
+            # The map remembers the lost server, so that reads of what it held raise
+            # DataUnavailable instead of ObjectNotFound (see pocketflow.handle).
+            record = self._jobs[job_id]
+            self._jobs[job_id] = dataclasses.replace(record, handle=record.handle.with_lost(lost))
+            self._exclude_from_job(job_id, lost.node_id)
+        return moved
+
+    def _remember_dead(
+        self, node_id: str, *, address: str, tier: str, reason: str, keep_known: bool = False
+    ) -> None:
+        """List a server as dead (the oldest beyond ``DEAD_SERVERS_KEPT_MAX`` are forgotten);
+        with ``keep_known``, a server already listed keeps its entry."""
+        if keep_known and node_id in self._dead:
+            return
+        self._dead[node_id] = {
+            "address": address, "tier": tier, "reason": reason, "at_unix_s": time.time()
+        }
+        while len(self._dead) > DEAD_SERVERS_KEPT_MAX:
+            del self._dead[next(iter(self._dead))]
 
     # -- jobs -------------------------------------------------------------------------------
 
@@ -598,16 +611,11 @@ class Controller:
                 self._leases.release(job_id)
                 self._leases_logged.pop(job_id, None)
             self._call_metadata("remove_job", job_id, True)
+        results, unreachable = self._admin_on_every_server(
+            f"delete_job {job_id}", lambda admin: admin.delete_job(job_id)
+        )
         deleted = freed_bytes = 0
-        unreachable: list[str] = []
-        for info in self.servers():
-            try:
-                result = self._admin.client(info.address).delete_job(job_id)
-            except PocketflowError as exc:
-                log.warning("delete_job %s on %s failed: %s", job_id, info.node_id, exc)
-                self._admin.forget(info.address)
-                unreachable.append(info.node_id)
-                continue
+        for info, result in results:
             deleted += int(result.get("deleted", 0))
             freed_bytes += int(result.get("freed_bytes", 0))
             self._refresh_stats(info)
@@ -618,6 +626,23 @@ class Controller:
             "freed_bytes": freed_bytes,
             "unreachable": unreachable,
         }
+
+    def _admin_on_every_server(
+        self, what: str, call: Callable[[AdminClient], T]
+    ) -> tuple[list[tuple[StorageNodeInfo, T]], list[str]]:
+        """Run ``call`` with the admin client of every live server, one after another. Returns
+        the servers that answered with their results, and the node ids of those that failed
+        (logged, their connection forgotten)."""
+        results: list[tuple[StorageNodeInfo, T]] = []
+        unreachable: list[str] = []
+        for info in self.servers():
+            try:
+                results.append((info, call(self._admin.client(info.address))))
+            except PocketflowError as exc:
+                log.warning("%s on %s failed: %s", what, info.node_id, exc)
+                self._admin.forget(info.address)
+                unreachable.append(info.node_id)
+        return results, unreachable
 
     # -- PERSIST data of ended jobs (`pocketflow persist ls/rm`) ---------------------------------
 
@@ -630,15 +655,8 @@ class Controller:
         """
         registered = set(self._jobs)
         jobs: dict[str, dict[str, Any]] = {}
-        unreachable: list[str] = []
-        for info in self.servers():
-            try:
-                stats = self._admin.client(info.address).stats()
-            except PocketflowError as exc:
-                log.warning("stats of %s failed: %s", info.node_id, exc)
-                self._admin.forget(info.address)
-                unreachable.append(info.node_id)
-                continue
+        results, unreachable = self._admin_on_every_server("stats", lambda admin: admin.stats())
+        for info, stats in results:
             for job_id, usage in dict(stats.get("jobs", {})).items():
                 if job_id in registered:
                     continue
@@ -665,20 +683,14 @@ class Controller:
             raise InvalidRequest(
                 f"job(s) {', '.join(running)} are registered: deregister them first"
             )
+        results, unreachable = self._admin_on_every_server(
+            "persist delete",
+            lambda admin: [admin.delete_job(job_id, persist=True) for job_id in job_ids],
+        )
         deleted = freed_bytes = 0
-        unreachable: list[str] = []
-        for info in self.servers():
-            try:
-                admin = self._admin.client(info.address)
-                for job_id in job_ids:
-                    result = admin.delete_job(job_id, persist=True)
-                    deleted += int(result.get("deleted", 0))
-                    freed_bytes += int(result.get("freed_bytes", 0))
-            except PocketflowError as exc:
-                log.warning("persist delete on %s failed: %s", info.node_id, exc)
-                self._admin.forget(info.address)
-                unreachable.append(info.node_id)
-                continue
+        for info, per_job in results:
+            deleted += sum(int(result.get("deleted", 0)) for result in per_job)
+            freed_bytes += sum(int(result.get("freed_bytes", 0)) for result in per_job)
             self._refresh_stats(info)
         log.info("deleted the data of ended jobs %s: freed %d bytes", job_ids, freed_bytes)
         return {"deleted": deleted, "freed_bytes": freed_bytes, "unreachable": unreachable}
@@ -717,12 +729,8 @@ class Controller:
                 log.warning("restart: storage node %s did not answer: %s", name, exc)
                 continue
             if not alive:
-                self._dead[info.node_id] = {
-                    "address": info.address,
-                    "tier": info.tier,
-                    "reason": "its process was gone when the controller restarted",
-                    "at_unix_s": time.time(),
-                }
+                self._remember_dead(info.node_id, address=info.address, tier=info.tier,
+                                    reason="its process was gone when the controller restarted")
                 continue
             self.add_server(info, node)
             servers.append(info.node_id)
@@ -750,28 +758,23 @@ class Controller:
                     self._leases_logged[job_id] = int(record["lease_ms"])
                 leases[job_id] = int(record["lease_ms"])
             jobs.append(job_id)
-            gone = [s for s in self._jobs[job_id].handle.servers
-                    if s.node_id not in self._servers and s.weight > 0]
-            for server in gone:
-                # Declared dead now, as the failure detector would have: the job moves to a new
-                # epoch without it, remembering it as lost (reads of its data: DataUnavailable).
-                log.warning("restart: job %s used %s, which is gone", job_id, server.node_id)
-                with self._lock:
-                    record = self._jobs[job_id]
-                    self._jobs[job_id] = dataclasses.replace(
-                        record,
-                        handle=record.handle.with_lost(LostServer(server.node_id, server.address)),
-                    )
-                    self._exclude_from_job(job_id, server.node_id)
-            for lost in self._jobs[job_id].handle.lost:
-                self._dead.setdefault(lost.node_id, {
-                    "address": lost.address,
-                    "tier": "unknown",
-                    "reason": f"lost by job {job_id} before the controller restarted",
-                    "at_unix_s": time.time(),
-                })
-        while len(self._dead) > DEAD_SERVERS_KEPT_MAX:
-            del self._dead[next(iter(self._dead))]
+        # Servers in the jobs' maps that are gone are lost now, as the failure detector would
+        # have declared them: their jobs move to new epochs without them.
+        gone = {
+            s.node_id: LostServer(s.node_id, s.address)
+            for record in self._jobs.values() for s in record.handle.servers
+            if s.node_id not in self._servers
+        }
+        for lost in gone.values():
+            with self._lock:
+                moved = self._move_jobs_off(lost)
+            log.warning("restart: %s is gone; moved jobs %s off it", lost.node_id, moved)
+        for job_id, record in self._jobs.items():
+            for lost in record.handle.lost:
+                self._remember_dead(
+                    lost.node_id, address=lost.address, tier="unknown", keep_known=True,
+                    reason=f"lost by job {job_id} before the controller restarted",
+                )
         log.warning("restarted after a crash: restored %d storage servers and %d jobs",
                     len(servers), len(jobs))
         return {"servers": servers, "jobs": jobs, "leases": leases}

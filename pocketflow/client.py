@@ -237,9 +237,7 @@ class Client:
                 raise InvalidRequest(
                     f"handle of job {handle.job_id!r}, not of this client's job {current.job_id!r}"
                 )
-            if handle.epoch < current.epoch:
-                handle = dataclasses.replace(current, token=handle.token)
-            self._view = view_of(handle)
+            self._view = view_of(current.updated_by(handle))
 
     def disconnect(self) -> None:
         """Close every connection but keep the client usable: the next call reconnects.

@@ -171,6 +171,14 @@ class JobHandle:
         epoch, servers, lost = _servers_from_map(weight_map)
         return dataclasses.replace(self, epoch=epoch, servers=servers, lost=lost)
 
+    def updated_by(self, newer: JobHandle) -> JobHandle:
+        """This handle after ``newer``, a later handle of the same job (a renewed token, a newer
+        weight map): ``newer`` itself, or, when ``newer`` holds an older weight map than this
+        one, this map with ``newer``'s token."""
+        if newer.epoch < self.epoch:
+            return dataclasses.replace(self, token=newer.token)
+        return newer
+
     def with_lost(self, lost: LostServer) -> JobHandle:
         """This handle also remembering ``lost`` (a server declared dead) as lost."""
         kept = tuple(s for s in self.lost if s.node_id != lost.node_id)

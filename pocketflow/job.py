@@ -163,9 +163,7 @@ class Job:
         """
         handle = self._control.renew_token(self._handle.job_id)
         with self._lock:
-            if handle.epoch < self._handle.epoch:
-                handle = dataclasses.replace(self._handle, token=handle.token)
-            self._handle = handle
+            handle = self._handle = self._handle.updated_by(handle)
             self._token_received_unix_ms = int(time.time() * 1000)
             clients = list(self._clients)
         for client in clients:

@@ -117,3 +117,14 @@ def test_malformed_handles_are_refused() -> None:
         JobHandle("j", "n", 1, (duplicate, duplicate), TOKEN)
     with pytest.raises(InvalidRequest):
         JobHandle("j", "n", 1, (duplicate,), TOKEN, block_size_bytes=0)
+
+
+def test_a_later_handle_updates_the_token_but_never_moves_the_map_back() -> None:
+    import dataclasses
+
+    current = dataclasses.replace(_handle(3), epoch=4)
+    renewed_older_map = dataclasses.replace(_handle(2), epoch=3, token="renewed")
+    kept = current.updated_by(renewed_older_map)
+    assert (kept.epoch, kept.servers, kept.token) == (4, current.servers, "renewed")
+    newer = dataclasses.replace(_handle(2), epoch=5, token="newer")
+    assert current.updated_by(newer) is newer

@@ -17,6 +17,14 @@ pub const THROUGHPUT_TEST_BYTES_MAX: u64 = 64 << 20;
 pub const THROUGHPUT_TEST_PIECE_BYTES: u64 = 1 << 20;
 /// Share of the capacity the test block may take, as a divisor.
 const THROUGHPUT_TEST_CAPACITY_DIVISOR: u64 = 8;
+/// The test repeats its pass until at least this long has gone by (and at least
+/// `THROUGHPUT_TEST_PASSES_MIN` passes), keeping each direction's best: a burst of other work on
+/// the host (servers starting beside it) must not stand for what the tier can move.
+const THROUGHPUT_TEST_DURATION_MIN: Duration = Duration::from_millis(250);
+/// Fewest passes of the test.
+const THROUGHPUT_TEST_PASSES_MIN: u32 = 2;
+/// Most passes of the test.
+const THROUGHPUT_TEST_PASSES_MAX: u32 = 16;
 
 /// What the self-test measured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,7 +58,8 @@ fn per_second(bytes: u64, elapsed: Duration) -> u64 {
 }
 
 /// Write one test block through `engine` in 1 MiB pieces, read it back piece by piece comparing
-/// each with what was written, and free it. `None` when the engine is too small for a test block.
+/// each with what was written, and free it; repeated (see `THROUGHPUT_TEST_DURATION_MIN`), each
+/// direction's best pass kept. `None` when the engine is too small for a test block.
 ///
 /// Meant to run before the server serves: the block's extent is the engine's, not charged to the
 /// store's budget, for the test's duration.
@@ -58,12 +67,36 @@ pub async fn measure(engine: &dyn Engine) -> Result<Option<Throughput>, StoreErr
     let Some(len) = test_bytes(engine.capacity_bytes()) else {
         return Ok(None);
     };
-    let pieces = len / THROUGHPUT_TEST_PIECE_BYTES;
     let piece: Bytes = (0..THROUGHPUT_TEST_PIECE_BYTES)
         .map(|i| (i.wrapping_mul(31) >> 3) as u8)
         .collect::<Vec<u8>>()
         .into();
+    let started = Instant::now();
+    let mut best = Throughput {
+        test_bytes: len,
+        write_bytes_per_s: 0,
+        read_bytes_per_s: 0,
+    };
+    let mut passes = 0;
+    while passes < THROUGHPUT_TEST_PASSES_MAX
+        && (passes < THROUGHPUT_TEST_PASSES_MIN || started.elapsed() < THROUGHPUT_TEST_DURATION_MIN)
+    {
+        let (write, read) = measure_pass(engine, len, &piece).await?;
+        best.write_bytes_per_s = best.write_bytes_per_s.max(write);
+        best.read_bytes_per_s = best.read_bytes_per_s.max(read);
+        passes += 1;
+    }
+    Ok(Some(best))
+}
 
+/// One pass: write the test block of `len` bytes in `piece`s, read it back, free it; returns
+/// (write, read) bytes per second.
+async fn measure_pass(
+    engine: &dyn Engine,
+    len: u64,
+    piece: &Bytes,
+) -> Result<(u64, u64), StoreError> {
+    let pieces = len / THROUGHPUT_TEST_PIECE_BYTES;
     let started = Instant::now();
     let mut writer = engine.begin_write(len)?;
     for _ in 0..pieces {
@@ -82,16 +115,17 @@ pub async fn measure(engine: &dyn Engine) -> Result<Option<Throughput>, StoreErr
             )
             .await?;
         // The comparison touches every byte, as sending them would; a mismatch is an engine bug.
-        assert!(bytes == piece, "test block piece {index} read back changed");
+        assert!(
+            bytes == *piece,
+            "test block piece {index} read back changed"
+        );
     }
     let read_elapsed = started.elapsed();
     drop(block);
-
-    Ok(Some(Throughput {
-        test_bytes: len,
-        write_bytes_per_s: per_second(len, write_elapsed),
-        read_bytes_per_s: per_second(len, read_elapsed),
-    }))
+    Ok((
+        per_second(len, write_elapsed),
+        per_second(len, read_elapsed),
+    ))
 }
 
 #[cfg(test)]

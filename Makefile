@@ -26,7 +26,9 @@ system-packages:
 # The core package (with its native client core), then each adapter, a package of its own.
 python-packages:
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e '.[test]'
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e adapters/lithops
+	for adapter in adapters/*/; do \
+		$(PYTHON) -m pip install --quiet --disable-pip-version-check -e "$$adapter" || exit 1; \
+	done
 
 server:
 	cd servers && $(CARGO) build --release --locked

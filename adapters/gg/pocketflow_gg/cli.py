@@ -76,7 +76,8 @@ def _build(args: argparse.Namespace, out: TextIO) -> int:
             cluster: Any = connect_control_plane(args.address)
         else:
             cluster = stack.enter_context(pocketflow.LocalCluster())
-        job = stack.enter_context(pocketflow.register_job(cluster, f"gg-{args.target}", hints))
+        job = stack.enter_context(
+            pocketflow.register_job(f"gg-{args.target}", hints, cluster=cluster))
         store = PocketflowStore(job.handle.to_json())
         stack.callback(store.close)
         store.create_buckets()

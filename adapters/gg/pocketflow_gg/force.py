@@ -103,6 +103,8 @@ class _Forcer:
         self.waiting_on: dict[str, set[str]] = {}
         for name in self.order:
             deps = {d.split("#", 1)[0] for d in graph.thunks[name].dependencies()}
+            if name in self.pre_reduced:
+                deps = set()
             self.waiting_on[name] = deps
             for dep in deps:
                 self.dependents[dep].add(name)
@@ -110,6 +112,9 @@ class _Forcer:
         self.not_deletable: set[str] = set(graph.executables)
 
     def _reachable(self) -> list[str]:
+        """The thunks the target needs, top down; with ``reuse``, the graph below a thunk whose
+        reduction is recorded (and whose outputs still exist) is not visited (gg's force)."""
+        self.pre_reduced: set[str] = set()
         seen: list[str] = []
         stack = [self.target]
         marked: set[str] = set()
@@ -121,6 +126,10 @@ class _Forcer:
                 raise MissingObject(f"thunk {name} is not in the graph")
             marked.add(name)
             seen.append(name)
+            thunk = self.graph.thunks[name]
+            if self._reused(thunk, thunk) is not None:
+                self.pre_reduced.add(name)
+                continue
             stack.extend(d.split("#", 1)[0] for d in self.graph.thunks[name].dependencies())
         return seen
 

@@ -51,6 +51,7 @@ from pocketflow.errors import (
     PocketflowError,
 )
 from pocketflow.handle import JobHandle, LostServer, ServerInfo
+from pocketflow.tls import read_ca
 from pocketflow.transport import AdminClient
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,12 @@ class JobRecord:
 
     @classmethod
     def from_metadata(
-        cls, record: dict[str, Any], *, token: str, block_size_bytes: int
+        cls,
+        record: dict[str, Any],
+        *,
+        token: str,
+        block_size_bytes: int,
+        tls_ca: str | None = None,
     ) -> JobRecord:
         """A record read back from the ``Metadata`` actor (:meth:`to_metadata` output), with a
         new ``token`` (the log holds none)."""
@@ -175,6 +181,7 @@ class JobRecord:
             servers=(),
             token=token,
             block_size_bytes=block_size_bytes,
+            tls_ca=tls_ca,
         ).with_weight_map(record["weight_map"])
         return cls(
             handle=handle,
@@ -246,6 +253,7 @@ class Controller:
         register_timeout_s: float = REGISTER_TIMEOUT_S_DEFAULT,
         sizing: SizingBounds | None = None,
         sizing_interval_ms: int = SIZING_INTERVAL_MS_DEFAULT,
+        tls_dir: str | None = None,
     ) -> None:
         if heartbeat_interval_ms < HEARTBEAT_INTERVAL_MS_MIN:
             raise ConfigError(
@@ -258,10 +266,15 @@ class Controller:
                 f"({heartbeat_interval_ms})"
             )
         self._secret = read_secret_file(secret_file)
-        self._admin = AdminTokens(Path(secret_file), timeout_s=ADMIN_CALL_TIMEOUT_S)
+        self._tls_ca = read_ca(tls_dir)
+        self._admin = AdminTokens(
+            Path(secret_file), timeout_s=ADMIN_CALL_TIMEOUT_S, tls_dir=tls_dir
+        )
         # Used only by the monitor thread (AdminTokens is not shared between threads).
         self._probe = AdminTokens(
-            Path(secret_file), timeout_s=max(PROBE_TIMEOUT_S_MIN, dead_after_ms / 1000.0)
+            Path(secret_file),
+            timeout_s=max(PROBE_TIMEOUT_S_MIN, dead_after_ms / 1000.0),
+            tls_dir=tls_dir,
         )
         self._metadata = metadata
         self._block_size_bytes = block_size_bytes
@@ -548,6 +561,7 @@ class Controller:
             servers=servers,
             token=make_token(self._secret, job_id, ttl_s=self._token_ttl_s),
             block_size_bytes=self._block_size_bytes,
+            tls_ca=self._tls_ca,
         )
         weight_map = handle.weight_map()
         for server in servers:
@@ -750,7 +764,8 @@ class Controller:
             job_id = str(record["job_id"])
             token = make_token(self._secret, job_id, ttl_s=self._token_ttl_s)
             self._jobs[job_id] = JobRecord.from_metadata(
-                record, token=token, block_size_bytes=self._block_size_bytes
+                record, token=token, block_size_bytes=self._block_size_bytes,
+                tls_ca=self._tls_ca,
             )
             if record.get("lease_ms"):
                 with self._lease_lock:

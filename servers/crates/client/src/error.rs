@@ -81,6 +81,14 @@ impl From<tonic::Status> for ClientError {
             !kind.is_empty() && kind.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
         });
         if transport_code(code as i32) && !has_kind {
+            // A TLS failure (untrusted, expired or misnamed certificate, a plaintext peer) is
+            // not transient: name it instead of reporting the server unreachable.
+            if let Some(cause) = crate::tls::tls_cause(&status) {
+                return ClientError::Server {
+                    code: Code::PermissionDenied as i32,
+                    message: format!("permission_denied: {}{cause}", crate::tls::TLS_ERROR_PREFIX),
+                };
+            }
             let detail = if message.is_empty() {
                 format!("{code:?}")
             } else {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use pocketflow_client::placement::{PlacedServer, Placement};
 use pocketflow_client::{
-    block_on, BlockSlice, ClientError, Connection, ConnectionConfig, ExchangeReply,
+    block_on, BlockSlice, ClientError, ClientTls, Connection, ConnectionConfig, ExchangeReply,
     ExchangeRequest, RangeTarget,
 };
 use pocketflow_protocol::frame::OpCode;
@@ -286,7 +286,7 @@ struct PyConnection {
 impl PyConnection {
     #[new]
     #[pyo3(signature = (address, *, sessions_max, op_timeout_s, first_reply_timeout_s,
-                        rpc_timeout_s, stream_timeout_s, direct=true))]
+                        rpc_timeout_s, stream_timeout_s, direct=true, tls_ca=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -297,6 +297,7 @@ impl PyConnection {
         rpc_timeout_s: f64,
         stream_timeout_s: f64,
         direct: bool,
+        tls_ca: Option<&[u8]>,
     ) -> PyResult<Self> {
         let seconds = |s: f64, name: &str| {
             Duration::try_from_secs_f64(s)
@@ -309,6 +310,12 @@ impl PyConnection {
             rpc_timeout: seconds(rpc_timeout_s, "rpc_timeout_s")?,
             stream_timeout: seconds(stream_timeout_s, "stream_timeout_s")?,
             direct,
+            tls: match tls_ca {
+                Some(pem) => {
+                    Some(ClientTls::from_ca_pem(pem).map_err(|e| to_py_err(py, &e, address))?)
+                }
+                None => None,
+            },
         };
         let connection =
             Connection::new(address, config).map_err(|e| to_py_err(py, &e, address))?;

@@ -2,6 +2,7 @@
 
 use std::time::{Duration, Instant};
 
+use pocketflow_flight::StorageService;
 use pocketflow_store::Store;
 
 /// How often the sweeper looks for expired PERSIST entries.
@@ -12,8 +13,9 @@ pub const PERSIST_SWEEP_INTERVAL_MS: u64 = 250;
 pub const PERSIST_SWEEP_ENTRIES_MAX: usize = 4096;
 
 /// Free expired PERSIST entries every [`PERSIST_SWEEP_INTERVAL_MS`], forever (the task is
-/// dropped with the runtime). Does nothing for a store whose PERSIST entries never expire.
-pub async fn run(store: Store) {
+/// dropped with the runtime), counting them in `service`'s metrics. Does nothing for a store
+/// whose PERSIST entries never expire.
+pub async fn run(store: Store, service: StorageService) {
     if store.persist_ttl().is_none() {
         return;
     }
@@ -21,6 +23,9 @@ pub async fn run(store: Store) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        store.expire_persist(Instant::now(), PERSIST_SWEEP_ENTRIES_MAX);
+        let (entries, bytes) = store.expire_persist(Instant::now(), PERSIST_SWEEP_ENTRIES_MAX);
+        if entries > 0 {
+            service.count_ttl_evictions(entries, bytes);
+        }
     }
 }

@@ -58,6 +58,12 @@ def exe_cache_dir(store_id: str) -> Path:
     return EXE_CACHE_ROOT / store_id.replace("/", "_")
 
 
+def forget_executables(store_id: str) -> None:
+    """Remove this machine's cached executables of the build in store ``store_id`` (the driver
+    calls it when the job ends; workers on other machines drop theirs with their temp dirs)."""
+    shutil.rmtree(exe_cache_dir(store_id), ignore_errors=True)
+
+
 def _safe_relative(filename: str) -> PurePosixPath:
     path = PurePosixPath(filename)
     if path.is_absolute() or ".." in path.parts or not path.parts:

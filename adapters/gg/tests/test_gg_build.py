@@ -18,6 +18,7 @@ from pocketflow_gg.force import fetch_outputs, force, graph_width, hints_for
 from pocketflow_gg.infer import infer
 from pocketflow_gg.objects import content_name, file_name
 from pocketflow_gg.store import BLOBS, PocketflowStore
+from pocketflow_gg.worker import exe_cache_dir, forget_executables
 
 import pocketflow
 
@@ -43,6 +44,7 @@ def gg_store(local_cluster, request) -> Iterator[PocketflowStore]:
             yield store
         finally:
             store.close()
+            forget_executables(store.store_id)
 
 
 def run(path: Path, *args: str) -> str:
@@ -83,6 +85,8 @@ def test_force_builds_the_project_on_workers(project: Path, gg_store: Pocketflow
         engine.close()
     assert len(result.ran) == 5 and not result.reused
     assert all(r["pid"] != os.getpid() for r in result.reports)  # workers, not the driver
+    assert sorted(p.name for p in exe_cache_dir(gg_store.store_id).iterdir()) == sorted(
+        graph.executables)  # workers keep the content-named executables they fetched
     (app,) = fetch_outputs(gg_store, graph.thunks[target], result.outputs, tmp_path / "out")
     assert run(app, "4") == "hello 16 5024\n"
     subprocess.run(["make", "-s", "app"], cwd=project, check=True, timeout=60)

@@ -96,13 +96,14 @@ def this(segment: Segment) -> Any:
 
 
 def make_pipeline(*, decode_concurrency: int = 2, detect_concurrency: int = 2,
-                  detect_function: Any = None, decode_function: Any = None) -> Pipeline:
+                  detect_function: Any = None, decode_function: Any = None,
+                  items_in_flight_max: int | None = None) -> Pipeline:
     """THIS with other concurrencies or stage functions (tests wrap the stages)."""
     dec = stage(decode_function or decode_segment, name="decode",
                 concurrency=decode_concurrency, output_bytes=decode.output_bytes)
     det = stage(detect_function or detect_faces, name="detect",
                 concurrency=detect_concurrency, output_bytes=THUMB_BYTES)
-    return Pipeline([dec, det], name="this")
+    return Pipeline([dec, det], name="this", items_in_flight_max=items_in_flight_max)
 
 
 def iou(a: tuple[int, ...], b: tuple[int, ...]) -> float:
@@ -234,6 +235,14 @@ def run_demo(out_dir: Path, *, executor: str = "ray", spec: VideoSpec | None = N
              ) -> dict[str, Any]:
     """Make the video, run THIS over it, write ``summary.json`` and the PNGs into ``out_dir``;
     returns the summary."""
+    return run_this(out_dir, executor=executor, spec=spec, cluster=cluster, pipe=pipe,
+                    **run_options)[0]
+
+
+def run_this(out_dir: Path, *, executor: str = "ray", spec: VideoSpec | None = None,
+             cluster: Any = None, pipe: Pipeline | None = None, **run_options: Any
+             ) -> tuple[dict[str, Any], PipelineResult]:
+    """:func:`run_demo`, also returning the pipeline's result."""
     spec = spec or VideoSpec()
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -258,4 +267,4 @@ def run_demo(out_dir: Path, *, executor: str = "ray", spec: VideoSpec | None = N
     })
     summary["pngs"] = draw(spec, result.outputs, summary, out_dir)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    return summary, result

@@ -57,8 +57,10 @@ class _Item:
 class _Run:
     def __init__(self, pipeline: Any, items: list[Any], executor: Any, exchange: Exchange,
                  client: ExchangeClient, *, delete_intermediates: bool, keep_outputs: bool,
-                 input_wait_s: float, regenerations_max: int, timeout_s: float | None) -> None:
+                 input_wait_s: float, regenerations_max: int, timeout_s: float | None,
+                 on_outcome: Any = None) -> None:
         self.p = pipeline
+        self.on_outcome = on_outcome
         self.stages = pipeline.stages
         self.last = len(self.stages) - 1
         self.executor = executor
@@ -90,8 +92,11 @@ class _Run:
             attempt=item.attempts[k], value=item.value if k == 0 else None,
             read_delete=self.delete, write_persist=k == self.last,
             upstream_done=k > 0 and item.status[k - 1] == DONE,
+            overwrite=item.regenerations > 0 or item.attempts[k] > 0,
             input_wait_s=self.input_wait_s,
         )
+        log.debug("submit stage %d item %d attempt %d upstream_done %s", k, item.index,
+                  call.attempt, call.upstream_done)
         ticket = self.executor.submit(call)
         item.status[k] = RUNNING
         item.tickets[k] = ticket
@@ -121,6 +126,8 @@ class _Run:
     def _succeeded(self, it: _Item, k: int, outcome: TaskOutcome) -> None:
         it.status[k] = DONE
         self.outcomes.append(outcome)
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
         if k < self.last and it.status[k + 1] == DONE:
             # A regeneration wrote a value its consumer no longer needs.
             self.client.delete(value_key(stage=k, item=it.index))
@@ -141,6 +148,7 @@ class _Run:
     def _failed(self, it: _Item, k: int, exc: BaseException) -> None:
         what = f"stage {self.stages[k].name} item {it.index}: {type(exc).__name__}: {exc}"
         self.failures.append(what)
+        it.status[k] = TODO  # the task has ended
         if isinstance(exc, InputTimeout):
             raise StageFailed(what) from exc
         if isinstance(exc, InputLost):
@@ -173,6 +181,9 @@ class _Run:
         for s in range(upto + 1):
             if it.status[s] != RUNNING:
                 it.status[s] = TODO
+                # What is left of the value (block 0 of an object whose data blocks died with
+                # a server) must not pass for the regenerated value.
+                self.client.delete(value_key(stage=s, item=it.index))
         it.finished = False
 
     # -- lost servers -------------------------------------------------------------------------
@@ -199,6 +210,11 @@ class _Run:
                     self._regenerate(it, k, "its value may have been on a lost server")
                     break
 
+    def _state(self) -> str:
+        """The unfinished items' stage states, for error messages."""
+        rows = [f"{it.index}:{'/'.join(it.status)}" for it in self._active()]
+        return f"running per stage {self.running}; unfinished items {' '.join(rows[:32])}"
+
     def _probe(self) -> None:
         if time.monotonic() - self.probed < MAP_PROBE_INTERVAL_S:
             return
@@ -213,12 +229,15 @@ class _Run:
     def run(self) -> None:
         while not all(it.finished for it in self.items):
             if self.deadline is not None and time.monotonic() > self.deadline:
-                raise TimeoutError(f"pipeline {self.p.name} did not finish in time")
+                raise TimeoutError(f"pipeline {self.p.name} did not finish in time; "
+                                   f"{self._state()}")
             self._schedule()
             for ticket, result in self.executor.wait(list(self.by_ticket), POLL_S):
                 index, k = self.by_ticket.pop(ticket)
                 self.running[k] -= 1
                 it = self.items[index]
+                log.debug("stage %d item %d: %s", k, index,
+                          type(result).__name__ if isinstance(result, BaseException) else "ok")
                 if isinstance(result, BaseException):
                     self._failed(it, k, result)
                 else:
@@ -229,19 +248,21 @@ class _Run:
 def run_pipeline(pipeline: Any, items: list[Any], *, executor: str, cluster: Any,
                  exchange: Exchange | None, delete_intermediates: bool, keep_outputs: bool,
                  input_wait_s: float, regenerations_max: int, timeout_s: float | None,
-                 client_options: dict[str, Any]) -> Any:
+                 client_options: dict[str, Any], hints: dict[str, Any] | None,
+                 on_outcome: Any) -> Any:
     """Run ``pipeline`` over ``items`` (see :meth:`Pipeline.run`)."""
     import pocketflow
     from pocketflow_this.pipeline import PipelineResult
 
-    hints = pipeline.hints(items, delete_intermediates=delete_intermediates)
+    if hints is None:
+        hints = pipeline.hints(items, delete_intermediates=delete_intermediates)
     started = time.perf_counter()
     started_unix = time.time()
     ex = make_executor(executor, tasks_max=pipeline.tasks_max)
     try:
         if exchange is not None:
             run = _run_with(pipeline, items, ex, exchange, delete_intermediates, keep_outputs,
-                            input_wait_s, regenerations_max, timeout_s)
+                            input_wait_s, regenerations_max, timeout_s, on_outcome)
             job_id = None
         else:
             name = f"{pipeline.name}-{uuid.uuid4().hex[:6]}"
@@ -250,7 +271,7 @@ def run_pipeline(pipeline: Any, items: list[Any], *, executor: str, cluster: Any
                 spec = PocketflowExchange(job.handle.to_json(), BUCKET,
                                           tuple(sorted(client_options.items())))
                 run = _run_with(pipeline, items, ex, spec, delete_intermediates, keep_outputs,
-                                input_wait_s, regenerations_max, timeout_s)
+                                input_wait_s, regenerations_max, timeout_s, on_outcome)
     finally:
         ex.close()
     return PipelineResult(
@@ -266,12 +287,14 @@ def run_pipeline(pipeline: Any, items: list[Any], *, executor: str, cluster: Any
         retried=run.retried,
         regenerated=run.regenerated,
         failures=run.failures,
+        handle_json=(run.exchange.handle_json if isinstance(run.exchange, PocketflowExchange)
+                     else None),
     )
 
 
 def _run_with(pipeline: Any, items: list[Any], ex: Any, exchange: Exchange,
               delete_intermediates: bool, keep_outputs: bool, input_wait_s: float,
-              regenerations_max: int, timeout_s: float | None) -> _Run:
+              regenerations_max: int, timeout_s: float | None, on_outcome: Any) -> _Run:
     client = exchange.connect()
     try:
         create = getattr(client, "create_bucket", None)
@@ -280,7 +303,7 @@ def _run_with(pipeline: Any, items: list[Any], ex: Any, exchange: Exchange,
         run = _Run(pipeline, items, ex, exchange, client,
                    delete_intermediates=delete_intermediates, keep_outputs=keep_outputs,
                    input_wait_s=input_wait_s, regenerations_max=regenerations_max,
-                   timeout_s=timeout_s)
+                   timeout_s=timeout_s, on_outcome=on_outcome)
         run.run()
         return run
     finally:

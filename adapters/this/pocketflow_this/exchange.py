@@ -38,8 +38,9 @@ class ExchangeClient(abc.ABC):
     """A connection to an exchange, used by tasks and by the driver."""
 
     @abc.abstractmethod
-    def put(self, key: str, data: bytes, *, persist: bool) -> bool:
-        """Write ``key`` once; ``False`` if it was already there (nothing is written)."""
+    def put(self, key: str, data: bytes, *, persist: bool, overwrite: bool = False) -> bool:
+        """Write ``key`` (replacing it with ``overwrite``); ``False`` if it was already there
+        and not replaced."""
 
     @abc.abstractmethod
     def get(self, key: str, *, delete: bool) -> bytes:
@@ -118,9 +119,9 @@ class PocketflowClient(ExchangeClient):
         except BucketExists:
             pass
 
-    def put(self, key: str, data: bytes, *, persist: bool) -> bool:
+    def put(self, key: str, data: bytes, *, persist: bool, overwrite: bool = False) -> bool:
         try:
-            self.pf.put(self._bucket, key, data, persist=persist)
+            self.pf.put(self._bucket, key, data, persist=persist, overwrite=overwrite)
         except ObjectExists:
             return False
         except DataUnavailable as exc:

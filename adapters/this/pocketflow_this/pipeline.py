@@ -76,6 +76,8 @@ class PipelineResult:
     retried: list[tuple[int, int]] = field(default_factory=list)
     regenerated: list[int] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    handle_json: str | None = None
+    """The job's handle at the end (pocketflow runs): reads the PERSIST results later."""
 
 
 class Pipeline:
@@ -148,6 +150,8 @@ class Pipeline:
         regenerations_max: int = REGENERATIONS_MAX,
         timeout_s: float | None = None,
         client_options: dict[str, Any] | None = None,
+        hints: dict[str, Any] | None = None,
+        on_outcome: Callable[[Any], None] | None = None,
     ) -> PipelineResult:
         """Run the pipeline over ``items`` on ``executor`` (``"ray"`` or ``"lithops"``).
 
@@ -155,7 +159,9 @@ class Pipeline:
         :func:`pocketflow.register_job` finds) and deregisters at the end, also on failure;
         pass ``exchange`` (an :class:`~pocketflow_this.exchange.Exchange`) to use another store
         instead (no job is registered). ``keep_outputs=False`` reads the final values with
-        DELETE. Raises :class:`~pocketflow_this.errors.StageFailed` when a task fails beyond
+        DELETE. ``hints`` replaces the derived hints (:meth:`hints`); ``on_outcome`` is called
+        in the driver with each finished task's :class:`~pocketflow_this.task.TaskOutcome`.
+        Raises :class:`~pocketflow_this.errors.StageFailed` when a task fails beyond
         its retries or an item beyond ``regenerations_max`` regenerations,
         :class:`TimeoutError` past ``timeout_s``.
         """
@@ -170,7 +176,8 @@ class Pipeline:
             self, items, executor=executor, cluster=cluster, exchange=exchange,
             delete_intermediates=delete_intermediates, keep_outputs=keep_outputs,
             input_wait_s=input_wait_s, regenerations_max=regenerations_max,
-            timeout_s=timeout_s, client_options=client_options or {},
+            timeout_s=timeout_s, client_options=client_options or {}, hints=hints,
+            on_outcome=on_outcome,
         )
 
     def __repr__(self) -> str:

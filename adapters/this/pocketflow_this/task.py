@@ -40,6 +40,7 @@ class TaskCall:
     write_persist: bool
     upstream_done: bool
     input_wait_s: float
+    overwrite: bool = False  # a rerun replaces what an earlier attempt may have left
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def run_task(call: TaskCall) -> TaskOutcome:
     write_start = time.time()
     t0 = time.perf_counter()
     written = client.put(value_key(stage=call.stage, item=call.item), payload,
-                         persist=call.write_persist)
+                         persist=call.write_persist, overwrite=call.overwrite)
     write_s = time.perf_counter() - t0
     return TaskOutcome(
         stage=call.stage, item=call.item, attempt=call.attempt, started_unix_s=started,

@@ -15,7 +15,7 @@ from pocketflow_gg.engines import Engine
 from pocketflow_gg.errors import GGError, MissingObject, ThunkFailed
 from pocketflow_gg.infer import BuildGraph
 from pocketflow_gg.objects import is_thunk, size_of
-from pocketflow_gg.store import BLOBS, PLANS, REDUCTIONS, Plan, Store, need
+from pocketflow_gg.store import BLOBS, REDUCTIONS, Plan, Store, need, plan_key
 from pocketflow_gg.thunk import Thunk
 
 THUNK_TIMEOUT_DEFAULT_S = 900.0
@@ -198,7 +198,8 @@ class _Forcer:
                 if rewritten.name != original.name:
                     self.store.put(BLOBS, rewritten.name, rewritten.data)
                 plan = self._plan(original, rewritten)
-                self.store.put(PLANS, rewritten.name, plan.to_bytes(), overwrite=True)
+                self.store.put(BLOBS, plan_key(rewritten.name), plan.to_bytes(),
+                               overwrite=True)
                 in_flight[self.engine.submit(self.store.spec, rewritten.name)] = (
                     original, rewritten)
                 self.progress("started", name)

@@ -20,6 +20,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from pocketflow_gg.thunk import Entry, Thunk
 
 MAKE_TIMEOUT_S = 120.0
 PREPROCESS_TIMEOUT_S = 120.0
+PREPROCESS_THREADS = max(1, os.cpu_count() or 1)
+"""Sources preprocessed at once on the driver."""
 STEPS_MAX = 100_000
 """Most build steps one inference turns into thunks."""
 SKIPPED_COMMANDS = frozenset({"touch", "echo", "rm", "mkdir", "true", ":", "printf"})
@@ -135,6 +138,24 @@ class _Inferrer:
         self.src = source_dir
         self.graph = graph
         self.tools = tools
+        self.pool: ThreadPoolExecutor | None = None
+        self._preprocessed: dict[tuple[str, ...], Future] = {}
+
+    def prepare(self, line: str) -> None:
+        """Start preprocessing ``line``'s source if it is a compile (all compiles of a build
+        are preprocessed in parallel, as make -j would compile them)."""
+        if _SHELL_SYNTAX.search(line) or self.pool is None:
+            return
+        argv = shlex.split(line)
+        if argv and _COMPILER.match(os.path.basename(argv[0])) and "-c" in argv:
+            try:
+                driver, flags, source = self._compile_parts(argv)[:3]
+            except InferError:
+                return  # step() raises it again, in order
+            key = (str(driver), *flags, source)
+            if key not in self._preprocessed:
+                self._preprocessed[key] = self.pool.submit(self._preprocess, driver, flags,
+                                                           source)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -175,7 +196,8 @@ class _Inferrer:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def compile(self, argv: list[str]) -> None:
+    def _compile_parts(self, argv: list[str]) -> tuple[Path, list[str], str, str, list[str]]:
+        """``(driver, preprocessing flags, source, output, flags kept for the compile)``."""
         driver = self.tools.which(argv[0])
         keep: list[str] = []
         preprocess: list[str] = []
@@ -207,7 +229,13 @@ class _Inferrer:
             raise InferError(f"a compile step needs exactly one source: {shlex.join(argv)}")
         source = sources[0]
         output = output or str(Path(source).with_suffix(".o").name)
-        preprocessed, headers = self._preprocess(driver, [*preprocess, *keep], source)
+        return driver, [*preprocess, *keep], source, output, keep
+
+    def compile(self, argv: list[str]) -> None:
+        driver, flags, source, output, keep = self._compile_parts(argv)
+        started = self._preprocessed.get((str(driver), *flags, source))
+        preprocessed, headers = (started.result() if started is not None
+                                 else self._preprocess(driver, flags, source))
         i_name = content_name(preprocessed)
         self.graph.values[i_name] = preprocessed
         i_file = str(Path(source).with_suffix(".i"))
@@ -339,6 +367,11 @@ def infer(source_dir: str | Path, target: str, *, make: str = "make",
         raise InferError(f"{source_dir} is not a directory")
     graph = BuildGraph(source_dir=src)
     inferrer = _Inferrer(src, graph, toolchain or Toolchain())
-    for line in make_commands(src, target, make=make):
-        inferrer.step(line)
+    lines = make_commands(src, target, make=make)
+    with ThreadPoolExecutor(max_workers=PREPROCESS_THREADS) as pool:
+        inferrer.pool = pool
+        for line in lines:
+            inferrer.prepare(line)
+        for line in lines:
+            inferrer.step(line)
     return graph, graph.target(target)

@@ -2,10 +2,11 @@
 benchmark's peer, a redis-server. Workers get a *store spec* string and open the store with it:
 a pocketflow job handle's JSON, or ``redis://host:port/db?prefix=P``.
 
-Three namespaces: ``blobs`` (values and thunks, keyed by content name), ``reductions`` (thunk
-reference -> the name it reduced to) and ``plans`` (per thunk: which inputs to read with DELETE,
-whether its outputs PERSIST). Content-named writes are idempotent: an existing object of that
-name holds the same bytes, so a second put is skipped.
+Two namespaces: ``gg-blobs`` (values and thunks, keyed by content name, and each thunk's
+*plan* under ``plan-<thunk name>``: which inputs to read with DELETE, whether its outputs
+PERSIST) and ``gg-reductions`` (thunk reference -> the name it reduced to). Content-named
+writes are idempotent: an existing object of that name holds the same bytes, so a second put is
+skipped.
 """
 
 from __future__ import annotations
@@ -20,8 +21,15 @@ from pocketflow_gg.errors import GGError, MissingObject
 
 BLOBS = "gg-blobs"
 REDUCTIONS = "gg-reductions"
-PLANS = "gg-plans"
-BUCKETS = (BLOBS, REDUCTIONS, PLANS)
+BUCKETS = (BLOBS, REDUCTIONS)
+PLAN_PREFIX = "plan-"
+"""A thunk's plan is ``plan-<thunk name>`` in ``BLOBS``, next to the thunk (one batch reads
+both)."""
+
+
+def plan_key(thunk_name: str) -> str:
+    """The key of a thunk's plan."""
+    return PLAN_PREFIX + thunk_name
 
 
 @dataclass
@@ -52,6 +60,16 @@ class Store(Protocol):
             overwrite: bool = False) -> bool: ...
 
     def get(self, bucket: str, key: str, *, delete: bool = False) -> bytes | None: ...
+
+    def get_many(self, bucket: str, keys: list[str], *, delete: bool = False) -> list[bytes]:
+        """Every key's bytes in one batch; :class:`MissingObject` if one is absent."""
+        ...
+
+    def put_many(self, bucket: str, items: list[tuple[str, bytes]], *, persist: bool = False,
+                 overwrite: bool = False) -> None:
+        """Store many objects in one batch; keys that exist are skipped (unless
+        ``overwrite``)."""
+        ...
 
     def exists(self, bucket: str, key: str) -> bool: ...
 
@@ -115,6 +133,37 @@ class PocketflowStore(_Timed):
             self.stats.deleted_bytes += len(data)
         return data
 
+    def get_many(self, bucket: str, keys: list[str], *, delete: bool = False) -> list[bytes]:
+        from pocketflow.errors import ObjectNotFound
+
+        if not keys:
+            return []
+        try:
+            datas = self._timed(self._client.get_many, bucket, keys, delete=delete)
+        except ObjectNotFound as exc:
+            raise MissingObject(f"{bucket}: {exc}") from exc
+        size = sum(len(d) for d in datas)
+        self.stats.bytes_read += size
+        if delete:
+            self.stats.deleted_bytes += size
+        return list(datas)
+
+    def put_many(self, bucket: str, items: list[tuple[str, bytes]], *, persist: bool = False,
+                 overwrite: bool = False) -> None:
+        from pocketflow.errors import ObjectExists
+
+        if not items:
+            return
+        try:
+            self._timed(self._client.put_many, bucket, items, persist=persist,
+                        overwrite=overwrite)
+        except ObjectExists:
+            # Content-named objects written before: store the rest one by one.
+            for key, data in items:
+                self.put(bucket, key, data, persist=persist, overwrite=overwrite)
+            return
+        self.stats.bytes_written += sum(len(d) for _, d in items)
+
     def exists(self, bucket: str, key: str) -> bool:
         return bool(self._timed(self._client.exists, bucket, key))
 
@@ -162,6 +211,33 @@ class RedisStore(_Timed):
             if delete:
                 self.stats.deleted_bytes += len(data)
         return data
+
+    def get_many(self, bucket: str, keys: list[str], *, delete: bool = False) -> list[bytes]:
+        if not keys:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            (pipe.getdel if delete else pipe.get)(self._key(bucket, key))
+        datas = self._timed(pipe.execute)
+        for key, data in zip(keys, datas, strict=True):
+            if data is None:
+                raise MissingObject(f"{bucket}/{key} is not in the store")
+        size = sum(len(d) for d in datas)
+        self.stats.bytes_read += size
+        if delete:
+            self.stats.deleted_bytes += size
+        return list(datas)
+
+    def put_many(self, bucket: str, items: list[tuple[str, bytes]], *, persist: bool = False,
+                 overwrite: bool = False) -> None:
+        if not items:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for key, data in items:
+            pipe.set(self._key(bucket, key), data, nx=not overwrite)
+        stored = self._timed(pipe.execute)
+        self.stats.bytes_written += sum(len(d) for (_, d), ok in zip(items, stored, strict=True)
+                                        if ok)
 
     def exists(self, bucket: str, key: str) -> bool:
         return bool(self._timed(self._redis.exists, self._key(bucket, key)))

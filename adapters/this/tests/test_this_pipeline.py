@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -52,6 +53,7 @@ the pipeline's window at once."""
 RUN_TIMEOUT_S = 90.0
 GATE_TIMEOUT_S = 60.0
 DOOMED_CAPACITY_BYTES = 512 * 1024 * 1024
+CLI_TIMEOUT_S = 240.0
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +274,10 @@ def test_lithops_retries_failed_tasks_and_regenerates_consumed_input(
     # Detect's dead attempt had consumed segment 1's frames: they were decoded again.
     assert result.regenerated == [1], result.failures
     assert _boxes(result.outputs) == expected[:6]
+    # Lithops functions stream too: a detect task read frames before the last decode ended.
+    decodes = [o for o in result.outcomes if o.stage == 0]
+    detects = [o for o in result.outcomes if o.stage == 1]
+    assert min(o.input_ready_unix_s for o in detects) < max(o.finished_unix_s for o in decodes)
 
 
 def _always_failing(value: Any) -> Any:
@@ -286,3 +292,26 @@ def test_a_task_failing_beyond_its_retries_fails_the_run_and_frees_the_job(
     with pytest.raises(StageFailed, match="after 1 retries"):
         pipe.run([1, 2], executor="ray", cluster=local_cluster, timeout_s=RUN_TIMEOUT_S)
     assert wait_for(lambda: {j["job_id"] for j in local_cluster.status()["jobs"]} <= jobs_before)
+
+
+def test_cli_demo_writes_the_summary_and_pngs(tmp_path: Path) -> None:
+    """``pocketflow-this demo`` end to end in a subprocess (its own local cluster: Ray runs once
+    per process), on a short small video; and a bad argument exits 2 with a message."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "RAY_ADDRESS" and not k.startswith("__LITHOPS_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "pocketflow_this.cli", "demo", "--out", str(tmp_path),
+         "--seconds", "2", "--width", "320", "--height", "180", "--segment-frames", "10"],
+        capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["frames"] == 50 and summary["seconds_of_video"] == 2
+    assert summary["detections"] >= 0 and 0 <= summary["score"]["recall"] <= 1
+    assert {"detections.png", "contact_sheet.png"} <= {p.name for p in tmp_path.iterdir()}
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "pocketflow_this.cli", "demo", "--out", str(tmp_path),
+         "--seconds", "0"], capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert bad.returncode == 2 and "--seconds" in bad.stderr

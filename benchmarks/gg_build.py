@@ -75,6 +75,7 @@ class Run:
     peak_live_bytes: int | None = None
     peak_sampled_bytes: int | None = None
     binary_name: str | None = None
+    load_avg_1m: float | None = None
 
 
 def _p95(values: list[float]) -> float:
@@ -175,6 +176,7 @@ def summarize(runs: list[Run]) -> dict[str, dict[str, Any]]:
                 "peak_sampled_bytes": statistics.median(r.peak_sampled_bytes for r in mine),
             })
         row["binaries"] = sorted({r.binary_name for r in mine})
+        row["load_avg_1m"] = statistics.median(r.load_avg_1m for r in mine)
         out[variant] = row
     return out
 
@@ -217,6 +219,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"(without the executables, which every thunk reads: {ratios['peak_data_delete']:.2f}x)",
         f"- every gg-built lua printed 42 and was byte-identical to make's: "
         f"{report['identical']}",
+        f"- 1-minute load average after each run (median per variant, "
+        f"{report['machine'].get('cores_usable', '?')} cores usable): "
+        + ", ".join(f"{v} {row['load_avg_1m']:.1f}" for v, row in s.items()),
         "",
         "Job time for gg includes inference (`make -n`, `gcc -E` of every source on the "
         "driver), registration, uploading values and executables, forcing and fetching `lua`. "
@@ -273,6 +278,7 @@ def main() -> int:
                                      sampler_fn=redis_used if variant == "gg-redis"
                                      else pf_used,
                                      out_dir=work / f"out-{variant}-{repeat}")
+                    run.load_avg_1m = os.getloadavg()[0]
                     runs.append(run)
                     print(f"repeat {repeat} {variant}: {run.job_s:.1f} s", flush=True)
     finally:

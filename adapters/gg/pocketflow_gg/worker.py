@@ -102,6 +102,7 @@ def _executable(store: Store, name: str) -> Path:
 def run_thunk(store_spec: str, thunk_name: str) -> dict[str, Any]:
     """Force one thunk whose inputs are all values; returns its report (outputs, timings)."""
     started = time.perf_counter()
+    first_in_process = store_spec not in _stores
     store = _store(store_spec)
     before = store.stats.to_dict()
     try:
@@ -191,5 +192,6 @@ def run_thunk(store_spec: str, thunk_name: str) -> dict[str, Any]:
         "data_io_s": report["io_s"] - exe_io_s,
         "total_s": time.perf_counter() - started,
         "pid": os.getpid(),
+        "first_in_process": first_in_process,
     })
     return report

@@ -7,6 +7,7 @@ import io
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from pocketflow_gg.errors import InferError, ThunkFailed
 from pocketflow_gg.force import fetch_outputs, force, graph_width, hints_for
 from pocketflow_gg.infer import infer
 from pocketflow_gg.objects import content_name, file_name
-from pocketflow_gg.store import BLOBS, PocketflowStore
+from pocketflow_gg.store import BLOBS, PocketflowStore, RedisStore
 from pocketflow_gg.worker import exe_cache_dir, forget_executables
 
 import pocketflow
@@ -179,3 +180,34 @@ def test_cli_build_writes_the_target(local_cluster, project: Path, tmp_path: Pat
     text = out.getvalue()
     assert "thunks: 5 run, 0 reused, of 5" in text
     assert "bytes moved" in text and "peak capacity" in text
+
+
+def test_the_same_thunks_run_with_redis_as_the_store(local_cluster, project: Path,
+                                                     tmp_path: Path) -> None:
+    """The benchmark's peer: the store is a real redis-server (GETDEL for DELETE)."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (make install installs it as root)")
+    repo_root = str(Path(__file__).resolve().parents[3])
+    if repo_root not in sys.path:  # benchmarks/ is not an installed package
+        sys.path.insert(0, repo_root)
+    from benchmarks.peers import RedisPeer
+
+    peer = RedisPeer()
+    peer.start()
+    try:
+        store = RedisStore(f"redis://127.0.0.1:{peer.spec().port}/0?prefix=t")
+        graph, target = infer(project, "app")
+        engine = make_engine("ray", store.spec, workers=2)
+        try:
+            result = force(graph, target, store=store, engine=engine, jobs=2)
+        finally:
+            engine.close()
+            forget_executables(store.store_id)
+        (app,) = fetch_outputs(store, graph.thunks[target], result.outputs, tmp_path)
+        assert run(app, "3") == "hello 9 2826\n"
+        assert result.deleted_bytes > 0
+        (i_name, _), = graph.thunks[graph.steps[0].thunk].values
+        assert not store.exists(BLOBS, i_name)  # read once, with GETDEL
+        store.close()
+    finally:
+        peer.stop()

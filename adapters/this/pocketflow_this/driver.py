@@ -304,7 +304,13 @@ def _run_with(pipeline: Any, items: list[Any], ex: Any, exchange: Exchange,
                    delete_intermediates=delete_intermediates, keep_outputs=keep_outputs,
                    input_wait_s=input_wait_s, regenerations_max=regenerations_max,
                    timeout_s=timeout_s, on_outcome=on_outcome)
-        run.run()
+        try:
+            run.run()
+        except BaseException:
+            # Tasks still parked on their inputs wake up and fail at once instead of holding
+            # their workers until their wait bound.
+            client.abandon()
+            raise
         return run
     finally:
         client.close()

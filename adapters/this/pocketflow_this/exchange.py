@@ -21,6 +21,7 @@ from pocketflow.errors import (
     DataUnavailable,
     ObjectExists,
     ObjectNotFound,
+    PocketflowError,
 )
 from pocketflow_this.errors import InputLost
 
@@ -70,6 +71,10 @@ class ExchangeClient(abc.ABC):
 
     def spec(self) -> Exchange | None:
         """The exchange as this client now sees it (a newer map), or ``None`` if unchanged."""
+        return None
+
+    def abandon(self) -> None:
+        """The run failed: wake tasks still waiting for their inputs (best effort)."""
         return None
 
     def close(self) -> None:
@@ -192,6 +197,12 @@ class PocketflowClient(ExchangeClient):
         if handle_json == self._exchange.handle_json:
             return None
         return PocketflowExchange(handle_json, self._bucket, self._exchange.client_options)
+
+    def abandon(self) -> None:
+        try:
+            self.pf.delete_bucket(self._bucket)
+        except PocketflowError:
+            pass
 
     def close(self) -> None:
         self.pf.close()

@@ -250,6 +250,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="gg-bench-"))
     started_iso = now_iso()
     runs: list[Run] = []
+    server_niceness = None
     peer = RedisPeer()
     peer.start()
     try:
@@ -261,6 +262,11 @@ def main() -> int:
             return int(redis_client.info("memory")["used_memory"])
 
         with pocketflow.LocalCluster(num_cpus=args.jobs, **CLUSTER_SHAPE) as cluster:
+            # Ray runs its workers, and so the storage servers their actors start, at a
+            # niceness of its own; redis-server gets the same, so neither store outranks the
+            # other for CPU on a shared machine (thunks' compilers run at 19, below both).
+            server_niceness = os.getpriority(os.PRIO_PROCESS, cluster.servers[0].server_pid)
+            os.setpriority(os.PRIO_PROCESS, peer.pid, server_niceness)
             def pf_used() -> int:
                 return sum(int(s["used_bytes"]) for s in cluster.status()["servers"])
 
@@ -299,6 +305,7 @@ def main() -> int:
         "engine": args.engine,
         "repeats": repeats,
         "identical": len(names) == 1,
+        "store_niceness": server_niceness,
         "summary": summary,
         "ratios": {
             "data_io_mean": summary["gg-pocketflow"]["data_io_ms_per_thunk_mean"]

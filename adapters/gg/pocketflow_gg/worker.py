@@ -29,6 +29,10 @@ from pocketflow_gg.objects import content_name, placeholders_in, replace_placeho
 from pocketflow_gg.store import BLOBS, REDUCTIONS, Plan, Store, need, open_store, plan_key
 from pocketflow_gg.thunk import Thunk
 
+FUNCTION_NICENESS = 19
+"""CPU niceness a thunk's function runs at: the lowest priority, so that storage servers and
+the workers' own I/O sharing the machine are not starved by compilers (on Lambda they run on
+other machines)."""
 TIMEOUT_DEFAULT_S = 600.0
 """How long a thunk without a timeout of its own may run."""
 STDERR_TAIL_BYTES = 4000
@@ -99,6 +103,10 @@ def _executable(store: Store, name: str) -> Path:
     return path
 
 
+def _lower_priority() -> None:
+    os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), FUNCTION_NICENESS))
+
+
 def run_thunk(store_spec: str, thunk_name: str) -> dict[str, Any]:
     """Force one thunk whose inputs are all values; returns its report (outputs, timings)."""
     started = time.perf_counter()
@@ -159,7 +167,8 @@ def run_thunk(store_spec: str, thunk_name: str) -> dict[str, Any]:
         timeout_s = thunk.timeout_ms / 1000 if thunk.timeout_ms else TIMEOUT_DEFAULT_S
         try:
             result = subprocess.run(argv, executable=function, cwd=workdir, env=env,
-                                    capture_output=True, timeout=timeout_s, check=False)
+                                    capture_output=True, timeout=timeout_s, check=False,
+                                    preexec_fn=_lower_priority)
         except subprocess.TimeoutExpired as exc:
             raise ThunkFailed(thunk_name, f"timed out after {timeout_s:.0f} s") from exc
         ran = time.perf_counter()

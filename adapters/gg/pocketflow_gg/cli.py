@@ -92,7 +92,11 @@ def _build(args: argparse.Namespace, out: TextIO) -> int:
             bar = stack.enter_context(tqdm(total=len(graph.thunks), unit="thunk", file=out))
 
         def progress(event: str, name: str) -> None:
-            if bar is not None and event in ("done", "reused"):
+            if bar is None:
+                return
+            if event == "total":
+                bar.reset(total=int(name))
+            elif event in ("done", "reused"):
                 bar.update(1)
 
         result = force(graph, target, store=store, engine=engine, jobs=args.jobs,

@@ -179,6 +179,7 @@ class _Forcer:
     def run(self) -> ForceResult:
         started = time.perf_counter()
         result = ForceResult(target=self.target, outputs=[], thunks_total=len(self.order))
+        self.progress("total", str(len(self.order)))
         result.uploaded_bytes = upload(self.graph, self.store)
         live = self.graph.total_bytes()
         result.peak_live_bytes = live
@@ -251,7 +252,8 @@ def force(graph: BuildGraph, target: str, *, store: Store, engine: Engine, jobs:
     whose outputs still exist is not run again. With ``delete``, an input read by exactly one
     thunk of the graph is read with DELETE (executables never are); the target's outputs are
     written with PERSIST. ``progress(event, thunk)`` is called with ``started``, ``done`` and
-    ``reused``.
+    ``reused``, and once first with ``("total", "<thunks to visit>")`` (the graph below a
+    thunk whose reduction is recorded is not visited).
     """
     if not 1 <= jobs <= JOBS_MAX:
         raise GGError(f"jobs must be in 1..{JOBS_MAX}, got {jobs}")

@@ -58,8 +58,7 @@ def file_name(path: str | Path) -> str:
 
 def check_name(name: str) -> str:
     """``name`` if it is a content name (optionally ``#tag``), else :class:`InvalidName`."""
-    base = name.split("#", 1)[0]
-    if not isinstance(name, str) or not _NAME.match(base):
+    if not isinstance(name, str) or not _NAME.match(name.split("#", 1)[0]):
         raise InvalidName(f"not a gg content name: {name!r}")
     return name
 

@@ -37,6 +37,7 @@ from pocketflow.errors import (
     ServerDraining,
     ServerStartError,
     StaleEpoch,
+    TlsError,
     Unavailable,
 )
 from pocketflow.handle import JobHandle, ServerInfo
@@ -68,6 +69,7 @@ __all__ = [
     "ServerDraining",
     "DataUnavailable",
     "PermissionDenied",
+    "TlsError",
     "FailedPrecondition",
     "StaleEpoch",
     "PersistNotSupported",

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from pocketflow.auth import make_token, read_secret_file
 from pocketflow.control import NAMESPACE
 from pocketflow.control.admin import AdminTokens
+from pocketflow.control.cluster_metrics import ClusterMetrics
 from pocketflow.control.hints import JobDemand, demand_from_hints
 from pocketflow.control.launcher import Launcher, LaunchSpec
 from pocketflow.control.leases import LeaseTable
@@ -312,6 +313,7 @@ class Controller:
         self._sizing_last_action_s: float | None = None
         self._sizing_next_s = time.monotonic() + self._sizing_interval_s
         self._sizing_actions: list[dict[str, Any]] = []
+        self._metrics = ClusterMetrics()
         self._stopping = threading.Event()
         self._restored: dict[str, Any] | None = None
         if _restarted_by_ray():
@@ -544,7 +546,9 @@ class Controller:
         """
         validate_job_name(name)
         with self._lock:
-            return self._register_job_locked(name, hints)
+            handle = self._register_job_locked(name, hints)
+        self._metrics.count("registrations")
+        return handle
 
     def _register_job_locked(self, name: str, hints: dict[str, Any]) -> JobHandle:
         job_id = self._new_job_id(name)
@@ -625,6 +629,7 @@ class Controller:
                 self._leases.release(job_id)
                 self._leases_logged.pop(job_id, None)
             self._call_metadata("remove_job", job_id, True)
+        self._metrics.count("deregistrations")
         results, unreachable = self._admin_on_every_server(
             f"delete_job {job_id}", lambda admin: admin.delete_job(job_id)
         )
@@ -921,6 +926,9 @@ class Controller:
             row["draining"] = bool(stats.get("draining", False))
             row["cpu_utilization"] = float(stats.get("cpu_utilization", 0.0))
             row["jobs"] = dict(stats.get("jobs", {}))
+            # The totals the server's /metrics counters hold (as of its latest heartbeat).
+            for name in ("requests_total", "received_bytes_total", "sent_bytes_total"):
+                row[name] = int(stats.get(name, 0))
             for name in ("threads", "cores", "cores_max"):
                 row[name] = int(stats[name]) if name in stats else None
             servers.append(row)
@@ -948,6 +956,7 @@ class Controller:
             "draining": sorted(list(self._draining)),
             "suspect": self.suspect_servers(),
             "sizing_actions": self.sizing_actions(),
+            "cluster_metrics": dict(self._metrics.values),
             "resource_requests": list(self._launcher.resource_requests)
             if self._launcher is not None
             else [],
@@ -1151,6 +1160,10 @@ class Controller:
             except Exception:
                 log.exception("failure detector")
             try:
+                self._publish_metrics()
+            except Exception:
+                log.exception("cluster metrics")
+            try:
                 self.expire_leases()
             except Exception:
                 log.exception("lease expiry")
@@ -1160,6 +1173,36 @@ class Controller:
                     self.size_cluster()
                 except Exception:
                     log.exception("sizing loop")
+
+    def _publish_metrics(self) -> None:
+        """Refresh the cluster gauges (see :mod:`pocketflow.control.cluster_metrics`)."""
+        servers: dict[str, int] = {}
+        capacity: dict[str, int] = {}
+        allocated: dict[str, float] = {}
+        with self._lock:
+            for info in self._servers.values():
+                servers[info.tier] = servers.get(info.tier, 0) + 1
+                capacity[info.tier] = capacity.get(info.tier, 0) + info.capacity_bytes
+            for record in self._jobs.values():
+                wanted = float(record.demand.get("capacity_bytes", 0) or 0)
+                total_weight = sum(s.weight for s in record.handle.servers) or 1.0
+                for server in record.handle.servers:
+                    allocated[server.tier] = (
+                        allocated.get(server.tier, 0.0) + wanted * server.weight / total_weight
+                    )
+            jobs = len(self._jobs)
+            dead = len(self._dead)
+        for tier in capacity:
+            allocated.setdefault(tier, 0.0)
+        self._metrics.refresh(
+            jobs=jobs, servers=servers, capacity_bytes=capacity, allocated_bytes=allocated,
+            dead_servers=dead,
+        )
+
+    def cluster_metrics(self) -> dict[str, Any]:
+        """The numbers last published as cluster metrics."""
+        self._publish_metrics()
+        return dict(self._metrics.values)
 
     def size_cluster(self) -> dict[str, Any]:
         """Run the sizing policy once on the latest heartbeats and carry out its action.
@@ -1206,6 +1249,7 @@ class Controller:
                 log.info("sizing: %s", done)
                 self._sizing_actions.append({**done, "at_unix_s": time.time()})
                 del self._sizing_actions[:-SIZING_ACTIONS_KEPT_MAX]
+                self._metrics.count("sizing_actions", done["action"])
             return done
 
     def sizing_actions(self) -> list[dict[str, Any]]:

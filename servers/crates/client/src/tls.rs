@@ -193,7 +193,7 @@ pub(crate) fn tls_cause(error: &(dyn StdError + 'static)) -> Option<String> {
                 }
             }
         }
-        let text = e.to_string();
+        let text = format!("{e} {e:?}");
         if text.contains("handshake eof") {
             return Some(PLAINTEXT_SERVER.into());
         }

@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus::core::Collector;
 use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
     TextEncoder,
@@ -156,6 +157,16 @@ impl Metrics {
         self.latency
             .with_label_values(&[op])
             .observe(elapsed.as_secs_f64());
+    }
+
+    /// Requests counted so far, over every RPC, op and result.
+    pub fn requests_total(&self) -> u64 {
+        self.requests
+            .collect()
+            .iter()
+            .flat_map(|family| family.get_metric())
+            .map(|m| m.get_counter().get_value() as u64)
+            .sum()
     }
 
     /// Count PERSIST objects (and their bytes) deleted at the end of their time to live.

@@ -225,8 +225,11 @@ pub fn route<C: Peekable + Connected>(
                     Some(match (tls, protocol) {
                         (None, Protocol::Http2) => (Protocol::Http2, Link::Plain(connection)),
                         (None, Protocol::Direct) => (Protocol::Direct, Link::Plain(connection)),
-                        // A TLS client of a plaintext listener: closing ends its handshake.
-                        (None, Protocol::Tls) => return None,
+                        // A TLS client of a plaintext listener: end its handshake cleanly.
+                        (None, Protocol::Tls) => {
+                            refuse_tls(connection).await;
+                            return None;
+                        }
                         (Some(acceptor), Protocol::Tls) => {
                             let stream = acceptor.accept(connection).await.ok()?;
                             let direct = stream.get_ref().1.alpn_protocol() == Some(DIRECT_ALPN);
@@ -263,6 +266,19 @@ pub fn route<C: Peekable + Connected>(
         }
     });
     ReceiverStream::new(rx)
+}
+
+/// Largest ClientHello read from a TLS client of a plaintext listener before closing.
+const CLIENT_HELLO_MAX_BYTES: usize = 16 * 1024;
+
+/// End a TLS client's handshake on a plaintext listener with a clean close (its ClientHello
+/// read first, so the close is a FIN and not a reset): the client sees the connection end
+/// during its handshake, which it reports as a server that does not speak TLS.
+async fn refuse_tls<C: Peekable>(mut connection: C) {
+    use tokio::io::AsyncReadExt;
+    let mut hello = vec![0u8; CLIENT_HELLO_MAX_BYTES];
+    let _ = connection.read(&mut hello).await;
+    let _ = connection.shutdown().await;
 }
 
 /// Tell a plaintext client of a TLS listener why it is refused, in its own protocol, and close.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,18 +69,23 @@ def hints_for(graph: BuildGraph, target: str) -> dict[str, Any]:
             "data_size_bytes": max(1 << 20, 2 * graph.total_bytes())}
 
 
-def upload(graph: BuildGraph, store: Store) -> int:
-    """Write the graph's values and thunks to the store; returns the bytes written."""
+def upload(graph: BuildGraph, store: Store, thunks: Iterable[str] | None = None) -> int:
+    """Write the values and executables of ``thunks`` (default: every thunk of the graph) and
+    the thunks themselves to the store, skipping what is there; returns the bytes written."""
+    names = list(graph.thunks) if thunks is None else list(thunks)
+    needed = dict.fromkeys(n for t in names for n, _ in (*graph.thunks[t].values,
+                                                          *graph.thunks[t].executables))
     written = 0
-    for name in graph.values:
+    for name in needed:
         if size_of(name) >= EXISTS_CHECK_MIN_BYTES and store.exists(BLOBS, name):
             continue
         data = graph.value_bytes(name)
         if store.put(BLOBS, name, data):
             written += len(data)
-    for name, thunk in graph.thunks.items():
-        if store.put(BLOBS, name, thunk.data):
-            written += len(thunk.data)
+    for name in names:
+        data = graph.thunks[name].data
+        if store.put(BLOBS, name, data):
+            written += len(data)
     return written
 
 
@@ -180,8 +185,12 @@ class _Forcer:
         started = time.perf_counter()
         result = ForceResult(target=self.target, outputs=[], thunks_total=len(self.order))
         self.progress("total", str(len(self.order)))
-        result.uploaded_bytes = upload(self.graph, self.store)
-        live = self.graph.total_bytes()
+        to_run = [n for n in self.order if n not in self.pre_reduced]
+        result.uploaded_bytes = upload(self.graph, self.store, to_run)
+        live = sum(size_of(n) for n in dict.fromkeys(
+            n for t in to_run for n, _ in (*self.graph.thunks[t].values,
+                                           *self.graph.thunks[t].executables)))
+        live += sum(len(self.graph.thunks[t].data) for t in to_run)
         result.peak_live_bytes = live
         ready = [n for n in reversed(self.order) if not self.waiting_on[n]]
         in_flight: dict[Any, tuple[Thunk, Thunk]] = {}
@@ -246,8 +255,8 @@ def force(graph: BuildGraph, target: str, *, store: Store, engine: Engine, jobs:
           timeout_s: float = THUNK_TIMEOUT_DEFAULT_S) -> ForceResult:
     """Reduce ``target`` (a thunk of ``graph``) to its outputs.
 
-    First the graph's values and thunks missing from the store are uploaded (a rebuild puts
-    back only what changed or was deleted).
+    First the values, executables and thunks of the thunks that will run are uploaded if they
+    are missing from the store (a rebuild puts back only what changed or was deleted).
     At most ``jobs`` calls run at once. With ``reuse``, a thunk whose reduction is recorded and
     whose outputs still exist is not run again. With ``delete``, an input read by exactly one
     thunk of the graph is read with DELETE (executables never are); the target's outputs are

@@ -108,6 +108,8 @@ def test_rebuild_after_touching_one_source_reruns_only_its_dependents(
         outputs = {s.thunk: s.output for s in graph2.steps}
         assert sorted(outputs[name] for name in second.ran) == ["app", "circle.o", "libshapes.a"]
         assert sorted(outputs[name] for name in second.reused) == ["main.o", "square.o"]
+        # Only the changed source and the new thunks went up; executables were there.
+        assert 0 < second.uploaded_bytes < 100_000 < first.uploaded_bytes
         (app,) = fetch_outputs(gg_store, graph2.thunks[target2], second.outputs, tmp_path)
         assert run(app, "2") == "hello 4 1260\n"
         third = force(graph2, target2, store=gg_store, engine=engine, jobs=2, delete=False)

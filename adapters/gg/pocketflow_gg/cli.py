@@ -42,8 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("source_dir", metavar="SOURCE_DIR")
     build.add_argument("target", metavar="TARGET", help="the file make builds (e.g. lua)")
     build.add_argument("--out", required=True, metavar="DIR", help="where TARGET is written")
-    build.add_argument("--engine", choices=ENGINES, default="lithops",
-                       help="where thunks run (default lithops: the localhost executor)")
+    build.add_argument("--engine", choices=ENGINES, default="ray",
+                       help="where thunks run: Ray tasks (default) or Lithops functions on "
+                            "its localhost executor")
     build.add_argument("--jobs", type=int, default=os.cpu_count() or 2,
                        help="thunks running at once (default: the number of cores)")
     build.add_argument("--address", default=None,

@@ -12,12 +12,20 @@ from pocketflow_gg.worker import run_thunk
 ENGINES = ("ray", "lithops")
 WAIT_POLL_S = 0.05
 """How often the Lithops engine looks for finished calls."""
+LITHOPS_WINDOW_PER_WORKER = 32
+"""Calls the Lithops engine keeps submitted per worker process."""
 
 
 class Engine(Protocol):
     """Runs :func:`pocketflow_gg.worker.run_thunk` calls on workers that are not the driver."""
 
-    def submit(self, store_spec: str, thunk_name: str) -> Any: ...
+    def window(self, jobs: int) -> int:
+        """How many calls the driver may keep submitted at once for ``jobs`` running."""
+        ...
+
+    def submit_many(self, store_spec: str, thunk_names: list[str]) -> list[Any]:
+        """Start one call per thunk; returns their handles in order."""
+        ...
 
     def wait_any(self, pending: list[Any], timeout_s: float) -> list[tuple[Any, Any]]:
         """``(call, report or exception)`` of the calls among ``pending`` that finished."""
@@ -38,8 +46,11 @@ class RayEngine:
         self._ray = ray
         self._task = ray.remote(num_cpus=1, max_retries=0)(run_thunk)
 
-    def submit(self, store_spec: str, thunk_name: str) -> Any:
-        return self._task.remote(store_spec, thunk_name)
+    def window(self, jobs: int) -> int:
+        return jobs
+
+    def submit_many(self, store_spec: str, thunk_names: list[str]) -> list[Any]:
+        return [self._task.remote(store_spec, name) for name in thunk_names]
 
     def wait_any(self, pending: list[Any], timeout_s: float) -> list[tuple[Any, Any]]:
         done, _ = self._ray.wait(pending, num_returns=1, timeout=timeout_s)
@@ -80,8 +91,13 @@ class LithopsEngine:
         self._lithops = lithops
         self._executor = lithops.FunctionExecutor(config=config)
 
-    def submit(self, store_spec: str, thunk_name: str) -> Any:
-        return self._executor.call_async(run_thunk, (store_spec, thunk_name))
+    def window(self, jobs: int) -> int:
+        # Every Lithops job costs a runner process on the localhost executor, so the ready
+        # thunks go out together as one map; its worker processes bound what runs at once.
+        return jobs * LITHOPS_WINDOW_PER_WORKER
+
+    def submit_many(self, store_spec: str, thunk_names: list[str]) -> list[Any]:
+        return list(self._executor.map(run_thunk, [(store_spec, n) for n in thunk_names]))
 
     def wait_any(self, pending: list[Any], timeout_s: float) -> list[tuple[Any, Any]]:
         from lithops.wait import ANY_COMPLETED

@@ -194,8 +194,10 @@ class _Forcer:
         result.peak_live_bytes = live
         ready = [n for n in reversed(self.order) if not self.waiting_on[n]]
         in_flight: dict[Any, tuple[Thunk, Thunk]] = {}
+        window = max(1, self.engine.window(self.jobs))
         while ready or in_flight:
-            while ready and len(in_flight) < self.jobs:
+            batch: list[tuple[Thunk, Thunk]] = []
+            while ready and len(in_flight) + len(batch) < window:
                 name = ready.pop(0)
                 original = self.graph.thunks[name]
                 rewritten = original.reduced(self.reductions)
@@ -210,9 +212,11 @@ class _Forcer:
                 plan = self._plan(original, rewritten)
                 self.store.put(BLOBS, plan_key(rewritten.name), plan.to_bytes(),
                                overwrite=True)
-                in_flight[self.engine.submit(self.store.spec, rewritten.name)] = (
-                    original, rewritten)
+                batch.append((original, rewritten))
                 self.progress("started", name)
+            if batch:
+                calls = self.engine.submit_many(self.store.spec, [r.name for _, r in batch])
+                in_flight.update(zip(calls, batch, strict=True))
             if not in_flight:
                 break
             finished = self.engine.wait_any(list(in_flight), self.timeout_s)
@@ -257,7 +261,9 @@ def force(graph: BuildGraph, target: str, *, store: Store, engine: Engine, jobs:
 
     First the values, executables and thunks of the thunks that will run are uploaded if they
     are missing from the store (a rebuild puts back only what changed or was deleted).
-    At most ``jobs`` calls run at once. With ``reuse``, a thunk whose reduction is recorded and
+    At most ``jobs`` calls run at once (the engine's window: Ray tasks are submitted ``jobs``
+    at a time; the Lithops engine submits every ready thunk as one map, whose ``jobs`` worker
+    processes run them). With ``reuse``, a thunk whose reduction is recorded and
     whose outputs still exist is not run again. With ``delete``, an input read by exactly one
     thunk of the graph is read with DELETE (executables never are); the target's outputs are
     written with PERSIST. ``progress(event, thunk)`` is called with ``started``, ``done`` and

@@ -213,3 +213,13 @@ def test_the_same_thunks_run_with_redis_as_the_store(local_cluster, project: Pat
         store.close()
     finally:
         peer.stop()
+
+
+def test_cli_reports_bad_input_with_a_clear_error(tmp_path: Path, capsys) -> None:
+    missing = tmp_path / "nowhere"
+    assert gg_main(["build", str(missing), "app", "--out", str(tmp_path / "out")]) == 2
+    assert f"{missing} is not a directory" in capsys.readouterr().err
+    assert gg_main(["build", str(PROJECT), "app", "--out", str(tmp_path), "--jobs", "0"]) == 2
+    assert "--jobs must be at least 1" in capsys.readouterr().err
+    assert gg_main(["hash", str(missing)]) == 2
+    assert "No such file" in capsys.readouterr().err

@@ -276,6 +276,9 @@ impl PyPlacement {
     }
 }
 
+/// How often a long call looks at Python's pending signals (Ctrl-C), with the GIL taken briefly.
+const SIGNAL_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+
 /// A connection to one storage server (see `pocketflow/transport.py`).
 #[pyclass(name = "Connection", module = "pocketflow._core", frozen)]
 struct PyConnection {
@@ -466,7 +469,22 @@ impl PyConnection {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let body = Bytes::copy_from_slice(body);
         let connection = &self.connection;
-        let result = py.detach(|| block_on(connection.action(name, body)));
+        // An action may be a parked `wait` of many seconds: look at Python's signals every
+        // SIGNAL_CHECK_INTERVAL so Ctrl-C ends it (dropping the call cancels its RPC).
+        let result: Result<Bytes, ClientError> = py.detach(|| -> PyResult<_> {
+            block_on(async {
+                let call = connection.action(name, body);
+                tokio::pin!(call);
+                loop {
+                    tokio::select! {
+                        done = &mut call => return Ok(done),
+                        () = tokio::time::sleep(SIGNAL_CHECK_INTERVAL) => {
+                            Python::attach(|py| py.check_signals())?;
+                        }
+                    }
+                }
+            })
+        })?;
         match result {
             Ok(body) => Ok(PyBytes::new(py, &body)),
             Err(e) => Err(to_py_err(py, &e, connection.address())),

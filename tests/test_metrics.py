@@ -81,9 +81,12 @@ def test_counters_move_by_exactly_the_operations_made(local_cluster: LocalCluste
         def moved(name: str, **labels: str) -> float:
             return summed(after, name, **labels) - summed(before, name, **labels)
 
-        # Small puts and gets are exchange ops; the big object adds its block-0 record ops.
-        assert moved("pocketflow_requests_total", rpc="exchange", op="put", result="ok") >= 5
-        assert moved("pocketflow_requests_total", rpc="exchange", op="get", result="ok") >= 3
+        # Small puts and gets are one exchange op each; the big object adds one of each for its
+        # block-0 record (the manifest), and its data blocks travel as direct block transfers.
+        assert moved("pocketflow_requests_total", rpc="exchange", op="put", result="ok") == 6
+        assert moved("pocketflow_requests_total", rpc="exchange", op="get", result="ok") == 4
+        assert moved("pocketflow_requests_total", rpc="direct_put", op="put", result="ok") >= 1
+        assert moved("pocketflow_requests_total", rpc="direct_get", op="get", result="ok") >= 1
         assert moved(
             "pocketflow_requests_total", rpc="exchange", op="get", result="not_found"
         ) == 1

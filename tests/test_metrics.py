@@ -130,3 +130,26 @@ def test_cluster_metrics_count_registrations_and_jobs(local_cluster: LocalCluste
     assert after["capacity_bytes"]["dram"] == sum(
         s["capacity_bytes"] for s in local_cluster.status()["servers"] if s["tier"] == "dram"
     )
+
+
+def test_cluster_metrics_reach_rays_metrics_export(local_cluster: LocalCluster) -> None:
+    """The controller's ``ray.util.metrics`` appear on the node's Ray metrics agent, the
+    endpoint Prometheus scrapes in a Ray deployment (as ``ray_pocketflow_*``)."""
+    import time
+
+    import ray
+
+    port = ray._private.worker._global_node.metrics_export_port
+    with local_cluster.register_job("metrics-export"):
+        deadline = time.monotonic() + 90
+        names: set[str] = set()
+        while time.monotonic() < deadline:
+            scraped = scrape(f"http://127.0.0.1:{port}/metrics")
+            names = {name for name, _ in scraped if name.startswith("ray_pocketflow_")}
+            if {"ray_pocketflow_jobs", "ray_pocketflow_registrations_total"} <= names:
+                break
+            time.sleep(2)
+        jobs = [v for (name, _), v in scraped.items() if name == "ray_pocketflow_jobs"]
+    assert "ray_pocketflow_registrations_total" in names, sorted(names)
+    assert jobs and max(jobs) >= 1
+    assert {"ray_pocketflow_servers", "ray_pocketflow_capacity_bytes"} <= names

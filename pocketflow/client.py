@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Literal, TypeVar, overload
 
+from pocketflow.channels import APPEND_SEGMENT_DEFAULT_BYTES, AppendFile, Queue
 from pocketflow.config import ClientConfig
 from pocketflow.errors import (
     BucketExists,
@@ -331,6 +332,19 @@ class Client:
                 raise stale
             self._adopt(stale)
         raise AssertionError("unreachable")
+
+    # -- channels ----------------------------------------------------------------------------
+
+    def queue(self, bucket: str, name: str, *, max_items: int = 1024) -> Queue:
+        """A bounded FIFO queue named ``name`` in ``bucket``, kept on the storage servers (see
+        :class:`pocketflow.channels.Queue`); it exists once something is enqueued."""
+        return Queue(self, bucket, name, max_items=max_items)
+
+    def append_file(self, bucket: str, key: str, *,
+                    segment_bytes: int = APPEND_SEGMENT_DEFAULT_BYTES) -> AppendFile:
+        """A shared append file named ``key`` in ``bucket`` (see
+        :class:`pocketflow.channels.AppendFile`); it exists once something is appended."""
+        return AppendFile(self, bucket, key, segment_bytes=segment_bytes)
 
     # -- single objects ----------------------------------------------------------------------
 

@@ -56,6 +56,14 @@ WAIT_KEYS_MAX = 1024
 """Most keys one ``wait`` action names."""
 WAIT_TIMEOUT_MAX_MS = 30_000
 """Longest a ``wait`` action is parked before it returns the keys still missing."""
+CHANNEL_WAIT_MAX_MS = 10_000
+"""Longest a queue op parks on the server; a client waits longer by repeating the op."""
+QUEUE_ITEMS_MAX = 1 << 20
+"""Most items one queue segment holds."""
+APPEND_SEGMENT_MAX_BYTES = 64 * 1024 * 1024
+"""Largest append-file segment."""
+APPEND_READ_MAX_BYTES = 1024 * 1024
+"""Most bytes one append-file read returns."""
 
 # -- exchange operations ---------------------------------------------------------------------------
 
@@ -63,6 +71,12 @@ OP_PUT = 1
 OP_GET = 2
 OP_DELETE = 3
 OP_LOOKUP = 4
+OP_ENQUEUE = 5
+OP_DEQUEUE = 6
+OP_QUEUE_INFO = 7
+OP_APPEND = 8
+OP_READ_APPEND = 9
+OP_READ_RECORDS = 10
 
 OP_FLAG_DELETE = 1
 """GET: remove the object as part of the read (DELETE-on-read)."""
@@ -70,6 +84,8 @@ OP_FLAG_PERSIST = 2
 """PUT: the object is PERSIST."""
 OP_FLAG_OVERWRITE = 4
 """PUT: replace an existing object instead of failing with ``already_exists``."""
+OP_FLAG_SEAL = 8
+"""QUEUE_INFO and READ_APPEND: seal the segment (creating it sealed if absent)."""
 
 REPLY_FLAG_HEADER = 1
 """Reply flag: a 32-byte object header follows the reply's fixed part."""

@@ -22,7 +22,7 @@ use pocketflow_protocol::direct::{
 };
 use pocketflow_protocol::frame::{
     decode_reply_frame, decode_request_frame, encode_request_frame, OpCode, Reply,
-    ReplyFrameBuilder, RequestOp, OP_FLAG_DELETE, OP_FLAG_OVERWRITE, OP_FLAG_PERSIST,
+    ReplyFrameBuilder, RequestOp, OP_FLAG_DELETE, OP_FLAG_OVERWRITE, OP_FLAG_PERSIST, OP_FLAG_SEAL,
     REQUEST_FRAME_HEAD_BYTES, REQUEST_OP_HEAD_BYTES,
 };
 use pocketflow_protocol::ipc::{check_schema, decode_piece, encode_piece, is_schema_message};
@@ -610,6 +610,12 @@ fn request_op() -> BoxedStrategy<RequestOp> {
             OpCode::Get,
             OpCode::Delete,
             OpCode::Lookup,
+            OpCode::Enqueue,
+            OpCode::Dequeue,
+            OpCode::QueueInfo,
+            OpCode::Append,
+            OpCode::ReadAppend,
+            OpCode::ReadRecords,
         ]),
         any::<u8>(),
         name(BUCKET_NAME_MAX_BYTES),
@@ -621,17 +627,25 @@ fn request_op() -> BoxedStrategy<RequestOp> {
             let allowed = match op {
                 OpCode::Put => OP_FLAG_PERSIST | OP_FLAG_OVERWRITE,
                 OpCode::Get => OP_FLAG_DELETE,
-                OpCode::Delete | OpCode::Lookup => 0,
+                OpCode::QueueInfo | OpCode::ReadAppend => OP_FLAG_SEAL,
+                _ => 0,
             };
-            let put = op == OpCode::Put;
             RequestOp {
                 request_id,
                 op,
                 flags: flags & allowed,
                 bucket,
                 key,
-                header: if put { header } else { Default::default() },
-                value: if put { value } else { Bytes::new() },
+                header: if op.takes_header() {
+                    header
+                } else {
+                    Default::default()
+                },
+                value: if op.takes_value() {
+                    value
+                } else {
+                    Bytes::new()
+                },
             }
         })
         .boxed()

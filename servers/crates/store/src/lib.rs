@@ -13,6 +13,8 @@
 //!   blocks keyed by `(key, version, index)`), write-once / overwrite, DELETE-on-read, PERSIST,
 //!   prefix and job deletion, usage, and the expiry of PERSIST entries after the server's
 //!   PERSIST time-to-live ([`Store::expire_persist`]).
+//! - [`channels`]: FIFO queues and append files, kept in segments of a bucket beside its
+//!   objects and freed with them (bucket, prefix and job deletion).
 //! - [`throughput`]: the start-up self-test of what the engine can move
 //!   ([`Store::measure_throughput`]).
 //!
@@ -38,6 +40,7 @@
 
 pub mod allocator;
 mod capacity;
+pub mod channels;
 pub mod engine;
 pub mod error;
 mod expiry;

@@ -70,6 +70,7 @@ from pocketflow.layout import (
     new_version,
     view_of,
 )
+from pocketflow.notifications import SUBSCRIBER_EVENTS_DEFAULT, Listener
 from pocketflow.objectfile import ObjectReader, ObjectWriter
 from pocketflow.protocol import (
     ACTION_CREATE_BUCKET,
@@ -345,6 +346,13 @@ class Client:
         """A shared append file named ``key`` in ``bucket`` (see
         :class:`pocketflow.channels.AppendFile`); it exists once something is appended."""
         return AppendFile(self, bucket, key, segment_bytes=segment_bytes)
+
+    def subscribe(self, bucket: str, prefix: str = "", *,
+                  ops: Iterable[str] = ("put", "delete"),
+                  capacity: int = SUBSCRIBER_EVENTS_DEFAULT) -> Listener:
+        """A listener of ``ops`` on keys of ``bucket`` starting with ``prefix``, on every server
+        of the job (see :mod:`pocketflow.notifications`); close it when done."""
+        return Listener(self, bucket, prefix, tuple(ops), capacity=capacity)
 
     # -- single objects ----------------------------------------------------------------------
 

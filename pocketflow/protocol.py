@@ -64,6 +64,16 @@ APPEND_SEGMENT_MAX_BYTES = 64 * 1024 * 1024
 """Largest append-file segment."""
 APPEND_READ_MAX_BYTES = 1024 * 1024
 """Most bytes one append-file read returns."""
+SUBSCRIBER_EVENTS_MAX = 65_536
+"""Most events one subscription keeps before it loses its oldest."""
+EVENTS_BATCH_MAX = 1024
+"""Most events one ``events`` call returns."""
+LEASE_MS_MIN = 100
+"""Shortest prefix lease."""
+LEASE_MS_MAX = 600_000
+"""Longest prefix lease."""
+LEASE_PREFIXES_MAX = 4096
+"""Most prefixes one ``renew_leases`` call names."""
 
 # -- exchange operations ---------------------------------------------------------------------------
 
@@ -108,6 +118,10 @@ ACTION_STATS = "stats"
 ACTION_DRAIN = "drain"
 ACTION_SET_CORES = "set_cores"
 ACTION_WAIT = "wait"
+ACTION_SUBSCRIBE = "subscribe"
+ACTION_EVENTS = "events"
+ACTION_UNSUBSCRIBE = "unsubscribe"
+ACTION_RENEW_LEASES = "renew_leases"
 
 DATA_COLUMN_NAME = "data"
 """Name of the single non-nullable binary column of DoPut and DoGet streams."""

@@ -49,3 +49,13 @@ pub const QUEUE_ITEMS_MAX: u32 = 1 << 20;
 pub const APPEND_SEGMENT_MAX_BYTES: u64 = 64 * 1024 * 1024;
 /// Most bytes one append-file read returns.
 pub const APPEND_READ_MAX_BYTES: u32 = 1024 * 1024;
+/// Most events one subscription keeps before it loses its oldest.
+pub const SUBSCRIBER_EVENTS_MAX: usize = 65_536;
+/// Most events one `events` call returns.
+pub const EVENTS_BATCH_MAX: usize = 1024;
+/// Shortest prefix lease.
+pub const LEASE_MS_MIN: u64 = 100;
+/// Longest prefix lease.
+pub const LEASE_MS_MAX: u64 = 600_000;
+/// Most prefixes one `renew_leases` call names.
+pub const LEASE_PREFIXES_MAX: usize = 4096;

@@ -23,6 +23,7 @@ use pocketflow_protocol::limits::{
 
 use crate::capacity::{Charge, JobAccount, INDEX_ENTRY_OVERHEAD_BYTES};
 use crate::error::StoreError;
+use crate::events::EventOp;
 use crate::index::{BucketIndex, Stored};
 use crate::store::Store;
 
@@ -253,6 +254,7 @@ impl Store {
             })?;
             if let Some(state) = outcome {
                 items_waiters.inserted(job, bucket, &watched[0]);
+                self.events().emit(job, bucket, name, EventOp::Enqueue);
                 return Ok(state);
             }
             let now = Instant::now();
@@ -318,6 +320,7 @@ impl Store {
             match taken {
                 (Some(stored), state) => {
                     space_waiters.inserted(job, bucket, &watched[0]);
+                    self.events().emit(job, bucket, name, EventOp::Dequeue);
                     let len = stored.block.as_ref().map_or(0, |block| block.len());
                     let bytes = self.read_stored(stored, 0, len).await?;
                     return Ok((Some(bytes), state));

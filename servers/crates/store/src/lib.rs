@@ -15,6 +15,8 @@
 //!   PERSIST time-to-live ([`Store::expire_persist`]).
 //! - [`channels`]: FIFO queues and append files, kept in segments of a bucket beside its
 //!   objects and freed with them (bucket, prefix and job deletion).
+//! - [`events`]: subscriptions to a job's operations on a prefix (notifications), and
+//!   [`leases`]: prefix leases whose lapse frees the prefix.
 //! - [`throughput`]: the start-up self-test of what the engine can move
 //!   ([`Store::measure_throughput`]).
 //!
@@ -43,8 +45,10 @@ mod capacity;
 pub mod channels;
 pub mod engine;
 pub mod error;
+pub mod events;
 mod expiry;
 mod index;
+pub mod leases;
 pub mod store;
 pub mod throughput;
 pub mod waiters;

@@ -21,11 +21,13 @@ use crate::engine::dram::DramEngine;
 use crate::engine::nvme::{NvmeConfig, NvmeEngine};
 use crate::engine::{BlockWriter, Engine, Tier};
 use crate::error::StoreError;
+use crate::events::{EventOp, Events};
 use crate::expiry::{Expiry, Slot};
 use crate::index::{
     lock, split_prefix, BlockKey, BucketIndex, BucketRef, JobIndex, JobMap, Record, Stored,
     BUCKETS_PER_JOB_MAX, JOBS_MAX,
 };
+use crate::leases::Leases;
 use crate::throughput::Throughput;
 use crate::waiters::{Waiter, Waiters};
 
@@ -91,6 +93,10 @@ struct Shared {
     pub(crate) queue_items: Arc<Waiters>,
     /// Enqueues parked on full queue segments; a dequeue or a seal wakes them.
     pub(crate) queue_space: Arc<Waiters>,
+    /// Subscriptions to the job's operations (notifications).
+    events: Events,
+    /// Prefix leases.
+    leases: Leases,
 }
 
 /// Writer of one data block, returned by [`Store::begin_block`].
@@ -189,6 +195,8 @@ impl Store {
                 waiters: Arc::new(Waiters::default()),
                 queue_items: Arc::new(Waiters::default()),
                 queue_space: Arc::new(Waiters::default()),
+                events: Events::default(),
+                leases: Leases::default(),
             }),
         }
     }
@@ -223,6 +231,52 @@ impl Store {
     /// `None` when the tier is too small for a test block. Run it before serving.
     pub async fn measure_throughput(&self) -> Result<Option<Throughput>, StoreError> {
         crate::throughput::measure(self.shared.engine.as_ref()).await
+    }
+
+    /// The subscriptions of this server (notifications).
+    pub fn events(&self) -> &Events {
+        &self.shared.events
+    }
+
+    /// Renew (or start) leases of `prefixes` of `job` for `lease_ms`; see [`Leases::renew`].
+    pub fn renew_leases(
+        &self,
+        job: &str,
+        prefixes: &[String],
+        lease_ms: u64,
+    ) -> Result<usize, StoreError> {
+        for prefix in prefixes {
+            check_name("prefix", prefix, KEY_MAX_BYTES - 1)?;
+        }
+        self.shared.leases.renew(job, prefixes, lease_ms)
+    }
+
+    /// Free every prefix whose lease lapsed by `now`: in every bucket of its job, the records,
+    /// data blocks, queues and append files under `<prefix>/`; each one's subscribers get a
+    /// `lease_expired` event. Returns (job, prefix, bytes freed) per lapsed lease.
+    pub fn expire_leases(&self, now: Instant) -> Vec<(String, String, u64)> {
+        let mut freed = Vec::new();
+        for (job, prefix) in self.shared.leases.take_lapsed(now) {
+            let scope = format!("{prefix}/");
+            let buckets: Vec<String> = self.job(&job).map_or_else(Vec::new, |j| {
+                j.buckets
+                    .read()
+                    .expect("bucket map lock poisoned")
+                    .keys()
+                    .cloned()
+                    .collect()
+            });
+            let bytes = buckets
+                .iter()
+                .filter_map(|bucket| self.delete_prefix(&job, bucket, &scope).ok())
+                .map(|(_, bytes)| bytes)
+                .sum();
+            self.shared
+                .events
+                .emit(&job, "", &prefix, EventOp::LeaseExpired);
+            freed.push((job, prefix, bytes));
+        }
+        freed
     }
 
     /// The server-wide byte budget (channels charge their segments to it).
@@ -495,6 +549,7 @@ impl Store {
             }
         };
         self.shared.waiters.inserted(job, bucket, key);
+        self.shared.events.emit(job, bucket, key, EventOp::Put);
         if let (true, Some(expiry)) = (header.persist(), &self.shared.expiry) {
             expiry.push(job, bucket, Slot::Record(key.to_string()), &stored);
         }
@@ -520,6 +575,7 @@ impl Store {
                     .ok_or_else(|| not_found(bucket, key))?;
                 account.objects.fetch_sub(1, Ordering::AcqRel);
                 account.entries.fetch_sub(1, Ordering::AcqRel);
+                self.shared.events.emit(job, bucket, key, EventOp::Delete);
                 Ok((record.header, record.stored))
             } else {
                 let record = b.records.get(key).ok_or_else(|| not_found(bucket, key))?;
@@ -626,6 +682,7 @@ impl Store {
         })?;
         let header = record.header;
         drop(record);
+        self.shared.events.emit(job, bucket, key, EventOp::Delete);
         Ok(header)
     }
 
@@ -872,6 +929,7 @@ impl Store {
     }
 
     fn delete_job_data(&self, job: &str, keep_persist: bool) -> (u64, u64) {
+        self.shared.leases.forget_job(job);
         let Some(job_index) = self.job(job) else {
             return (0, 0);
         };

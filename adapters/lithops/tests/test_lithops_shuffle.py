@@ -179,13 +179,20 @@ def test_the_append_layout_delivers_the_same_partitions_and_sorts(
     local_cluster: LocalCluster, fexec: Any
 ) -> None:
     baseline = used_bytes(local_cluster)
-    result = shuffle(fexec, _emit_bytes, _join, [1, 2, 3], reducers=3, cluster=local_cluster,
-                     input_size_bytes=1000, timeout_s=SHUFFLE_TIMEOUT_S, layout="append")
-    assert result.map_values == [100, 200, 300]
-    assert result.outputs == [
+    expected = [
         f"{r}:".encode() + b"".join(bytes([m]) * (10 * (r + 1)) + b"|" for m in (1, 2, 3))
         for r in range(3)
     ]
+    # Both layouts with their data scoped to prefix leases (1 s, renewed by the driver).
+    for layout in ("objects", "append"):
+        scoped = shuffle(fexec, _emit_bytes, _join, [1, 2, 3], reducers=3,
+                         cluster=local_cluster, input_size_bytes=1000,
+                         timeout_s=SHUFFLE_TIMEOUT_S, layout=layout, prefix_lease_ms=1000)
+        assert scoped.outputs == expected, layout
+    result = shuffle(fexec, _emit_bytes, _join, [1, 2, 3], reducers=3, cluster=local_cluster,
+                     input_size_bytes=1000, timeout_s=SHUFFLE_TIMEOUT_S, layout="append")
+    assert result.map_values == [100, 200, 300]
+    assert result.outputs == expected
     assert result.bytes_shuffled == sum(3 * (10 * (r + 1) + 1) for r in range(3))
     # A sort whose partitions take many records each (100 KB per mapper and reducer).
     config = SortConfig(mappers=3, reducers=2, records=6_000, seed=9)

@@ -428,7 +428,8 @@ def plot(figure: dict, path: str | Path, *, title: str = "") -> Path:
     right.set_ylabel("utilization of allocated DRAM (%)")
     right.set_ylim(0, 105)
     left.legend(loc="upper left", fontsize=8)
-    fig.suptitle(title or f"capacity multiplexing (simulated): {figure['jobs']} staggered jobs of 2-5 stages")
+    fig.suptitle(title or f"capacity multiplexing (simulated): {figure['jobs']} staggered "
+                 "jobs of 2-5 stages")
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=120)

@@ -31,7 +31,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pocketflow.errors import (
+    GRPC_CODE_FAILED_PRECONDITION,
     CapacityExhausted,
+    DataUnavailable,
     InvalidRequest,
     QueueFull,
     SegmentSealed,
@@ -57,6 +59,7 @@ from pocketflow.protocol import (
     check_bucket,
     check_key,
 )
+from pocketflow.transport import ExchangeOp
 
 if TYPE_CHECKING:
     from pocketflow.client import Client
@@ -68,6 +71,9 @@ SEGMENTS_MAX = 64
 APPEND_SEGMENT_DEFAULT_BYTES = 4 * 1024 * 1024
 """Bytes of one append-file segment unless the file says otherwise."""
 _STALE_RETRIES_MAX = 4
+APPEND_BATCH_MAX = 256
+"""Most records one ``append_many`` sends in one pipelined round (the session's in-flight
+bound)."""
 _LENGTH = struct.Struct("<I")
 
 
@@ -105,6 +111,29 @@ class _Channel:
                 client._adopt(error)
                 continue
             raise error
+        raise AssertionError("unreachable")
+
+    def _run(self, segment: int, ops: list[ExchangeOp]) -> None:
+        """Run ``ops`` pipelined over one session of ``segment``'s server (their replies are
+        filled in; errors are per op). A stale map is adopted and the ops run again."""
+        client = self._client
+        for attempt in range(_STALE_RETRIES_MAX + 1):
+            view = client._view
+            server = view.placement.server_for(self._name_raw, segment)
+            try:
+                client._connection(server.address).run(view.epoch, ops, len(ops))
+            except StaleEpoch as exc:
+                if attempt == _STALE_RETRIES_MAX:
+                    raise
+                client._adopt(exc)
+                continue
+            stale = next((op.reply for op in ops if op.reply is not None
+                          and op.reply.status == GRPC_CODE_FAILED_PRECONDITION
+                          and bytes(op.reply.body).startswith(b"stale_epoch")), None)
+            if stale is None or attempt == _STALE_RETRIES_MAX:
+                return
+            error = error_from_status(stale.status, stale.body, server=server.address)
+            client._adopt(error)  # type: ignore[arg-type]
         raise AssertionError("unreachable")
 
     def _wait_ms(self, deadline: float) -> int:
@@ -283,6 +312,52 @@ class AppendFile(_Channel):
             assert header is not None
             return RecordPosition(segment, header.size, header.version)
 
+    def append_many(self, records: list[Any]) -> list[RecordPosition]:
+        """Append each record whole, pipelined (one round trip per segment reached, not per
+        record); returns where each landed, in the order given. The records of one call run
+        concurrently, so their order among themselves in the file is not fixed (each one's
+        bytes never interleave with another's)."""
+        views = [memoryview(r).cast("B") if not isinstance(r, bytes) else r for r in records]
+        for view in views:
+            if not 1 <= len(view) <= SMALL_OBJECT_MAX_BYTES:
+                raise InvalidRequest(
+                    f"a record is 1..{SMALL_OBJECT_MAX_BYTES} bytes, got {len(view)}"
+                )
+        positions: list[RecordPosition | None] = [None] * len(views)
+        pending = list(range(len(views)))
+        segment = self._tail
+        while pending:
+            failures: list[Reply] = []
+            for start in range(0, len(pending), APPEND_BATCH_MAX):
+                ops = [ExchangeOp(OP_APPEND, 0, self._bucket_raw, self._name_raw,
+                                  _args(b=self.segment_bytes, c=segment), views[i], tag=i)
+                       for i in pending[start:start + APPEND_BATCH_MAX]]
+                self._run(segment, ops)
+                for op in ops:
+                    reply = op.reply
+                    if reply is None:
+                        raise DataUnavailable(f"unavailable: no reply appending to {self.name}")
+                    if reply.status != 0:
+                        failures.append(reply)
+                        continue
+                    assert reply.header is not None
+                    positions[op.tag] = RecordPosition(segment, reply.header.size,
+                                                       reply.header.version)
+            pending = [i for i in pending if positions[i] is None]
+            if not pending:
+                break
+            errors = [error_from_status(r.status, r.body) for r in failures]
+            other = next((e for e in errors if not isinstance(e, SegmentSealed | CapacityExhausted)
+                          or isinstance(e, QueueFull)), None)
+            if other is not None:
+                raise other
+            if any(not isinstance(e, SegmentSealed) for e in errors):
+                # The segment's server is full: seal it so nobody waits on it, go on.
+                self._call(OP_READ_APPEND, segment, _args(c=segment), flags=OP_FLAG_SEAL)
+            segment = self._next_segment(segment)
+        self._tail = segment
+        return positions  # type: ignore[return-value]
+
     def _state(self, segment: int) -> ObjectHeader:
         reply = self._call(OP_READ_APPEND, segment, _args(c=segment))
         assert reply.header is not None
@@ -310,14 +385,22 @@ class AppendFile(_Channel):
                 break
             state = self._state(segment)
             seg_len = state.size
-            while offset < end and offset < start + seg_len:
-                want = min(end - offset, APPEND_READ_MAX_BYTES)
-                reply = self._call(OP_READ_APPEND, segment,
-                                   _args(a=offset - start, c=segment, d=want))
-                if not reply.body:
-                    break
-                parts.append(bytes(reply.body))
-                offset += len(reply.body)
+            stop = min(end, start + seg_len)
+            if offset < stop:
+                # Every piece of this segment at once, pipelined over one session.
+                ops = [ExchangeOp(OP_READ_APPEND, 0, self._bucket_raw, self._name_raw,
+                                  _args(a=at - start, c=segment,
+                                        d=min(stop - at, APPEND_READ_MAX_BYTES)))
+                       for at in range(offset, stop, APPEND_READ_MAX_BYTES)]
+                self._run(segment, ops)
+                for op in ops:
+                    reply = op.reply
+                    if reply is None:
+                        raise DataUnavailable(f"unavailable: no reply reading {self.name}")
+                    if reply.status != 0:
+                        raise error_from_status(reply.status, reply.body)
+                    parts.append(bytes(reply.body))
+                offset = stop
             if not state.flags & 1:
                 break
             start += seg_len

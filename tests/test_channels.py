@@ -223,3 +223,18 @@ def test_appends_of_16_writers_are_whole_and_the_file_grows_over_servers(
     segments = len(whole) // segment_bytes + 1
     servers = {client._view.placement.server_for(b"reduce/0", s).node_id for s in range(segments)}
     assert len(servers) > 1, "the file never left its first server"
+
+
+def test_append_many_pipelines_whole_records_over_segments(client: Client) -> None:
+    client.create_bucket("f")
+    log = client.append_file("f", "many", segment_bytes=SMALL_OBJECT_MAX_BYTES)
+    records = [_record(w, s) for w in range(4) for s in range(40)]  # ~170 KB: several segments
+    positions = log.append_many(records)
+    assert len(positions) == len(records)
+    assert len({p.segment for p in positions}) > 1
+    assert len(set(positions)) == len(positions)
+    got = list(log)
+    assert sorted(got) == sorted(records)
+    for record in got:
+        _check_record(record)
+    assert log.read(0, log.size()) == b"".join(got)

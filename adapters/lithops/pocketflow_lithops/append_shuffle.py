@@ -3,10 +3,12 @@
 
 ``shuffle(..., layout="append")`` runs this. Every mapper appends its partition for reducer
 ``r`` to the append file ``r{r:05d}/in`` (:meth:`pocketflow.Client.append_file`) in records of
-at most ``SMALL_OBJECT_MAX_BYTES``, each opened by ``u32 mapper, u32 sequence``, and ends with
-one record ``(mapper, END)`` carrying how many chunks it appended; then it puts one empty object
+at most ``SMALL_OBJECT_MAX_BYTES``, each opened by ``u32 mapper, u32 sequence, u32 length``
+(pipelined: :meth:`~pocketflow.channels.AppendFile.append_many`), and ends with one record
+``(mapper, END)`` carrying how many chunks it appended; then it puts one empty object
 ``done/m{m:05d}``. A reducer waits for the ``M`` done objects with the server-side ``wait``
-(no polling), reads its file's records once, reassembles each mapper's bytes in sequence order
+(no polling), reads its whole file by byte ranges (pipelined per segment), cuts it into records
+by their lengths, reassembles each mapper's bytes in sequence order
 (a chunk seen twice, from a mapper that ran twice, counts once) and checks that every mapper's
 END record is there with its chunk count. So the shuffle leaves ``R`` files and ``M`` markers
 on the servers instead of ``M x R`` objects, and a reducer reads one file in large batches
@@ -39,7 +41,7 @@ from pocketflow_lithops.shuffle import (
 
 __all__ = ["run_append_layout", "append_file_key", "done_key"]
 
-_CHUNK_HEAD = struct.Struct("<II")
+_CHUNK_HEAD = struct.Struct("<III")
 CHUNK_BYTES_MAX = SMALL_OBJECT_MAX_BYTES - _CHUNK_HEAD.size
 """Partition bytes per appended record (the rest of the record is its head)."""
 END_SEQUENCE = 0xFFFF_FFFF
@@ -96,11 +98,13 @@ def _map(call: _AppendMap) -> dict[str, Any]:
     for r in range(spec.reducers):
         data = memoryview(b"".join(memoryview(c).cast("B") for c in parts[r]))
         log = pf.append_file(spec.bucket, append_file_key(r), segment_bytes=SEGMENT_BYTES)
-        chunks = 0
-        for at in range(0, len(data), CHUNK_BYTES_MAX):
-            log.append(_CHUNK_HEAD.pack(call.mapper, chunks) + data[at:at + CHUNK_BYTES_MAX])
-            chunks += 1
-        log.append(_CHUNK_HEAD.pack(call.mapper, END_SEQUENCE) + struct.pack("<I", chunks))
+        records = []
+        for seq, at in enumerate(range(0, len(data), CHUNK_BYTES_MAX)):
+            piece = data[at:at + CHUNK_BYTES_MAX]
+            records.append(_CHUNK_HEAD.pack(call.mapper, seq, len(piece)) + piece)
+        records.append(_CHUNK_HEAD.pack(call.mapper, END_SEQUENCE, 4)
+                       + struct.pack("<I", len(records)))
+        log.append_many(records)
         written += len(data)
     pf.put(spec.bucket, done_key(call.mapper), b"", overwrite=True)
     return {"mapper": call.mapper, "value": value, "bytes_written": written,
@@ -120,21 +124,25 @@ def _reduce(call: _AppendReduce) -> dict[str, Any]:
     chunks: list[dict[int, bytes]] = [{} for _ in range(spec.mappers)]
     ends: dict[int, int] = {}
     log = pf.append_file(spec.bucket, append_file_key(call.reducer), segment_bytes=SEGMENT_BYTES)
-    read = 0
-    for record in log:
-        mapper, sequence = _CHUNK_HEAD.unpack_from(record)
-        if not 0 <= mapper < spec.mappers:
-            raise ShuffleFailed(f"reducer {call.reducer}: record of unknown mapper {mapper}")
+    whole = memoryview(log.read(0, log.size()))
+    at = 0
+    while at < len(whole):
+        mapper, sequence, length = _CHUNK_HEAD.unpack_from(whole, at)
+        body = whole[at + _CHUNK_HEAD.size:at + _CHUNK_HEAD.size + length]
+        at += _CHUNK_HEAD.size + length
+        if not 0 <= mapper < spec.mappers or len(body) != length:
+            raise ShuffleFailed(f"reducer {call.reducer}: a record of its file is malformed")
         if sequence == END_SEQUENCE:
-            ends[mapper] = struct.unpack_from("<I", record, _CHUNK_HEAD.size)[0]
+            ends[mapper] = struct.unpack_from("<I", body)[0]
         else:
-            chunks[mapper].setdefault(sequence, record[_CHUNK_HEAD.size:])
-        read += len(record)
+            chunks[mapper].setdefault(sequence, body)
+    read = len(whole)
     inputs: list[bytes] = []
     for m in range(spec.mappers):
         if ends.get(m) != len(chunks[m]) or sorted(chunks[m]) != list(range(len(chunks[m]))):
             raise ShuffleFailed(f"reducer {call.reducer}: the input of mapper {m} is incomplete")
         inputs.append(b"".join(chunks[m][s] for s in range(len(chunks[m]))))
+    del whole
     value = call.reduce_function(call.reducer, inputs)
     if spec.persist_output:
         data = memoryview(value).cast("B")

@@ -250,11 +250,12 @@ impl Store {
                 }
                 queue.items.push_back(Arc::clone(&stored));
                 account.entries.fetch_add(1, Ordering::AcqRel);
-                Ok(Some(queue.state()))
+                let state = queue.state();
+                self.events().emit(job, bucket, name, EventOp::Enqueue);
+                Ok(Some(state))
             })?;
             if let Some(state) = outcome {
                 items_waiters.inserted(job, bucket, &watched[0]);
-                self.events().emit(job, bucket, name, EventOp::Enqueue);
                 return Ok(state);
             }
             let now = Instant::now();
@@ -312,15 +313,16 @@ impl Store {
                     return Ok((None, QueueState::default()));
                 };
                 let item = queue.items.pop_front();
+                let state = queue.state();
                 if item.is_some() {
                     account.entries.fetch_sub(1, Ordering::AcqRel);
+                    self.events().emit(job, bucket, name, EventOp::Dequeue);
                 }
-                Ok((item, queue.state()))
+                Ok((item, state))
             })?;
             match taken {
                 (Some(stored), state) => {
                     space_waiters.inserted(job, bucket, &watched[0]);
-                    self.events().emit(job, bucket, name, EventOp::Dequeue);
                     let len = stored.block.as_ref().map_or(0, |block| block.len());
                     let bytes = self.read_stored(stored, 0, len).await?;
                     return Ok((Some(bytes), state));

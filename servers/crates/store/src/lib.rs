@@ -35,8 +35,10 @@
 //!
 //! Locks nest as job map, then a job's bucket map, then one bucket, and no lock is held across
 //! an await, a copy of object bytes or I/O. Engine writers copy into their reserved extent
-//! without any lock. The lock of the parked readers (`waiters`) is never
-//! held together with an index lock.
+//! without any lock. The locks of the parked readers (`waiters`) and of the lease table
+//! (`leases`) are never held together with an index lock; the subscriptions' lock (`events`) is
+//! taken under a bucket lock (so a key's events keep the order of its operations) and never
+//! the other way round.
 
 #![warn(missing_docs)]
 

@@ -532,7 +532,7 @@ impl Store {
                 header,
                 stored: Arc::clone(&stored),
             };
-            match guard.records.get_mut(key) {
+            let replaced = match guard.records.get_mut(key) {
                 Some(_) if !overwrite => {
                     return Err(StoreError::AlreadyExists {
                         bucket: bucket.to_string(),
@@ -546,10 +546,12 @@ impl Store {
                     job_index.account.entries.fetch_add(1, Ordering::AcqRel);
                     None
                 }
-            }
+            };
+            // Under the bucket lock, so a key's events keep the order of its operations.
+            self.shared.events.emit(job, bucket, key, EventOp::Put);
+            replaced
         };
         self.shared.waiters.inserted(job, bucket, key);
-        self.shared.events.emit(job, bucket, key, EventOp::Put);
         if let (true, Some(expiry)) = (header.persist(), &self.shared.expiry) {
             expiry.push(job, bucket, Slot::Record(key.to_string()), &stored);
         }
@@ -575,6 +577,7 @@ impl Store {
                     .ok_or_else(|| not_found(bucket, key))?;
                 account.objects.fetch_sub(1, Ordering::AcqRel);
                 account.entries.fetch_sub(1, Ordering::AcqRel);
+                // Under the bucket lock, so a key's events keep the order of its operations.
                 self.shared.events.emit(job, bucket, key, EventOp::Delete);
                 Ok((record.header, record.stored))
             } else {
@@ -678,11 +681,11 @@ impl Store {
                 .ok_or_else(|| not_found(bucket, key))?;
             account.objects.fetch_sub(1, Ordering::AcqRel);
             account.entries.fetch_sub(1, Ordering::AcqRel);
+            self.shared.events.emit(job, bucket, key, EventOp::Delete);
             Ok(record)
         })?;
         let header = record.header;
         drop(record);
-        self.shared.events.emit(job, bucket, key, EventOp::Delete);
         Ok(header)
     }
 

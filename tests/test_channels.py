@@ -238,3 +238,19 @@ def test_append_many_pipelines_whole_records_over_segments(client: Client) -> No
     for record in got:
         _check_record(record)
     assert log.read(0, log.size()) == b"".join(got)
+
+
+def test_channels_work_over_doexchange_sessions_too(job_handle: JobHandle) -> None:
+    with connect(job_handle, small_ops="flight", **CLIENT_OPTIONS) as pf:
+        pf.create_bucket("x")
+        queue = pf.queue("x", "q", max_items=4)
+        for i in range(4):
+            queue.enqueue(b"%d" % i)
+        with pytest.raises(QueueFull):
+            queue.enqueue(b"full", timeout_s=0.2)
+        assert [queue.dequeue(timeout_s=1) for _ in range(5)] == [b"0", b"1", b"2", b"3", None]
+        log = pf.append_file("x", "f")
+        log.append_many([b"a" * 100, b"b" * 200])
+        log.append(b"c")
+        assert sorted(log) == [b"a" * 100, b"b" * 200, b"c"]
+        assert log.size() == 301

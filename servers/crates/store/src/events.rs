@@ -19,6 +19,10 @@ use crate::error::StoreError;
 
 /// Most subscriptions one server holds (over all jobs).
 pub const SUBSCRIPTIONS_MAX: usize = 1024;
+/// Most events all subscriptions of a server may keep together (the sum of their capacities),
+/// so the buffers' memory is bounded: at most this many events of at most a key, a bucket name
+/// and 64 bytes each.
+pub const EVENTS_HELD_MAX: usize = 262_144;
 /// A subscription nobody polled for this long is dropped (its subscriber went away).
 pub const SUBSCRIPTION_IDLE_MS: u64 = 60_000;
 
@@ -166,11 +170,12 @@ impl Events {
         let mut subscriptions = self.lock();
         let idle = Duration::from_millis(SUBSCRIPTION_IDLE_MS);
         subscriptions.retain(|_, sub| sub.polled.elapsed() < idle);
-        if subscriptions.len() >= SUBSCRIPTIONS_MAX {
-            self.count.store(subscriptions.len(), Ordering::Release);
+        self.count.store(subscriptions.len(), Ordering::Release);
+        let held: usize = subscriptions.values().map(|sub| sub.capacity).sum();
+        if subscriptions.len() >= SUBSCRIPTIONS_MAX || held + capacity > EVENTS_HELD_MAX {
             return Err(StoreError::CapacityExhausted {
-                requested: 1,
-                available: 0,
+                requested: capacity as u64,
+                available: EVENTS_HELD_MAX.saturating_sub(held) as u64,
             });
         }
         let id = self.next_id.fetch_add(1, Ordering::AcqRel) + 1;
@@ -281,6 +286,21 @@ mod tests {
         assert!(events.poll("other", id, 1, Duration::ZERO).await.is_err());
         events.unsubscribe("j", id).unwrap();
         assert!(events.poll("j", id, 1, Duration::ZERO).await.is_err());
+    }
+
+    #[test]
+    fn subscriptions_are_bounded_by_the_events_they_may_hold() {
+        let events = Events::default();
+        let big = SUBSCRIBER_EVENTS_MAX;
+        for _ in 0..EVENTS_HELD_MAX / big {
+            events
+                .subscribe("j", "b", "", &[EventOp::Put], big)
+                .unwrap();
+        }
+        assert!(matches!(
+            events.subscribe("j", "b", "", &[EventOp::Put], 1),
+            Err(StoreError::CapacityExhausted { .. })
+        ));
     }
 
     #[tokio::test]

@@ -13,14 +13,18 @@ all: install
 
 install: system-packages python-packages server
 
-# redis-server and fio are the baselines of the benchmarks; installed only when missing and root.
+# redis-server and fio are the baselines of the benchmarks; libreadline-dev is what the gg
+# adapter's real build (Lua) links. Installed only when missing and root.
 system-packages:
-	@if command -v redis-server >/dev/null 2>&1 && command -v fio >/dev/null 2>&1; then \
+	@if command -v redis-server >/dev/null 2>&1 && command -v fio >/dev/null 2>&1 \
+			&& dpkg -s libreadline-dev >/dev/null 2>&1; then \
 		true; \
 	elif [ "$$(id -u)" = 0 ]; then \
-		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server fio; \
+		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server fio \
+			libreadline-dev; \
 	else \
-		echo "warning: redis-server or fio missing and not root; benchmarks needing them skip" >&2; \
+		echo "warning: redis-server, fio or libreadline-dev missing and not root;" \
+			"benchmarks and tests needing them skip" >&2; \
 	fi
 
 # The core package (with its native client core), then each adapter, a package of its own.

@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import machine, report
-from benchmarks.options import PEER_NAMES, add_arguments
+from benchmarks.options import PEER_NAMES, TLS_PEER_NAMES, add_arguments
 from benchmarks.peers import (
     Peer,
     PocketflowPeer,
     RedisPeer,
     S3Peer,
+    StandalonePocketflowPeer,
     TcpPeer,
     pocketflow_version,
     weed_binary,
@@ -276,6 +277,12 @@ def _make_peers(
         "s3": S3Peer,
         "pocketflow-dram": lambda: PocketflowPeer(pocketflow_cluster(), tier="dram"),
         "pocketflow-nvme": lambda: PocketflowPeer(pocketflow_cluster(), tier="nvme"),
+        "pocketflow-dram-plain": lambda: StandalonePocketflowPeer(
+            tls=False, capacity_bytes=plan.live_bytes_max() + 128 * MiB
+        ),
+        "pocketflow-dram-tls": lambda: StandalonePocketflowPeer(
+            tls=True, capacity_bytes=plan.live_bytes_max() + 128 * MiB
+        ),
     }
     return [(name, factories[name]) for name in names]
 
@@ -390,11 +397,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main_from_args(args: argparse.Namespace) -> int:
     """Run with parsed :func:`add_arguments` options; returns the exit status."""
     names = [n.strip() for n in args.peers.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(PEER_NAMES))
+    known = (*PEER_NAMES, *TLS_PEER_NAMES)
+    unknown = sorted(set(names) - set(known))
     if unknown or not names:
-        print(f"unknown peers {unknown}; choose from {', '.join(PEER_NAMES)}", file=sys.stderr)
+        print(f"unknown peers {unknown}; choose from {', '.join(known)}", file=sys.stderr)
         return 2
     plan = QUICK if args.mode == "quick" else FULL
+    if getattr(args, "tls", False):
+        names += [n for n in TLS_PEER_NAMES if n not in names]
+        # What TLS costs is asked at 1 KiB, 1 MiB and 64 MiB.
+        plan = dataclasses.replace(
+            plan, sizes_bytes=tuple(sorted({*plan.sizes_bytes, 64 * MiB})),
+            round_bytes_max=max(plan.round_bytes_max, 64 * MiB),
+        )
 
     def log(line: str) -> None:
         print(line, flush=True)

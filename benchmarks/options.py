@@ -12,6 +12,8 @@ from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PEER_NAMES = ("tcp", "redis", "s3", "pocketflow-dram", "pocketflow-nvme")
+TLS_PEER_NAMES = ("pocketflow-dram-plain", "pocketflow-dram-tls")
+"""Added by ``--tls``: one standalone DRAM server each, plaintext and TLS, otherwise equal."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,3 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR,
                         help=f"directory for the results (default {RESULTS_DIR})")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--tls", action="store_true",
+                        help="also run one standalone DRAM server in plaintext and one with TLS "
+                        "(pocketflow-dram-plain, pocketflow-dram-tls) and report what TLS costs")

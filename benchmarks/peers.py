@@ -776,3 +776,80 @@ def pocketflow_version() -> str | None:
         return metadata.version("pocketflow")
     except metadata.PackageNotFoundError:
         return None
+
+
+class StandalonePocketflowPeer(_ServerPeer):
+    """One DRAM storage server process of its own (no Ray, no controller), plaintext or TLS, and
+    a job handle over it made with the server's secret: ``pocketflow-dram-plain`` and
+    ``pocketflow-dram-tls`` differ only in TLS, so their ratio is what TLS costs (``--tls``)."""
+
+    CAPACITY_BYTES_MIN = 512 * 1024 * 1024
+
+    def __init__(self, *, tls: bool, capacity_bytes: int = CAPACITY_BYTES_MIN) -> None:
+        super().__init__()
+        self.tls = tls
+        self.name = "pocketflow-dram-tls" if tls else "pocketflow-dram-plain"
+        self.capacity_bytes = max(capacity_bytes, self.CAPACITY_BYTES_MIN)
+        self._server: Any = None
+        self._spec: PocketflowSpec | None = None
+
+    def start(self) -> None:
+        """Start the server (with a fresh cluster CA and certificate for TLS), make the handle."""
+        import uuid
+
+        from pocketflow.auth import make_token, write_secret_file
+        from pocketflow.handle import JobHandle, ServerInfo
+        from pocketflow.server_process import ServerSpec, StorageServerProcess
+        from pocketflow.tls import issue_server_cert, make_cluster_ca, read_ca
+
+        work = self._work_dir()
+        secret = write_secret_file(work / "cluster.secret")
+        cert = None
+        tls_ca = None
+        if self.tls:
+            make_cluster_ca(work / "tls")
+            cert = issue_server_cert(work / "tls", "dram-0", "127.0.0.1")
+            tls_ca = read_ca(work / "tls")
+        self._server = StorageServerProcess(ServerSpec(
+            node_id="dram-0", tier="dram", capacity_bytes=self.capacity_bytes,
+            secret_file=work / "cluster.secret", threads=2, tls=cert,
+        ))
+        address = self._server.start()
+        job = f"bench-{uuid.uuid4().hex[:8]}"
+        handle = JobHandle(
+            job_id=job, name="bench", epoch=1,
+            servers=(ServerInfo("dram-0", address, "dram", 1.0, False),),
+            token=make_token(secret, job, ttl_s=24 * 3600), tls_ca=tls_ca,
+        )
+        from pocketflow.transport import AdminClient
+
+        admin = AdminClient(address, make_token(secret, "__admin__", ttl_s=3600), tls_ca=tls_ca)
+        try:
+            admin.set_epoch(job, 1, handle.weight_map())
+        finally:
+            admin.close()
+        self._spec = PocketflowSpec(handle_json=handle.to_json())
+        self.notes.append(f"one DRAM server process, {'TLS' if self.tls else 'plaintext'}")
+        import pocketflow.client
+
+        with pocketflow.client.connect(handle) as admin_client:
+            admin_client.create_bucket(self._spec.bucket)
+
+    def spec(self) -> PocketflowSpec:
+        """The job handle (with the CA for TLS) and bucket."""
+        if self._spec is None:
+            raise RuntimeError(f"{self.name} is not started")
+        return self._spec
+
+    def stop(self) -> None:
+        """Close the client, stop the server by pid, remove the work directory."""
+        try:
+            super().stop()
+        finally:
+            if self._server is not None:
+                self._server.stop()
+                self._server = None
+
+    def version(self) -> str | None:
+        """The pocketflow package version."""
+        return pocketflow_version()

@@ -12,7 +12,8 @@ from benchmarks.workloads import KiB, MiB, format_size
 
 POCKETFLOW_PEERS = ("pocketflow-dram", "pocketflow-nvme")
 BASELINE_PEERS = ("redis", "s3", "tcp")
-PEER_ORDER = (*POCKETFLOW_PEERS, "redis", "s3", "tcp")
+PEER_ORDER = (*POCKETFLOW_PEERS, "pocketflow-dram-plain", "pocketflow-dram-tls", "redis", "s3",
+              "tcp")
 FIGURE_FIELDS = ("ops_per_s", "gb_per_s", "p50_us", "p99_us")
 """Every measured cell carries these, each finite and above zero."""
 
@@ -63,6 +64,28 @@ def ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "p50_us": cell["p50_us"] / other["p50_us"],
                 "p99_us": cell["p99_us"] / other["p99_us"],
             })
+    return out
+
+
+def tls_costs(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """``pocketflow-dram-tls`` / ``pocketflow-dram-plain`` for every cell both measured (``--tls``):
+    ``gb_per_s`` below 1 and ``p50_us`` above 1 are what TLS costs."""
+    out = []
+    for cell in measured(result):
+        if cell["peer"] != "pocketflow-dram-tls":
+            continue
+        plain = find_cell(
+            result, peer="pocketflow-dram-plain", op=cell["op"], size_bytes=cell["size_bytes"],
+            clients=cell["clients"], mode=cell["mode"],
+        )
+        if plain is None:
+            continue
+        out.append({
+            "op": cell["op"], "mode": cell["mode"], "size_bytes": cell["size_bytes"],
+            "clients": cell["clients"],
+            "gb_per_s": cell["gb_per_s"] / plain["gb_per_s"],
+            "p50_us": cell["p50_us"] / plain["p50_us"],
+        })
     return out
 
 
@@ -227,6 +250,17 @@ def summary_markdown(result: dict[str, Any]) -> str:
             [[format_size(c["size_bytes"]), str(c["batch_ops"]), str(c["clients"]), c["op"],
               c["peer"], _fmt(c["ops_per_s"]), _fmt(c["p50_us"]), _fmt(c["p99_us"])]
              for c in rows],
+        )
+        lines.append("")
+    costs = tls_costs(result)
+    if costs:
+        lines += ["## What TLS costs (one DRAM server, TLS / plaintext)", ""]
+        lines += _table(
+            ["object", "op", "mode", "clients", "throughput TLS/plain", "p50 TLS/plain"],
+            [[format_size(c["size_bytes"]), c["op"], c["mode"], str(c["clients"]),
+              _fmt(c["gb_per_s"]), _fmt(c["p50_us"])]
+             for c in sorted(costs, key=lambda c: (c["mode"], c["size_bytes"], c["clients"],
+                                                   c["op"]))],
         )
         lines.append("")
     notes = [

@@ -39,6 +39,7 @@ from pocketflow.errors import (
     ServerDraining,
     ServerStartError,
     StaleEpoch,
+    TlsError,
     Unavailable,
 )
 from pocketflow.handle import JobHandle, ServerInfo
@@ -76,6 +77,7 @@ __all__ = [
     "ServerDraining",
     "DataUnavailable",
     "PermissionDenied",
+    "TlsError",
     "FailedPrecondition",
     "StaleEpoch",
     "PersistNotSupported",

@@ -78,8 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
         "up", help="run a cluster in the foreground until Ctrl-C",
         description="Run a pocketflow cluster in the foreground until Ctrl-C.",
     )
-    up.add_argument("--local", action="store_true",
-                    help="run an embedded local cluster on this machine (required for now)")
+    where = up.add_mutually_exclusive_group()
+    where.add_argument("--local", action="store_true",
+                       help="run an embedded local cluster on this machine")
+    where.add_argument("--address", default=None,
+                       help="join the running Ray cluster at this address: storage servers go "
+                       "to nodes that advertise pocketflow_storage_<tier> resources, each on "
+                       "its node's address, with TLS (see examples/cluster.yaml)")
+    up.add_argument("--tls", action="store_true",
+                    help="make a cluster CA and serve TLS only (always on with --address)")
+    up.add_argument("--work-dir", default=None,
+                    help="where the cluster secret, CA and NVMe files go (default a new "
+                    "directory under /tmp); with --address, a path every node sees")
     _add_cluster_shape(up)
     up.set_defaults(func=cmd_up)
 
@@ -178,7 +188,37 @@ def _local_cluster(args: argparse.Namespace) -> Any:
         persist_ttl=args.persist_ttl,
         autoscale=args.autoscale,
         sizing_interval=args.sizing_interval if args.autoscale else None,
+        **_placement_args(args),
     )
+
+
+def _placement_args(args: argparse.Namespace) -> dict[str, Any]:
+    """TLS, resources and work directory of ``up`` (other commands run a plain local cluster)."""
+    joined = getattr(args, "address", None) is not None and getattr(args, "command", "") == "up"
+    extra: dict[str, Any] = {}
+    if getattr(args, "tls", False) or joined:
+        extra["tls"] = True
+    if joined:
+        extra["storage_resources"] = True
+    if getattr(args, "work_dir", None):
+        extra["tmp_dir"] = args.work_dir
+    return extra
+
+
+def _join_ray(address: str) -> None:
+    """Connect this process to the Ray cluster at ``address`` (the cluster then uses it)."""
+    import logging
+
+    import ray
+
+    from pocketflow.control import NAMESPACE
+    from pocketflow.errors import ClusterError
+
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
+                 logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise ClusterError(f"cannot join the Ray cluster at {address}: {exc}") from exc
 
 
 class _StopSignals:
@@ -211,10 +251,13 @@ class _StopSignals:
 
 def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``pocketflow up --local``: run a local cluster until Ctrl-C or SIGTERM."""
-    if not args.local:
-        parser.error("only --local clusters exist for now: run `pocketflow up --local`")
+    if not args.local and args.address is None:
+        parser.error("say where: `pocketflow up --local` (this machine) or "
+                     "`pocketflow up --address <ray address>` (an existing Ray cluster)")
     out = sys.stdout
     with _StopSignals() as signals:
+        if args.address is not None:
+            _join_ray(args.address)
         cluster = _local_cluster(args)
         try:
             started = time.perf_counter()
@@ -240,8 +283,10 @@ def _print_up(cluster: Any, elapsed_s: float, out: TextIO) -> None:
          "yes" if s.long_running else "no", str(s.server_pid)]
         for s in cluster.servers
     ]
-    print(f"pocketflow local cluster is up ({elapsed_s:.1f} s; Ray at {address}, "
-          f"namespace pocketflow)", file=out)
+    tls_dir = cluster.tls_dir
+    tls = f" with TLS (cluster CA: {tls_dir / 'ca.pem'})" if tls_dir else ""
+    print(f"pocketflow cluster is up ({elapsed_s:.1f} s; Ray at {address}, "
+          f"namespace pocketflow){tls}", file=out)
     header = ["NODE", "TIER", "ADDRESS", "CAPACITY", "PERSIST", "PID"]
     print("\n".join(table(header, rows, right=set())), file=out)
     print(

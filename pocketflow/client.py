@@ -883,6 +883,7 @@ class Client:
                     rpc_timeout_s=cfg.rpc_timeout_s,
                     stream_timeout_s=cfg.stream_timeout_s,
                     direct=cfg.small_ops == "direct",
+                    tls_ca=self._view.handle.tls_ca,
                 )
                 self._connections[address] = connection
             return connection

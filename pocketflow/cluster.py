@@ -29,6 +29,7 @@ from pocketflow.control.tiers import TIER_DRAM, TIER_NVME, local_spec
 from pocketflow.errors import ClusterError, ConfigError, PocketflowError
 from pocketflow.processes import ProcessRef, children, descendants, terminate, wait_gone
 from pocketflow.protocol import BLOCK_SIZE_MAX_BYTES
+from pocketflow.tls import make_cluster_ca, read_ca
 
 if TYPE_CHECKING:
     from pocketflow.control.launcher import LaunchSpec
@@ -103,6 +104,14 @@ class LocalCluster:
     advertises a free ``pocketflow_storage_<tier>`` resource unit; when none has one, the
     controller asks Ray's autoscaler (``request_resources``) and the launch waits, bounded by
     ``register_timeout``.
+
+    Every server listens on the address of the Ray node it runs on (127.0.0.1 here, since the
+    embedded Ray stays on loopback; a node's own address on a multi-node cluster). With
+    ``tls=True`` the cluster makes a CA in its temporary directory (``tls/``, files 0600), each
+    server gets a certificate naming its address and accepts TLS connections only, and every job
+    handle carries the CA certificate (``JobHandle.tls_ca``). A server on a non-loopback address
+    refuses to start without TLS. Each server also serves Prometheus metrics on a port of its own
+    (``status()["servers"][i]["metrics_url"]``).
     """
 
     def __init__(
@@ -128,6 +137,7 @@ class LocalCluster:
         storage_resources: bool = False,
         metadata_log: str | os.PathLike[str] | None = None,
         persist_ttl: float | str | None = "24h",
+        tls: bool = False,
     ) -> None:
         if dram_servers < 0 or nvme_servers < 0 or dram_servers + nvme_servers == 0:
             raise ConfigError("a local cluster needs at least one storage server")
@@ -161,6 +171,7 @@ class LocalCluster:
         )
         self._sizing_cooldown_s = parse_duration(sizing_cooldown, name="sizing_cooldown")
         self._storage_resources = storage_resources
+        self._tls = bool(tls)
         self._num_cpus = num_cpus
         self._server_threads = server_threads
         self._tmp_dir = None if tmp_dir is None else Path(tmp_dir)
@@ -211,6 +222,8 @@ class LocalCluster:
                 tempfile.mkdtemp(prefix="pocketflow-", dir=self._tmp_dir)
             )
             write_secret_file(self.secret_file)
+            if self._tls:
+                make_cluster_ca(self.work_dir / "tls")
             self._start_ray()
             self._start_actors()
         except BaseException:
@@ -305,6 +318,16 @@ class LocalCluster:
     def secret_file(self) -> Path:
         """The 0600 file holding the cluster secret that keys every capability token."""
         return self.work_dir / "cluster.secret"
+
+    @property
+    def tls_dir(self) -> Path | None:
+        """The cluster's TLS directory (CA and server certificates), ``None`` without TLS."""
+        return self.work_dir / "tls" if self._tls else None
+
+    @property
+    def tls_ca(self) -> str | None:
+        """The cluster CA certificate (PEM) clients trust, ``None`` without TLS."""
+        return read_ca(self.tls_dir)
 
     @property
     def block_size_bytes(self) -> int:
@@ -443,6 +466,7 @@ class LocalCluster:
                     nvme_path=nvme_path,
                     threads=self._server_threads,
                     persist_ttl_ms=self._persist_ttl_ms if plan.long_running else None,
+                    tls_dir=self._tls_dir_arg(),
                 )
             )
         starts = {node_id: node.start.remote() for node_id, node in self._nodes.items()}
@@ -485,6 +509,7 @@ class LocalCluster:
                     servers_max=self._servers_max,
                 ),
                 sizing_interval_ms=self._sizing_interval_ms or SIZING_INTERVAL_MS_DEFAULT,
+                tls_dir=self._tls_dir_arg(),
             )
         )
         try:
@@ -514,7 +539,12 @@ class LocalCluster:
             persist_ttl_ms=self._persist_ttl_ms,
             use_resources=self._storage_resources,
             servers_max=self._servers_max,
+            tls_dir=self._tls_dir_arg(),
         )
+
+    def _tls_dir_arg(self) -> str | None:
+        tls_dir = self.tls_dir
+        return None if tls_dir is None else str(tls_dir)
 
     def _stop_actors(self) -> None:
         import ray

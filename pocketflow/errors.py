@@ -38,6 +38,7 @@ __all__ = [
     "ServerDraining",
     "DataUnavailable",
     "PermissionDenied",
+    "TlsError",
     "FailedPrecondition",
     "StaleEpoch",
     "PersistNotSupported",
@@ -177,6 +178,16 @@ class PermissionDenied(PocketflowError):
     grpc_code = GRPC_CODE_PERMISSION_DENIED
 
 
+class TlsError(PermissionDenied):
+    """A TLS connection to a server failed for a reason that retrying will not fix: its
+    certificate is not signed by the trusted CA, has expired, or does not name its address; or
+    one side spoke TLS and the other plaintext. The message names the cause."""
+
+
+TLS_MESSAGE_PREFIX = "TLS: "
+"""How the client core opens the message of a TLS failure (after ``permission_denied: ``)."""
+
+
 class FailedPrecondition(PocketflowError):
     """The server is not in a state that allows the request."""
 
@@ -304,7 +315,12 @@ def error_from_kind(
 def _from_text(text: str, code: int, server: str | None) -> PocketflowError:
     match = _KIND_PATTERN.search(text)
     if match is not None:
-        return error_from_kind(match.group(1), text[match.end():], server=server)
+        rest = text[match.end():]
+        if match.group(1) == PermissionDenied.kind and (
+            rest.startswith(TLS_MESSAGE_PREFIX) or "accepts TLS connections only" in rest
+        ):
+            return TlsError(f"{PermissionDenied.kind}: {rest}", server=server)
+        return error_from_kind(match.group(1), rest, server=server)
     cls = _CODE_TO_CLASS.get(code, InternalError)
     return cls(text, server=server)
 

@@ -140,6 +140,9 @@ class JobHandle:
     token: str
     block_size_bytes: int = BLOCK_SIZE_DEFAULT_BYTES
     lost: tuple[LostServer, ...] = ()
+    tls_ca: str | None = None
+    """The cluster CA (PEM) that the servers' certificates are checked against; ``None`` when
+    the servers speak plaintext (an embedded cluster on loopback without ``tls=True``)."""
 
     def __post_init__(self) -> None:
         if not self.job_id or len(self.job_id.encode()) > JOB_ID_MAX_BYTES:
@@ -200,6 +203,8 @@ class JobHandle:
         }
         if self.lost:
             doc["lost"] = [s.to_row() for s in self.lost]
+        if self.tls_ca is not None:
+            doc["tls_ca"] = self.tls_ca
         return _dumps(doc)
 
     @classmethod
@@ -216,6 +221,7 @@ class JobHandle:
                 token=str(doc["token"]),
                 block_size_bytes=int(doc.get("block_size", BLOCK_SIZE_DEFAULT_BYTES)),
                 lost=lost,
+                tls_ca=str(doc["tls_ca"]) if doc.get("tls_ca") is not None else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, InvalidRequest):
@@ -230,5 +236,6 @@ class JobHandle:
         return (
             f"JobHandle(job_id={self.job_id!r}, name={self.name!r}, epoch={self.epoch}, "
             f"servers=<{len(self.servers)}>, block_size_bytes={self.block_size_bytes}"
+            + (", tls" if self.tls_ca is not None else "")
             + (f", lost=<{len(self.lost)}>)" if self.lost else ")")
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pocketflow.errors import ServerStartError
+from pocketflow.tls import ServerCert
 
 READY_PREFIX = "POCKETFLOW_SERVER_READY "
 SERVER_BINARY_NAME = "pocketflow-server"
@@ -67,6 +68,17 @@ class ServerSpec:
     parent_pid: int | None = None
     persist_ttl_ms: int | None = None
     """How long PERSIST objects live after they are written (``None``: until the server exits)."""
+    listen_host: str = "127.0.0.1"
+    """The address to listen on (the node's address); not loopback only with ``tls``."""
+    tls: ServerCert | None = None
+    """Certificate and key: every connection must then use TLS."""
+    metrics: bool = True
+    """Serve Prometheus metrics at ``http://<listen_host>:<port>/metrics``."""
+
+
+def _bracketed(host: str) -> str:
+    """``host`` as the host part of ``host:port`` (IPv6 addresses in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 class StorageServerProcess:
@@ -76,6 +88,7 @@ class StorageServerProcess:
         self.spec = spec
         self._proc: subprocess.Popen[str] | None = None
         self._address: str | None = None
+        self._metrics_address: str | None = None
         self._stderr_tail: list[str] = []
         self._stderr_lock = threading.Lock()
         self._pipe_threads: list[threading.Thread] = []
@@ -86,6 +99,13 @@ class StorageServerProcess:
         if self._address is None:
             raise ServerStartError(f"server {self.spec.node_id} is not started")
         return self._address
+
+    @property
+    def metrics_url(self) -> str | None:
+        """``http://host:port/metrics``, or ``None`` when the server serves no metrics."""
+        if self._metrics_address is None:
+            return None
+        return f"http://{self._metrics_address}/metrics"
 
     @property
     def pid(self) -> int:
@@ -99,7 +119,7 @@ class StorageServerProcess:
         spec = self.spec
         args = [
             str(find_server_binary()),
-            "--listen", "127.0.0.1:0",
+            "--listen", f"{_bracketed(spec.listen_host)}:0",
             "--node-id", spec.node_id,
             "--tier", spec.tier,
             "--capacity", str(spec.capacity_bytes),
@@ -107,6 +127,10 @@ class StorageServerProcess:
         ]
         if spec.long_running:
             args.append("--long-running")
+        if spec.tls is not None:
+            args += ["--tls-cert", str(spec.tls.cert), "--tls-key", str(spec.tls.key)]
+        if spec.metrics:
+            args += ["--metrics-listen", f"{_bracketed(spec.listen_host)}:0"]
         if spec.nvme_path is not None:
             args += ["--nvme-path", str(spec.nvme_path)]
         if spec.threads is not None:
@@ -151,7 +175,12 @@ class StorageServerProcess:
                 f"server {self.spec.node_id} did not become ready within {timeout_s:.0f}s: "
                 + self.stderr_tail()
             )
-        self._address = ready[0]
+        # `host:port [metrics=host:port] [tls]`
+        fields = ready[0].split()
+        self._address = fields[0]
+        for field in fields[1:]:
+            if field.startswith("metrics="):
+                self._metrics_address = field[len("metrics="):]
         return self._address
 
     def _read_ready_line(self, out: list[str], ready_event: threading.Event) -> None:

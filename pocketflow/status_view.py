@@ -90,21 +90,24 @@ def _servers_section(status: Mapping[str, Any]) -> list[str]:
             f"{format_bytes(used)} / {format_bytes(capacity)}", percent(used, capacity),
             f"{100.0 * float(row.get('cpu_utilization', 0.0)):.0f}%",
             format_rate(row.get("bytes_in_per_s", 0)), format_rate(row.get("bytes_out_per_s", 0)),
-            str(row.get("objects", 0)), "yes" if row.get("long_running") else "no",
+            str(row.get("objects", 0)), str(row.get("requests_total", 0)),
+            format_bytes(row.get("received_bytes_total", 0)),
+            format_bytes(row.get("sent_bytes_total", 0)),
+            "yes" if row.get("long_running") else "no",
         ])
     for node_id, info in sorted(dead.items()):
         states["dead"] += 1
         rows.append([
             node_id, str(info.get("tier", "-")), str(info.get("address", "-")), "dead",
-            "-", "-", "-", "-", "-", "-", "-", "-", "-",
+            "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
         ])
     summary = ", ".join(f"{n} {state}" for state, n in states.items() if n)
     header = [
         "NODE", "TIER", "ADDRESS", "STATE", "THREADS", "CORES", "USED / CAPACITY", "USED%",
-        "CPU", "NET IN", "NET OUT", "OBJECTS", "PERSIST",
+        "CPU", "NET IN", "NET OUT", "OBJECTS", "REQUESTS", "RECEIVED", "SENT", "PERSIST",
     ]
     lines = [f"SERVERS ({summary or 'none'})"]
-    lines += table(header, rows, right={4, 5, 6, 7, 8, 9, 10, 11})
+    lines += table(header, rows, right={4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14})
     for node_id, info in sorted(dead.items()):
         if info.get("reason"):
             lines.append(f"  {node_id} dead: {info['reason']}")
@@ -145,6 +148,21 @@ def format_status(status: Mapping[str, Any]) -> str:
     """The whole status as text: servers, tiers, jobs, and recent sizing actions if any."""
     lines = _servers_section(status) + [""] + _tiers_section(status) + [""]
     lines += _jobs_section(status)
+    metrics = status.get("cluster_metrics")
+    if metrics:
+        lines += ["", (
+            f"CLUSTER METRICS: {metrics.get('jobs', 0)} jobs, "
+            f"{metrics.get('registrations', 0)} registered and "
+            f"{metrics.get('deregistrations', 0)} deregistered since start, "
+            f"{metrics.get('dead_servers', 0)} dead servers; allocated "
+            + ", ".join(
+                f"{tier} {format_bytes(n)}"
+                for tier, n in sorted((metrics.get("allocated_bytes") or {}).items())
+            )
+        ).rstrip()]
+        lines += ["  (servers' Prometheus metrics: " + ", ".join(
+            str(row["metrics_url"]) for row in status.get("servers", []) if row.get("metrics_url")
+        ) + ")"]
     actions = status.get("sizing_actions") or []
     if actions:
         lines += ["", "RECENT SIZING ACTIONS"]

@@ -134,6 +134,7 @@ class ServerConnection:
         rpc_timeout_s: float = 30.0,
         stream_timeout_s: float = 300.0,
         direct: bool = True,
+        tls_ca: str | None = None,
     ) -> None:
         self.address = address
         self.op_timeout_s = op_timeout_s
@@ -146,6 +147,7 @@ class ServerConnection:
             rpc_timeout_s=rpc_timeout_s,
             stream_timeout_s=stream_timeout_s,
             direct=direct,
+            tls_ca=tls_ca.encode("ascii") if tls_ca is not None else None,
         )
 
     def _command(self) -> bytes:
@@ -232,13 +234,18 @@ class AdminClient:
     """Control-plane calls to one storage server, authorized by the admin token."""
 
     def __init__(
-        self, address: str, admin_token: str, *, timeout_s: float = ADMIN_TIMEOUT_DEFAULT_S
+        self,
+        address: str,
+        admin_token: str,
+        *,
+        timeout_s: float = ADMIN_TIMEOUT_DEFAULT_S,
+        tls_ca: str | None = None,
     ) -> None:
         self.address = address
         self._ctx = context(ADMIN_JOB_ID, 0, admin_token)
         self._connection = ServerConnection(
             address, rpc_timeout_s=timeout_s, stream_timeout_s=timeout_s,
-            op_timeout_s=timeout_s, first_reply_timeout_s=timeout_s,
+            op_timeout_s=timeout_s, first_reply_timeout_s=timeout_s, tls_ca=tls_ca,
         )
 
     def stats(self) -> dict[str, Any]:

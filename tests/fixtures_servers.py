@@ -23,6 +23,7 @@ from pocketflow.client import Client, connect
 from pocketflow.errors import PocketflowError, ServerStartError
 from pocketflow.handle import JobHandle, ServerInfo
 from pocketflow.server_process import ServerSpec, StorageServerProcess, find_server_binary
+from pocketflow.tls import ServerCert
 from pocketflow.transport import AdminClient
 
 TOKEN_TTL_S = 3600.0
@@ -64,6 +65,8 @@ class ServerSet:
     secret_file: Path
     processes: list[StorageServerProcess] = field(default_factory=list)
     infos: list[ServerInfo] = field(default_factory=list)
+    tls_ca: str | None = None
+    """The CA the servers' certificates chain to (admin clients and handles trust it)."""
 
     def admin_token(self) -> str:
         """A fresh admin token."""
@@ -71,7 +74,7 @@ class ServerSet:
 
     def admin(self, address: str) -> AdminClient:
         """An admin client for one server (the caller closes it)."""
-        return AdminClient(address, self.admin_token())
+        return AdminClient(address, self.admin_token(), tls_ca=self.tls_ca)
 
     def handle(
         self,
@@ -92,6 +95,7 @@ class ServerSet:
             servers=chosen,
             token=make_token(self.secret, job, ttl_s=TOKEN_TTL_S),
             block_size_bytes=block_size_bytes,
+            tls_ca=self.tls_ca,
         )
         if set_epoch:
             self.set_epoch(handle)
@@ -122,9 +126,13 @@ class ServerSet:
         nvme_path: Path | None = None,
         weight: float = 1.0,
         persist_ttl_ms: int | None = None,
+        listen_host: str = "127.0.0.1",
+        tls: ServerCert | None = None,
     ) -> ServerInfo:
         """Start one more server with this set's secret; returns its weight-map entry."""
         process = StorageServerProcess(ServerSpec(
+            listen_host=listen_host,
+            tls=tls,
             node_id=node_id,
             tier=tier,
             capacity_bytes=capacity_bytes,

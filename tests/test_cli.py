@@ -45,7 +45,7 @@ def test_help_lists_the_commands() -> None:
 def test_up_without_local_is_a_usage_error() -> None:
     result = run_cli("up")
     assert result.returncode == 2
-    assert "--local" in result.stderr
+    assert "--local" in result.stderr and "--address" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -70,6 +70,51 @@ def test_persist_ttl_option_reaches_the_cluster() -> None:
     assert _local_cluster(args).persist_ttl_ms == 90 * 60 * 1000
     default = build_parser().parse_args(["demo"])
     assert _local_cluster(default).persist_ttl_ms == 24 * 3600 * 1000
+
+
+def test_up_with_an_address_joins_with_tls_and_resources() -> None:
+    from pocketflow.cli import _local_cluster
+
+    args = build_parser().parse_args(["up", "--address", "10.0.0.1:6379", "--work-dir", "/srv"])
+    cluster = _local_cluster(args)
+    assert cluster._tls and cluster._storage_resources
+    assert str(cluster._tmp_dir) == "/srv"
+    local = _local_cluster(build_parser().parse_args(["up", "--local"]))
+    assert not local._tls and not local._storage_resources
+
+
+def test_up_local_tls_serves_tls_only_until_interrupted(tmp_path: Path) -> None:
+    import signal
+    import stat
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pocketflow", "up", "--local", "--tls", "--dram-servers", "1",
+         "--nvme-servers", "0", "--dram-capacity", "32MiB", "--work-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(),
+        start_new_session=True,
+    )
+    try:
+        lines = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "Press Ctrl-C" in line or len(lines) > 200:
+                break
+        text = "".join(lines)
+        assert "with TLS (cluster CA:" in text, text + proc.stderr.read() if proc.stderr else ""
+        ca = Path(text.split("cluster CA: ")[1].split(")")[0])
+        assert stat.S_IMODE(ca.stat().st_mode) == 0o600
+        assert stat.S_IMODE((ca.parent / "ca.key").stat().st_mode) == 0o600
+        address = text.split("Ray at ")[1].split(",")[0]
+        status = run_cli("status", "--json", "--address", address)
+        assert status.returncode == 0, status.stderr
+        servers = json.loads(status.stdout)["servers"]
+        assert [s["tls"] for s in servers] == [True]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 0
+    assert "stopped" in out
 
 
 def test_status_prints_the_servers_and_tiers(local_cluster: LocalCluster) -> None:

@@ -104,3 +104,52 @@ def test_a_put_does_not_copy_its_buffer_and_a_get_fills_one_bytes(client: Client
     # pieces would hold them and their join at once (about twice the object).
     assert put_peak < LARGE_BYTES // 8, put_peak
     assert LARGE_BYTES <= get_peak < LARGE_BYTES + LARGE_BYTES // 8, get_peak
+
+
+INTERRUPT_SCRIPT = """
+import sys, time
+from pocketflow import connect
+from pocketflow.handle import JobHandle
+handle = JobHandle.from_json(sys.stdin.readline())
+with connect(handle, op_timeout_s="60s", rpc_timeout_s="60s") as pf:
+    pf.create_bucket("ctrl-c")
+    print("waiting", flush=True)
+    started = time.monotonic()
+    try:
+        pf.wait_for("ctrl-c", ["never-written"], timeout_s=50)
+    except KeyboardInterrupt:
+        print(f"interrupted {time.monotonic() - started:.3f}", flush=True)
+        sys.exit(0)
+print("not interrupted", flush=True)
+sys.exit(1)
+"""
+
+
+def test_ctrl_c_ends_a_call_parked_on_the_server(job_handle: Any) -> None:
+    """A parked ``wait_for`` (the core holds the call, without the GIL) ends with
+    ``KeyboardInterrupt`` soon after SIGINT, instead of when the server answers."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPT_SCRIPT], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(job_handle.to_json() + "\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "waiting"
+        time.sleep(1.0)  # parked on the server by now
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    word, seconds = out.split()
+    assert word == "interrupted"
+    # Interrupted about 1 s in: far before the 50 s wait or the server's answer.
+    assert float(seconds) < 5.0, out

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pocketflow.auth import admin_token, read_secret_file
+from pocketflow.tls import read_ca
 from pocketflow.transport import ADMIN_TIMEOUT_DEFAULT_S, AdminClient
 
 ADMIN_TOKEN_TTL_S = 3600.0
@@ -25,8 +26,10 @@ class AdminTokens:
         *,
         ttl_s: float = ADMIN_TOKEN_TTL_S,
         timeout_s: float = ADMIN_TIMEOUT_DEFAULT_S,
+        tls_dir: str | Path | None = None,
     ) -> None:
         self._secret_file = secret_file
+        self._tls_ca = read_ca(tls_dir)
         self._timeout_s = timeout_s
         self._secret: bytes | None = None
         self._ttl_s = ttl_s
@@ -45,7 +48,9 @@ class AdminTokens:
             self.close()
         found = self._clients.get(address)
         if found is None:
-            found = AdminClient(address, self._token, timeout_s=self._timeout_s)
+            found = AdminClient(
+                address, self._token, timeout_s=self._timeout_s, tls_ca=self._tls_ca
+            )
             self._clients[address] = found
         return found
 

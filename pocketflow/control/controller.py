@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from pocketflow.auth import make_token, read_secret_file
 from pocketflow.control import NAMESPACE
 from pocketflow.control.admin import AdminTokens
+from pocketflow.control.cluster_metrics import ClusterMetrics
 from pocketflow.control.hints import JobDemand, demand_from_hints
 from pocketflow.control.launcher import Launcher, LaunchSpec
 from pocketflow.control.leases import LeaseTable
@@ -51,6 +52,7 @@ from pocketflow.errors import (
     PocketflowError,
 )
 from pocketflow.handle import JobHandle, LostServer, ServerInfo
+from pocketflow.tls import read_ca
 from pocketflow.transport import AdminClient
 
 log = logging.getLogger(__name__)
@@ -164,7 +166,12 @@ class JobRecord:
 
     @classmethod
     def from_metadata(
-        cls, record: dict[str, Any], *, token: str, block_size_bytes: int
+        cls,
+        record: dict[str, Any],
+        *,
+        token: str,
+        block_size_bytes: int,
+        tls_ca: str | None = None,
     ) -> JobRecord:
         """A record read back from the ``Metadata`` actor (:meth:`to_metadata` output), with a
         new ``token`` (the log holds none)."""
@@ -175,6 +182,7 @@ class JobRecord:
             servers=(),
             token=token,
             block_size_bytes=block_size_bytes,
+            tls_ca=tls_ca,
         ).with_weight_map(record["weight_map"])
         return cls(
             handle=handle,
@@ -246,6 +254,7 @@ class Controller:
         register_timeout_s: float = REGISTER_TIMEOUT_S_DEFAULT,
         sizing: SizingBounds | None = None,
         sizing_interval_ms: int = SIZING_INTERVAL_MS_DEFAULT,
+        tls_dir: str | None = None,
     ) -> None:
         if heartbeat_interval_ms < HEARTBEAT_INTERVAL_MS_MIN:
             raise ConfigError(
@@ -258,10 +267,15 @@ class Controller:
                 f"({heartbeat_interval_ms})"
             )
         self._secret = read_secret_file(secret_file)
-        self._admin = AdminTokens(Path(secret_file), timeout_s=ADMIN_CALL_TIMEOUT_S)
+        self._tls_ca = read_ca(tls_dir)
+        self._admin = AdminTokens(
+            Path(secret_file), timeout_s=ADMIN_CALL_TIMEOUT_S, tls_dir=tls_dir
+        )
         # Used only by the monitor thread (AdminTokens is not shared between threads).
         self._probe = AdminTokens(
-            Path(secret_file), timeout_s=max(PROBE_TIMEOUT_S_MIN, dead_after_ms / 1000.0)
+            Path(secret_file),
+            timeout_s=max(PROBE_TIMEOUT_S_MIN, dead_after_ms / 1000.0),
+            tls_dir=tls_dir,
         )
         self._metadata = metadata
         self._block_size_bytes = block_size_bytes
@@ -299,6 +313,7 @@ class Controller:
         self._sizing_last_action_s: float | None = None
         self._sizing_next_s = time.monotonic() + self._sizing_interval_s
         self._sizing_actions: list[dict[str, Any]] = []
+        self._metrics = ClusterMetrics()
         self._stopping = threading.Event()
         self._restored: dict[str, Any] | None = None
         if _restarted_by_ray():
@@ -531,7 +546,9 @@ class Controller:
         """
         validate_job_name(name)
         with self._lock:
-            return self._register_job_locked(name, hints)
+            handle = self._register_job_locked(name, hints)
+        self._metrics.count("registrations")
+        return handle
 
     def _register_job_locked(self, name: str, hints: dict[str, Any]) -> JobHandle:
         job_id = self._new_job_id(name)
@@ -548,6 +565,7 @@ class Controller:
             servers=servers,
             token=make_token(self._secret, job_id, ttl_s=self._token_ttl_s),
             block_size_bytes=self._block_size_bytes,
+            tls_ca=self._tls_ca,
         )
         weight_map = handle.weight_map()
         for server in servers:
@@ -611,6 +629,7 @@ class Controller:
                 self._leases.release(job_id)
                 self._leases_logged.pop(job_id, None)
             self._call_metadata("remove_job", job_id, True)
+        self._metrics.count("deregistrations")
         results, unreachable = self._admin_on_every_server(
             f"delete_job {job_id}", lambda admin: admin.delete_job(job_id)
         )
@@ -750,7 +769,8 @@ class Controller:
             job_id = str(record["job_id"])
             token = make_token(self._secret, job_id, ttl_s=self._token_ttl_s)
             self._jobs[job_id] = JobRecord.from_metadata(
-                record, token=token, block_size_bytes=self._block_size_bytes
+                record, token=token, block_size_bytes=self._block_size_bytes,
+                tls_ca=self._tls_ca,
             )
             if record.get("lease_ms"):
                 with self._lease_lock:
@@ -906,6 +926,9 @@ class Controller:
             row["draining"] = bool(stats.get("draining", False))
             row["cpu_utilization"] = float(stats.get("cpu_utilization", 0.0))
             row["jobs"] = dict(stats.get("jobs", {}))
+            # The totals the server's /metrics counters hold (as of its latest heartbeat).
+            for name in ("requests_total", "received_bytes_total", "sent_bytes_total"):
+                row[name] = int(stats.get(name, 0))
             for name in ("threads", "cores", "cores_max"):
                 row[name] = int(stats[name]) if name in stats else None
             servers.append(row)
@@ -933,6 +956,7 @@ class Controller:
             "draining": sorted(list(self._draining)),
             "suspect": self.suspect_servers(),
             "sizing_actions": self.sizing_actions(),
+            "cluster_metrics": dict(self._metrics.values),
             "resource_requests": list(self._launcher.resource_requests)
             if self._launcher is not None
             else [],
@@ -1136,6 +1160,10 @@ class Controller:
             except Exception:
                 log.exception("failure detector")
             try:
+                self._publish_metrics()
+            except Exception:
+                log.exception("cluster metrics")
+            try:
                 self.expire_leases()
             except Exception:
                 log.exception("lease expiry")
@@ -1145,6 +1173,36 @@ class Controller:
                     self.size_cluster()
                 except Exception:
                     log.exception("sizing loop")
+
+    def _publish_metrics(self) -> None:
+        """Refresh the cluster gauges (see :mod:`pocketflow.control.cluster_metrics`)."""
+        servers: dict[str, int] = {}
+        capacity: dict[str, int] = {}
+        allocated: dict[str, float] = {}
+        with self._lock:
+            for info in self._servers.values():
+                servers[info.tier] = servers.get(info.tier, 0) + 1
+                capacity[info.tier] = capacity.get(info.tier, 0) + info.capacity_bytes
+            for record in self._jobs.values():
+                wanted = float(record.demand.get("capacity_bytes", 0) or 0)
+                total_weight = sum(s.weight for s in record.handle.servers) or 1.0
+                for server in record.handle.servers:
+                    allocated[server.tier] = (
+                        allocated.get(server.tier, 0.0) + wanted * server.weight / total_weight
+                    )
+            jobs = len(self._jobs)
+            dead = len(self._dead)
+        for tier in capacity:
+            allocated.setdefault(tier, 0.0)
+        self._metrics.refresh(
+            jobs=jobs, servers=servers, capacity_bytes=capacity, allocated_bytes=allocated,
+            dead_servers=dead,
+        )
+
+    def cluster_metrics(self) -> dict[str, Any]:
+        """The numbers last published as cluster metrics."""
+        self._publish_metrics()
+        return dict(self._metrics.values)
 
     def size_cluster(self) -> dict[str, Any]:
         """Run the sizing policy once on the latest heartbeats and carry out its action.
@@ -1191,6 +1249,7 @@ class Controller:
                 log.info("sizing: %s", done)
                 self._sizing_actions.append({**done, "at_unix_s": time.time()})
                 del self._sizing_actions[:-SIZING_ACTIONS_KEPT_MAX]
+                self._metrics.count("sizing_actions", done["action"])
             return done
 
     def sizing_actions(self) -> list[dict[str, Any]]:

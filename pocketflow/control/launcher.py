@@ -35,6 +35,8 @@ class LaunchSpec:
     ``StorageNode`` actor requests one unit of :func:`tier_resource` so that Ray places it on a
     node that advertises storage slots of that tier; without it the actor runs anywhere (a local
     cluster). ``persist_ttl_ms`` is given to long-running servers (their PERSIST lifetime).
+    With ``tls_dir`` (the cluster's TLS directory, see :mod:`pocketflow.tls`) every server gets
+    a certificate for its node address and accepts TLS connections only.
     """
 
     secret_file: str
@@ -45,6 +47,7 @@ class LaunchSpec:
     use_resources: bool = False
     servers_max: int = 64
     extra_options: dict[str, Any] = field(default_factory=dict)
+    tls_dir: str | None = None
 
 
 class Launcher:
@@ -98,6 +101,7 @@ class Launcher:
             nvme_path=nvme_path,
             threads=self.spec.threads,
             persist_ttl_ms=self.spec.persist_ttl_ms if long_running else None,
+            tls_dir=self.spec.tls_dir,
         )
         ref = node.start.remote()
         requested = False

@@ -13,6 +13,7 @@ from pocketflow.control.admin import AdminTokens
 from pocketflow.errors import PocketflowError, ServerStartError
 from pocketflow.processes import ProcessRef
 from pocketflow.server_process import ServerSpec, StorageServerProcess
+from pocketflow.tls import issue_server_cert
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,10 @@ class StorageNodeInfo:
     actor_pid: int
     ray_node_id: str = ""
     """The Ray node the server runs on (hex id), empty outside Ray."""
+    metrics_url: str = ""
+    """Where the server serves Prometheus metrics (``http://host:port/metrics``)."""
+    tls: bool = False
+    """Whether every connection to the server must use TLS."""
 
     def server_process(self) -> ProcessRef:
         """The server process, for stopping it by pid when its actor cannot."""
@@ -72,7 +77,12 @@ class StorageNode:
         nvme_path: str | None = None,
         threads: int | None = None,
         persist_ttl_ms: int | None = None,
+        tls_dir: str | None = None,
     ) -> None:
+        # The server listens on the address Ray knows this node by (127.0.0.1 on an embedded
+        # cluster); with TLS it gets a certificate naming that address, signed by the cluster CA.
+        host = node_address()
+        tls = issue_server_cert(Path(tls_dir), node_id, host) if tls_dir else None
         self._spec = ServerSpec(
             node_id=node_id,
             tier=tier,
@@ -83,9 +93,12 @@ class StorageNode:
             threads=threads,
             parent_pid=os.getpid(),
             persist_ttl_ms=persist_ttl_ms,
+            listen_host=host,
+            tls=tls,
         )
+        self._tls_dir = tls_dir
         self._process = StorageServerProcess(self._spec)
-        self._admin = AdminTokens(Path(secret_file))
+        self._admin = AdminTokens(Path(secret_file), tls_dir=tls_dir)
         self._info: StorageNodeInfo | None = None
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -110,6 +123,8 @@ class StorageNode:
             server_start_time=ref.start_time,
             actor_pid=os.getpid(),
             ray_node_id=_ray_node_id(),
+            metrics_url=self._process.metrics_url or "",
+            tls=self._spec.tls is not None,
         )
         return self._info
 
@@ -170,7 +185,9 @@ class StorageNode:
     def _heartbeat_loop(self, controller: Any, interval_s: float) -> None:
         import ray
 
-        admin = AdminTokens(self._spec.secret_file, timeout_s=HEARTBEAT_STATS_TIMEOUT_S)
+        admin = AdminTokens(
+            self._spec.secret_file, timeout_s=HEARTBEAT_STATS_TIMEOUT_S, tls_dir=self._tls_dir
+        )
         in_flight: list[Any] = []
         node_id = self._spec.node_id
         try:
@@ -197,6 +214,17 @@ class StorageNode:
                 self._heartbeats_sent += 1
         finally:
             admin.close()
+
+
+def node_address() -> str:
+    """The address of the Ray node this process runs on (``127.0.0.1`` outside Ray)."""
+    try:
+        import ray
+    except ImportError:
+        return "127.0.0.1"
+    if not ray.is_initialized():
+        return "127.0.0.1"
+    return str(ray.util.get_node_ip_address())
 
 
 def _ray_node_id() -> str:

@@ -296,6 +296,7 @@ impl Connection {
                     &inner.address,
                     inner.config.first_reply(),
                     inner.config.op_timeout,
+                    inner.config.tls.as_ref(),
                 ) {
                     Ok(connection) => Ok(Box::new(connection)),
                     Err(error) => {

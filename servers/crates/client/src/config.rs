@@ -18,6 +18,8 @@ pub struct ConnectionConfig {
     /// Whether small operations use direct-exchange sessions (plain TCP, the calling thread's
     /// blocking I/O) instead of DoExchange sessions over HTTP/2.
     pub direct: bool,
+    /// Trust for TLS connections (the cluster CA); `None` connects in plaintext.
+    pub tls: Option<crate::tls::ClientTls>,
 }
 
 /// Slowest transfer rate a data stream's deadline allows for.
@@ -45,6 +47,7 @@ impl Default for ConnectionConfig {
             rpc_timeout: Duration::from_secs(30),
             stream_timeout: Duration::from_secs(300),
             direct: true,
+            tls: None,
         }
     }
 }

@@ -15,7 +15,7 @@ use pocketflow_protocol::header::ObjectHeader;
 use pocketflow_protocol::limits::{
     FRAME_MAX_BYTES, FRAME_OPS_MAX, MESSAGE_MAX_BYTES, SESSION_INFLIGHT_MAX,
 };
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::config::{
     ConnectionConfig, CONNECTION_WINDOW_BYTES, CONNECT_TIMEOUT_MIN, FRAME_MAX_BYTES_RECEIVED,
@@ -77,13 +77,26 @@ impl Connection {
     /// A connection to `address` (`host:port`); the TCP and HTTP/2 connection is made on the
     /// first call, within the first-reply bound.
     pub fn new(address: &str, config: ConnectionConfig) -> Result<Self, ClientError> {
-        let endpoint = Endpoint::from_shared(format!("http://{address}"))
+        let scheme = if config.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
             .map_err(|e| ClientError::InvalidArgument(format!("bad address {address:?}: {e}")))?
             .connect_timeout(config.first_reply().max(CONNECT_TIMEOUT_MIN))
             .tcp_nodelay(true)
             .initial_stream_window_size(STREAM_WINDOW_BYTES)
             .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
             .max_frame_size(FRAME_MAX_BYTES_RECEIVED);
+        if let Some(tls) = &config.tls {
+            let tls_config = ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(tls.ca_pem()))
+                .domain_name(crate::tls::host_of(address));
+            endpoint = endpoint
+                .tls_config(tls_config)
+                .map_err(|e| crate::tls::tls_error(address, &e.to_string()))?;
+        }
         let handle = runtime_handle();
         let channel = {
             let _entered = handle.enter();
@@ -217,7 +230,12 @@ impl Connection {
             let mut session = match acquired {
                 Acquired::Idle(session) => session,
                 Acquired::OpenNew => {
-                    match DirectSession::open(&inner.address, command, inner.config.first_reply()) {
+                    match DirectSession::open(
+                        &inner.address,
+                        command,
+                        inner.config.first_reply(),
+                        inner.config.tls.as_ref(),
+                    ) {
                         Ok(session) => Box::new(session),
                         Err(error) => {
                             inner.direct.release(None);
@@ -272,7 +290,12 @@ impl Connection {
             match inner.direct.acquire(inner.config.patience(), false) {
                 Ok(Acquired::Idle(session)) => held.push(session),
                 Ok(Acquired::OpenNew) => {
-                    match DirectSession::open(&inner.address, command, inner.config.first_reply()) {
+                    match DirectSession::open(
+                        &inner.address,
+                        command,
+                        inner.config.first_reply(),
+                        inner.config.tls.as_ref(),
+                    ) {
                         Ok(session) => held.push(Box::new(session)),
                         Err(error) => {
                             inner.direct.release(None);

@@ -23,6 +23,7 @@ use crate::blocks::{contains, BlockSlice, RangeTarget, ReadOutcome};
 use crate::error::ClientError;
 use crate::pool::{no_free_session, Acquired, PoolState, Pooled};
 use crate::session::SessionFailure;
+use crate::tls::{ClientTls, DirectStream};
 
 /// Reply bytes read ahead per system call: a whole small reply frame arrives in one read.
 const READ_BUFFER_BYTES: usize = 64 * 1024;
@@ -33,7 +34,7 @@ const REFUSAL_READ_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// One open direct-exchange connection, used by one caller at a time.
 pub(crate) struct DirectSession {
-    reader: BufReader<TcpStream>,
+    reader: BufReader<DirectStream>,
     out: Vec<u8>,
     read_timeout: Option<Duration>,
     next_id: u64,
@@ -74,8 +75,9 @@ impl DirectSession {
         address: &str,
         command: &[u8],
         timeout: Duration,
+        tls: Option<&ClientTls>,
     ) -> Result<DirectSession, ClientError> {
-        let mut session = DirectSession::connect(address, timeout, timeout)?;
+        let mut session = DirectSession::connect(address, timeout, timeout, tls)?;
         session
             .write_message(Kind::Open, command)
             .map_err(|e| unavailable("cannot open a session", &e))?;
@@ -91,6 +93,7 @@ impl DirectSession {
         address: &str,
         timeout: Duration,
         write_timeout: Duration,
+        tls: Option<&ClientTls>,
     ) -> Result<DirectSession, ClientError> {
         let addrs: Vec<_> = address
             .to_socket_addrs()
@@ -115,6 +118,15 @@ impl DirectSession {
             stream.set_write_timeout(Some(write_timeout.max(Duration::from_millis(1))))
         });
         setup.map_err(|e| unavailable("cannot set up the connection", &e))?;
+        let stream = match tls {
+            None => DirectStream::Plain(stream),
+            Some(tls) => {
+                stream
+                    .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
+                    .map_err(|e| unavailable("cannot set up the connection", &e))?;
+                tls.handshake(address, stream)?
+            }
+        };
         let mut session = DirectSession {
             reader: BufReader::with_capacity(READ_BUFFER_BYTES, stream),
             out: Vec::new(),
@@ -171,6 +183,7 @@ impl DirectSession {
         if self.read_timeout != Some(timeout) {
             self.reader
                 .get_ref()
+                .tcp()
                 .set_read_timeout(Some(timeout))
                 .map_err(|e| unavailable("cannot set the read bound", &e))?;
             self.read_timeout = Some(timeout);
@@ -197,12 +210,12 @@ impl DirectSession {
     }
 
     /// Whether the server closed the connection or said something while the session was idle.
-    fn ended_while_idle(&self) -> bool {
-        if !self.reader.buffer().is_empty() {
+    fn ended_while_idle(&mut self) -> bool {
+        if !self.reader.buffer().is_empty() || self.reader.get_mut().has_buffered_plaintext() {
             return true;
         }
         let mut byte = 0u8;
-        let fd = self.reader.get_ref().as_raw_fd();
+        let fd = self.reader.get_ref().tcp().as_raw_fd();
         // SAFETY: a one-byte peek into a local buffer on a socket this session owns.
         let n = unsafe {
             libc::recv(

@@ -80,6 +80,16 @@ impl From<tonic::Status> for ClientError {
         let has_kind = message.split_once(": ").is_some_and(|(kind, _)| {
             !kind.is_empty() && kind.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
         });
+        if !has_kind {
+            // A TLS failure (untrusted, expired or misnamed certificate, a plaintext peer) is
+            // not transient: name it instead of reporting the server unreachable.
+            if let Some(cause) = crate::tls::tls_cause(&status) {
+                return ClientError::Server {
+                    code: Code::PermissionDenied as i32,
+                    message: format!("permission_denied: {}{cause}", crate::tls::TLS_ERROR_PREFIX),
+                };
+            }
+        }
         if transport_code(code as i32) && !has_kind {
             let detail = if message.is_empty() {
                 format!("{code:?}")

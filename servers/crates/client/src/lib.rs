@@ -19,9 +19,11 @@ pub mod placement;
 mod pool;
 mod runtime;
 mod session;
+pub mod tls;
 
 pub use blocks::{BlockSlice, RangeTarget, ReadOutcome};
 pub use config::ConnectionConfig;
 pub use connection::{Connection, ExchangeReply, ExchangeRequest};
 pub use error::ClientError;
 pub use runtime::{block_on, runtime_handle};
+pub use tls::ClientTls;

@@ -47,6 +47,7 @@ fn start_server() -> String {
                 .serve_with_incoming(route(
                     tokio_stream::wrappers::TcpListenerStream::new(listener),
                     service.clone(),
+                    None,
                 ))
                 .await
                 .unwrap();

@@ -296,5 +296,8 @@ pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
             .store
             .persist_ttl()
             .map_or(0, |ttl| ttl.as_millis() as u64),
+        requests_total: state.metrics.requests_total(),
+        received_bytes_total: state.stats.counters.totals().0,
+        sent_bytes_total: state.stats.counters.totals().1,
     }
 }

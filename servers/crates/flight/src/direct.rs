@@ -90,6 +90,22 @@ impl StorageService {
     /// A connection of block transfers: answer each GET with its data and END, and each PUT
     /// (followed by its pieces and END) with STORED, until the client closes. An error ends the
     /// connection with a STATUS.
+    /// Count a direct block transfer's outcome (a vanished client counts as `unavailable`).
+    fn count_block<T>(
+        &self,
+        result: &Result<T, Option<ServiceError>>,
+        rpc: &str,
+        op: &str,
+        started: std::time::Instant,
+    ) {
+        let kind = match result {
+            Ok(_) => "ok",
+            Err(Some(e)) => e.kind().as_str(),
+            Err(None) => "unavailable",
+        };
+        self.state.metrics.request(rpc, op, kind, started.elapsed());
+    }
+
     async fn serve_blocks<R, W>(
         &self,
         mut kind: Kind,
@@ -101,15 +117,20 @@ impl StorageService {
         W: AsyncWrite + Unpin,
     {
         loop {
+            let started = std::time::Instant::now();
             let done = if kind == Kind::Get {
-                match doget::send_direct(self.state.clone(), &request, &mut writer).await {
+                let sent = doget::send_direct(self.state.clone(), &request, &mut writer).await;
+                self.count_block(&sent, "direct_get", "get", started);
+                match sent {
                     Ok(()) => write_message(&mut writer, Kind::End, &[])
                         .await
                         .map_err(|_| None),
                     Err(e) => Err(e),
                 }
             } else {
-                match doput::receive_direct(self.state.clone(), &request, &mut reader).await {
+                let stored = doput::receive_direct(self.state.clone(), &request, &mut reader).await;
+                self.count_block(&stored, "direct_put", "put", started);
+                match stored {
                     Ok(result) => write_message(&mut writer, Kind::Stored, &result)
                         .await
                         .map_err(|_| None),

@@ -331,6 +331,7 @@ mod tests {
             store,
             auth: Authority::new(key.clone()),
             stats: Stats::default(),
+            metrics: crate::metrics::Metrics::new("test", "dram"),
             drain: Drain::default(),
             node_id: "test".into(),
             transfers: Arc::new(Semaphore::new(1)),

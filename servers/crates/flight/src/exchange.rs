@@ -260,10 +260,13 @@ where
 async fn run_op(state: Arc<ServiceState>, job: Arc<str>, pending: PendingOp) -> Reply {
     let request_id = pending.op.request_id;
     state.stats.counters.add_ops(1);
+    let started = std::time::Instant::now();
+    let op_name = pending.op.op.name();
     let result = match pending.stale_map {
         Some(map_json) => Err(ServiceError::StaleEpoch { map_json }),
         None => execute(&state, &job, pending.op).await,
     };
+    state.metrics.outcome("exchange", op_name, &result, started);
     match result {
         Ok((header, body)) => Reply {
             request_id,

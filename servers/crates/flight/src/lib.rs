@@ -13,11 +13,13 @@ mod doget;
 mod doput;
 pub mod drain;
 mod exchange;
+pub mod metrics;
 pub use pocketflow_protocol::ipc;
 pub mod route;
 mod service;
 pub mod stats;
 pub mod status;
+pub mod tls;
 
 pub use service::{ServiceConfig, StorageService};
 pub use status::ServiceError;

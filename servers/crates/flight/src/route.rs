@@ -1,6 +1,11 @@
 //! One port, two protocols: every accepted connection is HTTP/2 (Arrow Flight, whose clients
 //! open with `PRI * HTTP/2.0`) or the direct exchange (which opens with `DIRECT_MAGIC`). Its
 //! first bytes decide; a connection that sends nothing within the open bound is closed.
+//!
+//! With TLS, every connection must open with a TLS handshake, and the protocol agreed by ALPN
+//! decides instead (`h2` or `pocketflow-direct`). A plaintext connection to a TLS listener is
+//! told why it is refused, in its own protocol: a direct client gets a `permission_denied`
+//! status, an HTTP/2 client a GOAWAY with `INADEQUATE_SECURITY` and the reason as debug data.
 
 use std::future::Future;
 use std::io;
@@ -10,9 +15,11 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use pocketflow_protocol::direct::DIRECT_MAGIC;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use pocketflow_protocol::direct::{encode_head, encode_status, Kind, DIRECT_ALPN, DIRECT_MAGIC};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 
@@ -32,6 +39,83 @@ impl Peekable for tokio::net::TcpStream {
     }
 }
 
+/// An accepted connection as tonic and the direct exchange see it: plain, or inside TLS.
+pub enum Link<C> {
+    /// Plaintext (a loopback listener without TLS).
+    Plain(C),
+    /// Inside a finished TLS handshake.
+    Tls(Box<TlsStream<C>>),
+}
+
+impl<C: Connected> Connected for Link<C> {
+    type ConnectInfo = C::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        match self {
+            Link::Plain(c) => c.connect_info(),
+            Link::Tls(s) => s.get_ref().0.connect_info(),
+        }
+    }
+}
+
+impl<C: Peekable> AsyncRead for Link<C> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Link::Plain(c) => Pin::new(c).poll_read(cx, buf),
+            Link::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl<C: Peekable> AsyncWrite for Link<C> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Link::Plain(c) => Pin::new(c).poll_write(cx, buf),
+            Link::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Link::Plain(c) => Pin::new(c).poll_write_vectored(cx, bufs),
+            Link::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Link::Plain(c) => c.is_write_vectored(),
+            Link::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Link::Plain(c) => Pin::new(c).poll_flush(cx),
+            Link::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Link::Plain(c) => Pin::new(c).poll_shutdown(cx),
+            Link::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
 /// Pause before looking again at a connection that sent only part of the magic so far.
 const PARTIAL_MAGIC_RETRY: Duration = Duration::from_millis(1);
 
@@ -41,7 +125,7 @@ const HTTP2_QUEUED_MAX: usize = 64;
 /// An HTTP/2 connection for tonic, holding one of the `HTTP2_CONNECTIONS_MAX` slots while it
 /// lives (a direct connection holds a session slot instead).
 pub struct Http2Connection<C> {
-    inner: C,
+    inner: Link<C>,
     _slot: OwnedSemaphorePermit,
 }
 
@@ -96,7 +180,17 @@ impl<C: Peekable> AsyncWrite for Http2Connection<C> {
 enum Protocol {
     Http2,
     Direct,
+    /// A TLS handshake (its first byte is a handshake record, 0x16).
+    Tls,
 }
+
+/// First byte of a TLS record carrying a handshake message (a ClientHello opens every TLS
+/// connection); neither `PRI ` nor `DIRECT_MAGIC` starts with it.
+const TLS_HANDSHAKE_RECORD: u8 = 0x16;
+
+/// Why a plaintext connection to a TLS listener is refused.
+pub const TLS_REQUIRED_MESSAGE: &str = "this storage server accepts TLS connections only; \
+     connect with TLS, trusting the cluster CA (the job handle's tls_ca)";
 
 /// The HTTP/2 connections of `incoming`, for tonic, at most `HTTP2_CONNECTIONS_MAX` at once
 /// (further ones wait for a slot); direct-exchange connections are served by `service` on tasks
@@ -104,6 +198,7 @@ enum Protocol {
 pub fn route<C: Peekable + Connected>(
     incoming: impl Stream<Item = io::Result<C>> + Send + 'static,
     service: StorageService,
+    tls: Option<TlsAcceptor>,
 ) -> impl Stream<Item = io::Result<Http2Connection<C>>> {
     let (tx, rx) = mpsc::channel(HTTP2_QUEUED_MAX);
     let http2_slots = Arc::new(Semaphore::new(HTTP2_CONNECTIONS_MAX));
@@ -122,26 +217,97 @@ pub fn route<C: Peekable + Connected>(
             let tx = tx.clone();
             let service = service.clone();
             let http2_slots = http2_slots.clone();
+            let tls = tls.clone();
             tokio::spawn(async move {
-                match tokio::time::timeout(DIRECT_OPEN_TIMEOUT, protocol_of(&connection)).await {
-                    Ok(Some(Protocol::Http2)) => {
+                // The first bytes, then (with TLS) the handshake, within the open bound.
+                let opened = tokio::time::timeout(DIRECT_OPEN_TIMEOUT, async {
+                    let protocol = protocol_of(&connection).await?;
+                    Some(match (tls, protocol) {
+                        (None, Protocol::Http2) => (Protocol::Http2, Link::Plain(connection)),
+                        (None, Protocol::Direct) => (Protocol::Direct, Link::Plain(connection)),
+                        // A TLS client of a plaintext listener: end its handshake cleanly.
+                        (None, Protocol::Tls) => {
+                            refuse_tls(connection).await;
+                            return None;
+                        }
+                        (Some(acceptor), Protocol::Tls) => {
+                            let stream = acceptor.accept(connection).await.ok()?;
+                            let direct = stream.get_ref().1.alpn_protocol() == Some(DIRECT_ALPN);
+                            let protocol = if direct {
+                                Protocol::Direct
+                            } else {
+                                Protocol::Http2
+                            };
+                            (protocol, Link::Tls(Box::new(stream)))
+                        }
+                        (Some(_), plain) => {
+                            refuse_plaintext(connection, plain).await;
+                            return None;
+                        }
+                    })
+                })
+                .await;
+                match opened {
+                    Ok(Some((Protocol::Direct, link))) => service.serve_direct(link).await,
+                    Ok(Some((_, link))) => {
                         let Ok(slot) = http2_slots.acquire_owned().await else {
                             return;
                         };
                         let connection = Http2Connection {
-                            inner: connection,
+                            inner: link,
                             _slot: slot,
                         };
                         let _ = tx.send(Ok(connection)).await;
                     }
-                    Ok(Some(Protocol::Direct)) => service.serve_direct(connection).await,
-                    // Closed, failed, or silent for the whole bound: dropping it closes it.
+                    // Closed, failed, refused, or silent for the whole bound: dropping closes it.
                     Ok(None) | Err(_) => {}
                 }
             });
         }
     });
     ReceiverStream::new(rx)
+}
+
+/// Largest ClientHello read from a TLS client of a plaintext listener before closing.
+const CLIENT_HELLO_MAX_BYTES: usize = 16 * 1024;
+
+/// End a TLS client's handshake on a plaintext listener with a clean close (its ClientHello
+/// read first, so the close is a FIN and not a reset): the client sees the connection end
+/// during its handshake, which it reports as a server that does not speak TLS.
+async fn refuse_tls<C: Peekable>(mut connection: C) {
+    use tokio::io::AsyncReadExt;
+    let mut hello = vec![0u8; CLIENT_HELLO_MAX_BYTES];
+    let _ = connection.read(&mut hello).await;
+    let _ = connection.shutdown().await;
+}
+
+/// Tell a plaintext client of a TLS listener why it is refused, in its own protocol, and close.
+async fn refuse_plaintext<C: Peekable>(mut connection: C, protocol: Protocol) {
+    let mut out = Vec::new();
+    match protocol {
+        Protocol::Direct => {
+            let status = encode_status(
+                tonic::Code::PermissionDenied as u8,
+                &format!("permission_denied: {TLS_REQUIRED_MESSAGE}"),
+            );
+            out.extend_from_slice(&encode_head(Kind::Status, status.len()));
+            out.extend_from_slice(&status);
+        }
+        _ => {
+            // The server preface (an empty SETTINGS frame), then GOAWAY: last stream 0,
+            // INADEQUATE_SECURITY (0xc), the reason as debug data.
+            out.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+            let debug = TLS_REQUIRED_MESSAGE.as_bytes();
+            let len = 8 + debug.len();
+            out.extend_from_slice(&[(len >> 16) as u8, (len >> 8) as u8, len as u8, 0x7, 0]);
+            out.extend_from_slice(&[0, 0, 0, 0]);
+            out.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0xc]);
+            out.extend_from_slice(debug);
+        }
+    }
+    if connection.write_all(&out).await.is_ok() {
+        let _ = connection.shutdown().await;
+    }
 }
 
 /// Which protocol the connection speaks, from its first bytes (`None`: it closed or failed).
@@ -151,6 +317,9 @@ async fn protocol_of<C: Peekable>(connection: &C) -> Option<Protocol> {
         let n = connection.peek(&mut first).await.ok()?;
         if n == 0 {
             return None;
+        }
+        if first[0] == TLS_HANDSHAKE_RECORD {
+            return Some(Protocol::Tls);
         }
         if !DIRECT_MAGIC.starts_with(&first[..n]) {
             return Some(Protocol::Http2);

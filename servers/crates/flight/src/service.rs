@@ -24,6 +24,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::auth::Authority;
 use crate::bounds::{EXCHANGE_SESSIONS_MAX, TRANSFERS_MAX, WAITS_PARKED_MAX};
 use crate::drain::Drain;
+use crate::metrics::Metrics;
 use crate::stats::Stats;
 use crate::status::ServiceError;
 use crate::{action, doget, doput, exchange};
@@ -44,6 +45,7 @@ pub(crate) struct ServiceState {
     pub(crate) store: Store,
     pub(crate) auth: Authority,
     pub(crate) stats: Stats,
+    pub(crate) metrics: Metrics,
     pub(crate) drain: Drain,
     pub(crate) node_id: String,
     pub(crate) transfers: Arc<Semaphore>,
@@ -61,10 +63,12 @@ pub struct StorageService {
 impl StorageService {
     /// A service over `store`.
     pub fn new(store: Store, config: ServiceConfig) -> Self {
+        let metrics = Metrics::new(&config.node_id, store.tier().as_str());
         let state = ServiceState {
             store,
             auth: Authority::new(config.token_key),
             stats: Stats::default(),
+            metrics,
             drain: Drain::default(),
             node_id: config.node_id,
             transfers: Arc::new(Semaphore::new(TRANSFERS_MAX)),
@@ -169,15 +173,24 @@ impl FlightService for StorageService {
         &self,
         request: Request<Ticket>,
     ) -> Result<Response<Self::DoGetStream>, Status> {
-        let stream = doget::get(self.state.clone(), request.into_inner().ticket).await?;
-        Ok(Response::new(stream))
+        let started = std::time::Instant::now();
+        let stream = doget::get(self.state.clone(), request.into_inner().ticket).await;
+        self.state
+            .metrics
+            .outcome("do_get", "get", &stream, started);
+        Ok(Response::new(stream?))
     }
 
     async fn do_put(
         &self,
         request: Request<Streaming<FlightData>>,
     ) -> Result<Response<Self::DoPutStream>, Status> {
-        let result = doput::put(self.state.clone(), request.into_inner()).await?;
+        let started = std::time::Instant::now();
+        let result = doput::put(self.state.clone(), request.into_inner()).await;
+        self.state
+            .metrics
+            .outcome("do_put", "put", &result, started);
+        let result = result?;
         Ok(Response::new(
             stream::once(async move { Ok(result) }).boxed(),
         ))
@@ -196,7 +209,13 @@ impl FlightService for StorageService {
         request: Request<Action>,
     ) -> Result<Response<Self::DoActionStream>, Status> {
         let action = request.into_inner();
-        let body = action::run(&self.state, &action.r#type, &action.body).await?;
+        let started = std::time::Instant::now();
+        let body = action::run(&self.state, &action.r#type, &action.body).await;
+        let name = ActionName::from_name(&action.r#type).map_or("unknown", ActionName::as_str);
+        self.state
+            .metrics
+            .outcome("do_action", name, &body, started);
+        let body = body?;
         let result = arrow_flight::Result { body };
         Ok(Response::new(
             stream::once(async move { Ok(result) }).boxed(),

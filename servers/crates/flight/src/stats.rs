@@ -13,17 +13,29 @@ pub struct Counters {
     bytes_in: AtomicU64,
     bytes_out: AtomicU64,
     ops: AtomicU64,
+    bytes_in_total: AtomicU64,
+    bytes_out_total: AtomicU64,
 }
 
 impl Counters {
     /// Count `n` received value bytes.
     pub fn add_in(&self, n: u64) {
         self.bytes_in.fetch_add(n, Ordering::Relaxed);
+        self.bytes_in_total.fetch_add(n, Ordering::Relaxed);
     }
 
     /// Count `n` sent value bytes.
     pub fn add_out(&self, n: u64) {
         self.bytes_out.fetch_add(n, Ordering::Relaxed);
+        self.bytes_out_total.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Value bytes received and sent since the server started: `(in, out)`.
+    pub fn totals(&self) -> (u64, u64) {
+        (
+            self.bytes_in_total.load(Ordering::Relaxed),
+            self.bytes_out_total.load(Ordering::Relaxed),
+        )
     }
 
     /// Count `n` operations.

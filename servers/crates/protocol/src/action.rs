@@ -753,6 +753,15 @@ pub struct StatsReport {
     pub threads: u32,
     /// Time-to-live of PERSIST objects in milliseconds; 0 when they never expire.
     pub persist_ttl_ms: u64,
+    /// Requests served since start, the sum of the metrics' `pocketflow_requests_total`.
+    #[serde(default)]
+    pub requests_total: u64,
+    /// Value bytes received since start (`pocketflow_received_bytes_total`).
+    #[serde(default)]
+    pub received_bytes_total: u64,
+    /// Value bytes sent since start (`pocketflow_sent_bytes_total`).
+    #[serde(default)]
+    pub sent_bytes_total: u64,
 }
 
 #[cfg(test)]

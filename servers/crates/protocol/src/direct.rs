@@ -17,6 +17,13 @@ use crate::ProtocolError;
 /// The first bytes of a direct-exchange connection.
 pub const DIRECT_MAGIC: &[u8; 8] = b"PFXCHG01";
 
+/// The ALPN protocol a direct-exchange client offers over TLS; an HTTP/2 (Flight) client offers
+/// `h2`. A TLS listener tells the two apart by the protocol the handshake agreed on.
+pub const DIRECT_ALPN: &[u8] = b"pocketflow-direct";
+
+/// The ALPN protocol of HTTP/2 (Arrow Flight) over TLS.
+pub const H2_ALPN: &[u8] = b"h2";
+
 /// Bytes before each message's payload: kind and length.
 pub const MESSAGE_HEAD_BYTES: usize = 5;
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use pocketflow_client::placement::{PlacedServer, Placement};
 use pocketflow_client::{
-    block_on, BlockSlice, ClientError, Connection, ConnectionConfig, ExchangeReply,
+    block_on, BlockSlice, ClientError, ClientTls, Connection, ConnectionConfig, ExchangeReply,
     ExchangeRequest, RangeTarget,
 };
 use pocketflow_protocol::frame::OpCode;
@@ -276,6 +276,9 @@ impl PyPlacement {
     }
 }
 
+/// How often a long call looks at Python's pending signals (Ctrl-C), with the GIL taken briefly.
+const SIGNAL_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+
 /// A connection to one storage server (see `pocketflow/transport.py`).
 #[pyclass(name = "Connection", module = "pocketflow._core", frozen)]
 struct PyConnection {
@@ -286,7 +289,7 @@ struct PyConnection {
 impl PyConnection {
     #[new]
     #[pyo3(signature = (address, *, sessions_max, op_timeout_s, first_reply_timeout_s,
-                        rpc_timeout_s, stream_timeout_s, direct=true))]
+                        rpc_timeout_s, stream_timeout_s, direct=true, tls_ca=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -297,6 +300,7 @@ impl PyConnection {
         rpc_timeout_s: f64,
         stream_timeout_s: f64,
         direct: bool,
+        tls_ca: Option<&[u8]>,
     ) -> PyResult<Self> {
         let seconds = |s: f64, name: &str| {
             Duration::try_from_secs_f64(s)
@@ -309,6 +313,12 @@ impl PyConnection {
             rpc_timeout: seconds(rpc_timeout_s, "rpc_timeout_s")?,
             stream_timeout: seconds(stream_timeout_s, "stream_timeout_s")?,
             direct,
+            tls: match tls_ca {
+                Some(pem) => {
+                    Some(ClientTls::from_ca_pem(pem).map_err(|e| to_py_err(py, &e, address))?)
+                }
+                None => None,
+            },
         };
         let connection =
             Connection::new(address, config).map_err(|e| to_py_err(py, &e, address))?;
@@ -459,7 +469,22 @@ impl PyConnection {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let body = Bytes::copy_from_slice(body);
         let connection = &self.connection;
-        let result = py.detach(|| block_on(connection.action(name, body)));
+        // An action may be a parked `wait` of many seconds: look at Python's signals every
+        // SIGNAL_CHECK_INTERVAL so Ctrl-C ends it (dropping the call cancels its RPC).
+        let result: Result<Bytes, ClientError> = py.detach(|| -> PyResult<_> {
+            block_on(async {
+                let call = connection.action(name, body);
+                tokio::pin!(call);
+                loop {
+                    tokio::select! {
+                        done = &mut call => return Ok(done),
+                        () = tokio::time::sleep(SIGNAL_CHECK_INTERVAL) => {
+                            Python::attach(|py| py.check_signals())?;
+                        }
+                    }
+                }
+            })
+        })?;
         match result {
             Ok(body) => Ok(PyBytes::new(py, &body)),
             Err(e) => Err(to_py_err(py, &e, connection.address())),

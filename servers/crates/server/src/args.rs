@@ -19,8 +19,12 @@ pub struct Args {
     pub capacity_bytes: u64,
     /// File holding the cluster secret (its exact bytes).
     pub secret_file: PathBuf,
-    /// Loopback address to listen on.
+    /// Address to listen on (loopback, or a node address with TLS).
     pub listen: SocketAddr,
+    /// TLS certificate chain and key files; every connection must then open with TLS.
+    pub tls: Option<TlsFiles>,
+    /// Where to serve Prometheus metrics over HTTP (`GET /metrics`), if anywhere.
+    pub metrics_listen: Option<SocketAddr>,
     /// File or block device of the NVMe tier.
     pub nvme_path: Option<PathBuf>,
     /// Whether PERSIST objects are accepted.
@@ -35,6 +39,15 @@ pub struct Args {
     pub persist_ttl: Option<Duration>,
     /// How long a DoPut or DoGet may move nothing before it is ended.
     pub transfer_idle: Duration,
+}
+
+/// The PEM files of a TLS listener.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// Certificate chain, the server's certificate first.
+    pub cert: PathBuf,
+    /// The certificate's private key.
+    pub key: PathBuf,
 }
 
 /// A flag value that does not parse, with a message for the user (clap names the flag).
@@ -72,7 +85,8 @@ pub const THREADS_MAX: u64 = 1024;
 #[derive(Debug, Parser)]
 #[command(
     name = "pocketflow-server",
-    about = "One pocketflow storage server: serves one tier over Arrow Flight on a loopback address.",
+    about = "One pocketflow storage server: serves one tier over Arrow Flight (and the direct \
+             exchange) on a loopback address, or with TLS on a node address.",
     long_about = None,
     after_help = VALUE_SYNTAX,
     args_override_self = true
@@ -91,9 +105,20 @@ struct Flags {
     /// File holding the cluster secret (its exact bytes, at least 16).
     #[arg(long, value_name = "PATH")]
     secret_file: PathBuf,
-    /// Address to listen on; loopback only (127.0.0.1, [::1] or localhost), port 0 picks one.
+    /// Address to listen on, port 0 picks one. A loopback address (127.0.0.0/8, [::1],
+    /// localhost), or any other specific address together with --tls-cert and --tls-key.
     #[arg(long, value_name = "HOST:PORT", default_value = LISTEN_DEFAULT, value_parser = parse_listen)]
     listen: SocketAddr,
+    /// PEM certificate chain (the server's certificate first): every connection must use TLS.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Serve Prometheus metrics over plain HTTP at http://HOST:PORT/metrics (port 0 picks one;
+    /// the ready line then names it).
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_metrics_listen)]
+    metrics_listen: Option<SocketAddr>,
     /// File or block device of the NVMe tier (required with --tier nvme).
     #[arg(long, value_name = "FILE", required_if_eq("tier", "nvme"))]
     nvme_path: Option<PathBuf>,
@@ -136,6 +161,11 @@ impl From<Flags> for Args {
             capacity_bytes: flags.capacity_bytes,
             secret_file: flags.secret_file,
             listen: flags.listen,
+            tls: match (flags.tls_cert, flags.tls_key) {
+                (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+                _ => None,
+            },
+            metrics_listen: flags.metrics_listen,
             nvme_path: flags.nvme_path,
             long_running: flags.long_running,
             node_id: flags
@@ -157,7 +187,18 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    Flags::try_parse_from(argv).map(Args::from)
+    let args = Flags::try_parse_from(argv).map(Args::from)?;
+    if !args.listen.ip().is_loopback() && args.tls.is_none() {
+        return Err(clap::Error::raw(
+            clap::error::ErrorKind::MissingRequiredArgument,
+            format!(
+                "--listen {} is not a loopback address: a server on a node address needs TLS \
+                 (--tls-cert and --tls-key)\n",
+                args.listen
+            ),
+        ));
+    }
+    Ok(args)
 }
 
 /// Parse a size: plain bytes or a number with a binary unit (`KiB`, `MiB`, `GiB`, `TiB`; `B` too).
@@ -238,8 +279,26 @@ fn parse_transfer_idle(text: &str) -> Result<Duration, ArgsError> {
     Ok(idle)
 }
 
-/// Parse a listen address; only loopback addresses are accepted (`localhost` means 127.0.0.1).
+/// Parse a listen address: a specific address (`localhost` means 127.0.0.1), never the
+/// unspecified one (0.0.0.0 or [::]): a server listens on one node address, not on every
+/// interface. Whether a non-loopback address has TLS is checked once all flags are read.
 pub fn parse_listen(text: &str) -> Result<SocketAddr, ArgsError> {
+    let addr = parse_host_port(text)?;
+    if addr.ip().is_unspecified() || addr.ip().is_multicast() {
+        return err(format!(
+            "{text:?} refused: listen on one node address (the one its clients reach), \
+             not on every interface"
+        ));
+    }
+    Ok(addr)
+}
+
+/// Parse the metrics address: like `--listen`.
+fn parse_metrics_listen(text: &str) -> Result<SocketAddr, ArgsError> {
+    parse_listen(text)
+}
+
+fn parse_host_port(text: &str) -> Result<SocketAddr, ArgsError> {
     let addr = match text.strip_prefix("localhost:") {
         Some(port) => {
             let port = port
@@ -251,11 +310,6 @@ pub fn parse_listen(text: &str) -> Result<SocketAddr, ArgsError> {
             .parse()
             .map_err(|_| ArgsError(format!("{text:?} is not HOST:PORT")))?,
     };
-    if !addr.ip().is_loopback() {
-        return err(format!(
-            "{text:?} refused: the server binds to loopback addresses only"
-        ));
-    }
     Ok(addr)
 }
 
@@ -321,8 +375,36 @@ mod tests {
         assert!(parse_listen("[::1]:9000").is_ok());
         assert!(parse_listen("localhost:7").is_ok());
         assert!(parse_listen("0.0.0.0:9000").is_err());
-        assert!(parse_listen("10.0.0.1:9000").is_err());
+        assert!(parse_listen("[::]:9000").is_err());
+        assert!(parse_listen("10.0.0.1:9000").is_ok());
         assert!(parse_listen("nonsense").is_err());
+    }
+
+    #[test]
+    fn a_node_address_needs_tls() {
+        let plain = parse(argv(
+            "--tier dram --capacity 1MiB --secret-file /s --listen 10.0.0.1:0",
+        ))
+        .unwrap_err();
+        assert!(plain.to_string().contains("needs TLS"), "{plain}");
+        let args = parse(argv(
+            "--tier dram --capacity 1MiB --secret-file /s --listen 10.0.0.1:0 \
+             --tls-cert /c.pem --tls-key /k.pem --metrics-listen 127.0.0.1:0",
+        ))
+        .unwrap();
+        assert_eq!(
+            args.tls,
+            Some(TlsFiles {
+                cert: "/c.pem".into(),
+                key: "/k.pem".into()
+            })
+        );
+        assert_eq!(args.metrics_listen, Some("127.0.0.1:0".parse().unwrap()));
+        let half = parse(argv(
+            "--tier dram --capacity 1MiB --secret-file /s --tls-cert /c.pem",
+        ))
+        .unwrap_err();
+        assert!(half.to_string().contains("--tls-key"), "{half}");
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! `pocketflow-server`: one storage server process serving one tier over Arrow Flight on a
-//! loopback address.
+//! `pocketflow-server`: one storage server process serving one tier over Arrow Flight (and the
+//! direct exchange) on a loopback address, or with TLS on a node address; optionally Prometheus
+//! metrics over HTTP.
 
 mod args;
 mod lifecycle;
@@ -80,16 +81,23 @@ async fn serve(args: Args) -> Result<(), String> {
         .measure_throughput()
         .await
         .map_err(|e| format!("cannot measure the {} store: {e}", args.tier))?;
-    tokio::spawn(sweeper::run(store.clone()));
     pocketflow_flight::cores::init(args.threads);
+    let tls = match &args.tls {
+        Some(files) => Some(tokio_rustls::TlsAcceptor::from(
+            pocketflow_flight::tls::server_config(&files.cert, &files.key)
+                .map_err(|e| e.to_string())?,
+        )),
+        None => None,
+    };
     let service = StorageService::new(
-        store,
+        store.clone(),
         ServiceConfig {
             node_id: args.node_id.clone(),
             token_key,
             transfer_idle: args.transfer_idle,
         },
     );
+    tokio::spawn(sweeper::run(store, service.clone()));
     let signals = lifecycle::StopSignals::install()
         .map_err(|e| format!("cannot install signal handlers: {e}"))?;
 
@@ -100,6 +108,19 @@ async fn serve(args: Args) -> Result<(), String> {
         .local_addr()
         .map_err(|e| format!("cannot read the listening address: {e}"))?;
     report_throughput(&service, args.tier, measured, local.ip());
+    let metrics_at = match args.metrics_listen {
+        Some(addr) => {
+            let (metrics_listener, at) = pocketflow_flight::metrics::bind(addr)
+                .await
+                .map_err(|e| format!("cannot listen for metrics on {addr}: {e}"))?;
+            tokio::spawn(pocketflow_flight::metrics::serve(
+                metrics_listener,
+                service.clone(),
+            ));
+            Some(at)
+        }
+        None => None,
+    };
 
     tokio::spawn({
         let service = service.clone();
@@ -126,11 +147,19 @@ async fn serve(args: Args) -> Result<(), String> {
         .http2_keepalive_timeout(Some(Duration::from_millis(HTTP2_KEEPALIVE_TIMEOUT_MS)))
         .add_service(service.clone().into_server())
         .serve_with_incoming_shutdown(
-            pocketflow_flight::route::route(listener::incoming(listener), service.clone()),
+            pocketflow_flight::route::route(listener::incoming(listener), service.clone(), tls),
             wait_for(stop_rx.clone()),
         );
 
-    println!("{READY_LINE_PREFIX} {local}");
+    // `POCKETFLOW_SERVER_READY host:port [metrics=host:port] [tls]`
+    let mut ready = format!("{READY_LINE_PREFIX} {local}");
+    if let Some(at) = metrics_at {
+        ready.push_str(&format!(" metrics={at}"));
+    }
+    if args.tls.is_some() {
+        ready.push_str(" tls");
+    }
+    println!("{ready}");
     std::io::stdout()
         .flush()
         .map_err(|e| format!("cannot write the ready line: {e}"))?;

@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use pocketflow_flight::StorageService;
 use pocketflow_store::Store;
 
 /// How often the sweeper looks for expired PERSIST entries.
@@ -27,9 +28,10 @@ async fn sweep_leases(store: Store) {
 }
 
 /// Free expired PERSIST entries every [`PERSIST_SWEEP_INTERVAL_MS`], forever (the task is
-/// dropped with the runtime), and lapsed prefix leases (on a task of their own). PERSIST
-/// entries of a store whose PERSIST entries never expire are left alone.
-pub async fn run(store: Store) {
+/// dropped with the runtime), counting them in `service`'s metrics, and lapsed prefix leases
+/// (on a task of their own). PERSIST entries of a store whose PERSIST entries never expire are
+/// left alone.
+pub async fn run(store: Store, service: StorageService) {
     tokio::spawn(sweep_leases(store.clone()));
     if store.persist_ttl().is_none() {
         return;
@@ -38,6 +40,9 @@ pub async fn run(store: Store) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        store.expire_persist(Instant::now(), PERSIST_SWEEP_ENTRIES_MAX);
+        let (entries, bytes) = store.expire_persist(Instant::now(), PERSIST_SWEEP_ENTRIES_MAX);
+        if entries > 0 {
+            service.count_ttl_evictions(entries, bytes);
+        }
     }
 }

@@ -69,7 +69,20 @@ fn startup_errors_are_reported_with_a_nonzero_exit() {
         "0.0.0.0:0",
     ]);
     assert_eq!(code, 2);
-    assert!(err.contains("loopback"), "{err}");
+    assert!(err.contains("not on every interface"), "{err}");
+    // A node address needs TLS; the check comes before any bind (192.0.2.1 is TEST-NET-1).
+    let (code, err) = run_with(&[
+        "--tier",
+        "dram",
+        "--capacity",
+        "1MiB",
+        "--secret-file",
+        secret,
+        "--listen",
+        "192.0.2.1:0",
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("needs TLS"), "{err}");
     let (code, err) = run_with(&[
         "--tier",
         "dram",

@@ -1,0 +1,137 @@
+"""Where thunks run: Ray tasks or Lithops functions (localhost executor). An engine is given a
+store spec and a thunk name per call, nothing else, and hands back the worker's report."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Protocol
+
+from pocketflow_gg.errors import GGError
+from pocketflow_gg.worker import run_thunk
+
+ENGINES = ("ray", "lithops")
+WAIT_POLL_S = 0.05
+"""How often the Lithops engine looks for finished calls."""
+LITHOPS_WINDOW_PER_WORKER = 32
+"""Calls the Lithops engine keeps submitted per worker process."""
+
+
+class Engine(Protocol):
+    """Runs :func:`pocketflow_gg.worker.run_thunk` calls on workers that are not the driver."""
+
+    def window(self, jobs: int) -> int:
+        """How many calls the driver may keep submitted at once for ``jobs`` running."""
+        ...
+
+    def submit_many(self, store_spec: str, thunk_names: list[str]) -> list[Any]:
+        """Start one call per thunk; returns their handles in order."""
+        ...
+
+    def wait_any(self, pending: list[Any], timeout_s: float) -> list[tuple[Any, Any]]:
+        """``(call, report or exception)`` of the calls among ``pending`` that finished."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class RayEngine:
+    """One Ray task per thunk (``num_cpus=1``)."""
+
+    def __init__(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            raise GGError("the ray engine needs a connected Ray (start a LocalCluster or pass "
+                          "--address)")
+        self._ray = ray
+        self._task = ray.remote(num_cpus=1, max_retries=0)(run_thunk)
+
+    def window(self, jobs: int) -> int:
+        return jobs
+
+    def submit_many(self, store_spec: str, thunk_names: list[str]) -> list[Any]:
+        return [self._task.remote(store_spec, name) for name in thunk_names]
+
+    def wait_any(self, pending: list[Any], timeout_s: float) -> list[tuple[Any, Any]]:
+        done, _ = self._ray.wait(pending, num_returns=1, timeout=timeout_s)
+        if done:  # collect whatever else finished meanwhile
+            more, _ = self._ray.wait([p for p in pending if p not in done],
+                                     num_returns=len(pending) - len(done), timeout=0)
+            done += more
+        out: list[tuple[Any, Any]] = []
+        for ref in done:
+            try:
+                out.append((ref, self._ray.get(ref)))
+            except Exception as exc:  # the task's own exception, re-raised by Ray
+                cause = getattr(exc, "cause", None)
+                out.append((ref, cause if isinstance(cause, Exception) else exc))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class LithopsEngine:
+    """One Lithops call per thunk on the localhost executor, ``workers`` processes."""
+
+    def __init__(self, store_spec: str, *, workers: int) -> None:
+        import lithops
+
+        if store_spec.startswith("redis://"):
+            config = _lithops_local_config()
+        else:
+            try:
+                from pocketflow_lithops.storage import lithops_config
+            except ImportError:  # pocketflow-lithops not installed: Lithops keeps its own data
+                config = _lithops_local_config()
+            else:
+                config = lithops_config(store_spec)
+        config.setdefault("localhost", {})["worker_processes"] = workers
+        config["lithops"]["log_level"] = "WARNING"
+        self._lithops = lithops
+        self._executor = lithops.FunctionExecutor(config=config)
+
+    def window(self, jobs: int) -> int:
+        # Every Lithops job costs a runner process on the localhost executor, so the ready
+        # thunks go out together as one map; its worker processes bound what runs at once.
+        return jobs * LITHOPS_WINDOW_PER_WORKER
+
+    def submit_many(self, store_spec: str, thunk_names: list[str]) -> list[Any]:
+        return list(self._executor.map(run_thunk, [(store_spec, n) for n in thunk_names]))
+
+    def wait_any(self, pending: list[Any], timeout_s: float) -> list[tuple[Any, Any]]:
+        from lithops.wait import ANY_COMPLETED
+
+        done, _ = self._executor.wait(pending, throw_except=False,
+                                      return_when=ANY_COMPLETED,
+                                      download_results=False, timeout=timeout_s,
+                                      wait_dur_sec=WAIT_POLL_S, show_progressbar=False)
+        out: list[tuple[Any, Any]] = []
+        for future in done:
+            try:
+                out.append((future, future.result()))
+            except Exception as exc:  # the call's exception, re-raised by Lithops
+                out.append((future, exc))
+        return out
+
+    def close(self) -> None:
+        try:
+            self._executor.clean(clean_cloudobjects=True)
+        except Exception:  # cleaning Lithops' temporary data must not hide the build's result
+            pass
+
+
+def _lithops_local_config() -> dict[str, Any]:
+    return {
+        "lithops": {"backend": "localhost", "storage": "localhost", "monitoring_interval": 0.1},
+        "localhost": {"runtime": sys.executable, "version": 1},
+    }
+
+
+def make_engine(kind: str, store_spec: str, *, workers: int) -> Engine:
+    """The engine called ``kind`` (``ray`` or ``lithops``)."""
+    if kind == "ray":
+        return RayEngine()
+    if kind == "lithops":
+        return LithopsEngine(store_spec, workers=workers)
+    raise GGError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")

@@ -1,0 +1,294 @@
+"""Force: run a thunk graph on an engine's workers, thunks as soon as their inputs exist,
+reusing reductions already recorded, with DELETE and PERSIST chosen from the graph."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pocketflow_gg.engines import Engine
+from pocketflow_gg.errors import GGError, MissingObject, ThunkFailed
+from pocketflow_gg.infer import BuildGraph
+from pocketflow_gg.objects import is_thunk, size_of
+from pocketflow_gg.store import BLOBS, REDUCTIONS, Plan, Store, need, plan_key
+from pocketflow_gg.thunk import Thunk
+
+THUNK_TIMEOUT_DEFAULT_S = 900.0
+"""How long the driver waits for any one call to finish before giving up on the build."""
+EXISTS_CHECK_MIN_BYTES = 256 * 1024
+"""Values at least this large are looked up before they are uploaded (executables)."""
+JOBS_MAX = 1024
+
+
+@dataclass
+class ForceResult:
+    """What a force did, for the summary and the benchmark."""
+
+    target: str
+    outputs: list[str]
+    thunks_total: int = 0
+    ran: list[str] = field(default_factory=list)
+    reused: list[str] = field(default_factory=list)
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    uploaded_bytes: int = 0
+    job_s: float = 0.0
+    peak_live_bytes: int = 0
+    deleted_bytes: int = 0
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes the driver uploaded plus every byte workers read and wrote."""
+        return self.uploaded_bytes + sum(r["bytes_read"] + r["bytes_written"]
+                                         for r in self.reports)
+
+
+def graph_width(graph: BuildGraph, target: str) -> int:
+    """The most thunks of the target's graph at one depth (a bound on useful parallelism)."""
+    depth: dict[str, int] = {}
+
+    def depth_of(name: str) -> int:
+        base = name.split("#", 1)[0]
+        if base not in depth:
+            deps = graph.thunks[base].dependencies()
+            depth[base] = 1 + max((depth_of(d) for d in deps), default=-1)
+        return depth[base]
+
+    depth_of(target)
+    return max(Counter(depth.values()).values())
+
+
+def hints_for(graph: BuildGraph, target: str) -> dict[str, Any]:
+    """pocketflow registration hints from the graph: its width as the concurrency, its values
+    and thunks (plus as much again for outputs) as the data size."""
+    return {"max_concurrent_tasks": graph_width(graph, target),
+            "data_size_bytes": max(1 << 20, 2 * graph.total_bytes())}
+
+
+def upload(graph: BuildGraph, store: Store, thunks: Iterable[str] | None = None) -> int:
+    """Write the values and executables of ``thunks`` (default: every thunk of the graph) and
+    the thunks themselves to the store, skipping what is there; returns the bytes written."""
+    names = list(graph.thunks) if thunks is None else list(thunks)
+    needed = dict.fromkeys(n for t in names for n, _ in (*graph.thunks[t].values,
+                                                          *graph.thunks[t].executables))
+    written = 0
+    for name in needed:
+        if size_of(name) >= EXISTS_CHECK_MIN_BYTES and store.exists(BLOBS, name):
+            continue
+        data = graph.value_bytes(name)
+        if store.put(BLOBS, name, data):
+            written += len(data)
+    for name in names:
+        data = graph.thunks[name].data
+        if store.put(BLOBS, name, data):
+            written += len(data)
+    return written
+
+
+class _Forcer:
+    def __init__(self, graph: BuildGraph, target: str, store: Store, engine: Engine, *,
+                 jobs: int, delete: bool, reuse: bool,
+                 progress: Callable[[str, str], None] | None, timeout_s: float) -> None:
+        self.graph = graph
+        self.target = target.split("#", 1)[0]
+        self.store = store
+        self.engine = engine
+        self.jobs = jobs
+        self.delete = delete
+        self.reuse = reuse
+        self.progress = progress or (lambda event, name: None)
+        self.timeout_s = timeout_s
+        self.reductions: dict[str, str] = {}  # thunk reference -> value name
+        self.order = self._reachable()
+        self.dependents: dict[str, set[str]] = {n: set() for n in self.order}
+        self.waiting_on: dict[str, set[str]] = {}
+        for name in self.order:
+            deps = {d.split("#", 1)[0] for d in graph.thunks[name].dependencies()}
+            if name in self.pre_reduced:
+                deps = set()
+            self.waiting_on[name] = deps
+            for dep in deps:
+                self.dependents[dep].add(name)
+        self.readers = self._readers()
+        self.not_deletable: set[str] = set(graph.executables)
+
+    def _reachable(self) -> list[str]:
+        """The thunks the target needs, top down; with ``reuse``, the graph below a thunk whose
+        reduction is recorded (and whose outputs still exist) is not visited (gg's force)."""
+        self.pre_reduced: set[str] = set()
+        seen: list[str] = []
+        stack = [self.target]
+        marked: set[str] = set()
+        while stack:
+            name = stack.pop()
+            if name in marked:
+                continue
+            if name not in self.graph.thunks:
+                raise MissingObject(f"thunk {name} is not in the graph")
+            marked.add(name)
+            seen.append(name)
+            thunk = self.graph.thunks[name]
+            if self._reused(thunk, thunk) is not None:
+                self.pre_reduced.add(name)
+                continue
+            stack.extend(d.split("#", 1)[0] for d in self.graph.thunks[name].dependencies())
+        return seen
+
+    def _readers(self) -> Counter[str]:
+        """How many thunks of the graph read each value and each thunk reference."""
+        readers: Counter[str] = Counter()
+        for name in self.order:
+            thunk = self.graph.thunks[name]
+            readers.update({n for n, _ in (*thunk.values, *thunk.thunks)})
+        return readers
+
+    def _deletable(self, value: str, via: str | None) -> bool:
+        if not self.delete or value in self.not_deletable:
+            return False
+        return self.readers[via or value] == 1 and (via is None or self.readers[value] == 0)
+
+    def _plan(self, original: Thunk, rewritten: Thunk) -> Plan:
+        via_of = {}
+        for ref, _ in original.thunks:
+            if ref in self.reductions:
+                via_of[self.reductions[ref]] = ref
+        delete = sorted({n for n, _ in rewritten.values if self._deletable(n, via_of.get(n))})
+        return Plan(delete_inputs=tuple(delete), persist_outputs=original.name == self.target)
+
+    def _reused(self, original: Thunk, rewritten: Thunk) -> list[str] | None:
+        if not self.reuse:
+            return None
+        for candidate in dict.fromkeys((original, rewritten)):
+            outputs = []
+            for ref in candidate.output_names():
+                data = self.store.get(REDUCTIONS, ref)
+                if data is None:
+                    break
+                outputs.append(data.decode())
+            else:
+                if all(not is_thunk(o) and self.store.exists(BLOBS, o) for o in outputs):
+                    return outputs
+        return None
+
+    def _record(self, original: Thunk, outputs: list[str]) -> None:
+        for ref, output in zip(original.output_names(), outputs, strict=True):
+            if output in self.reductions.values() or self.readers[output]:
+                # Equal bytes from two thunks, or equal to a value: more than one reader.
+                self.not_deletable.add(output)
+            self.reductions[ref] = output
+
+    def run(self) -> ForceResult:
+        started = time.perf_counter()
+        result = ForceResult(target=self.target, outputs=[], thunks_total=len(self.order))
+        self.progress("total", str(len(self.order)))
+        to_run = [n for n in self.order if n not in self.pre_reduced]
+        result.uploaded_bytes = upload(self.graph, self.store, to_run)
+        live = sum(size_of(n) for n in dict.fromkeys(
+            n for t in to_run for n, _ in (*self.graph.thunks[t].values,
+                                           *self.graph.thunks[t].executables)))
+        live += sum(len(self.graph.thunks[t].data) for t in to_run)
+        result.peak_live_bytes = live
+        ready = [n for n in reversed(self.order) if not self.waiting_on[n]]
+        in_flight: dict[Any, tuple[Thunk, Thunk]] = {}
+        window = max(1, self.engine.window(self.jobs))
+        while ready or in_flight:
+            batch: list[tuple[Thunk, Thunk]] = []
+            while ready and len(in_flight) + len(batch) < window:
+                name = ready.pop(0)
+                original = self.graph.thunks[name]
+                rewritten = original.reduced(self.reductions)
+                outputs = self._reused(original, rewritten)
+                if outputs is not None:
+                    result.reused.append(name)
+                    self.progress("reused", name)
+                    self._finish(original, outputs, ready)
+                    continue
+                if rewritten.name != original.name:
+                    self.store.put(BLOBS, rewritten.name, rewritten.data)
+                plan = self._plan(original, rewritten)
+                self.store.put(BLOBS, plan_key(rewritten.name), plan.to_bytes(),
+                               overwrite=True)
+                batch.append((original, rewritten))
+                self.progress("started", name)
+            if batch:
+                calls = self.engine.submit_many(self.store.spec, [r.name for _, r in batch])
+                in_flight.update(zip(calls, batch, strict=True))
+            if not in_flight:
+                break
+            finished = self.engine.wait_any(list(in_flight), self.timeout_s)
+            if not finished:
+                raise GGError(f"no thunk finished in {self.timeout_s:.0f} s")
+            for call, outcome in finished:
+                original, rewritten = in_flight.pop(call)
+                if isinstance(outcome, BaseException):
+                    if isinstance(outcome, GGError):
+                        raise outcome
+                    raise ThunkFailed(rewritten.name, f"worker failed: {outcome!r}") from outcome
+                result.reports.append(outcome)
+                result.ran.append(original.name)
+                live += outcome["bytes_written"] - outcome["deleted_bytes"]
+                result.deleted_bytes += outcome["deleted_bytes"]
+                result.peak_live_bytes = max(result.peak_live_bytes, live)
+                self.progress("done", original.name)
+                self._finish(original, outcome["outputs"], ready)
+        if self.target not in {r.split("#", 1)[0] for r in self.reductions}:
+            raise GGError(f"the graph of {self.target} did not reduce (a cycle?)")
+        target = self.graph.thunks[self.target]
+        result.outputs = [self.reductions[ref] for ref in target.output_names()]
+        result.job_s = time.perf_counter() - started
+        return result
+
+    def _finish(self, original: Thunk, outputs: list[str], ready: list[str]) -> None:
+        self._record(original, outputs)
+        for ref, output in zip(original.output_names(), outputs, strict=True):
+            self.store.put(REDUCTIONS, ref, output.encode(), overwrite=True)
+        for dependent in sorted(self.dependents[original.name]):
+            waiting = self.waiting_on[dependent]
+            waiting.discard(original.name)
+            if not waiting:
+                ready.append(dependent)
+
+
+def force(graph: BuildGraph, target: str, *, store: Store, engine: Engine, jobs: int,
+          delete: bool = True, reuse: bool = True,
+          progress: Callable[[str, str], None] | None = None,
+          timeout_s: float = THUNK_TIMEOUT_DEFAULT_S) -> ForceResult:
+    """Reduce ``target`` (a thunk of ``graph``) to its outputs.
+
+    First the values, executables and thunks of the thunks that will run are uploaded if they
+    are missing from the store (a rebuild puts back only what changed or was deleted).
+    At most ``jobs`` calls run at once (the engine's window: Ray tasks are submitted ``jobs``
+    at a time; the Lithops engine submits every ready thunk as one map, whose ``jobs`` worker
+    processes run them). With ``reuse``, a thunk whose reduction is recorded and
+    whose outputs still exist is not run again. With ``delete``, an input read by exactly one
+    thunk of the graph is read with DELETE (executables never are); the target's outputs are
+    written with PERSIST. ``progress(event, thunk)`` is called with ``started``, ``done`` and
+    ``reused``, and once first with ``("total", "<thunks to visit>")`` (the graph below a
+    thunk whose reduction is recorded is not visited).
+    """
+    if not 1 <= jobs <= JOBS_MAX:
+        raise GGError(f"jobs must be in 1..{JOBS_MAX}, got {jobs}")
+    forcer = _Forcer(graph, target, store, engine, jobs=jobs, delete=delete, reuse=reuse,
+                     progress=progress, timeout_s=timeout_s)
+    return forcer.run()
+
+
+def fetch_outputs(store: Store, thunk: Thunk, outputs: list[str],
+                  out_dir: str | Path) -> list[Path]:
+    """Write a thunk's outputs into ``out_dir`` under their tags' base names; ELF executables
+    get mode 755."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for tag, name in zip(thunk.outputs, outputs, strict=True):
+        data = need(store, BLOBS, name)
+        path = out / os.path.basename(tag)
+        path.write_bytes(data)
+        if data[:4] == b"\x7fELF" and data[16:17] in (b"\x02", b"\x03"):
+            path.chmod(0o755)
+        written.append(path)
+    return written

@@ -1,0 +1,206 @@
+"""The worker side: run one thunk given only a store spec and the thunk's name.
+
+The worker fetches the thunk, its plan, values and executables from the store, lays them out in
+a private directory, runs the function there, puts each output under its content name and
+records the reduction (thunk name -> output name). Layout of the private directory: an entry
+``name=filename`` is placed at ``filename``; an entry without a filename, and any object a
+``@{GGHASH:name}`` placeholder refers to, at ``blobs/<name>``. The function itself runs from a
+hash-named path (as in gg), so compilers find their own files through the thunk's envars
+(``GCC_EXEC_PREFIX``) and ``-B`` arguments, not through where they were installed.
+
+Executables are content-named, so a worker keeps those it fetched in a per-job directory on its
+machine (like gg's blob directory on a warm Lambda) and reuses them across thunks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from pocketflow_gg.errors import MissingObject, ThunkFailed
+from pocketflow_gg.objects import content_name, placeholders_in, replace_placeholders, size_of
+from pocketflow_gg.store import BLOBS, REDUCTIONS, Plan, Store, need, open_store, plan_key
+from pocketflow_gg.thunk import Thunk
+
+FUNCTION_NICENESS = 19
+"""CPU niceness a thunk's function runs at: the lowest priority, so that storage servers and
+the workers' own I/O sharing the machine are not starved by compilers (on Lambda they run on
+other machines)."""
+TIMEOUT_DEFAULT_S = 600.0
+"""How long a thunk without a timeout of its own may run."""
+STDERR_TAIL_BYTES = 4000
+"""How much of a failed function's stderr goes into the error."""
+STORES_CACHED_MAX = 4
+"""Open stores a worker process keeps (one per build it serves)."""
+EXE_CACHE_ROOT = Path(tempfile.gettempdir()) / f"pocketflow-gg-{os.getuid()}"
+
+_stores: OrderedDict[str, Store] = OrderedDict()
+_stores_lock = threading.Lock()
+
+
+def _store(spec: str) -> Store:
+    with _stores_lock:
+        store = _stores.get(spec)
+        if store is None:
+            store = open_store(spec)
+            _stores[spec] = store
+        _stores.move_to_end(spec)
+        while len(_stores) > STORES_CACHED_MAX:
+            _stores.popitem(last=False)[1].close()
+        return store
+
+
+def exe_cache_dir(store_id: str) -> Path:
+    """Where workers on this machine keep the executables of the build in store ``store_id``."""
+    return EXE_CACHE_ROOT / store_id.replace("/", "_")
+
+
+def forget_executables(store_id: str) -> None:
+    """Remove this machine's cached executables of the build in store ``store_id`` (the driver
+    calls it when the job ends; workers on other machines drop theirs with their temp dirs)."""
+    shutil.rmtree(exe_cache_dir(store_id), ignore_errors=True)
+
+
+def _safe_relative(filename: str) -> PurePosixPath:
+    path = PurePosixPath(filename)
+    if path.is_absolute() or ".." in path.parts or not path.parts:
+        raise ThunkFailed("?", f"entry filename {filename!r} must be a relative path inside "
+                               "the thunk's directory")
+    return path
+
+
+def _write(path: Path, data: bytes, *, executable: bool) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.part")
+    tmp.write_bytes(data)
+    if executable:
+        tmp.chmod(0o755)
+    os.replace(tmp, path)
+
+
+def _checked(name: str, data: bytes) -> bytes:
+    if content_name(data) != name.split("#", 1)[0]:
+        raise MissingObject(f"object {name} in the store does not match its name")
+    return data
+
+
+def _executable(store: Store, name: str) -> Path:
+    cache = exe_cache_dir(store.store_id)
+    path = cache / name
+    try:
+        if path.stat().st_size == size_of(name):
+            return path
+    except FileNotFoundError:
+        pass
+    _write(path, _checked(name, need(store, BLOBS, name)), executable=True)
+    return path
+
+
+def _lower_priority() -> None:
+    os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), FUNCTION_NICENESS))
+
+
+def run_thunk(store_spec: str, thunk_name: str) -> dict[str, Any]:
+    """Force one thunk whose inputs are all values; returns its report (outputs, timings)."""
+    started = time.perf_counter()
+    first_in_process = store_spec not in _stores
+    store = _store(store_spec)
+    before = store.stats.to_dict()
+    try:
+        thunk_data, plan_data = store.get_many(BLOBS, [thunk_name, plan_key(thunk_name)])
+    except MissingObject:  # no plan: nothing to delete, nothing persists
+        thunk_data, plan_data = need(store, BLOBS, thunk_name), None
+    thunk = Thunk.parse(_checked(thunk_name, thunk_data))
+    if thunk.thunks:
+        raise ThunkFailed(thunk_name, f"has unreduced dependencies {thunk.dependencies()}")
+    plan = Plan.from_bytes(plan_data) if plan_data is not None else Plan()
+    deleting = set(plan.delete_inputs)
+    workdir = Path(tempfile.mkdtemp(prefix="gg-thunk-"))
+    try:
+        path_of: dict[str, str] = {}
+        referenced = {n for text in (*thunk.args, *thunk.envars) for n in placeholders_in(text)}
+        # One batch for the inputs read with DELETE, one for the others.
+        names = list(dict.fromkeys(name for name, _ in thunk.values))
+        fetched_values: dict[str, bytes] = {}
+        for delete in (True, False):
+            group = [n for n in names if (n in deleting) == delete]
+            for name, data in zip(group, store.get_many(BLOBS, group, delete=delete),
+                                  strict=True):
+                fetched_values[name] = _checked(name, data)
+        for name, filename in thunk.values:
+            target = workdir / (_safe_relative(filename) if filename else Path("blobs", name))
+            _write(target, fetched_values[name], executable=False)
+            path_of.setdefault(name, str(target))
+        exe_started = store.stats.seconds
+        for name, filename in thunk.executables:
+            cached = _executable(store, name)
+            path_of.setdefault(name, str(cached))
+            if filename:
+                target = workdir / _safe_relative(filename)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(cached, target)
+                except OSError:
+                    shutil.copy2(cached, target)
+        exe_io_s = store.stats.seconds - exe_started
+        missing = referenced - set(path_of)
+        if missing:
+            raise ThunkFailed(thunk_name, f"placeholders name objects not in the thunk: "
+                                          f"{sorted(missing)}")
+        function = path_of.get(thunk.function_hash)
+        if function is None or thunk.function_hash not in {n for n, _ in thunk.executables}:
+            raise ThunkFailed(thunk_name, "its function is not one of its executables")
+        (workdir / "tmp").mkdir(exist_ok=True)
+        env = dict(e.split("=", 1) for e in
+                   (replace_placeholders(v, path_of) for v in thunk.envars) if "=" in e)
+        env.update({"TMPDIR": str(workdir / "tmp"), "__GG_ENABLED__": "1",
+                    "__GG_DIR__": str(workdir / "blobs")})
+        argv = [replace_placeholders(a, path_of) for a in thunk.args]
+        fetched = time.perf_counter()
+        timeout_s = thunk.timeout_ms / 1000 if thunk.timeout_ms else TIMEOUT_DEFAULT_S
+        try:
+            result = subprocess.run(argv, executable=function, cwd=workdir, env=env,
+                                    capture_output=True, timeout=timeout_s, check=False,
+                                    preexec_fn=_lower_priority)
+        except subprocess.TimeoutExpired as exc:
+            raise ThunkFailed(thunk_name, f"timed out after {timeout_s:.0f} s") from exc
+        ran = time.perf_counter()
+        if result.returncode != 0:
+            tail = result.stderr[-STDERR_TAIL_BYTES:].decode(errors="replace")
+            raise ThunkFailed(thunk_name, f"{argv[0]} exited with {result.returncode}: {tail}")
+        produced: list[tuple[str, bytes]] = []
+        for tag in thunk.outputs:
+            out_path = workdir / _safe_relative(tag)
+            if not out_path.is_file():
+                raise ThunkFailed(thunk_name, f"declared output {tag!r} was not produced")
+            data = out_path.read_bytes()
+            produced.append((content_name(data), data))
+        outputs = [name for name, _ in produced]
+        store.put_many(BLOBS, list(dict(produced).items()), persist=plan.persist_outputs)
+        store.put_many(REDUCTIONS, [(ref, output.encode()) for ref, output in
+                                    zip(thunk.output_names(), outputs, strict=True)],
+                       overwrite=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    after = store.stats.to_dict()
+    report = {key: after[key] - before[key] for key in after}
+    report.update({
+        "thunk": thunk_name,
+        "outputs": outputs,
+        "output_bytes": [size_of(n) for n in outputs],
+        "run_s": ran - fetched,
+        # Storage time without fetching executables: the thunk's own data (Pocket's figure).
+        "exe_io_s": exe_io_s,
+        "data_io_s": report["io_s"] - exe_io_s,
+        "total_s": time.perf_counter() - started,
+        "pid": os.getpid(),
+        "first_in_process": first_in_process,
+    })
+    return report

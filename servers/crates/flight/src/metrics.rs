@@ -1,0 +1,317 @@
+//! Prometheus metrics of one storage server: counters and histograms bumped by the request
+//! paths, gauges read from the store and the service's bounds at scrape time, and the text
+//! exposition (`prometheus`'s encoder) served at `GET /metrics` by [`serve`].
+//!
+//! Label values come from closed sets (RPC names, op names, action names, error kinds), so the
+//! number of series is bounded whatever clients send.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::core::Collector;
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+use crate::bounds::{EXCHANGE_SESSIONS_MAX, TRANSFERS_MAX, WAITS_PARKED_MAX};
+use crate::service::{ServiceState, StorageService};
+
+/// Latency buckets of one operation, in seconds: 10 µs to 10 s.
+const LATENCY_BUCKETS_S: &[f64] = &[
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
+
+/// Scrapes served at once; further connections wait in the listener's backlog.
+const SCRAPES_MAX: usize = 4;
+/// A scrape's request must arrive within this bound.
+const SCRAPE_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest request head read from a scraper.
+const SCRAPE_REQUEST_MAX_BYTES: usize = 8 * 1024;
+
+/// The server's metric families.
+pub struct Metrics {
+    registry: Registry,
+    requests: IntCounterVec,
+    latency: HistogramVec,
+    bytes_received: IntCounter,
+    bytes_sent: IntCounter,
+    ttl_evicted_objects: IntCounter,
+    ttl_evicted_bytes: IntCounter,
+    capacity: IntGauge,
+    used: IntGauge,
+    objects: IntGauge,
+    jobs: IntGauge,
+    sessions: IntGauge,
+    transfers: IntGauge,
+    parked_waits: IntGauge,
+    draining: IntGauge,
+    /// One render at a time: it brings the byte counters up to the request paths' totals.
+    render_lock: std::sync::Mutex<()>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+fn must<T>(made: prometheus::Result<T>) -> T {
+    // Families are made once from constant, valid names; a failure is a programming error.
+    made.expect("metric family definitions are valid")
+}
+
+impl Metrics {
+    /// The families of a server named `node_id` (a constant label of every series).
+    pub fn new(node_id: &str, tier: &str) -> Self {
+        let registry = Registry::new_custom(
+            Some("pocketflow".to_owned()),
+            Some(
+                [
+                    ("node_id".to_owned(), node_id.to_owned()),
+                    ("tier".to_owned(), tier.to_owned()),
+                ]
+                .into(),
+            ),
+        );
+        let registry = must(registry);
+        let requests = must(IntCounterVec::new(
+            Opts::new(
+                "requests_total",
+                "Requests by RPC (exchange, do_get, do_put, do_action, direct_get, direct_put), \
+                 op (put/get/delete/lookup, or the action) and result (ok or the error kind).",
+            ),
+            &["rpc", "op", "result"],
+        ));
+        let latency = must(HistogramVec::new(
+            HistogramOpts::new(
+                "op_duration_seconds",
+                "Time from a request's arrival to its reply, by op.",
+            )
+            .buckets(LATENCY_BUCKETS_S.to_vec()),
+            &["op"],
+        ));
+        let counter = |name: &str, help: &str| must(IntCounter::new(name, help));
+        let gauge = |name: &str, help: &str| must(IntGauge::new(name, help));
+        let metrics = Metrics {
+            requests,
+            latency,
+            bytes_received: counter("received_bytes_total", "Value bytes received."),
+            bytes_sent: counter("sent_bytes_total", "Value bytes sent."),
+            ttl_evicted_objects: counter(
+                "ttl_evicted_objects_total",
+                "PERSIST objects deleted because their time to live passed.",
+            ),
+            ttl_evicted_bytes: counter(
+                "ttl_evicted_bytes_total",
+                "Bytes freed by PERSIST objects whose time to live passed.",
+            ),
+            capacity: gauge("capacity_bytes", "Capacity of the tier served."),
+            used: gauge("used_bytes", "Bytes in use in the tier served."),
+            objects: gauge("objects", "Objects stored."),
+            jobs: gauge("jobs", "Jobs with data on this server."),
+            sessions: gauge(
+                "sessions",
+                "Open exchange sessions (DoExchange and direct).",
+            ),
+            transfers: gauge(
+                "transfers",
+                "Block transfers (DoPut, DoGet, direct) in progress.",
+            ),
+            parked_waits: gauge("parked_waits", "Wait calls parked until their keys exist."),
+            draining: gauge("draining", "1 while the server drains, else 0."),
+            render_lock: std::sync::Mutex::new(()),
+            registry,
+        };
+        let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
+            Box::new(metrics.requests.clone()),
+            Box::new(metrics.latency.clone()),
+            Box::new(metrics.bytes_received.clone()),
+            Box::new(metrics.bytes_sent.clone()),
+            Box::new(metrics.ttl_evicted_objects.clone()),
+            Box::new(metrics.ttl_evicted_bytes.clone()),
+            Box::new(metrics.capacity.clone()),
+            Box::new(metrics.used.clone()),
+            Box::new(metrics.objects.clone()),
+            Box::new(metrics.jobs.clone()),
+            Box::new(metrics.sessions.clone()),
+            Box::new(metrics.transfers.clone()),
+            Box::new(metrics.parked_waits.clone()),
+            Box::new(metrics.draining.clone()),
+        ];
+        for collector in collectors {
+            must(metrics.registry.register(collector));
+        }
+        metrics
+    }
+
+    /// Count one request of `rpc`/`op` that ended with `result` (`"ok"` or an error kind) after
+    /// `elapsed`.
+    pub fn request(&self, rpc: &str, op: &str, result: &str, elapsed: Duration) {
+        self.requests.with_label_values(&[rpc, op, result]).inc();
+        self.latency
+            .with_label_values(&[op])
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// Requests counted so far, over every RPC, op and result.
+    pub fn requests_total(&self) -> u64 {
+        self.requests
+            .collect()
+            .iter()
+            .flat_map(|family| family.get_metric())
+            .map(|m| m.get_counter().get_value() as u64)
+            .sum()
+    }
+
+    /// Count PERSIST objects (and their bytes) deleted at the end of their time to live.
+    pub fn ttl_evicted(&self, objects: u64, bytes: u64) {
+        self.ttl_evicted_objects.inc_by(objects);
+        self.ttl_evicted_bytes.inc_by(bytes);
+    }
+
+    /// Count one request's outcome: `"ok"`, or the kind of `error`.
+    pub(crate) fn outcome<T>(
+        &self,
+        rpc: &str,
+        op: &str,
+        result: &Result<T, crate::ServiceError>,
+        started: std::time::Instant,
+    ) {
+        let kind = match result {
+            Ok(_) => "ok",
+            Err(e) => e.kind().as_str(),
+        };
+        self.request(rpc, op, kind, started.elapsed());
+    }
+
+    fn render(&self, state: &ServiceState) -> Vec<u8> {
+        let _one = self
+            .render_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let usage = state.store.usage();
+        let to_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        self.capacity.set(to_i64(usage.capacity_bytes));
+        self.used.set(to_i64(usage.used_bytes));
+        // Counters only grow: bring them up to the totals the request paths keep.
+        let (received, sent) = state.stats.counters.totals();
+        self.bytes_received
+            .inc_by(received.saturating_sub(self.bytes_received.get()));
+        self.bytes_sent
+            .inc_by(sent.saturating_sub(self.bytes_sent.get()));
+        self.objects.set(to_i64(usage.objects));
+        self.jobs.set(to_i64(usage.per_job.len() as u64));
+        let in_use = |slots: &Semaphore, max: usize| {
+            to_i64(max.saturating_sub(slots.available_permits()) as u64)
+        };
+        self.sessions
+            .set(in_use(&state.sessions, EXCHANGE_SESSIONS_MAX));
+        self.transfers.set(in_use(&state.transfers, TRANSFERS_MAX));
+        self.parked_waits
+            .set(in_use(&state.waits, WAITS_PARKED_MAX));
+        self.draining.set(i64::from(state.drain.is_draining()));
+        let mut out = Vec::new();
+        // Encoding into a Vec fails only on a bad family, which `new` rules out.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        out
+    }
+}
+
+impl StorageService {
+    /// The metrics in Prometheus text format, as `GET /metrics` serves them.
+    pub fn metrics_text(&self) -> Vec<u8> {
+        self.state.metrics.render(&self.state)
+    }
+
+    /// Count PERSIST objects deleted at the end of their time to live.
+    pub fn count_ttl_evictions(&self, objects: u64, bytes: u64) {
+        self.state.metrics.ttl_evicted(objects, bytes);
+    }
+}
+
+/// Bind `addr` for scrapes; [`serve`] then answers them.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<(TcpListener, SocketAddr)> {
+    let listener = TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    Ok((listener, local))
+}
+
+/// Answer scrapes on `listener` forever: `GET /metrics` gets the text exposition, any other
+/// path 404, anything else 400. HTTP/1.x, one request per connection, at most `SCRAPES_MAX`
+/// at once, each request within `SCRAPE_REQUEST_TIMEOUT`.
+pub async fn serve(listener: TcpListener, service: StorageService) {
+    let slots = Arc::new(Semaphore::new(SCRAPES_MAX));
+    loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let Ok((mut stream, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let service = service.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            let head = tokio::time::timeout(SCRAPE_REQUEST_TIMEOUT, read_head(&mut stream)).await;
+            let (status, content_type, body) = match head {
+                Ok(Some(head)) => respond(&head, &service),
+                _ => return,
+            };
+            let mut reply = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
+                 Connection: close\r\n\r\n",
+                body.len()
+            )
+            .into_bytes();
+            reply.extend_from_slice(&body);
+            let _ = stream.write_all(&reply).await;
+            let _ = stream.shutdown().await;
+        });
+    }
+}
+
+/// The request head (up to the blank line), or `None` if the client closed or sent too much.
+async fn read_head(stream: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = stream.read(&mut buf).await.ok()?;
+        if n == 0 || head.len() + n > SCRAPE_REQUEST_MAX_BYTES {
+            return None;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    Some(head)
+}
+
+fn respond(head: &[u8], service: &StorageService) -> (&'static str, &'static str, Vec<u8>) {
+    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
+    let mut parts = line.split(|&b| b == b' ');
+    let (method, path) = (parts.next(), parts.next());
+    match (method, path) {
+        (Some(b"GET"), Some(path)) => {
+            let path = path.split(|&b| b == b'?').next().unwrap_or_default();
+            if path == b"/metrics" {
+                let text = service.metrics_text();
+                ("200 OK", prometheus::TEXT_FORMAT, text)
+            } else {
+                (
+                    "404 Not Found",
+                    "text/plain",
+                    b"only /metrics is served here\n".to_vec(),
+                )
+            }
+        }
+        _ => (
+            "400 Bad Request",
+            "text/plain",
+            b"GET /metrics only\n".to_vec(),
+        ),
+    }
+}

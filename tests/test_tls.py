@@ -1,0 +1,200 @@
+"""TLS between clients and real storage server processes: a server with a certificate from a
+cluster CA serves both of its protocols (direct and Flight) over TLS; every wrong pairing is
+refused with a ``TlsError`` that names its cause (a plaintext client, a TLS client of a
+plaintext server, another CA, an expired certificate, a certificate for another address); tokens
+are still checked on top of TLS."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fixtures_servers import CLIENT_OPTIONS, ServerSet, _require_binary
+
+from pocketflow import connect
+from pocketflow.auth import make_token
+from pocketflow.errors import PermissionDenied, TlsError
+from pocketflow.server_process import ServerSpec, StorageServerProcess
+from pocketflow.tls import issue_server_cert, make_cluster_ca, read_ca
+
+CAPACITY_BYTES = 64 * 1024 * 1024
+BIG_BYTES = 3 * 1024 * 1024 + 17
+"""Over the test block size: the object travels as several data blocks."""
+
+TRANSPORTS = ("direct", "flight")
+
+
+@pytest.fixture(scope="module")
+def tls_servers(
+    cluster_secret_file: tuple[bytes, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerSet]:
+    """One TLS server (tls-0) with a certificate for 127.0.0.1 from a fresh cluster CA."""
+    _require_binary()
+    secret, secret_file = cluster_secret_file
+    tls_dir = tmp_path_factory.mktemp("tls")
+    make_cluster_ca(tls_dir)
+    servers = ServerSet(secret, secret_file, tls_ca=read_ca(tls_dir))
+    cert = issue_server_cert(tls_dir, "tls-0", "127.0.0.1")
+    try:
+        servers.start("tls-0", "dram", CAPACITY_BYTES, long_running=True, tls=cert)
+        yield servers
+    finally:
+        servers.stop_all()
+
+
+@pytest.mark.parametrize("small_ops", TRANSPORTS)
+def test_a_tls_server_serves_small_and_large_objects_on_both_paths(
+    tls_servers: ServerSet, small_ops: str
+) -> None:
+    handle = tls_servers.handle()
+    big = os.urandom(BIG_BYTES)
+    try:
+        with connect(handle, small_ops=small_ops, **CLIENT_OPTIONS) as pf:
+            pf.create_bucket("b")
+            pf.put("b", "small", b"over tls")
+            pf.put("b", "big", big)
+            assert pf.get("b", "small") == b"over tls"
+            assert pf.get("b", "big") == big
+            assert sorted(o.key for o in pf.list("b")) == ["big", "small"]
+    finally:
+        tls_servers.delete_job(handle)
+
+
+def test_the_cluster_files_are_private(tmp_path: Path) -> None:
+    make_cluster_ca(tmp_path)
+    issue_server_cert(tmp_path, "s", "127.0.0.1")
+    files = [tmp_path / "ca.pem", tmp_path / "ca.key", tmp_path / "servers" / "s.pem",
+             tmp_path / "servers" / "s.key"]
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert "PRIVATE KEY" not in read_ca(tmp_path)
+
+
+@pytest.mark.parametrize("small_ops", TRANSPORTS)
+def test_a_plaintext_client_is_told_the_server_needs_tls(
+    tls_servers: ServerSet, small_ops: str
+) -> None:
+    handle = dataclasses.replace(tls_servers.handle(), tls_ca=None)
+    with connect(handle, small_ops=small_ops, **CLIENT_OPTIONS) as pf:
+        with pytest.raises(TlsError, match="TLS") as refused:
+            pf.put("b", "k", b"v")
+    assert "accepts TLS connections only" in str(refused.value)
+
+
+@pytest.mark.parametrize("small_ops", TRANSPORTS)
+def test_a_tls_client_of_a_plaintext_server_is_told_so(
+    storage_servers: ServerSet, tls_servers: ServerSet, small_ops: str
+) -> None:
+    handle = dataclasses.replace(storage_servers.handle(), tls_ca=tls_servers.tls_ca)
+    try:
+        with connect(handle, small_ops=small_ops, **CLIENT_OPTIONS) as pf:
+            with pytest.raises(TlsError, match="plaintext server"):
+                pf.put("b", "k", b"v")
+    finally:
+        storage_servers.delete_job(handle)
+
+
+@pytest.mark.parametrize("small_ops", TRANSPORTS)
+def test_a_client_that_trusts_another_ca_is_refused(
+    tls_servers: ServerSet, tmp_path: Path, small_ops: str
+) -> None:
+    make_cluster_ca(tmp_path, name="another CA")
+    handle = dataclasses.replace(tls_servers.handle(), tls_ca=read_ca(tmp_path))
+    with connect(handle, small_ops=small_ops, **CLIENT_OPTIONS) as pf:
+        with pytest.raises(TlsError, match="not signed by the trusted CA"):
+            pf.put("b", "k", b"v")
+
+
+def _private_tls_server(
+    secret_file: Path, tls_dir: Path, node_id: str, host: str, **cert_times: datetime.datetime
+) -> StorageServerProcess:
+    cert = issue_server_cert(tls_dir, node_id, host, **cert_times)
+    process = StorageServerProcess(ServerSpec(
+        node_id=node_id, tier="dram", capacity_bytes=CAPACITY_BYTES, secret_file=secret_file,
+        threads=1, tls=cert,
+    ))
+    process.start()
+    return process
+
+
+def _refusal(servers: ServerSet, process: StorageServerProcess, node_id: str) -> TlsError:
+    handle = dataclasses.replace(
+        servers.handle(set_epoch=False),
+        servers=(dataclasses.replace(servers.infos[0], node_id=node_id,
+                                     address=process.address),),
+    )
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        with pytest.raises(TlsError) as refused:
+            pf.put("b", "k", b"v")
+    return refused.value
+
+
+def test_an_expired_certificate_is_refused(
+    tls_servers: ServerSet, cluster_secret_file: tuple[bytes, Path], tmp_path: Path
+) -> None:
+    tls_dir = tmp_path / "tls"
+    tls_dir.mkdir()
+    # The same CA as the handle trusts: only the certificate's dates are wrong.
+    for name in ("ca.pem", "ca.key"):
+        src = Path(tls_servers.processes[0].spec.tls.cert).parents[1] / name  # type: ignore[union-attr]
+        (tls_dir / name).write_bytes(src.read_bytes())
+    now = datetime.datetime.now(datetime.UTC)
+    process = _private_tls_server(
+        cluster_secret_file[1], tls_dir, "expired-0", "127.0.0.1",
+        not_before=now - datetime.timedelta(days=10), not_after=now - datetime.timedelta(days=1),
+    )
+    try:
+        refused = _refusal(tls_servers, process, "expired-0")
+    finally:
+        process.stop()
+    assert "expired" in str(refused)
+
+
+def test_a_certificate_for_another_address_is_refused(
+    tls_servers: ServerSet, cluster_secret_file: tuple[bytes, Path], tmp_path: Path
+) -> None:
+    tls_dir = tmp_path / "tls"
+    tls_dir.mkdir()
+    for name in ("ca.pem", "ca.key"):
+        src = Path(tls_servers.processes[0].spec.tls.cert).parents[1] / name  # type: ignore[union-attr]
+        (tls_dir / name).write_bytes(src.read_bytes())
+    # Signed by the trusted CA, but naming 127.0.0.9 while the server listens on 127.0.0.1.
+    process = _private_tls_server(cluster_secret_file[1], tls_dir, "misnamed-0", "127.0.0.9")
+    try:
+        refused = _refusal(tls_servers, process, "misnamed-0")
+    finally:
+        process.stop()
+    assert "does not name this address" in str(refused)
+
+
+def test_tokens_are_still_checked_over_tls(tls_servers: ServerSet) -> None:
+    handle = tls_servers.handle()
+    forged = dataclasses.replace(
+        handle, token=make_token(b"another secret of sixteen bytes", handle.job_id, ttl_s=60)
+    )
+    try:
+        with connect(forged, **CLIENT_OPTIONS) as pf:
+            with pytest.raises(PermissionDenied) as refused:
+                pf.put("b", "k", b"v")
+        assert not isinstance(refused.value, TlsError)
+    finally:
+        tls_servers.delete_job(handle)
+
+
+def test_a_server_on_a_node_address_refuses_to_start_without_tls(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    _require_binary()
+    # 192.0.2.1 (TEST-NET-1) is never bound: the flag check comes before any bind.
+    process = StorageServerProcess(ServerSpec(
+        node_id="plain-node", tier="dram", capacity_bytes=CAPACITY_BYTES,
+        secret_file=cluster_secret_file[1], listen_host="192.0.2.1",
+    ))
+    with pytest.raises(Exception, match="needs TLS"):
+        process.start(timeout_s=20)
+    assert not process.alive()

@@ -19,6 +19,8 @@ worker processes), one after the other in this one run, in a rotating order per 
   cluster (job registration with hints, reducers parked by the ``wait`` action, DELETE-on-read,
   PERSIST outputs, deregistration); Lithops' own data in its localhost storage.
 - ``pocketflow-no-delete``: the same with ``delete_inputs=False``, to measure what DELETE saves.
+- ``pocketflow-append``: the same shuffle with ``layout="append"``: one shared append file per
+  reducer that every mapper appends to (R files instead of M x R objects).
 
 Reported per variant (median over repeats): job time (from submitting the map tasks until every
 reducer has written its output; for pocketflow also job registration and deregistration), time
@@ -81,7 +83,8 @@ SAMPLE_INTERVAL_S = 0.05
 """Pause between two samples of the store's used bytes."""
 DIR_ENTRIES_MAX = 100_000
 """Most files the localhost-storage sampler walks per sample."""
-VARIANTS = ("lithops-localhost", "lithops-redis", "pocketflow", "pocketflow-no-delete")
+VARIANTS = ("lithops-localhost", "lithops-redis", "pocketflow", "pocketflow-no-delete",
+            "pocketflow-append")
 SHAPES = {
     "quick": {"records": 200_000, "mappers": 4, "reducers": 4, "repeats": 1},
     "full": {"records": 1_000_000, "mappers": 8, "reducers": 8, "repeats": 3},
@@ -210,7 +213,8 @@ def run_storage_variant(name: str, fexec: Any, config: SortConfig,
 
 
 def run_pocketflow_variant(name: str, fexec: Any, config: SortConfig, cluster: Any,
-                           sample: Callable[[], int], *, delete_inputs: bool) -> Run:
+                           sample: Callable[[], int], *, delete_inputs: bool,
+                           layout: str = "objects") -> Run:
     """The sort with :func:`~pocketflow_lithops.shuffle.shuffle`."""
     from pocketflow_lithops.shuffle import shuffle
 
@@ -222,7 +226,7 @@ def run_pocketflow_variant(name: str, fexec: Any, config: SortConfig, cluster: A
             fexec, functools.partial(map_records, config), reduce_records,
             range(config.mappers), reducers=config.reducers, cluster=cluster,
             name="lithops-sort-bench", input_size_bytes=2 * config.input_bytes,
-            persist_output=True, delete_inputs=delete_inputs,
+            persist_output=True, delete_inputs=delete_inputs, layout=layout,
         )
         job_s = time.perf_counter() - started
     checks = fexec.get_result(fexec.map(
@@ -267,8 +271,8 @@ def _pocketflow_used(cluster: Any) -> Callable[[], int]:
     return sample
 
 
-def run(shape: str, repeats: int, out_dir: Path, *, records: int | None = None
-        ) -> dict[str, Any]:
+def run(shape: str, repeats: int, out_dir: Path, *, records: int | None = None,
+        variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     """Run every variant ``repeats`` times; write JSON and Markdown; return the results."""
     import redis
     from lithops.constants import LITHOPS_TEMP_DIR
@@ -293,7 +297,7 @@ def run(shape: str, repeats: int, out_dir: Path, *, records: int | None = None
                 _executor("redis", {"redis": {"host": "127.0.0.1", "port": port}}) as redis_fexec:
             pf_used = _pocketflow_used(cluster)
             for repeat in range(repeats):
-                order = VARIANTS[repeat % len(VARIANTS):] + VARIANTS[:repeat % len(VARIANTS)]
+                order = variants[repeat % len(variants):] + variants[:repeat % len(variants)]
                 for variant in order:
                     if variant == "lithops-localhost":
                         done = run_storage_variant(variant, local_fexec, config, local_used)
@@ -302,7 +306,8 @@ def run(shape: str, repeats: int, out_dir: Path, *, records: int | None = None
                     else:
                         done = run_pocketflow_variant(
                             variant, local_fexec, config, cluster, pf_used,
-                            delete_inputs=variant == "pocketflow")
+                            delete_inputs=variant != "pocketflow-no-delete",
+                            layout="append" if variant == "pocketflow-append" else "objects")
                     print(f"  {variant:22s} job {done.job_s:6.2f} s, I/O per task "
                           f"{1000 * done.io_s_per_task:7.1f} ms, peak held "
                           f"{format_bytes(done.peak_held_bytes)}, "
@@ -328,7 +333,8 @@ def run(shape: str, repeats: int, out_dir: Path, *, records: int | None = None
         "runs": [asdict(r) | {"io_s_per_task": r.io_s_per_task} for r in runs],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"lithops-sort-{today()}" + ("-quick" if shape == "quick" else "")
+    stem = f"lithops-sort-{today()}" + ("-quick" if shape == "quick" else "") + (
+        "" if variants == VARIANTS else "-" + "-".join(variants))
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     (out_dir / f"{stem}.md").write_text(markdown(results))
     print(f"wrote {out_dir / stem}.json and .md")
@@ -440,7 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="runs per variant")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
     parser.add_argument("--records", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated variants to run (default: all)")
     args = parser.parse_args(argv)
+    variants = tuple(v for v in args.variants.split(",") if v)
+    if not variants or not set(variants) <= set(VARIANTS):
+        parser.error(f"--variants takes some of {','.join(VARIANTS)}")
     shape = "quick" if args.quick else "full"
     repeats = args.repeats or SHAPES[shape]["repeats"]
     if repeats < 1:
@@ -449,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= records <= SHAPES["full"]["records"] * 10:
         parser.error("--records out of range")
     forget_inherited_lithops_session()
-    results = run(shape, repeats, args.out, records=records)
+    results = run(shape, repeats, args.out, records=records, variants=variants)
     ok = all(s["all_ok"] for k, s in results["summary"].items() if isinstance(s, dict))
     return 0 if ok else 1
 

@@ -14,6 +14,7 @@ The public API::
 Importing this package does not import Ray; only starting or joining a cluster does.
 """
 
+from pocketflow.channels import AppendFile, Queue
 from pocketflow.client import Client, ObjectInfo, connect
 from pocketflow.cluster import LocalCluster
 from pocketflow.errors import (
@@ -34,6 +35,7 @@ from pocketflow.errors import (
     PermissionDenied,
     PersistNotSupported,
     PocketflowError,
+    QueueFull,
     ServerDraining,
     ServerStartError,
     StaleEpoch,
@@ -42,6 +44,7 @@ from pocketflow.errors import (
 )
 from pocketflow.handle import JobHandle, ServerInfo
 from pocketflow.job import Hints, Job, register_job
+from pocketflow.notifications import Event, Listener
 
 __version__ = "0.1.0"
 
@@ -53,6 +56,10 @@ __all__ = [
     "connect",
     "Client",
     "ObjectInfo",
+    "Queue",
+    "AppendFile",
+    "Listener",
+    "Event",
     "JobHandle",
     "ServerInfo",
     "PocketflowError",
@@ -64,6 +71,7 @@ __all__ = [
     "ObjectExists",
     "BucketExists",
     "CapacityExhausted",
+    "QueueFull",
     "InvalidRequest",
     "Unavailable",
     "ServerDraining",

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Literal, TypeVar, overload
 
+from pocketflow.channels import APPEND_SEGMENT_DEFAULT_BYTES, AppendFile, Queue
 from pocketflow.config import ClientConfig
 from pocketflow.errors import (
     BucketExists,
@@ -69,6 +70,7 @@ from pocketflow.layout import (
     new_version,
     view_of,
 )
+from pocketflow.notifications import SUBSCRIBER_EVENTS_DEFAULT, Listener
 from pocketflow.objectfile import ObjectReader, ObjectWriter
 from pocketflow.protocol import (
     ACTION_CREATE_BUCKET,
@@ -331,6 +333,26 @@ class Client:
                 raise stale
             self._adopt(stale)
         raise AssertionError("unreachable")
+
+    # -- channels ----------------------------------------------------------------------------
+
+    def queue(self, bucket: str, name: str, *, max_items: int = 1024) -> Queue:
+        """A bounded FIFO queue named ``name`` in ``bucket``, kept on the storage servers (see
+        :class:`pocketflow.channels.Queue`); it exists once something is enqueued."""
+        return Queue(self, bucket, name, max_items=max_items)
+
+    def append_file(self, bucket: str, key: str, *,
+                    segment_bytes: int = APPEND_SEGMENT_DEFAULT_BYTES) -> AppendFile:
+        """A shared append file named ``key`` in ``bucket`` (see
+        :class:`pocketflow.channels.AppendFile`); it exists once something is appended."""
+        return AppendFile(self, bucket, key, segment_bytes=segment_bytes)
+
+    def subscribe(self, bucket: str, prefix: str = "", *,
+                  ops: Iterable[str] = ("put", "delete"),
+                  capacity: int = SUBSCRIBER_EVENTS_DEFAULT) -> Listener:
+        """A listener of ``ops`` on keys of ``bucket`` starting with ``prefix``, on every server
+        of the job (see :mod:`pocketflow.notifications`); close it when done."""
+        return Listener(self, bucket, prefix, tuple(ops), capacity=capacity)
 
     # -- single objects ----------------------------------------------------------------------
 

@@ -369,11 +369,12 @@ class LocalCluster:
         hints: Hints | Mapping[str, Any] | None = None,
         *,
         lease_ms: int | None = LEASE_MS_DEFAULT,
+        **options: Any,
     ) -> Job:
         """Register a job on this cluster (see :func:`pocketflow.register_job`)."""
         from pocketflow.job import register_job
 
-        return register_job(name, hints, cluster=self, lease_ms=lease_ms)
+        return register_job(name, hints, cluster=self, lease_ms=lease_ms, **options)
 
     def __repr__(self) -> str:
         return (

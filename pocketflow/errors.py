@@ -32,6 +32,7 @@ __all__ = [
     "ObjectExists",
     "BucketExists",
     "CapacityExhausted",
+    "QueueFull",
     "InvalidRequest",
     "Unavailable",
     "ServerDraining",
@@ -41,6 +42,7 @@ __all__ = [
     "FailedPrecondition",
     "StaleEpoch",
     "PersistNotSupported",
+    "SegmentSealed",
     "InternalError",
     "ServerStartError",
     "ClusterError",
@@ -138,6 +140,12 @@ class CapacityExhausted(PocketflowError):
     grpc_code = GRPC_CODE_RESOURCE_EXHAUSTED
 
 
+class QueueFull(CapacityExhausted):
+    """A bounded queue stayed full (``max_items``) for the whole wait of an enqueue."""
+
+    kind = "queue_full"
+
+
 class InvalidRequest(PocketflowError, ValueError):
     """The request is malformed or breaks a protocol limit (also a ``ValueError``)."""
 
@@ -208,6 +216,13 @@ class PersistNotSupported(FailedPrecondition):
     kind = "persist_refused"
 
 
+class SegmentSealed(FailedPrecondition):
+    """A queue or append-file segment is sealed; the client goes on in the next segment (the
+    public API handles it and never raises it)."""
+
+    kind = "sealed"
+
+
 class InternalError(PocketflowError):
     """The server failed in a way it did not expect; a bug worth reporting."""
 
@@ -247,6 +262,8 @@ _KIND_TO_CLASS: dict[str, type[PocketflowError]] = {
         StaleEpoch,
         PersistNotSupported,
         InternalError,
+        QueueFull,
+        SegmentSealed,
     )
     if cls.kind is not None
 }

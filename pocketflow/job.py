@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -16,6 +16,12 @@ from pocketflow.auth import token_expiry_unix_ms
 from pocketflow.config import parse_size
 from pocketflow.control.leases import LEASE_MS_DEFAULT, check_lease_ms
 from pocketflow.errors import JobNotRegistered
+from pocketflow.prefixes import (
+    PREFIX_LEASE_MS_DEFAULT,
+    PrefixKeeper,
+    PrefixLeases,
+    check_prefix_lease_ms,
+)
 
 if TYPE_CHECKING:
     from pocketflow.client import Client
@@ -102,8 +108,11 @@ class Job:
     """
 
     def __init__(
-        self, handle: JobHandle, control: ControlPlane, *, lease_ms: int | None = None
+        self, handle: JobHandle, control: ControlPlane, *, lease_ms: int | None = None,
+        prefix_lease_ms: int = PREFIX_LEASE_MS_DEFAULT,
     ) -> None:
+        self._prefix_lease_ms = check_prefix_lease_ms(prefix_lease_ms)
+        self._prefix_leases: PrefixLeases | None = None
         self._handle = handle
         self._control = control
         self._lock = threading.Lock()
@@ -175,6 +184,35 @@ class Job:
                            now_unix_ms=int(time.time() * 1000)):
             self.renew_token()
 
+    # -- prefix leases (pocketflow.prefixes) -------------------------------------------------
+
+    @property
+    def prefix_leases(self) -> PrefixLeases:
+        """The job's prefix leases (declared prefixes, lease length, batched renewal)."""
+        if self._prefix_leases is None:
+            leases = PrefixLeases(self.connect(), lease_ms=self._prefix_lease_ms)
+            with self._lock:
+                if self._prefix_leases is None:
+                    self._prefix_leases = leases
+        return self._prefix_leases
+
+    def declare(self, prefix: str, parents: Iterable[str] = ()) -> None:
+        """Declare a prefix of the job's DAG (``"map/7"``) with the prefixes it depends on, and
+        start its lease (``prefix_lease_ms``, default 1 s) on every storage server. Keys under
+        ``<prefix>/`` (objects, queues, append files, every bucket) are freed by the servers
+        when the lease lapses; see :mod:`pocketflow.prefixes`."""
+        self.prefix_leases.declare(prefix, parents)
+
+    def renew(self, prefixes: Iterable[str]) -> int:
+        """Renew declared ``prefixes`` with their ancestors and descendants, in one call per
+        storage server; returns how many prefixes that covered."""
+        return self.prefix_leases.renew(prefixes)
+
+    def keep(self, prefixes: Iterable[str]) -> PrefixKeeper:
+        """Renew ``prefixes`` every third of the lease on a thread until the keeper is closed
+        (use it as a context manager; :meth:`PrefixKeeper.release` drops one prefix)."""
+        return PrefixKeeper(self.prefix_leases, prefixes)
+
     def status(self) -> dict[str, Any]:
         """The cluster's status (servers, tiers, jobs) as the controller reports it."""
         return self._control.status()
@@ -231,6 +269,7 @@ def register_job(
     *,
     cluster: LocalCluster | ControlPlane | _HasControlPlane | None = None,
     lease_ms: int | None = LEASE_MS_DEFAULT,
+    prefix_lease_ms: int = PREFIX_LEASE_MS_DEFAULT,
 ) -> Job:
     """Register a job and return it; use the result as a context manager.
 
@@ -243,13 +282,15 @@ def register_job(
     controller every ``lease_ms / 3``; if this process dies, the lease runs out and the controller
     deregisters the job (freeing its non-PERSIST data) within about ``lease_ms`` plus one monitor
     pass. ``lease_ms=None`` takes no lease: the job then lives until it is deregistered.
+    ``prefix_lease_ms`` is the lease of the prefixes the job declares (:meth:`Job.declare`).
     """
     coerced = Hints.coerce(hints)
     if lease_ms is not None:
         check_lease_ms(lease_ms)  # before registering: a refused lease leaves no job behind
+    check_prefix_lease_ms(prefix_lease_ms)
     control = _resolve_control_plane(cluster)
     handle = control.register(name, coerced.to_dict())
-    return Job(handle, control, lease_ms=lease_ms)
+    return Job(handle, control, lease_ms=lease_ms, prefix_lease_ms=prefix_lease_ms)
 
 
 def token_half_gone(token: str, *, received_unix_ms: int, now_unix_ms: int) -> bool:

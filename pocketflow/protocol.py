@@ -56,6 +56,24 @@ WAIT_KEYS_MAX = 1024
 """Most keys one ``wait`` action names."""
 WAIT_TIMEOUT_MAX_MS = 30_000
 """Longest a ``wait`` action is parked before it returns the keys still missing."""
+CHANNEL_WAIT_MAX_MS = 10_000
+"""Longest a queue op parks on the server; a client waits longer by repeating the op."""
+QUEUE_ITEMS_MAX = 1 << 20
+"""Most items one queue segment holds."""
+APPEND_SEGMENT_MAX_BYTES = 64 * 1024 * 1024
+"""Largest append-file segment."""
+APPEND_READ_MAX_BYTES = 1024 * 1024
+"""Most bytes one append-file read returns."""
+SUBSCRIBER_EVENTS_MAX = 65_536
+"""Most events one subscription keeps before it loses its oldest."""
+EVENTS_BATCH_MAX = 1024
+"""Most events one ``events`` call returns."""
+LEASE_MS_MIN = 100
+"""Shortest prefix lease."""
+LEASE_MS_MAX = 600_000
+"""Longest prefix lease."""
+LEASE_PREFIXES_MAX = 4096
+"""Most prefixes one ``renew_leases`` call names."""
 
 # -- exchange operations ---------------------------------------------------------------------------
 
@@ -63,6 +81,12 @@ OP_PUT = 1
 OP_GET = 2
 OP_DELETE = 3
 OP_LOOKUP = 4
+OP_ENQUEUE = 5
+OP_DEQUEUE = 6
+OP_QUEUE_INFO = 7
+OP_APPEND = 8
+OP_READ_APPEND = 9
+OP_READ_RECORDS = 10
 
 OP_FLAG_DELETE = 1
 """GET: remove the object as part of the read (DELETE-on-read)."""
@@ -70,6 +94,8 @@ OP_FLAG_PERSIST = 2
 """PUT: the object is PERSIST."""
 OP_FLAG_OVERWRITE = 4
 """PUT: replace an existing object instead of failing with ``already_exists``."""
+OP_FLAG_SEAL = 8
+"""QUEUE_INFO and READ_APPEND: seal the segment (creating it sealed if absent)."""
 
 REPLY_FLAG_HEADER = 1
 """Reply flag: a 32-byte object header follows the reply's fixed part."""
@@ -92,6 +118,10 @@ ACTION_STATS = "stats"
 ACTION_DRAIN = "drain"
 ACTION_SET_CORES = "set_cores"
 ACTION_WAIT = "wait"
+ACTION_SUBSCRIBE = "subscribe"
+ACTION_EVENTS = "events"
+ACTION_UNSUBSCRIBE = "unsubscribe"
+ACTION_RENEW_LEASES = "renew_leases"
 
 DATA_COLUMN_NAME = "data"
 """Name of the single non-nullable binary column of DoPut and DoGet streams."""

@@ -21,6 +21,8 @@ from pocketflow.errors import (
     PermissionDenied,
     PersistNotSupported,
     PocketflowError,
+    QueueFull,
+    SegmentSealed,
     ServerDraining,
     StaleEpoch,
     Unavailable,
@@ -42,6 +44,8 @@ PROTOCOL_TABLE = [
     ("stale_epoch", 9, StaleEpoch),
     ("persist_refused", 9, PersistNotSupported),
     ("internal", 13, InternalError),
+    ("queue_full", 8, QueueFull),
+    ("sealed", 9, SegmentSealed),
 ]
 
 

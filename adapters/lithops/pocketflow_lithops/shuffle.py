@@ -111,6 +111,10 @@ INPUT_WAIT_DEFAULT_S = 300.0
 """Default bound on how long a reducer waits for all of its inputs."""
 REGENERATE_ROUNDS_MAX = 3
 """Default bound on rounds of rerunning mappers and reducers after lost partitions."""
+MARKERS_PREFIX = "done"
+"""Lease prefix of the append layout's mapper markers (``done/m00003``)."""
+LAYOUTS = ("objects", "append")
+"""Shuffle layouts: one object per (mapper, reducer), or one append file per reducer."""
 REDUCE_RETRIES_DEFAULT = 2
 """Default bound on how many times the driver submits one reducer again after its task failed."""
 CONSUMING_PREFIX = "consuming/"
@@ -128,6 +132,11 @@ READ_THREADS_MAX = 8
 """Most inputs one reducer reads at once."""
 WORKER_CLIENTS_MAX = 4
 """Most pocketflow clients one worker process keeps open between tasks."""
+
+
+def reducer_prefix(reducer: int) -> str:
+    """The lease prefix of everything addressed to one reducer (its inputs, its file)."""
+    return f"r{reducer:05d}"
 
 
 def shuffle_key(*, mapper: int, reducer: int) -> str:
@@ -271,6 +280,8 @@ def shuffle(
     client_options: dict[str, Any] | None = None,
     delete_inputs: bool = True,
     timeout_s: float | None = None,
+    layout: str = "objects",
+    prefix_lease_ms: int | None = None,
 ) -> ShuffleResult:
     """Run a map/shuffle/reduce on a ``lithops.FunctionExecutor``, shuffling through pocketflow.
 
@@ -287,7 +298,14 @@ def shuffle(
     ``delete_inputs=False`` reads the shuffle objects without DELETE (they then live until the
     job is deregistered); it exists to measure what DELETE saves. ``timeout_s`` bounds each wait
     for a stage's Lithops results (Lithops raises ``TimeoutError``; it arms ``SIGALRM``, so pass
-    it only from the main thread).
+    it only from the main thread). ``layout="append"`` shuffles through one shared append file
+    per reducer instead of one object per (mapper, reducer)
+    (:mod:`pocketflow_lithops.append_shuffle`: no regeneration, no reducer retries).
+    ``prefix_lease_ms`` scopes the shuffle's data to prefix leases (:mod:`pocketflow.prefixes`):
+    one prefix per reducer (``r00003``) and one for the mappers' markers (``done``), renewed by
+    the driver every third of the lease while the shuffle runs; if the driver dies, the servers
+    free the shuffle's data one lease later instead of when the job's lease runs out. With
+    ``job=``, that job's ``prefix_lease_ms`` applies.
 
     Raises :class:`ShuffleFailed` when lost partitions could not be regenerated within
     ``regenerate_rounds_max`` rounds or a reducer's inputs did not arrive, and whatever a mapper
@@ -305,19 +323,24 @@ def shuffle(
         raise ValueError("regenerate_rounds_max must be >= 0")
     if reduce_retries < 0:
         raise ValueError("reduce_retries must be >= 0")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if job is not None:
         return _run(fexec, job, map_function, reduce_function, map_inputs, reducers,
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
-                    reduce_retries, client_options, delete_inputs, timeout_s)
+                    reduce_retries, client_options, delete_inputs, timeout_s, layout,
+                    prefix_lease_ms is not None)
     hints = Hints(
         max_concurrent_tasks=min(mappers + reducers, 1_000_000),
         data_size_bytes=input_size_bytes,
     )
     # The context manager deregisters the job also when a task (or this driver) fails.
-    with register_job(name, hints, cluster=cluster) as own_job:
+    leases = {} if prefix_lease_ms is None else {"prefix_lease_ms": prefix_lease_ms}
+    with register_job(name, hints, cluster=cluster, **leases) as own_job:
         return _run(fexec, own_job, map_function, reduce_function, map_inputs, reducers,
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
-                    reduce_retries, client_options, delete_inputs, timeout_s)
+                    reduce_retries, client_options, delete_inputs, timeout_s, layout,
+                    prefix_lease_ms is not None)
 
 
 def _run(
@@ -325,7 +348,28 @@ def _run(
     reduce_function: Callable[[int, list[bytes]], Any], map_inputs: Sequence[Any],
     reducers: int, persist_output: bool, output_bucket: str, input_wait_s: float,
     regenerate_rounds_max: int, reduce_retries: int, client_options: dict[str, Any] | None,
-    delete_inputs: bool, timeout_s: float | None,
+    delete_inputs: bool, timeout_s: float | None, layout: str = "objects",
+    scoped: bool = False,
+) -> ShuffleResult:
+    if not scoped:
+        return _run_stages(fexec, job, map_function, reduce_function, map_inputs, reducers,
+                           persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
+                           reduce_retries, client_options, delete_inputs, timeout_s, layout)
+    prefixes = [reducer_prefix(r) for r in range(reducers)] + [MARKERS_PREFIX]
+    for prefix in prefixes:
+        job.declare(prefix)
+    with job.keep(prefixes):
+        return _run_stages(fexec, job, map_function, reduce_function, map_inputs, reducers,
+                           persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
+                           reduce_retries, client_options, delete_inputs, timeout_s, layout)
+
+
+def _run_stages(
+    fexec: Any, job: Job, map_function: Callable[..., Any],
+    reduce_function: Callable[[int, list[bytes]], Any], map_inputs: Sequence[Any],
+    reducers: int, persist_output: bool, output_bucket: str, input_wait_s: float,
+    regenerate_rounds_max: int, reduce_retries: int, client_options: dict[str, Any] | None,
+    delete_inputs: bool, timeout_s: float | None, layout: str,
 ) -> ShuffleResult:
     started = time.perf_counter()
     started_unix_s = time.time()
@@ -347,6 +391,11 @@ def _run(
             client_options=tuple(sorted(options.items())),
             delete_inputs=delete_inputs,
         )
+        if layout == "append":
+            from pocketflow_lithops.append_shuffle import run_append_layout
+
+            return run_append_layout(fexec, pf, job.job_id, map_function, reduce_function,
+                                     map_inputs, spec, timeout_s)
         map_calls = [_MapCall(spec, map_function, item, m, None)
                      for m, item in enumerate(map_inputs)]
         reduce_calls = [_ReduceCall(spec, reduce_function, r) for r in range(reducers)]

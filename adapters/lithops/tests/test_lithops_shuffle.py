@@ -175,6 +175,43 @@ def test_sort_output_persists_and_reducers_wait_for_late_mappers(
     assert reducer_started_s >= result.map_values[0] - 0.01  # read only after the write
 
 
+def test_the_append_layout_delivers_the_same_partitions_and_sorts(
+    local_cluster: LocalCluster, fexec: Any
+) -> None:
+    baseline = used_bytes(local_cluster)
+    expected = [
+        f"{r}:".encode() + b"".join(bytes([m]) * (10 * (r + 1)) + b"|" for m in (1, 2, 3))
+        for r in range(3)
+    ]
+    # Both layouts with their data scoped to prefix leases (1 s, renewed by the driver).
+    for layout in ("objects", "append"):
+        scoped = shuffle(fexec, _emit_bytes, _join, [1, 2, 3], reducers=3,
+                         cluster=local_cluster, input_size_bytes=1000,
+                         timeout_s=SHUFFLE_TIMEOUT_S, layout=layout, prefix_lease_ms=1000)
+        assert scoped.outputs == expected, layout
+    result = shuffle(fexec, _emit_bytes, _join, [1, 2, 3], reducers=3, cluster=local_cluster,
+                     input_size_bytes=1000, timeout_s=SHUFFLE_TIMEOUT_S, layout="append")
+    assert result.map_values == [100, 200, 300]
+    assert result.outputs == expected
+    assert result.bytes_shuffled == sum(3 * (10 * (r + 1) + 1) for r in range(3))
+    # A sort whose partitions take many records each (100 KB per mapper and reducer).
+    config = SortConfig(mappers=3, reducers=2, records=6_000, seed=9)
+    result = shuffle(fexec, functools.partial(map_records, config), reduce_records, range(3),
+                     reducers=2, cluster=local_cluster, persist_output=True,
+                     input_size_bytes=config.input_bytes, timeout_s=SHUFFLE_TIMEOUT_S,
+                     layout="append")
+    checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
+    with pocketflow.connect(result.handle_json) as pf:
+        parts = [records_from(pf.get(o.bucket, o.key, delete=True)) for o in result.outputs]
+    assert sum(p.shape[0] for p in parts) == 6_000
+    assert all(is_sorted(p) for p in parts)
+    assert sum(record_checksum(p) for p in parts) % (1 << 64) == checksum
+    assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)
+    with pytest.raises(ValueError):
+        shuffle(fexec, _emit_bytes, _join, [1], reducers=1, cluster=local_cluster,
+                layout="columns")
+
+
 def test_a_failing_mapper_fails_the_shuffle_and_deregisters_its_job(
     local_cluster: LocalCluster, fexec: Any
 ) -> None:

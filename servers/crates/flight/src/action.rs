@@ -8,8 +8,13 @@ use pocketflow_protocol::action::{
     JobUsageJson, KeyEntry, ObjectRequest, PrefixRequest, SetCoresRequest, SetCoresResult,
     SetEpochRequest, StatsReport, WaitRequest, WaitResult,
 };
+use pocketflow_protocol::action::{
+    EventJson, EventsRequest, EventsResult, RenewLeasesRequest, RenewLeasesResult,
+    SubscribeRequest, SubscribeResult,
+};
 use pocketflow_protocol::context::{check_job_id, parse_json};
 use pocketflow_protocol::ProtocolError;
+use pocketflow_store::events::EventOp;
 use serde::Serialize;
 
 use tokio::time::{Duration, Instant};
@@ -124,6 +129,62 @@ pub(crate) async fn run(
             }))
         }
         ActionName::Wait => wait(state, job, body).await,
+        ActionName::Subscribe => {
+            let req = SubscribeRequest::parse(body)?;
+            let ops = req
+                .ops
+                .iter()
+                .map(|name| {
+                    EventOp::from_name(name).ok_or(ProtocolError::Field {
+                        what: "ops",
+                        why: "names put, delete, enqueue, dequeue or lease_expired",
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let subscription =
+                store
+                    .events()
+                    .subscribe(job, &req.bucket, &req.prefix, &ops, req.capacity)?;
+            Ok(json(&SubscribeResult { subscription }))
+        }
+        ActionName::Events => {
+            let req = EventsRequest::parse(body)?;
+            let _permit = state.waits.clone().try_acquire_owned().map_err(|_| {
+                ServiceError::ResourceBound {
+                    what: "parked waits",
+                    max: WAITS_PARKED_MAX,
+                }
+            })?;
+            let (events, dropped) = store
+                .events()
+                .poll(
+                    job,
+                    req.subscription,
+                    req.max,
+                    Duration::from_millis(req.timeout_ms),
+                )
+                .await?;
+            let events = events
+                .into_iter()
+                .map(|e| EventJson {
+                    seq: e.seq,
+                    op: e.op.as_str().to_string(),
+                    bucket: e.bucket,
+                    key: e.key,
+                })
+                .collect();
+            Ok(json(&EventsResult { events, dropped }))
+        }
+        ActionName::Unsubscribe => {
+            let req = EventsRequest::parse(body)?;
+            store.events().unsubscribe(job, req.subscription)?;
+            Ok(json(&serde_json::json!({})))
+        }
+        ActionName::RenewLeases => {
+            let req = RenewLeasesRequest::parse(body)?;
+            let leases = store.renew_leases(job, &req.prefixes, req.lease_ms)?;
+            Ok(json(&RenewLeasesResult { leases }))
+        }
     }
 }
 

@@ -10,9 +10,11 @@ use futures::stream::{BoxStream, FuturesUnordered};
 use futures::{FutureExt, StreamExt};
 use pocketflow_protocol::descriptor::ExchangeDescriptor;
 use pocketflow_protocol::frame::{
-    decode_request_frame, OpCode, Reply, ReplyFrameBuilder, RequestOp, STATUS_OK,
+    decode_request_frame, ChannelArgs, OpCode, Reply, ReplyFrameBuilder, RequestOp, OP_FLAG_SEAL,
+    STATUS_OK,
 };
 use pocketflow_protocol::limits::SESSION_INFLIGHT_MAX;
+use pocketflow_store::channels::{AppendState, QueueState};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
@@ -259,12 +261,7 @@ async fn run_op(state: Arc<ServiceState>, job: Arc<str>, pending: PendingOp) -> 
     let request_id = pending.op.request_id;
     state.stats.counters.add_ops(1);
     let started = std::time::Instant::now();
-    let op_name = match pending.op.op {
-        OpCode::Put => "put",
-        OpCode::Get => "get",
-        OpCode::Delete => "delete",
-        OpCode::Lookup => "lookup",
-    };
+    let op_name = pending.op.op.name();
     let result = match pending.stale_map {
         Some(map_json) => Err(ServiceError::StaleEpoch { map_json }),
         None => execute(&state, &job, pending.op).await,
@@ -323,5 +320,92 @@ async fn execute(
             Bytes::new(),
         )),
         OpCode::Lookup => Ok((Some(store.lookup(job, &op.bucket, &op.key)?), Bytes::new())),
+        _ => execute_channel(state, job, op).await,
     }
+}
+
+/// A queue or append-file op; its arguments and results travel as [`ChannelArgs`] in the op's
+/// and the reply's header (docs/PROTOCOL.md, "Queues and append files").
+async fn execute_channel(
+    state: &ServiceState,
+    job: &str,
+    op: RequestOp,
+) -> Result<OpOutcome, ServiceError> {
+    let store = &state.store;
+    let args = ChannelArgs::of_header(&op.header);
+    let (bucket, name, segment) = (op.bucket.as_str(), op.key.as_str(), args.c);
+    let queue_reply = |s: QueueState, a: u64| ChannelArgs {
+        a,
+        b: s.items,
+        c: segment,
+        d: s.max_items,
+        e: u32::from(s.sealed),
+    };
+    let append_reply = |s: AppendState, a: u64| ChannelArgs {
+        a,
+        b: s.len_bytes,
+        c: segment,
+        d: u32::try_from(s.records).unwrap_or(u32::MAX),
+        e: u32::from(s.sealed),
+    };
+    let seal = op.flags & OP_FLAG_SEAL != 0;
+    let (reply, body) = match op.op {
+        OpCode::Enqueue => {
+            state.drain.check_write(&state.node_id)?;
+            state.auth.check_may_write(job)?;
+            state.stats.counters.add_in(op.value.len() as u64);
+            let s = store
+                .enqueue(job, bucket, name, segment, args.d, op.value, args.a)
+                .await?;
+            (queue_reply(s, 0), Bytes::new())
+        }
+        OpCode::Dequeue => {
+            let (item, s) = store.dequeue(job, bucket, name, segment, args.a).await?;
+            let present = u64::from(item.is_some());
+            let item = item.unwrap_or_default();
+            state.stats.counters.add_out(item.len() as u64);
+            (queue_reply(s, present), item)
+        }
+        OpCode::QueueInfo => {
+            let s = store.queue_info(job, bucket, name, segment, seal, args.d)?;
+            (queue_reply(s, u64::from(s.exists)), Bytes::new())
+        }
+        OpCode::Append => {
+            state.drain.check_write(&state.node_id)?;
+            state.auth.check_may_write(job)?;
+            state.stats.counters.add_in(op.value.len() as u64);
+            let (offset, index) = store
+                .append(job, bucket, name, segment, args.b, op.value)
+                .await?;
+            let reply = ChannelArgs {
+                a: index,
+                b: offset,
+                c: segment,
+                ..Default::default()
+            };
+            (reply, Bytes::new())
+        }
+        OpCode::ReadAppend if seal => {
+            let s = store.seal_append(job, bucket, name, segment)?;
+            (append_reply(s, u64::from(s.exists)), Bytes::new())
+        }
+        OpCode::ReadAppend => {
+            let (bytes, s) = store
+                .read_append(job, bucket, name, segment, args.a, args.d)
+                .await?;
+            state.stats.counters.add_out(bytes.len() as u64);
+            (append_reply(s, u64::from(s.exists)), bytes)
+        }
+        OpCode::ReadRecords => {
+            let (bytes, count, s) = store
+                .read_records(job, bucket, name, segment, args.a, args.d)
+                .await?;
+            state.stats.counters.add_out(bytes.len() as u64);
+            (append_reply(s, count), bytes)
+        }
+        OpCode::Put | OpCode::Get | OpCode::Delete | OpCode::Lookup => {
+            unreachable!("object ops are run by execute")
+        }
+    };
+    Ok((Some(reply.to_header()), body))
 }

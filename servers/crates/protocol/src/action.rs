@@ -7,7 +7,10 @@ use serde::{Deserialize, Serialize};
 use crate::context::{check_bucket, check_job_id, check_key, check_prefix, parse_json, Context};
 use crate::error::ProtocolError;
 use crate::header::{ObjectHeader, HEADER_FLAG_PERSIST};
-use crate::limits::{ENUMERATE_LIMIT_MAX, EPOCH_MAP_MAX_BYTES, WAIT_KEYS_MAX, WAIT_TIMEOUT_MAX_MS};
+use crate::limits::{
+    ENUMERATE_LIMIT_MAX, EPOCH_MAP_MAX_BYTES, EVENTS_BATCH_MAX, LEASE_MS_MAX, LEASE_MS_MIN,
+    LEASE_PREFIXES_MAX, SUBSCRIBER_EVENTS_MAX, WAIT_KEYS_MAX, WAIT_TIMEOUT_MAX_MS,
+};
 
 /// Every action the server answers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -38,11 +41,19 @@ pub enum ActionName {
     SetCores,
     /// Park until every named key of a bucket exists or a deadline passes.
     Wait,
+    /// Subscribe to a job's operations on a bucket prefix.
+    Subscribe,
+    /// The next events of a subscription (parks until one arrives).
+    Events,
+    /// End a subscription.
+    Unsubscribe,
+    /// Renew (or start) prefix leases.
+    RenewLeases,
 }
 
 impl ActionName {
     /// Every action, in the order of docs/PROTOCOL.md.
-    pub const ALL: [ActionName; 13] = [
+    pub const ALL: [ActionName; 17] = [
         ActionName::Lookup,
         ActionName::Delete,
         ActionName::DeleteBlocks,
@@ -56,6 +67,10 @@ impl ActionName {
         ActionName::Drain,
         ActionName::SetCores,
         ActionName::Wait,
+        ActionName::Subscribe,
+        ActionName::Events,
+        ActionName::Unsubscribe,
+        ActionName::RenewLeases,
     ];
 
     /// The action type string.
@@ -74,6 +89,10 @@ impl ActionName {
             ActionName::Drain => "drain",
             ActionName::SetCores => "set_cores",
             ActionName::Wait => "wait",
+            ActionName::Subscribe => "subscribe",
+            ActionName::Events => "events",
+            ActionName::Unsubscribe => "unsubscribe",
+            ActionName::RenewLeases => "renew_leases",
         }
     }
 
@@ -126,6 +145,14 @@ impl ActionName {
             ActionName::Wait => {
                 "park until every key exists or the deadline passes: {bucket, keys, timeout_ms}"
             }
+            ActionName::Subscribe => {
+                "subscribe to ops on a bucket prefix: {bucket, prefix, ops, capacity?}"
+            }
+            ActionName::Events => {
+                "next events of a subscription, parked until one comes: {subscription, timeout_ms, max?}"
+            }
+            ActionName::Unsubscribe => "end a subscription: {subscription}",
+            ActionName::RenewLeases => "renew or start prefix leases: {prefixes, lease_ms}",
         }
     }
 }
@@ -259,6 +286,159 @@ pub struct WaitRequest {
     pub keys: Vec<String>,
     /// Longest the call is parked, 0..=`WAIT_TIMEOUT_MAX_MS` (0 only checks).
     pub timeout_ms: u64,
+}
+
+/// `subscribe`: which operations on which keys, and how many events to keep.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SubscribeRequest {
+    /// Who is asking.
+    pub ctx: Context,
+    /// Bucket.
+    pub bucket: String,
+    /// Key prefix; empty: every key.
+    #[serde(default)]
+    pub prefix: String,
+    /// Operations: `put`, `delete`, `enqueue`, `dequeue`, `lease_expired` (1..=5 of them).
+    pub ops: Vec<String>,
+    /// Events kept before the oldest is lost, 1..=`SUBSCRIBER_EVENTS_MAX` (default 4096).
+    #[serde(default = "subscriber_events_default")]
+    pub capacity: usize,
+}
+
+fn subscriber_events_default() -> usize {
+    4096
+}
+
+impl SubscribeRequest {
+    /// Parse and validate.
+    pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
+        let req: Self = parse_json("action body", body)?;
+        check_bucket(&req.bucket)?;
+        check_prefix(&req.prefix)?;
+        if req.ops.is_empty() || req.ops.len() > 5 {
+            return Err(ProtocolError::Field {
+                what: "ops",
+                why: "must name 1..=5 operations",
+            });
+        }
+        if req.capacity == 0 || req.capacity > SUBSCRIBER_EVENTS_MAX {
+            return Err(ProtocolError::Field {
+                what: "capacity",
+                why: "must be in 1..=SUBSCRIBER_EVENTS_MAX",
+            });
+        }
+        Ok(req)
+    }
+}
+
+/// Result of `subscribe`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SubscribeResult {
+    /// The subscription's id on this server.
+    pub subscription: u64,
+}
+
+/// `events` and `unsubscribe`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventsRequest {
+    /// Who is asking.
+    pub ctx: Context,
+    /// The subscription.
+    pub subscription: u64,
+    /// `events`: longest the call is parked, 0..=`WAIT_TIMEOUT_MAX_MS`.
+    #[serde(default)]
+    pub timeout_ms: u64,
+    /// `events`: most events returned, 1..=`EVENTS_BATCH_MAX` (default and most).
+    #[serde(default = "events_batch_default")]
+    pub max: usize,
+}
+
+fn events_batch_default() -> usize {
+    EVENTS_BATCH_MAX
+}
+
+impl EventsRequest {
+    /// Parse and validate.
+    pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
+        let req: Self = parse_json("action body", body)?;
+        if req.timeout_ms > WAIT_TIMEOUT_MAX_MS {
+            return Err(ProtocolError::Field {
+                what: "timeout_ms",
+                why: "must be at most WAIT_TIMEOUT_MAX_MS",
+            });
+        }
+        if req.max == 0 || req.max > EVENTS_BATCH_MAX {
+            return Err(ProtocolError::Field {
+                what: "max",
+                why: "must be in 1..=EVENTS_BATCH_MAX",
+            });
+        }
+        Ok(req)
+    }
+}
+
+/// One event of an `events` result.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventJson {
+    /// The server's sequence number of the event.
+    pub seq: u64,
+    /// The operation's name.
+    pub op: String,
+    /// Bucket (empty for `lease_expired`).
+    pub bucket: String,
+    /// Key, queue name or lease prefix.
+    pub key: String,
+}
+
+/// Result of `events`: the events, oldest first, and how many were lost before them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventsResult {
+    /// Events in this server's order.
+    pub events: Vec<EventJson>,
+    /// Events lost (the subscription's oldest, when it was full) since the previous call.
+    pub dropped: u64,
+}
+
+/// `renew_leases`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RenewLeasesRequest {
+    /// Who is asking.
+    pub ctx: Context,
+    /// Prefixes whose leases are renewed (1..=`LEASE_PREFIXES_MAX`, each a non-empty key
+    /// prefix without the trailing `/`).
+    pub prefixes: Vec<String>,
+    /// Lease length, `LEASE_MS_MIN..=LEASE_MS_MAX`.
+    pub lease_ms: u64,
+}
+
+impl RenewLeasesRequest {
+    /// Parse and validate.
+    pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
+        let req: Self = parse_json("action body", body)?;
+        if req.prefixes.is_empty() || req.prefixes.len() > LEASE_PREFIXES_MAX {
+            return Err(ProtocolError::Field {
+                what: "prefixes",
+                why: "must hold 1..=LEASE_PREFIXES_MAX prefixes",
+            });
+        }
+        for prefix in &req.prefixes {
+            check_key(prefix)?;
+        }
+        if !(LEASE_MS_MIN..=LEASE_MS_MAX).contains(&req.lease_ms) {
+            return Err(ProtocolError::Field {
+                what: "lease_ms",
+                why: "must be in LEASE_MS_MIN..=LEASE_MS_MAX",
+            });
+        }
+        Ok(req)
+    }
+}
+
+/// Result of `renew_leases`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RenewLeasesResult {
+    /// Leases the job holds on this server after the renewal.
+    pub leases: usize,
 }
 
 /// Result of `wait`: the awaited keys still absent when it returned (empty: all present).

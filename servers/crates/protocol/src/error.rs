@@ -31,6 +31,11 @@ pub enum ErrorKind {
     PersistRefused,
     /// A bug or an unexpected I/O failure in the server.
     Internal,
+    /// A queue segment holds its `max_items` and stayed full for the op's whole wait.
+    QueueFull,
+    /// A queue or append-file segment is sealed (full, or its server ran out of room): the
+    /// writer goes on in the next segment.
+    Sealed,
 }
 
 /// gRPC status code numbers used by [`ErrorKind::grpc_code`].
@@ -55,7 +60,7 @@ pub mod grpc_code {
 
 impl ErrorKind {
     /// Every kind, in the order of the table in docs/PROTOCOL.md.
-    pub const ALL: [ErrorKind; 12] = [
+    pub const ALL: [ErrorKind; 14] = [
         ErrorKind::NotFound,
         ErrorKind::BucketNotFound,
         ErrorKind::JobNotRegistered,
@@ -68,6 +73,8 @@ impl ErrorKind {
         ErrorKind::StaleEpoch,
         ErrorKind::PersistRefused,
         ErrorKind::Internal,
+        ErrorKind::QueueFull,
+        ErrorKind::Sealed,
     ];
 
     /// The kind's wire name, e.g. `"not_found"`.
@@ -85,6 +92,8 @@ impl ErrorKind {
             ErrorKind::StaleEpoch => "stale_epoch",
             ErrorKind::PersistRefused => "persist_refused",
             ErrorKind::Internal => "internal",
+            ErrorKind::QueueFull => "queue_full",
+            ErrorKind::Sealed => "sealed",
         }
     }
 
@@ -102,11 +111,13 @@ impl ErrorKind {
                 grpc_code::NOT_FOUND
             }
             ErrorKind::AlreadyExists | ErrorKind::BucketExists => grpc_code::ALREADY_EXISTS,
-            ErrorKind::CapacityExhausted => grpc_code::RESOURCE_EXHAUSTED,
+            ErrorKind::CapacityExhausted | ErrorKind::QueueFull => grpc_code::RESOURCE_EXHAUSTED,
             ErrorKind::InvalidArgument => grpc_code::INVALID_ARGUMENT,
             ErrorKind::Draining => grpc_code::UNAVAILABLE,
             ErrorKind::PermissionDenied => grpc_code::PERMISSION_DENIED,
-            ErrorKind::StaleEpoch | ErrorKind::PersistRefused => grpc_code::FAILED_PRECONDITION,
+            ErrorKind::StaleEpoch | ErrorKind::PersistRefused | ErrorKind::Sealed => {
+                grpc_code::FAILED_PRECONDITION
+            }
             ErrorKind::Internal => grpc_code::INTERNAL,
         }
     }

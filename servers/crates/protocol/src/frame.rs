@@ -27,6 +27,8 @@ pub const OP_FLAG_DELETE: u8 = 1;
 pub const OP_FLAG_PERSIST: u8 = 2;
 /// Op flag of PUT: replace an existing object.
 pub const OP_FLAG_OVERWRITE: u8 = 4;
+/// Op flag of QUEUE_INFO and APPEND_INFO: seal the segment (creating it sealed if absent).
+pub const OP_FLAG_SEAL: u8 = 8;
 /// Reply flag: a 32-byte object header follows the fixed part.
 pub const REPLY_FLAG_HEADER: u8 = 1;
 /// Reply status byte of success.
@@ -43,6 +45,18 @@ pub enum OpCode {
     Delete,
     /// Return block 0's header.
     Lookup,
+    /// Add an item at the tail of a queue segment.
+    Enqueue,
+    /// Take the item at the head of a queue segment.
+    Dequeue,
+    /// A queue segment's length, bound and seal; seals it with `OP_FLAG_SEAL`.
+    QueueInfo,
+    /// Append one record to an append-file segment.
+    Append,
+    /// Read bytes of an append-file segment by offset.
+    ReadAppend,
+    /// Read whole records of an append-file segment from a record index.
+    ReadRecords,
 }
 
 impl OpCode {
@@ -53,6 +67,12 @@ impl OpCode {
             OpCode::Get => 2,
             OpCode::Delete => 3,
             OpCode::Lookup => 4,
+            OpCode::Enqueue => 5,
+            OpCode::Dequeue => 6,
+            OpCode::QueueInfo => 7,
+            OpCode::Append => 8,
+            OpCode::ReadAppend => 9,
+            OpCode::ReadRecords => 10,
         }
     }
 
@@ -63,6 +83,12 @@ impl OpCode {
             2 => Ok(OpCode::Get),
             3 => Ok(OpCode::Delete),
             4 => Ok(OpCode::Lookup),
+            5 => Ok(OpCode::Enqueue),
+            6 => Ok(OpCode::Dequeue),
+            7 => Ok(OpCode::QueueInfo),
+            8 => Ok(OpCode::Append),
+            9 => Ok(OpCode::ReadAppend),
+            10 => Ok(OpCode::ReadRecords),
             other => Err(ProtocolError::OpCode(other)),
         }
     }
@@ -74,6 +100,12 @@ impl OpCode {
             OpCode::Get => "get",
             OpCode::Delete => "delete",
             OpCode::Lookup => "lookup",
+            OpCode::Enqueue => "enqueue",
+            OpCode::Dequeue => "dequeue",
+            OpCode::QueueInfo => "queue_info",
+            OpCode::Append => "append",
+            OpCode::ReadAppend => "read_append",
+            OpCode::ReadRecords => "read_records",
         }
     }
 
@@ -81,7 +113,66 @@ impl OpCode {
         match self {
             OpCode::Put => OP_FLAG_PERSIST | OP_FLAG_OVERWRITE,
             OpCode::Get => OP_FLAG_DELETE,
-            OpCode::Delete | OpCode::Lookup => 0,
+            OpCode::QueueInfo | OpCode::ReadAppend => OP_FLAG_SEAL,
+            _ => 0,
+        }
+    }
+
+    /// Whether the op's 32 header bytes are an [`ObjectHeader`] (PUT) or channel arguments
+    /// (queue and append ops); every other op sends zeros.
+    pub fn takes_header(self) -> bool {
+        !matches!(self, OpCode::Get | OpCode::Delete | OpCode::Lookup)
+    }
+
+    /// Whether the op carries a value (PUT, ENQUEUE, APPEND).
+    pub fn takes_value(self) -> bool {
+        matches!(self, OpCode::Put | OpCode::Enqueue | OpCode::Append)
+    }
+
+    /// Whether the op is a queue or append-file op (its header is [`ChannelArgs`]).
+    pub fn is_channel(self) -> bool {
+        self.takes_header() && self != OpCode::Put
+    }
+}
+
+/// The arguments of a queue or append-file op, carried in the op's 32 header bytes (and the
+/// results of its reply, in the reply's header): `u64 a, u64 b, u32 c, u32 d, u32 e, u32 0`,
+/// the same layout as an [`ObjectHeader`] (`version, size, block_count, block_size, flags`).
+/// What each field means is per op (docs/PROTOCOL.md, "Queues and append files").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ChannelArgs {
+    /// First u64 (bytes 0..8).
+    pub a: u64,
+    /// Second u64 (bytes 8..16).
+    pub b: u64,
+    /// First u32 (bytes 16..20): the segment index.
+    pub c: u32,
+    /// Second u32 (bytes 20..24).
+    pub d: u32,
+    /// Third u32 (bytes 24..28).
+    pub e: u32,
+}
+
+impl ChannelArgs {
+    /// The arguments as the header fields that carry them.
+    pub fn to_header(self) -> ObjectHeader {
+        ObjectHeader {
+            version: self.a,
+            size: self.b,
+            block_count: self.c,
+            block_size: self.d,
+            flags: self.e,
+        }
+    }
+
+    /// The arguments carried by `header`'s fields.
+    pub fn of_header(header: &ObjectHeader) -> Self {
+        ChannelArgs {
+            a: header.version,
+            b: header.size,
+            c: header.block_count,
+            d: header.block_size,
+            e: header.flags,
         }
     }
 }
@@ -160,7 +251,7 @@ impl RequestOp {
         out.put_u16_le(self.key.len() as u16);
         out.put_u16_le(0);
         out.put_u32_le(self.value.len() as u32);
-        if self.op == OpCode::Put {
+        if self.op.takes_header() {
             out.put_slice(&self.header.encode());
         } else {
             out.put_bytes(0, HEADER_LEN_BYTES);
@@ -308,25 +399,22 @@ fn decode_op(cur: &mut Cursor<'_>) -> Result<RequestOp, ProtocolError> {
     let value_len = cur.u32()? as u64;
     check_len("bucket", bucket_len, BUCKET_NAME_MAX_BYTES)?;
     check_len("key", key_len, KEY_MAX_BYTES)?;
-    let header = if op == OpCode::Put {
-        if value_len > SMALL_OBJECT_MAX_BYTES {
-            return Err(ProtocolError::Length {
-                what: "value",
-                len: value_len,
-                min: 0,
-                max: SMALL_OBJECT_MAX_BYTES,
-            });
-        }
+    let value_max = if op.takes_value() {
+        SMALL_OBJECT_MAX_BYTES
+    } else {
+        0
+    };
+    if value_len > value_max {
+        return Err(ProtocolError::Length {
+            what: "value",
+            len: value_len,
+            min: 0,
+            max: value_max,
+        });
+    }
+    let header = if op.takes_header() {
         ObjectHeader::decode(cur.take(HEADER_LEN_BYTES)?)?
     } else {
-        if value_len != 0 {
-            return Err(ProtocolError::Length {
-                what: "value",
-                len: value_len,
-                min: 0,
-                max: 0,
-            });
-        }
         cur.zeros(HEADER_LEN_BYTES, "op header")?;
         ObjectHeader::default()
     };
@@ -660,8 +748,8 @@ mod tests {
             ProtocolError::Truncated { .. }
         ));
         assert!(matches!(
-            err(patched(&frame, op0 + 8, &[5])),
-            ProtocolError::OpCode(5)
+            err(patched(&frame, op0 + 8, &[11])),
+            ProtocolError::OpCode(11)
         ));
         assert!(matches!(
             err(patched(&frame, op0 + 8, &[0])),

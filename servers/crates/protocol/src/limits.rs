@@ -40,3 +40,22 @@ pub const EPOCH_MAP_MAX_BYTES: usize = 1024 * 1024;
 pub const WAIT_KEYS_MAX: usize = 1024;
 /// Longest a `wait` action is parked before it returns the keys still missing.
 pub const WAIT_TIMEOUT_MAX_MS: u64 = 30_000;
+/// Longest a queue or append op parks on the server (dequeue of an empty queue, enqueue into a
+/// full one); a client waits longer by repeating the op.
+pub const CHANNEL_WAIT_MAX_MS: u64 = 10_000;
+/// Most items one queue segment holds (its `max_items` is at most this).
+pub const QUEUE_ITEMS_MAX: u32 = 1 << 20;
+/// Largest append-file segment, in bytes (a client's segment size is at most this).
+pub const APPEND_SEGMENT_MAX_BYTES: u64 = 64 * 1024 * 1024;
+/// Most bytes one append-file read returns.
+pub const APPEND_READ_MAX_BYTES: u32 = 1024 * 1024;
+/// Most events one subscription keeps before it loses its oldest.
+pub const SUBSCRIBER_EVENTS_MAX: usize = 65_536;
+/// Most events one `events` call returns.
+pub const EVENTS_BATCH_MAX: usize = 1024;
+/// Shortest prefix lease.
+pub const LEASE_MS_MIN: u64 = 100;
+/// Longest prefix lease.
+pub const LEASE_MS_MAX: u64 = 600_000;
+/// Most prefixes one `renew_leases` call names.
+pub const LEASE_PREFIXES_MAX: usize = 4096;

@@ -11,7 +11,8 @@
 use bytes::Bytes;
 use pocketflow_protocol::action::{
     ActionName, AnyRequest, BucketRequest, DeleteBlocksRequest, DeleteJobRequest, DrainRequest,
-    EnumerateRequest, ObjectRequest, PrefixRequest, SetCoresRequest, SetEpochRequest, WaitRequest,
+    EnumerateRequest, EventsRequest, ObjectRequest, PrefixRequest, RenewLeasesRequest,
+    SetCoresRequest, SetEpochRequest, SubscribeRequest, WaitRequest,
 };
 use pocketflow_protocol::batch::{GetPieceMeta, PutPieceMeta};
 use pocketflow_protocol::context::parse_json;
@@ -22,13 +23,14 @@ use pocketflow_protocol::direct::{
 };
 use pocketflow_protocol::frame::{
     decode_reply_frame, decode_request_frame, encode_request_frame, OpCode, Reply,
-    ReplyFrameBuilder, RequestOp, OP_FLAG_DELETE, OP_FLAG_OVERWRITE, OP_FLAG_PERSIST,
+    ReplyFrameBuilder, RequestOp, OP_FLAG_DELETE, OP_FLAG_OVERWRITE, OP_FLAG_PERSIST, OP_FLAG_SEAL,
     REQUEST_FRAME_HEAD_BYTES, REQUEST_OP_HEAD_BYTES,
 };
 use pocketflow_protocol::ipc::{check_schema, decode_piece, encode_piece, is_schema_message};
 use pocketflow_protocol::limits::{
-    BLOCK_SIZE_MAX_BYTES, BUCKET_NAME_MAX_BYTES, ENUMERATE_LIMIT_MAX, FRAME_MAX_BYTES,
-    FRAME_OPS_MAX, JOB_ID_MAX_BYTES, KEY_MAX_BYTES, SMALL_OBJECT_MAX_BYTES, TICKET_RANGES_MAX,
+    BLOCK_SIZE_MAX_BYTES, BUCKET_NAME_MAX_BYTES, ENUMERATE_LIMIT_MAX, EVENTS_BATCH_MAX,
+    FRAME_MAX_BYTES, FRAME_OPS_MAX, JOB_ID_MAX_BYTES, KEY_MAX_BYTES, LEASE_MS_MAX, LEASE_MS_MIN,
+    LEASE_PREFIXES_MAX, SMALL_OBJECT_MAX_BYTES, SUBSCRIBER_EVENTS_MAX, TICKET_RANGES_MAX,
     WAIT_KEYS_MAX, WAIT_TIMEOUT_MAX_MS,
 };
 use pocketflow_protocol::ticket::GetTicket;
@@ -244,7 +246,7 @@ fn number() -> BoxedStrategy<Value> {
 }
 
 /// Field names of every JSON request, plus names no request has.
-const FIELDS: [&str; 21] = [
+const FIELDS: [&str; 27] = [
     "ctx",
     "job",
     "epoch",
@@ -265,6 +267,12 @@ const FIELDS: [&str; 21] = [
     "delete",
     "block_size",
     "persist",
+    "ops",
+    "capacity",
+    "subscription",
+    "max",
+    "prefixes",
+    "lease_ms",
     "extra",
 ];
 
@@ -331,6 +339,21 @@ fn field_value(field: &'static str) -> BoxedStrategy<Value> {
         .prop_map(Value::Array)
         .boxed(),
         "exit_when_empty" | "delete" | "persist" => any::<bool>().prop_map(Value::Bool).boxed(),
+        "capacity" | "subscription" | "max" | "lease_ms" => number(),
+        "ops" => vec(
+            prop_oneof![
+                Just("put".to_string()),
+                Just("lease_expired".to_string()),
+                text_near_bounds()
+            ]
+            .prop_map(Value::String),
+            0..7,
+        )
+        .prop_map(Value::Array)
+        .boxed(),
+        "prefixes" => vec(text_near_bounds().prop_map(Value::String), 0..4)
+            .prop_map(Value::Array)
+            .boxed(),
         _ => json_value(),
     };
     prop_oneof![4 => typed, 1 => json_value()].boxed()
@@ -429,6 +452,9 @@ fn required_fields(action: ActionName) -> &'static [&'static str] {
         ActionName::SetEpoch => &["ctx", "job", "epoch"],
         ActionName::SetCores => &["ctx", "cores"],
         ActionName::Wait => &["ctx", "bucket", "keys", "timeout_ms"],
+        ActionName::Subscribe => &["ctx", "bucket", "ops"],
+        ActionName::Events | ActionName::Unsubscribe => &["ctx", "subscription"],
+        ActionName::RenewLeases => &["ctx", "prefixes", "lease_ms"],
     }
 }
 
@@ -492,6 +518,26 @@ fn parse_action(action: ActionName, body: &[u8]) -> Result<(), ProtocolError> {
                 assert_len("key", key, 1, KEY_MAX_BYTES);
             }
             assert!(req.timeout_ms <= WAIT_TIMEOUT_MAX_MS);
+        }
+        ActionName::Subscribe => {
+            let req = SubscribeRequest::parse(body)?;
+            assert_len("bucket", &req.bucket, 1, BUCKET_NAME_MAX_BYTES);
+            assert_len("prefix", &req.prefix, 0, KEY_MAX_BYTES);
+            assert!((1..=5).contains(&req.ops.len()));
+            assert!((1..=SUBSCRIBER_EVENTS_MAX).contains(&req.capacity));
+        }
+        ActionName::Events | ActionName::Unsubscribe => {
+            let req = EventsRequest::parse(body)?;
+            assert!(req.timeout_ms <= WAIT_TIMEOUT_MAX_MS);
+            assert!((1..=EVENTS_BATCH_MAX).contains(&req.max));
+        }
+        ActionName::RenewLeases => {
+            let req = RenewLeasesRequest::parse(body)?;
+            assert!((1..=LEASE_PREFIXES_MAX).contains(&req.prefixes.len()));
+            for prefix in &req.prefixes {
+                assert_len("prefix", prefix, 1, KEY_MAX_BYTES);
+            }
+            assert!((LEASE_MS_MIN..=LEASE_MS_MAX).contains(&req.lease_ms));
         }
     }
     Ok(())
@@ -610,6 +656,12 @@ fn request_op() -> BoxedStrategy<RequestOp> {
             OpCode::Get,
             OpCode::Delete,
             OpCode::Lookup,
+            OpCode::Enqueue,
+            OpCode::Dequeue,
+            OpCode::QueueInfo,
+            OpCode::Append,
+            OpCode::ReadAppend,
+            OpCode::ReadRecords,
         ]),
         any::<u8>(),
         name(BUCKET_NAME_MAX_BYTES),
@@ -621,17 +673,25 @@ fn request_op() -> BoxedStrategy<RequestOp> {
             let allowed = match op {
                 OpCode::Put => OP_FLAG_PERSIST | OP_FLAG_OVERWRITE,
                 OpCode::Get => OP_FLAG_DELETE,
-                OpCode::Delete | OpCode::Lookup => 0,
+                OpCode::QueueInfo | OpCode::ReadAppend => OP_FLAG_SEAL,
+                _ => 0,
             };
-            let put = op == OpCode::Put;
             RequestOp {
                 request_id,
                 op,
                 flags: flags & allowed,
                 bucket,
                 key,
-                header: if put { header } else { Default::default() },
-                value: if put { value } else { Bytes::new() },
+                header: if op.takes_header() {
+                    header
+                } else {
+                    Default::default()
+                },
+                value: if op.takes_value() {
+                    value
+                } else {
+                    Bytes::new()
+                },
             }
         })
         .boxed()

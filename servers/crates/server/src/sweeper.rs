@@ -1,4 +1,5 @@
-//! The PERSIST expiry sweeper: a background task that frees PERSIST objects past their TTL.
+//! The sweepers: background tasks that free PERSIST objects past their TTL and prefixes whose
+//! leases lapsed.
 
 use std::time::{Duration, Instant};
 
@@ -12,10 +13,26 @@ pub const PERSIST_SWEEP_INTERVAL_MS: u64 = 250;
 /// rest wait for the next pass.
 pub const PERSIST_SWEEP_ENTRIES_MAX: usize = 4096;
 
+/// How often the sweeper frees the prefixes whose leases lapsed (a lapsed prefix is freed at
+/// most this long after its lease ends; leases are at least `LEASE_MS_MIN`, 100 ms, long).
+pub const LEASE_SWEEP_INTERVAL_MS: u64 = 50;
+
+/// Free lapsed prefix leases every [`LEASE_SWEEP_INTERVAL_MS`], forever.
+async fn sweep_leases(store: Store) {
+    let mut tick = tokio::time::interval(Duration::from_millis(LEASE_SWEEP_INTERVAL_MS));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        store.expire_leases(Instant::now());
+    }
+}
+
 /// Free expired PERSIST entries every [`PERSIST_SWEEP_INTERVAL_MS`], forever (the task is
-/// dropped with the runtime), counting them in `service`'s metrics. Does nothing for a store
-/// whose PERSIST entries never expire.
+/// dropped with the runtime), counting them in `service`'s metrics, and lapsed prefix leases
+/// (on a task of their own). PERSIST entries of a store whose PERSIST entries never expire are
+/// left alone.
 pub async fn run(store: Store, service: StorageService) {
+    tokio::spawn(sweep_leases(store.clone()));
     if store.persist_ttl().is_none() {
         return;
     }

@@ -189,6 +189,36 @@ pub enum StoreError {
     /// The engine's I/O thread has stopped (the engine is shutting down or crashed).
     #[error("the storage engine's I/O thread is gone")]
     EngineStopped,
+    /// A queue segment held its `max_items` for the whole wait of an enqueue.
+    #[error("queue '{name}' segment {segment} holds its maximum of {max_items} items")]
+    QueueFull {
+        /// Queue name.
+        name: String,
+        /// Segment index.
+        segment: u32,
+        /// The segment's bound.
+        max_items: u32,
+    },
+    /// A queue or append-file segment is sealed; writers go on in the next segment.
+    #[error("segment {segment} of '{name}' is sealed")]
+    Sealed {
+        /// Queue or append-file name.
+        name: String,
+        /// Segment index.
+        segment: u32,
+    },
+    /// A queue or append-file argument is outside its bound.
+    #[error("{what} {value} is not within {min}..={max}")]
+    InvalidChannelArgument {
+        /// Which argument.
+        what: &'static str,
+        /// Value given.
+        value: u64,
+        /// Smallest allowed.
+        min: u64,
+        /// Largest allowed.
+        max: u64,
+    },
 }
 
 fn path_suffix(path: &Option<PathBuf>) -> String {
@@ -221,7 +251,10 @@ impl StoreError {
             | Self::NvmePathRequired
             | Self::CapacityTooSmall { .. }
             | Self::CapacityExceedsDevice { .. }
-            | Self::DirectIoUnsupported { .. } => "invalid_argument",
+            | Self::DirectIoUnsupported { .. }
+            | Self::InvalidChannelArgument { .. } => "invalid_argument",
+            Self::QueueFull { .. } => "queue_full",
+            Self::Sealed { .. } => "sealed",
             Self::PersistRefused => "persist_refused",
             Self::Io { .. } | Self::EngineStopped => "internal",
         }

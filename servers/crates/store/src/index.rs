@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use pocketflow_protocol::ObjectHeader;
 
 use crate::capacity::{Charge, JobAccount};
+use crate::channels::{AppendSegment, QueueSegment, SegmentKey};
 use crate::engine::StoredBlock;
 
 /// Most buckets one job may have on one server.
@@ -51,11 +52,18 @@ pub(crate) struct BucketIndex {
     pub removed: bool,
     pub records: BTreeMap<String, Record>,
     pub blocks: BTreeMap<BlockKey, Arc<Stored>>,
+    /// Queue segments, by queue name and segment index.
+    pub queues: BTreeMap<SegmentKey, QueueSegment>,
+    /// Append-file segments, by file name and segment index.
+    pub appends: BTreeMap<SegmentKey, AppendSegment>,
 }
 
 impl BucketIndex {
     pub fn is_empty(&self) -> bool {
-        self.records.is_empty() && self.blocks.is_empty()
+        self.records.is_empty()
+            && self.blocks.is_empty()
+            && self.queues.is_empty()
+            && self.appends.is_empty()
     }
 }
 

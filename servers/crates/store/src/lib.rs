@@ -13,6 +13,10 @@
 //!   blocks keyed by `(key, version, index)`), write-once / overwrite, DELETE-on-read, PERSIST,
 //!   prefix and job deletion, usage, and the expiry of PERSIST entries after the server's
 //!   PERSIST time-to-live ([`Store::expire_persist`]).
+//! - [`channels`]: FIFO queues and append files, kept in segments of a bucket beside its
+//!   objects and freed with them (bucket, prefix and job deletion).
+//! - [`events`]: subscriptions to a job's operations on a prefix (notifications), and
+//!   [`leases`]: prefix leases whose lapse frees the prefix.
 //! - [`throughput`]: the start-up self-test of what the engine can move
 //!   ([`Store::measure_throughput`]).
 //!
@@ -31,17 +35,22 @@
 //!
 //! Locks nest as job map, then a job's bucket map, then one bucket, and no lock is held across
 //! an await, a copy of object bytes or I/O. Engine writers copy into their reserved extent
-//! without any lock. The lock of the parked readers (`waiters`) is never
-//! held together with an index lock.
+//! without any lock. The locks of the parked readers (`waiters`) and of the lease table
+//! (`leases`) are never held together with an index lock; the subscriptions' lock (`events`) is
+//! taken under a bucket lock (so a key's events keep the order of its operations) and never
+//! the other way round.
 
 #![warn(missing_docs)]
 
 pub mod allocator;
 mod capacity;
+pub mod channels;
 pub mod engine;
 pub mod error;
+pub mod events;
 mod expiry;
 mod index;
+pub mod leases;
 pub mod store;
 pub mod throughput;
 pub mod waiters;

@@ -16,15 +16,18 @@ use pocketflow_protocol::limits::{
 use pocketflow_protocol::ObjectHeader;
 
 use crate::capacity::{Budget, Charge, JobAccount, INDEX_ENTRY_OVERHEAD_BYTES};
+use crate::channels::{forget_channels, SegmentKey};
 use crate::engine::dram::DramEngine;
 use crate::engine::nvme::{NvmeConfig, NvmeEngine};
 use crate::engine::{BlockWriter, Engine, Tier};
 use crate::error::StoreError;
+use crate::events::{EventOp, Events};
 use crate::expiry::{Expiry, Slot};
 use crate::index::{
     lock, split_prefix, BlockKey, BucketIndex, BucketRef, JobIndex, JobMap, Record, Stored,
     BUCKETS_PER_JOB_MAX, JOBS_MAX,
 };
+use crate::leases::Leases;
 use crate::throughput::Throughput;
 use crate::waiters::{Waiter, Waiters};
 
@@ -86,6 +89,14 @@ struct Shared {
     expiry: Option<Arc<Expiry>>,
     /// Readers parked on absent keys; a block-0 insert wakes those watching its key.
     waiters: Arc<Waiters>,
+    /// Dequeues parked on empty queue segments; an enqueue or a seal wakes them.
+    pub(crate) queue_items: Arc<Waiters>,
+    /// Enqueues parked on full queue segments; a dequeue or a seal wakes them.
+    pub(crate) queue_space: Arc<Waiters>,
+    /// Subscriptions to the job's operations (notifications).
+    events: Events,
+    /// Prefix leases.
+    leases: Leases,
 }
 
 /// Writer of one data block, returned by [`Store::begin_block`].
@@ -117,7 +128,7 @@ fn check_name(what: &'static str, name: &str, max: usize) -> Result<(), StoreErr
     Ok(())
 }
 
-fn check_names(job: &str, bucket: &str, key: Option<&str>) -> Result<(), StoreError> {
+pub(crate) fn check_names(job: &str, bucket: &str, key: Option<&str>) -> Result<(), StoreError> {
     check_name("job", job, JOB_ID_MAX_BYTES)?;
     check_name("bucket", bucket, BUCKET_NAME_MAX_BYTES)?;
     if let Some(key) = key {
@@ -182,6 +193,10 @@ impl Store {
                 long_running,
                 expiry: persist_ttl.map(|ttl| Arc::new(Expiry::new(ttl))),
                 waiters: Arc::new(Waiters::default()),
+                queue_items: Arc::new(Waiters::default()),
+                queue_space: Arc::new(Waiters::default()),
+                events: Events::default(),
+                leases: Leases::default(),
             }),
         }
     }
@@ -218,6 +233,67 @@ impl Store {
         crate::throughput::measure(self.shared.engine.as_ref()).await
     }
 
+    /// The subscriptions of this server (notifications).
+    pub fn events(&self) -> &Events {
+        &self.shared.events
+    }
+
+    /// Renew (or start) leases of `prefixes` of `job` for `lease_ms`; see [`Leases::renew`].
+    pub fn renew_leases(
+        &self,
+        job: &str,
+        prefixes: &[String],
+        lease_ms: u64,
+    ) -> Result<usize, StoreError> {
+        for prefix in prefixes {
+            check_name("prefix", prefix, KEY_MAX_BYTES - 1)?;
+        }
+        self.shared.leases.renew(job, prefixes, lease_ms)
+    }
+
+    /// Free every prefix whose lease lapsed by `now`: in every bucket of its job, the records,
+    /// data blocks, queues and append files under `<prefix>/`; each one's subscribers get a
+    /// `lease_expired` event. Returns (job, prefix, bytes freed) per lapsed lease.
+    pub fn expire_leases(&self, now: Instant) -> Vec<(String, String, u64)> {
+        let mut freed = Vec::new();
+        for (job, prefix) in self.shared.leases.take_lapsed(now) {
+            let scope = format!("{prefix}/");
+            let buckets: Vec<String> = self.job(&job).map_or_else(Vec::new, |j| {
+                j.buckets
+                    .read()
+                    .expect("bucket map lock poisoned")
+                    .keys()
+                    .cloned()
+                    .collect()
+            });
+            let bytes = buckets
+                .iter()
+                .filter_map(|bucket| self.delete_prefix(&job, bucket, &scope).ok())
+                .map(|(_, bytes)| bytes)
+                .sum();
+            self.shared
+                .events
+                .emit(&job, "", &prefix, EventOp::LeaseExpired);
+            freed.push((job, prefix, bytes));
+        }
+        freed
+    }
+
+    /// The server-wide byte budget (channels charge their segments to it).
+    pub(crate) fn budget(&self) -> &Arc<Budget> {
+        &self.shared.budget
+    }
+
+    /// A parked op on `waiters`, for keys of `bucket` of `job`.
+    pub(crate) fn waiter_on(&self, waiters: &Arc<Waiters>, job: &str, bucket: &str) -> Waiter {
+        Waiter::new(Arc::clone(waiters), job, bucket)
+    }
+
+    /// The parked dequeues and enqueues of queue segments.
+    pub(crate) fn queue_waiters(&self) -> (&Arc<Waiters>, &Arc<Waiters>) {
+        (&self.shared.queue_items, &self.shared.queue_space)
+    }
+
     fn job(&self, job: &str) -> Option<Arc<JobIndex>> {
         self.shared
             .jobs
@@ -227,7 +303,11 @@ impl Store {
             .cloned()
     }
 
-    fn bucket(&self, job: &str, bucket: &str) -> Result<(Arc<JobIndex>, BucketRef), StoreError> {
+    pub(crate) fn bucket(
+        &self,
+        job: &str,
+        bucket: &str,
+    ) -> Result<(Arc<JobIndex>, BucketRef), StoreError> {
         let job_index = self.job(job).ok_or_else(|| bucket_not_found(bucket))?;
         let bucket_ref = job_index
             .buckets
@@ -240,11 +320,11 @@ impl Store {
     }
 
     /// Run `f` on the locked bucket; what `f` returns is dropped by the caller, after the lock.
-    fn with_bucket<R>(
+    pub(crate) fn with_bucket<R>(
         &self,
         job: &str,
         bucket: &str,
-        f: impl FnOnce(&mut BucketIndex, &JobAccount) -> Result<R, StoreError>,
+        f: impl FnOnce(&mut BucketIndex, &Arc<JobAccount>) -> Result<R, StoreError>,
     ) -> Result<R, StoreError> {
         let (job_index, bucket_ref) = self.bucket(job, bucket)?;
         let mut guard = lock(&bucket_ref);
@@ -289,21 +369,24 @@ impl Store {
             .expect("bucket map lock poisoned")
             .remove(bucket);
         let bucket_ref = removed.ok_or_else(|| bucket_not_found(bucket))?;
-        let (records, blocks) = {
+        let (records, blocks, queues, appends) = {
             let mut guard = lock(&bucket_ref);
             guard.removed = true;
             (
                 std::mem::take(&mut guard.records),
                 std::mem::take(&mut guard.blocks),
+                std::mem::take(&mut guard.queues),
+                std::mem::take(&mut guard.appends),
             )
         };
-        let freed = self
-            .forget(
+        let freed =
+            self.forget(
                 &job_index.account,
                 records.into_values(),
                 blocks.into_values(),
             )
-            .1;
+            .1 + forget_channels(&job_index.account, &queues, &appends);
+        drop((queues, appends));
         self.prune_job(job);
         Ok(freed)
     }
@@ -348,7 +431,7 @@ impl Store {
     }
 
     /// Charge and write the bytes of a new entry.
-    async fn store_bytes(
+    pub(crate) async fn store_bytes(
         &self,
         account: &Arc<JobAccount>,
         key: &str,
@@ -381,7 +464,7 @@ impl Store {
     }
 
     /// Read `len` bytes at `offset` of an entry; the bytes hold the entry until dropped.
-    async fn read_stored(
+    pub(crate) async fn read_stored(
         &self,
         stored: Arc<Stored>,
         offset: u64,
@@ -449,7 +532,7 @@ impl Store {
                 header,
                 stored: Arc::clone(&stored),
             };
-            match guard.records.get_mut(key) {
+            let replaced = match guard.records.get_mut(key) {
                 Some(_) if !overwrite => {
                     return Err(StoreError::AlreadyExists {
                         bucket: bucket.to_string(),
@@ -463,7 +546,10 @@ impl Store {
                     job_index.account.entries.fetch_add(1, Ordering::AcqRel);
                     None
                 }
-            }
+            };
+            // Under the bucket lock, so a key's events keep the order of its operations.
+            self.shared.events.emit(job, bucket, key, EventOp::Put);
+            replaced
         };
         self.shared.waiters.inserted(job, bucket, key);
         if let (true, Some(expiry)) = (header.persist(), &self.shared.expiry) {
@@ -491,6 +577,8 @@ impl Store {
                     .ok_or_else(|| not_found(bucket, key))?;
                 account.objects.fetch_sub(1, Ordering::AcqRel);
                 account.entries.fetch_sub(1, Ordering::AcqRel);
+                // Under the bucket lock, so a key's events keep the order of its operations.
+                self.shared.events.emit(job, bucket, key, EventOp::Delete);
                 Ok((record.header, record.stored))
             } else {
                 let record = b.records.get(key).ok_or_else(|| not_found(bucket, key))?;
@@ -537,6 +625,8 @@ impl Store {
     /// readers re-check and fail instead of waiting for their deadline).
     pub fn wake_waiters(&self) {
         self.shared.waiters.wake_all();
+        self.shared.queue_items.wake_all();
+        self.shared.queue_space.wake_all();
     }
 
     /// Keys watched by parked readers, each reader counting once per key.
@@ -591,6 +681,7 @@ impl Store {
                 .ok_or_else(|| not_found(bucket, key))?;
             account.objects.fetch_sub(1, Ordering::AcqRel);
             account.entries.fetch_sub(1, Ordering::AcqRel);
+            self.shared.events.emit(job, bucket, key, EventOp::Delete);
             Ok(record)
         })?;
         let header = record.header;
@@ -790,18 +881,26 @@ impl Store {
             version: 0,
             index: 0,
         };
-        let (records, blocks, counts) = self.with_bucket(job, bucket, |b, account| {
+        let first_segment = SegmentKey {
+            name: prefix.to_string(),
+            segment: 0,
+        };
+        let (records, blocks, channels, counts) = self.with_bucket(job, bucket, |b, account| {
             let records = split_prefix(&mut b.records, &prefix.to_string(), |k| k.as_str(), prefix);
             let blocks = split_prefix(&mut b.blocks, &first_block, |k| k.key.as_str(), prefix);
+            let queues = split_prefix(&mut b.queues, &first_segment, |k| k.name.as_str(), prefix);
+            let appends = split_prefix(&mut b.appends, &first_segment, |k| k.name.as_str(), prefix);
             let counts = self.forget(account, [], blocks.values().cloned());
             let record_counts = self.forget_records(account, &records);
+            let channel_bytes = forget_channels(account, &queues, &appends);
             Ok((
                 records,
                 blocks,
-                (record_counts.0, record_counts.1 + counts.1),
+                (queues, appends),
+                (record_counts.0, record_counts.1 + counts.1 + channel_bytes),
             ))
         })?;
-        drop((records, blocks));
+        drop((records, blocks, channels));
         Ok(counts)
     }
 
@@ -833,6 +932,7 @@ impl Store {
     }
 
     fn delete_job_data(&self, job: &str, keep_persist: bool) -> (u64, u64) {
+        self.shared.leases.forget_job(job);
         let Some(job_index) = self.job(job) else {
             return (0, 0);
         };
@@ -846,8 +946,13 @@ impl Store {
         let mut deleted = 0;
         let mut freed = 0;
         for bucket_ref in buckets {
-            let (records, blocks) = {
+            let (records, blocks, channels) = {
                 let mut guard = lock(&bucket_ref);
+                // Queues and append files are never PERSIST: they go with the job.
+                let channels = (
+                    std::mem::take(&mut guard.queues),
+                    std::mem::take(&mut guard.appends),
+                );
                 let (keep_records, records) = std::mem::take(&mut guard.records)
                     .into_iter()
                     .partition(|(_, r)| keep_persist && r.header.persist());
@@ -858,7 +963,7 @@ impl Store {
                 guard.blocks = keep_blocks;
                 let records: BTreeMap<String, Record> = records;
                 let blocks: BTreeMap<BlockKey, Arc<Stored>> = blocks;
-                (records, blocks)
+                (records, blocks, channels)
             };
             let (count, bytes) = self.forget(
                 &job_index.account,
@@ -866,7 +971,8 @@ impl Store {
                 blocks.into_values(),
             );
             deleted += count;
-            freed += bytes;
+            freed += bytes + forget_channels(&job_index.account, &channels.0, &channels.1);
+            drop(channels);
         }
         job_index.released.store(true, Ordering::Release);
         let mut jobs = self.shared.jobs.write().expect("job map lock poisoned");

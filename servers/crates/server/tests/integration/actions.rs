@@ -512,7 +512,11 @@ async fn list_actions_and_rpcs_outside_the_protocol() {
             "stats",
             "drain",
             "set_cores",
-            "wait"
+            "wait",
+            "subscribe",
+            "events",
+            "unsubscribe",
+            "renew_leases"
         ]
     );
     let descriptor = FlightDescriptor::new_cmd(Bytes::from_static(b"{}"));

@@ -1,0 +1,248 @@
+"""Prefix leases (Jiffy): a job scopes its data to the prefixes of its DAG, each with a lease.
+
+A job declares prefixes such as ``map``, ``map/7`` and ``reduce/3`` with the prefixes they
+depend on (``job.declare("reduce/3", parents=["map/7"])``). A prefix covers every key that
+starts with ``<prefix>/`` in every bucket of the job, with its queues and append files. Renewing
+a prefix renews its *ancestors* (its declared parents and the declared prefixes above it in the
+path, transitively) and its *descendants* (the prefixes that name it as a parent and the
+declared prefixes below it in the path, transitively): a running task keeps its inputs and its
+consumers' data alive. A prefix whose lease lapses is freed by every storage server on its own
+(each server holds the job's lease table and sweeps it every 50 ms), so its capacity is
+reusable at once, without a control-plane round trip.
+
+Renewals are batched: :meth:`PrefixLeases.renew` expands the prefixes it is given to their
+closure and sends the whole set to each server of the job in one ``renew_leases`` action per
+server (in parallel), so a driver renews any number of prefixes with one call per server per
+period; tasks never renew through Ray. :class:`PrefixKeeper` does it every third of the lease on
+a thread of its own.
+
+:class:`PrefixDag` is the pure part (no I/O), so the closure rule is tested alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from pocketflow.errors import ConfigError, InvalidRequest, PocketflowError
+from pocketflow.protocol import (
+    ACTION_RENEW_LEASES,
+    KEY_MAX_BYTES,
+    LEASE_MS_MAX,
+    LEASE_MS_MIN,
+    LEASE_PREFIXES_MAX,
+    action_body,
+)
+
+if TYPE_CHECKING:
+    from pocketflow.client import Client
+
+__all__ = ["PrefixDag", "PrefixLeases", "PrefixKeeper", "PREFIX_LEASE_MS_DEFAULT",
+           "PREFIXES_MAX"]
+
+log = logging.getLogger(__name__)
+
+PREFIX_LEASE_MS_DEFAULT = 1000
+"""Lease of a prefix unless the job says otherwise (Jiffy used 1 s)."""
+PREFIXES_MAX = 65_536
+"""Most prefixes one job declares."""
+PARENTS_MAX = 1024
+"""Most parents one prefix declares."""
+
+
+def check_prefix(prefix: str) -> str:
+    """``prefix`` if it is a usable lease prefix, else :class:`InvalidRequest`."""
+    if not isinstance(prefix, str) or not prefix:
+        raise InvalidRequest(f"a prefix is a non-empty str, got {prefix!r}")
+    if prefix.startswith("/") or prefix.endswith("/") or "//" in prefix:
+        raise InvalidRequest(f"a prefix is a path like 'map/7', without empty parts: {prefix!r}")
+    if len(prefix.encode()) >= KEY_MAX_BYTES:
+        raise InvalidRequest(f"a prefix is shorter than {KEY_MAX_BYTES} bytes")
+    return prefix
+
+
+def check_prefix_lease_ms(lease_ms: int) -> int:
+    """``lease_ms`` if the servers accept it, else :class:`ConfigError`."""
+    if isinstance(lease_ms, bool) or not isinstance(lease_ms, int) or not (
+        LEASE_MS_MIN <= lease_ms <= LEASE_MS_MAX
+    ):
+        raise ConfigError(f"prefix lease_ms must be an int in {LEASE_MS_MIN}..{LEASE_MS_MAX}")
+    return lease_ms
+
+
+class PrefixDag:
+    """A job's declared prefixes and their parents; computes what a renewal covers."""
+
+    def __init__(self) -> None:
+        self._parents: dict[str, tuple[str, ...]] = {}
+        self._children: dict[str, set[str]] = {}
+
+    def __contains__(self, prefix: object) -> bool:
+        return prefix in self._parents
+
+    def __len__(self) -> int:
+        return len(self._parents)
+
+    def declare(self, prefix: str, parents: Iterable[str] = ()) -> None:
+        """Add ``prefix`` with ``parents`` (declared before it). Declaring a prefix again adds
+        parents to it."""
+        check_prefix(prefix)
+        parents = tuple(parents)
+        if len(parents) > PARENTS_MAX:
+            raise InvalidRequest(f"at most {PARENTS_MAX} parents per prefix")
+        for parent in parents:
+            check_prefix(parent)
+            if parent not in self._parents:
+                raise InvalidRequest(f"parent {parent!r} of {prefix!r} was not declared")
+            if parent == prefix or prefix in self.ancestors([parent]):
+                raise InvalidRequest(f"{parent!r} as a parent of {prefix!r} makes a cycle")
+        if prefix not in self._parents and len(self._parents) >= PREFIXES_MAX:
+            raise InvalidRequest(f"a job declares at most {PREFIXES_MAX} prefixes")
+        known = self._parents.get(prefix, ())
+        self._parents[prefix] = known + tuple(p for p in parents if p not in known)
+        for parent in parents:
+            self._children.setdefault(parent, set()).add(prefix)
+
+    def _up(self, prefix: str) -> list[str]:
+        """Direct ancestors: declared parents and the nearest declared path prefix."""
+        up = list(self._parents.get(prefix, ()))
+        parts = prefix.split("/")
+        for cut in range(len(parts) - 1, 0, -1):
+            above = "/".join(parts[:cut])
+            if above in self._parents:
+                up.append(above)
+                break
+        return up
+
+    def _down(self, prefix: str) -> list[str]:
+        """Direct descendants: declared children and declared prefixes below it in the path."""
+        below = prefix + "/"
+        return sorted(self._children.get(prefix, set())) + [
+            p for p in self._parents if p.startswith(below)
+        ]
+
+    def _walk(self, start: Iterable[str], step) -> set[str]:
+        seen: set[str] = set()
+        todo = [p for p in start if p in self._parents]
+        while todo:
+            prefix = todo.pop()
+            if prefix in seen:
+                continue
+            seen.add(prefix)
+            todo.extend(step(prefix))
+        return seen
+
+    def ancestors(self, prefixes: Iterable[str]) -> set[str]:
+        """``prefixes`` (the declared ones) and everything above them."""
+        return self._walk(prefixes, self._up)
+
+    def descendants(self, prefixes: Iterable[str]) -> set[str]:
+        """``prefixes`` (the declared ones) and everything below them."""
+        return self._walk(prefixes, self._down)
+
+    def closure(self, prefixes: Iterable[str]) -> set[str]:
+        """What renewing ``prefixes`` renews: each one, its ancestors and its descendants."""
+        prefixes = list(prefixes)
+        unknown = [p for p in prefixes if p not in self._parents]
+        if unknown:
+            raise InvalidRequest(f"prefix {unknown[0]!r} was not declared")
+        return self.ancestors(prefixes) | self.descendants(prefixes)
+
+
+class PrefixLeases:
+    """A job's prefix leases on its storage servers, renewed through one client."""
+
+    def __init__(self, client: Client, *, lease_ms: int = PREFIX_LEASE_MS_DEFAULT) -> None:
+        self._client = client
+        self.lease_ms = check_prefix_lease_ms(lease_ms)
+        self.dag = PrefixDag()
+        self._lock = threading.Lock()
+
+    def declare(self, prefix: str, parents: Iterable[str] = ()) -> None:
+        """Declare ``prefix`` and start its lease (and renew its closure) on every server."""
+        with self._lock:
+            self.dag.declare(prefix, parents)
+        self.renew([prefix])
+
+    def renew(self, prefixes: Iterable[str]) -> int:
+        """Renew ``prefixes`` with their ancestors and descendants on every server of the job:
+        one ``renew_leases`` action per server (per ``LEASE_PREFIXES_MAX`` prefixes), all
+        servers at once. Returns how many prefixes were renewed."""
+        with self._lock:
+            covered = sorted(self.dag.closure(prefixes))
+        if not covered:
+            return 0
+        client = self._client
+        view = client._view
+        chunks = [covered[i:i + LEASE_PREFIXES_MAX]
+                  for i in range(0, len(covered), LEASE_PREFIXES_MAX)]
+        addresses = sorted({s.address for s in view.handle.servers})
+
+        def send(address: str) -> PocketflowError | None:
+            try:
+                for chunk in chunks:
+                    client._connection(address).action(ACTION_RENEW_LEASES, action_body(
+                        view.ctx, prefixes=chunk, lease_ms=self.lease_ms))
+            except PocketflowError as exc:
+                return exc
+            return None
+
+        errors = [e for e in client._parallel([lambda a=a: send(a) for a in addresses])
+                  if e is not None]
+        if errors and len(errors) == len(addresses):
+            raise errors[0]
+        for error in errors:  # a dead server's leases do not matter: its data is gone
+            log.warning("renewing prefix leases on %s failed: %s", error.server, error)
+        return len(covered)
+
+
+class PrefixKeeper:
+    """Renews a set of prefixes every third of the lease on a thread, until closed; drop a
+    prefix with :meth:`release` and it lapses one lease later."""
+
+    def __init__(self, leases: PrefixLeases, prefixes: Iterable[str]) -> None:
+        self._leases = leases
+        self._prefixes = set(prefixes)
+        leases.dag.closure(self._prefixes)  # every prefix declared
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.renewals = 0
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="pocketflow-prefix-keeper")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                prefixes = set(self._prefixes)
+            if prefixes:
+                try:
+                    self._leases.renew(prefixes)
+                    self.renewals += 1
+                except PocketflowError as exc:
+                    log.warning("renewing prefixes failed: %s", exc)
+            self._stop.wait(self._leases.lease_ms / 3000.0)
+
+    def add(self, prefix: str) -> None:
+        """Keep ``prefix`` (declared) alive too."""
+        self._leases.dag.closure([prefix])
+        with self._lock:
+            self._prefixes.add(prefix)
+
+    def release(self, prefix: str) -> None:
+        """Stop renewing ``prefix`` (it lapses unless another kept prefix covers it)."""
+        with self._lock:
+            self._prefixes.discard(prefix)
+
+    def close(self) -> None:
+        """Stop renewing; every kept prefix lapses one lease later."""
+        self._stop.set()
+        self._thread.join(10.0)
+
+    def __enter__(self) -> PrefixKeeper:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

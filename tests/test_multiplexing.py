@@ -1,0 +1,68 @@
+"""The capacity-multiplexing simulator (Jiffy Figure 9(a) shape): pure, no cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pocketflow.control.multiplexing import (
+    GB,
+    DagJob,
+    main,
+    peak_capacity,
+    run_figure,
+    simulate,
+    staggered_trace,
+)
+
+
+@pytest.fixture(scope="module")
+def figure() -> dict:
+    return run_figure(staggered_trace(12))
+
+
+def _row(figure: dict, fraction: float, scheme: str) -> dict:
+    return next(r for r in figure["rows"]
+                if r["capacity_fraction"] == fraction and r["scheme"] == scheme)
+
+
+def test_full_capacity_slows_nothing_and_prefix_leases_use_what_they_allocate(figure) -> None:
+    for scheme in ("job", "prefix"):
+        assert _row(figure, 1.0, scheme)["slowdown_max"] == pytest.approx(1.0)
+        assert _row(figure, 1.0, scheme)["spilled_bytes"] < 1.0  # bytes; float rounding
+    # Job-level reservations sit idle most of a job's life; prefix allocations do not.
+    for fraction in (1.0, 0.5, 0.2):
+        assert _row(figure, fraction, "prefix")["utilization"] >= 0.8
+        assert _row(figure, fraction, "job")["utilization"] < 0.8
+
+
+def test_prefix_leases_slow_jobs_less_when_capacity_is_short(figure) -> None:
+    for fraction in (0.5, 0.2):
+        job, prefix = _row(figure, fraction, "job"), _row(figure, fraction, "prefix")
+        assert prefix["slowdown_mean"] < job["slowdown_mean"]
+        assert prefix["spilled_bytes"] < job["spilled_bytes"]
+    # Less capacity never speeds a scheme up.
+    for scheme in ("job", "prefix"):
+        assert (_row(figure, 0.2, scheme)["slowdown_mean"]
+                >= _row(figure, 0.5, scheme)["slowdown_mean"] - 1e-9)
+
+
+def test_a_lone_job_spills_only_what_does_not_fit() -> None:
+    job = DagJob("one", 0.0, (4 * GB, 0), (16, 8), compute_s=1.0)
+    peak = peak_capacity([job])
+    assert peak == pytest.approx(4 * GB)
+    half = simulate([job], peak / 2, "prefix")
+    assert half.spilled_bytes == pytest.approx(2 * GB, rel=0.01)
+    assert simulate([job], peak, "job").spilled_bytes == 0
+    with pytest.raises(ValueError):
+        simulate([job], peak, "per-object")
+    with pytest.raises(ValueError):
+        DagJob("bad", 0.0, (1,), (0,))
+
+
+def test_the_command_writes_the_plot(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "mux.png"
+    assert main(["--out", str(out), "--jobs", "6"]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG")
+    assert "20% prefix" in capsys.readouterr().out

@@ -1,0 +1,112 @@
+"""Prefix leases on a real local cluster: a lapsed prefix is freed on every server within two
+lease periods, a renewed one never, and renewing a prefix renews its ancestors and descendants;
+the closure rule alone, and bad declarations."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pocketflow.cluster import LocalCluster
+from pocketflow.errors import ConfigError, InvalidRequest
+from pocketflow.prefixes import PrefixDag
+
+LEASE_MS = 1000  # Jiffy's
+BUCKETS = ("a", "b")
+
+
+def test_the_closure_covers_ancestors_and_descendants_only() -> None:
+    dag = PrefixDag()
+    for prefix, parents in [("map", ()), ("map/0", ()), ("map/1", ()), ("in", ()),
+                            ("reduce", ()), ("reduce/0", ("map/0", "map/1")),
+                            ("reduce/1", ("map/1",)), ("out/0", ("reduce/0",)), ("other", ())]:
+        dag.declare(prefix, parents)
+    # reduce/0: parents map/0 and map/1, their path ancestor map, its own path ancestor
+    # reduce, its child out/0; not its sibling reduce/1, nor in, nor other.
+    assert dag.closure(["reduce/0"]) == {"reduce/0", "map/0", "map/1", "map", "reduce", "out/0"}
+    # map: everything below it, transitively through declared children.
+    assert dag.closure(["map"]) == {"map", "map/0", "map/1", "reduce/0", "reduce/1", "out/0"}
+    with pytest.raises(InvalidRequest):
+        dag.declare("x", ["not-declared"])
+    with pytest.raises(InvalidRequest):
+        dag.declare("map", ["out/0"])  # a cycle
+    for bad in ("", "/a", "a/", "a//b"):
+        with pytest.raises(InvalidRequest):
+            dag.declare(bad)
+    with pytest.raises(InvalidRequest):
+        dag.closure(["never"])
+
+
+def _present(pf, key: str) -> bool:
+    return all(pf.exists(bucket, key) for bucket in BUCKETS)
+
+
+def _gone(pf, key: str) -> bool:
+    return not any(pf.exists(bucket, key) for bucket in BUCKETS)
+
+
+def test_a_lapsed_prefix_is_freed_within_two_periods_and_a_renewed_one_never(
+    local_cluster: LocalCluster,
+) -> None:
+    with local_cluster.register_job("prefix-leases", {"data_size_bytes": "16MiB"},
+                                    prefix_lease_ms=LEASE_MS) as job, job.connect() as pf:
+        for bucket in BUCKETS:
+            pf.create_bucket(bucket)
+        job.declare("map")
+        job.declare("map/0")
+        job.declare("reduce/0", parents=["map/0"])
+        job.declare("out/0", parents=["reduce/0"])
+        job.declare("other")
+        keys = {p: f"{p}/data" for p in ("map", "map/0", "reduce/0", "out/0", "other")}
+        for key in keys.values():
+            for bucket in BUCKETS:
+                pf.put(bucket, key, b"x" * 1000)
+        pf.queue("a", "other/q").enqueue(b"item")
+        with pf.subscribe("a", "", ops=("lease_expired",)) as listener:
+            with job.keep(["reduce/0"]) as keeper:
+                started = time.monotonic()
+                # `other` is not covered: it lapses and is freed on every server.
+                while not _gone(pf, keys["other"]):
+                    assert time.monotonic() - started < 2 * LEASE_MS / 1000, "not freed in 2 leases"
+                    time.sleep(0.05)
+                assert pf.queue("a", "other/q").dequeue() is None
+                # The renewed prefix, its ancestors and its descendants outlive 3 leases.
+                deadline = started + 3 * LEASE_MS / 1000
+                while time.monotonic() < deadline:
+                    for prefix in ("map", "map/0", "reduce/0", "out/0"):
+                        assert _present(pf, keys[prefix]), f"{prefix} freed while renewed"
+                    time.sleep(0.1)
+                assert keeper.renewals >= 6
+            stopped = time.monotonic()
+            while not all(_gone(pf, keys[p]) for p in ("map", "map/0", "reduce/0", "out/0")):
+                assert time.monotonic() - stopped < 2 * LEASE_MS / 1000, "not freed in 2 leases"
+                time.sleep(0.05)
+            expired = set()
+            while len(expired) < 5:
+                event = listener.get(timeout_s=2)
+                assert event is not None, f"only {expired} reported"
+                expired.add(event.key)
+            assert expired == set(keys)
+
+
+def test_renewing_a_parent_keeps_its_descendants(local_cluster: LocalCluster) -> None:
+    with local_cluster.register_job("prefix-parent", {"data_size_bytes": "16MiB"},
+                                    prefix_lease_ms=500) as job, job.connect() as pf:
+        for bucket in BUCKETS:
+            pf.create_bucket(bucket)
+        job.declare("map")
+        job.declare("map/3")
+        job.declare("reduce/1", parents=["map/3"])
+        for key in ("map/3/part", "reduce/1/part"):
+            for bucket in BUCKETS:
+                pf.put(bucket, key, b"y")
+        started = time.monotonic()
+        while time.monotonic() - started < 2.0:  # four leases, renewing only the root
+            assert job.renew(["map"]) == 3
+            assert _present(pf, "map/3/part") and _present(pf, "reduce/1/part")
+            time.sleep(0.15)
+        with pytest.raises(InvalidRequest):
+            job.renew(["never-declared"])
+        with pytest.raises(ConfigError):
+            local_cluster.register_job("bad-lease", prefix_lease_ms=10)

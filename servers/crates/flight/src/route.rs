@@ -305,10 +305,31 @@ async fn refuse_plaintext<C: Peekable>(mut connection: C, protocol: Protocol) {
             out.extend_from_slice(debug);
         }
     }
-    if connection.write_all(&out).await.is_ok() {
-        let _ = connection.shutdown().await;
+    if connection.write_all(&out).await.is_err() {
+        return;
     }
+    // Let the client read the refusal before the connection ends: an HTTP/2 client that sees
+    // the close first reports a cancelled call instead of the GOAWAY. Read (and drop) what it
+    // sends until it closes, at most REFUSAL_LINGER and REFUSAL_DRAIN_MAX_BYTES.
+    let _ = tokio::time::timeout(REFUSAL_LINGER, async {
+        use tokio::io::AsyncReadExt;
+        let mut sink = [0u8; 4096];
+        let mut drained = 0;
+        while drained < REFUSAL_DRAIN_MAX_BYTES {
+            match connection.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => drained += n,
+            }
+        }
+    })
+    .await;
+    let _ = connection.shutdown().await;
 }
+
+/// How long a refused plaintext connection stays open for its client to read why.
+const REFUSAL_LINGER: Duration = Duration::from_secs(2);
+/// Most bytes read (and dropped) from a refused plaintext connection while it lingers.
+const REFUSAL_DRAIN_MAX_BYTES: usize = 64 * 1024;
 
 /// Which protocol the connection speaks, from its first bytes (`None`: it closed or failed).
 async fn protocol_of<C: Peekable>(connection: &C) -> Option<Protocol> {

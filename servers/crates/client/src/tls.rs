@@ -57,7 +57,7 @@ impl ClientTls {
                 ClientError::InvalidArgument(format!("the CA certificate cannot be used: {e}"))
             })?;
         }
-        let provider = Arc::new(aes128_first());
+        let provider = Arc::new(pocketflow_protocol::tls::crypto_provider());
         let mut config = ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| ClientError::InvalidArgument(format!("TLS setup: {e}")))?
@@ -241,19 +241,4 @@ fn describe(error: &rustls::Error) -> String {
         ),
         other => format!("the TLS handshake failed: {other}"),
     }
-}
-
-/// ring's provider with AES-128-GCM preferred: as strong as TLS needs, and about a third faster
-/// than AES-256-GCM per byte, which is what a block transfer spends its TLS time on.
-fn aes128_first() -> rustls::crypto::CryptoProvider {
-    let mut provider = rustls::crypto::ring::default_provider();
-    provider
-        .cipher_suites
-        .sort_by_key(|suite| match suite.suite() {
-            rustls::CipherSuite::TLS13_AES_128_GCM_SHA256 => 0,
-            rustls::CipherSuite::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256
-            | rustls::CipherSuite::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256 => 1,
-            _ => 2,
-        });
-    provider
 }

@@ -262,6 +262,7 @@ pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
     let sample = state.stats.last();
     let usage = state.store.usage();
     let cores = crate::cores::get();
+    let (received_bytes_total, sent_bytes_total) = state.stats.counters.totals();
     StatsReport {
         node_id: state.node_id.clone(),
         tier: state.store.tier().as_str().to_owned(),
@@ -297,7 +298,7 @@ pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
             .persist_ttl()
             .map_or(0, |ttl| ttl.as_millis() as u64),
         requests_total: state.metrics.requests_total(),
-        received_bytes_total: state.stats.counters.totals().0,
-        sent_bytes_total: state.stats.counters.totals().1,
+        received_bytes_total,
+        sent_bytes_total,
     }
 }

@@ -58,7 +58,7 @@ pub fn server_config(cert_file: &Path, key_file: &Path) -> Result<Arc<ServerConf
             key_file.display()
         ))
     })?;
-    let provider = Arc::new(aes128_first());
+    let provider = Arc::new(pocketflow_protocol::tls::crypto_provider());
     let mut config = ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(|e| TlsError(format!("TLS setup: {e}")))?
@@ -74,19 +74,4 @@ pub fn server_config(cert_file: &Path, key_file: &Path) -> Result<Arc<ServerConf
     config.alpn_protocols = vec![H2_ALPN.to_vec(), DIRECT_ALPN.to_vec()];
     config.send_tls13_tickets = 0;
     Ok(Arc::new(config))
-}
-
-/// ring's provider with AES-128-GCM preferred: as strong as TLS needs, and about a third faster
-/// than AES-256-GCM per byte, which is what a block transfer spends its TLS time on.
-fn aes128_first() -> rustls::crypto::CryptoProvider {
-    let mut provider = rustls::crypto::ring::default_provider();
-    provider
-        .cipher_suites
-        .sort_by_key(|suite| match suite.suite() {
-            rustls::CipherSuite::TLS13_AES_128_GCM_SHA256 => 0,
-            rustls::CipherSuite::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256
-            | rustls::CipherSuite::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256 => 1,
-            _ => 2,
-        });
-    provider
 }

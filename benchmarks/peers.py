@@ -699,7 +699,33 @@ class TcpPeer(_ServerPeer):
         return self._spec
 
 
-class PocketflowPeer(Peer):
+class _OnPocketflowHandle:
+    """What the pocketflow peers share: a job handle made at start, its bucket created, the
+    spec clients connect with, and the package version."""
+
+    name: str
+    _spec: PocketflowSpec | None
+
+    def _use_handle(self, handle: Any) -> None:
+        """Take ``handle`` as this peer's job and create the benchmark's bucket in it."""
+        import pocketflow.client
+
+        self._spec = PocketflowSpec(handle_json=handle.to_json())
+        with pocketflow.client.connect(handle) as admin:
+            admin.create_bucket(self._spec.bucket)
+
+    def spec(self) -> PocketflowSpec:
+        """The job handle and bucket."""
+        if self._spec is None:
+            raise RuntimeError(f"{self.name} is not started")
+        return self._spec
+
+    def version(self) -> str | None:
+        """The pocketflow package version."""
+        return pocketflow_version()
+
+
+class PocketflowPeer(_OnPocketflowHandle, Peer):
     """One job on a running pocketflow cluster whose data all goes to one tier.
 
     ``tier="dram"`` registers a latency-sensitive job without a size hint (DRAM only);
@@ -737,22 +763,12 @@ class PocketflowPeer(Peer):
                 raise ServerStartError(f"the cluster has no {self.tier} server for job {handle}")
             handle = dataclasses.replace(handle, servers=mine)
             self.notes.append("handle narrowed to one tier by the benchmark")
-        self._spec = PocketflowSpec(handle_json=handle.to_json())
         self.notes.append(
             "servers: " + ", ".join(
                 f"{s.node_id}({s.tier}, w={s.weight:g})" for s in handle.servers
             )
         )
-        import pocketflow.client
-
-        with pocketflow.client.connect(handle) as admin:
-            admin.create_bucket(self._spec.bucket)
-
-    def spec(self) -> PocketflowSpec:
-        """The (possibly narrowed) job handle and bucket."""
-        if self._spec is None:
-            raise RuntimeError(f"{self.name} is not started")
-        return self._spec
+        self._use_handle(handle)
 
     def stop(self) -> None:
         """Close the client and deregister the job (which frees its data)."""
@@ -762,10 +778,6 @@ class PocketflowPeer(Peer):
             if self._job is not None:
                 self._job.deregister()
                 self._job = None
-
-    def version(self) -> str | None:
-        """The pocketflow package version."""
-        return pocketflow_version()
 
 
 def pocketflow_version() -> str | None:
@@ -778,7 +790,7 @@ def pocketflow_version() -> str | None:
         return None
 
 
-class StandalonePocketflowPeer(_ServerPeer):
+class StandalonePocketflowPeer(_OnPocketflowHandle, _ServerPeer):
     """One DRAM storage server process of its own (no Ray, no controller), plaintext or TLS, and
     a job handle over it made with the server's secret: ``pocketflow-dram-plain`` and
     ``pocketflow-dram-tls`` differ only in TLS, so their ratio is what TLS costs (``--tls``)."""
@@ -828,18 +840,8 @@ class StandalonePocketflowPeer(_ServerPeer):
             admin.set_epoch(job, 1, handle.weight_map())
         finally:
             admin.close()
-        self._spec = PocketflowSpec(handle_json=handle.to_json())
         self.notes.append(f"one DRAM server process, {'TLS' if self.tls else 'plaintext'}")
-        import pocketflow.client
-
-        with pocketflow.client.connect(handle) as admin_client:
-            admin_client.create_bucket(self._spec.bucket)
-
-    def spec(self) -> PocketflowSpec:
-        """The job handle (with the CA for TLS) and bucket."""
-        if self._spec is None:
-            raise RuntimeError(f"{self.name} is not started")
-        return self._spec
+        self._use_handle(handle)
 
     def stop(self) -> None:
         """Close the client, stop the server by pid, remove the work directory."""
@@ -849,7 +851,3 @@ class StandalonePocketflowPeer(_ServerPeer):
             if self._server is not None:
                 self._server.stop()
                 self._server = None
-
-    def version(self) -> str | None:
-        """The pocketflow package version."""
-        return pocketflow_version()

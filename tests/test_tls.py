@@ -110,65 +110,52 @@ def test_a_client_that_trusts_another_ca_is_refused(
             pf.put("b", "k", b"v")
 
 
-def _private_tls_server(
-    secret_file: Path, tls_dir: Path, node_id: str, host: str, **cert_times: datetime.datetime
-) -> StorageServerProcess:
-    cert = issue_server_cert(tls_dir, node_id, host, **cert_times)
+def _refusal_of_a_server_with(
+    servers: ServerSet, secret_file: Path, node_id: str, host: str,
+    **cert_times: datetime.datetime,
+) -> TlsError:
+    """Start a server whose certificate the trusted CA signed for ``host`` (with
+    ``cert_times``), and return the error a client trusting that CA gets from it."""
+    # The session's CA: only the certificate's name or dates differ from a good one.
+    ca_dir = Path(servers.processes[0].spec.tls.cert).parents[1]  # type: ignore[union-attr]
+    cert = issue_server_cert(ca_dir, node_id, host, **cert_times)
     process = StorageServerProcess(ServerSpec(
         node_id=node_id, tier="dram", capacity_bytes=CAPACITY_BYTES, secret_file=secret_file,
         threads=1, tls=cert,
     ))
     process.start()
-    return process
-
-
-def _refusal(servers: ServerSet, process: StorageServerProcess, node_id: str) -> TlsError:
-    handle = dataclasses.replace(
-        servers.handle(set_epoch=False),
-        servers=(dataclasses.replace(servers.infos[0], node_id=node_id,
-                                     address=process.address),),
-    )
-    with connect(handle, **CLIENT_OPTIONS) as pf:
-        with pytest.raises(TlsError) as refused:
-            pf.put("b", "k", b"v")
+    try:
+        handle = dataclasses.replace(
+            servers.handle(set_epoch=False),
+            servers=(dataclasses.replace(servers.infos[0], node_id=node_id,
+                                         address=process.address),),
+        )
+        with connect(handle, **CLIENT_OPTIONS) as pf:
+            with pytest.raises(TlsError) as refused:
+                pf.put("b", "k", b"v")
+    finally:
+        process.stop()
     return refused.value
 
 
 def test_an_expired_certificate_is_refused(
-    tls_servers: ServerSet, cluster_secret_file: tuple[bytes, Path], tmp_path: Path
+    tls_servers: ServerSet, cluster_secret_file: tuple[bytes, Path]
 ) -> None:
-    tls_dir = tmp_path / "tls"
-    tls_dir.mkdir()
-    # The same CA as the handle trusts: only the certificate's dates are wrong.
-    for name in ("ca.pem", "ca.key"):
-        src = Path(tls_servers.processes[0].spec.tls.cert).parents[1] / name  # type: ignore[union-attr]
-        (tls_dir / name).write_bytes(src.read_bytes())
     now = datetime.datetime.now(datetime.UTC)
-    process = _private_tls_server(
-        cluster_secret_file[1], tls_dir, "expired-0", "127.0.0.1",
+    refused = _refusal_of_a_server_with(
+        tls_servers, cluster_secret_file[1], "expired-0", "127.0.0.1",
         not_before=now - datetime.timedelta(days=10), not_after=now - datetime.timedelta(days=1),
     )
-    try:
-        refused = _refusal(tls_servers, process, "expired-0")
-    finally:
-        process.stop()
     assert "expired" in str(refused)
 
 
 def test_a_certificate_for_another_address_is_refused(
-    tls_servers: ServerSet, cluster_secret_file: tuple[bytes, Path], tmp_path: Path
+    tls_servers: ServerSet, cluster_secret_file: tuple[bytes, Path]
 ) -> None:
-    tls_dir = tmp_path / "tls"
-    tls_dir.mkdir()
-    for name in ("ca.pem", "ca.key"):
-        src = Path(tls_servers.processes[0].spec.tls.cert).parents[1] / name  # type: ignore[union-attr]
-        (tls_dir / name).write_bytes(src.read_bytes())
     # Signed by the trusted CA, but naming 127.0.0.9 while the server listens on 127.0.0.1.
-    process = _private_tls_server(cluster_secret_file[1], tls_dir, "misnamed-0", "127.0.0.9")
-    try:
-        refused = _refusal(tls_servers, process, "misnamed-0")
-    finally:
-        process.stop()
+    refused = _refusal_of_a_server_with(
+        tls_servers, cluster_secret_file[1], "misnamed-0", "127.0.0.9"
+    )
     assert "does not name this address" in str(refused)
 
 

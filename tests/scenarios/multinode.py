@@ -7,46 +7,25 @@ JSON line of observations."""
 from __future__ import annotations
 
 import json
-import logging
-import os
 import sys
-from pathlib import Path
 
 import ray
+import ray_nodes
 from polling import wait
-from ray.cluster_utils import Cluster
 
 from pocketflow.cluster import LocalCluster
 from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE
 from pocketflow.control.launcher import tier_resource
-from pocketflow.control.loopback import keep_ray_on_loopback
 
 MIB = 1024 * 1024
-OBJECT_STORE_BYTES = 80 * MIB
 SLOT = tier_resource("dram")
 
 
 def main() -> None:
-    keep_ray_on_loopback()
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Ray's workers must import pocketflow from this checkout.
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")) if p
-    )
     out: dict[str, object] = {}
-    ray_cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "object_store_memory": OBJECT_STORE_BYTES,
-            "resources": {SLOT: 2},
-        },
-    )
+    ray_cluster = ray_nodes.start_head({SLOT: 2})
     try:
-        ray.init(
-            address=ray_cluster.address, namespace=NAMESPACE, log_to_driver=False,
-            logging_level=logging.WARNING,
-        )
+        ray_nodes.connect(ray_cluster)
         with LocalCluster(
             dram_servers=2,
             nvme_servers=0,
@@ -71,9 +50,7 @@ def main() -> None:
                 timeout_s=30,
             )
             out["resource_requests"] = cluster.status()["resource_requests"]
-            node = ray_cluster.add_node(
-                num_cpus=1, object_store_memory=OBJECT_STORE_BYTES, resources={SLOT: 1}
-            )
+            node = ray_nodes.add_node(ray_cluster, {SLOT: 1})
             handle = ray.get(pending, timeout=120)
             status = cluster.status()
             on_new = [s["node_id"] for s in status["servers"] if s["ray_node_id"] == node.node_id]

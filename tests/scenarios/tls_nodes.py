@@ -8,26 +8,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import ray
-from ray.cluster_utils import Cluster
+import ray_nodes
 
 from pocketflow.cluster import LocalCluster
-from pocketflow.control import NAMESPACE
 from pocketflow.control.launcher import tier_resource
-from pocketflow.control.loopback import keep_ray_on_loopback
 from pocketflow.handle import JobHandle
 from pocketflow.job import Hints
 from pocketflow.placement import Placement
 
 MIB = 1024 * 1024
-OBJECT_STORE_BYTES = 80 * MIB
 SLOT = tier_resource("dram")
 NODE_B_ADDRESS = "127.0.0.2"
 KEYS = 24
@@ -74,28 +69,11 @@ def read_on_a(handle_json: str, keys: list[int]) -> dict[str, object]:
 
 
 def main() -> None:
-    keep_ray_on_loopback()
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")) if p
-    )
     out: dict[str, object] = {}
-    ray_cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES,
-            "resources": {SLOT: 1, "node_a": 1},
-        },
-    )
+    ray_cluster = ray_nodes.start_head({SLOT: 1, "node_a": 1})
     try:
-        ray_cluster.add_node(
-            num_cpus=1, object_store_memory=OBJECT_STORE_BYTES,
-            resources={SLOT: 1, "node_b": 1}, node_ip_address=NODE_B_ADDRESS,
-        )
-        ray.init(
-            address=ray_cluster.address, namespace=NAMESPACE, log_to_driver=False,
-            logging_level=logging.WARNING,
-        )
+        ray_nodes.add_node(ray_cluster, {SLOT: 1, "node_b": 1}, node_ip_address=NODE_B_ADDRESS)
+        ray_nodes.connect(ray_cluster)
         with LocalCluster(
             dram_servers=2, nvme_servers=0, dram_capacity="48MiB", storage_resources=True,
             tls=True, tmp_dir="/var/tmp", dead_after="3s",

@@ -216,23 +216,22 @@ class StorageNode:
             admin.close()
 
 
-def node_address() -> str:
-    """The address of the Ray node this process runs on (``127.0.0.1`` outside Ray)."""
+def _running_ray() -> Any:
+    """The ``ray`` module when this process is connected to Ray, else ``None``."""
     try:
         import ray
     except ImportError:
-        return "127.0.0.1"
-    if not ray.is_initialized():
-        return "127.0.0.1"
-    return str(ray.util.get_node_ip_address())
+        return None
+    return ray if ray.is_initialized() else None
+
+
+def node_address() -> str:
+    """The address of the Ray node this process runs on (``127.0.0.1`` outside Ray)."""
+    ray = _running_ray()
+    return "127.0.0.1" if ray is None else str(ray.util.get_node_ip_address())
 
 
 def _ray_node_id() -> str:
     """The id of the Ray node this process runs on, or ``""`` outside Ray."""
-    try:
-        import ray
-    except ImportError:
-        return ""
-    if not ray.is_initialized():
-        return ""
-    return str(ray.get_runtime_context().get_node_id())
+    ray = _running_ray()
+    return "" if ray is None else str(ray.get_runtime_context().get_node_id())

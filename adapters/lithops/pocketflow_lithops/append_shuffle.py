@@ -37,6 +37,7 @@ from pocketflow_lithops.shuffle import (
     _client,
     _Spec,
     output_key,
+    run_map_function,
 )
 
 __all__ = ["run_append_layout", "append_file_key", "done_key"]
@@ -84,14 +85,7 @@ def _append_task(call: _AppendMap | _AppendReduce) -> dict[str, Any]:
 
 def _map(call: _AppendMap) -> dict[str, Any]:
     spec = call.spec
-    parts: list[list[Any]] = [[] for _ in range(spec.reducers)]
-
-    def emit(partition: int, data: Any) -> None:
-        if not 0 <= partition < spec.reducers:
-            raise ValueError(f"partition {partition} outside 0..{spec.reducers - 1}")
-        parts[partition].append(data)
-
-    value = call.map_function(call.item, emit)
+    value, parts = run_map_function(call.map_function, call.item, spec.reducers)
     pf = _client(spec)
     started = time.perf_counter()
     written = 0

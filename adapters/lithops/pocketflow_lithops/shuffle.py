@@ -634,17 +634,25 @@ def _shuffle_task(call: _MapCall | _ReduceCall) -> _MapOutcome | _ReduceOutcome:
     return _reduce_task(call)
 
 
+def run_map_function(
+    map_function: Callable[..., Any], item: Any, reducers: int
+) -> tuple[Any, list[list[Any]]]:
+    """Run a mapper's function on ``item`` with an ``emit(partition, data)`` that checks the
+    partition; returns its value and what it emitted, per reducer."""
+    parts: list[list[Any]] = [[] for _ in range(reducers)]
+
+    def emit(partition: int, data: Any) -> None:
+        if not 0 <= partition < reducers:
+            raise ValueError(f"partition {partition} outside 0..{reducers - 1}")
+        parts[partition].append(data)
+
+    return map_function(item, emit), parts
+
+
 def _map_task(call: _MapCall) -> _MapOutcome:
     """One mapper: run the user's function, then write one object per (wanted) reducer."""
     spec = call.spec
-    parts: list[list[Any]] = [[] for _ in range(spec.reducers)]
-
-    def emit(partition: int, data: Any) -> None:
-        if not 0 <= partition < spec.reducers:
-            raise ValueError(f"partition {partition} outside 0..{spec.reducers - 1}")
-        parts[partition].append(data)
-
-    value = call.map_function(call.item, emit)
+    value, parts = run_map_function(call.map_function, call.item, spec.reducers)
     wanted = range(spec.reducers) if call.only_reducers is None else sorted(call.only_reducers)
     items: list[tuple[str, memoryview]] = []
     for r in wanted:

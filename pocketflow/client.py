@@ -47,13 +47,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Literal, TypeVar, overload
 
+from pocketflow import _core
 from pocketflow.channels import APPEND_SEGMENT_DEFAULT_BYTES, AppendFile, Queue
 from pocketflow.config import ClientConfig
 from pocketflow.errors import (
     BucketExists,
     BucketNotFound,
-    DataUnavailable,
-    InternalError,
     InvalidRequest,
     NotFound,
     ObjectExists,
@@ -90,7 +89,6 @@ from pocketflow.protocol import (
     OP_LOOKUP,
     OP_PUT,
     SMALL_OBJECT_MAX_BYTES,
-    TICKET_RANGES_MAX,
     WAIT_KEYS_MAX,
     WAIT_TIMEOUT_MAX_MS,
     ZERO_HEADER,
@@ -100,11 +98,10 @@ from pocketflow.protocol import (
     check_bucket,
     check_key,
     encode_json,
-    get_ticket,
     large_header,
     small_header,
 )
-from pocketflow.transport import ExchangeOp, ServerConnection, new_bytes, run_groups
+from pocketflow.transport import ExchangeOp, ServerConnection, run_groups
 
 __all__ = ["Client", "ObjectInfo", "connect", "STALE_EPOCH_RETRIES_MAX"]
 
@@ -177,8 +174,9 @@ class Client:
         self._config = config if config is not None else ClientConfig.resolve()
         if "block_size_bytes" in self._config.explicit:
             handle = dataclasses.replace(handle, block_size_bytes=self._config.block_size_bytes)
-        self._view = view_of(handle)
         self._lock = threading.Lock()
+        self._core = self._make_core(handle)
+        self._view_cached: tuple[int, View] = (self._core.generation(), view_of(handle))
         self._connections: dict[str, ServerConnection] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._objects_executor: ThreadPoolExecutor | None = None
@@ -187,11 +185,41 @@ class Client:
         self._closed = False
         _LIVE_CLIENTS.add(self)
 
+    def _make_core(self, handle: JobHandle) -> Any:
+        """The native object layer of ``handle``'s job: its view, connections and reads."""
+        cfg = self._config
+        return _core.Objects(
+            handle.to_json(),
+            sessions_max=cfg.sessions_per_server,
+            op_timeout_s=cfg.op_timeout_s,
+            first_reply_timeout_s=cfg.connect_timeout_s,
+            rpc_timeout_s=cfg.rpc_timeout_s,
+            stream_timeout_s=cfg.stream_timeout_s,
+            io_threads=cfg.io_threads,
+            exchange_window=cfg.exchange_window,
+            direct=cfg.small_ops == "direct",
+            tls_ca=handle.tls_ca.encode("ascii") if handle.tls_ca is not None else None,
+        )
+
+    @property
+    def _view(self) -> View:
+        """The view of the weight map in use: the native core's, which adopts newer maps."""
+        generation, view = self._view_cached
+        current = self._core.generation()
+        if current != generation:
+            view = view_of(JobHandle.from_json(self._core.handle_json()))
+            self._view_cached = (current, view)
+        return view
+
     def _forget_after_fork(self) -> None:
         """In a forked child: drop the parent's connections and threads (a native connection
         made by the parent refuses calls in the child and is never torn down there); new ones
-        are made on first use, on the child's own native runtime."""
+        are made on first use, on the child's own native runtime. The parent's native core is
+        left untouched (its locks may have been held at the fork): the child makes its own."""
         self._lock = threading.Lock()
+        handle = self._view_cached[1].handle
+        self._core = self._make_core(handle)
+        self._view_cached = (self._core.generation(), view_of(handle))
         self._connections = {}
         self._executor = None
         self._objects_executor = None
@@ -214,7 +242,6 @@ class Client:
             if self._closed:
                 return
             self._closed = True
-            connections = list(self._connections.values())
             self._connections.clear()
             executor, self._executor = self._executor, None
             objects_executor, self._objects_executor = self._objects_executor, None
@@ -222,8 +249,7 @@ class Client:
         for pool in (objects_executor, executor):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
-        for connection in connections:
-            connection.close()
+        self._core.close(reopen=False)
 
     def update_handle(self, handle: JobHandle) -> None:
         """Take a newer handle of the same job: a renewed token (``Job.renew_token``) or a newer
@@ -239,7 +265,7 @@ class Client:
                 raise InvalidRequest(
                     f"handle of job {handle.job_id!r}, not of this client's job {current.job_id!r}"
                 )
-            self._view = view_of(current.updated_by(handle))
+            self._core.set_handle(current.updated_by(handle).to_json())
 
     def disconnect(self) -> None:
         """Close every connection but keep the client usable: the next call reconnects.
@@ -250,10 +276,8 @@ class Client:
         with self._lock:
             if self._closed:
                 return
-            connections = list(self._connections.values())
             self._connections.clear()
-        for connection in connections:
-            connection.close()
+        self._core.close(reopen=True)
 
     def __enter__(self) -> Client:
         return self
@@ -393,15 +417,9 @@ class Client:
         module doc). Raises :class:`ObjectNotFound`, :class:`BucketNotFound`,
         :class:`DataUnavailable`.
         """
-        bucket_raw = check_bucket(bucket)
-        key_raw = check_key(key)
-        _, reply = self._fetch_record(
-            bucket, bucket_raw, key_raw, OP_GET, OP_FLAG_DELETE if delete else 0
-        )
-        header = reply.header
-        if header is None or header.block_count == 0:
-            return bytes(reply.body)
-        return self._read_blocks(bucket, key, key_raw, header, 0, header.size, delete=delete)
+        check_bucket(bucket)
+        check_key(key)
+        return self._core.get(bucket, key, delete=delete)
 
     def get_into(self, bucket: str, key: str, buffer: Any, *, delete: bool = False) -> int:
         """Read the object into ``buffer`` (any writable bytes-like object); returns its size.
@@ -411,47 +429,24 @@ class Client:
         left in place (with ``delete``, it is put back under its original version).
         """
         dest = _writable_view(buffer)
-        bucket_raw = check_bucket(bucket)
-        key_raw = check_key(key)
-        server, reply = self._fetch_record(
-            bucket, bucket_raw, key_raw, OP_GET, OP_FLAG_DELETE if delete else 0
-        )
-        header = reply.header
-        size = len(reply.body) if header is None else header.size
-        if size > len(dest):
-            if delete and header is not None:
-                self._restore_record(server, bucket_raw, key_raw, header, reply.body)
-            raise InvalidRequest(f"buffer of {len(dest)} bytes is too small for {size} bytes")
-        if header is None or header.block_count == 0:
-            dest[:size] = reply.body
-            return size
-        self._read_blocks(bucket, key, key_raw, header, 0, size, delete=delete, dest=dest)
-        return size
+        check_bucket(bucket)
+        check_key(key)
+        return self._core.get_into(bucket, key, dest, delete=delete)
 
     def get_range(self, bucket: str, key: str, offset: int, length: int) -> bytes:
         """Bytes ``[offset, offset + length)`` of the object, cut at its end (like a slice)."""
         if offset < 0 or length < 0:
             raise InvalidRequest("offset and length must be >= 0")
-        bucket_raw = check_bucket(bucket)
-        key_raw = check_key(key)
-        _, reply = self._fetch_record(bucket, bucket_raw, key_raw, OP_GET, 0)
-        header = reply.header
-        if header is None or header.block_count == 0:
-            return bytes(reply.body[offset:offset + length])
-        end = min(header.size, offset + length)
-        if offset >= end:
-            return b""
-        return self._read_blocks(bucket, key, key_raw, header, offset, end, delete=False)
+        check_bucket(bucket)
+        check_key(key)
+        return self._core.get_range(bucket, key, offset, length)
 
     def lookup(self, bucket: str, key: str) -> ObjectInfo:
         """Size and PERSIST flag of an object; raises :class:`ObjectNotFound` if it is absent."""
-        bucket_raw = check_bucket(bucket)
-        key_raw = check_key(key)
-        _, reply = self._fetch_record(bucket, bucket_raw, key_raw, OP_LOOKUP, 0)
-        header = reply.header
-        if header is None:
-            raise InternalError("internal: lookup reply without a header")
-        return ObjectInfo(key, header.size, header.persist)
+        check_bucket(bucket)
+        check_key(key)
+        size, persist = self._core.lookup(bucket, key)
+        return ObjectInfo(key, size, persist)
 
     def exists(self, bucket: str, key: str) -> bool:
         """Whether the object exists (a :meth:`lookup` that answers ``False`` when it does not;
@@ -465,9 +460,10 @@ class Client:
     def _exists_live(self, bucket: str, key: str) -> bool:
         """Whether a live server of the job holds the object (never :class:`DataUnavailable`
         for a key that may have been lost: a waiter keeps waiting for it to be written)."""
+        check_bucket(bucket)
+        check_key(key)
         try:
-            self._fetch_record(bucket, check_bucket(bucket), check_key(key), OP_LOOKUP, 0,
-                               lost_unavailable=False)
+            self._core.lookup(bucket, key, lost_unavailable=False)
         except ObjectNotFound:
             return False
         return True
@@ -532,7 +528,7 @@ class Client:
                 raise
         except OSError:
             if delete and header is not None:
-                self._restore_record(server, bucket_raw, key_raw, header, reply.body)
+                self._restore_record(server, bucket, key, header, reply.body)
             raise
         with f:
             try:
@@ -632,88 +628,17 @@ class Client:
     ) -> list[bytes]:
         """The bytes of many objects, in the order of ``keys``.
 
-        Block-0 reads are pipelined over one session per server, all servers in parallel; large
-        objects' blocks are fetched afterwards, up to ``LARGE_OBJECTS_IN_FLIGHT_MAX`` objects at
-        once. Every object is read before an error is raised: :class:`ObjectNotFound` for the
-        first missing key, or the first other failure (with ``delete``, the objects read are
-        gone).
+        All of it runs in the native core with the GIL released: block-0 reads are pipelined
+        over one session per server, all servers in parallel; large objects' blocks are fetched
+        afterwards, up to ``LARGE_OBJECTS_IN_FLIGHT_MAX`` objects at once. Every object is read
+        before an error is raised: the first failure in key order (with ``delete``, the objects
+        read are gone).
         """
-        bucket_raw = check_bucket(bucket)
+        check_bucket(bucket)
         key_list = list(keys)
-        flags = OP_FLAG_DELETE if delete else 0
-        ops = [
-            ExchangeOp(OP_GET, flags, bucket_raw, check_key(key), tag=i)
-            for i, key in enumerate(key_list)
-        ]
-        results: list[bytes | None] = [None] * len(key_list)
-        large: list[tuple[int, ObjectHeader]] = []
-        missing: list[int] = []
-        first_error: PocketflowError | None = None
-        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
-            view = self._view
-            groups = self._group_ops(view, ops, persist=False)
-            self._run_groups(view, groups)
-            retry: list[ExchangeOp] = []
-            stale: StaleEpoch | None = None
-            for address, group in groups.items():
-                for op in group:
-                    reply = op.reply
-                    assert reply is not None
-                    if reply.status == 0:
-                        header = reply.header
-                        if header is not None and header.block_count:
-                            large.append((op.tag, header))
-                        else:
-                            results[op.tag] = bytes(reply.body)
-                        continue
-                    error = error_from_status(reply.status, reply.body, server=address)
-                    if isinstance(error, StaleEpoch) and attempt < STALE_EPOCH_RETRIES_MAX:
-                        stale = error
-                        retry.append(op)
-                    elif isinstance(error, NotFound):
-                        missing.append(op.tag)
-                    elif first_error is None:
-                        first_error = error
-            if stale is not None:
-                self._adopt(stale)
-            ops = retry
-            if not ops:
-                break
-        for index in missing:
-            # Fallback placements (PERSIST, earlier maps) are probed one key at a time.
-            try:
-                _, reply = self._fetch_record(
-                    bucket, bucket_raw, check_key(key_list[index]), OP_GET, flags
-                )
-            except PocketflowError as exc:
-                if first_error is None:
-                    first_error = exc
-                continue
-            header = reply.header
-            if header is not None and header.block_count:
-                large.append((index, header))
-            else:
-                results[index] = bytes(reply.body)
-
-        def read(index: int, header: ObjectHeader) -> None:
-            key = key_list[index]
-            results[index] = self._read_blocks(
-                bucket, key, check_key(key), header, 0, header.size, delete=delete
-            )
-
-        errors = self._for_each_object([
-            lambda index=index, header=header: read(index, header) for index, header in large
-        ])
-        for error in errors:
-            if error is None:
-                continue
-            if not isinstance(error, PocketflowError):
-                raise error
-            if first_error is None:
-                first_error = error
-        if first_error is not None:
-            raise first_error
-        return [r if r is not None else b"" for r in results]
+        for key in key_list:
+            check_key(key)
+        return self._core.get_many(bucket, key_list, delete=delete)
 
     # -- waiting -----------------------------------------------------------------------------
 
@@ -873,17 +798,11 @@ class Client:
                 raise InvalidRequest("the client is closed")
             connection = self._connections.get(address)
             if connection is None:
-                cfg = self._config
-                connection = ServerConnection(
-                    address,
+                # The native core owns the connection (its reads use the same sessions).
+                connection = ServerConnection.wrap(
+                    self._core.connection(address),
                     exchange_command=lambda: self._view.exchange_command,
-                    sessions_max=cfg.sessions_per_server,
-                    op_timeout_s=cfg.op_timeout_s,
-                    first_reply_timeout_s=cfg.connect_timeout_s,
-                    rpc_timeout_s=cfg.rpc_timeout_s,
-                    stream_timeout_s=cfg.stream_timeout_s,
-                    direct=cfg.small_ops == "direct",
-                    tls_ca=self._view.handle.tls_ca,
+                    op_timeout_s=self._config.op_timeout_s,
                 )
                 self._connections[address] = connection
             return connection
@@ -984,19 +903,18 @@ class Client:
         return results
 
     def _adopt(self, stale: StaleEpoch) -> None:
-        """Adopt the newer weight map a ``stale_epoch`` error carries."""
+        """Adopt the newer weight map a ``stale_epoch`` error carries (the native core keeps
+        the map in use; an older or equal epoch changes nothing)."""
         weight_map = stale.weight_map
         if weight_map is None:
             raise stale
-        with self._lock:
-            current = self._view.handle
-            try:
-                epoch = int(weight_map.get("epoch", 0))
-            except (TypeError, ValueError):
-                raise stale from None
-            if epoch > current.epoch:
-                self._view = view_of(current.with_weight_map(weight_map))
-                log.debug("job %s: adopted weight map epoch %d", current.job_id, epoch)
+        try:
+            adopted = self._core.adopt_weight_map(encode_json(weight_map))
+        except (InvalidRequest, ValueError):
+            raise stale from None
+        if adopted:
+            log.debug("job %s: adopted weight map epoch %s", self._view.handle.job_id,
+                      weight_map.get("epoch"))
 
     # -- internals: block 0 ------------------------------------------------------------------
 
@@ -1010,80 +928,17 @@ class Client:
     def _fetch_record(
         self, bucket: str, bucket_raw: bytes, key_raw: bytes, op: int, flags: int, *,
         lost_unavailable: bool = True,
-    ) -> tuple[ServerInfo, Reply]:
-        """Run a GET, LOOKUP or DELETE of block 0 where the object lives (see module doc).
+    ) -> tuple[str, Reply]:
+        """Run a GET, LOOKUP or DELETE of block 0 where the object lives (see module doc), in
+        the native core; returns the address of the server that answered and its reply.
 
         A GET or LOOKUP that finds the key on no live server of a job that lost servers raises
         :class:`DataUnavailable` (unless ``lost_unavailable`` is false).
         """
-        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
-            view = self._view
-            primary = view.placement.server_for(key_raw, 0)
-            try:
-                reply = self._call(view, primary, op, flags, bucket_raw, key_raw)
-            except StaleEpoch as exc:
-                # A new session's opening context was stale: the session never ran the op.
-                reply = _stale_reply(exc)
-            if reply.status == 0:
-                return primary, reply
-            error = error_from_status(reply.status, reply.body, server=primary.address)
-            if isinstance(error, StaleEpoch):
-                if attempt == STALE_EPOCH_RETRIES_MAX:
-                    raise error
-                self._adopt(error)
-                continue
-            if not isinstance(error, NotFound):
-                raise error
-            found, stale, bucket_seen = self._probe_fallbacks(
-                view, primary, op, flags, bucket_raw, key_raw
-            )
-            if found is not None:
-                return found
-            if stale is not None:
-                if attempt == STALE_EPOCH_RETRIES_MAX:
-                    raise stale
-                self._adopt(stale)
-                continue
-            if isinstance(error, BucketNotFound) and bucket_seen:
-                error = ObjectNotFound(
-                    f"not_found: {bucket}/{key_raw.decode()}", server=primary.address
-                )
-            if isinstance(error, ObjectNotFound) and op != OP_DELETE and lost_unavailable:
-                lost = _lost_error(view, f"{bucket}/{key_raw.decode()}")
-                if lost is not None:
-                    raise lost from error
-            raise error
-        raise AssertionError("unreachable")
-
-    def _probe_fallbacks(
-        self, view: View, primary: ServerInfo, op: int, flags: int, bucket_raw: bytes,
-        key_raw: bytes,
-    ) -> tuple[tuple[ServerInfo, Reply] | None, StaleEpoch | None, bool]:
-        """Try block 0 on the PERSIST placement, then (epoch > 1) every other server."""
-        candidates: list[ServerInfo] = []
-        if view.placement.has_persist():
-            persist_server = view.placement.server_for(key_raw, 0, persist=True)
-            if persist_server.node_id != primary.node_id:
-                candidates.append(persist_server)
-        if view.epoch > 1:
-            seen = {primary.node_id, *(c.node_id for c in candidates)}
-            candidates += [s for s in view.placement.ranked(key_raw) if s.node_id not in seen]
-        bucket_seen = False
-        for server in candidates:
-            try:
-                reply = self._call(view, server, op, flags, bucket_raw, key_raw)
-            except StaleEpoch as exc:
-                return None, exc, bucket_seen
-            if reply.status == 0:
-                return (server, reply), None, True
-            error = error_from_status(reply.status, reply.body, server=server.address)
-            if isinstance(error, StaleEpoch):
-                return None, error, bucket_seen
-            if isinstance(error, ObjectNotFound):
-                bucket_seen = True
-            elif not isinstance(error, BucketNotFound):
-                raise error
-        return None, None, bucket_seen
+        address, header, body = self._core.fetch_record(
+            bucket, key_raw.decode(), op, flags, lost_unavailable=lost_unavailable
+        )
+        return address, Reply(0, 0, None if header is None else ObjectHeader(*header), body)
 
     def _put_record(
         self, bucket: str, bucket_raw: bytes, key_raw: bytes, header: ObjectHeader,
@@ -1227,20 +1082,15 @@ class Client:
             self._delete_blocks(bucket, key, key_raw, reply.header)
 
     def _restore_record(
-        self, server: ServerInfo, bucket_raw: bytes, key_raw: bytes, header: ObjectHeader,
-        body: memoryview,
+        self, server: str, bucket: str, key: str, header: ObjectHeader,
+        body: bytes | memoryview,
     ) -> None:
         """Put back a record claimed by a DELETE read that could not be delivered."""
-        flags = OP_FLAG_PERSIST if header.persist else 0
-        value = body if header.block_count == 0 else b""
         try:
-            reply = self._call(self._view, server, OP_PUT, flags, bucket_raw, key_raw,
-                               header.encode(), value)
+            self._core.restore_record(server, bucket, key, header.encode(),
+                                      body if header.block_count == 0 else b"")
         except PocketflowError as exc:
-            reply = Reply(0, exc.grpc_code, None, memoryview(str(exc).encode()))
-        if reply.status != 0:
-            log.warning("could not restore %r after a failed DELETE read: %s", key_raw,
-                        error_from_status(reply.status, reply.body))
+            log.warning("could not restore %s/%s after a failed DELETE read: %s", bucket, key, exc)
 
     def _repair_bucket(self, view: View, bucket: str, server: ServerInfo) -> bool:
         """Create ``bucket`` on a server that lacks it if another server of the job has it.
@@ -1438,114 +1288,15 @@ class Client:
         self, bucket: str, key: str, key_raw: bytes, header: ObjectHeader, start: int, end: int,
         *, delete: bool, dest: memoryview | None = None,
     ) -> Any:
-        """Read object bytes ``[start, end)`` of a large object from its data blocks.
+        """Read object bytes ``[start, end)`` of a large object from its data blocks, in the
+        native core (servers and tickets in parallel, GIL released, blocks written under an
+        earlier map found by probing).
 
         With ``dest`` the bytes land in ``dest[0:end-start]`` and the count is returned;
         without, they land in a ``bytes`` of the exact size, filled in place, which is returned.
-        Each server's ranges are read by the native core with the GIL released, as tickets of at
-        least ``READ_TICKET_BLOCKS_MIN`` blocks in parallel, servers in parallel too.
         """
-        view = self._view
-        block_size = header.block_size
-        first = start // block_size + 1
-        last = (end - 1) // block_size + 1
-        groups: dict[str, list[tuple[int, int, int, int]]] = {}
-        for index in range(first, last + 1):
-            block_start = (index - 1) * block_size
-            low = max(start, block_start)
-            high = min(end, block_start + block_size, header.size)
-            server = self._block_server(view, key_raw, index, header.persist)
-            groups.setdefault(server.address, []).append(
-                (index, low - block_start, high - low, low - start)
-            )
-        expected = end - start
-        target: Any = dest if dest is not None else new_bytes(expected)
-        received: dict[int, int] = {}
-        lock = threading.Lock()
-
-        def fetch(address: str, chunk: list[tuple[int, int, int, int]]) -> None:
-            try:
-                self._get_ranges_current(address, bucket, key, header.version, chunk,
-                                         target, received, lock, delete=delete)
-            except NotFound:
-                if view.epoch <= 1:
-                    raise
-                self._fetch_moved_blocks(view, bucket, key, key_raw, header, address,
-                                         chunk, target, received, lock, delete=delete)
-
-        # A server's ranges are cut into tickets read in parallel over its connections: at
-        # least READ_TICKET_BLOCKS_MIN blocks each, so the I/O threads share a large object.
-        per_ticket = max(READ_TICKET_BLOCKS_MIN,
-                         -(-(last - first + 1) // self._config.io_threads))
-        per_ticket = min(per_ticket, TICKET_RANGES_MAX)
-        self._parallel([
-            lambda address=address, chunk=ranges[at:at + per_ticket]: fetch(address, chunk)
-            for address, ranges in groups.items()
-            for at in range(0, len(ranges), per_ticket)
-        ])
-        if sum(received.values()) != expected:
-            raise InternalError(
-                f"internal: read {sum(received.values())} bytes of {key!r}, expected {expected}"
-            )
-        return expected if dest is not None else target
-
-    def _get_ranges_current(
-        self, address: str, bucket: str, key: str, version: int,
-        ranges: list[tuple[int, int, int, int]], target: Any, received: dict[int, int],
-        lock: threading.Lock, *, delete: bool,
-    ) -> None:
-        """One DoGet of ``ranges`` (``block, offset, length, dest_at``) into ``target`` with the
-        newest context, counting what arrived per block in ``received``; a stale epoch
-        (refused before any byte was sent) is adopted and the ticket sent again."""
-        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
-            ticket = get_ticket(self._view.ctx, bucket=bucket, key=key, version=version,
-                                ranges=[(index, offset, length) for index, offset, length, _
-                                        in ranges],
-                                delete=delete)
-            try:
-                counts, error = self._connection(address).get_ranges(ticket, ranges, target)
-            except StaleEpoch as exc:
-                if attempt == STALE_EPOCH_RETRIES_MAX:
-                    raise
-                self._adopt(exc)
-                continue
-            with lock:
-                for (index, _, _, _), count in zip(ranges, counts, strict=True):
-                    if count:
-                        received[index] = received.get(index, 0) + count
-            if error is not None:
-                raise error
-            return
-
-    def _fetch_moved_blocks(
-        self, view: View, bucket: str, key: str, key_raw: bytes, header: ObjectHeader,
-        tried: str, ranges: list[tuple[int, int, int, int]], target: Any,
-        received: dict[int, int], lock: threading.Lock, *, delete: bool,
-    ) -> None:
-        """Find blocks written under an earlier weight map: probe the other servers in order."""
-        for index, offset, length, dest_at in ranges:
-            with lock:
-                if received.get(index, 0) == length:
-                    continue
-                received.pop(index, None)
-            for server in view.placement.ranked(key_raw, index):
-                if server.address == tried:
-                    continue
-                try:
-                    self._get_ranges_current(server.address, bucket, key, header.version,
-                                             [(index, offset, length, dest_at)], target,
-                                             received, lock, delete=delete)
-                    break
-                except NotFound:
-                    with lock:
-                        received.pop(index, None)
-                    continue
-            else:
-                what = f"block {index} of {bucket}/{key}"
-                lost = _lost_error(view, what)
-                if lost is not None:
-                    raise lost
-                raise ObjectNotFound(f"not_found: {what} is on no server of the job")
+        return self._core.read_blocks(bucket, key, header.encode(), start, end, delete=delete,
+                                      dest=dest)
 
     def _delete_blocks(self, bucket: str, key: str, key_raw: bytes, header: ObjectHeader) -> None:
         """Free a version's data blocks (best effort: a failure leaves garbage, not an error)."""
@@ -1597,19 +1348,6 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _lost_error(view: View, what: str) -> DataUnavailable | None:
-    """The error for ``what`` being on no live server of a job that lost servers, or ``None``
-    when the job lost none (then it is simply not found)."""
-    lost = view.handle.lost
-    if not lost:
-        return None
-    names = ", ".join(s.node_id for s in lost)
-    return DataUnavailable(
-        f"unavailable: {what} is on no live server of the job; it may have been on a lost "
-        f"server ({names})", server=lost[-1].address,
-    )
 
 
 def _stale_reply(exc: StaleEpoch) -> Reply:

@@ -109,7 +109,7 @@ class ObjectHost(Protocol):
     def _fetch_record(
         self, bucket: str, bucket_raw: bytes, key_raw: bytes, op: int, flags: int, *,
         lost_unavailable: bool = True,
-    ) -> tuple[ServerInfo, Reply]: ...
+    ) -> tuple[str, Reply]: ...
 
     def _read_blocks(
         self, bucket: str, key: str, key_raw: bytes, header: ObjectHeader, start: int, end: int,

@@ -150,6 +150,19 @@ class ServerConnection:
             tls_ca=tls_ca.encode("ascii") if tls_ca is not None else None,
         )
 
+    @classmethod
+    def wrap(
+        cls, native: Any, *, exchange_command: Callable[[], bytes] | None, op_timeout_s: float
+    ) -> ServerConnection:
+        """A connection over ``native``, a ``_core.Connection`` made elsewhere (the client's
+        native core makes one per server and shares it)."""
+        connection = cls.__new__(cls)
+        connection.address = native.address
+        connection.op_timeout_s = op_timeout_s
+        connection._exchange_command = exchange_command
+        connection._native = native
+        return connection
+
     def _command(self) -> bytes:
         if self._exchange_command is None:
             return b""

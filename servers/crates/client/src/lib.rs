@@ -15,15 +15,18 @@ mod config;
 mod connection;
 mod direct;
 mod error;
+pub mod objects;
 pub mod placement;
 mod pool;
 mod runtime;
 mod session;
 pub mod tls;
+pub mod view;
 
 pub use blocks::{BlockSlice, RangeTarget, ReadOutcome};
 pub use config::ConnectionConfig;
 pub use connection::{Connection, ExchangeReply, ExchangeRequest};
 pub use error::ClientError;
+pub use objects::{Destination, Failure, Objects, Record, Tuning};
 pub use runtime::{block_on, runtime_handle};
 pub use tls::ClientTls;

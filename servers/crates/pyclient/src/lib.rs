@@ -2,13 +2,14 @@
 //! arguments, releases the GIL around every blocking call, and maps the core's errors to
 //! `pocketflow.errors` in one function ([`to_py_err`]).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use pocketflow_client::placement::{PlacedServer, Placement};
 use pocketflow_client::{
-    block_on, BlockSlice, ClientError, ClientTls, Connection, ConnectionConfig, ExchangeReply,
-    ExchangeRequest, RangeTarget,
+    block_on, BlockSlice, ClientError, ClientTls, Connection, ConnectionConfig, Destination,
+    ExchangeReply, ExchangeRequest, Failure, Objects, RangeTarget, Tuning,
 };
 use pocketflow_protocol::frame::OpCode;
 use pocketflow_protocol::header::{ObjectHeader, HEADER_LEN_BYTES};
@@ -49,6 +50,11 @@ impl Lent {
     /// The bytes; valid while the lender is held.
     unsafe fn slice(&self) -> &[u8] {
         std::slice::from_raw_parts(self.ptr, self.len)
+    }
+
+    /// The bytes, writable, for as long as the caller says; valid while the lender is held.
+    unsafe fn into_slice_mut<'a>(self) -> &'a mut [u8] {
+        std::slice::from_raw_parts_mut(self.ptr, self.len)
     }
 
     /// The bytes, writable; valid while the lender is held.
@@ -282,7 +288,7 @@ const SIGNAL_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// A connection to one storage server (see `pocketflow/transport.py`).
 #[pyclass(name = "Connection", module = "pocketflow._core", frozen)]
 struct PyConnection {
-    connection: Connection,
+    connection: Arc<Connection>,
 }
 
 #[pymethods]
@@ -302,27 +308,24 @@ impl PyConnection {
         direct: bool,
         tls_ca: Option<&[u8]>,
     ) -> PyResult<Self> {
-        let seconds = |s: f64, name: &str| {
-            Duration::try_from_secs_f64(s)
-                .map_err(|_| PyValueError::new_err(format!("{name} must be >= 0, got {s}")))
-        };
-        let config = ConnectionConfig {
-            sessions_max: sessions_max.max(1),
-            op_timeout: seconds(op_timeout_s, "op_timeout_s")?,
-            first_reply_timeout: seconds(first_reply_timeout_s, "first_reply_timeout_s")?,
-            rpc_timeout: seconds(rpc_timeout_s, "rpc_timeout_s")?,
-            stream_timeout: seconds(stream_timeout_s, "stream_timeout_s")?,
+        let config = connection_config(
+            py,
+            address,
+            sessions_max,
+            [
+                op_timeout_s,
+                first_reply_timeout_s,
+                rpc_timeout_s,
+                stream_timeout_s,
+            ],
             direct,
-            tls: match tls_ca {
-                Some(pem) => {
-                    Some(ClientTls::from_ca_pem(pem).map_err(|e| to_py_err(py, &e, address))?)
-                }
-                None => None,
-            },
-        };
+            tls_ca,
+        )?;
         let connection =
             Connection::new(address, config).map_err(|e| to_py_err(py, &e, address))?;
-        Ok(PyConnection { connection })
+        Ok(PyConnection {
+            connection: Arc::new(connection),
+        })
     }
 
     /// The server's `host:port`.
@@ -497,6 +500,449 @@ impl PyConnection {
     }
 }
 
+/// The bounds of a connection from the keyword arguments of `Connection` and `Objects`;
+/// `timeouts_s` is `[op, first reply, rpc, stream]`.
+fn connection_config(
+    py: Python<'_>,
+    address: &str,
+    sessions_max: usize,
+    timeouts_s: [f64; 4],
+    direct: bool,
+    tls_ca: Option<&[u8]>,
+) -> PyResult<ConnectionConfig> {
+    let names = [
+        "op_timeout_s",
+        "first_reply_timeout_s",
+        "rpc_timeout_s",
+        "stream_timeout_s",
+    ];
+    let mut timeouts = [Duration::ZERO; 4];
+    for ((slot, seconds), name) in timeouts.iter_mut().zip(timeouts_s).zip(names) {
+        *slot = Duration::try_from_secs_f64(seconds)
+            .map_err(|_| PyValueError::new_err(format!("{name} must be >= 0, got {seconds}")))?;
+    }
+    let [op_timeout, first_reply_timeout, rpc_timeout, stream_timeout] = timeouts;
+    Ok(ConnectionConfig {
+        sessions_max: sessions_max.max(1),
+        op_timeout,
+        first_reply_timeout,
+        rpc_timeout,
+        stream_timeout,
+        direct,
+        tls: match tls_ca {
+            Some(pem) => Some(ClientTls::from_ca_pem(pem).map_err(|e| to_py_err(py, &e, address))?),
+            None => None,
+        },
+    })
+}
+
+fn failure_to_py(py: Python<'_>, failure: &Failure) -> PyErr {
+    to_py_err(py, &failure.error, &failure.server)
+}
+
+/// A fresh `bytes` object of `size` bytes whose contents are not initialised: only for a
+/// read that fills every byte before anything else sees the object (on failure it is dropped
+/// unseen).
+fn uninit_bytes(py: Python<'_>, size: usize) -> PyResult<Bound<'_, PyBytes>> {
+    let length = pyo3::ffi::Py_ssize_t::try_from(size)
+        .map_err(|_| PyValueError::new_err(format!("{size} bytes is too large")))?;
+    // SAFETY: a NULL source makes CPython allocate without copying; the result is owned.
+    unsafe {
+        let raw = pyo3::ffi::PyBytes_FromStringAndSize(std::ptr::null(), length);
+        Ok(Bound::from_owned_ptr_or_err(py, raw)?.cast_into_unchecked())
+    }
+}
+
+/// A read's destination: a `bytes` of the object's exact size, allocated once its size is
+/// known (taking the GIL for the allocation only), filled in place and then returned.
+#[derive(Default)]
+struct NewBytes {
+    made: Option<Py<PyBytes>>,
+    memory: Option<Lent>,
+}
+
+impl Destination for NewBytes {
+    fn buffer(&mut self, size: usize) -> Result<&mut [u8], ClientError> {
+        let made = Python::attach(|py| uninit_bytes(py, size).map(Bound::unbind)).map_err(|e| {
+            ClientError::InvalidArgument(format!("cannot allocate {size} bytes: {e}"))
+        })?;
+        let memory = Python::attach(|py| {
+            let bytes = made.bind(py);
+            Lent {
+                ptr: bytes.as_bytes().as_ptr() as *mut u8,
+                len: size,
+            }
+        });
+        self.made = Some(made);
+        // SAFETY: the `bytes` is held in `self.made` and seen by nobody else until the read ends.
+        Ok(unsafe { self.memory.insert(memory).slice_mut() })
+    }
+}
+
+/// A read's destination lent by the caller: fits if the object does.
+struct CallerBuffer {
+    memory: Lent,
+}
+
+impl Destination for CallerBuffer {
+    fn buffer(&mut self, size: usize) -> Result<&mut [u8], ClientError> {
+        if size > self.memory.len {
+            return Err(ClientError::InvalidArgument(format!(
+                "buffer of {} bytes is too small for {size} bytes",
+                self.memory.len
+            )));
+        }
+        // SAFETY: the caller's buffer is held (and exported) until the read returns.
+        Ok(unsafe { self.memory.slice_mut() })
+    }
+}
+
+/// The object layer of one job's client (`pocketflow_client::Objects`): the job's current
+/// weight map, its connections, and the read path of objects.
+#[pyclass(name = "Objects", module = "pocketflow._core", frozen)]
+struct PyObjects {
+    objects: Objects,
+}
+
+#[pymethods]
+impl PyObjects {
+    #[new]
+    #[pyo3(signature = (handle_json, *, sessions_max, op_timeout_s, first_reply_timeout_s,
+                        rpc_timeout_s, stream_timeout_s, io_threads, exchange_window,
+                        direct=true, tls_ca=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        handle_json: &str,
+        sessions_max: usize,
+        op_timeout_s: f64,
+        first_reply_timeout_s: f64,
+        rpc_timeout_s: f64,
+        stream_timeout_s: f64,
+        io_threads: usize,
+        exchange_window: usize,
+        direct: bool,
+        tls_ca: Option<&[u8]>,
+    ) -> PyResult<Self> {
+        let config = connection_config(
+            py,
+            "",
+            sessions_max,
+            [
+                op_timeout_s,
+                first_reply_timeout_s,
+                rpc_timeout_s,
+                stream_timeout_s,
+            ],
+            direct,
+            tls_ca,
+        )?;
+        let tuning = Tuning {
+            io_threads,
+            exchange_window,
+        };
+        let objects =
+            Objects::new(handle_json, config, tuning).map_err(|e| to_py_err(py, &e, ""))?;
+        Ok(PyObjects { objects })
+    }
+
+    /// A number that changes whenever the weight map in use does.
+    fn generation(&self) -> u64 {
+        self.objects.generation()
+    }
+
+    /// The handle in use, as `JobHandle.to_json` writes it.
+    fn handle_json(&self) -> String {
+        self.objects.view().handle_json()
+    }
+
+    /// Use this handle from now on.
+    fn set_handle(&self, py: Python<'_>, handle_json: &str) -> PyResult<()> {
+        self.objects
+            .set_handle(handle_json)
+            .map_err(|e| to_py_err(py, &e, ""))
+    }
+
+    /// Adopt a weight map (JSON) if it is newer than the one in use; returns whether it was.
+    fn adopt_weight_map(&self, py: Python<'_>, weight_map_json: &str) -> PyResult<bool> {
+        let map: serde_json::Map<String, serde_json::Value> = serde_json::from_str(weight_map_json)
+            .map_err(|e| PyValueError::new_err(format!("weight map: {e}")))?;
+        self.objects
+            .adopt_weight_map(&map)
+            .map_err(|e| to_py_err(py, &e, ""))
+    }
+
+    /// The connection to `address` (one per server, shared with every read of this client).
+    fn connection(&self, py: Python<'_>, address: &str) -> PyResult<PyConnection> {
+        let connection = self
+            .objects
+            .connection(address)
+            .map_err(|e| to_py_err(py, &e, address))?;
+        Ok(PyConnection { connection })
+    }
+
+    /// Close every connection; with `reopen` later calls make new ones.
+    #[pyo3(signature = (*, reopen))]
+    fn close(&self, reopen: bool) {
+        self.objects.close(reopen);
+    }
+
+    /// The object's bytes, in a `bytes` of its exact size; with `delete` it is removed as read.
+    #[pyo3(signature = (bucket, key, *, delete=false))]
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        bucket: &str,
+        key: &str,
+        delete: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let mut dest = NewBytes::default();
+        let objects = &self.objects;
+        let outcome = py.detach(|| objects.get(bucket, key, delete, &mut dest));
+        outcome.map_err(|f| failure_to_py(py, &f))?;
+        let made = dest
+            .made
+            .take()
+            .expect("a successful read allocated its bytes");
+        Ok(made.into_bound(py))
+    }
+
+    /// Read the object into `buffer` (writable, C-contiguous); returns its size. A buffer that
+    /// is too small fails, and a DELETE read then puts the object back.
+    #[pyo3(signature = (bucket, key, buffer, *, delete=false))]
+    fn get_into(
+        &self,
+        py: Python<'_>,
+        bucket: &str,
+        key: &str,
+        buffer: &Bound<'_, PyAny>,
+        delete: bool,
+    ) -> PyResult<usize> {
+        let (memory, _held) = writable(buffer)?;
+        let mut dest = CallerBuffer { memory };
+        let objects = &self.objects;
+        py.detach(|| objects.get(bucket, key, delete, &mut dest))
+            .map_err(|f| failure_to_py(py, &f))
+    }
+
+    /// Bytes `[offset, offset + length)` of the object, cut at its end.
+    fn get_range<'py>(
+        &self,
+        py: Python<'py>,
+        bucket: &str,
+        key: &str,
+        offset: u64,
+        length: u64,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let mut dest = NewBytes::default();
+        let objects = &self.objects;
+        py.detach(|| objects.get_range(bucket, key, offset, length, &mut dest))
+            .map_err(|f| failure_to_py(py, &f))?;
+        let made = dest
+            .made
+            .take()
+            .expect("a successful read allocated its bytes");
+        Ok(made.into_bound(py))
+    }
+
+    /// The bytes of many objects, in the order of `keys`: block 0 of all of them pipelined per
+    /// server, then the data blocks of the large ones, a few objects at once. Every object is
+    /// read before an error is raised: the first failure in key order.
+    #[pyo3(signature = (bucket, keys, *, delete=false))]
+    fn get_many<'py>(
+        &self,
+        py: Python<'py>,
+        bucket: &str,
+        keys: Vec<String>,
+        delete: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let objects = &self.objects;
+        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let records = py.detach(|| objects.fetch_records(bucket, &key_refs, delete));
+        let out = PyList::empty(py);
+        let mut first_error: Option<Failure> = None;
+        let mut large: Vec<(usize, pocketflow_protocol::header::ObjectHeader, Lent)> = Vec::new();
+        for (index, record) in records.into_iter().enumerate() {
+            match record {
+                Ok(record) => match record.header {
+                    Some(header) if header.block_count > 0 => {
+                        let size = usize::try_from(header.size)
+                            .map_err(|_| PyValueError::new_err("object too large"))?;
+                        let made = uninit_bytes(py, size)?;
+                        large.push((
+                            index,
+                            header,
+                            Lent {
+                                ptr: made.as_bytes().as_ptr() as *mut u8,
+                                len: size,
+                            },
+                        ));
+                        out.append(made)?;
+                    }
+                    _ => out.append(PyBytes::new(py, &record.body))?,
+                },
+                Err(failure) => {
+                    first_error.get_or_insert(failure);
+                    out.append(PyBytes::new(py, b""))?;
+                }
+            }
+        }
+        if !large.is_empty() {
+            let key_refs = &key_refs;
+            let outcomes = py.detach(move || {
+                // SAFETY: each `bytes` is held by `out` and seen by nobody else until we return.
+                let mut reads: Vec<(&str, pocketflow_protocol::header::ObjectHeader, &mut [u8])> =
+                    large
+                        .into_iter()
+                        .map(|(index, header, lent)| {
+                            (key_refs[index], header, unsafe { lent.into_slice_mut() })
+                        })
+                        .collect();
+                objects.read_objects(bucket, &mut reads, delete)
+            });
+            for outcome in outcomes {
+                if let Err(failure) = outcome {
+                    first_error.get_or_insert(failure);
+                }
+            }
+        }
+        match first_error {
+            Some(failure) => Err(failure_to_py(py, &failure)),
+            None => Ok(out),
+        }
+    }
+
+    /// Block 0 of an object where it lives (see `Objects::fetch_record`): `(server address,
+    /// header fields or None, body)`.
+    #[pyo3(signature = (bucket, key, op, flags, *, lost_unavailable=true))]
+    fn fetch_record<'py>(
+        &self,
+        py: Python<'py>,
+        bucket: &str,
+        key: &str,
+        op: u8,
+        flags: u8,
+        lost_unavailable: bool,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let op = OpCode::from_code(op).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let objects = &self.objects;
+        let record = py
+            .detach(|| objects.fetch_record(bucket, key, op, flags, lost_unavailable))
+            .map_err(|f| failure_to_py(py, &f))?;
+        let header = match record.header {
+            Some(h) => (h.version, h.size, h.block_count, h.block_size, h.flags)
+                .into_pyobject(py)?
+                .into_any(),
+            None => py.None().into_bound(py),
+        };
+        (
+            record.server.as_str(),
+            header,
+            PyBytes::new(py, &record.body),
+        )
+            .into_pyobject(py)
+    }
+
+    /// Read bytes `[start, end)` of a large object (its header as the 32 bytes of
+    /// `ObjectHeader.encode`) from its data blocks: into `dest` (returns the count) or, without
+    /// one, into a new `bytes` of exactly `end - start` bytes (returned).
+    #[pyo3(signature = (bucket, key, header, start, end, *, delete, dest=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn read_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        bucket: &str,
+        key: &str,
+        header: &[u8],
+        start: u64,
+        end: u64,
+        delete: bool,
+        dest: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let header = header_of(header)?;
+        let count = usize::try_from(end.saturating_sub(start))
+            .map_err(|_| PyValueError::new_err("range too large"))?;
+        let objects = &self.objects;
+        match dest {
+            Some(dest) => {
+                let (memory, _held) = writable(dest)?;
+                if memory.len < count {
+                    return Err(PyValueError::new_err(format!(
+                        "destination of {} bytes for {count} bytes",
+                        memory.len
+                    )));
+                }
+                py.detach(move || {
+                    // SAFETY: `_held` keeps the buffer exported until this call returns.
+                    let memory = unsafe { &mut memory.slice_mut()[..count] };
+                    objects.read_blocks(bucket, key, &header, start, end, delete, memory)
+                })
+                .map_err(|f| failure_to_py(py, &f))?;
+                Ok(count.into_pyobject(py)?.into_any())
+            }
+            None => {
+                let made = uninit_bytes(py, count)?;
+                let memory = Lent {
+                    ptr: made.as_bytes().as_ptr() as *mut u8,
+                    len: count,
+                };
+                py.detach(move || {
+                    // SAFETY: `made` is held and seen by nobody else until the read ends.
+                    let memory = unsafe { memory.slice_mut() };
+                    objects.read_blocks(bucket, key, &header, start, end, delete, memory)
+                })
+                .map_err(|f| failure_to_py(py, &f))?;
+                Ok(made.into_any())
+            }
+        }
+    }
+
+    /// Put back a record claimed by a DELETE read that could not be delivered (its header as
+    /// 32 bytes, and a small object's body); raises why it could not.
+    fn restore_record(
+        &self,
+        py: Python<'_>,
+        server: &str,
+        bucket: &str,
+        key: &str,
+        header: &[u8],
+        body: &[u8],
+    ) -> PyResult<()> {
+        let record = pocketflow_client::Record {
+            server: server.to_string(),
+            header: Some(header_of(header)?),
+            body: Bytes::copy_from_slice(body),
+        };
+        let objects = &self.objects;
+        py.detach(|| objects.restore_record(&record, bucket, key))
+            .map_err(|e| to_py_err(py, &e, server))
+    }
+
+    /// `(size, persist)` of an object. With `lost_unavailable` false, a key that may have been
+    /// on a lost server is "not found" instead of "unavailable".
+    #[pyo3(signature = (bucket, key, *, lost_unavailable=true))]
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        bucket: &str,
+        key: &str,
+        lost_unavailable: bool,
+    ) -> PyResult<(u64, bool)> {
+        let objects = &self.objects;
+        let record = py
+            .detach(|| objects.fetch_record(bucket, key, OpCode::Lookup, 0, lost_unavailable))
+            .map_err(|f| failure_to_py(py, &f))?;
+        let header = record.header.ok_or_else(|| {
+            to_py_err(
+                py,
+                &ClientError::Protocol("lookup reply without a header".into()),
+                &record.server,
+            )
+        })?;
+        Ok((header.size, header.persist()))
+    }
+}
+
 /// A destination to fill: a writable C-contiguous buffer, or a fresh `bytes` object.
 fn writable(dest: &Bound<'_, PyAny>) -> PyResult<(Lent, Option<PyBuffer<u8>>)> {
     if let Ok(bytes) = dest.cast::<PyBytes>() {
@@ -548,6 +994,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     keep_transfer_buffers();
     m.add_class::<PyConnection>()?;
     m.add_class::<PyPlacement>()?;
+    m.add_class::<PyObjects>()?;
     m.add_function(wrap_pyfunction!(run_groups, m)?)?;
     m.add_function(wrap_pyfunction!(empty_bytes, m)?)?;
     Ok(())

@@ -1,0 +1,327 @@
+//! One weight map of a job as the client uses it: the servers with their placement, the lost
+//! servers, and the capability context every request carries. A client swaps its view whole when
+//! it adopts a newer epoch, so one call always places and addresses with one consistent map.
+
+use bytes::Bytes;
+use pocketflow_protocol::context::Context;
+use serde_json::{Map, Value};
+
+use crate::error::ClientError;
+use crate::placement::{PlacedServer, Placement};
+
+/// Significant digits a weight keeps (as `pocketflow.handle.WEIGHT_SIGNIFICANT_DIGITS`): both
+/// languages round the same way, so both place a key on the same server.
+const WEIGHT_SIGNIFICANT_DIGITS: usize = 6;
+/// Most lost servers a map remembers (as `pocketflow.handle.LOST_SERVERS_MAX`).
+const LOST_SERVERS_MAX: usize = 16;
+/// Most servers one weight map may list: far more than any job gets, small enough that a map
+/// from a server's `stale_epoch` answer cannot make the client build something huge.
+const SERVERS_MAX: usize = 4096;
+
+/// One storage server of a weight map.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Server {
+    /// The server's node id (its placement seed comes from it).
+    pub node_id: String,
+    /// `host:port`.
+    pub address: String,
+    /// Its share of the job's new data; 0 takes none, but its records stay readable.
+    pub weight: f64,
+    /// Whether it is long-running (takes PERSIST objects).
+    pub persist: bool,
+}
+
+/// A server declared dead while it was in the job's map.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LostServer {
+    /// Its node id.
+    pub node_id: String,
+    /// Its address.
+    pub address: String,
+}
+
+/// One consistent weight map of a job, with everything derived from it.
+#[derive(Debug)]
+pub struct View {
+    /// The job handle as JSON fields (`job`, `name`, `token`, `block_size`, `tls_ca`, ...), with
+    /// this view's `epoch`, `servers` and `lost`: what [`View::handle_json`] gives back.
+    handle: Map<String, Value>,
+    /// The capability context of this map.
+    pub ctx: Context,
+    /// Weight-map epoch.
+    pub epoch: u64,
+    /// Servers, in the map's order (placement results index into it).
+    pub servers: Vec<Server>,
+    /// Servers the job lost to failures, oldest first.
+    pub lost: Vec<LostServer>,
+    /// Bytes per data block of new large objects.
+    pub block_size: u32,
+    /// Placement over `servers`.
+    pub placement: Placement,
+    /// The DoExchange descriptor command (`{"ctx": ...}`).
+    pub exchange_command: Bytes,
+}
+
+fn malformed(what: &str, why: impl std::fmt::Display) -> ClientError {
+    ClientError::InvalidArgument(format!("malformed {what}: {why}"))
+}
+
+fn rounded_weight(weight: f64) -> f64 {
+    let text = format!("{:.*e}", WEIGHT_SIGNIFICANT_DIGITS - 1, weight);
+    text.parse().unwrap_or(weight)
+}
+
+fn text_of(value: &Value, what: &str) -> Result<String, ClientError> {
+    match value {
+        Value::String(s) => Ok(s.clone()),
+        Value::Number(n) => Ok(n.to_string()),
+        other => Err(malformed(what, format!("expected text, got {other}"))),
+    }
+}
+
+fn server_of(row: &Value) -> Result<Server, ClientError> {
+    let (node_id, address, weight, persist) = match row {
+        Value::Array(fields) if fields.len() == 5 => {
+            (&fields[0], &fields[1], &fields[3], Some(&fields[4]))
+        }
+        Value::Object(fields) => (
+            fields.get("node_id").unwrap_or(&Value::Null),
+            fields.get("address").unwrap_or(&Value::Null),
+            fields.get("weight").unwrap_or(&Value::Null),
+            fields.get("persist"),
+        ),
+        other => return Err(malformed("weight-map row", format!("{other:.200}"))),
+    };
+    let weight = weight
+        .as_f64()
+        .filter(|w| w.is_finite() && *w >= 0.0)
+        .ok_or_else(|| malformed("weight-map row", "weight must be a finite number >= 0"))?;
+    let persist = match persist {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(Value::Number(n)) => n.as_f64().is_some_and(|v| v != 0.0),
+        Some(other) => return Err(malformed("weight-map row", format!("persist {other}"))),
+    };
+    let node_id = text_of(node_id, "node id")?;
+    let address = text_of(address, "server address")?;
+    if node_id.is_empty() || !address.contains(':') {
+        return Err(malformed("weight-map row", "empty node id or no port"));
+    }
+    Ok(Server {
+        node_id,
+        address,
+        weight: rounded_weight(weight),
+        persist,
+    })
+}
+
+fn lost_of(row: &Value) -> Result<LostServer, ClientError> {
+    match row {
+        Value::Array(fields) if fields.len() == 2 => Ok(LostServer {
+            node_id: text_of(&fields[0], "lost node id")?,
+            address: text_of(&fields[1], "lost address")?,
+        }),
+        other => Err(malformed("lost-server row", format!("{other:.200}"))),
+    }
+}
+
+/// `(epoch, servers, lost)` of a weight map `{"epoch", "servers", "lost"?}`.
+fn map_parts(map: &Map<String, Value>) -> Result<(u64, Vec<Server>, Vec<LostServer>), ClientError> {
+    let epoch = map
+        .get("epoch")
+        .and_then(Value::as_u64)
+        .ok_or_else(|| malformed("weight map", "no epoch"))?;
+    let rows = map
+        .get("servers")
+        .and_then(Value::as_array)
+        .ok_or_else(|| malformed("weight map", "no servers"))?;
+    if rows.len() > SERVERS_MAX {
+        return Err(malformed(
+            "weight map",
+            format!("more than {SERVERS_MAX} servers"),
+        ));
+    }
+    let servers = rows.iter().map(server_of).collect::<Result<Vec<_>, _>>()?;
+    let lost = match map.get("lost") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(rows)) => rows
+            .iter()
+            .take(LOST_SERVERS_MAX)
+            .map(lost_of)
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(other) => return Err(malformed("weight map", format!("lost {other:.200}"))),
+    };
+    Ok((epoch, servers, lost))
+}
+
+impl View {
+    /// The view of a job handle in the JSON form of `JobHandle.to_json`.
+    pub fn from_handle_json(text: &str) -> Result<View, ClientError> {
+        let handle: Map<String, Value> =
+            serde_json::from_str(text).map_err(|e| malformed("job handle", e))?;
+        View::from_handle(handle)
+    }
+
+    fn from_handle(handle: Map<String, Value>) -> Result<View, ClientError> {
+        let (epoch, servers, lost) = map_parts(&handle)?;
+        let job = handle
+            .get("job")
+            .and_then(Value::as_str)
+            .ok_or_else(|| malformed("job handle", "no job id"))?
+            .to_string();
+        let token = handle
+            .get("token")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        let block_size = handle
+            .get("block_size")
+            .and_then(Value::as_u64)
+            .and_then(|b| u32::try_from(b).ok())
+            .filter(|b| *b > 0)
+            .ok_or_else(|| malformed("job handle", "block_size"))?;
+        let ctx = Context { job, epoch, token };
+        let exchange_command = Bytes::from(
+            serde_json::to_vec(&serde_json::json!({ "ctx": &ctx })).expect("a context serializes"),
+        );
+        let placed: Vec<PlacedServer> = servers
+            .iter()
+            .map(|s| PlacedServer {
+                node_id: s.node_id.clone(),
+                weight: s.weight,
+                persist: s.persist,
+            })
+            .collect();
+        Ok(View {
+            handle,
+            ctx,
+            epoch,
+            placement: Placement::new(&placed),
+            servers,
+            lost,
+            block_size,
+            exchange_command,
+        })
+    }
+
+    /// This view with the weight map of a `stale_epoch` answer or a `set_epoch` (its epoch,
+    /// servers and lost list; job, token and block size stay).
+    pub fn with_weight_map(&self, weight_map: &Map<String, Value>) -> Result<View, ClientError> {
+        let mut handle = self.handle.clone();
+        for field in ["epoch", "servers"] {
+            let value = weight_map
+                .get(field)
+                .ok_or_else(|| malformed("weight map", format!("no {field}")))?;
+            handle.insert(field.to_string(), value.clone());
+        }
+        match weight_map.get("lost") {
+            Some(lost) if !lost.is_null() => {
+                handle.insert("lost".to_string(), lost.clone());
+            }
+            _ => {
+                handle.remove("lost");
+            }
+        }
+        View::from_handle(handle)
+    }
+
+    /// The handle of this view as JSON (`JobHandle.from_json` reads it).
+    pub fn handle_json(&self) -> String {
+        serde_json::to_string(&self.handle).expect("a JSON map serializes")
+    }
+
+    /// The server for block `block` of `key` (PERSIST placement with `persist`); `None` when no
+    /// server of the map can take it.
+    pub fn server_for(&self, key: &[u8], block: u32, persist: bool) -> Option<&Server> {
+        self.placement
+            .server_for(key, block, persist)
+            .map(|i| &self.servers[i])
+    }
+
+    /// Every server of the map in the order fallback reads probe them for `(key, block)`.
+    pub fn ranked(&self, key: &[u8], block: u32) -> impl Iterator<Item = &Server> {
+        self.placement
+            .ranked(key, block)
+            .into_iter()
+            .map(|i| &self.servers[i])
+    }
+
+    /// The error for `what` being on no live server of a job that lost servers; `None` when the
+    /// job lost none (then it is simply not found).
+    pub fn lost_error(&self, what: &str) -> Option<(ClientError, String)> {
+        let last = self.lost.last()?;
+        let names: Vec<&str> = self.lost.iter().map(|s| s.node_id.as_str()).collect();
+        Some((
+            ClientError::Unavailable(format!(
+                "{what} is on no live server of the job; it may have been on a lost server ({})",
+                names.join(", ")
+            )),
+            last.address.clone(),
+        ))
+    }
+}
+
+/// The weight map a `stale_epoch` status carries after its kind, if it parses as one.
+pub fn stale_weight_map(message: &str) -> Option<Map<String, Value>> {
+    let text = message.strip_prefix("stale_epoch: ")?;
+    let mut stream = serde_json::Deserializer::from_str(text.trim_start()).into_iter::<Value>();
+    match stream.next()? {
+        Ok(Value::Object(map)) => Some(map),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HANDLE: &str = r#"{"job":"j1","name":"n","epoch":1,"token":"t","block_size":1048576,
+        "servers":[["dram-0","127.0.0.1:5000","dram",1,1],["dram-1","127.0.0.1:5001","dram",0.3333333333,0]]}"#;
+
+    #[test]
+    fn a_handle_parses_with_weights_rounded_as_python_does() {
+        let view = View::from_handle_json(HANDLE).unwrap();
+        assert_eq!(view.epoch, 1);
+        assert_eq!(view.servers.len(), 2);
+        assert_eq!(view.servers[1].weight, 0.333333);
+        assert!(view.servers[0].persist && !view.servers[1].persist);
+        assert_eq!(view.block_size, 1 << 20);
+        assert!(view.lost.is_empty());
+        assert!(view.lost_error("x").is_none());
+        let command: Value = serde_json::from_slice(&view.exchange_command).unwrap();
+        assert_eq!(command["ctx"]["job"], "j1");
+        assert_eq!(command["ctx"]["epoch"], 1);
+    }
+
+    #[test]
+    fn a_stale_answer_gives_a_new_map_that_keeps_the_job_and_token() {
+        let view = View::from_handle_json(HANDLE).unwrap();
+        let message = r#"stale_epoch: {"epoch":3,"servers":[["dram-1","127.0.0.1:5001","dram",1,0]],"lost":[["dram-0","127.0.0.1:5000"]]}"#;
+        let map = stale_weight_map(message).unwrap();
+        let newer = view.with_weight_map(&map).unwrap();
+        assert_eq!(newer.epoch, 3);
+        assert_eq!(newer.ctx.token, "t");
+        assert_eq!(newer.servers.len(), 1);
+        assert_eq!(newer.lost[0].node_id, "dram-0");
+        let (error, server) = newer.lost_error("b/k").unwrap();
+        assert!(error.to_string().contains("dram-0"));
+        assert_eq!(server, "127.0.0.1:5000");
+        let back: Value = serde_json::from_str(&newer.handle_json()).unwrap();
+        assert_eq!(back["epoch"], 3);
+        assert_eq!(back["name"], "n");
+    }
+
+    #[test]
+    fn malformed_maps_are_refused() {
+        for text in [
+            "{}",
+            r#"{"job":"j","epoch":1,"token":"t","block_size":0,"servers":[]}"#,
+            r#"{"job":"j","epoch":1,"token":"t","block_size":1,"servers":[["a","noport","dram",1,0]]}"#,
+            r#"{"job":"j","epoch":1,"token":"t","block_size":1,"servers":[["a","h:1","dram",-1,0]]}"#,
+        ] {
+            assert!(View::from_handle_json(text).is_err(), "{text}");
+        }
+        assert!(stale_weight_map("stale_epoch: not json").is_none());
+        assert!(stale_weight_map("not_found: x").is_none());
+    }
+}

@@ -42,7 +42,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Literal, TypeVar, overload
@@ -54,27 +54,21 @@ from pocketflow.errors import (
     BucketExists,
     BucketNotFound,
     InvalidRequest,
-    NotFound,
-    ObjectExists,
     ObjectNotFound,
     PocketflowError,
     StaleEpoch,
-    error_from_status,
 )
 from pocketflow.handle import JobHandle, ServerInfo
 from pocketflow.layout import (
     STALE_EPOCH_RETRIES_MAX,
     BlockUploader,
     View,
-    new_version,
     view_of,
 )
 from pocketflow.notifications import SUBSCRIBER_EVENTS_DEFAULT, Listener
 from pocketflow.objectfile import ObjectReader, ObjectWriter
 from pocketflow.protocol import (
     ACTION_CREATE_BUCKET,
-    ACTION_DELETE,
-    ACTION_DELETE_BLOCKS,
     ACTION_DELETE_BUCKET,
     ACTION_DELETE_PREFIX,
     ACTION_ENUMERATE,
@@ -83,11 +77,7 @@ from pocketflow.protocol import (
     KEY_MAX_BYTES,
     OP_DELETE,
     OP_FLAG_DELETE,
-    OP_FLAG_OVERWRITE,
-    OP_FLAG_PERSIST,
     OP_GET,
-    OP_LOOKUP,
-    OP_PUT,
     SMALL_OBJECT_MAX_BYTES,
     WAIT_KEYS_MAX,
     WAIT_TIMEOUT_MAX_MS,
@@ -98,10 +88,8 @@ from pocketflow.protocol import (
     check_bucket,
     check_key,
     encode_json,
-    large_header,
-    small_header,
 )
-from pocketflow.transport import ExchangeOp, ServerConnection, run_groups
+from pocketflow.transport import ServerConnection
 
 __all__ = ["Client", "ObjectInfo", "connect", "STALE_EPOCH_RETRIES_MAX"]
 
@@ -179,9 +167,6 @@ class Client:
         self._view_cached: tuple[int, View] = (self._core.generation(), view_of(handle))
         self._connections: dict[str, ServerConnection] = {}
         self._executor: ThreadPoolExecutor | None = None
-        self._objects_executor: ThreadPoolExecutor | None = None
-        self._objects_in_flight = min(LARGE_OBJECTS_IN_FLIGHT_MAX, self._config.io_threads)
-        self._repaired_buckets: set[tuple[str, str]] = set()
         self._closed = False
         _LIVE_CLIENTS.add(self)
 
@@ -222,7 +207,6 @@ class Client:
         self._view_cached = (self._core.generation(), view_of(handle))
         self._connections = {}
         self._executor = None
-        self._objects_executor = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -244,11 +228,8 @@ class Client:
             self._closed = True
             self._connections.clear()
             executor, self._executor = self._executor, None
-            objects_executor, self._objects_executor = self._objects_executor, None
-        # Object threads wait on the I/O threads, so they stop first.
-        for pool in (objects_executor, executor):
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
         self._core.close(reopen=False)
 
     def update_handle(self, handle: JobHandle) -> None:
@@ -396,18 +377,13 @@ class Client:
         :class:`CapacityExhausted` if a server is full (nothing of the object remains),
         :class:`BucketNotFound`, :class:`PersistNotSupported`, :class:`DataUnavailable`.
         """
-        bucket_raw = check_bucket(bucket)
-        key_raw = check_key(key)
+        check_bucket(bucket)
+        check_key(key)
         if _is_stream(data):
             with ObjectWriter(self, bucket, key, persist=persist, overwrite=overwrite) as writer:
                 writer.write_from(data)  # type: ignore[arg-type]
             return
-        view = _as_view(data)
-        if len(view) <= SMALL_OBJECT_MAX_BYTES:
-            self._put_small(bucket, bucket_raw, key_raw, view, persist=persist, overwrite=overwrite)
-        else:
-            self._put_large(bucket, bucket_raw, key, key_raw, view, persist=persist,
-                            overwrite=overwrite)
+        self._core.put(bucket, key, _as_view(data), persist=persist, overwrite=overwrite)
 
     def get(self, bucket: str, key: str, *, delete: bool = False) -> bytes:
         """The object's bytes; with ``delete`` the object is removed as it is read.
@@ -583,45 +559,19 @@ class Client:
     ) -> int:
         """Store many objects; returns how many were stored.
 
-        Small objects are pipelined over one session per server, all servers in parallel, in
-        rounds of at most ``PUT_MANY_CHUNK_OPS`` objects and ``PUT_MANY_CHUNK_BYTES``; large ones
-        form the last round and are put afterwards, up to ``LARGE_OBJECTS_IN_FLIGHT_MAX`` at once.
-        On an error the first one (in the order of ``items``) is raised after every other object
-        of its round has been stored; later rounds are not sent. A large object that fails leaves
-        none of its blocks behind.
+        All of it runs in the native core with the GIL released. Small objects are pipelined
+        over one session per server, all servers in parallel, in rounds of at most 4,096
+        objects and 64 MiB; large ones form the last round and are put afterwards, up to
+        ``LARGE_OBJECTS_IN_FLIGHT_MAX`` at once. On an error the first one (in the order of
+        ``items``) is raised after every other object of its round has been tried; later rounds
+        are not sent. A large object that fails leaves none of its blocks behind.
         """
-        bucket_raw = check_bucket(bucket)
-        flags = (OP_FLAG_PERSIST if persist else 0) | (OP_FLAG_OVERWRITE if overwrite else 0)
-        large: list[tuple[str, bytes, memoryview]] = []
-        ops: list[ExchangeOp] = []
-        batch_bytes = 0
-        stored = 0
+        check_bucket(bucket)
+        checked = []
         for key, data in items:
-            key_raw = check_key(key)
-            view = _as_view(data)
-            if len(view) > SMALL_OBJECT_MAX_BYTES:
-                large.append((key, key_raw, view))
-                continue
-            header = small_header(new_version(), len(view), persist=persist).encode()
-            ops.append(ExchangeOp(OP_PUT, flags, bucket_raw, key_raw, header, view))
-            batch_bytes += len(view)
-            if len(ops) >= PUT_MANY_CHUNK_OPS or batch_bytes >= PUT_MANY_CHUNK_BYTES:
-                self._put_ops(bucket, bucket_raw, ops, persist=persist, overwrite=overwrite)
-                stored += len(ops)
-                ops, batch_bytes = [], 0
-        if ops:
-            self._put_ops(bucket, bucket_raw, ops, persist=persist, overwrite=overwrite)
-            stored += len(ops)
-        errors = self._for_each_object([
-            lambda key=key, key_raw=key_raw, view=view: self._put_large(
-                bucket, bucket_raw, key, key_raw, view, persist=persist, overwrite=overwrite
-            )
-            for key, key_raw, view in large
-        ])
-        first_error = next((error for error in errors if error is not None), None)
-        if first_error is not None:
-            raise first_error
-        return stored + len(large)
+            check_key(key)
+            checked.append((key, _as_view(data)))
+        return self._core.put_many(bucket, checked, persist=persist, overwrite=overwrite)
 
     def get_many(
         self, bucket: str, keys: Iterable[str], *, delete: bool = False
@@ -811,12 +761,6 @@ class Client:
         """The I/O threads (data blocks), made on first use."""
         return self._pool_get("_executor", self._config.io_threads, "pocketflow-io")
 
-    def _objects_executor_get(self) -> ThreadPoolExecutor:
-        """The object threads of ``put_many``/``get_many``, made on first use."""
-        return self._pool_get(
-            "_objects_executor", max(1, self._objects_in_flight - 1), "pocketflow-objects"
-        )
-
     def _pool_get(self, attribute: str, workers: int, thread_prefix: str) -> ThreadPoolExecutor:
         """The thread pool kept in ``attribute``, made on first use; none for a closed client."""
         executor = getattr(self, attribute)
@@ -831,53 +775,6 @@ class Client:
                                               thread_name_prefix=thread_prefix)
                 setattr(self, attribute, executor)
             return executor
-
-    def _for_each_object(self, tasks: Sequence[Callable[[], None]]) -> list[BaseException | None]:
-        """Run whole-object tasks, up to ``LARGE_OBJECTS_IN_FLIGHT_MAX`` at once; returns each
-        task's failure (or ``None``) in order, once every task taken has finished.
-
-        The calling thread takes tasks too, and the others run on the client's object threads,
-        never on the I/O threads: a task waits for the I/O threads to move its blocks, and a
-        bounded pool whose threads wait on that same pool can deadlock. An interrupt of the
-        calling thread stops the taking of new tasks and is raised once the running ones end.
-        """
-        errors: list[BaseException | None] = [None] * len(tasks)
-        lock = threading.Lock()
-        taken = 0
-        stopped = False
-
-        def drain() -> None:
-            nonlocal taken, stopped
-            while True:
-                with lock:
-                    if stopped or taken == len(tasks):
-                        return
-                    index = taken
-                    taken += 1
-                try:
-                    tasks[index]()
-                except Exception as exc:  # noqa: BLE001 - returned to the caller, in order
-                    errors[index] = exc
-                except BaseException:
-                    with lock:
-                        stopped = True
-                    raise
-
-        helpers = min(self._objects_in_flight, len(tasks)) - 1
-        futures = [self._objects_executor_get().submit(drain) for _ in range(helpers)]
-        try:
-            drain()
-        finally:
-            # A helper still queued behind another call's tasks is not needed any more.
-            for future in futures:
-                future.cancel()
-            wait(futures)
-        # A helper stopped by something other than an Exception left tasks untaken: the call
-        # did not do its work, so that is raised rather than reported as success.
-        for future in futures:
-            if not future.cancelled() and future.exception() is not None:
-                raise future.exception()  # type: ignore[misc]
-        return errors
 
     def _parallel(self, tasks: Sequence[Callable[[], T]]) -> list[T]:
         """Run tasks on the I/O threads, the first one on the calling thread; re-raise the first
@@ -945,141 +842,18 @@ class Client:
         value: bytes | bytearray | memoryview, *, persist: bool, overwrite: bool,
         uploader: BlockUploader | None = None,
     ) -> None:
-        """Store block 0 (the commit point); on overwrite, free what it replaced.
+        """Store block 0 (the commit point) in the native core, with write-once per key and,
+        on overwrite, freeing what it replaced.
 
-        ``uploader`` (a large object's) is told when the record is sent and when it is stored,
-        so that a failure afterwards never frees the blocks of a stored object.
+        ``uploader`` (a streamed large object's) is told when the record is sent and when it is
+        stored, so that a failure afterwards never frees the blocks of a stored object.
         """
-        flags = (OP_FLAG_PERSIST if persist else 0) | (OP_FLAG_OVERWRITE if overwrite else 0)
-        header_raw = header.encode()
-        repaired = False
-        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
-            view = self._view
-            server = view.placement.server_for(key_raw, 0, persist=persist)
-            if uploader is not None:
-                uploader.committing = True
-            try:
-                reply = self._call(view, server, OP_PUT, flags, bucket_raw, key_raw, header_raw,
-                                   value)
-            except StaleEpoch as exc:
-                reply = _stale_reply(exc)
-            if reply.status == 0:
-                if uploader is not None:
-                    uploader.committed = True
-                if overwrite:
-                    self._after_overwrite(view, bucket, bucket_raw, key_raw, server, reply.header,
-                                          persist=persist)
-                    return
-                rivals = self._rivals(view, key_raw, server, persist=persist)
-                if rivals:
-                    found = self._find_rival_records(view, bucket_raw, [(key_raw, rivals)])
-                    rival = found.get(key_raw)
-                    if rival is not None:
-                        if uploader is not None:
-                            uploader.committed = False  # its blocks are freed by its abort
-                        raise self._withdraw(view, bucket, bucket_raw, key_raw, server, header,
-                                             rival)
-                return
-            error = error_from_status(reply.status, reply.body, server=server.address)
-            if isinstance(error, StaleEpoch) and attempt < STALE_EPOCH_RETRIES_MAX:
-                self._adopt(error)
-                continue
-            if isinstance(error, BucketNotFound) and not repaired:
-                repaired = self._repair_bucket(view, bucket, server)
-                if repaired:
-                    continue
-            raise error
-        raise AssertionError("unreachable")
-
-    def _rivals(
-        self, view: View, key_raw: bytes, written: ServerInfo, *, persist: bool
-    ) -> list[ServerInfo]:
-        """The other servers where a read would find block 0 of ``key_raw``: the home of the
-        other placement (PERSIST or ephemeral) and, once the job changed maps, every server of
-        the map (see :meth:`_probe_fallbacks`). A non-overwrite put checks them after writing,
-        so that write-once holds per key, not per server."""
-        placement = view.placement
-        rivals: list[ServerInfo] = []
-        if placement.has_persist():
-            try:
-                rivals.append(placement.server_for(key_raw, 0, persist=not persist))
-            except PocketflowError:
-                pass  # no server of the other placement: nothing to find there
-        if view.epoch > 1:
-            rivals += placement.ranked(key_raw)
-        seen = {written.node_id}
-        unique = []
-        for server in rivals:
-            if server.node_id not in seen:
-                seen.add(server.node_id)
-                unique.append(server)
-        return unique
-
-    def _find_rival_records(
-        self, view: View, bucket_raw: bytes, checks: list[tuple[bytes, list[ServerInfo]]]
-    ) -> dict[bytes, ServerInfo]:
-        """LOOKUP each key on its rival servers, all servers at once; returns, per key found on
-        one, that server. A server that cannot answer is skipped (its reads fail too)."""
-        groups: dict[str, list[ExchangeOp]] = {}
-        servers: dict[str, ServerInfo] = {}
-        for key_raw, rivals in checks:
-            for server in rivals:
-                servers[server.address] = server
-                groups.setdefault(server.address, []).append(
-                    ExchangeOp(OP_LOOKUP, 0, bucket_raw, key_raw)
-                )
-        self._run_groups(view, groups)
-        found: dict[bytes, ServerInfo] = {}
-        for address, ops in groups.items():
-            for op in ops:
-                if op.reply is not None and op.reply.status == 0:
-                    found.setdefault(op.key, servers[address])
-        return found
-
-    def _withdraw(
-        self, view: View, bucket: str, bucket_raw: bytes, key_raw: bytes, written: ServerInfo,
-        header: ObjectHeader, rival: ServerInfo,
-    ) -> ObjectExists:
-        """Take back a put that found the key already held on ``rival``: remove its record
-        (only that version: an overwrite that replaced it stays) and say why it lost."""
-        body = action_body(view.ctx, bucket=bucket, key=key_raw.decode(), version=header.version)
-        try:
-            self._connection(written.address).action(ACTION_DELETE, body)
-        except NotFound:
-            pass  # already gone (read with DELETE, or replaced by an overwrite)
-        except PocketflowError as exc:
-            log.warning("could not withdraw the losing put of %r: %s", key_raw, exc)
-        return ObjectExists(
-            f"already_exists: {bucket}/{key_raw.decode()} is held on {rival.node_id}",
-            server=rival.address,
-        )
-
-    def _after_overwrite(
-        self, view: View, bucket: str, bucket_raw: bytes, key_raw: bytes, written: ServerInfo,
-        replaced: ObjectHeader | None, *, persist: bool,
-    ) -> None:
-        """Free the replaced version's blocks; a PERSIST overwrite also removes an ephemeral
-        version, which readers would otherwise find first.
-
-        (An ephemeral overwrite of a PERSIST object leaves the PERSIST version on its
-        long-running server, where reads no longer reach it until the ephemeral one is deleted;
-        checking for it would cost every overwrite a round trip.)
-        """
-        key = key_raw.decode()
-        if replaced is not None and replaced.block_count:
-            self._delete_blocks(bucket, key, key_raw, replaced)
-        if not persist:
-            return
-        other = view.placement.server_for(key_raw, 0, persist=False)
-        if other.node_id == written.node_id:
-            return
-        try:
-            reply = self._call(view, other, OP_DELETE, 0, bucket_raw, key_raw)
-        except PocketflowError as exc:
-            log.warning("could not remove the ephemeral version of %r: %s", key, exc)
-            return
-        if reply.status == 0 and reply.header is not None and reply.header.block_count:
-            self._delete_blocks(bucket, key, key_raw, reply.header)
+        if uploader is not None:
+            uploader.committing = True
+        self._core.put_record(bucket, key_raw.decode(), header.encode(), value, persist=persist,
+                              overwrite=overwrite)
+        if uploader is not None:
+            uploader.committed = True
 
     def _restore_record(
         self, server: str, bucket: str, key: str, header: ObjectHeader,
@@ -1093,34 +867,9 @@ class Client:
             log.warning("could not restore %s/%s after a failed DELETE read: %s", bucket, key, exc)
 
     def _repair_bucket(self, view: View, bucket: str, server: ServerInfo) -> bool:
-        """Create ``bucket`` on a server that lacks it if another server of the job has it.
-
-        Buckets live per server; a server added to the job after the bucket was created learns of
-        it here, on the first put that reaches it.
-        """
-        if (server.address, bucket) in self._repaired_buckets:
-            return False
-        probe = action_body(view.ctx, bucket=bucket, prefix="", limit=1)
-        known = False
-        for other in _distinct_servers(view.handle.servers):
-            if other.address == server.address:
-                continue
-            try:
-                self._connection(other.address).action(ACTION_ENUMERATE, probe)
-            except PocketflowError:
-                continue
-            known = True
-            break
-        if not known:
-            return False
-        try:
-            self._connection(server.address).action(
-                ACTION_CREATE_BUCKET, action_body(view.ctx, bucket=bucket)
-            )
-        except BucketExists:
-            pass
-        self._repaired_buckets.add((server.address, bucket))
-        return True
+        """Create ``bucket`` on a server that lacks it if another server of the job has it
+        (native core; each server at most once per client)."""
+        return self._core.repair_bucket(bucket, server.address)
 
     # -- internals: small and large puts -----------------------------------------------------
 
@@ -1128,26 +877,7 @@ class Client:
         self, bucket: str, bucket_raw: bytes, key_raw: bytes, value: memoryview | bytes, *,
         persist: bool, overwrite: bool,
     ) -> None:
-        header = small_header(new_version(), len(value), persist=persist)
-        self._put_record(bucket, bucket_raw, key_raw, header, value, persist=persist,
-                         overwrite=overwrite)
-
-    def _put_large(
-        self, bucket: str, bucket_raw: bytes, key: str, key_raw: bytes, data: memoryview, *,
-        persist: bool, overwrite: bool,
-    ) -> None:
-        block_size = self._view.handle.block_size_bytes
-        uploader = self._uploader(bucket, key, key_raw, block_size, persist=persist, streamed=False)
-        try:
-            for index, at in enumerate(range(0, len(data), block_size), start=1):
-                uploader.add(index, data[at:at + block_size])
-            uploader.finish()
-            header = large_header(uploader.version, len(data), block_size, persist=persist)
-            self._put_record(bucket, bucket_raw, key_raw, header, b"", persist=persist,
-                             overwrite=overwrite, uploader=uploader)
-        except BaseException as exc:
-            uploader.abort(exc)
-            raise
+        self._core.put(bucket, key_raw.decode(), value, persist=persist, overwrite=overwrite)
 
     def _uploader(
         self, bucket: str, key: str, key_raw: bytes, block_size: int, *, persist: bool,
@@ -1155,129 +885,6 @@ class Client:
     ) -> BlockUploader:
         return BlockUploader(self, bucket, key, key_raw, block_size, persist=persist,
                              streamed=streamed)
-
-    def _put_ops(
-        self, bucket: str, bucket_raw: bytes, ops: list[ExchangeOp], *, persist: bool,
-        overwrite: bool,
-    ) -> None:
-        """Run PUT ops pipelined; retry stale-epoch and repairable missing-bucket failures."""
-        first_error: PocketflowError | None = None
-        replaced: list[tuple[bytes, ServerInfo, ObjectHeader | None]] = []
-        stored: list[tuple[ExchangeOp, ServerInfo]] = []
-        repaired: set[str] = set()
-        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
-            view = self._view
-            groups = self._group_ops(view, ops, persist=persist)
-            self._run_groups(view, groups)
-            retry: list[ExchangeOp] = []
-            stale: StaleEpoch | None = None
-            servers = {s.address: s for s in view.handle.servers}
-            for address, group in groups.items():
-                missing_bucket: list[ExchangeOp] = []
-                for op in group:
-                    reply = op.reply
-                    assert reply is not None
-                    if reply.status == 0:
-                        if overwrite:
-                            replaced.append((op.key, servers[address], reply.header))
-                        else:
-                            stored.append((op, servers[address]))
-                        continue
-                    error = error_from_status(reply.status, reply.body, server=address)
-                    if isinstance(error, StaleEpoch) and attempt < STALE_EPOCH_RETRIES_MAX:
-                        stale = error
-                        retry.append(op)
-                    elif (isinstance(error, BucketNotFound) and address not in repaired
-                          and attempt < STALE_EPOCH_RETRIES_MAX):
-                        missing_bucket.append(op)
-                    elif first_error is None:
-                        first_error = error
-                if missing_bucket:
-                    repaired.add(address)
-                    if self._repair_bucket(view, bucket, servers[address]):
-                        retry += missing_bucket
-                    elif first_error is None:
-                        first_error = error_from_status(
-                            missing_bucket[0].reply.status,  # type: ignore[union-attr]
-                            missing_bucket[0].reply.body,  # type: ignore[union-attr]
-                            server=address,
-                        )
-            if stale is not None:
-                self._adopt(stale)
-            ops = retry
-            if not ops:
-                break
-        if overwrite:
-            view = self._view
-            for key_raw, server, header in replaced:
-                self._after_overwrite(view, bucket, bucket_raw, key_raw, server, header,
-                                      persist=persist)
-        else:
-            lost = self._check_rivals(bucket, bucket_raw, stored, persist=persist)
-            if first_error is None:
-                first_error = lost
-        if first_error is not None:
-            raise first_error
-
-    def _check_rivals(
-        self, bucket: str, bucket_raw: bytes, stored: list[tuple[ExchangeOp, ServerInfo]], *,
-        persist: bool,
-    ) -> ObjectExists | None:
-        """Write-once per key for a batch: withdraw every stored op whose key another server
-        holds (see :meth:`_rivals`); returns the error of the first, or ``None``."""
-        view = self._view
-        checks = []
-        for op, server in stored:
-            rivals = self._rivals(view, op.key, server, persist=persist)
-            if rivals:
-                checks.append((op.key, rivals))
-        if not checks:
-            return None
-        found = self._find_rival_records(view, bucket_raw, checks)
-        first: ObjectExists | None = None
-        for op, server in stored:
-            rival = found.get(op.key)
-            if rival is None:
-                continue
-            lost = self._withdraw(view, bucket, bucket_raw, op.key, server,
-                                  ObjectHeader.decode(op.header), rival)
-            first = first or lost
-        return first
-
-    def _group_ops(
-        self, view: View, ops: Sequence[ExchangeOp], *, persist: bool
-    ) -> dict[str, list[ExchangeOp]]:
-        groups: dict[str, list[ExchangeOp]] = {}
-        servers = view.placement.servers_for([op.key for op in ops], 0, persist=persist)
-        for op, server in zip(ops, servers, strict=True):
-            op.reply = None
-            address = server.address
-            group = groups.get(address)
-            if group is None:
-                groups[address] = [op]
-            else:
-                group.append(op)
-        return groups
-
-    def _run_groups(self, view: View, groups: dict[str, list[ExchangeOp]]) -> None:
-        """Run each server's ops over one of its sessions, servers in parallel.
-
-        An op whose session failed before its reply came gets a synthetic reply carrying the
-        failure (a stale opening context, an unreachable server), so callers handle every
-        outcome per op, in one place.
-        """
-        window = self._config.exchange_window
-        failures = run_groups([
-            (self._connection(address), view.epoch, group, window)
-            for address, group in groups.items()
-        ])
-        for group, failure in zip(groups.values(), failures, strict=True):
-            if failure is None:
-                continue
-            failed = _failure_reply(failure)
-            for op in group:
-                if op.reply is None:
-                    op.reply = failed
 
     # -- internals: data blocks --------------------------------------------------------------
 
@@ -1300,43 +907,19 @@ class Client:
 
     def _delete_blocks(self, bucket: str, key: str, key_raw: bytes, header: ObjectHeader) -> None:
         """Free a version's data blocks (best effort: a failure leaves garbage, not an error)."""
-        view = self._view
-        blocks = range(1, header.block_count + 1)
-        if view.epoch > 1:
-            # Blocks may have been placed under an earlier map: ask every server.
-            groups = {s.address: list(blocks) for s in _distinct_servers(view.handle.servers)}
-        else:
-            groups = {}
-            for index in blocks:
-                server = self._block_server(view, key_raw, index, header.persist)
-                groups.setdefault(server.address, []).append(index)
-        self._delete_block_groups(bucket, key, header.version, groups)
+        self._core.delete_blocks(bucket, key, header.encode())
 
     def _delete_block_groups(
         self, bucket: str, key: str, version: int, groups: dict[str, list[int]]
     ) -> None:
         """Free the given blocks of one version, servers in parallel; failures are logged."""
+        failures = self._core.delete_block_groups(
+            bucket, key, version, {address: list(indices) for address, indices in groups.items()}
+        )
+        for address, error in failures:
+            log.warning("could not free blocks of %s/%s on %s: %s", bucket, key, address, error)
 
-        def run(address: str, indices: list[int]) -> None:
-            try:
-                for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
-                    body = action_body(self._view.ctx, bucket=bucket, key=key, version=version,
-                                       blocks=indices)
-                    try:
-                        self._connection(address).action(ACTION_DELETE_BLOCKS, body)
-                        return
-                    except StaleEpoch as exc:
-                        if attempt == STALE_EPOCH_RETRIES_MAX:
-                            raise
-                        self._adopt(exc)
-            except PocketflowError as exc:
-                log.warning("could not free %d blocks of %s/%s on %s: %s", len(indices), bucket,
-                            key, address, exc)
 
-        self._parallel([
-            lambda address=address, indices=indices: run(address, indices)
-            for address, indices in groups.items()
-        ])
 
 
 _LIVE_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import io
 import multiprocessing
+import os
 import random
+import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,8 @@ from pocketflow.errors import (
     PermissionDenied,
     PersistNotSupported,
 )
-from pocketflow.handle import JobHandle
+from pocketflow.handle import JobHandle, ServerInfo
+from pocketflow.placement import Placement
 from pocketflow.protocol import SMALL_OBJECT_MAX_BYTES
 
 MiB = 1024 * 1024
@@ -890,60 +894,67 @@ def test_two_hundred_forks_mid_use_each_get_a_working_client(job_handle: JobHand
     assert (failed, children, wrong, read) == ("0", "200", "0", "True")
 
 
+def _keys_homed_apart(placement: Placement, home: str, *, blocks: int, count: int) -> list[str]:
+    """Keys whose block 0 lives on ``home`` and none of whose data blocks do."""
+    found = []
+    for i in range(10_000):
+        key = f"apart-{i}".encode()
+        if placement.server_for(key, 0).node_id == home and all(
+            placement.server_for(key, b).node_id != home for b in range(1, blocks + 1)
+        ):
+            found.append(key.decode())
+            if len(found) == count:
+                return found
+    raise AssertionError(f"fewer than {count} such keys in 10,000 tries")
+
+
 def test_lost_commit_reply_keeps_the_blocks(
-    client: Client, monkeypatch: pytest.MonkeyPatch
+    server_factory: Callable[..., tuple[ServerSet, ServerInfo]],
 ) -> None:
-    """When the block-0 put ran but its reply was lost, the object may be stored: its data blocks
-    must not be freed (the object would be unreadable). The put still reports the failure."""
-    from pocketflow.protocol import OP_PUT, ObjectHeader
-    from pocketflow.transport import ServerConnection
-
-    client.create_bucket("b")
-    real_call = ServerConnection.call
-
-    def reply_lost(self, epoch, op, flags, bucket, key, header=b"", value=b""):  # noqa: ANN001, ANN202, PLR0913
-        reply = real_call(self, epoch, op, flags, bucket, key, header, value)
-        if op == OP_PUT and ObjectHeader.decode(header).block_count:
-            raise DataUnavailable("unavailable: reply lost", server=self.address)
-        return reply
-
-    monkeypatch.setattr(ServerConnection, "call", reply_lost)
+    """When the block-0 put reached its server but its reply never came, the object may be
+    stored: its data blocks must not be freed (the object would be unreadable), and the put still
+    reports the failure. The block-0 server is SIGSTOPped with a session to it already open: the
+    commit waits in its socket, the client gives up after its op timeout, and once the server
+    runs again it stores the record, which must find every block."""
+    servers, home = server_factory("commit-0", "dram", 32 * MiB)
+    server_factory("commit-1", "dram", 32 * MiB)
+    server_factory("commit-2", "dram", 32 * MiB)
+    handle = servers.handle()
+    placement = Placement(handle.servers)
     data = payload(3 * MiB, 5)
-    with pytest.raises(DataUnavailable):
-        client.put("b", "lost-reply", data)
-    with pytest.raises(DataUnavailable), client.open("b", "lost-writer", "wb") as writer:
-        writer.write(data)
-    monkeypatch.setattr(ServerConnection, "call", real_call)
-    assert client.get("b", "lost-reply") == data
-    assert client.get("b", "lost-writer") == data
+    streamed = payload(3 * MiB, 6)
+    key, writer_key = _keys_homed_apart(placement, home.node_id, blocks=3, count=2)
+    pid = servers.process(home.node_id).pid
+    with connect(handle, op_timeout_s="1s", rpc_timeout_s="10s", stream_timeout_s="30s") as pf:
+        pf.create_bucket("b")
+        assert not pf.exists("b", key)  # opens (and pools) a session to the home server
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DataUnavailable):
+                pf.put("b", key, data)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert pf.get("b", key) == data
+        assert not pf.exists("b", writer_key)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DataUnavailable), pf.open("b", writer_key, "wb") as writer:
+                writer.write(streamed)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert pf.get("b", writer_key) == streamed
 
 
-def test_put_many_stores_or_reports_every_object(
-    job_handle: JobHandle, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A missing bucket repaired on the last stale-epoch retry must not drop objects silently."""
-    from pocketflow.protocol import Reply, encode_json
-
-    pf = connect(job_handle, **CLIENT_OPTIONS)
-    rounds: list[int] = []
-
-    def fake_run_groups(view, groups) -> None:  # noqa: ANN001
-        rounds.append(1)
-        stale = len(rounds) <= 4
-        body = ("stale_epoch: " + encode_json(job_handle.weight_map()) if stale
-                else "bucket_not_found: b").encode()
-        for group in groups.values():
-            for op in group:
-                op.reply = Reply(0, 9 if stale else 5, None, memoryview(body))
-
-    monkeypatch.setattr(pf, "_run_groups", fake_run_groups)
-    monkeypatch.setattr(pf, "_adopt", lambda stale: None)
-    monkeypatch.setattr(pf, "_repair_bucket", lambda view, bucket, server: True)
-    try:
+def test_put_many_reports_a_bucket_missing_everywhere(job_handle: JobHandle) -> None:
+    """A bucket that no server of the job has cannot be repaired: put_many reports it and stores
+    nothing, for small and large objects alike."""
+    with connect(job_handle, **CLIENT_OPTIONS) as pf:
         with pytest.raises(BucketNotFound):
-            pf.put_many("b", [("k", b"v")])
-    finally:
-        pf.close()
+            pf.put_many("never-made", [("k", b"v")])
+        with pytest.raises(BucketNotFound):
+            pf.put_many("never-made", [("big", payload(2 * MiB, 3))])
+        pf.create_bucket("never-made")
+        assert pf.list("never-made") == []
 
 
 def test_get_file_with_delete_keeps_the_object_when_the_file_cannot_be_written(

@@ -22,6 +22,7 @@ mod runtime;
 mod session;
 pub mod tls;
 pub mod view;
+pub mod writes;
 
 pub use blocks::{BlockSlice, RangeTarget, ReadOutcome};
 pub use config::ConnectionConfig;
@@ -30,3 +31,4 @@ pub use error::ClientError;
 pub use objects::{Destination, Failure, Objects, Record, Tuning};
 pub use runtime::{block_on, runtime_handle};
 pub use tls::ClientTls;
+pub use writes::NewRecord;

@@ -60,7 +60,7 @@ pub struct Failure {
 }
 
 impl Failure {
-    fn at(error: ClientError, server: &str) -> Failure {
+    pub(crate) fn at(error: ClientError, server: &str) -> Failure {
         Failure {
             error,
             server: server.to_string(),
@@ -121,9 +121,11 @@ pub struct Objects {
     /// Bumped on every change of the view, so a caller can tell cheaply that it changed.
     generation: AtomicU64,
     config: ConnectionConfig,
-    io_threads: usize,
-    exchange_window: usize,
+    pub(crate) io_threads: usize,
+    pub(crate) exchange_window: usize,
     connections: Mutex<Connections>,
+    /// `(address, bucket)` of the buckets this client created on servers that lacked them.
+    pub(crate) repaired_buckets: Mutex<std::collections::HashSet<(String, String)>>,
 }
 
 fn kind_of(error: &ClientError) -> &str {
@@ -133,7 +135,7 @@ fn kind_of(error: &ClientError) -> &str {
     }
 }
 
-fn server_error(code: i32, kind: &str, message: String) -> ClientError {
+pub(crate) fn server_error(code: i32, kind: &str, message: String) -> ClientError {
     ClientError::Server {
         code,
         message: format!("{kind}: {message}"),
@@ -141,7 +143,7 @@ fn server_error(code: i32, kind: &str, message: String) -> ClientError {
 }
 
 /// The error a non-zero reply stands for.
-fn reply_error(reply: &ExchangeReply) -> ClientError {
+pub(crate) fn reply_error(reply: &ExchangeReply) -> ClientError {
     ClientError::Server {
         code: i32::from(reply.status),
         message: String::from_utf8_lossy(&reply.body).into_owned(),
@@ -149,7 +151,7 @@ fn reply_error(reply: &ExchangeReply) -> ClientError {
 }
 
 /// A reply standing for a session that failed before running the op (a stale opening context).
-fn failure_reply(error: &ClientError) -> ExchangeReply {
+pub(crate) fn failure_reply(error: &ClientError) -> ExchangeReply {
     ExchangeReply {
         status: u8::try_from(error.code()).unwrap_or(Code::Internal as u8),
         header: None,
@@ -206,6 +208,7 @@ impl Objects {
                 closed: false,
                 by_address: HashMap::new(),
             }),
+            repaired_buckets: Mutex::new(std::collections::HashSet::new()),
         })
     }
 
@@ -355,7 +358,7 @@ impl Objects {
         }
     }
 
-    fn adopt_or_fail(&self, stale: Failure, attempt: usize) -> Result<(), Failure> {
+    pub(crate) fn adopt_or_fail(&self, stale: Failure, attempt: usize) -> Result<(), Failure> {
         if attempt == STALE_EPOCH_RETRIES_MAX {
             return Err(stale);
         }
@@ -844,7 +847,12 @@ impl Objects {
 }
 
 /// The home of block `block` of `key`, or the typed reason there is none.
-fn home<'v>(view: &'v View, key: &[u8], block: u32, persist: bool) -> Result<&'v Server, Failure> {
+pub(crate) fn home<'v>(
+    view: &'v View,
+    key: &[u8],
+    block: u32,
+    persist: bool,
+) -> Result<&'v Server, Failure> {
     view.server_for(key, block, persist).ok_or_else(|| {
         let error = if persist {
             server_error(
@@ -861,7 +869,7 @@ fn home<'v>(view: &'v View, key: &[u8], block: u32, persist: bool) -> Result<&'v
 
 /// Run `work` on every task, on up to `threads` threads (the calling one included); returns
 /// each task's outcome in task order once all have finished.
-fn run_parallel<T: Copy + Send + Sync, R: Send>(
+pub(crate) fn run_parallel<T: Copy + Send + Sync, R: Send>(
     tasks: &[T],
     threads: usize,
     work: impl Fn(T) -> R + Sync,

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use pocketflow_client::placement::{PlacedServer, Placement};
 use pocketflow_client::{
     block_on, BlockSlice, ClientError, ClientTls, Connection, ConnectionConfig, Destination,
-    ExchangeReply, ExchangeRequest, Failure, Objects, RangeTarget, Tuning,
+    ExchangeReply, ExchangeRequest, Failure, NewRecord, Objects, RangeTarget, Tuning,
 };
 use pocketflow_protocol::frame::OpCode;
 use pocketflow_protocol::header::{ObjectHeader, HEADER_LEN_BYTES};
@@ -743,6 +743,130 @@ impl PyObjects {
             .take()
             .expect("a successful read allocated its bytes");
         Ok(made.into_bound(py))
+    }
+
+    /// Store `data` (any C-contiguous buffer, read in place) under `key`; write-once unless
+    /// `overwrite`.
+    #[pyo3(signature = (bucket, key, data, *, persist=false, overwrite=false))]
+    fn put(
+        &self,
+        py: Python<'_>,
+        bucket: &str,
+        key: &str,
+        data: &Bound<'_, PyAny>,
+        persist: bool,
+        overwrite: bool,
+    ) -> PyResult<()> {
+        let held = PyBuffer::<u8>::get(data)?;
+        let memory = readable(&held)?;
+        let objects = &self.objects;
+        py.detach(move || {
+            // SAFETY: `held` keeps the buffer exported until this call returns.
+            let data = unsafe { memory.slice() };
+            objects.put(bucket, key, data, persist, overwrite)
+        })
+        .map_err(|f| failure_to_py(py, &f))
+    }
+
+    /// Store many `(key, buffer)` items; returns how many were stored.
+    #[pyo3(signature = (bucket, items, *, persist=false, overwrite=false))]
+    fn put_many(
+        &self,
+        py: Python<'_>,
+        bucket: &str,
+        items: Vec<(String, Bound<'_, PyAny>)>,
+        persist: bool,
+        overwrite: bool,
+    ) -> PyResult<usize> {
+        let mut held = Vec::with_capacity(items.len());
+        for (_, data) in &items {
+            held.push(PyBuffer::<u8>::get(data)?);
+        }
+        let mut lent = Vec::with_capacity(held.len());
+        for ((key, _), buffer) in items.iter().zip(&held) {
+            lent.push((key.as_str(), readable(buffer)?));
+        }
+        let objects = &self.objects;
+        let outcome = py.detach(move || {
+            // SAFETY: `held` keeps every buffer exported until this call returns.
+            let slices: Vec<(&str, &[u8])> = lent
+                .iter()
+                .map(|(key, memory)| (*key, unsafe { memory.slice() }))
+                .collect();
+            objects.put_many(bucket, &slices, persist, overwrite)
+        });
+        drop(held);
+        outcome.map_err(|f| failure_to_py(py, &f))
+    }
+
+    /// Store one block-0 record (a small object, or a large object's manifest: the commit of a
+    /// streamed upload), header as 32 bytes.
+    #[pyo3(signature = (bucket, key, header, value, *, persist, overwrite))]
+    fn put_record(
+        &self,
+        py: Python<'_>,
+        bucket: &str,
+        key: &str,
+        header: &[u8],
+        value: &Bound<'_, PyAny>,
+        persist: bool,
+        overwrite: bool,
+    ) -> PyResult<()> {
+        let header = header_of(header)?;
+        let held = PyBuffer::<u8>::get(value)?;
+        let memory = readable(&held)?;
+        let objects = &self.objects;
+        py.detach(move || {
+            // SAFETY: `held` keeps the buffer exported until this call returns.
+            let value = unsafe { memory.slice() };
+            let record = NewRecord { key, header, value };
+            objects.put_records(bucket, &[record], persist, overwrite)
+        })
+        .map_err(|f| failure_to_py(py, &f))
+    }
+
+    /// Create `bucket` on the server at `address` if another server of the job has it; returns
+    /// whether it was created.
+    fn repair_bucket(&self, py: Python<'_>, bucket: &str, address: &str) -> PyResult<bool> {
+        let objects = &self.objects;
+        py.detach(|| objects.repair_bucket(&objects.view(), bucket, address))
+            .map_err(|f| failure_to_py(py, &f))
+    }
+
+    /// Free a version's data blocks (header as 32 bytes), best effort.
+    fn delete_blocks(
+        &self,
+        py: Python<'_>,
+        bucket: &str,
+        key: &str,
+        header: &[u8],
+    ) -> PyResult<()> {
+        let header = header_of(header)?;
+        let objects = &self.objects;
+        py.detach(|| objects.delete_blocks(bucket, key, &header));
+        Ok(())
+    }
+
+    /// Free the given blocks (`{address: [index, ...]}`) of one version, servers in parallel;
+    /// returns `(address, error)` for each server that failed.
+    fn delete_block_groups<'py>(
+        &self,
+        py: Python<'py>,
+        bucket: &str,
+        key: &str,
+        version: u64,
+        groups: std::collections::HashMap<String, Vec<u32>>,
+    ) -> PyResult<Vec<(String, PyErr)>> {
+        let groups = groups
+            .into_iter()
+            .map(|(address, blocks)| (address, blocks.into_iter().collect()))
+            .collect();
+        let objects = &self.objects;
+        let failures = py.detach(|| objects.delete_block_groups(bucket, key, version, &groups));
+        Ok(failures
+            .iter()
+            .map(|f| (f.server.clone(), failure_to_py(py, f)))
+            .collect())
     }
 
     /// The bytes of many objects, in the order of `keys`: block 0 of all of them pipelined per

@@ -1,0 +1,741 @@
+//! The write path of a job's client: block-0 records (a small object, or a large object's
+//! manifest, the commit point) stored where placement puts them, with write-once per key across
+//! placements, and the data blocks of large objects striped over the job's servers.
+//!
+//! Write-once holds per key, not per server: after storing a record a non-overwrite put looks
+//! for the key on its "rivals" (the home of the other placement, PERSIST or ephemeral, and, once
+//! the job's map changed, every server of the map) and withdraws its own record if another
+//! server holds the key. An overwrite frees the data blocks of the version it replaced.
+
+use std::collections::{BTreeSet, HashMap};
+
+use bytes::Bytes;
+use pocketflow_protocol::action::{
+    ActionName, BucketRequest, DeleteBlocksRequest, EnumerateRequest, ObjectRequest,
+};
+use pocketflow_protocol::descriptor::PutDescriptor;
+use pocketflow_protocol::frame::{OpCode, OP_FLAG_OVERWRITE, OP_FLAG_PERSIST};
+use pocketflow_protocol::header::{ObjectHeader, HEADER_FLAG_PERSIST};
+use pocketflow_protocol::limits::SMALL_OBJECT_MAX_BYTES;
+use tonic::Code;
+
+use crate::blocks::BlockSlice;
+use crate::connection::{ExchangeReply, ExchangeRequest};
+use crate::error::ClientError;
+use crate::objects::{
+    failure_reply, home, reply_error, run_parallel, Failure, Objects, LARGE_OBJECTS_IN_FLIGHT_MAX,
+    STALE_EPOCH_RETRIES_MAX,
+};
+use crate::view::{Server, View};
+
+/// `put_many` sends at most this many small objects per round of pipelined sessions.
+pub const PUT_MANY_CHUNK_OPS: usize = 4096;
+/// ... and at most this many bytes.
+pub const PUT_MANY_CHUNK_BYTES: usize = 64 * 1024 * 1024;
+
+/// One block-0 record to store.
+#[derive(Debug, Clone)]
+pub struct NewRecord<'a> {
+    /// Its key.
+    pub key: &'a str,
+    /// Its header (version, size, layout, flags).
+    pub header: ObjectHeader,
+    /// A small object's bytes (empty for a manifest).
+    pub value: &'a [u8],
+}
+
+/// A random non-zero version for a new object (from the kernel, so two writers of one key never
+/// pick the same one, whatever a program does to its own random generators).
+pub fn new_version() -> u64 {
+    let mut raw = [0u8; 8];
+    loop {
+        // SAFETY: the buffer is 8 writable bytes.
+        let got = unsafe { libc::getrandom(raw.as_mut_ptr().cast(), raw.len(), 0) };
+        if got == raw.len() as isize {
+            break;
+        }
+    }
+    u64::from_le_bytes(raw).max(1)
+}
+
+/// The header of a small object of `size` bytes.
+pub fn small_header(version: u64, size: u64, persist: bool) -> ObjectHeader {
+    ObjectHeader {
+        version,
+        size,
+        block_count: 0,
+        block_size: 0,
+        flags: if persist { HEADER_FLAG_PERSIST } else { 0 },
+    }
+}
+
+/// The manifest header of a large object of `size` bytes in blocks of `block_size`.
+pub fn large_header(version: u64, size: u64, block_size: u32, persist: bool) -> ObjectHeader {
+    ObjectHeader {
+        version,
+        size,
+        block_count: size.div_ceil(u64::from(block_size)) as u32,
+        block_size,
+        flags: if persist { HEADER_FLAG_PERSIST } else { 0 },
+    }
+}
+
+/// Whether `error` is a server's definite refusal (the operation did not happen), as opposed to
+/// a failure that leaves the outcome unknown (unreachable, timed out, a protocol break).
+pub fn refused(error: &ClientError) -> bool {
+    !(error.is_unavailable()
+        || matches!(error, ClientError::Protocol(_))
+        || error.code() == Code::Internal as i32)
+}
+
+fn kind_is(error: &ClientError, kind: &str) -> bool {
+    matches!(error, ClientError::Server { message, .. }
+        if message.split_once(": ").is_some_and(|(k, _)| k == kind))
+}
+
+fn body<T: serde::Serialize>(request: &T) -> Bytes {
+    Bytes::from(serde_json::to_vec(request).expect("a request serializes"))
+}
+
+/// Where the blocks of one upload went: address -> block indexes.
+type Placed = HashMap<String, BTreeSet<u32>>;
+
+impl Objects {
+    fn action(&self, address: &str, name: ActionName, body: Bytes) -> Result<Bytes, ClientError> {
+        let connection = self.connection(address)?;
+        crate::block_on(connection.action(name.as_str(), body))
+    }
+
+    // -- records -------------------------------------------------------------------------------
+
+    /// Store block-0 records, pipelined over one session per server, all servers at once;
+    /// stale maps are adopted and the refused records sent again, a bucket missing on a server
+    /// that joined the job later is created there. Then an overwrite frees what each record
+    /// replaced, and a non-overwrite checks each key's rivals (see the module doc).
+    ///
+    /// Every record is tried; the first failure (in the order of `records`) is returned.
+    pub fn put_records(
+        &self,
+        bucket: &str,
+        records: &[NewRecord<'_>],
+        persist: bool,
+        overwrite: bool,
+    ) -> Result<(), Failure> {
+        let flags = (if persist { OP_FLAG_PERSIST } else { 0 })
+            | (if overwrite { OP_FLAG_OVERWRITE } else { 0 });
+        let mut errors: Vec<Option<Failure>> = vec![None; records.len()];
+        let mut stored: Vec<(usize, Server, Option<ObjectHeader>)> = Vec::new();
+        let mut repaired: BTreeSet<String> = BTreeSet::new();
+        let mut pending: Vec<usize> = (0..records.len()).collect();
+        for attempt in 0..=STALE_EPOCH_RETRIES_MAX {
+            let view = self.view();
+            let mut groups: Vec<(&Server, Vec<usize>)> = Vec::new();
+            for &index in &pending {
+                match home(&view, records[index].key.as_bytes(), 0, persist) {
+                    Ok(server) => {
+                        match groups.iter_mut().find(|(s, _)| s.address == server.address) {
+                            Some((_, group)) => group.push(index),
+                            None => groups.push((server, vec![index])),
+                        }
+                    }
+                    Err(failure) => errors[index] = Some(failure),
+                }
+            }
+            let outcomes = run_parallel(
+                &groups.iter().collect::<Vec<_>>(),
+                groups.len(),
+                |(server, group)| {
+                    let requests: Vec<ExchangeRequest> = group
+                        .iter()
+                        .map(|&index| ExchangeRequest {
+                            op: OpCode::Put,
+                            flags,
+                            bucket: bucket.to_string(),
+                            key: records[index].key.to_string(),
+                            header: records[index].header,
+                            value: Bytes::copy_from_slice(records[index].value),
+                        })
+                        .collect();
+                    self.exchange(&view, &server.address, &requests)
+                },
+            );
+            let mut retry = Vec::new();
+            let mut stale: Option<Failure> = None;
+            for ((server, group), outcome) in groups.iter().zip(outcomes) {
+                let replies = match outcome {
+                    Ok(replies) => replies,
+                    Err(error) => vec![failure_reply(&error); group.len()],
+                };
+                let mut missing_bucket: Vec<(usize, ClientError)> = Vec::new();
+                for (&index, reply) in group.iter().zip(replies) {
+                    if reply.status == 0 {
+                        stored.push((index, (*server).clone(), reply.header));
+                        continue;
+                    }
+                    let error = reply_error(&reply);
+                    if error.is_stale_epoch() && attempt < STALE_EPOCH_RETRIES_MAX {
+                        stale = Some(Failure::at(error, &server.address));
+                        retry.push(index);
+                    } else if kind_is(&error, "bucket_not_found")
+                        && !repaired.contains(&server.address)
+                        && attempt < STALE_EPOCH_RETRIES_MAX
+                    {
+                        missing_bucket.push((index, error));
+                    } else {
+                        errors[index] = Some(Failure::at(error, &server.address));
+                    }
+                }
+                if !missing_bucket.is_empty() {
+                    repaired.insert(server.address.clone());
+                    if self.repair_bucket(&view, bucket, &server.address)? {
+                        retry.extend(missing_bucket.into_iter().map(|(index, _)| index));
+                    } else {
+                        for (index, error) in missing_bucket {
+                            errors[index] = Some(Failure::at(error, &server.address));
+                        }
+                    }
+                }
+            }
+            if let Some(stale) = stale {
+                if let Err(failure) = self.adopt_or_fail(stale, attempt) {
+                    for &index in &retry {
+                        errors[index] = Some(failure.clone());
+                    }
+                    retry.clear();
+                }
+            }
+            pending = retry;
+            if pending.is_empty() {
+                break;
+            }
+        }
+        let view = self.view();
+        if overwrite {
+            for (index, server, replaced) in &stored {
+                self.after_overwrite(
+                    &view,
+                    bucket,
+                    records[*index].key,
+                    server,
+                    *replaced,
+                    persist,
+                );
+            }
+        } else {
+            self.check_rivals(&view, bucket, records, &stored, persist, &mut errors);
+        }
+        match errors.into_iter().flatten().next() {
+            Some(failure) => Err(failure),
+            None => Ok(()),
+        }
+    }
+
+    fn exchange(
+        &self,
+        view: &View,
+        address: &str,
+        requests: &[ExchangeRequest],
+    ) -> Result<Vec<ExchangeReply>, ClientError> {
+        self.connection(address)?.exchange_blocking(
+            &view.exchange_command,
+            view.epoch,
+            requests,
+            self.exchange_window,
+        )
+    }
+
+    /// The other servers where a read would find block 0 of `key`: the home of the other
+    /// placement (PERSIST or ephemeral) and, once the job changed maps, every server of the map.
+    fn rivals<'v>(
+        &self,
+        view: &'v View,
+        key: &[u8],
+        written: &Server,
+        persist: bool,
+    ) -> Vec<&'v Server> {
+        let mut rivals: Vec<&Server> = Vec::new();
+        if view.placement.has_persist() {
+            if let Some(other) = view.server_for(key, 0, !persist) {
+                rivals.push(other);
+            }
+        }
+        if view.epoch > 1 {
+            rivals.extend(view.ranked(key, 0));
+        }
+        let mut seen: BTreeSet<&str> = BTreeSet::from([written.node_id.as_str()]);
+        rivals.retain(|s| seen.insert(s.node_id.as_str()));
+        rivals
+    }
+
+    /// Write-once per key for stored records: withdraw each one whose key a rival server holds.
+    fn check_rivals(
+        &self,
+        view: &View,
+        bucket: &str,
+        records: &[NewRecord<'_>],
+        stored: &[(usize, Server, Option<ObjectHeader>)],
+        persist: bool,
+        errors: &mut [Option<Failure>],
+    ) {
+        let mut lookups: Vec<(&Server, Vec<usize>)> = Vec::new();
+        for (index, server, _) in stored {
+            for rival in self.rivals(view, records[*index].key.as_bytes(), server, persist) {
+                match lookups.iter_mut().find(|(s, _)| s.address == rival.address) {
+                    Some((_, group)) => group.push(*index),
+                    None => lookups.push((rival, vec![*index])),
+                }
+            }
+        }
+        if lookups.is_empty() {
+            return;
+        }
+        let outcomes = run_parallel(
+            &lookups.iter().collect::<Vec<_>>(),
+            lookups.len(),
+            |(rival, group)| {
+                let requests: Vec<ExchangeRequest> = group
+                    .iter()
+                    .map(|&index| ExchangeRequest {
+                        op: OpCode::Lookup,
+                        flags: 0,
+                        bucket: bucket.to_string(),
+                        key: records[index].key.to_string(),
+                        header: ObjectHeader::default(),
+                        value: Bytes::new(),
+                    })
+                    .collect();
+                self.exchange(view, &rival.address, &requests)
+            },
+        );
+        let mut found: HashMap<usize, &Server> = HashMap::new();
+        for ((rival, group), outcome) in lookups.iter().zip(outcomes) {
+            // A rival that cannot answer is skipped: reads of it fail too.
+            let Ok(replies) = outcome else { continue };
+            for (&index, reply) in group.iter().zip(replies) {
+                if reply.status == 0 {
+                    found.entry(index).or_insert(rival);
+                }
+            }
+        }
+        for (index, server, _) in stored {
+            if let Some(rival) = found.get(index) {
+                let record = &records[*index];
+                let lost = self.withdraw(view, bucket, record.key, server, &record.header, rival);
+                if errors[*index].is_none() {
+                    errors[*index] = Some(lost);
+                }
+            }
+        }
+    }
+
+    /// Take back a put that found the key already held on `rival`: remove its record (only that
+    /// version: an overwrite that replaced it stays) and say why it lost.
+    fn withdraw(
+        &self,
+        view: &View,
+        bucket: &str,
+        key: &str,
+        written: &Server,
+        header: &ObjectHeader,
+        rival: &Server,
+    ) -> Failure {
+        let request = ObjectRequest {
+            ctx: view.ctx.clone(),
+            bucket: bucket.to_string(),
+            key: key.to_string(),
+            version: Some(header.version),
+        };
+        // Already gone (read with DELETE, or replaced by an overwrite) is fine; any other
+        // failure leaves a record that a later overwrite or the job's end frees.
+        let _ = self.action(&written.address, ActionName::Delete, body(&request));
+        Failure::at(
+            ClientError::Server {
+                code: Code::AlreadyExists as i32,
+                message: format!(
+                    "already_exists: {bucket}/{key} is held on {}",
+                    rival.node_id
+                ),
+            },
+            &rival.address,
+        )
+    }
+
+    /// Free the replaced version's blocks; a PERSIST overwrite also removes an ephemeral
+    /// version, which readers would otherwise find first.
+    ///
+    /// (An ephemeral overwrite of a PERSIST object leaves the PERSIST version on its
+    /// long-running server, where reads no longer reach it until the ephemeral one is deleted;
+    /// checking for it would cost every overwrite a round trip.)
+    fn after_overwrite(
+        &self,
+        view: &View,
+        bucket: &str,
+        key: &str,
+        written: &Server,
+        replaced: Option<ObjectHeader>,
+        persist: bool,
+    ) {
+        if let Some(replaced) = replaced.filter(|h| h.block_count > 0) {
+            self.delete_blocks(bucket, key, &replaced);
+        }
+        if !persist {
+            return;
+        }
+        let Some(other) = view.server_for(key.as_bytes(), 0, false) else {
+            return;
+        };
+        if other.node_id == written.node_id {
+            return;
+        }
+        let request = ExchangeRequest {
+            op: OpCode::Delete,
+            flags: 0,
+            bucket: bucket.to_string(),
+            key: key.to_string(),
+            header: ObjectHeader::default(),
+            value: Bytes::new(),
+        };
+        if let Ok(mut replies) = self.exchange(view, &other.address, std::slice::from_ref(&request))
+        {
+            let reply = replies.pop().expect("one reply per request");
+            if let Some(header) = reply
+                .header
+                .filter(|h| reply.status == 0 && h.block_count > 0)
+            {
+                self.delete_blocks(bucket, key, &header);
+            }
+        }
+    }
+
+    /// Create `bucket` on the server at `address` if another server of the job has it (a server
+    /// added to the job after the bucket was created learns of it on the first put that reaches
+    /// it). Returns whether it was created; each server is repaired at most once per client.
+    pub fn repair_bucket(&self, view: &View, bucket: &str, address: &str) -> Result<bool, Failure> {
+        let mark = (address.to_string(), bucket.to_string());
+        if self
+            .repaired_buckets
+            .lock()
+            .expect("never poisoned")
+            .contains(&mark)
+        {
+            return Ok(false);
+        }
+        let probe = EnumerateRequest {
+            ctx: view.ctx.clone(),
+            bucket: bucket.to_string(),
+            prefix: String::new(),
+            start_after: None,
+            limit: 1,
+        };
+        let mut seen: BTreeSet<&str> = BTreeSet::from([address]);
+        let known = view
+            .servers
+            .iter()
+            .filter(|s| seen.insert(s.address.as_str()))
+            .any(|s| {
+                self.action(&s.address, ActionName::Enumerate, body(&probe))
+                    .is_ok()
+            });
+        if !known {
+            return Ok(false);
+        }
+        let create = BucketRequest {
+            ctx: view.ctx.clone(),
+            bucket: bucket.to_string(),
+        };
+        match self.action(address, ActionName::CreateBucket, body(&create)) {
+            Ok(_) => {}
+            Err(error) if kind_is(&error, "bucket_exists") => {}
+            Err(error) => return Err(Failure::at(error, address)),
+        }
+        self.repaired_buckets
+            .lock()
+            .expect("never poisoned")
+            .insert(mark);
+        Ok(true)
+    }
+
+    // -- data blocks ---------------------------------------------------------------------------
+
+    /// Free a version's data blocks (best effort: a failure leaves garbage that the job's end
+    /// frees, never an error).
+    pub fn delete_blocks(&self, bucket: &str, key: &str, header: &ObjectHeader) {
+        let view = self.view();
+        let mut groups: Placed = HashMap::new();
+        for index in 1..=header.block_count {
+            if view.epoch > 1 {
+                // Blocks may have been placed under an earlier map: ask every server.
+                for server in &view.servers {
+                    groups
+                        .entry(server.address.clone())
+                        .or_default()
+                        .insert(index);
+                }
+            } else if let Some(server) = view.server_for(key.as_bytes(), index, header.persist()) {
+                groups
+                    .entry(server.address.clone())
+                    .or_default()
+                    .insert(index);
+            }
+        }
+        self.delete_block_groups(bucket, key, header.version, &groups);
+    }
+
+    /// Free the given blocks of one version, servers in parallel; returns the failures.
+    pub fn delete_block_groups(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: u64,
+        groups: &HashMap<String, BTreeSet<u32>>,
+    ) -> Vec<Failure> {
+        let work: Vec<(&String, &BTreeSet<u32>)> = groups.iter().collect();
+        let outcomes = run_parallel(&work, work.len(), |(address, blocks)| {
+            for attempt in 0..=STALE_EPOCH_RETRIES_MAX {
+                let view = self.view();
+                let request = DeleteBlocksRequest {
+                    ctx: view.ctx.clone(),
+                    bucket: bucket.to_string(),
+                    key: key.to_string(),
+                    version,
+                    blocks: blocks.iter().copied().collect(),
+                };
+                match self.action(address, ActionName::DeleteBlocks, body(&request)) {
+                    Ok(_) => return Ok(()),
+                    Err(error) if error.is_stale_epoch() => {
+                        self.adopt_or_fail(Failure::at(error, address), attempt)?;
+                    }
+                    Err(error) => return Err(Failure::at(error, address)),
+                }
+            }
+            unreachable!("the last attempt returns")
+        });
+        outcomes.into_iter().filter_map(Result::err).collect()
+    }
+
+    /// Write the data blocks of one new version of an object held in memory: every server's
+    /// blocks over one stream, servers in parallel. Returns where the blocks went (also on
+    /// failure, so the caller can free them).
+    fn upload_blocks(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: u64,
+        data: &[u8],
+        persist: bool,
+    ) -> (Placed, Result<(), Failure>) {
+        let view = self.view();
+        let block_size = view.block_size as usize;
+        let mut groups: Vec<(String, Vec<BlockSlice<'_>>)> = Vec::new();
+        for (i, chunk) in data.chunks(block_size).enumerate() {
+            let index = i as u32 + 1;
+            let server = match home(&view, key.as_bytes(), index, persist) {
+                Ok(server) => server,
+                Err(failure) => return (HashMap::new(), Err(failure)),
+            };
+            let block = BlockSlice { index, data: chunk };
+            match groups.iter_mut().find(|(a, _)| *a == server.address) {
+                Some((_, blocks)) => blocks.push(block),
+                None => groups.push((server.address.clone(), vec![block])),
+            }
+        }
+        let placed = std::sync::Mutex::new(Placed::new());
+        let upload = BlockUpload {
+            objects: self,
+            bucket,
+            key,
+            version,
+            block_size: view.block_size,
+            persist,
+            placed: &placed,
+        };
+        let outcomes = run_parallel(
+            &groups.iter().collect::<Vec<_>>(),
+            self.io_threads,
+            |(address, blocks)| upload.send(address, blocks, STALE_EPOCH_RETRIES_MAX),
+        );
+        let placed = placed.into_inner().expect("never poisoned");
+        let failures: Vec<Failure> = outcomes.into_iter().filter_map(Result::err).collect();
+        // A full tier is what the caller can act on: report it over follow-on failures.
+        let first = failures
+            .iter()
+            .find(|f| kind_is(&f.error, "capacity_exhausted"))
+            .or(failures.first())
+            .cloned();
+        (placed, first.map_or(Ok(()), Err))
+    }
+
+    // -- whole objects -------------------------------------------------------------------------
+
+    /// Store `data` under `key`: a small object as its record, a large one as data blocks
+    /// striped over the job and then the manifest (the commit point). Write-once unless
+    /// `overwrite`. A large object that fails leaves none of its blocks behind, unless its
+    /// commit was sent and its outcome is unknown (the record may point at them).
+    pub fn put(
+        &self,
+        bucket: &str,
+        key: &str,
+        data: &[u8],
+        persist: bool,
+        overwrite: bool,
+    ) -> Result<(), Failure> {
+        if data.len() as u64 <= SMALL_OBJECT_MAX_BYTES {
+            let record = NewRecord {
+                key,
+                header: small_header(new_version(), data.len() as u64, persist),
+                value: data,
+            };
+            return self.put_records(bucket, &[record], persist, overwrite);
+        }
+        let version = new_version();
+        let block_size = self.view().block_size;
+        let (placed, uploaded) = self.upload_blocks(bucket, key, version, data, persist);
+        if let Err(failure) = uploaded {
+            self.delete_block_groups(bucket, key, version, &placed);
+            return Err(failure);
+        }
+        let record = NewRecord {
+            key,
+            header: large_header(version, data.len() as u64, block_size, persist),
+            value: &[],
+        };
+        self.put_records(bucket, &[record], persist, overwrite)
+            .inspect_err(|failure| {
+                // The commit was sent. Refused (or withdrawn for a rival), its blocks are freed;
+                // with an unknown outcome they are kept: the record may point at them (if not,
+                // they stay as garbage until the job ends, which beats an object whose blocks
+                // are gone).
+                if refused(&failure.error) {
+                    self.delete_block_groups(bucket, key, version, &placed);
+                }
+            })
+    }
+
+    /// Store many objects; returns how many were stored. Small objects go as records,
+    /// pipelined over one session per server, in rounds of at most `PUT_MANY_CHUNK_OPS`
+    /// objects and `PUT_MANY_CHUNK_BYTES`; large ones form the last round, at most
+    /// `LARGE_OBJECTS_IN_FLIGHT_MAX` at once. A round's first failure (in item order) is
+    /// returned once every other object of the round was tried; later rounds are not sent.
+    pub fn put_many(
+        &self,
+        bucket: &str,
+        items: &[(&str, &[u8])],
+        persist: bool,
+        overwrite: bool,
+    ) -> Result<usize, Failure> {
+        let mut large: Vec<(&str, &[u8])> = Vec::new();
+        let mut round: Vec<NewRecord<'_>> = Vec::new();
+        let mut round_bytes = 0usize;
+        for &(key, data) in items {
+            if data.len() as u64 > SMALL_OBJECT_MAX_BYTES {
+                large.push((key, data));
+                continue;
+            }
+            round.push(NewRecord {
+                key,
+                header: small_header(new_version(), data.len() as u64, persist),
+                value: data,
+            });
+            round_bytes += data.len();
+            if round.len() >= PUT_MANY_CHUNK_OPS || round_bytes >= PUT_MANY_CHUNK_BYTES {
+                self.put_records(bucket, &round, persist, overwrite)?;
+                round.clear();
+                round_bytes = 0;
+            }
+        }
+        if !round.is_empty() {
+            self.put_records(bucket, &round, persist, overwrite)?;
+        }
+        let at_once = LARGE_OBJECTS_IN_FLIGHT_MAX.min(self.io_threads).max(1);
+        let outcomes = run_parallel(&large, at_once, |(key, data)| {
+            self.put(bucket, key, data, persist, overwrite)
+        });
+        match outcomes.into_iter().find_map(Result::err) {
+            Some(failure) => Err(failure),
+            None => Ok(items.len()),
+        }
+    }
+}
+
+/// One object version's block upload, shared by its per-server streams.
+struct BlockUpload<'a> {
+    objects: &'a Objects,
+    bucket: &'a str,
+    key: &'a str,
+    version: u64,
+    block_size: u32,
+    persist: bool,
+    placed: &'a std::sync::Mutex<Placed>,
+}
+
+impl BlockUpload<'_> {
+    /// Send `blocks` to `address`; after a stale map, send them again where the new map puts
+    /// them; a bucket the server lacks is created there once.
+    fn send(
+        &self,
+        address: &str,
+        blocks: &[BlockSlice<'_>],
+        attempts_left: usize,
+    ) -> Result<(), Failure> {
+        self.placed
+            .lock()
+            .expect("never poisoned")
+            .entry(address.to_string())
+            .or_default()
+            .extend(blocks.iter().map(|b| b.index));
+        let mut repaired = false;
+        loop {
+            let view = self.objects.view();
+            let descriptor = PutDescriptor {
+                ctx: view.ctx.clone(),
+                bucket: self.bucket.to_string(),
+                key: self.key.to_string(),
+                version: self.version,
+                block_size: self.block_size,
+                persist: self.persist,
+            };
+            let connection = self
+                .objects
+                .connection(address)
+                .map_err(|e| Failure::at(e, address))?;
+            match connection.put_blocks_blocking(body(&descriptor), blocks) {
+                Ok(_) => return Ok(()),
+                Err(error) if error.is_stale_epoch() => {
+                    if attempts_left == 0 {
+                        return Err(Failure::at(error, address));
+                    }
+                    self.objects.adopt_or_fail(Failure::at(error, address), 0)?;
+                    return self.send_replaced(blocks, attempts_left - 1);
+                }
+                Err(error) if kind_is(&error, "bucket_not_found") && !repaired => {
+                    if !self.objects.repair_bucket(&view, self.bucket, address)? {
+                        return Err(Failure::at(error, address));
+                    }
+                    repaired = true;
+                }
+                Err(error) => return Err(Failure::at(error, address)),
+            }
+        }
+    }
+
+    /// Send blocks again where the newly adopted map places them.
+    fn send_replaced(
+        &self,
+        blocks: &[BlockSlice<'_>],
+        attempts_left: usize,
+    ) -> Result<(), Failure> {
+        let view = self.objects.view();
+        let mut groups: Vec<(String, Vec<BlockSlice<'_>>)> = Vec::new();
+        for block in blocks {
+            let server = home(&view, self.key.as_bytes(), block.index, self.persist)?;
+            match groups.iter_mut().find(|(a, _)| *a == server.address) {
+                Some((_, group)) => group.push(*block),
+                None => groups.push((server.address.clone(), vec![*block])),
+            }
+        }
+        for (address, group) in &groups {
+            self.send(address, group, attempts_left)?;
+        }
+        Ok(())
+    }
+}

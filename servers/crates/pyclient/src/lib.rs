@@ -9,7 +9,7 @@ use bytes::Bytes;
 use pocketflow_client::placement::{PlacedServer, Placement};
 use pocketflow_client::{
     block_on, BlockSlice, ClientError, ClientTls, Connection, ConnectionConfig, Destination,
-    ExchangeReply, ExchangeRequest, Failure, NewRecord, Objects, RangeTarget, Tuning,
+    ExchangeReply, ExchangeRequest, Failure, Listing, NewRecord, Objects, RangeTarget, Tuning,
 };
 use pocketflow_protocol::frame::OpCode;
 use pocketflow_protocol::header::{ObjectHeader, HEADER_LEN_BYTES};
@@ -601,7 +601,7 @@ impl Destination for CallerBuffer {
 /// weight map, its connections, and the read path of objects.
 #[pyclass(name = "Objects", module = "pocketflow._core", frozen)]
 struct PyObjects {
-    objects: Objects,
+    objects: Arc<Objects>,
 }
 
 #[pymethods]
@@ -643,7 +643,9 @@ impl PyObjects {
         };
         let objects =
             Objects::new(handle_json, config, tuning).map_err(|e| to_py_err(py, &e, ""))?;
-        Ok(PyObjects { objects })
+        Ok(PyObjects {
+            objects: Arc::new(objects),
+        })
     }
 
     /// A number that changes whenever the weight map in use does.
@@ -869,6 +871,24 @@ impl PyObjects {
             .collect())
     }
 
+    /// A listing of `bucket` under `prefix`: an iterator of pages of `(key, size)`, merged from
+    /// every server in key order.
+    fn enumerate(
+        &self,
+        py: Python<'_>,
+        bucket: &str,
+        prefix: &str,
+        page_size: u32,
+    ) -> PyResult<PyListing> {
+        let objects = self.objects.clone();
+        let listing = py
+            .detach(|| Listing::start(objects, bucket, prefix, page_size))
+            .map_err(|f| failure_to_py(py, &f))?;
+        Ok(PyListing {
+            listing: std::sync::Mutex::new(listing),
+        })
+    }
+
     /// The bytes of many objects, in the order of `keys`: block 0 of all of them pipelined per
     /// server, then the data blocks of the large ones, a few objects at once. Every object is
     /// read before an error is raised: the first failure in key order.
@@ -1067,6 +1087,34 @@ impl PyObjects {
     }
 }
 
+/// A listing in progress: iterate for its pages.
+#[pyclass(name = "Listing", module = "pocketflow._core", frozen)]
+struct PyListing {
+    listing: std::sync::Mutex<Listing>,
+}
+
+#[pymethods]
+impl PyListing {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Vec<(String, u64)>>> {
+        let listing = &self.listing;
+        py.detach(|| {
+            listing
+                .lock()
+                .map_err(|_| ClientError::Protocol("a listing's lock was poisoned".into()))
+                .map_err(|e| Failure {
+                    error: e,
+                    server: String::new(),
+                })
+                .and_then(|mut listing| listing.next_page())
+        })
+        .map_err(|f| failure_to_py(py, &f))
+    }
+}
+
 /// A destination to fill: a writable C-contiguous buffer, or a fresh `bytes` object.
 fn writable(dest: &Bound<'_, PyAny>) -> PyResult<(Lent, Option<PyBuffer<u8>>)> {
     if let Ok(bytes) = dest.cast::<PyBytes>() {
@@ -1119,6 +1167,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyConnection>()?;
     m.add_class::<PyPlacement>()?;
     m.add_class::<PyObjects>()?;
+    m.add_class::<PyListing>()?;
     m.add_function(wrap_pyfunction!(run_groups, m)?)?;
     m.add_function(wrap_pyfunction!(empty_bytes, m)?)?;
     Ok(())

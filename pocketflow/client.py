@@ -33,7 +33,6 @@ answers ``stale_epoch`` sends the job's new weight map; the client adopts it and
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import io
 import logging
 import mmap
@@ -71,7 +70,6 @@ from pocketflow.protocol import (
     ACTION_CREATE_BUCKET,
     ACTION_DELETE_BUCKET,
     ACTION_DELETE_PREFIX,
-    ACTION_ENUMERATE,
     ACTION_WAIT,
     ENUMERATE_LIMIT_MAX,
     KEY_MAX_BYTES,
@@ -683,59 +681,9 @@ class Client:
     def _enumerate_pages(
         self, bucket: str, prefix: str, page_size: int
     ) -> Iterator[list[ObjectInfo]]:
-        servers = _distinct_servers(self._view.handle.servers)
-
-        def fetch(server: ServerInfo, start_after: str | None) -> dict[str, Any] | None:
-            fields: dict[str, Any] = {"bucket": bucket, "prefix": prefix, "limit": page_size}
-            if start_after is not None:
-                fields["start_after"] = start_after
-            for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
-                body = action_body(self._view.ctx, **fields)
-                try:
-                    return self._connection(server.address).action(ACTION_ENUMERATE, body)
-                except BucketNotFound:
-                    return None
-                except StaleEpoch as exc:
-                    if attempt == STALE_EPOCH_RETRIES_MAX:
-                        raise
-                    self._adopt(exc)
-            raise AssertionError("unreachable")
-
-        first = self._parallel([lambda s=s: fetch(s, None) for s in servers])
-        if servers and all(result is None for result in first):
-            raise BucketNotFound(f"bucket_not_found: {bucket}")
-        # Per server: buffered keys, and whether the server has more after them.
-        buffers: list[list[tuple[str, int]]] = []
-        more: list[bool] = []
-        heap: list[tuple[str, int, int]] = []  # (key, server slot, position in its buffer)
-        for slot, result in enumerate(first):
-            keys = _keys_of(result)
-            buffers.append(keys)
-            more.append(bool(result and result.get("truncated")) and bool(keys))
-            if keys:
-                heap.append((keys[0][0], slot, 0))
-        heapq.heapify(heap)
-        page: list[ObjectInfo] = []
-        last_key: str | None = None
-        while heap:
-            key, slot, at = heapq.heappop(heap)
-            size = buffers[slot][at][1]
-            if key != last_key:
-                page.append(ObjectInfo(key, size))
-                last_key = key
-                if len(page) == page_size:
-                    yield page
-                    page = []
-            at += 1
-            if at == len(buffers[slot]) and more[slot]:
-                result = fetch(servers[slot], buffers[slot][-1][0])
-                buffers[slot] = _keys_of(result)
-                more[slot] = bool(result and result.get("truncated")) and bool(buffers[slot])
-                at = 0
-            if at < len(buffers[slot]):
-                heapq.heappush(heap, (buffers[slot][at][0], slot, at))
-        if page:
-            yield page
+        # The native core asks every server (in parallel, then a page at a time) and merges.
+        for page in self._core.enumerate(bucket, prefix, page_size):
+            yield [ObjectInfo(key, size) for key, size in page]
 
     # -- internals: connections and threads --------------------------------------------------
 

@@ -1,0 +1,134 @@
+"""Type stub of ``pocketflow._core``, the native client core (``servers/crates/pyclient``).
+
+Every blocking method releases the GIL; every failure is raised as a :mod:`pocketflow.errors`
+class (mapped once, by ``error_from_grpc``).
+"""
+
+from typing import Any
+
+from typing_extensions import Buffer
+
+RawHeader = tuple[int, int, int, int, int]
+"""An object header as ``(version, size, block_count, block_size, flags)``."""
+RawReply = tuple[int, RawHeader | None, bytes]
+"""A small operation's reply: status (0 or a gRPC code), header, body."""
+
+def empty_bytes(size: int) -> bytes:
+    """A ``bytes`` of ``size`` zero bytes for :meth:`Connection.get_ranges` to fill in place."""
+
+def run_groups(
+    groups: list[tuple[Connection, bytes, int, list[tuple[Any, ...]], int]],
+) -> list[list[RawReply] | BaseException]:
+    """Run ``(connection, command, epoch, ops, window)`` groups, all servers at once."""
+
+class Placement:
+    """Weighted rendezvous placement over one weight map (``pocketflow/placement.py``'s picks)."""
+
+    def __init__(self, servers: list[tuple[str, float, bool]]) -> None: ...
+    def servers_for(self, keys: list[bytes], block: int = 0, persist: bool = False) -> list[int]:
+        """Index of each key's server in the map's order, -1 where none can hold it."""
+
+class Connection:
+    """One client's connection to one storage server."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        sessions_max: int,
+        op_timeout_s: float,
+        first_reply_timeout_s: float,
+        rpc_timeout_s: float,
+        stream_timeout_s: float,
+        direct: bool = True,
+        tls_ca: bytes | None = None,
+    ) -> None: ...
+    @property
+    def address(self) -> str: ...
+    def call(
+        self, command: bytes, epoch: int, op: int, flags: int, bucket: bytes, key: bytes,
+        header: bytes, value: Buffer | None,
+    ) -> RawReply: ...
+    def run(
+        self, command: bytes, epoch: int, ops: list[tuple[Any, ...]], window: int
+    ) -> list[RawReply]: ...
+    def put_blocks(self, command: bytes, blocks: list[tuple[int, Buffer]]) -> bytes: ...
+    def get_ranges(
+        self, ticket: bytes, ranges: list[tuple[int, int, int, int]], dest: Buffer
+    ) -> tuple[list[int], BaseException | None]: ...
+    def warm(self, command: bytes, count: int) -> int: ...
+    def action(self, name: str, body: bytes) -> bytes: ...
+    def close(self) -> None: ...
+
+class Listing:
+    """A listing in progress: pages of ``(key, size)`` in key order."""
+
+    def __iter__(self) -> Listing: ...
+    def __next__(self) -> list[tuple[str, int]]: ...
+
+class Objects:
+    """The object layer of one job's client: the weight map in use (adopting newer ones), one
+    connection per server, and the read and write paths of objects."""
+
+    def __init__(
+        self,
+        handle_json: str,
+        *,
+        sessions_max: int,
+        op_timeout_s: float,
+        first_reply_timeout_s: float,
+        rpc_timeout_s: float,
+        stream_timeout_s: float,
+        io_threads: int,
+        exchange_window: int,
+        direct: bool = True,
+        tls_ca: bytes | None = None,
+    ) -> None: ...
+    def generation(self) -> int:
+        """Changes whenever the weight map in use does."""
+    def handle_json(self) -> str:
+        """The handle in use (``JobHandle.to_json``)."""
+    def set_handle(self, handle_json: str) -> None: ...
+    def adopt_weight_map(self, weight_map_json: str) -> bool:
+        """Adopt a newer map; returns whether it was newer."""
+    def connection(self, address: str) -> Connection:
+        """The connection the core itself uses for ``address``."""
+    def close(self, *, reopen: bool) -> None: ...
+    def enumerate(self, bucket: str, prefix: str, page_size: int) -> Listing:
+        """A listing of the bucket under ``prefix``, merged from every server."""
+    def get(self, bucket: str, key: str, *, delete: bool = False) -> bytes: ...
+    def get_into(self, bucket: str, key: str, buffer: Buffer, *, delete: bool = False) -> int: ...
+    def get_range(self, bucket: str, key: str, offset: int, length: int) -> bytes: ...
+    def get_many(self, bucket: str, keys: list[str], *, delete: bool = False) -> list[bytes]: ...
+    def lookup(
+        self, bucket: str, key: str, *, lost_unavailable: bool = True
+    ) -> tuple[int, bool]:
+        """``(size, persist)``."""
+    def fetch_record(
+        self, bucket: str, key: str, op: int, flags: int, *, lost_unavailable: bool = True
+    ) -> tuple[str, RawHeader | None, bytes]:
+        """Block 0 where it lives: ``(server address, header, body)``."""
+    def read_blocks(
+        self, bucket: str, key: str, header: bytes, start: int, end: int, *, delete: bool,
+        dest: Buffer | None = None,
+    ) -> bytes | int: ...
+    def restore_record(
+        self, server: str, bucket: str, key: str, header: bytes, body: bytes
+    ) -> None: ...
+    def put(
+        self, bucket: str, key: str, data: Buffer, *, persist: bool = False,
+        overwrite: bool = False,
+    ) -> None: ...
+    def put_many(
+        self, bucket: str, items: list[tuple[str, Buffer]], *, persist: bool = False,
+        overwrite: bool = False,
+    ) -> int: ...
+    def put_record(
+        self, bucket: str, key: str, header: bytes, value: Buffer, *, persist: bool,
+        overwrite: bool,
+    ) -> None: ...
+    def repair_bucket(self, bucket: str, address: str) -> bool: ...
+    def delete_blocks(self, bucket: str, key: str, header: bytes) -> None: ...
+    def delete_block_groups(
+        self, bucket: str, key: str, version: int, groups: dict[str, list[int]]
+    ) -> list[tuple[str, BaseException]]: ...

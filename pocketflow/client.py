@@ -60,7 +60,6 @@ from pocketflow.errors import (
 from pocketflow.handle import JobHandle, ServerInfo
 from pocketflow.layout import (
     STALE_EPOCH_RETRIES_MAX,
-    BlockUploader,
     View,
     view_of,
 )
@@ -785,24 +784,6 @@ class Client:
         )
         return address, Reply(0, 0, None if header is None else ObjectHeader(*header), body)
 
-    def _put_record(
-        self, bucket: str, bucket_raw: bytes, key_raw: bytes, header: ObjectHeader,
-        value: bytes | bytearray | memoryview, *, persist: bool, overwrite: bool,
-        uploader: BlockUploader | None = None,
-    ) -> None:
-        """Store block 0 (the commit point) in the native core, with write-once per key and,
-        on overwrite, freeing what it replaced.
-
-        ``uploader`` (a streamed large object's) is told when the record is sent and when it is
-        stored, so that a failure afterwards never frees the blocks of a stored object.
-        """
-        if uploader is not None:
-            uploader.committing = True
-        self._core.put_record(bucket, key_raw.decode(), header.encode(), value, persist=persist,
-                              overwrite=overwrite)
-        if uploader is not None:
-            uploader.committed = True
-
     def _restore_record(
         self, server: str, bucket: str, key: str, header: ObjectHeader,
         body: bytes | memoryview,
@@ -827,17 +808,7 @@ class Client:
     ) -> None:
         self._core.put(bucket, key_raw.decode(), value, persist=persist, overwrite=overwrite)
 
-    def _uploader(
-        self, bucket: str, key: str, key_raw: bytes, block_size: int, *, persist: bool,
-        streamed: bool,
-    ) -> BlockUploader:
-        return BlockUploader(self, bucket, key, key_raw, block_size, persist=persist,
-                             streamed=streamed)
-
     # -- internals: data blocks --------------------------------------------------------------
-
-    def _block_server(self, view: View, key_raw: bytes, index: int, persist: bool) -> ServerInfo:
-        return view.placement.server_for(key_raw, index, persist=persist)
 
     def _read_blocks(
         self, bucket: str, key: str, key_raw: bytes, header: ObjectHeader, start: int, end: int,

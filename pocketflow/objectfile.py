@@ -14,14 +14,13 @@ import os
 from typing import Any, BinaryIO
 
 from pocketflow.errors import InvalidRequest
-from pocketflow.layout import BlockUploader, ObjectHost
+from pocketflow.layout import ObjectHost
 from pocketflow.protocol import (
     OP_GET,
     SMALL_OBJECT_MAX_BYTES,
     ObjectHeader,
     check_bucket,
     check_key,
-    large_header,
 )
 
 __all__ = ["ObjectReader", "ObjectWriter"]
@@ -152,7 +151,8 @@ class ObjectWriter(io.BufferedIOBase):
         self._fill = 0
         self._held: list[memoryview] = []
         self._held_bytes = 0
-        self._uploader: BlockUploader | None = None
+        self._upload: Any = None
+        """The native streamed upload (``_core.Upload``), made when the object turns out large."""
         self._next_index = 1
         self._size = 0
         self._finished = False
@@ -228,8 +228,8 @@ class ObjectWriter(io.BufferedIOBase):
             return
         self._finished = True
         try:
-            if self._uploader is not None:
-                self._uploader.abort()
+            if self._upload is not None:
+                self._upload.abort()
         finally:
             self._held.clear()
             super().close()
@@ -259,31 +259,29 @@ class ObjectWriter(io.BufferedIOBase):
         self._fill = 0
         self._held.append(block)
         self._held_bytes += len(block)
-        if self._uploader is None and self._held_bytes <= SMALL_OBJECT_MAX_BYTES:
+        if self._upload is None and self._held_bytes <= SMALL_OBJECT_MAX_BYTES:
             return  # Might still end up a small object.
         self._send_held()
 
     def _send_held(self) -> None:
-        if self._uploader is None:
-            self._uploader = self._client._uploader(
-                self._bucket, self._key, self._key_raw, self._block_size,
-                persist=self._persist, streamed=True,
-            )
+        if self._upload is None:
+            self._upload = self._client._core.upload(self._bucket, self._key,
+                                                     persist=self._persist)
         try:
             for block in self._held:
-                self._uploader.add(self._next_index, block)
+                self._upload.add(self._next_index, block)
                 self._next_index += 1
         except BaseException:
             self._held.clear()
             self._finished = True
-            self._uploader.abort()
+            self._upload.abort()
             raise
         self._held.clear()
         self._held_bytes = 0
 
     def _commit(self) -> None:
         client = self._client
-        if self._uploader is None and self._held_bytes + self._fill <= SMALL_OBJECT_MAX_BYTES:
+        if self._upload is None and self._held_bytes + self._fill <= SMALL_OBJECT_MAX_BYTES:
             value = b"".join([*self._held, memoryview(self._buffer)[:self._fill]])
             self._held.clear()
             client._put_small(self._bucket, self._bucket_raw, self._key_raw, value,
@@ -293,15 +291,6 @@ class ObjectWriter(io.BufferedIOBase):
             self._held.append(memoryview(self._buffer)[:self._fill])
             self._fill = 0
         self._send_held()
-        uploader = self._uploader
-        assert uploader is not None
-        try:
-            uploader.finish()
-            header = large_header(uploader.version, self._size, self._block_size,
-                                  persist=self._persist)
-            client._put_record(self._bucket, self._bucket_raw, self._key_raw, header, b"",
-                               persist=self._persist, overwrite=self._overwrite,
-                               uploader=uploader)
-        except BaseException as exc:
-            uploader.abort(exc)
-            raise
+        # Sends what is queued, waits, then stores the manifest; on failure the blocks are
+        # freed unless the manifest was sent and its outcome is unknown.
+        self._upload.commit(self._size, self._overwrite)

@@ -22,6 +22,7 @@ mod pool;
 mod runtime;
 mod session;
 pub mod tls;
+pub mod upload;
 pub mod view;
 pub mod writes;
 
@@ -33,4 +34,5 @@ pub use listing::Listing;
 pub use objects::{Destination, Failure, Objects, Record, Tuning};
 pub use runtime::{block_on, runtime_handle};
 pub use tls::ClientTls;
+pub use upload::StreamUpload;
 pub use writes::NewRecord;

@@ -88,7 +88,7 @@ pub fn refused(error: &ClientError) -> bool {
         || error.code() == Code::Internal as i32)
 }
 
-fn kind_is(error: &ClientError, kind: &str) -> bool {
+pub(crate) fn kind_is(error: &ClientError, kind: &str) -> bool {
     matches!(error, ClientError::Server { message, .. }
         if message.split_once(": ").is_some_and(|(k, _)| k == kind))
 }
@@ -98,7 +98,7 @@ fn body<T: serde::Serialize>(request: &T) -> Bytes {
 }
 
 /// Where the blocks of one upload went: address -> block indexes.
-type Placed = HashMap<String, BTreeSet<u32>>;
+pub type Placed = HashMap<String, BTreeSet<u32>>;
 
 impl Objects {
     fn action(&self, address: &str, name: ActionName, body: Bytes) -> Result<Bytes, ClientError> {
@@ -658,20 +658,20 @@ impl Objects {
 }
 
 /// One object version's block upload, shared by its per-server streams.
-struct BlockUpload<'a> {
-    objects: &'a Objects,
-    bucket: &'a str,
-    key: &'a str,
-    version: u64,
-    block_size: u32,
-    persist: bool,
-    placed: &'a std::sync::Mutex<Placed>,
+pub(crate) struct BlockUpload<'a> {
+    pub(crate) objects: &'a Objects,
+    pub(crate) bucket: &'a str,
+    pub(crate) key: &'a str,
+    pub(crate) version: u64,
+    pub(crate) block_size: u32,
+    pub(crate) persist: bool,
+    pub(crate) placed: &'a std::sync::Mutex<Placed>,
 }
 
 impl BlockUpload<'_> {
     /// Send `blocks` to `address`; after a stale map, send them again where the new map puts
     /// them; a bucket the server lacks is created there once.
-    fn send(
+    pub(crate) fn send(
         &self,
         address: &str,
         blocks: &[BlockSlice<'_>],

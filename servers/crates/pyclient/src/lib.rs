@@ -9,7 +9,7 @@ use bytes::Bytes;
 use pocketflow_client::placement::{PlacedServer, Placement};
 use pocketflow_client::{
     block_on, BlockSlice, ClientError, ClientTls, Connection, ConnectionConfig, Destination,
-    ExchangeReply, ExchangeRequest, Failure, Listing, NewRecord, Objects, RangeTarget, Tuning,
+    ExchangeReply, ExchangeRequest, Failure, Listing, NewRecord, Objects, StreamUpload, RangeTarget, Tuning,
 };
 use pocketflow_protocol::frame::OpCode;
 use pocketflow_protocol::header::{ObjectHeader, HEADER_LEN_BYTES};
@@ -871,6 +871,19 @@ impl PyObjects {
             .collect())
     }
 
+    /// A streamed upload of `bucket/key`: add its data blocks as they come, then commit.
+    #[pyo3(signature = (bucket, key, *, persist))]
+    fn upload(&self, bucket: &str, key: &str, persist: bool) -> PyUpload {
+        PyUpload {
+            upload: std::sync::Mutex::new(StreamUpload::new(
+                self.objects.clone(),
+                bucket,
+                key,
+                persist,
+            )),
+        }
+    }
+
     /// A listing of `bucket` under `prefix`: an iterator of pages of `(key, size)`, merged from
     /// every server in key order.
     fn enumerate(
@@ -1087,6 +1100,63 @@ impl PyObjects {
     }
 }
 
+/// A block of a streamed upload: the caller's buffer, held (exported) until it is sent.
+struct HeldBlock(PyBuffer<u8>);
+
+impl AsRef<[u8]> for HeldBlock {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the buffer was checked C-contiguous and stays exported while held.
+        unsafe { std::slice::from_raw_parts(self.0.buf_ptr() as *const u8, self.0.len_bytes()) }
+    }
+}
+
+fn upload_failure(py: Python<'_>, failure: &Failure) -> PyErr {
+    failure_to_py(py, failure)
+}
+
+/// A streamed upload (`pocketflow_client::StreamUpload`).
+#[pyclass(name = "Upload", module = "pocketflow._core", frozen)]
+struct PyUpload {
+    upload: std::sync::Mutex<StreamUpload<HeldBlock>>,
+}
+
+impl PyUpload {
+    fn locked(&self) -> std::sync::MutexGuard<'_, StreamUpload<HeldBlock>> {
+        // A panic while locked leaves an upload whose state is still consistent to abort.
+        self.upload.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl PyUpload {
+    /// The version the object gets.
+    #[getter]
+    fn version(&self) -> u64 {
+        self.locked().version()
+    }
+
+    /// Queue data block `index` (1-based; any C-contiguous buffer, held until sent); may wait
+    /// for a send to finish, and raises the failure of an earlier send.
+    fn add(&self, py: Python<'_>, index: u32, block: &Bound<'_, PyAny>) -> PyResult<()> {
+        let buffer = PyBuffer::<u8>::get(block)?;
+        readable(&buffer)?;
+        let held = HeldBlock(buffer);
+        py.detach(|| self.locked().add(index, held))
+            .map_err(|f| upload_failure(py, &f))
+    }
+
+    /// Send what is queued, wait, and store the manifest of an object of `size` bytes.
+    fn commit(&self, py: Python<'_>, size: u64, overwrite: bool) -> PyResult<()> {
+        py.detach(|| self.locked().commit(size, overwrite))
+            .map_err(|f| upload_failure(py, &f))
+    }
+
+    /// Discard the upload, freeing every block sent (nothing after a commit was attempted).
+    fn abort(&self, py: Python<'_>) {
+        py.detach(|| self.locked().abort());
+    }
+}
+
 /// A listing in progress: iterate for its pages.
 #[pyclass(name = "Listing", module = "pocketflow._core", frozen)]
 struct PyListing {
@@ -1168,6 +1238,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPlacement>()?;
     m.add_class::<PyObjects>()?;
     m.add_class::<PyListing>()?;
+    m.add_class::<PyUpload>()?;
     m.add_function(wrap_pyfunction!(run_groups, m)?)?;
     m.add_function(wrap_pyfunction!(empty_bytes, m)?)?;
     Ok(())

@@ -795,11 +795,6 @@ class Client:
         except PocketflowError as exc:
             log.warning("could not restore %s/%s after a failed DELETE read: %s", bucket, key, exc)
 
-    def _repair_bucket(self, view: View, bucket: str, server: ServerInfo) -> bool:
-        """Create ``bucket`` on a server that lacks it if another server of the job has it
-        (native core; each server at most once per client)."""
-        return self._core.repair_bucket(bucket, server.address)
-
     # -- internals: small and large puts -----------------------------------------------------
 
     def _put_small(
@@ -828,15 +823,6 @@ class Client:
         """Free a version's data blocks (best effort: a failure leaves garbage, not an error)."""
         self._core.delete_blocks(bucket, key, header.encode())
 
-    def _delete_block_groups(
-        self, bucket: str, key: str, version: int, groups: dict[str, list[int]]
-    ) -> None:
-        """Free the given blocks of one version, servers in parallel; failures are logged."""
-        failures = self._core.delete_block_groups(
-            bucket, key, version, {address: list(indices) for address, indices in groups.items()}
-        )
-        for address, error in failures:
-            log.warning("could not free blocks of %s/%s on %s: %s", bucket, key, address, error)
 
 
 
@@ -856,19 +842,6 @@ def _stale_reply(exc: StaleEpoch) -> Reply:
     """A reply standing for a session that failed with ``stale_epoch`` before running the op."""
     body = "stale_epoch: " + encode_json(exc.weight_map) if exc.weight_map is not None else ""
     return Reply(0, exc.grpc_code, None, memoryview(body.encode()))
-
-
-def _failure_reply(exc: PocketflowError) -> Reply:
-    """A reply standing for an op whose session failed with ``exc``."""
-    if isinstance(exc, StaleEpoch):
-        return _stale_reply(exc)
-    return Reply(0, exc.grpc_code, None, memoryview(exc.message.encode()))
-
-
-def _keys_of(result: dict[str, Any] | None) -> list[tuple[str, int]]:
-    if not result:
-        return []
-    return [(str(item["key"]), int(item.get("size", 0))) for item in result.get("keys", [])]
 
 
 def _distinct_servers(servers: Iterable[ServerInfo]) -> list[ServerInfo]:

@@ -19,6 +19,9 @@ pub const STREAM_GROUP_BYTES_MIN: usize = 4 * 1024 * 1024;
 /// A streamed upload holds at most this many groups' worth of unsent bytes in total.
 pub const STREAM_PENDING_GROUPS_MAX: usize = 4;
 
+/// What a send gives back: its outcome, and the blocks it sent.
+type SendOutcome<B> = (Result<(), Failure>, Vec<(u32, B)>);
+
 /// The blocks waiting for one server.
 struct Group<B> {
     address: String,
@@ -40,7 +43,7 @@ pub struct StreamUpload<B: AsRef<[u8]> + Send + 'static> {
     pending_bytes: usize,
     /// Sends on the wire; each gives its blocks back, so that they are released by the thread
     /// that waits for it (a caller's buffer may need the caller's interpreter lock to release).
-    in_flight: VecDeque<JoinHandle<(Result<(), Failure>, Vec<(u32, B)>)>>,
+    in_flight: VecDeque<JoinHandle<SendOutcome<B>>>,
     in_flight_max: usize,
     placed: Arc<Mutex<Placed>>,
     failures: Vec<Failure>,

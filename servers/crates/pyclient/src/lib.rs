@@ -9,7 +9,7 @@ use bytes::Bytes;
 use pocketflow_client::placement::{PlacedServer, Placement};
 use pocketflow_client::{
     block_on, BlockSlice, ClientError, ClientTls, Connection, ConnectionConfig, Destination,
-    ExchangeReply, ExchangeRequest, Failure, Listing, NewRecord, Objects, StreamUpload, RangeTarget, Tuning,
+    ExchangeReply, ExchangeRequest, Failure, Listing, Objects, RangeTarget, StreamUpload, Tuning,
 };
 use pocketflow_protocol::frame::OpCode;
 use pocketflow_protocol::header::{ObjectHeader, HEADER_LEN_BYTES};
@@ -799,32 +799,6 @@ impl PyObjects {
         });
         drop(held);
         outcome.map_err(|f| failure_to_py(py, &f))
-    }
-
-    /// Store one block-0 record (a small object, or a large object's manifest: the commit of a
-    /// streamed upload), header as 32 bytes.
-    #[pyo3(signature = (bucket, key, header, value, *, persist, overwrite))]
-    fn put_record(
-        &self,
-        py: Python<'_>,
-        bucket: &str,
-        key: &str,
-        header: &[u8],
-        value: &Bound<'_, PyAny>,
-        persist: bool,
-        overwrite: bool,
-    ) -> PyResult<()> {
-        let header = header_of(header)?;
-        let held = PyBuffer::<u8>::get(value)?;
-        let memory = readable(&held)?;
-        let objects = &self.objects;
-        py.detach(move || {
-            // SAFETY: `held` keeps the buffer exported until this call returns.
-            let value = unsafe { memory.slice() };
-            let record = NewRecord { key, header, value };
-            objects.put_records(bucket, &[record], persist, overwrite)
-        })
-        .map_err(|f| failure_to_py(py, &f))
     }
 
     /// Create `bucket` on the server at `address` if another server of the job has it; returns

@@ -593,22 +593,56 @@ class Client:
         """Block until every key exists or ``timeout_s`` passes; returns the keys still missing
         (in the order given).
 
-        The servers park the call (the ``wait`` action, at most ``WAIT_TIMEOUT_MAX_MS`` per
-        call) and answer as soon as the last of their keys is put, so a reader waiting for
-        another task's output neither polls with ``not_found`` nor sleeps longer than needed.
-        Keys are grouped by the server that holds their block 0, servers waited on in parallel.
-        After the job's map changed (epoch > 1) keys written under an earlier map are first
-        looked for with :meth:`exists`. Raises :class:`DataUnavailable` (with ``server``) when
-        a server holding awaited keys cannot be reached, :class:`BucketNotFound`.
+        Keys already written are found first by one pipelined ``LOOKUP`` per server over the
+        small-op sessions (a round trip on the calling thread, like :meth:`exists`; for up to
+        ``exchange_window`` keys); with ``timeout_s`` 0 that is the whole check. Only the keys
+        still missing are parked on the servers (the ``wait`` action, at most
+        ``WAIT_TIMEOUT_MAX_MS`` per call), which answer as soon as the last of their keys is
+        put, so a reader waiting for another task's output neither polls with ``not_found``
+        nor sleeps longer than needed. The action is a gRPC call whose thread handoffs cost
+        milliseconds on a busy machine, which a reader whose input is already there should not
+        pay. Keys are grouped by the server that holds their block 0, servers waited on in
+        parallel. After the job's map changed (epoch > 1) keys written under an earlier map
+        are also looked for with :meth:`exists`. Raises :class:`DataUnavailable` (with
+        ``server``) when a server holding awaited keys cannot be reached,
+        :class:`BucketNotFound`.
         """
-        check_bucket(bucket)
+        bucket_raw = check_bucket(bucket)
         wanted = list(dict.fromkeys(keys))
         key_raws = {key: check_key(key) for key in wanted}
         if not 0 <= timeout_s < float("inf"):
             raise InvalidRequest(f"timeout_s must be finite and >= 0, got {timeout_s}")
         deadline = time.monotonic() + timeout_s
-        if self._view.epoch > 1:
+        # Up to a session window of keys, one pipelined round trip per server finds those
+        # already written; more keys would take several, and the wait action checks them all
+        # in one call per server anyway.
+        written: set[str] = set()
+        settled = False  # every key found or ObjectNotFound: the lookups were the whole check
+        if len(wanted) <= self._config.exchange_window:
+            view = self._view
+            lookups = [ExchangeOp(OP_LOOKUP, 0, bucket_raw, key_raws[key], tag=key)
+                       for key in wanted]
+            lookup_groups = self._group_ops(view, lookups, persist=False)
+            self._run_groups(view, lookup_groups)
+            settled = True
+            for address, group in lookup_groups.items():
+                for op in group:
+                    assert op.reply is not None
+                    if op.reply.status == 0:
+                        written.add(op.tag)
+                        continue
+                    error = error_from_status(op.reply.status, op.reply.body, server=address)
+                    if isinstance(error, ObjectNotFound):
+                        continue
+                    # A missing bucket or a newer map to adopt: the wait action sorts it out.
+                    if not isinstance(error, (NotFound, StaleEpoch)):
+                        raise error
+                    settled = False
+        wanted = [key for key in wanted if key not in written]
+        if wanted and self._view.epoch > 1:
             wanted = [key for key in wanted if not self._exists_live(bucket, key)]
+        if timeout_s == 0 and settled:
+            return wanted
         # One parked call must end before the client gives up on the action's RPC.
         call_ms_max = max(1, min(WAIT_TIMEOUT_MAX_MS,
                                  int(1000 * self._config.rpc_timeout_s) - 1000))

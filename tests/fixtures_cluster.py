@@ -28,7 +28,9 @@ DEAD_AFTER_S = 3.0
 DETECTION_SLACK_S = 3.5
 """Allowed lateness of the failure detector on a loaded 2-core machine."""
 PLACED_KEYS = 48
-"""How many test keys :func:`keys_on` places."""
+"""How many test keys :func:`keys_on` places at least."""
+PLACED_KEYS_MAX = 4096
+"""Most test keys :func:`keys_on` draws while too few land on (or off) the node."""
 
 
 @pytest.fixture(scope="session")
@@ -122,11 +124,20 @@ def controller_actor() -> Any:
     return ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE)
 
 
-def keys_on(handle: JobHandle, node_id: str) -> tuple[list[str], list[str]]:
-    """Of ``PLACED_KEYS`` test keys (``k0``, ``k1``, ...), those ``handle``'s map places on
-    ``node_id`` and those it places elsewhere."""
+def keys_on(
+    handle: JobHandle, node_id: str, *, on_min: int = 1, off_min: int = 1
+) -> tuple[list[str], list[str]]:
+    """Of test keys ``k0``, ``k1``, ..., those ``handle``'s map places on ``node_id`` and those
+    it places elsewhere: ``PLACED_KEYS`` keys, and more (up to ``PLACED_KEYS_MAX``) while
+    fewer than ``on_min`` land on the node or fewer than ``off_min`` elsewhere. A node of
+    small weight in a job's map (the map depends on the job, whose id is random) may get one
+    key of ``PLACED_KEYS`` or none."""
     placement = Placement(handle.servers)
-    keys = [f"k{i}" for i in range(PLACED_KEYS)]
-    on = [k for k in keys if placement.server_for(k.encode(), 0).node_id == node_id]
-    off = [k for k in keys if k not in on]
+    on: list[str] = []
+    off: list[str] = []
+    for i in range(PLACED_KEYS_MAX):
+        if i >= PLACED_KEYS and len(on) >= on_min and len(off) >= off_min:
+            break
+        key = f"k{i}"
+        (on if placement.server_for(key.encode(), 0).node_id == node_id else off).append(key)
     return on, off

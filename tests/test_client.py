@@ -998,10 +998,15 @@ def test_wait_for_returns_when_the_last_key_is_put(client: Client) -> None:
         thread.join()
     # Parked on the servers and woken by the last put, not by the 20 s deadline.
     assert time.monotonic() - started < 5.0
+    # Keys already written are found without waiting, also with no time to wait.
+    assert client.wait_for("w", keys + keys[:2], timeout_s=0) == []
     assert client.get("w", keys[-1], delete=True) == payload(100_000, 1)
     assert client.wait_for("w", [keys[-1]], timeout_s=0) == [keys[-1]]
+    assert client.wait_for("w", [keys[-1], keys[0]], timeout_s=0.2) == [keys[-1]]
     with pytest.raises(BucketNotFound):
         client.wait_for("nope", ["k"], timeout_s=0.1)
+    with pytest.raises(BucketNotFound):
+        client.wait_for("nope", ["k"], timeout_s=0)
     with pytest.raises(InvalidRequest):
         client.wait_for("w", ["k"], timeout_s=-1)
 

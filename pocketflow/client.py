@@ -53,6 +53,7 @@ from pocketflow.errors import (
     BucketExists,
     BucketNotFound,
     InvalidRequest,
+    NotFound,
     ObjectNotFound,
     PocketflowError,
     StaleEpoch,
@@ -594,7 +595,7 @@ class Client:
         (in the order given).
 
         Keys already written are found first by one pipelined ``LOOKUP`` per server over the
-        small-op sessions (a round trip on the calling thread, like :meth:`exists`; for up to
+        small-op sessions (the native core, a round trip on the calling thread; for up to
         ``exchange_window`` keys); with ``timeout_s`` 0 that is the whole check. Only the keys
         still missing are parked on the servers (the ``wait`` action, at most
         ``WAIT_TIMEOUT_MAX_MS`` per call), which answer as soon as the last of their keys is
@@ -607,7 +608,7 @@ class Client:
         ``server``) when a server holding awaited keys cannot be reached,
         :class:`BucketNotFound`.
         """
-        bucket_raw = check_bucket(bucket)
+        check_bucket(bucket)
         wanted = list(dict.fromkeys(keys))
         key_raws = {key: check_key(key) for key in wanted}
         if not 0 <= timeout_s < float("inf"):
@@ -619,25 +620,17 @@ class Client:
         written: set[str] = set()
         settled = False  # every key found or ObjectNotFound: the lookups were the whole check
         if len(wanted) <= self._config.exchange_window:
-            view = self._view
-            lookups = [ExchangeOp(OP_LOOKUP, 0, bucket_raw, key_raws[key], tag=key)
-                       for key in wanted]
-            lookup_groups = self._group_ops(view, lookups, persist=False)
-            self._run_groups(view, lookup_groups)
             settled = True
-            for address, group in lookup_groups.items():
-                for op in group:
-                    assert op.reply is not None
-                    if op.reply.status == 0:
-                        written.add(op.tag)
-                        continue
-                    error = error_from_status(op.reply.status, op.reply.body, server=address)
-                    if isinstance(error, ObjectNotFound):
-                        continue
+            for key, error in zip(wanted, self._core.lookup_homes(bucket, wanted), strict=True):
+                if error is None:
+                    written.add(key)
+                elif isinstance(error, ObjectNotFound):
+                    continue
+                elif isinstance(error, (NotFound, StaleEpoch)):
                     # A missing bucket or a newer map to adopt: the wait action sorts it out.
-                    if not isinstance(error, (NotFound, StaleEpoch)):
-                        raise error
                     settled = False
+                else:
+                    raise error
         wanted = [key for key in wanted if key not in written]
         if wanted and self._view.epoch > 1:
             wanted = [key for key in wanted if not self._exists_live(bucket, key)]

@@ -615,24 +615,18 @@ impl Objects {
         Ok(count)
     }
 
-    /// Block 0 of many objects, in the order of `keys`: pipelined over one session per server,
-    /// all servers at once; a key missing from its home is then looked for like
-    /// [`Objects::fetch_record`] does, one key at a time. With `delete` each record found is
-    /// claimed (its data blocks are freed as they are read).
-    pub fn fetch_records(
+    /// Run `op` on block 0 of every key at its home (no fallbacks), pipelined over one session
+    /// per server, all servers at once, adopting newer maps; each key's outcome in order, "not
+    /// found" answers included as they came.
+    fn on_homes(
         &self,
         bucket: &str,
         keys: &[&str],
-        delete: bool,
+        op: OpCode,
+        flags: u8,
     ) -> Vec<Result<Record, Failure>> {
-        let flags = if delete {
-            pocketflow_protocol::frame::OP_FLAG_DELETE
-        } else {
-            0
-        };
         let mut results: Vec<Option<Result<Record, Failure>>> = vec![None; keys.len()];
         let mut pending: Vec<usize> = (0..keys.len()).collect();
-        let mut missing: Vec<usize> = Vec::new();
         for attempt in 0..=STALE_EPOCH_RETRIES_MAX {
             let view = self.view();
             let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
@@ -652,7 +646,7 @@ impl Objects {
                     let requests: Vec<ExchangeRequest> = group
                         .iter()
                         .map(|&index| ExchangeRequest {
-                            op: OpCode::Get,
+                            op,
                             flags,
                             bucket: bucket.to_string(),
                             key: keys[index].to_string(),
@@ -691,8 +685,6 @@ impl Objects {
                     if error.is_stale_epoch() && attempt < STALE_EPOCH_RETRIES_MAX {
                         stale = Some(Failure::at(error, address));
                         retry.push(index);
-                    } else if error.is_not_found() {
-                        missing.push(index);
                     } else {
                         results[index] = Some(Err(Failure::at(error, address)));
                     }
@@ -710,13 +702,44 @@ impl Objects {
                 break;
             }
         }
-        // Fallback placements (PERSIST, earlier maps) are probed one key at a time.
-        for index in missing {
-            results[index] = Some(self.fetch_record(bucket, keys[index], OpCode::Get, flags, true));
-        }
         results
             .into_iter()
             .map(|r| r.expect("every key has an outcome"))
+            .collect()
+    }
+
+    /// Block 0 of many objects, in the order of `keys`: pipelined over one session per server,
+    /// all servers at once; a key missing from its home is then looked for like
+    /// [`Objects::fetch_record`] does, one key at a time. With `delete` each record found is
+    /// claimed (its data blocks are freed as they are read).
+    pub fn fetch_records(
+        &self,
+        bucket: &str,
+        keys: &[&str],
+        delete: bool,
+    ) -> Vec<Result<Record, Failure>> {
+        let flags = if delete {
+            pocketflow_protocol::frame::OP_FLAG_DELETE
+        } else {
+            0
+        };
+        let mut results = self.on_homes(bucket, keys, OpCode::Get, flags);
+        // Fallback placements (PERSIST, earlier maps) are probed one key at a time.
+        for (index, result) in results.iter_mut().enumerate() {
+            if matches!(result, Err(failure) if failure.error.is_not_found()) {
+                *result = self.fetch_record(bucket, keys[index], OpCode::Get, flags, true);
+            }
+        }
+        results
+    }
+
+    /// Whether each key's record is at its home (a LOOKUP there, no fallbacks): `Ok` where it
+    /// is, else the answer (`not_found`, `bucket_not_found`, ...). One pipelined round trip per
+    /// server: what a waiter checks before parking.
+    pub fn lookup_homes(&self, bucket: &str, keys: &[&str]) -> Vec<Result<(), Failure>> {
+        self.on_homes(bucket, keys, OpCode::Lookup, 0)
+            .into_iter()
+            .map(|r| r.map(|_| ()))
             .collect()
     }
 

@@ -876,6 +876,23 @@ impl PyObjects {
         })
     }
 
+    /// LOOKUP each key at its home (no fallbacks), one pipelined round trip per server: per
+    /// key `None` where the record is, else the error the server answered.
+    fn lookup_homes(
+        &self,
+        py: Python<'_>,
+        bucket: &str,
+        keys: Vec<String>,
+    ) -> PyResult<Vec<Option<PyErr>>> {
+        let objects = &self.objects;
+        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let outcomes = py.detach(|| objects.lookup_homes(bucket, &key_refs));
+        Ok(outcomes
+            .iter()
+            .map(|o| o.as_ref().err().map(|f| failure_to_py(py, f)))
+            .collect())
+    }
+
     /// The bytes of many objects, in the order of `keys`: block 0 of all of them pipelined per
     /// server, then the data blocks of the large ones, a few objects at once. Every object is
     /// read before an error is raised: the first failure in key order.

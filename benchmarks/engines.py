@@ -255,7 +255,11 @@ def main() -> int:
     if unknown:
         print(f"unknown patterns {unknown}", file=sys.stderr)
         return 2
-    patterns = [p for p in NVME_PATTERNS if p in chosen]
+    # Writes go first: until a write pass, the file's extents are unwritten and fio reads them
+    # as zeroes without touching the disk.
+    patterns = sorted(
+        (p for p in NVME_PATTERNS if p in chosen), key=lambda p: NVME_PATTERNS[p][0] != "write"
+    )
 
     bench_binary = args.bench_binary
     if bench_binary is None:

@@ -11,6 +11,7 @@ seqread       1 MiB  8            sequential read of the whole file
 randread      64 KiB 32           random aligned reads over the file
 seqwrite-qd1  1 MiB  1            one write at a time (a single client's put)
 seqread-qd1   1 MiB  1            one read at a time (a single client's get)
+randread-qd1  64 KiB 1            one random read at a time (per-I/O overhead shows most)
 ============  =====  ===========  =====================================
 
 The disk of a virtual machine is noisy from one second to the next, so fio and the engine
@@ -54,6 +55,7 @@ NVME_PATTERNS = {
     "randread": ("randread", "64k", 32),
     "seqwrite-qd1": ("write", "1m", 1),
     "seqread-qd1": ("read", "1m", 1),
+    "randread-qd1": ("randread", "64k", 1),
 }
 RATIO_TARGET = 0.8
 DRAM_TARGET_GBPS = 5.0

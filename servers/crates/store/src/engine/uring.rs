@@ -110,17 +110,17 @@ impl Uring {
         // SAFETY: eventfd takes no pointers; a non-negative result is a fresh fd we own.
         let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if raw < 0 {
-            return Err(setup_error("eventfd", io::Error::last_os_error()));
+            return Err(ring_error("eventfd", io::Error::last_os_error()));
         }
         // SAFETY: `raw` is a valid fd that nothing else owns.
         let wake_fd = unsafe { OwnedFd::from_raw_fd(raw) };
         // The submission queue only holds entries of slots in use, so the queue depth fits; the
         // completion queue is twice as large, so it cannot overflow either.
         let ring = open_ring(queue_depth.next_power_of_two())
-            .map_err(|e| setup_error("io_uring setup", e))?;
+            .map_err(|e| ring_error("io_uring setup", e))?;
         ring.submitter()
             .register_eventfd(wake_fd.as_raw_fd())
-            .map_err(|e| setup_error("io_uring register eventfd", e))?;
+            .map_err(|e| ring_error("io_uring register eventfd", e))?;
         let depth = queue_depth as usize;
         let shared = Arc::new(RingShared {
             ring,
@@ -138,7 +138,7 @@ impl Uring {
         // SAFETY: `WakeFd` owns (through the ring) the eventfd it names, so the fd stays open and
         // the same for the life of the `AsyncFd`.
         let wake = unsafe { AsyncFd::register_with_interest(wake_fd, Interest::READABLE) }
-            .map_err(|e| setup_error("register eventfd with the runtime", e.into_parts().1))?;
+            .map_err(|e| ring_error("register eventfd with the runtime", e.into_parts().1))?;
         tokio::spawn(reap_until_closed(wake));
         Ok(Self { shared })
     }
@@ -186,7 +186,8 @@ impl Drop for Uring {
     }
 }
 
-fn setup_error(op: &'static str, source: io::Error) -> StoreError {
+/// An [`StoreError::Io`] of the ring, which concerns no path.
+fn ring_error(op: &'static str, source: io::Error) -> StoreError {
     StoreError::Io {
         op,
         path: None,
@@ -254,7 +255,7 @@ impl RingShared {
         state.in_flight_high_water = state.in_flight_high_water.max(state.in_flight());
     }
 
-    /// Enter the kernel to submit every queued entry (ours and any another caller queued).
+    /// Enter the kernel to submit every queued entry (ours and any other caller's).
     ///
     /// On an error our entry may stay queued; its slot keeps the buffer, and the next caller's
     /// enter (or the ring's drop) submits it, so nothing is freed under the kernel.
@@ -267,7 +268,7 @@ impl RingShared {
                 Err(error) if is_transient(&error) && attempts < ENTER_ATTEMPTS_MAX => {
                     std::thread::yield_now();
                 }
-                Err(error) => return Err(setup_error("io_uring submit", error)),
+                Err(error) => return Err(ring_error("io_uring submit", error)),
             }
         }
     }

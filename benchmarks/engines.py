@@ -3,13 +3,16 @@
 Builds and runs the Rust program ``servers/crates/store/examples/engine_bench.rs`` and, on the
 same file, ``fio --direct=1 --ioengine=io_uring`` with the same patterns:
 
-=========  =====  ===========  =====================================
-pattern    block  queue depth  what
-=========  =====  ===========  =====================================
-seqwrite   1 MiB  8            sequential write of the whole file
-seqread    1 MiB  8            sequential read of the whole file
-randread   64 KiB 32           random aligned reads over the file
-=========  =====  ===========  =====================================
+============  =====  ===========  =====================================
+pattern       block  queue depth  what
+============  =====  ===========  =====================================
+seqwrite      1 MiB  8            sequential write of the whole file
+seqread       1 MiB  8            sequential read of the whole file
+randread      64 KiB 32           random aligned reads over the file
+seqwrite-qd1  1 MiB  1            one write at a time (a single client's put)
+seqread-qd1   1 MiB  1            one read at a time (a single client's get)
+randread-qd1  64 KiB 1            one random read at a time (per-I/O overhead shows most)
+============  =====  ===========  =====================================
 
 The disk of a virtual machine is noisy from one second to the next, so fio and the engine
 alternate, pattern by pattern, for ``--reps`` rounds (the order flips each round) and the table
@@ -17,7 +20,10 @@ compares the best run of each. Prints the table and writes JSON (with commit and
 if matplotlib is installed, a PNG plot to ``benchmarks/results/engines-<date>.{json,png}``.
 
 Usage: ``python benchmarks/engines.py [--dir /tmp/pocketflow-bench] [--file-mib 1024]
-[--seconds 2] [--reps 3] [--keep-file]``. The directory must be on a file system that supports
+[--seconds 2] [--reps 3] [--keep-file] [--patterns dram,seqread-qd1,...]
+[--bench-binary PATH]``. ``--bench-binary`` runs an engine bench built elsewhere (e.g. from
+another commit, to compare two versions of the engine against the same fio) instead of building
+this checkout's. The directory must be on a file system that supports
 O_DIRECT (ext4, xfs; tmpfs only on kernels >= 6.6). Pointing ``--dir`` at tmpfs (/dev/shm) takes
 the disk out of the comparison and measures the software overhead of each side alone. Takes
 about a minute once the bench is built.
@@ -47,6 +53,9 @@ NVME_PATTERNS = {
     "seqwrite": ("write", "1m", 8),
     "seqread": ("read", "1m", 8),
     "randread": ("randread", "64k", 32),
+    "seqwrite-qd1": ("write", "1m", 1),
+    "seqread-qd1": ("read", "1m", 1),
+    "randread-qd1": ("randread", "64k", 1),
 }
 RATIO_TARGET = 0.8
 DRAM_TARGET_GBPS = 5.0
@@ -72,9 +81,9 @@ def build_bench() -> None:
     )
 
 
-def run_dram(seconds: float) -> list[dict]:
+def run_dram(bench_binary: Path, seconds: float) -> list[dict]:
     """Run the DRAM part of the engine bench and return its rows."""
-    command = [str(BENCH_BINARY), "--patterns", "dram", "--seconds", str(seconds)]
+    command = [str(bench_binary), "--patterns", "dram", "--seconds", str(seconds)]
     done = subprocess.run(
         command, capture_output=True, text=True, check=True, timeout=BENCH_TIMEOUT_S
     )
@@ -88,9 +97,11 @@ class EngineServer:
     no untimed refill runs between fio and the engine.
     """
 
-    def __init__(self, data_file: Path, file_bytes: int, seconds: float) -> None:
+    def __init__(
+        self, bench_binary: Path, data_file: Path, file_bytes: int, seconds: float
+    ) -> None:
         command = [
-            str(BENCH_BINARY),
+            str(bench_binary),
             "--serve",
             "--nvme-file",
             str(data_file),
@@ -191,6 +202,8 @@ def plot(report: dict, path: Path) -> bool:
     except ImportError:
         return False
     patterns = list(report["nvme"])
+    if not patterns or not report["dram"]:
+        return False
     fio = [report["nvme"][p]["fio_best_gbps"] for p in patterns]
     engine = [report["nvme"][p]["engine_best_gbps"] for p in patterns]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -229,25 +242,42 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--keep-file", action="store_true")
+    parser.add_argument(
+        "--patterns",
+        default=",".join(["dram", *NVME_PATTERNS]),
+        help="comma-separated: dram and any of " + ", ".join(NVME_PATTERNS),
+    )
+    parser.add_argument("--bench-binary", type=Path, help="run this engine bench, build none")
     args = parser.parse_args()
     if shutil.which("fio") is None:
         print("fio is not installed", file=sys.stderr)
         return 2
+    chosen = args.patterns.split(",")
+    unknown = [p for p in chosen if p != "dram" and p not in NVME_PATTERNS]
+    if unknown:
+        print(f"unknown patterns {unknown}", file=sys.stderr)
+        return 2
+    # Writes go first: until a write pass, the file's extents are unwritten and fio reads them
+    # as zeroes without touching the disk.
+    patterns = sorted(
+        (p for p in NVME_PATTERNS if p in chosen), key=lambda p: NVME_PATTERNS[p][0] != "write"
+    )
 
-    build_bench()
+    bench_binary = args.bench_binary
+    if bench_binary is None:
+        build_bench()
+        bench_binary = BENCH_BINARY
     args.dir.mkdir(parents=True, exist_ok=True)
     data_file = args.dir / "engines.dat"
     file_bytes = args.file_mib * 1024 * 1024
     started = datetime.datetime.now(datetime.UTC)
 
-    dram = run_dram(args.seconds)
-    samples: dict[str, dict[str, list[dict]]] = {
-        p: {"fio": [], "engine": []} for p in NVME_PATTERNS
-    }
-    engine = EngineServer(data_file, file_bytes, args.seconds)
+    dram = run_dram(bench_binary, args.seconds) if "dram" in chosen else []
+    samples: dict[str, dict[str, list[dict]]] = {p: {"fio": [], "engine": []} for p in patterns}
+    engine = EngineServer(bench_binary, data_file, file_bytes, args.seconds)
     try:
         for rep in range(args.reps):
-            for pattern in NVME_PATTERNS:
+            for pattern in patterns:
                 order = ["fio", "engine"] if rep % 2 == 0 else ["engine", "fio"]
                 for tool in order:
                     if tool == "fio":
@@ -310,7 +340,12 @@ def main() -> int:
         "started_utc": started.isoformat(),
         "commit": git_commit(),
         "machine": machine(args.dir),
-        "settings": {"file_bytes": file_bytes, "seconds": args.seconds, "reps": args.reps},
+        "settings": {
+            "file_bytes": file_bytes,
+            "seconds": args.seconds,
+            "reps": args.reps,
+            "bench_binary": str(bench_binary),
+        },
         "dram": dram,
         "nvme": nvme,
     }

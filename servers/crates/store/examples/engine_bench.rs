@@ -5,8 +5,10 @@
 //! `--nvme-file PATH` (omit to skip NVMe), `--nvme-bytes N` (default 1 GiB),
 //! `--dram-bytes N` (default 512 MiB), `--threads N` (DRAM copy threads, default 2),
 //! `--seconds S` per pattern (default 3), `--patterns LIST` (comma-separated, of `dram`,
-//! `seqwrite`, `seqread`, `randread`; default all). The read patterns first fill the file with
-//! an untimed write pass when `seqwrite` did not run before them in the same process.
+//! `seqwrite`, `seqread`, `randread`; default all). An NVMe pattern may name its queue depth,
+//! e.g. `seqread-qd1` (one I/O at a time, what a single client's get costs); the defaults are 8
+//! for the sequential patterns and 32 for `randread`. The read patterns first fill the file with
+//! an untimed write pass when no write pass ran before them in the same process.
 //! `--serve` opens the NVMe engine once and then runs one pattern per line read from stdin,
 //! printing one JSON line each, so a driver can alternate the engine with fio on the same file
 //! without refilling it (the blocks' contents do not matter to the timings).
@@ -335,30 +337,31 @@ impl NvmeBench {
     }
 
     async fn run(&mut self, pattern: &str) -> serde_json::Value {
-        if matches!(pattern, "seqread" | "randread") && self.written.is_none() {
+        let (name, queue_depth) = nvme_pattern(pattern);
+        if matches!(name, "seqread" | "randread") && self.written.is_none() {
             self.written = Some(Arc::new(
                 nvme_seq_write(&self.engine, self.blocks, 8, 0.0).await.1,
             ));
         }
-        match pattern {
+        match name {
             "seqwrite" => {
                 drop(self.written.take()); // free the previous pass so the file has room
                 let (measured, last) =
-                    nvme_seq_write(&self.engine, self.blocks, 8, self.seconds).await;
+                    nvme_seq_write(&self.engine, self.blocks, queue_depth, self.seconds).await;
                 self.written = Some(Arc::new(last));
-                measured.json("write", MIB, 8)
+                measured.json("write", MIB, queue_depth)
             }
             "seqread" => {
                 let data = self.written.as_ref().expect("blocks written");
-                nvme_seq_read(&self.engine, data, 8, self.seconds)
+                nvme_seq_read(&self.engine, data, queue_depth, self.seconds)
                     .await
-                    .json("read", MIB, 8)
+                    .json("read", MIB, queue_depth)
             }
             "randread" => {
                 let data = self.written.as_ref().expect("blocks written");
-                nvme_rand_read(&self.engine, data, 32, self.seconds)
+                nvme_rand_read(&self.engine, data, queue_depth, self.seconds)
                     .await
-                    .json("randread", 64 * 1024, 32)
+                    .json("randread", 64 * 1024, queue_depth)
             }
             other => panic!("unknown nvme pattern {other}"),
         }
@@ -374,6 +377,30 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 const NVME_PATTERNS: [&str; 3] = ["seqwrite", "seqread", "randread"];
+/// Most I/Os a pattern may keep in flight (one task each).
+const PATTERN_QUEUE_DEPTH_MAX: usize = 1024;
+
+/// Split `seqread-qd1` into the pattern name and its queue depth (the pattern's default if the
+/// suffix is absent); panics on an unknown name or a depth outside 1..=1024.
+fn nvme_pattern(pattern: &str) -> (&str, usize) {
+    let (name, depth) = match pattern.split_once("-qd") {
+        Some((name, depth)) => (name, Some(depth)),
+        None => (pattern, None),
+    };
+    assert!(
+        NVME_PATTERNS.contains(&name),
+        "unknown nvme pattern {pattern}"
+    );
+    let default_depth = if name == "randread" { 32 } else { 8 };
+    let depth = depth.map_or(default_depth, |d| {
+        d.parse().expect("the -qd suffix is a queue depth")
+    });
+    assert!(
+        (1..=PATTERN_QUEUE_DEPTH_MAX).contains(&depth),
+        "queue depth {depth} of {pattern} is not within 1..={PATTERN_QUEUE_DEPTH_MAX}"
+    );
+    (name, depth)
+}
 
 fn main() {
     let options = parse_options();
@@ -392,10 +419,9 @@ fn main() {
         return;
     }
     for pattern in &options.patterns {
-        assert!(
-            pattern == "dram" || NVME_PATTERNS.contains(&pattern.as_str()),
-            "unknown pattern {pattern}"
-        );
+        if pattern != "dram" {
+            nvme_pattern(pattern);
+        }
     }
     let mut report = serde_json::Map::new();
     if options.patterns.iter().any(|p| p == "dram") {
@@ -408,7 +434,7 @@ fn main() {
     let nvme_patterns: Vec<&String> = options
         .patterns
         .iter()
-        .filter(|p| NVME_PATTERNS.contains(&p.as_str()))
+        .filter(|p| p.as_str() != "dram")
         .collect();
     if !nvme_patterns.is_empty() {
         let path = options

@@ -186,8 +186,8 @@ pub enum StoreError {
         #[source]
         source: io::Error,
     },
-    /// The engine's I/O thread has stopped (the engine is shutting down or crashed).
-    #[error("the storage engine's I/O thread is gone")]
+    /// The engine's I/O ring has stopped (the engine is shutting down or crashed).
+    #[error("the storage engine's I/O ring has stopped")]
     EngineStopped,
     /// A queue segment held its `max_items` for the whole wait of an enqueue.
     #[error("queue '{name}' segment {segment} holds its maximum of {max_items} items")]

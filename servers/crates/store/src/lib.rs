@@ -7,8 +7,9 @@
 //! - [`engine`]: one tier of bytes behind the [`Engine`] trait. [`engine::dram::DramEngine`]
 //!   keeps blocks in a prefaulted anonymous arena and reads are zero-copy;
 //!   [`engine::nvme::NvmeEngine`] keeps them in a file or block device opened with O_DIRECT and
-//!   driven by io_uring from one I/O thread. Each owns an [`allocator::ExtentAllocator`]
-//!   (best-fit with coalescing; 64-byte granularity for DRAM, 4 KiB for NVMe).
+//!   driven by io_uring (the calling task submits, a task on its runtime reaps). Each owns an
+//!   [`allocator::ExtentAllocator`] (best-fit with coalescing; 64-byte granularity for DRAM,
+//!   4 KiB for NVMe).
 //! - [`Store`]: the index (job, then bucket, then sorted maps of block-0 records and of data
 //!   blocks keyed by `(key, version, index)`), write-once / overwrite, DELETE-on-read, PERSIST,
 //!   prefix and job deletion, usage, and the expiry of PERSIST entries after the server's

@@ -115,7 +115,12 @@ impl Shared {
 
 impl NvmeEngine {
     /// Open (creating and extending a file as needed) the path of `config` with O_DIRECT and
-    /// start its io_uring thread.
+    /// set up its io_uring ring.
+    ///
+    /// # Panics
+    ///
+    /// Outside a Tokio runtime with I/O enabled: the ring's completions are reaped by a task on
+    /// the runtime that opens the engine.
     pub fn open(config: NvmeConfig) -> Result<Self, StoreError> {
         let path = config.path.clone();
         let capacity_bytes =
@@ -575,8 +580,8 @@ mod tests {
         assert_eq!(engine.used_bytes(), 0);
     }
 
-    #[test]
-    fn tmpfs_is_refused_or_works() {
+    #[tokio::test]
+    async fn tmpfs_is_refused_or_works() {
         // /dev/shm is tmpfs; kernels before 6.6 refuse O_DIRECT there. Either outcome must be
         // clean: a typed error naming the path, or a working engine.
         let Ok(dir) = tempfile::tempdir_in("/dev/shm") else {

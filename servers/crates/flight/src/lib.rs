@@ -10,6 +10,7 @@ pub mod bounds;
 pub mod cores;
 pub mod direct;
 mod doget;
+mod doget_wire;
 mod doput;
 pub mod drain;
 mod exchange;
@@ -21,5 +22,6 @@ pub mod stats;
 pub mod status;
 pub mod tls;
 
+pub use doget_wire::FlightServer;
 pub use service::{ServiceConfig, StorageService};
 pub use status::ServiceError;

@@ -16,6 +16,7 @@ pub mod drain;
 mod exchange;
 pub mod metrics;
 pub use pocketflow_protocol::ipc;
+mod refusal;
 pub mod route;
 mod service;
 pub mod stats;

@@ -1,5 +1,6 @@
 //! DoGet of block ranges: the schema message, then each range as one-row batches of at most
-//! `BATCH_MAX_BYTES`, optionally removing each block once its last range is sent.
+//! `BATCH_MAX_BYTES`, optionally removing each block once its last range is sent. The pieces are
+//! the store's own bytes; `doget_wire` puts them on the wire without copying them.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,6 +21,33 @@ use crate::bounds::GET_PIECES_QUEUED_MAX;
 use crate::ipc::{encode_piece, schema_flight_data};
 use crate::service::ServiceState;
 use crate::status::ServiceError;
+
+/// One message of a DoGet answer, before it is put on the wire.
+#[derive(Clone, Debug)]
+pub(crate) enum Answer {
+    /// The schema message that opens the stream.
+    Schema,
+    /// One piece of a range: where it lies, and its bytes as the store holds them (no copy;
+    /// they hold their space in the store until dropped).
+    Piece {
+        /// Block, offset and length, sent as the message's app metadata.
+        meta: GetPieceMeta,
+        /// The bytes.
+        value: Bytes,
+    },
+}
+
+impl Answer {
+    /// As a `FlightData`, the piece copied into the message body (for tonic's own codec).
+    pub(crate) fn into_flight_data(self) -> FlightData {
+        match self {
+            Answer::Schema => schema_flight_data(),
+            Answer::Piece { meta, value } => {
+                encode_piece(&value, Bytes::copy_from_slice(&meta.encode()))
+            }
+        }
+    }
+}
 
 /// One piece to send: a slice of a range.
 #[derive(Clone, Copy, Debug)]
@@ -65,14 +93,14 @@ struct Transfer {
 }
 
 impl Transfer {
-    async fn read(&self, piece: Piece) -> Result<FlightData, ServiceError> {
+    async fn read(&self, piece: Piece) -> Result<Answer, ServiceError> {
         let value = self.read_raw(piece).await?;
         let meta = GetPieceMeta {
             block_index: piece.index,
             offset: piece.offset,
             len: value.len() as u64,
         };
-        Ok(encode_piece(&value, Bytes::copy_from_slice(&meta.encode())))
+        Ok(Answer::Piece { meta, value })
     }
 
     /// The bytes of one piece, as the store holds them.
@@ -98,12 +126,7 @@ impl Transfer {
     /// Queue `message` for the client. False when the client is gone, or when it took nothing
     /// for the transfer idle time: then `idle` is set, the transfer ends (its slot is given
     /// back) and the client's stream ends with `TransferIdle` after what was queued.
-    async fn send(
-        &self,
-        tx: &Sender,
-        message: Result<FlightData, Status>,
-        idle: &AtomicBool,
-    ) -> bool {
+    async fn send(&self, tx: &Sender, message: Result<Answer, Status>, idle: &AtomicBool) -> bool {
         match tokio::time::timeout(self.state.transfer_idle, tx.send(message)).await {
             Ok(sent) => sent.is_ok(),
             Err(_) => {
@@ -131,13 +154,13 @@ impl Transfer {
 
     async fn run(
         self,
-        first: FlightData,
+        first: Answer,
         mut rest: impl Iterator<Item = Piece>,
         first_piece: Piece,
         tx: Sender,
         idle: Arc<AtomicBool>,
     ) {
-        if !self.send(&tx, Ok(schema_flight_data()), &idle).await
+        if !self.send(&tx, Ok(Answer::Schema), &idle).await
             || !self.send(&tx, Ok(first), &idle).await
         {
             return;
@@ -175,7 +198,7 @@ impl Drop for Transfer {
     }
 }
 
-type Sender = mpsc::Sender<Result<FlightData, Status>>;
+type Sender = mpsc::Sender<Result<Answer, Status>>;
 
 /// Check a ticket and take a transfer slot for it; returns the transfer and its pieces.
 async fn begin(
@@ -263,17 +286,18 @@ where
 pub(crate) async fn get(
     state: Arc<ServiceState>,
     ticket_bytes: Bytes,
-) -> Result<BoxStream<'static, Result<FlightData, Status>>, ServiceError> {
+) -> Result<BoxStream<'static, Result<Answer, Status>>, ServiceError> {
     let (transfer, mut pieces) = begin(state, &ticket_bytes).await?;
     let first_piece = pieces.next().expect("a ticket has at least one range");
     let first = transfer.read(first_piece).await?;
     let mut rest = pieces.peekable();
     if rest.peek().is_none() {
         // One piece (a block of at most `BATCH_MAX_BYTES`, the common case): both messages are
-        // ready, so they are answered without a task and a channel. The piece is a copy, so
-        // the transfer ends here; with `delete`, dropping it frees the block.
+        // ready, so they are answered without a task and a channel, and the transfer ends here.
+        // With `delete`, dropping it removes the block; the piece's bytes keep their space in
+        // the store until they are sent (as on the direct path).
         drop(transfer);
-        return Ok(futures::stream::iter([Ok(schema_flight_data()), Ok(first)]).boxed());
+        return Ok(futures::stream::iter([Ok(Answer::Schema), Ok(first)]).boxed());
     }
     let (tx, rx) = mpsc::channel(GET_PIECES_QUEUED_MAX);
     let idle = Arc::new(AtomicBool::new(false));
@@ -381,6 +405,8 @@ mod tests {
             messages.last().unwrap().is_err(),
             "the range past the end fails"
         );
+        // The piece of block 1 is the store's bytes: its space is freed once it is gone.
+        drop(messages);
         wait_until_freed(&state).await;
     }
 
@@ -403,11 +429,19 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(state.transfers.available_permits(), 1);
-        let messages: Vec<_> = stream.collect().await;
+        let mut messages: Vec<_> = stream.collect().await;
         assert_eq!(messages.len(), 2, "the schema, then the piece");
-        let piece = messages[1].as_ref().unwrap();
+        assert_eq!(
+            state.store.used_bytes(),
+            before,
+            "the unsent piece holds its space"
+        );
+        let piece = messages.pop().unwrap().unwrap().into_flight_data();
         assert_eq!(&piece.data_body[8..18], &[2u8; 10]);
-        assert!(state.store.used_bytes() < before, "block 2 is freed");
+        assert!(
+            state.store.used_bytes() < before,
+            "block 2 is freed once its piece is sent"
+        );
         let again = get(state.clone(), delete_ticket(&key, "[[2,0,10]]")).await;
         assert_eq!(
             again.err().unwrap().kind(),

@@ -4,8 +4,9 @@
 //!
 //! With TLS, every connection must open with a TLS handshake, and the protocol agreed by ALPN
 //! decides instead (`h2` or `pocketflow-direct`). A plaintext connection to a TLS listener is
-//! told why it is refused, in its own protocol: a direct client gets a `permission_denied`
-//! status, an HTTP/2 client a GOAWAY with `INADEQUATE_SECURITY` and the reason as debug data.
+//! told why it is refused, in its own protocol (`crate::refusal`): a direct client gets a
+//! `permission_denied` status, an HTTP/2 client the same status as the answer to its first
+//! request, then a GOAWAY with `INADEQUATE_SECURITY`.
 
 use std::future::Future;
 use std::io;
@@ -15,8 +16,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use pocketflow_protocol::direct::{encode_head, encode_status, Kind, DIRECT_ALPN, DIRECT_MAGIC};
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use pocketflow_protocol::direct::{DIRECT_ALPN, DIRECT_MAGIC};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
@@ -25,6 +26,8 @@ use tonic::transport::server::Connected;
 
 use crate::bounds::HTTP2_CONNECTIONS_MAX;
 use crate::direct::DIRECT_OPEN_TIMEOUT;
+pub use crate::refusal::TLS_REQUIRED_MESSAGE;
+use crate::refusal::{refuse_plaintext_direct, refuse_plaintext_http2, refuse_tls};
 use crate::service::StorageService;
 
 /// An accepted connection whose first bytes can be looked at without taking them.
@@ -188,10 +191,6 @@ enum Protocol {
 /// connection); neither `PRI ` nor `DIRECT_MAGIC` starts with it.
 const TLS_HANDSHAKE_RECORD: u8 = 0x16;
 
-/// Why a plaintext connection to a TLS listener is refused.
-pub const TLS_REQUIRED_MESSAGE: &str = "this storage server accepts TLS connections only; \
-     connect with TLS, trusting the cluster CA (the job handle's tls_ca)";
-
 /// The HTTP/2 connections of `incoming`, for tonic, at most `HTTP2_CONNECTIONS_MAX` at once
 /// (further ones wait for a slot); direct-exchange connections are served by `service` on tasks
 /// of their own.
@@ -240,8 +239,12 @@ pub fn route<C: Peekable + Connected>(
                             };
                             (protocol, Link::Tls(Box::new(stream)))
                         }
-                        (Some(_), plain) => {
-                            refuse_plaintext(connection, plain).await;
+                        (Some(_), Protocol::Direct) => {
+                            refuse_plaintext_direct(connection).await;
+                            return None;
+                        }
+                        (Some(_), Protocol::Http2) => {
+                            refuse_plaintext_http2(connection).await;
                             return None;
                         }
                     })
@@ -267,69 +270,6 @@ pub fn route<C: Peekable + Connected>(
     });
     ReceiverStream::new(rx)
 }
-
-/// Largest ClientHello read from a TLS client of a plaintext listener before closing.
-const CLIENT_HELLO_MAX_BYTES: usize = 16 * 1024;
-
-/// End a TLS client's handshake on a plaintext listener with a clean close (its ClientHello
-/// read first, so the close is a FIN and not a reset): the client sees the connection end
-/// during its handshake, which it reports as a server that does not speak TLS.
-async fn refuse_tls<C: Peekable>(mut connection: C) {
-    use tokio::io::AsyncReadExt;
-    let mut hello = vec![0u8; CLIENT_HELLO_MAX_BYTES];
-    let _ = connection.read(&mut hello).await;
-    let _ = connection.shutdown().await;
-}
-
-/// Tell a plaintext client of a TLS listener why it is refused, in its own protocol, and close.
-async fn refuse_plaintext<C: Peekable>(mut connection: C, protocol: Protocol) {
-    let mut out = Vec::new();
-    match protocol {
-        Protocol::Direct => {
-            let status = encode_status(
-                tonic::Code::PermissionDenied as u8,
-                &format!("permission_denied: {TLS_REQUIRED_MESSAGE}"),
-            );
-            out.extend_from_slice(&encode_head(Kind::Status, status.len()));
-            out.extend_from_slice(&status);
-        }
-        _ => {
-            // The server preface (an empty SETTINGS frame), then GOAWAY: last stream 0,
-            // INADEQUATE_SECURITY (0xc), the reason as debug data.
-            out.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
-            let debug = TLS_REQUIRED_MESSAGE.as_bytes();
-            let len = 8 + debug.len();
-            out.extend_from_slice(&[(len >> 16) as u8, (len >> 8) as u8, len as u8, 0x7, 0]);
-            out.extend_from_slice(&[0, 0, 0, 0]);
-            out.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0xc]);
-            out.extend_from_slice(debug);
-        }
-    }
-    if connection.write_all(&out).await.is_err() {
-        return;
-    }
-    // Let the client read the refusal before the connection ends: an HTTP/2 client that sees
-    // the close first reports a cancelled call instead of the GOAWAY. Read (and drop) what it
-    // sends until it closes, at most REFUSAL_LINGER and REFUSAL_DRAIN_MAX_BYTES.
-    let _ = tokio::time::timeout(REFUSAL_LINGER, async {
-        use tokio::io::AsyncReadExt;
-        let mut sink = [0u8; 4096];
-        let mut drained = 0;
-        while drained < REFUSAL_DRAIN_MAX_BYTES {
-            match connection.read(&mut sink).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => drained += n,
-            }
-        }
-    })
-    .await;
-    let _ = connection.shutdown().await;
-}
-
-/// How long a refused plaintext connection stays open for its client to read why.
-const REFUSAL_LINGER: Duration = Duration::from_secs(2);
-/// Most bytes read (and dropped) from a refused plaintext connection while it lingers.
-const REFUSAL_DRAIN_MAX_BYTES: usize = 64 * 1024;
 
 /// Which protocol the connection speaks, from its first bytes (`None`: it closed or failed).
 async fn protocol_of<C: Peekable>(connection: &C) -> Option<Protocol> {

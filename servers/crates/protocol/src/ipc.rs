@@ -136,47 +136,84 @@ fn pad8(len: usize) -> usize {
     len.div_ceil(8) * 8
 }
 
-/// A one-row binary record batch holding `value`, with `app_metadata`. The value is copied once,
-/// into the message body.
-pub fn encode_piece(value: &[u8], app_metadata: Bytes) -> FlightData {
-    let offsets_len = 8usize;
-    let body_len = offsets_len + pad8(value.len());
-    let mut body = BytesMut::with_capacity(body_len);
-    body.put_i32_le(0);
-    body.put_i32_le(i32::try_from(value.len()).expect("a piece is at most BATCH_MAX_BYTES"));
-    body.put_slice(value);
-    body.put_bytes(0, body_len - body.len());
+/// Bytes of a piece's body before its value: the offsets buffer `[0, value length]`.
+pub const PIECE_BODY_PREFIX_BYTES: usize = 8;
 
-    let mut fbb = flatbuffers::FlatBufferBuilder::with_capacity(256);
-    let nodes = fbb.create_vector(&[arrow_ipc::FieldNode::new(1, 0)]);
-    let buffers = fbb.create_vector(&[
-        arrow_ipc::Buffer::new(0, 0),
-        arrow_ipc::Buffer::new(0, offsets_len as i64),
-        arrow_ipc::Buffer::new(offsets_len as i64, value.len() as i64),
-    ]);
-    let batch = arrow_ipc::RecordBatch::create(
-        &mut fbb,
-        &arrow_ipc::RecordBatchArgs {
-            length: 1,
-            nodes: Some(nodes),
-            buffers: Some(buffers),
-            ..Default::default()
-        },
-    );
-    let message = arrow_ipc::Message::create(
-        &mut fbb,
-        &arrow_ipc::MessageArgs {
-            version: MetadataVersion::V5,
-            header_type: MessageHeader::RecordBatch,
-            header: Some(batch.as_union_value()),
-            bodyLength: body_len as i64,
-            custom_metadata: None,
-        },
-    );
-    fbb.finish(message, None);
+/// A one-row binary record batch of a `value_len`-byte value, apart from the value itself.
+///
+/// The message body is `body_prefix`, then the value, then `padding_bytes` zeros (Arrow IPC pads
+/// each buffer to 8 bytes). A sender that lays these end to end on the wire hands its transport
+/// the value's own bytes instead of copying them into a new body; [`encode_piece`] is the
+/// copying form.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PieceFrame {
+    /// The IPC message header (a flatbuffer `Message` of a `RecordBatch`).
+    pub data_header: Bytes,
+    /// The body's first bytes: the offsets buffer.
+    pub body_prefix: [u8; PIECE_BODY_PREFIX_BYTES],
+    /// Zero bytes after the value that end the body on an 8-byte boundary (0..=7).
+    pub padding_bytes: usize,
+}
+
+impl PieceFrame {
+    /// The frame of a value of `value_len` bytes (at most `BATCH_MAX_BYTES`).
+    pub fn new(value_len: usize) -> Self {
+        let value_len_i32 = i32::try_from(value_len).expect("a piece is at most BATCH_MAX_BYTES");
+        let mut body_prefix = [0u8; PIECE_BODY_PREFIX_BYTES];
+        body_prefix[4..].copy_from_slice(&value_len_i32.to_le_bytes());
+        let body_len = PIECE_BODY_PREFIX_BYTES + pad8(value_len);
+
+        let mut fbb = flatbuffers::FlatBufferBuilder::with_capacity(256);
+        let nodes = fbb.create_vector(&[arrow_ipc::FieldNode::new(1, 0)]);
+        let buffers = fbb.create_vector(&[
+            arrow_ipc::Buffer::new(0, 0),
+            arrow_ipc::Buffer::new(0, PIECE_BODY_PREFIX_BYTES as i64),
+            arrow_ipc::Buffer::new(PIECE_BODY_PREFIX_BYTES as i64, value_len as i64),
+        ]);
+        let batch = arrow_ipc::RecordBatch::create(
+            &mut fbb,
+            &arrow_ipc::RecordBatchArgs {
+                length: 1,
+                nodes: Some(nodes),
+                buffers: Some(buffers),
+                ..Default::default()
+            },
+        );
+        let message = arrow_ipc::Message::create(
+            &mut fbb,
+            &arrow_ipc::MessageArgs {
+                version: MetadataVersion::V5,
+                header_type: MessageHeader::RecordBatch,
+                header: Some(batch.as_union_value()),
+                bodyLength: body_len as i64,
+                custom_metadata: None,
+            },
+        );
+        fbb.finish(message, None);
+        Self {
+            data_header: Bytes::copy_from_slice(fbb.finished_data()),
+            body_prefix,
+            padding_bytes: body_len - PIECE_BODY_PREFIX_BYTES - value_len,
+        }
+    }
+
+    /// Length of the whole body: prefix, value and padding.
+    pub fn body_len(&self, value_len: usize) -> usize {
+        PIECE_BODY_PREFIX_BYTES + value_len + self.padding_bytes
+    }
+}
+
+/// A one-row binary record batch holding `value`, with `app_metadata`. The value is copied once,
+/// into the message body (see [`PieceFrame`] for sending it without the copy).
+pub fn encode_piece(value: &[u8], app_metadata: Bytes) -> FlightData {
+    let frame = PieceFrame::new(value.len());
+    let mut body = BytesMut::with_capacity(frame.body_len(value.len()));
+    body.put_slice(&frame.body_prefix);
+    body.put_slice(value);
+    body.put_bytes(0, frame.padding_bytes);
     FlightData {
         flight_descriptor: None,
-        data_header: Bytes::copy_from_slice(fbb.finished_data()),
+        data_header: frame.data_header,
         app_metadata,
         data_body: body.freeze(),
     }
@@ -208,6 +245,23 @@ mod tests {
             decode_piece(&data.data_header, &data.data_body).unwrap(),
             Bytes::from(value)
         );
+    }
+
+    #[test]
+    fn piece_frames_pad_the_body_to_eight_bytes() {
+        for len in [0usize, 1, 7, 8, 9, 4096, 4099] {
+            let frame = PieceFrame::new(len);
+            assert_eq!(frame.body_len(len) % 8, 0, "value of {len} bytes");
+            assert!(frame.padding_bytes < 8);
+            let value = vec![0xabu8; len];
+            let data = encode_piece(&value, Bytes::new());
+            assert_eq!(data.data_header, frame.data_header);
+            assert_eq!(data.data_body.len(), frame.body_len(len));
+            assert_eq!(
+                &data.data_body[..PIECE_BODY_PREFIX_BYTES],
+                &frame.body_prefix
+            );
+        }
     }
 
     #[test]

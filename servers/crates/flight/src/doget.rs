@@ -94,7 +94,14 @@ struct Transfer {
 
 impl Transfer {
     async fn read(&self, piece: Piece) -> Result<Answer, ServiceError> {
-        let value = self.read_raw(piece).await?;
+        let mut value = self.read_raw(piece).await?;
+        if self.state.store.tier() == pocketflow_store::Tier::Nvme {
+            // An NVMe piece is a share of the staging memory that every NVMe read and write of
+            // the server draws on; queued for a slow client it would hold that share until the
+            // client reads it. One copy releases it at once (the direct path sends each piece
+            // before it reads the next, so it needs none).
+            value = Bytes::copy_from_slice(&value);
+        }
         let meta = GetPieceMeta {
             block_index: piece.index,
             offset: piece.offset,

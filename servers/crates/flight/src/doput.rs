@@ -256,6 +256,40 @@ where
     }
 }
 
+/// Read exactly `len` bytes onto the end of `buf` (its spare capacity), within the idle bound.
+async fn fill_within<R>(
+    reader: &mut R,
+    buf: &mut BytesMut,
+    len: usize,
+    idle: std::time::Duration,
+) -> Result<(), Option<ServiceError>>
+where
+    R: tokio::io::AsyncRead + Unpin,
+{
+    use bytes::BufMut;
+    use tokio::io::AsyncReadExt;
+
+    let target = buf.len() + len;
+    let fill = async {
+        while buf.len() < target {
+            let wanted = target - buf.len();
+            let mut rest = (&mut *buf).limit(wanted);
+            if reader.read_buf(&mut rest).await? == 0 {
+                return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+            }
+        }
+        Ok::<(), std::io::Error>(())
+    };
+    match tokio::time::timeout(idle, fill).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(_)) => Err(None),
+        Err(_) => Err(Some(ServiceError::TransferIdle {
+            transfer: "direct PUT",
+            idle_ms: idle.as_millis() as u64,
+        })),
+    }
+}
+
 /// Receive an upload over a direct connection (`pocketflow_protocol::direct`): PIECE messages
 /// `[block index u32][block length u64][bytes]` until END; returns the result JSON. Same checks,
 /// slot, idle bound and cleanup as DoPut. `Err(None)`: the connection broke.
@@ -287,8 +321,10 @@ where
                 ))
             }
         }
-        let mut payload = BytesMut::zeroed(len);
-        read_within(reader, &mut payload, idle).await?;
+        // Read into uninitialised capacity: zeroing a block-sized buffer first would cost a
+        // pass over every byte of the upload.
+        let mut payload = BytesMut::with_capacity(len);
+        fill_within(reader, &mut payload, len, idle).await?;
         let piece = payload.split_off(PIECE_META_BYTES).freeze();
         let meta = PutPieceMeta {
             block_index: u32::from_le_bytes(payload[..4].try_into().expect("4 bytes")),

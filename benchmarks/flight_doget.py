@@ -28,7 +28,6 @@ import pyarrow.flight as flight
 from pocketflow.auth import make_token, write_secret_file
 from pocketflow.client import connect
 from pocketflow.handle import JobHandle, ServerInfo
-from pocketflow.placement import Placement
 from pocketflow.protocol import OP_LOOKUP, exchange_descriptor, get_ticket
 from pocketflow.server_process import ServerSpec, StorageServerProcess
 from pocketflow.transport import AdminClient, ServerConnection
@@ -136,7 +135,7 @@ def main() -> None:
             first = next(iter(rates.values()))
             for name, values in rates.items():
                 # Each round's rate over the first binary's in the same round, then the median.
-                ratio = statistics.median(v / f for v, f in zip(values, first))
+                ratio = statistics.median(v / f for v, f in zip(values, first, strict=True))
                 print(json.dumps({"binary": name, "size_mib": size_mib, "rounds": len(values),
                                   "median_mb_s": round(statistics.median(values), 1),
                                   "median_ratio_to_first": round(ratio, 3),

@@ -563,20 +563,7 @@ impl Objects {
                 return Err(Failure::local(error));
             }
         };
-        match record.header {
-            Some(header) if header.block_count > 0 => {
-                self.read_blocks(
-                    bucket,
-                    key,
-                    &header,
-                    0,
-                    header.size,
-                    delete,
-                    &mut buffer[..size],
-                )?;
-            }
-            _ => buffer[..size].copy_from_slice(&record.body),
-        }
+        self.fill(bucket, key, &record, 0, delete, &mut buffer[..size])?;
         Ok(size)
     }
 
@@ -595,22 +582,8 @@ impl Objects {
         let end = size.min(offset.saturating_add(length));
         let count = end.saturating_sub(offset) as usize;
         let buffer = dest.buffer(count).map_err(Failure::local)?;
-        if count == 0 {
-            return Ok(0);
-        }
-        match record.header {
-            Some(header) if header.block_count > 0 => {
-                self.read_blocks(
-                    bucket,
-                    key,
-                    &header,
-                    offset,
-                    end,
-                    false,
-                    &mut buffer[..count],
-                )?;
-            }
-            _ => buffer[..count].copy_from_slice(&record.body[offset as usize..end as usize]),
+        if count > 0 {
+            self.fill(bucket, key, &record, offset, false, &mut buffer[..count])?;
         }
         Ok(count)
     }
@@ -773,6 +746,29 @@ impl Objects {
     }
 
     // -- data blocks ---------------------------------------------------------------------------
+
+    /// Fill `dest` with the object's bytes from `start` on: from the record of a small object,
+    /// else from the data blocks its manifest names.
+    fn fill(
+        &self,
+        bucket: &str,
+        key: &str,
+        record: &Record,
+        start: u64,
+        delete: bool,
+        dest: &mut [u8],
+    ) -> Result<(), Failure> {
+        let end = start + dest.len() as u64;
+        match record.header {
+            Some(header) if header.block_count > 0 => {
+                self.read_blocks(bucket, key, &header, start, end, delete, dest)
+            }
+            _ => {
+                dest.copy_from_slice(&record.body[start as usize..end as usize]);
+                Ok(())
+            }
+        }
+    }
 
     /// Read object bytes `[start, end)` of a large object from its data blocks into `dest`
     /// (`end - start` bytes). Each server's blocks go as tickets of at least

@@ -112,7 +112,10 @@ class Objects:
     def get_range(self, bucket: str, key: str, offset: int, length: int) -> bytes: ...
     def lookup_homes(self, bucket: str, keys: list[str]) -> list[BaseException | None]:
         """LOOKUP each key at its home: ``None`` where it is, else the server's answer."""
-    def get_many(self, bucket: str, keys: list[str], *, delete: bool = False) -> list[bytes]: ...
+    def get_many(
+        self, bucket: str, keys: list[str], *, delete: bool = False, each: bool = False
+    ) -> list[bytes | BaseException]:
+        """With ``each``, a failed key's exception stands in its place instead of being raised."""
     def lookup(
         self, bucket: str, key: str, *, lost_unavailable: bool = True
     ) -> tuple[int, bool]:

@@ -588,6 +588,21 @@ class Client:
             check_key(key)
         return self._core.get_many(bucket, key_list, delete=delete)
 
+    def get_each(
+        self, bucket: str, keys: Iterable[str], *, delete: bool = False
+    ) -> list[bytes | PocketflowError]:
+        """Like :meth:`get_many`, but each key's own outcome: its bytes, or the error that key
+        met (:class:`ObjectNotFound`, :class:`DataUnavailable`, ...), which is returned in its
+        place instead of raised. For readers that handle a lost input themselves, such as a
+        shuffle's reducer reading its partitions with ``delete``: every object found is read
+        (and with ``delete`` consumed), and none of it is dropped because another key failed.
+        """
+        check_bucket(bucket)
+        key_list = list(keys)
+        for key in key_list:
+            check_key(key)
+        return self._core.get_many(bucket, key_list, delete=delete, each=True)
+
     # -- waiting -----------------------------------------------------------------------------
 
     def wait_for(self, bucket: str, keys: Iterable[str], *, timeout_s: float) -> list[str]:

@@ -192,6 +192,21 @@ def test_get_many_reads_every_object_before_raising(client: Client) -> None:
     assert not any(client.exists("b", key) for key in keys)
 
 
+def test_get_each_gives_every_key_its_own_outcome(client: Client) -> None:
+    """get_each raises nothing for a key's failure: a missing key's ObjectNotFound stands in its
+    place, and every object found (small or striped) is returned and, with delete, consumed."""
+    client.create_bucket("b")
+    items = [(f"e-{i}", payload(PART_BYTES if i % 2 else 100, i)) for i in range(6)]
+    client.put_many("b", items)
+    keys = [key for key, _ in items]
+    results = client.get_each("b", [keys[0], "absent", *keys[1:]], delete=True)
+    assert isinstance(results[1], ObjectNotFound)
+    assert [r for i, r in enumerate(results) if i != 1] == [value for _, value in items]
+    assert not any(client.exists("b", key) for key in keys)
+    again = client.get_each("b", keys)
+    assert all(isinstance(r, ObjectNotFound) for r in again)
+
+
 # -- threads -------------------------------------------------------------------------------------
 
 

@@ -69,7 +69,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -128,8 +127,6 @@ MAP_REFRESH_BACKOFF_S = (0.05, 1.0)
 WRITE_ATTEMPTS_MAX = 3
 """Most times a mapper (or a reducer putting inputs back) writes again after an unreachable
 server."""
-READ_THREADS_MAX = 8
-"""Most inputs one reducer reads at once."""
 WORKER_CLIENTS_MAX = 4
 """Most pocketflow clients one worker process keeps open between tasks."""
 
@@ -708,103 +705,100 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
     homes = _home_nodes(JobHandle.from_json(spec.handle_json), keys)
     markers_checked = not spec.delete_inputs
     waited_epoch: int | None = None
-    with ThreadPoolExecutor(min(READ_THREADS_MAX, spec.mappers)) as pool:
-        pending = dict(keys)
-        while pending:
-            started = time.perf_counter()
-            placed_by = pf.handle
-            # Look without waiting first, and again whenever the client's map changed since
-            # the last look (a read or a listing learnt a new one): inputs are only waited for
-            # once none of them is known to be lost or consumed.
-            probing = placed_by.epoch != waited_epoch
-            waited_epoch = placed_by.epoch
-            try:
-                missing = set(pf.wait_for(
-                    spec.bucket, list(pending.values()),
-                    timeout_s=0.0 if probing else max(0.0, deadline - time.monotonic()),
-                ))
-            except DataUnavailable as exc:
-                # Inputs placed on the unreachable server are gone (or will be written under
-                # the next map): they are regenerated; the others are still awaited.
-                unreachable.add(exc.server or "")
-                gone = {m for m, address in _servers_of(placed_by, pending).items()
-                        if address in unreachable}
-                if not gone:
-                    raise
-                lost |= gone
-                for m in gone:
-                    del pending[m]
-                wait_s += time.perf_counter() - started
-                if probing:
-                    waited_epoch = None  # look again before waiting
-                continue
-            wait_s += time.perf_counter() - started
-            # The client may have learnt the map without a lost server before it asked that
-            # server for anything (another task of this worker, a read): then nothing raised,
-            # and the inputs it held would be awaited on live servers until the bound.
-            lost_nodes = {s.node_id for s in pf.handle.lost}
-            gone = {m for m, k in pending.items() if k in missing and homes[m] in lost_nodes}
+    pending = dict(keys)
+    while pending:
+        started = time.perf_counter()
+        placed_by = pf.handle
+        # Look without waiting first, and again whenever the client's map changed since
+        # the last look (a read or a listing learnt a new one): inputs are only waited for
+        # once none of them is known to be lost or consumed.
+        probing = placed_by.epoch != waited_epoch
+        waited_epoch = placed_by.epoch
+        try:
+            missing = set(pf.wait_for(
+                spec.bucket, list(pending.values()),
+                timeout_s=0.0 if probing else max(0.0, deadline - time.monotonic()),
+            ))
+        except DataUnavailable as exc:
+            # Inputs placed on the unreachable server are gone (or will be written under
+            # the next map): they are regenerated; the others are still awaited.
+            unreachable.add(exc.server or "")
+            gone = {m for m, address in _servers_of(placed_by, pending).items()
+                    if address in unreachable}
+            if not gone:
+                raise
             lost |= gone
             for m in gone:
                 del pending[m]
-            if not markers_checked and any(k in missing for k in pending.values()):
-                # Inputs are missing: not written yet, or consumed by an earlier attempt of
-                # this reducer that never committed, in which case it marked them first.
-                markers_checked = True
-                earlier = _marked_by_earlier_attempts(pf, spec, call.reducer)
-                consumed = {m for m, k in pending.items() if m in earlier and k in missing}
-                if consumed:
-                    # Nothing read yet: report them for regeneration and read nothing.
-                    lost |= consumed
-                    break
+            wait_s += time.perf_counter() - started
+            if probing:
+                waited_epoch = None  # look again before waiting
+            continue
+        wait_s += time.perf_counter() - started
+        # The client may have learnt the map without a lost server before it asked that
+        # server for anything (another task of this worker, a read): then nothing raised,
+        # and the inputs it held would be awaited on live servers until the bound.
+        lost_nodes = {s.node_id for s in pf.handle.lost}
+        gone = {m for m, k in pending.items() if k in missing and homes[m] in lost_nodes}
+        lost |= gone
+        for m in gone:
+            del pending[m]
+        if not markers_checked and any(k in missing for k in pending.values()):
+            # Inputs are missing: not written yet, or consumed by an earlier attempt of
+            # this reducer that never committed, in which case it marked them first.
+            markers_checked = True
+            earlier = _marked_by_earlier_attempts(pf, spec, call.reducer)
+            consumed = {m for m, k in pending.items() if m in earlier and k in missing}
+            if consumed:
+                # Nothing read yet: report them for regeneration and read nothing.
+                lost |= consumed
+                break
+            continue
+        ready = {m: k for m, k in pending.items() if k not in missing}
+        if not ready:
+            if probing or not pending:
                 continue
-            ready = {m: k for m, k in pending.items() if k not in missing}
-            if not ready:
-                if probing or not pending:
-                    continue
-                raise ShuffleFailed(
-                    f"reducer {call.reducer}: inputs of mappers "
-                    f"{sorted(pending)[:8]} did not arrive within {spec.input_wait_s:.0f} s "
-                    f"(never written, and no earlier attempt of this reducer marked them)"
-                )
-            started = time.perf_counter()
-            if spec.delete_inputs:
-                # The marker is written before the reads that consume, so that a retry of this
-                # reducer knows what may be gone.
-                consuming |= ready.keys()
-                _write_marker(pf, spec, marker, _encode_mappers(consuming, spec.mappers))
-            results = list(pool.map(
-                lambda k: _read_once(pf, spec.bucket, k, delete=spec.delete_inputs),
-                ready.values(),
-            ))
-            io_s += time.perf_counter() - started
-            for (m, _), result in zip(ready.items(), results, strict=True):
-                del pending[m]
-                if isinstance(result, bytes):
-                    inputs[m] = result
-                else:
-                    lost.add(m)
-                    if isinstance(result, DataUnavailable):
-                        unreachable.add(result.server or "")
-                    # ObjectNotFound on a live server: another reader (a concurrent attempt of
-                    # this reducer) consumed it; regenerated by lineage like a lost one.
-        if lost:
-            started = time.perf_counter()
-            _put_back(pf, spec, call.reducer, inputs, unreachable)
-            io_s += time.perf_counter() - started
-            return _ReduceOutcome(call.reducer, lost_mappers=tuple(sorted(lost)),
-                                  unreachable=tuple(sorted(unreachable - {""})),
-                                  wait_s=wait_s, io_s=io_s)
-        bytes_read = sum(len(v) for v in inputs.values())
-        value = call.reduce_function(call.reducer, [inputs[m] for m in range(spec.mappers)])
-        inputs.clear()
-        if spec.persist_output:
-            started = time.perf_counter()
-            key = output_key(call.reducer)
-            data = memoryview(value).cast("B")
-            pf.put(spec.output_bucket, key, data, persist=True, overwrite=True)
-            io_s += time.perf_counter() - started
-            value = OutputInfo(spec.output_bucket, key, len(data))
+            raise ShuffleFailed(
+                f"reducer {call.reducer}: inputs of mappers "
+                f"{sorted(pending)[:8]} did not arrive within {spec.input_wait_s:.0f} s "
+                f"(never written, and no earlier attempt of this reducer marked them)"
+            )
+        started = time.perf_counter()
+        if spec.delete_inputs:
+            # The marker is written before the reads that consume, so that a retry of this
+            # reducer knows what may be gone.
+            consuming |= ready.keys()
+            _write_marker(pf, spec, marker, _encode_mappers(consuming, spec.mappers))
+        results = _read_all(pf, spec.bucket, list(ready.values()),
+                            delete=spec.delete_inputs)
+        io_s += time.perf_counter() - started
+        for (m, _), result in zip(ready.items(), results, strict=True):
+            del pending[m]
+            if isinstance(result, bytes):
+                inputs[m] = result
+            else:
+                lost.add(m)
+                if isinstance(result, DataUnavailable):
+                    unreachable.add(result.server or "")
+                # ObjectNotFound on a live server: another reader (a concurrent attempt of
+                # this reducer) consumed it; regenerated by lineage like a lost one.
+    if lost:
+        started = time.perf_counter()
+        _put_back(pf, spec, call.reducer, inputs, unreachable)
+        io_s += time.perf_counter() - started
+        return _ReduceOutcome(call.reducer, lost_mappers=tuple(sorted(lost)),
+                              unreachable=tuple(sorted(unreachable - {""})),
+                              wait_s=wait_s, io_s=io_s)
+    bytes_read = sum(len(v) for v in inputs.values())
+    value = call.reduce_function(call.reducer, [inputs[m] for m in range(spec.mappers)])
+    inputs.clear()
+    if spec.persist_output:
+        started = time.perf_counter()
+        key = output_key(call.reducer)
+        data = memoryview(value).cast("B")
+        pf.put(spec.output_bucket, key, data, persist=True, overwrite=True)
+        io_s += time.perf_counter() - started
+        value = OutputInfo(spec.output_bucket, key, len(data))
     return _ReduceOutcome(call.reducer, value=value, bytes_read=bytes_read, wait_s=wait_s,
                           io_s=io_s)
 
@@ -848,13 +842,20 @@ def _write_marker(pf: Client, spec: _Spec, key: str, data: bytes) -> None:
             refresh_map(pf, {exc.server} if exc.server else set(), bucket=spec.bucket)
 
 
-def _read_once(pf: Client, bucket: str, key: str, *, delete: bool) -> bytes | PocketflowError:
-    """Read (and delete) one input; a lost one (server unreachable, or consumed by another
-    reader) comes back as the error instead of being raised."""
-    try:
-        return pf.get(bucket, key, delete=delete)
-    except (DataUnavailable, ObjectNotFound) as exc:
-        return exc
+def _read_all(
+    pf: Client, bucket: str, keys: list[str], *, delete: bool
+) -> list[bytes | PocketflowError]:
+    """Read (and delete) inputs in one call of the native core (block 0 pipelined per server,
+    the data blocks of several objects at once); a lost one (server unreachable, or consumed by
+    another reader) comes back as the error instead of being raised, and so does not cost the
+    inputs already consumed."""
+    results = pf.get_each(bucket, keys, delete=delete)
+    for result in results:
+        if isinstance(result, PocketflowError) and not isinstance(
+            result, (DataUnavailable, ObjectNotFound)
+        ):
+            raise result
+    return results
 
 
 def _put_back(pf: Client, spec: _Spec, reducer: int, inputs: dict[int, bytes],

@@ -895,14 +895,16 @@ impl PyObjects {
 
     /// The bytes of many objects, in the order of `keys`: block 0 of all of them pipelined per
     /// server, then the data blocks of the large ones, a few objects at once. Every object is
-    /// read before an error is raised: the first failure in key order.
-    #[pyo3(signature = (bucket, keys, *, delete=false))]
+    /// read before an error is raised: the first failure in key order. With `each`, nothing is
+    /// raised: a key that failed has its exception in the list instead of its bytes.
+    #[pyo3(signature = (bucket, keys, *, delete=false, each=false))]
     fn get_many<'py>(
         &self,
         py: Python<'py>,
         bucket: &str,
         keys: Vec<String>,
         delete: bool,
+        each: bool,
     ) -> PyResult<Bound<'py, PyList>> {
         let objects = &self.objects;
         let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
@@ -930,11 +932,16 @@ impl PyObjects {
                     _ => out.append(PyBytes::new(py, &record.body))?,
                 },
                 Err(failure) => {
-                    first_error.get_or_insert(failure);
-                    out.append(PyBytes::new(py, b""))?;
+                    if each {
+                        out.append(failure_to_py(py, &failure).into_value(py))?;
+                    } else {
+                        first_error.get_or_insert(failure);
+                        out.append(PyBytes::new(py, b""))?;
+                    }
                 }
             }
         }
+        let large_at: Vec<usize> = large.iter().map(|(index, _, _)| *index).collect();
         if !large.is_empty() {
             let key_refs = &key_refs;
             let outcomes = py.detach(move || {
@@ -948,9 +955,13 @@ impl PyObjects {
                         .collect();
                 objects.read_objects(bucket, &mut reads, delete)
             });
-            for outcome in outcomes {
+            for (index, outcome) in large_at.into_iter().zip(outcomes) {
                 if let Err(failure) = outcome {
-                    first_error.get_or_insert(failure);
+                    if each {
+                        out.set_item(index, failure_to_py(py, &failure).into_value(py))?;
+                    } else {
+                        first_error.get_or_insert(failure);
+                    }
                 }
             }
         }

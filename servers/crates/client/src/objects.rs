@@ -231,8 +231,22 @@ impl Objects {
     /// decided it supersedes the current one).
     pub fn set_handle(&self, handle_json: &str) -> Result<(), ClientError> {
         let view = View::from_handle_json(handle_json)?;
-        self.replace_view(|_| Some(Arc::new(view)));
-        Ok(())
+        let mut outcome = Ok(());
+        self.replace_view(|current| {
+            if view.epoch >= current.epoch {
+                return Some(Arc::new(view));
+            }
+            // A map older than the one in use (adopted meanwhile from a server's answer) never
+            // moves the client back: keep the map, take the rest of the handle (a new token).
+            match view.with_weight_map(&current.weight_map()) {
+                Ok(kept) => Some(Arc::new(kept)),
+                Err(error) => {
+                    outcome = Err(error);
+                    None
+                }
+            }
+        });
+        outcome
     }
 
     /// Adopt the weight map a `stale_epoch` error carries if it is newer than the current one;

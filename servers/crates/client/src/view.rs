@@ -225,6 +225,17 @@ impl View {
         View::from_handle(handle)
     }
 
+    /// This view's weight map (`{"epoch", "servers", "lost"?}`), as a handle carries it.
+    pub fn weight_map(&self) -> Map<String, Value> {
+        let mut map = Map::new();
+        for field in ["epoch", "servers", "lost"] {
+            if let Some(value) = self.handle.get(field) {
+                map.insert(field.to_string(), value.clone());
+            }
+        }
+        map
+    }
+
     /// The handle of this view as JSON (`JobHandle.from_json` reads it).
     pub fn handle_json(&self) -> String {
         serde_json::to_string(&self.handle).expect("a JSON map serializes")
@@ -309,6 +320,17 @@ mod tests {
         let back: Value = serde_json::from_str(&newer.handle_json()).unwrap();
         assert_eq!(back["epoch"], 3);
         assert_eq!(back["name"], "n");
+    }
+
+    #[test]
+    fn a_view_gives_back_its_weight_map() {
+        let view = View::from_handle_json(HANDLE).unwrap();
+        let map = view.weight_map();
+        assert_eq!(map["epoch"], 1);
+        assert_eq!(map["servers"].as_array().unwrap().len(), 2);
+        assert!(!map.contains_key("token"));
+        let again = view.with_weight_map(&map).unwrap();
+        assert_eq!(again.servers, view.servers);
     }
 
     #[test]

@@ -287,4 +287,14 @@ fn a_stale_map_is_adopted_and_earlier_data_still_found() {
     }
     assert_eq!(get(&objects, "big-before", false).unwrap(), large);
     assert_eq!(get(&objects, "after", false).unwrap(), b"new");
+
+    // A renewed handle that still holds the older map (a new token) keeps the newer map.
+    let renewed = cluster.handle(job, 2);
+    let token: serde_json::Value = serde_json::from_str(&renewed).unwrap();
+    objects.set_handle(&renewed).unwrap();
+    let view = objects.view();
+    assert_eq!(view.epoch, 2);
+    assert_eq!(view.servers.len(), 3);
+    assert_eq!(view.ctx.token, token["token"].as_str().unwrap());
+    assert_eq!(get(&objects, "after", false).unwrap(), b"new");
 }

@@ -6,12 +6,11 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 
-use bytes::Bytes;
 use pocketflow_protocol::action::{ActionName, EnumerateRequest, EnumerateResult, KeyEntry};
 use tonic::Code;
 
 use crate::error::ClientError;
-use crate::objects::{run_parallel, server_error, Failure, Objects, STALE_EPOCH_RETRIES_MAX};
+use crate::objects::{body, run_parallel, server_error, Failure, Objects, STALE_EPOCH_RETRIES_MAX};
 
 /// One server's part of a listing: the keys it sent that are not merged yet, and whether it has
 /// more after them.
@@ -55,10 +54,7 @@ impl Objects {
                 start_after: start_after.map(str::to_string),
                 limit,
             };
-            let body = Bytes::from(serde_json::to_vec(&request).expect("a request serializes"));
-            let outcome = self
-                .connection(address)
-                .and_then(|c| crate::block_on(c.action(ActionName::Enumerate.as_str(), body)));
+            let outcome = self.action(address, ActionName::Enumerate, body(&request));
             match outcome {
                 Ok(answer) => {
                     return serde_json::from_slice(&answer).map(Some).map_err(|e| {

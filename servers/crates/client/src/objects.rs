@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use bytes::Bytes;
+use pocketflow_protocol::action::ActionName;
 use pocketflow_protocol::frame::{OpCode, OP_FLAG_PERSIST};
 use pocketflow_protocol::header::ObjectHeader;
 use pocketflow_protocol::limits::TICKET_RANGES_MAX;
@@ -157,6 +158,11 @@ pub(crate) fn failure_reply(error: &ClientError) -> ExchangeReply {
         header: None,
         body: Bytes::from(error.to_string()),
     }
+}
+
+/// A JSON request body (a ticket, an action's body).
+pub(crate) fn body<T: serde::Serialize>(request: &T) -> Bytes {
+    Bytes::from(serde_json::to_vec(request).expect("a request serializes"))
 }
 
 /// The destination memory of a read shared by the threads that fill it, each its own ranges.
@@ -348,14 +354,35 @@ impl Objects {
         server: &str,
         request: ExchangeRequest,
     ) -> Result<ExchangeReply, ClientError> {
-        let connection = self.connection(server)?;
-        let mut replies = connection.exchange_blocking(
+        let mut replies = self.exchange(view, server, std::slice::from_ref(&request))?;
+        Ok(replies.pop().expect("one reply per request"))
+    }
+
+    /// Run `requests` pipelined over one session of the server at `address`, with `view`'s
+    /// context.
+    pub(crate) fn exchange(
+        &self,
+        view: &View,
+        address: &str,
+        requests: &[ExchangeRequest],
+    ) -> Result<Vec<ExchangeReply>, ClientError> {
+        self.connection(address)?.exchange_blocking(
             &view.exchange_command,
             view.epoch,
-            std::slice::from_ref(&request),
-            1,
-        )?;
-        Ok(replies.pop().expect("one reply per request"))
+            requests,
+            self.exchange_window,
+        )
+    }
+
+    /// Run one action on the server at `address`.
+    pub(crate) fn action(
+        &self,
+        address: &str,
+        name: ActionName,
+        body: Bytes,
+    ) -> Result<Bytes, ClientError> {
+        let connection = self.connection(address)?;
+        crate::block_on(connection.action(name.as_str(), body))
     }
 
     fn call_or_stale(
@@ -641,14 +668,7 @@ impl Objects {
                             value: Bytes::new(),
                         })
                         .collect();
-                    self.connection(address).and_then(|connection| {
-                        connection.exchange_blocking(
-                            &view.exchange_command,
-                            view.epoch,
-                            &requests,
-                            self.exchange_window,
-                        )
-                    })
+                    self.exchange(&view, address, &requests)
                 },
             );
             let mut retry = Vec::new();
@@ -968,7 +988,7 @@ impl ReadOf<'_> {
                     .collect(),
                 delete: self.delete,
             };
-            let ticket = Bytes::from(serde_json::to_vec(&ticket).expect("a ticket serializes"));
+            let ticket = body(&ticket);
             // SAFETY: see `SharedDest`; this ticket's ranges are written by this call only.
             let dest = unsafe { self.shared.slice() };
             match connection.get_ranges_blocking(ticket, ranges, dest) {

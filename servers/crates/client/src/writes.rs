@@ -20,11 +20,11 @@ use pocketflow_protocol::limits::SMALL_OBJECT_MAX_BYTES;
 use tonic::Code;
 
 use crate::blocks::BlockSlice;
-use crate::connection::{ExchangeReply, ExchangeRequest};
+use crate::connection::ExchangeRequest;
 use crate::error::ClientError;
 use crate::objects::{
-    failure_reply, home, reply_error, run_parallel, Failure, Objects, LARGE_OBJECTS_IN_FLIGHT_MAX,
-    STALE_EPOCH_RETRIES_MAX,
+    body, failure_reply, home, reply_error, run_parallel, Failure, Objects,
+    LARGE_OBJECTS_IN_FLIGHT_MAX, STALE_EPOCH_RETRIES_MAX,
 };
 use crate::view::{Server, View};
 
@@ -93,19 +93,10 @@ pub(crate) fn kind_is(error: &ClientError, kind: &str) -> bool {
         if message.split_once(": ").is_some_and(|(k, _)| k == kind))
 }
 
-fn body<T: serde::Serialize>(request: &T) -> Bytes {
-    Bytes::from(serde_json::to_vec(request).expect("a request serializes"))
-}
-
 /// Where the blocks of one upload went: address -> block indexes.
 pub type Placed = HashMap<String, BTreeSet<u32>>;
 
 impl Objects {
-    fn action(&self, address: &str, name: ActionName, body: Bytes) -> Result<Bytes, ClientError> {
-        let connection = self.connection(address)?;
-        crate::block_on(connection.action(name.as_str(), body))
-    }
-
     // -- records -------------------------------------------------------------------------------
 
     /// Store block-0 records, pipelined over one session per server, all servers at once;
@@ -228,20 +219,6 @@ impl Objects {
             Some(failure) => Err(failure),
             None => Ok(()),
         }
-    }
-
-    fn exchange(
-        &self,
-        view: &View,
-        address: &str,
-        requests: &[ExchangeRequest],
-    ) -> Result<Vec<ExchangeReply>, ClientError> {
-        self.connection(address)?.exchange_blocking(
-            &view.exchange_command,
-            view.epoch,
-            requests,
-            self.exchange_window,
-        )
     }
 
     /// The other servers where a read would find block 0 of `key`: the home of the other

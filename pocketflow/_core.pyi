@@ -112,6 +112,8 @@ class Objects:
     def get_range(self, bucket: str, key: str, offset: int, length: int) -> bytes: ...
     def lookup_homes(self, bucket: str, keys: list[str]) -> list[BaseException | None]:
         """LOOKUP each key at its home: ``None`` where it is, else the server's answer."""
+    def wait_for(self, bucket: str, keys: list[str], timeout_s: float) -> list[str]:
+        """Block until every key exists or the timeout passes; the keys still missing."""
     def get_many(
         self, bucket: str, keys: list[str], *, delete: bool = False, each: bool = False
     ) -> list[bytes | BaseException]:

@@ -38,7 +38,6 @@ import logging
 import mmap
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -53,7 +52,6 @@ from pocketflow.errors import (
     BucketExists,
     BucketNotFound,
     InvalidRequest,
-    NotFound,
     ObjectNotFound,
     PocketflowError,
     StaleEpoch,
@@ -70,15 +68,12 @@ from pocketflow.protocol import (
     ACTION_CREATE_BUCKET,
     ACTION_DELETE_BUCKET,
     ACTION_DELETE_PREFIX,
-    ACTION_WAIT,
     ENUMERATE_LIMIT_MAX,
     KEY_MAX_BYTES,
     OP_DELETE,
     OP_FLAG_DELETE,
     OP_GET,
     SMALL_OBJECT_MAX_BYTES,
-    WAIT_KEYS_MAX,
-    WAIT_TIMEOUT_MAX_MS,
     ZERO_HEADER,
     ObjectHeader,
     Reply,
@@ -431,17 +426,6 @@ class Client:
             return False
         return True
 
-    def _exists_live(self, bucket: str, key: str) -> bool:
-        """Whether a live server of the job holds the object (never :class:`DataUnavailable`
-        for a key that may have been lost: a waiter keeps waiting for it to be written)."""
-        check_bucket(bucket)
-        check_key(key)
-        try:
-            self._core.lookup(bucket, key, lost_unavailable=False)
-        except ObjectNotFound:
-            return False
-        return True
-
     def delete(self, bucket: str, key: str) -> None:
         """Delete an object (its record and data blocks); raises :class:`ObjectNotFound`."""
         bucket_raw = check_bucket(bucket)
@@ -609,94 +593,24 @@ class Client:
         """Block until every key exists or ``timeout_s`` passes; returns the keys still missing
         (in the order given).
 
-        Keys already written are found first by one pipelined ``LOOKUP`` per server over the
-        small-op sessions (the native core, a round trip on the calling thread; for up to
+        The native core does it with the GIL released (``waits.rs``). Keys already written are
+        found first by one pipelined ``LOOKUP`` per server over the small-op sessions (for up to
         ``exchange_window`` keys); with ``timeout_s`` 0 that is the whole check. Only the keys
-        still missing are parked on the servers (the ``wait`` action, at most
-        ``WAIT_TIMEOUT_MAX_MS`` per call), which answer as soon as the last of their keys is
-        put, so a reader waiting for another task's output neither polls with ``not_found``
-        nor sleeps longer than needed. The action is a gRPC call whose thread handoffs cost
-        milliseconds on a busy machine, which a reader whose input is already there should not
-        pay. Keys are grouped by the server that holds their block 0, servers waited on in
-        parallel. After the job's map changed (epoch > 1) keys written under an earlier map
-        are also looked for with :meth:`exists`. Raises :class:`DataUnavailable` (with
-        ``server``) when a server holding awaited keys cannot be reached,
-        :class:`BucketNotFound`.
+        still missing are parked on the servers that hold their block 0 (the ``wait`` action,
+        at most ``WAIT_TIMEOUT_MAX_MS`` per call, every server at once), which answer as soon as
+        the last of their keys is put, so a reader waiting for another task's output neither
+        polls with ``not_found`` nor sleeps longer than needed. After the job's map changed
+        (epoch > 1) keys written under an earlier map are also looked for where that map put
+        them. Raises :class:`DataUnavailable` (with ``server``) when a server holding awaited
+        keys cannot be reached, :class:`BucketNotFound`.
         """
         check_bucket(bucket)
         wanted = list(dict.fromkeys(keys))
-        key_raws = {key: check_key(key) for key in wanted}
+        for key in wanted:
+            check_key(key)
         if not 0 <= timeout_s < float("inf"):
             raise InvalidRequest(f"timeout_s must be finite and >= 0, got {timeout_s}")
-        deadline = time.monotonic() + timeout_s
-        # Up to a session window of keys, one pipelined round trip per server finds those
-        # already written; more keys would take several, and the wait action checks them all
-        # in one call per server anyway.
-        written: set[str] = set()
-        settled = False  # every key found or ObjectNotFound: the lookups were the whole check
-        if len(wanted) <= self._config.exchange_window:
-            settled = True
-            for key, error in zip(wanted, self._core.lookup_homes(bucket, wanted), strict=True):
-                if error is None:
-                    written.add(key)
-                elif isinstance(error, ObjectNotFound):
-                    continue
-                elif isinstance(error, (NotFound, StaleEpoch)):
-                    # A missing bucket or a newer map to adopt: the wait action sorts it out.
-                    settled = False
-                else:
-                    raise error
-        wanted = [key for key in wanted if key not in written]
-        if wanted and self._view.epoch > 1:
-            wanted = [key for key in wanted if not self._exists_live(bucket, key)]
-        if timeout_s == 0 and settled:
-            return wanted
-        # One parked call must end before the client gives up on the action's RPC.
-        call_ms_max = max(1, min(WAIT_TIMEOUT_MAX_MS,
-                                 int(1000 * self._config.rpc_timeout_s) - 1000))
-        missing = wanted
-        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
-            view = self._view
-            groups: dict[str, list[str]] = {}
-            for key in missing:
-                address = view.placement.server_for(key_raws[key], 0).address
-                groups.setdefault(address, []).append(key)
-            chunks = [
-                (address, group[at:at + WAIT_KEYS_MAX])
-                for address, group in groups.items()
-                for at in range(0, len(group), WAIT_KEYS_MAX)
-            ]
-
-            def run(address: str, chunk: list[str], ctx: dict[str, Any] = view.ctx) -> Any:
-                left = chunk
-                while True:
-                    left_ms = int(1000 * (deadline - time.monotonic()))
-                    body = action_body(ctx, bucket=bucket, keys=left,
-                                       timeout_ms=max(0, min(left_ms, call_ms_max)))
-                    try:
-                        result = self._connection(address).action(ACTION_WAIT, body)
-                    except StaleEpoch as exc:
-                        return exc
-                    left = [str(key) for key in result.get("missing", left)]
-                    if not left or left_ms <= call_ms_max:
-                        return left
-
-            results = self._parallel([
-                lambda address=address, chunk=chunk: run(address, chunk)
-                for address, chunk in chunks
-            ])
-            stale = next((r for r in results if isinstance(r, StaleEpoch)), None)
-            missing = [
-                key for (_, chunk), result in zip(chunks, results, strict=True)
-                for key in (chunk if isinstance(result, StaleEpoch) else result)
-            ]
-            if stale is None or not missing:
-                order = {key: i for i, key in enumerate(wanted)}
-                return sorted(missing, key=order.__getitem__)
-            if attempt == STALE_EPOCH_RETRIES_MAX:
-                raise stale
-            self._adopt(stale)
-        raise AssertionError("unreachable")
+        return self._core.wait_for(bucket, wanted, float(timeout_s))
 
     # -- listing -----------------------------------------------------------------------------
 

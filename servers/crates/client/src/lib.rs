@@ -24,6 +24,7 @@ mod session;
 pub mod tls;
 pub mod upload;
 pub mod view;
+pub mod waits;
 pub mod writes;
 
 pub use blocks::{BlockSlice, RangeTarget, ReadOutcome};

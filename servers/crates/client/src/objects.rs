@@ -121,7 +121,7 @@ pub struct Objects {
     view: RwLock<Arc<View>>,
     /// Bumped on every change of the view, so a caller can tell cheaply that it changed.
     generation: AtomicU64,
-    config: ConnectionConfig,
+    pub(crate) config: ConnectionConfig,
     pub(crate) io_threads: usize,
     pub(crate) exchange_window: usize,
     connections: Mutex<Connections>,

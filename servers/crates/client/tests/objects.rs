@@ -1,13 +1,14 @@
 //! The object layer of the client core (`Objects`, `Listing`) against three real storage
 //! services on 127.0.0.1:0 (in this process, each on its own runtime, as in the server binary):
 //! small and striped objects, DELETE reads, batches, write-once across placements, overwrites,
-//! a listing merged from every server, and a stale map adopted mid-call.
+//! a listing merged from every server, a stale map adopted mid-call, and waits for keys.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use pocketflow_client::objects::Tuning;
+use pocketflow_client::waits::Stop;
 use pocketflow_client::{
     block_on, ClientError, Connection, ConnectionConfig, Destination, Listing, Objects,
 };
@@ -297,4 +298,80 @@ fn a_stale_map_is_adopted_and_earlier_data_still_found() {
     assert_eq!(view.servers.len(), 3);
     assert_eq!(view.ctx.token, token["token"].as_str().unwrap());
     assert_eq!(get(&objects, "after", false).unwrap(), b"new");
+}
+
+#[test]
+fn a_waiter_finds_written_keys_at_once_and_parks_for_the_rest() {
+    let cluster = Cluster::start();
+    let objects = Arc::new(cluster.objects("job-wait", 3));
+    let never = || false;
+    let stop = Stop {
+        asked: &never,
+        interval: Duration::from_millis(20),
+    };
+    let keys: Vec<String> = (0..12).map(|i| format!("part-{i}")).collect();
+    for key in &keys[..6] {
+        objects.put("b", key, b"here", false, false).unwrap();
+    }
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+
+    // A check (timeout 0) reports exactly the missing keys, duplicates once, in order.
+    let mut asked = refs.clone();
+    asked.push("part-7");
+    let missing = objects
+        .wait_for("b", &asked, Duration::ZERO, stop)
+        .unwrap()
+        .unwrap();
+    assert_eq!(missing, (6..12).collect::<Vec<_>>());
+
+    // Keys written by another thread while the waiter is parked end the wait early.
+    let writer = {
+        let objects = Arc::clone(&objects);
+        let late = keys[6..].to_vec();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            for key in &late {
+                objects.put("b", key, b"late", false, false).unwrap();
+            }
+        })
+    };
+    let started = std::time::Instant::now();
+    let missing = objects
+        .wait_for("b", &refs, Duration::from_secs(20), stop)
+        .unwrap()
+        .unwrap();
+    writer.join().unwrap();
+    assert!(missing.is_empty(), "{missing:?}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+
+    // A key nobody writes is still missing when the timeout passes.
+    let missing = objects
+        .wait_for("b", &["part-3", "never"], Duration::from_millis(300), stop)
+        .unwrap()
+        .unwrap();
+    assert_eq!(missing, vec![1]);
+
+    // A caller that gives up ends a parked wait long before its timeout.
+    let give_up = std::time::Instant::now() + Duration::from_millis(200);
+    let asked = move || std::time::Instant::now() > give_up;
+    let started = std::time::Instant::now();
+    let stopped = objects
+        .wait_for(
+            "b",
+            &["never"],
+            Duration::from_secs(30),
+            Stop {
+                asked: &asked,
+                interval: Duration::from_millis(20),
+            },
+        )
+        .unwrap();
+    assert!(stopped.is_none());
+    assert!(started.elapsed() < Duration::from_secs(5));
+
+    // A missing bucket is an error, not a key that never comes.
+    let error = objects
+        .wait_for("no-such-bucket", &["k"], Duration::from_millis(100), stop)
+        .unwrap_err();
+    assert_eq!(kind(&error.error), "bucket_not_found");
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use pocketflow_client::placement::{PlacedServer, Placement};
+use pocketflow_client::waits::Stop;
 use pocketflow_client::{
     block_on, BlockSlice, ClientError, ClientTls, Connection, ConnectionConfig, Destination,
     ExchangeReply, ExchangeRequest, Failure, Listing, Objects, RangeTarget, StreamUpload, Tuning,
@@ -891,6 +892,50 @@ impl PyObjects {
             .iter()
             .map(|o| o.as_ref().err().map(|f| failure_to_py(py, f)))
             .collect())
+    }
+
+    /// Block until every key exists or `timeout_s` passes (the GIL released); the keys still
+    /// missing, in the order given (`Client.wait_for`; see `waits.rs`).
+    fn wait_for(
+        &self,
+        py: Python<'_>,
+        bucket: &str,
+        keys: Vec<String>,
+        timeout_s: f64,
+    ) -> PyResult<Vec<String>> {
+        if !(timeout_s.is_finite() && timeout_s >= 0.0) {
+            let error = ClientError::InvalidArgument(format!(
+                "timeout_s must be finite and >= 0, got {timeout_s}"
+            ));
+            return Err(to_py_err(py, &error, ""));
+        }
+        let timeout = std::time::Duration::from_secs_f64(timeout_s);
+        let objects = &self.objects;
+        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        // A parked wait may last many seconds: Python's signals are looked at every
+        // SIGNAL_CHECK_INTERVAL, so Ctrl-C ends it (the dropped calls cancel their RPCs).
+        let interrupted: std::sync::Mutex<Option<PyErr>> = std::sync::Mutex::new(None);
+        let asked = || match Python::attach(|py| py.check_signals()) {
+            Ok(()) => false,
+            Err(error) => {
+                *interrupted.lock().expect("never poisoned") = Some(error);
+                true
+            }
+        };
+        let stop = Stop {
+            asked: &asked,
+            interval: SIGNAL_CHECK_INTERVAL,
+        };
+        let missing = py
+            .detach(|| objects.wait_for(bucket, &key_refs, timeout, stop))
+            .map_err(|f| failure_to_py(py, &f))?;
+        match missing {
+            Some(missing) => Ok(missing.into_iter().map(|i| keys[i].clone()).collect()),
+            None => Err(interrupted
+                .into_inner()
+                .expect("never poisoned")
+                .expect("a stopped wait was interrupted")),
+        }
     }
 
     /// The bytes of many objects, in the order of `keys`: block 0 of all of them pipelined per

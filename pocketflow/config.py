@@ -76,7 +76,8 @@ ENV_PREFIX = "POCKETFLOW_"
 CONFIG_PATH_ENV = "POCKETFLOW_CONFIG"
 DEFAULT_CONFIG_PATH = Path("~/.config/pocketflow/config.toml")
 BLOCK_SIZE_MIN_BYTES = 4096
-IO_THREADS_MAX = 256
+IO_THREADS_MAX = 64
+"""Most threads one object's data blocks move on (the client core's ``IO_THREADS_MAX``)."""
 SESSIONS_PER_SERVER_MAX = 64
 
 _SIZE_UNITS: dict[str, int] = {

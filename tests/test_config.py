@@ -112,6 +112,10 @@ def test_bad_values_and_names(tmp_path: Path) -> None:
     assert ClientConfig.resolve({"POCKETFLOW_SMALL_OPS": "flight"}).small_ops == "flight"
     with pytest.raises(ConfigError):
         ClientConfig.resolve({"POCKETFLOW_IO_THREADS": "many"})
+    # The core moves one object's blocks on at most 64 threads: more is refused, not capped.
+    assert ClientConfig.resolve({}, io_threads=64).io_threads == 64
+    with pytest.raises(ConfigError, match="io_threads"):
+        ClientConfig.resolve({}, io_threads=65)
     with pytest.raises(ConfigError, match="is not a file"):
         ClientConfig.resolve({"POCKETFLOW_CONFIG": str(tmp_path / "absent.toml")})
     broken = _write(tmp_path / "broken.toml", "[client\n")

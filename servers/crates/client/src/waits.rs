@@ -15,7 +15,7 @@ use pocketflow_protocol::limits::{WAIT_KEYS_MAX, WAIT_TIMEOUT_MAX_MS};
 
 use crate::connection::Connection;
 use crate::error::ClientError;
-use crate::objects::{body, home, Failure, Objects, STALE_EPOCH_RETRIES_MAX};
+use crate::objects::{body, home, run_parallel, Failure, Objects, STALE_EPOCH_RETRIES_MAX};
 
 /// How much shorter than the client's RPC timeout one parked call is: the server answers a
 /// parked call when its time is up, and that answer must reach the client before it gives up.
@@ -100,9 +100,13 @@ impl Objects {
             wanted = missing;
         }
         if !wanted.is_empty() && self.view().epoch > 1 {
+            // Each key is looked for where earlier maps put it too, on the I/O threads.
+            let found = run_parallel(&wanted, self.io_threads, |index| {
+                self.fetch_record(bucket, keys[index], OpCode::Lookup, 0, false)
+            });
             let mut missing = Vec::with_capacity(wanted.len());
-            for index in wanted {
-                match self.fetch_record(bucket, keys[index], OpCode::Lookup, 0, false) {
+            for (index, outcome) in wanted.into_iter().zip(found) {
+                match outcome {
                     Ok(_) => {}
                     Err(failure) if object_not_found(&failure.error) => missing.push(index),
                     Err(failure) => return Err(failure),

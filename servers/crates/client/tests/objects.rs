@@ -288,6 +288,19 @@ fn a_stale_map_is_adopted_and_earlier_data_still_found() {
     }
     assert_eq!(get(&objects, "big-before", false).unwrap(), large);
     assert_eq!(get(&objects, "after", false).unwrap(), b"new");
+    // A waiter finds them too, and only the key nobody wrote is missing.
+    let never = || false;
+    let stop = Stop {
+        asked: &never,
+        interval: Duration::from_millis(20),
+    };
+    let mut awaited: Vec<&str> = keys.iter().map(String::as_str).collect();
+    awaited.push("never-written");
+    let missing = objects
+        .wait_for("b", &awaited, Duration::from_millis(200), stop)
+        .unwrap()
+        .unwrap();
+    assert_eq!(missing, vec![keys.len()]);
 
     // A renewed handle that still holds the older map (a new token) keeps the newer map.
     let renewed = cluster.handle(job, 2);

@@ -11,7 +11,7 @@ use pocketflow_protocol::direct::{
     decode_head, encode_head, encode_status, Kind, DIRECT_MAGIC, MESSAGE_HEAD_BYTES,
 };
 use pocketflow_protocol::ProtocolError;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tonic::Status;
 
 use crate::exchange::{self, Incoming};
@@ -24,6 +24,8 @@ pub const DIRECT_OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Reply bytes gathered before a write: a small reply frame goes out in one write with its head.
 const WRITE_BUFFER_BYTES: usize = 64 * 1024;
+/// Bytes a block connection reads ahead: the small messages of a transfer in one system call.
+const BLOCK_READ_BUFFER_BYTES: usize = 8 * 1024;
 /// After refusing a transfer, how long and how much of the client's remaining input is read and
 /// dropped before the connection closes.
 const REFUSED_DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
@@ -110,12 +112,15 @@ impl StorageService {
         &self,
         mut kind: Kind,
         mut request: Bytes,
-        mut reader: R,
+        reader: R,
         mut writer: BufWriter<W>,
     ) where
         R: AsyncRead + Unpin,
         W: AsyncWrite + Unpin,
     {
+        // Message heads, descriptors and piece metadata come out of one read; pieces larger than
+        // the buffer are read past it, straight into where they go.
+        let mut reader = BufReader::with_capacity(BLOCK_READ_BUFFER_BYTES, reader);
         loop {
             let started = std::time::Instant::now();
             let done = if kind == Kind::Get {

@@ -82,6 +82,18 @@ impl Upload {
 
     async fn write_piece(&mut self, meta: PutPieceMeta, piece: Bytes) -> Result<(), ServiceError> {
         let piece_len = piece.len() as u64;
+        let open = self.open_for(meta, piece_len)?;
+        open.writer.append(piece).await?;
+        self.appended(piece_len).await
+    }
+
+    /// Check the next piece's place (`piece_len` bytes of the block `meta` names) and return the
+    /// block it goes to, opened (space reserved) if it is the first piece of its block.
+    fn open_for(
+        &mut self,
+        meta: PutPieceMeta,
+        piece_len: u64,
+    ) -> Result<&mut OpenBlock, ServiceError> {
         if piece_len > BATCH_MAX_BYTES {
             return Err(field("batch", "value is larger than BATCH_MAX_BYTES"));
         }
@@ -130,9 +142,15 @@ impl Upload {
                 "pieces add up to more than the block length",
             ));
         }
-        open.writer.append(piece).await?;
+        Ok(open)
+    }
+
+    /// Count a piece of `piece_len` bytes written to the open block; the block's last piece
+    /// makes it readable.
+    async fn appended(&mut self, piece_len: u64) -> Result<(), ServiceError> {
         self.state.stats.counters.add_in(piece_len);
         self.bytes += piece_len;
+        let open = self.open.as_ref().expect("a block is open");
         if open.writer.appended_bytes() == open.declared {
             let open = self.open.take().expect("a block is open");
             open.writer.commit().await?;
@@ -321,15 +339,26 @@ where
                 ))
             }
         }
-        // Read into uninitialised capacity: zeroing a block-sized buffer first would cost a
-        // pass over every byte of the upload.
-        let mut payload = BytesMut::with_capacity(len);
-        fill_within(reader, &mut payload, len, idle).await?;
-        let piece = payload.split_off(PIECE_META_BYTES).freeze();
+        let mut raw_meta = [0u8; PIECE_META_BYTES];
+        read_within(reader, &mut raw_meta, idle).await?;
         let meta = PutPieceMeta {
-            block_index: u32::from_le_bytes(payload[..4].try_into().expect("4 bytes")),
-            block_len: u64::from_le_bytes(payload[4..12].try_into().expect("8 bytes")),
+            block_index: u32::from_le_bytes(raw_meta[..4].try_into().expect("4 bytes")),
+            block_len: u64::from_le_bytes(raw_meta[4..].try_into().expect("8 bytes")),
         };
-        upload.write_piece(meta, piece).await.map_err(Some)?;
+        let piece_len = (len - PIECE_META_BYTES) as u64;
+        let open = upload.open_for(meta, piece_len).map_err(Some)?;
+        if let Some(spare) = open.writer.spare(piece_len) {
+            // The engine's memory (the DRAM arena) takes the piece straight from the socket.
+            read_within(reader, spare, idle).await?;
+            open.writer.advance(piece_len);
+        } else {
+            // Read into uninitialised capacity: zeroing a block-sized buffer first would cost
+            // a pass over every byte of the upload.
+            let mut piece = BytesMut::with_capacity(piece_len as usize);
+            fill_within(reader, &mut piece, piece_len as usize, idle).await?;
+            let appended = open.writer.append(piece.freeze()).await;
+            appended.map_err(|e| Some(e.into()))?;
+        }
+        upload.appended(piece_len).await.map_err(Some)?;
     }
 }

@@ -7,7 +7,7 @@ use arrow_flight::{FlightData, PutResult};
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use pocketflow_protocol::batch::PutPieceMeta;
-use pocketflow_protocol::descriptor::PutDescriptor;
+use pocketflow_protocol::descriptor::{PutDescriptor, PutStored};
 use pocketflow_protocol::limits::BATCH_MAX_BYTES;
 use pocketflow_protocol::ProtocolError;
 use pocketflow_store::BlockWrite;
@@ -112,6 +112,14 @@ impl Upload {
                 return Err(field("block length", "changed within a block"));
             }
         } else {
+            if let Some(manifest) = self.descriptor.manifest() {
+                if manifest.data_block_len(meta.block_index) != Some(meta.block_len) {
+                    return Err(field(
+                        "block length",
+                        "does not match the block of the object the commit names",
+                    ));
+                }
+            }
             if self.committed.len() >= PUT_STREAM_BLOCKS_MAX {
                 return Err(field(
                     "blocks",
@@ -159,7 +167,10 @@ impl Upload {
         Ok(())
     }
 
-    fn finish(&mut self) -> Result<Bytes, ServiceError> {
+    /// End the upload: every block must be complete. With a commit, the upload must hold every
+    /// block of the object, and the manifest is then stored as a DoExchange PUT would store it
+    /// (epoch, write-once, PERSIST checks); if that fails, the blocks are freed.
+    async fn finish(&mut self) -> Result<Bytes, ServiceError> {
         if let Some(open) = &self.open {
             return Err(ServiceError::BlockIncomplete {
                 index: open.index,
@@ -170,9 +181,41 @@ impl Upload {
         // A job ended while its upload ran gets nothing stored: the unfinished upload's blocks
         // are freed when it is dropped.
         self.state.auth.check_may_write(&self.job)?;
+        let mut result = PutStored {
+            blocks: self.committed.len() as u64,
+            bytes: self.bytes,
+            ..Default::default()
+        };
+        if let Some(manifest) = self.descriptor.manifest() {
+            // Each block's index and length were checked against the manifest as it opened, and
+            // an index is stored at most once, so a full count is every block of the object.
+            if self.committed.len() != manifest.block_count as usize {
+                return Err(field(
+                    "commit",
+                    "the upload does not hold every block of the object",
+                ));
+            }
+            let d = &self.descriptor;
+            self.state.auth.check_epoch(&self.job, d.ctx.epoch)?;
+            self.state.drain.check_write(&self.state.node_id)?;
+            let overwrite = d.commit.is_some_and(|c| c.overwrite);
+            result.replaced = self
+                .state
+                .store
+                .put_record(
+                    &self.job,
+                    &d.bucket,
+                    &d.key,
+                    manifest,
+                    Bytes::new(),
+                    overwrite,
+                )
+                .await?;
+            result.committed = true;
+        }
         self.finished = true;
-        let result = serde_json::json!({"blocks": self.committed.len(), "bytes": self.bytes});
-        Ok(Bytes::from(result.to_string()))
+        let json = serde_json::to_vec(&result).expect("a result always serializes");
+        Ok(Bytes::from(json))
     }
 }
 
@@ -248,7 +291,7 @@ pub(crate) async fn put(
         let data = message.map_err(|_| ServiceError::StreamShape("DoPut request stream failed"))?;
         upload.accept(data).await?;
     }
-    let app_metadata = upload.finish()?;
+    let app_metadata = upload.finish().await?;
     Ok(PutResult { app_metadata })
 }
 
@@ -328,7 +371,7 @@ where
         read_within(reader, &mut head, idle).await?;
         let (kind, len) = decode_head(&head).map_err(|e| Some(e.into()))?;
         match kind {
-            Kind::End if len == 0 => return upload.finish().map_err(Some),
+            Kind::End if len == 0 => return upload.finish().await.map_err(Some),
             Kind::Piece if len >= PIECE_META_BYTES => {}
             _ => {
                 return Err(Some(

@@ -432,6 +432,40 @@ def test_capacity_exhausted_leaves_nothing_behind(server_factory) -> None:  # no
                                     for i in range(10)])
 
 
+def test_large_objects_on_one_server_commit_with_their_blocks(server_factory) -> None:  # noqa: ANN001
+    # On one server every block lives on block 0's home, so each upload also stores the
+    # manifest (one round trip): a refused one must leave neither a visible object nor a block.
+    servers, info = server_factory("single-0", capacity_bytes=8 * MiB)
+    handle = servers.handle()
+
+    def used() -> int:
+        return job_used_bytes(servers, handle.job_id, info.address)
+
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        pf.create_bucket("b")
+        first = payload(3 * MiB + 5, 1)
+        pf.put("b", "k", first)
+        assert pf.get("b", "k") == first
+        one_object = used()
+        # Write-once: the loser's blocks are freed with its manifest.
+        with pytest.raises(ObjectExists):
+            pf.put("b", "k", payload(3 * MiB + 5, 2))
+        assert pf.get("b", "k") == first
+        assert wait_until(lambda: used() == one_object)
+        # An overwrite frees the blocks of the version it replaced.
+        second = payload(3 * MiB + 5, 3)
+        pf.put("b", "k", second, overwrite=True)
+        assert pf.get("b", "k") == second
+        assert wait_until(lambda: used() == one_object)
+        # Blocks 1-4 fit, block 5 does not: the put fails and nothing of it remains.
+        with pytest.raises(CapacityExhausted):
+            pf.put("b", "partial", payload(5 * MiB, 4))
+        with pytest.raises(ObjectNotFound):
+            pf.get("b", "partial")
+        assert wait_until(lambda: used() == one_object)
+        assert [info.key for info in pf.list("b")] == ["k"]
+
+
 def test_dead_server_is_data_unavailable_promptly(server_factory) -> None:  # noqa: ANN001
     servers, info = server_factory("doomed-0", capacity_bytes=16 * MiB)
     handle = servers.handle()

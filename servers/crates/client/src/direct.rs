@@ -4,7 +4,7 @@
 //! thread handoffs; the bounded pool and the failure rules are those of DoExchange sessions.
 
 use std::collections::HashMap;
-use std::io::{self, BufReader, Read, Write};
+use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -424,13 +424,17 @@ impl DirectSession {
     ) -> Result<Bytes, SessionFailure> {
         self.check_reusable()?;
         self.used = true;
-        if let Err(e) = self.write_message(Kind::Put, descriptor) {
-            self.broken = true;
-            return Err(SessionFailure::new(
-                unavailable("cannot send to the server", &e),
-                false,
-            ));
-        }
+        // The PUT, each piece's head and the END go out in the same system call as the piece
+        // bytes next to them: one write (and one wake-up of the server) for a one-piece upload.
+        self.out
+            .extend_from_slice(&encode_head(Kind::Put, descriptor.len()));
+        self.out.extend_from_slice(descriptor);
+        let end = encode_head(Kind::End, 0);
+        let pieces = blocks
+            .iter()
+            .map(|b| b.data.len().div_ceil(BATCH_MAX_BYTES as usize))
+            .sum::<usize>();
+        let mut sent = 0usize;
         for block in blocks {
             let block_len = (block.data.len() as u64).to_le_bytes();
             for piece in block.data.chunks(BATCH_MAX_BYTES as usize) {
@@ -441,25 +445,35 @@ impl DirectSession {
                     return Err(SessionFailure::new(error, true));
                 }
                 // The server refused the upload (full tier, bad block): stop sending, read why.
-                if self.ended_while_idle() {
+                if sent > 0 && self.ended_while_idle() {
                     return Err(self.refusal(op_timeout));
                 }
                 self.out
                     .extend_from_slice(&encode_head(Kind::Piece, PIECE_META_BYTES + piece.len()));
                 self.out.extend_from_slice(&block.index.to_le_bytes());
                 self.out.extend_from_slice(&block_len);
-                let stream = self.reader.get_mut();
-                let written = stream
-                    .write_all(&self.out)
-                    .and_then(|()| stream.write_all(piece));
+                sent += 1;
+                let last: &[u8] = if sent == pieces { &end } else { &[] };
+                let mut parts = [
+                    IoSlice::new(&self.out),
+                    IoSlice::new(piece),
+                    IoSlice::new(last),
+                ];
+                let written = write_all_parts(self.reader.get_mut(), &mut parts);
                 self.out.clear();
                 if written.is_err() {
                     return Err(self.refusal(op_timeout));
                 }
             }
         }
-        if self.write_message(Kind::End, &[]).is_err() {
-            return Err(self.refusal(op_timeout));
+        if pieces == 0 {
+            // No piece at all: the PUT and the END alone.
+            self.out.extend_from_slice(&end);
+            let written = self.reader.get_mut().write_all(&self.out);
+            self.out.clear();
+            if written.is_err() {
+                return Err(self.refusal(op_timeout));
+            }
         }
         let left = deadline.saturating_duration_since(Instant::now());
         match self.read_message(op_timeout.min(left).max(Duration::from_millis(1))) {
@@ -486,6 +500,21 @@ impl DirectSession {
         self.broken = true;
         SessionFailure::new(ClientError::Protocol(what.to_string()), true)
     }
+}
+
+/// Write every byte of `parts`, in order, in as few system calls as the kernel takes them.
+fn write_all_parts(stream: &mut DirectStream, mut parts: &mut [IoSlice<'_>]) -> io::Result<()> {
+    // Advancing drops empty slices (a write of only empty slices would look like WriteZero).
+    IoSlice::advance_slices(&mut parts, 0);
+    while !parts.is_empty() {
+        match stream.write_vectored(parts) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut parts, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// The idle direct connections of one kind to one server; callers that find none free block

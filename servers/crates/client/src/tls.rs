@@ -162,6 +162,13 @@ impl io::Write for DirectStream {
         }
     }
 
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            DirectStream::Plain(s) => s.write_vectored(bufs),
+            DirectStream::Tls(s) => s.write_vectored(bufs),
+        }
+    }
+
     fn flush(&mut self) -> io::Result<()> {
         match self {
             DirectStream::Plain(s) => s.flush(),

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use pocketflow_protocol::action::{
     ActionName, BucketRequest, DeleteBlocksRequest, EnumerateRequest, ObjectRequest,
 };
-use pocketflow_protocol::descriptor::PutDescriptor;
+use pocketflow_protocol::descriptor::{PutCommit, PutDescriptor, PutStored};
 use pocketflow_protocol::frame::{OpCode, OP_FLAG_OVERWRITE, OP_FLAG_PERSIST};
 use pocketflow_protocol::header::{ObjectHeader, HEADER_FLAG_PERSIST};
 use pocketflow_protocol::limits::SMALL_OBJECT_MAX_BYTES;
@@ -200,9 +200,27 @@ impl Objects {
                 break;
             }
         }
+        self.settle_records(bucket, records, &stored, persist, overwrite, &mut errors);
+        match errors.into_iter().flatten().next() {
+            Some(failure) => Err(failure),
+            None => Ok(()),
+        }
+    }
+
+    /// After records were stored (each with the header it replaced): an overwrite frees what
+    /// each replaced, a non-overwrite checks each key's rivals (see the module doc).
+    fn settle_records(
+        &self,
+        bucket: &str,
+        records: &[NewRecord<'_>],
+        stored: &[(usize, Server, Option<ObjectHeader>)],
+        persist: bool,
+        overwrite: bool,
+        errors: &mut [Option<Failure>],
+    ) {
         let view = self.view();
         if overwrite {
-            for (index, server, replaced) in &stored {
+            for (index, server, replaced) in stored {
                 self.after_overwrite(
                     &view,
                     bucket,
@@ -213,11 +231,7 @@ impl Objects {
                 );
             }
         } else {
-            self.check_rivals(&view, bucket, records, &stored, persist, &mut errors);
-        }
-        match errors.into_iter().flatten().next() {
-            Some(failure) => Err(failure),
-            None => Ok(()),
+            self.check_rivals(&view, bucket, records, stored, persist, errors);
         }
     }
 
@@ -566,16 +580,19 @@ impl Objects {
         }
         let version = new_version();
         let block_size = self.view().block_size;
-        let (placed, uploaded) = self.upload_blocks(bucket, key, version, data, persist);
-        if let Err(failure) = uploaded {
-            self.delete_block_groups(bucket, key, version, &placed);
-            return Err(failure);
-        }
         let record = NewRecord {
             key,
             header: large_header(version, data.len() as u64, block_size, persist),
             value: &[],
         };
+        if let Some(outcome) = self.put_committed(bucket, &record, data, overwrite) {
+            return outcome;
+        }
+        let (placed, uploaded) = self.upload_blocks(bucket, key, version, data, persist);
+        if let Err(failure) = uploaded {
+            self.delete_block_groups(bucket, key, version, &placed);
+            return Err(failure);
+        }
         self.put_records(bucket, &[record], persist, overwrite)
             .inspect_err(|failure| {
                 // The commit was sent. Refused (or withdrawn for a rival), its blocks are freed;
@@ -586,6 +603,97 @@ impl Objects {
                     self.delete_block_groups(bucket, key, version, &placed);
                 }
             })
+    }
+
+    /// A large object whose data blocks all live on its block-0 home: one upload that carries
+    /// every block and then stores the manifest (a `commit` in the descriptor), one round trip
+    /// instead of two. The server stores the manifest only once every block is, and frees the
+    /// blocks when the upload or the manifest fails, so nothing is left of a refused put.
+    ///
+    /// `None` when the blocks live elsewhere, or the server's map was newer or it lacked the
+    /// bucket (nothing was stored): the caller then takes the two-step path, which handles those.
+    fn put_committed(
+        &self,
+        bucket: &str,
+        record: &NewRecord<'_>,
+        data: &[u8],
+        overwrite: bool,
+    ) -> Option<Result<(), Failure>> {
+        let view = self.view();
+        let header = record.header;
+        let persist = header.persist();
+        let key = record.key.as_bytes();
+        let server = home(&view, key, 0, persist).ok()?;
+        for index in 1..=header.block_count {
+            if home(&view, key, index, persist).ok()?.address != server.address {
+                return None;
+            }
+        }
+        let blocks: Vec<BlockSlice<'_>> = data
+            .chunks(header.block_size as usize)
+            .enumerate()
+            .map(|(i, chunk)| BlockSlice {
+                index: i as u32 + 1,
+                data: chunk,
+            })
+            .collect();
+        let descriptor = PutDescriptor {
+            ctx: view.ctx.clone(),
+            bucket: bucket.to_string(),
+            key: record.key.to_string(),
+            version: header.version,
+            block_size: header.block_size,
+            persist,
+            commit: Some(PutCommit {
+                size: header.size,
+                overwrite,
+            }),
+        };
+        let address = server.address.as_str();
+        let sent = self
+            .connection(address)
+            .and_then(|connection| connection.put_blocks_blocking(body(&descriptor), &blocks));
+        let result = match sent {
+            Ok(result) => result,
+            Err(error) if error.is_stale_epoch() => {
+                return self
+                    .adopt_or_fail(Failure::at(error, address), 0)
+                    .err()
+                    .map(Err);
+            }
+            Err(error) if kind_is(&error, "bucket_not_found") => return None,
+            Err(error) => return Some(Err(Failure::at(error, address))),
+        };
+        let stored: PutStored = match serde_json::from_slice(&result) {
+            Ok(stored) => stored,
+            Err(e) => {
+                let error = ClientError::Protocol(format!("an upload's result: {e}"));
+                return Some(Err(Failure::at(error, address)));
+            }
+        };
+        if !stored.committed {
+            // A server that does not know commits stored the blocks only: store the manifest.
+            return Some(
+                self.put_records(bucket, std::slice::from_ref(record), persist, overwrite)
+                    .inspect_err(|failure| {
+                        if refused(&failure.error) {
+                            self.delete_blocks(bucket, record.key, &header);
+                        }
+                    }),
+            );
+        }
+        let mut errors = [None];
+        let placed = [(0, server.clone(), stored.replaced)];
+        let records = std::slice::from_ref(record);
+        self.settle_records(bucket, records, &placed, persist, overwrite, &mut errors);
+        match errors.into_iter().flatten().next() {
+            // Withdrawn for a rival: its blocks go too.
+            Some(failure) => {
+                self.delete_blocks(bucket, record.key, &header);
+                Some(Err(failure))
+            }
+            None => Some(Ok(())),
+        }
     }
 
     /// Store many objects; returns how many were stored. Small objects go as records,
@@ -670,6 +778,7 @@ impl BlockUpload<'_> {
                 version: self.version,
                 block_size: self.block_size,
                 persist: self.persist,
+                commit: None,
             };
             let connection = self
                 .objects

@@ -11,7 +11,7 @@ use pocketflow_protocol::direct::{
     decode_head, encode_head, encode_status, Kind, DIRECT_MAGIC, MESSAGE_HEAD_BYTES,
 };
 use pocketflow_protocol::ProtocolError;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tonic::Status;
 
 use crate::exchange::{self, Incoming};
@@ -24,6 +24,8 @@ pub const DIRECT_OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Reply bytes gathered before a write: a small reply frame goes out in one write with its head.
 const WRITE_BUFFER_BYTES: usize = 64 * 1024;
+/// Request bytes read ahead per system call.
+const READ_BUFFER_BYTES: usize = 8 * 1024;
 /// After refusing a transfer, how long and how much of the client's remaining input is read and
 /// dropped before the connection closes.
 const REFUSED_DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
@@ -37,7 +39,10 @@ impl StorageService {
     where
         S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     {
-        let (mut reader, writer) = tokio::io::split(stream);
+        let (reader, writer) = tokio::io::split(stream);
+        // A small request frame, or a transfer's message heads, descriptor and piece metadata,
+        // come out of one read; larger payloads are read past the buffer, straight into place.
+        let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, reader);
         let mut writer = BufWriter::with_capacity(WRITE_BUFFER_BYTES, writer);
         let opened = tokio::time::timeout(DIRECT_OPEN_TIMEOUT, read_first(&mut reader)).await;
         let descriptor = match opened {

@@ -7,7 +7,7 @@ use arrow_flight::{FlightData, PutResult};
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use pocketflow_protocol::batch::PutPieceMeta;
-use pocketflow_protocol::descriptor::PutDescriptor;
+use pocketflow_protocol::descriptor::{PutDescriptor, PutStored};
 use pocketflow_protocol::limits::BATCH_MAX_BYTES;
 use pocketflow_protocol::ProtocolError;
 use pocketflow_store::BlockWrite;
@@ -82,6 +82,18 @@ impl Upload {
 
     async fn write_piece(&mut self, meta: PutPieceMeta, piece: Bytes) -> Result<(), ServiceError> {
         let piece_len = piece.len() as u64;
+        let open = self.open_for(meta, piece_len)?;
+        open.writer.append(piece).await?;
+        self.appended(piece_len).await
+    }
+
+    /// Check the next piece's place (`piece_len` bytes of the block `meta` names) and return the
+    /// block it goes to, opened (space reserved) if it is the first piece of its block.
+    fn open_for(
+        &mut self,
+        meta: PutPieceMeta,
+        piece_len: u64,
+    ) -> Result<&mut OpenBlock, ServiceError> {
         if piece_len > BATCH_MAX_BYTES {
             return Err(field("batch", "value is larger than BATCH_MAX_BYTES"));
         }
@@ -100,6 +112,14 @@ impl Upload {
                 return Err(field("block length", "changed within a block"));
             }
         } else {
+            if let Some(manifest) = self.descriptor.manifest() {
+                if manifest.data_block_len(meta.block_index) != Some(meta.block_len) {
+                    return Err(field(
+                        "block length",
+                        "does not match the block of the object the commit names",
+                    ));
+                }
+            }
             if self.committed.len() >= PUT_STREAM_BLOCKS_MAX {
                 return Err(field(
                     "blocks",
@@ -130,9 +150,15 @@ impl Upload {
                 "pieces add up to more than the block length",
             ));
         }
-        open.writer.append(piece).await?;
+        Ok(open)
+    }
+
+    /// Count a piece of `piece_len` bytes written to the open block; the block's last piece
+    /// makes it readable.
+    async fn appended(&mut self, piece_len: u64) -> Result<(), ServiceError> {
         self.state.stats.counters.add_in(piece_len);
         self.bytes += piece_len;
+        let open = self.open.as_ref().expect("a block is open");
         if open.writer.appended_bytes() == open.declared {
             let open = self.open.take().expect("a block is open");
             open.writer.commit().await?;
@@ -141,7 +167,10 @@ impl Upload {
         Ok(())
     }
 
-    fn finish(&mut self) -> Result<Bytes, ServiceError> {
+    /// End the upload: every block must be complete. With a commit, the upload must hold every
+    /// block of the object, and the manifest is then stored as a DoExchange PUT would store it
+    /// (epoch, write-once, PERSIST checks); if that fails, the blocks are freed.
+    async fn finish(&mut self) -> Result<Bytes, ServiceError> {
         if let Some(open) = &self.open {
             return Err(ServiceError::BlockIncomplete {
                 index: open.index,
@@ -152,9 +181,41 @@ impl Upload {
         // A job ended while its upload ran gets nothing stored: the unfinished upload's blocks
         // are freed when it is dropped.
         self.state.auth.check_may_write(&self.job)?;
+        let mut result = PutStored {
+            blocks: self.committed.len() as u64,
+            bytes: self.bytes,
+            ..Default::default()
+        };
+        if let Some(manifest) = self.descriptor.manifest() {
+            // Each block's index and length were checked against the manifest as it opened, and
+            // an index is stored at most once, so a full count is every block of the object.
+            if self.committed.len() != manifest.block_count as usize {
+                return Err(field(
+                    "commit",
+                    "the upload does not hold every block of the object",
+                ));
+            }
+            let d = &self.descriptor;
+            self.state.auth.check_epoch(&self.job, d.ctx.epoch)?;
+            self.state.drain.check_write(&self.state.node_id)?;
+            let overwrite = d.commit.is_some_and(|c| c.overwrite);
+            result.replaced = self
+                .state
+                .store
+                .put_record(
+                    &self.job,
+                    &d.bucket,
+                    &d.key,
+                    manifest,
+                    Bytes::new(),
+                    overwrite,
+                )
+                .await?;
+            result.committed = true;
+        }
         self.finished = true;
-        let result = serde_json::json!({"blocks": self.committed.len(), "bytes": self.bytes});
-        Ok(Bytes::from(result.to_string()))
+        let json = serde_json::to_vec(&result).expect("a result always serializes");
+        Ok(Bytes::from(json))
     }
 }
 
@@ -230,7 +291,7 @@ pub(crate) async fn put(
         let data = message.map_err(|_| ServiceError::StreamShape("DoPut request stream failed"))?;
         upload.accept(data).await?;
     }
-    let app_metadata = upload.finish()?;
+    let app_metadata = upload.finish().await?;
     Ok(PutResult { app_metadata })
 }
 
@@ -310,7 +371,7 @@ where
         read_within(reader, &mut head, idle).await?;
         let (kind, len) = decode_head(&head).map_err(|e| Some(e.into()))?;
         match kind {
-            Kind::End if len == 0 => return upload.finish().map_err(Some),
+            Kind::End if len == 0 => return upload.finish().await.map_err(Some),
             Kind::Piece if len >= PIECE_META_BYTES => {}
             _ => {
                 return Err(Some(
@@ -321,15 +382,26 @@ where
                 ))
             }
         }
-        // Read into uninitialised capacity: zeroing a block-sized buffer first would cost a
-        // pass over every byte of the upload.
-        let mut payload = BytesMut::with_capacity(len);
-        fill_within(reader, &mut payload, len, idle).await?;
-        let piece = payload.split_off(PIECE_META_BYTES).freeze();
+        let mut raw_meta = [0u8; PIECE_META_BYTES];
+        read_within(reader, &mut raw_meta, idle).await?;
         let meta = PutPieceMeta {
-            block_index: u32::from_le_bytes(payload[..4].try_into().expect("4 bytes")),
-            block_len: u64::from_le_bytes(payload[4..12].try_into().expect("8 bytes")),
+            block_index: u32::from_le_bytes(raw_meta[..4].try_into().expect("4 bytes")),
+            block_len: u64::from_le_bytes(raw_meta[4..].try_into().expect("8 bytes")),
         };
-        upload.write_piece(meta, piece).await.map_err(Some)?;
+        let piece_len = (len - PIECE_META_BYTES) as u64;
+        let open = upload.open_for(meta, piece_len).map_err(Some)?;
+        if let Some(spare) = open.writer.spare(piece_len) {
+            // The engine's memory (the DRAM arena) takes the piece straight from the socket.
+            read_within(reader, spare, idle).await?;
+            open.writer.advance(piece_len);
+        } else {
+            // Read into uninitialised capacity: zeroing a block-sized buffer first would cost
+            // a pass over every byte of the upload.
+            let mut piece = BytesMut::with_capacity(piece_len as usize);
+            fill_within(reader, &mut piece, piece_len as usize, idle).await?;
+            let appended = open.writer.append(piece.freeze()).await;
+            appended.map_err(|e| Some(e.into()))?;
+        }
+        upload.appended(piece_len).await.map_err(Some)?;
     }
 }

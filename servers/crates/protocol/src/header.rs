@@ -8,7 +8,7 @@ pub const HEADER_LEN_BYTES: usize = 32;
 pub const HEADER_FLAG_PERSIST: u32 = 1;
 
 /// Size, layout and flags of one object, as stored with its block-0 record.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ObjectHeader {
     /// Writer-chosen id of the put that created the object; 0 means absent.
     pub version: u64,

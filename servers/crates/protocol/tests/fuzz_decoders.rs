@@ -1069,7 +1069,7 @@ proptest! {
             ctx: ctx.clone(), bucket: bucket.clone(), key: key.clone(), version, ranges, delete: persist,
         };
         json_round_trip(&ticket, GetTicket::parse);
-        let put = PutDescriptor { ctx: ctx.clone(), bucket, key, version, block_size, persist };
+        let put = PutDescriptor { ctx: ctx.clone(), bucket, key, version, block_size, persist, commit: None };
         json_round_trip(&put, PutDescriptor::parse);
         json_round_trip(&ExchangeDescriptor { ctx }, ExchangeDescriptor::parse);
     }

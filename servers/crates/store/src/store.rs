@@ -1129,6 +1129,26 @@ impl BlockWrite {
         Ok(())
     }
 
+    /// The engine's memory for the next `len` bytes of the block, to be filled in place and then
+    /// counted with [`BlockWrite::advance`]; `None` when the engine takes pieces only through
+    /// [`BlockWrite::append`] or the piece would pass the block's end.
+    pub fn spare(&mut self, len: u64) -> Option<&mut [u8]> {
+        if len == 0 || self.appended + len > self.len {
+            return None;
+        }
+        self.writer.spare(len)
+    }
+
+    /// Count `len` bytes written into [`BlockWrite::spare`] as appended.
+    pub fn advance(&mut self, len: u64) {
+        assert!(
+            self.appended + len <= self.len,
+            "advance past the block's declared length"
+        );
+        self.writer.advance(len);
+        self.appended += len;
+    }
+
     /// Finish the write and make the block readable. Fails with `LengthMismatch` if fewer bytes
     /// than declared were appended, `BlockExists` if the address was taken meanwhile, and
     /// `BucketNotFound` if the bucket was deleted meanwhile; on failure everything is freed.

@@ -562,3 +562,190 @@ async fn an_upload_spanning_the_end_of_its_job_leaves_nothing() {
     assert_eq!(used, used_before);
     assert_eq!(client.stats().await["objects"], 1);
 }
+
+/// A DoPut descriptor whose upload also stores the manifest of an object of `size` bytes.
+fn committing(key: &str, version: u64, size: usize, overwrite: bool) -> serde_json::Value {
+    let mut descriptor = put_descriptor("job-a", "b", key, version, MIB as u32, false);
+    descriptor["commit"] = json!({"size": size, "overwrite": overwrite});
+    descriptor
+}
+
+fn blocks_of(object: &Bytes) -> Vec<(u32, Bytes)> {
+    object
+        .chunks(MIB)
+        .enumerate()
+        .map(|(i, c)| (i as u32 + 1, Bytes::copy_from_slice(c)))
+        .collect()
+}
+
+/// The header LOOKUP finds for `key` (status 5, not_found: `None`), at the job's `epoch`.
+async fn lookup_at(client: &Client, key: &str, epoch: u64) -> Option<ObjectHeader> {
+    let mut session = client.session("job-a", epoch).await.unwrap();
+    let reply = session
+        .run(epoch, &[simple(1, OpCode::Lookup, "b", key, 0)])
+        .await
+        .remove(&1)
+        .unwrap();
+    match reply.status {
+        0 => reply.header,
+        5 => None,
+        other => panic!("lookup of {key}: status {other} {}", reply_kind(&reply)),
+    }
+}
+
+async fn lookup(client: &Client, key: &str) -> Option<ObjectHeader> {
+    lookup_at(client, key, 0).await
+}
+
+#[tokio::test]
+async fn an_upload_with_a_commit_stores_the_manifest_only_after_every_block() {
+    let server = TestServer::start(ServerOptions {
+        capacity: "16MiB".into(),
+        ..Default::default()
+    });
+    let client = server.client().await;
+    client.create_bucket("job-a", "b").await;
+    let baseline = used_bytes(&client).await;
+    let size = 2 * MIB + MIB / 2;
+    let object = pattern(size, 3);
+    let header = ObjectHeader {
+        version: 21,
+        size: size as u64,
+        block_count: 3,
+        block_size: MIB as u32,
+        flags: 0,
+    };
+
+    // Every block, then the manifest: the object is there, whole.
+    let result = client
+        .put_blocks(committing("k", 21, size, false), &blocks_of(&object), MIB)
+        .await
+        .unwrap();
+    assert_eq!(
+        result,
+        json!({"blocks": 3, "bytes": size, "committed": true})
+    );
+    assert_eq!(lookup(&client, "k").await, Some(header));
+    let pieces = client
+        .get_ranges(ticket("job-a", "k", 21, json!([[3, 0, MIB / 2]]), false))
+        .await
+        .unwrap();
+    assert_eq!(pieces[0].1, object.slice(2 * MIB..));
+    let stored = used_bytes(&client).await;
+
+    // Write-once: a second commit of the key is refused, and its blocks are freed.
+    let status = client
+        .put_blocks(committing("k", 22, size, false), &blocks_of(&object), MIB)
+        .await
+        .unwrap_err();
+    assert_eq!(status_kind(&status), "already_exists");
+    wait_used(&client, stored).await;
+    assert_eq!(lookup(&client, "k").await, Some(header));
+
+    // An overwrite replaces it and says what it replaced.
+    let result = client
+        .put_blocks(committing("k", 23, size, true), &blocks_of(&object), MIB)
+        .await
+        .unwrap();
+    let replaced: ObjectHeader = serde_json::from_value(result["replaced"].clone()).unwrap();
+    assert_eq!(replaced, header);
+    assert_eq!(lookup(&client, "k").await.unwrap().version, 23);
+    client
+        .action(
+            "delete_prefix",
+            json!({"ctx": ctx("job-a", 0), "bucket": "b", "prefix": "k"}),
+        )
+        .await
+        .unwrap();
+    for version in [21u64, 23] {
+        client
+            .action(
+                "delete_blocks",
+                json!({"ctx": ctx("job-a", 0), "bucket": "b", "key": "k",
+                       "version": version, "blocks": [1, 2, 3]}),
+            )
+            .await
+            .unwrap();
+    }
+    wait_used(&client, baseline).await;
+
+    // A block missing, a block of the wrong length, more than the tier holds: refused, and
+    // neither the manifest nor any block remains.
+    let mut missing = blocks_of(&object);
+    missing.remove(1);
+    let mut short = blocks_of(&object);
+    short[0].1 = short[0].1.slice(..MIB - 1);
+    let big = pattern(20 * MIB, 4);
+    for (key, blocks, size, kind) in [
+        ("missing", missing, size, "invalid_argument"),
+        ("short", short, size, "invalid_argument"),
+        ("full", blocks_of(&big), 20 * MIB, "capacity_exhausted"),
+    ] {
+        let status = client
+            .put_blocks(committing(key, 30, size, false), &blocks, MIB)
+            .await
+            .unwrap_err();
+        assert_eq!(status_kind(&status), kind, "{key}");
+        assert_eq!(lookup(&client, key).await, None, "{key}");
+        wait_used(&client, baseline).await;
+    }
+    // A commit of a small object is malformed: small objects are records.
+    let status = client
+        .put_blocks(
+            committing("small", 31, 1000, false),
+            &[(1, pattern(1000, 5))],
+            MIB,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+}
+
+#[tokio::test]
+async fn a_commit_after_the_map_changed_mid_upload_is_stale_and_leaves_nothing() {
+    let server = TestServer::start(ServerOptions::default());
+    let client = server.client().await;
+    client.create_bucket("job-a", "b").await;
+    let baseline = used_bytes(&client).await;
+    let object = pattern(2 * MIB, 6);
+    let mut descriptor = committing("k", 40, 2 * MIB, false);
+    descriptor["ctx"] = ctx("job-a", 1);
+    let messages = put_messages(descriptor, &blocks_of(&object), MIB);
+    let (tx, rx) = mpsc::channel::<FlightData>(1);
+    let mut inner = client.inner.clone();
+    let upload = tokio::spawn(async move { inner.do_put(ReceiverStream::new(rx)).await });
+    let mut messages = messages.into_iter();
+    for message in messages.by_ref().take(2) {
+        tx.send(message).await.unwrap();
+    }
+    // Block 1 is taken (the upload began) under epoch 1; then the job moves to epoch 2.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while used_bytes(&client).await < baseline + MIB as u64 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "block 1 never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    client
+        .action(
+            "set_epoch",
+            json!({"ctx": admin_ctx(), "job": "job-a", "epoch": 2, "map": {"epoch": 2}}),
+        )
+        .await
+        .unwrap();
+    for message in messages {
+        tx.send(message).await.unwrap();
+    }
+    drop(tx);
+    let status = match upload.await.unwrap() {
+        Ok(response) => response.into_inner().next().await.unwrap().unwrap_err(),
+        Err(status) => status,
+    };
+    assert_eq!(
+        (status.code(), status_kind(&status)),
+        (Code::FailedPrecondition, "stale_epoch".into())
+    );
+    assert_eq!(lookup_at(&client, "k", 2).await, None);
+    wait_used(&client, baseline).await;
+}

@@ -188,6 +188,33 @@ impl BlockWriter for DramWriter {
         Box::pin(std::future::ready(result))
     }
 
+    fn spare(&mut self, len: u64) -> Option<&mut [u8]> {
+        if self.written + len > self.len {
+            return None;
+        }
+        let start = self.arena.at(self.extent.offset() + self.written);
+        // SAFETY: `start..+len` lies inside this writer's extent (checked above), which no one
+        // else writes or reads until `finish`; the arena is mapped memory, so every byte of it is
+        // initialised; the slice borrows the writer mutably, so nothing else writes it meanwhile.
+        Some(unsafe { std::slice::from_raw_parts_mut(start, len as usize) })
+    }
+
+    fn advance(&mut self, len: u64) {
+        let end = self.written + len;
+        assert!(
+            end <= self.len,
+            "advance past the block: {end} > {}",
+            self.len
+        );
+        if Checksum::ENABLED {
+            let start = self.arena.at(self.extent.offset() + self.written);
+            // SAFETY: inside this writer's extent (checked above), written by the caller.
+            let filled = unsafe { std::slice::from_raw_parts(start, len as usize) };
+            self.checksum.update(filled);
+        }
+        self.written = end;
+    }
+
     fn finish(self: Box<Self>) -> EngineFuture<'static, StoredBlock> {
         let result = if self.written == self.len {
             let DramWriter {
@@ -302,6 +329,23 @@ mod tests {
             engine.read(&again, 0, 4096).await.unwrap(),
             pattern(4096, 2)
         );
+    }
+
+    #[tokio::test]
+    async fn pieces_filled_in_place_read_back() {
+        let engine = DramEngine::open(1 << 16, false).unwrap();
+        let data = pattern(5000, 4);
+        let mut writer = engine.begin_write(5000).unwrap();
+        writer.append(data.slice(..1000)).await.unwrap();
+        let spare = writer.spare(4000).expect("the arena takes pieces in place");
+        spare.copy_from_slice(&data[1000..]);
+        writer.advance(4000);
+        assert!(
+            writer.spare(1).is_none(),
+            "no spare memory past the block's end"
+        );
+        let block = writer.finish().await.unwrap();
+        assert_eq!(engine.read(&block, 0, 5000).await.unwrap(), data);
     }
 
     #[tokio::test]

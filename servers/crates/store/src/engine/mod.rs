@@ -105,6 +105,23 @@ pub trait BlockWriter: Send {
     /// Append the next piece of the block.
     fn append(&mut self, piece: Bytes) -> EngineFuture<'_, ()>;
 
+    /// The engine's own memory for the next `len` bytes of the block, when its blocks live in
+    /// memory a caller may fill in place (the DRAM arena): the caller writes the bytes there, then
+    /// counts them with [`BlockWriter::advance`], and the piece is never copied again. `None`
+    /// (the default, and past the block's end) when pieces must go through
+    /// [`BlockWriter::append`].
+    fn spare(&mut self, len: u64) -> Option<&mut [u8]> {
+        let _ = len;
+        None
+    }
+
+    /// Count the `len` bytes just written into [`BlockWriter::spare`] as appended.
+    ///
+    /// Panics if the engine gave no spare memory of that length (a programmer error).
+    fn advance(&mut self, len: u64) {
+        panic!("advance by {len} bytes on an engine without in-place writes");
+    }
+
     /// Wait until every byte is durable in the engine and return the block's handle; fails with
     /// [`StoreError::LengthMismatch`] if fewer bytes than reserved were appended.
     fn finish(self: Box<Self>) -> EngineFuture<'static, StoredBlock>;

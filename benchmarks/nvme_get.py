@@ -1,15 +1,16 @@
-"""One client's 1 MiB gets from an NVMe server, server binary against server binary, each paired
-with fio reading the same file.
+"""One client's gets from an NVMe server, server binary against server binary, each paired with
+fio reading the same file.
 
 One NVMe storage server per ``--binary`` (all on loopback, their data files side by side in
-``--dir``), ``--objects`` objects of ``--size-kib`` KiB put on each by the client core. Each
-round, for each binary (the order flips every round): the client gets the objects one after
-another, cycling, for ``--seconds``; then fio reads the part of that server's data file the
-objects occupy with the pattern of ``engines.py``'s ``seqread-qd1`` (``--rw=read --bs=<size>
---iodepth=1 --direct=1 --ioengine=io_uring``), so each get sample has a fio sample on the same
-file, the same blocks and the same file system next to it in time (which of the two runs first
-flips every round too). ``--dram name=path`` adds a DRAM server of that binary as a reference:
-the same gets with the disk taken out.
+``--dir``), ``--objects`` objects of ``--size-kib`` KiB (default 1 MiB, in blocks of
+``--block-kib``, default 1 MiB as a job's) put on each by the client core. Each round, for each
+binary (the order flips every round): the client gets the objects one after another, cycling,
+for ``--seconds``; then fio reads the part of that server's data file the objects occupy with
+the pattern of ``engines.py``'s ``seqread-qd1`` (``--rw=read --bs=<block> --iodepth=1
+--direct=1 --ioengine=io_uring``, the block capped at the object size), so each get sample has a
+fio sample on the same file, the same blocks and the same file system next to it in time (which
+of the two runs first flips every round too). ``--dram name=path`` adds a DRAM server of that
+binary as a reference: the same gets with the disk taken out.
 
 Prints one JSON line per (binary, round) and one summary line per binary: median GB/s and p50
 latency over the rounds, fio's median, and the median of each round's get/fio ratio.
@@ -44,11 +45,11 @@ FIO_TIMEOUT_S = 120
 BUCKET = "bench"
 
 
-def _fio(data_file: Path, size_bytes: int, span_bytes: int, seconds: float) -> float:
-    """GB/s of fio reading the first `span_bytes` of `data_file`, `size_bytes` at a time."""
+def _fio(data_file: Path, read_bytes: int, span_bytes: int, seconds: float) -> float:
+    """GB/s of fio reading the first `span_bytes` of `data_file`, `read_bytes` at a time."""
     command = [
         "fio", "--name=get", f"--filename={data_file}", "--direct=1", "--ioengine=io_uring",
-        "--rw=read", f"--bs={size_bytes}", "--iodepth=1", f"--size={span_bytes}",
+        "--rw=read", f"--bs={read_bytes}", "--iodepth=1", f"--size={span_bytes}",
         f"--runtime={seconds}", "--time_based", "--output-format=json",
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=True,
@@ -88,6 +89,7 @@ def main() -> int:
     parser.add_argument("--dram", action="append", default=[], help="name=path (DRAM reference)")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/pocketflow-nvme-get"))
     parser.add_argument("--size-kib", type=int, default=1024)
+    parser.add_argument("--block-kib", type=int, default=1024)
     parser.add_argument("--objects", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=6)
@@ -98,6 +100,8 @@ def main() -> int:
         return 2
 
     size_bytes = args.size_kib * 1024
+    block_bytes = args.block_kib * 1024
+    read_bytes = min(size_bytes, block_bytes)
     # The objects fill the start of each data file, one after another (the allocator is first
     # fit and the file is fresh), so fio reads exactly the blocks the gets read.
     span_bytes = args.objects * size_bytes
@@ -120,7 +124,7 @@ def main() -> int:
             job = f"bench-{uuid.uuid4().hex[:8]}"
             handle = JobHandle(job_id=job, name="bench", epoch=1, servers=(info,),
                                token=make_token(secret, job, ttl_s=TOKEN_TTL_S),
-                               block_size_bytes=max(size_bytes, 1024 * 1024), tls_ca=None)
+                               block_size_bytes=block_bytes, tls_ca=None)
             with AdminClient(info.address, make_token(secret, "__admin__", ttl_s=TOKEN_TTL_S)) as a:
                 a.set_epoch(job, 1, handle.weight_map())
             pf = connect(handle)
@@ -141,10 +145,10 @@ def main() -> int:
                 run_fio = tier == "nvme" and not args.no_fio
                 data_file = workdir / f"{name}.dat"
                 if run_fio and fio_first:
-                    fio_gbps = _fio(data_file, size_bytes, span_bytes, args.seconds)
+                    fio_gbps = _fio(data_file, read_bytes, span_bytes, args.seconds)
                 sample = _gets(pf, keys, size_bytes, args.seconds)
                 if run_fio and not fio_first:
-                    fio_gbps = _fio(data_file, size_bytes, span_bytes, args.seconds)
+                    fio_gbps = _fio(data_file, read_bytes, span_bytes, args.seconds)
                 sample.update(binary=name, tier=tier, round=round_at, fio_gbps=fio_gbps,
                               ratio=None if fio_gbps is None else sample["gbps"] / fio_gbps,
                               load=os.getloadavg()[0])

@@ -265,6 +265,7 @@ pub(crate) async fn send_direct<W>(
 where
     W: tokio::io::AsyncWrite + Unpin,
 {
+    use bytes::Buf;
     use futures::stream::FuturesOrdered;
     use pocketflow_protocol::direct::{encode_head, Kind, DATA_META_BYTES};
     use tokio::io::AsyncWriteExt;
@@ -299,9 +300,11 @@ where
         head[..5].copy_from_slice(&encode_head(Kind::Data, DATA_META_BYTES + value.len()));
         head[5..9].copy_from_slice(&piece.index.to_le_bytes());
         head[9..].copy_from_slice(&piece.offset.to_le_bytes());
+        // Head and bytes in one vectored write: a piece larger than the writer's buffer would
+        // otherwise go out as a 17-byte segment of its own, and wake the client twice.
+        let mut message = (&head[..]).chain(&value[..]);
         let sent = async {
-            writer.write_all(&head).await?;
-            writer.write_all(&value).await?;
+            writer.write_all_buf(&mut message).await?;
             writer.flush().await
         };
         match tokio::time::timeout(idle, sent).await {

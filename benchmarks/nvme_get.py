@@ -1,16 +1,16 @@
 """One client's gets from an NVMe server, server binary against server binary, each paired with
 fio reading the same file.
 
-One NVMe storage server per ``--binary`` (all on loopback, their data files side by side in
-``--dir``), ``--objects`` objects of ``--size-kib`` KiB (default 1 MiB, in blocks of
-``--block-kib``, default 1 MiB as a job's) put on each by the client core. Each round, for each
-binary (the order flips every round): the client gets the objects one after another, cycling,
-for ``--seconds``; then fio reads the part of that server's data file the objects occupy with
-the pattern of ``engines.py``'s ``seqread-qd1`` (``--rw=read --bs=<block> --iodepth=1
---direct=1 --ioengine=io_uring``, the block capped at the object size), so each get sample has a
-fio sample on the same file, the same blocks and the same file system next to it in time (which
-of the two runs first flips every round too). ``--dram name=path`` adds a DRAM server of that
-binary as a reference: the same gets with the disk taken out.
+Each round, for each ``--binary`` (the order flips every round): an NVMe storage server of that
+binary starts on loopback with its data in one file of ``--dir`` (the same file for every
+binary and round), the client core puts ``--objects`` objects of ``--size-kib`` KiB (default
+1 MiB, in blocks of ``--block-kib``, default 1 MiB as a job's), gets them one after another,
+cycling, for ``--seconds``, and fio reads the part of the file the objects occupy with the
+pattern of ``engines.py``'s ``seqread-qd1`` (``--rw=read --bs=<block> --iodepth=1 --direct=1
+--ioengine=io_uring``, the block capped at the object size) before the server stops, so each get
+sample has a fio sample on the same file, the same blocks and the same file system next to it in
+time (which of the two runs first flips every other round). ``--dram name=path`` adds a DRAM
+server of that binary as a reference: the same gets with the disk taken out.
 
 Prints one JSON line per (binary, round) and one summary line per binary: median GB/s and p50
 latency over the rounds, fio's median, and the median of each round's get/fio ratio.
@@ -32,6 +32,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from pocketflow.auth import make_token, write_secret_file
 from pocketflow.client import connect
@@ -102,53 +103,60 @@ def main() -> int:
     size_bytes = args.size_kib * 1024
     block_bytes = args.block_kib * 1024
     read_bytes = min(size_bytes, block_bytes)
-    # The objects fill the start of each data file, one after another (the allocator is first
-    # fit and the file is fresh), so fio reads exactly the blocks the gets read.
+    # The objects fill the start of the data file, one after another (the allocator is first
+    # fit and every server starts empty), so fio reads exactly the blocks the gets read.
     span_bytes = args.objects * size_bytes
     args.dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="nvme-get-", dir=args.dir))
     secret = write_secret_file(workdir / "cluster.secret")
-    servers: list[tuple[str, str, StorageServerProcess]] = []
-    clients = {}
-    try:
-        named = [(n, "nvme") for n in args.binary] + [(n, "dram") for n in args.dram]
-        for spec, tier in named:
-            name, path = spec.split("=", 1)
-            os.environ["POCKETFLOW_SERVER_BIN"] = path
-            process = StorageServerProcess(ServerSpec(
-                node_id=name, tier=tier, capacity_bytes=span_bytes + CAPACITY_SLACK_BYTES,
-                secret_file=workdir / "cluster.secret", threads=2, metrics=False,
-                nvme_path=workdir / f"{name}.dat" if tier == "nvme" else None))
-            servers.append((name, tier, process))
-            info = ServerInfo(name, process.start(), tier, 1.0, False)
-            job = f"bench-{uuid.uuid4().hex[:8]}"
-            handle = JobHandle(job_id=job, name="bench", epoch=1, servers=(info,),
-                               token=make_token(secret, job, ttl_s=TOKEN_TTL_S),
-                               block_size_bytes=block_bytes, tls_ca=None)
-            with AdminClient(info.address, make_token(secret, "__admin__", ttl_s=TOKEN_TTL_S)) as a:
-                a.set_epoch(job, 1, handle.weight_map())
-            pf = connect(handle)
-            pf.create_bucket(BUCKET)
-            keys = [f"obj-{i}" for i in range(args.objects)]
-            for key in keys:
-                pf.put(BUCKET, key, os.urandom(size_bytes))
-            _gets(pf, keys, size_bytes, 0.2)  # connect and warm up
-            clients[name] = (pf, keys)
+    # Every NVMe server uses the same data file, one server at a time: files of their own
+    # differed in speed by up to 1.5x on a virtio disk (where the host caches them), which
+    # showed as a difference between binaries.
+    data_file = workdir / "data.dat"
+    named = [(*n.split("=", 1), "nvme") for n in args.binary]
+    named += [(*n.split("=", 1), "dram") for n in args.dram]
 
-        samples: dict[str, list[dict]] = {name: [] for name, _, _ in servers}
+    def serve(name: str, path: str, tier: str) -> tuple[StorageServerProcess, Any, list[str]]:
+        """Start a server of `path`, put the objects on it and warm the client up."""
+        os.environ["POCKETFLOW_SERVER_BIN"] = path
+        process = StorageServerProcess(ServerSpec(
+            node_id=name, tier=tier, capacity_bytes=span_bytes + CAPACITY_SLACK_BYTES,
+            secret_file=workdir / "cluster.secret", threads=2, metrics=False,
+            nvme_path=data_file if tier == "nvme" else None))
+        info = ServerInfo(name, process.start(), tier, 1.0, False)
+        job = f"bench-{uuid.uuid4().hex[:8]}"
+        handle = JobHandle(job_id=job, name="bench", epoch=1, servers=(info,),
+                           token=make_token(secret, job, ttl_s=TOKEN_TTL_S),
+                           block_size_bytes=block_bytes, tls_ca=None)
+        with AdminClient(info.address, make_token(secret, "__admin__", ttl_s=TOKEN_TTL_S)) as a:
+            a.set_epoch(job, 1, handle.weight_map())
+        pf = connect(handle)
+        pf.create_bucket(BUCKET)
+        keys = [f"obj-{i}" for i in range(args.objects)]
+        for key in keys:
+            pf.put(BUCKET, key, payload)
+        _gets(pf, keys, size_bytes, 0.2)  # connect and warm up
+        return process, pf, keys
+
+    payload = os.urandom(size_bytes)
+    samples: dict[str, list[dict]] = {name: [] for name, _, _ in named}
+    try:
         for round_at in range(args.rounds):
-            order = servers if round_at % 2 == 0 else servers[::-1]
-            for name, tier, _ in order:
-                pf, keys = clients[name]
-                fio_first = (round_at // 2) % 2 == 1
-                fio_gbps = None
-                run_fio = tier == "nvme" and not args.no_fio
-                data_file = workdir / f"{name}.dat"
-                if run_fio and fio_first:
-                    fio_gbps = _fio(data_file, read_bytes, span_bytes, args.seconds)
-                sample = _gets(pf, keys, size_bytes, args.seconds)
-                if run_fio and not fio_first:
-                    fio_gbps = _fio(data_file, read_bytes, span_bytes, args.seconds)
+            order = named if round_at % 2 == 0 else named[::-1]
+            for name, path, tier in order:
+                process, pf, keys = serve(name, path, tier)
+                try:
+                    fio_first = (round_at // 2) % 2 == 1
+                    fio_gbps = None
+                    run_fio = tier == "nvme" and not args.no_fio
+                    if run_fio and fio_first:
+                        fio_gbps = _fio(data_file, read_bytes, span_bytes, args.seconds)
+                    sample = _gets(pf, keys, size_bytes, args.seconds)
+                    if run_fio and not fio_first:
+                        fio_gbps = _fio(data_file, read_bytes, span_bytes, args.seconds)
+                finally:
+                    pf.close()
+                    process.stop()
                 sample.update(binary=name, tier=tier, round=round_at, fio_gbps=fio_gbps,
                               ratio=None if fio_gbps is None else sample["gbps"] / fio_gbps,
                               load=os.getloadavg()[0])
@@ -156,7 +164,7 @@ def main() -> int:
                 print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
                                   for k, v in sample.items()}), flush=True)
 
-        first = samples[servers[0][0]]
+        first = samples[named[0][0]]
         for name, rows in samples.items():
             summary = {
                 "binary": name, "rounds": len(rows),
@@ -175,10 +183,6 @@ def main() -> int:
                     r["ratio"] for r in rows if r["ratio"] is not None), 3)
             print(json.dumps({"summary": summary}), flush=True)
     finally:
-        for pf, _ in clients.values():
-            pf.close()
-        for _, _, process in servers:
-            process.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
 

@@ -38,6 +38,12 @@ pub const REPLY_FRAME_TARGET_BYTES: usize = 1024 * 1024;
 pub const REPLY_FRAMES_QUEUED_MAX: usize = 1;
 /// DoGet pieces of one stream queued for the transport.
 pub const GET_PIECES_QUEUED_MAX: usize = 1;
+/// Piece size of a direct GET from the NVMe tier: its ranges are read and sent in pieces of at
+/// most this, so a block's first pieces go out while the kernel still reads the rest.
+pub const NVME_DIRECT_PIECE_BYTES: u64 = 512 * 1024;
+/// Reads of one direct GET from the NVMe tier in the kernel at once (its read-ahead, and the
+/// staging memory it holds: `NVME_DIRECT_READS_AHEAD_MAX * NVME_DIRECT_PIECE_BYTES`, 1 MiB).
+pub const NVME_DIRECT_READS_AHEAD_MAX: usize = 2;
 /// How long in-flight RPCs get to finish after a shutdown signal before the process exits.
 pub const SHUTDOWN_GRACE_MS: u64 = 2_000;
 /// Poll interval of the drain-exit and parent-process watches.

@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
-use crate::bounds::GET_PIECES_QUEUED_MAX;
+use crate::bounds::{GET_PIECES_QUEUED_MAX, NVME_DIRECT_PIECE_BYTES, NVME_DIRECT_READS_AHEAD_MAX};
 use crate::ipc::{encode_piece, schema_flight_data};
 use crate::service::ServiceState;
 use crate::status::ServiceError;
@@ -58,21 +58,25 @@ struct Piece {
     len: u64,
 }
 
-/// The ticket's ranges cut into pieces of at most `BATCH_MAX_BYTES`, in order.
-fn pieces(ticket: &GetTicket) -> impl Iterator<Item = Piece> + Send + 'static {
+/// The ticket's ranges cut into pieces of at most `piece_bytes_max`, in order.
+fn pieces(
+    ticket: &GetTicket,
+    piece_bytes_max: u64,
+) -> impl Iterator<Item = Piece> + Send + 'static {
+    assert!(piece_bytes_max > 0, "pieces hold at least one byte");
     let ranges = ticket.ranges.clone();
     ranges
         .into_iter()
         .enumerate()
-        .flat_map(|(range_at, range)| {
-            let count = range.len().div_ceil(BATCH_MAX_BYTES).max(1);
+        .flat_map(move |(range_at, range)| {
+            let count = range.len().div_ceil(piece_bytes_max).max(1);
             (0..count).map(move |i| {
-                let start = i * BATCH_MAX_BYTES;
+                let start = i * piece_bytes_max;
                 Piece {
                     range_at,
                     index: range.index(),
                     offset: range.offset() + start,
-                    len: (range.len() - start).min(BATCH_MAX_BYTES),
+                    len: (range.len() - start).min(piece_bytes_max),
                 }
             })
         })
@@ -207,10 +211,12 @@ impl Drop for Transfer {
 
 type Sender = mpsc::Sender<Result<Answer, Status>>;
 
-/// Check a ticket and take a transfer slot for it; returns the transfer and its pieces.
+/// Check a ticket and take a transfer slot for it; returns the transfer and its pieces (of at
+/// most `piece_bytes_max`).
 async fn begin(
     state: Arc<ServiceState>,
     ticket_bytes: &[u8],
+    piece_bytes_max: u64,
 ) -> Result<(Transfer, impl Iterator<Item = Piece> + Send + 'static), ServiceError> {
     let ticket = GetTicket::parse(ticket_bytes)?;
     let job = state.auth.job(&ticket.ctx)?;
@@ -227,7 +233,7 @@ async fn begin(
         .enumerate()
         .map(|(at, r)| (r.index(), at))
         .collect();
-    let pieces = pieces(&ticket);
+    let pieces = pieces(&ticket, piece_bytes_max);
     let transfer = Transfer {
         state,
         job,
@@ -242,6 +248,15 @@ async fn begin(
 /// DATA message `[block index u32][offset u64][bytes]` straight from the store, then END; an
 /// error is a STATUS, after which the connection ends (`Err`). A client that takes nothing
 /// for the transfer idle time ends it too.
+///
+/// From the NVMe tier the pieces are smaller (`NVME_DIRECT_PIECE_BYTES`) and up to
+/// `NVME_DIRECT_READS_AHEAD_MAX` of them are read at once, each sent as soon as it and the ones
+/// before it are read: a 1 MiB block's first half goes out while the kernel reads the second,
+/// instead of the whole read and then the whole send. Measured on a virtio disk: reading the
+/// pieces one after another is slower than one read of the block (the time per read dominates),
+/// and four concurrent 256 KiB reads all complete near the end of the block's read time, so
+/// two halves overlap the most. A DRAM piece is the store's own memory at once, so it is sent
+/// whole, with nothing to overlap.
 pub(crate) async fn send_direct<W>(
     state: Arc<ServiceState>,
     ticket_bytes: &[u8],
@@ -250,24 +265,46 @@ pub(crate) async fn send_direct<W>(
 where
     W: tokio::io::AsyncWrite + Unpin,
 {
+    use bytes::Buf;
+    use futures::stream::FuturesOrdered;
     use pocketflow_protocol::direct::{encode_head, Kind, DATA_META_BYTES};
     use tokio::io::AsyncWriteExt;
 
     let idle = state.transfer_idle;
-    let (transfer, pieces) = begin(state, ticket_bytes).await.map_err(Some)?;
+    let (piece_bytes_max, reads_ahead_max) = match state.store.tier() {
+        pocketflow_store::Tier::Nvme => (NVME_DIRECT_PIECE_BYTES, NVME_DIRECT_READS_AHEAD_MAX),
+        pocketflow_store::Tier::Dram => (BATCH_MAX_BYTES, 1),
+    };
+    let (transfer, mut pieces) = begin(state, ticket_bytes, piece_bytes_max)
+        .await
+        .map_err(Some)?;
+    let transfer = &transfer;
+    let mut reads = FuturesOrdered::new();
     let mut previous: Option<Piece> = None;
-    for piece in pieces {
+    loop {
+        // Keep the read-ahead full; the new reads enter the kernel when `reads` is next polled.
+        while reads.len() < reads_ahead_max {
+            let Some(piece) = pieces.next() else { break };
+            reads.push_back(async move { (piece, transfer.read_raw(piece).await) });
+        }
+        let Some((piece, value)) = reads.next().await else {
+            break;
+        };
+        // A failed read ends the transfer; dropping `reads` leaves the others' buffers with
+        // the engine until the kernel is done with them.
+        let value = value.map_err(Some)?;
         if let Some(done) = previous.filter(|p| p.range_at != piece.range_at) {
             transfer.after_range(done.range_at);
         }
-        let value = transfer.read_raw(piece).await.map_err(Some)?;
         let mut head = [0u8; 5 + DATA_META_BYTES];
         head[..5].copy_from_slice(&encode_head(Kind::Data, DATA_META_BYTES + value.len()));
         head[5..9].copy_from_slice(&piece.index.to_le_bytes());
         head[9..].copy_from_slice(&piece.offset.to_le_bytes());
+        // Head and bytes in one vectored write: a piece larger than the writer's buffer would
+        // otherwise go out as a 17-byte segment of its own, and wake the client twice.
+        let mut message = (&head[..]).chain(&value[..]);
         let sent = async {
-            writer.write_all(&head).await?;
-            writer.write_all(&value).await?;
+            writer.write_all_buf(&mut message).await?;
             writer.flush().await
         };
         match tokio::time::timeout(idle, sent).await {
@@ -294,7 +331,7 @@ pub(crate) async fn get(
     state: Arc<ServiceState>,
     ticket_bytes: Bytes,
 ) -> Result<BoxStream<'static, Result<Answer, Status>>, ServiceError> {
-    let (transfer, mut pieces) = begin(state, &ticket_bytes).await?;
+    let (transfer, mut pieces) = begin(state, &ticket_bytes, BATCH_MAX_BYTES).await?;
     let first_piece = pieces.next().expect("a ticket has at least one range");
     let first = transfer.read(first_piece).await?;
     let mut rest = pieces.peekable();
@@ -344,20 +381,26 @@ mod tests {
     /// A service state over a small DRAM store holding blocks 1 and 2 (10 bytes each) of
     /// `b/k` version 7.
     async fn state_with_blocks() -> (Arc<ServiceState>, TokenKey) {
-        let key = TokenKey::new(b"0123456789abcdef").unwrap();
         let engine = Arc::new(DramEngine::open(1 << 20, false).unwrap());
         let store = Store::with_engine(engine, false);
         store.create_bucket(JOB, "b").unwrap();
         for index in [1, 2] {
-            let mut write = store
-                .begin_block(JOB, "b", "k", 7, index, 10, false)
-                .unwrap();
-            write
-                .append(Bytes::from(vec![index as u8; 10]))
-                .await
-                .unwrap();
-            write.commit().await.unwrap();
+            put_block(&store, index, Bytes::from(vec![index as u8; 10])).await;
         }
+        state_over(store)
+    }
+
+    async fn put_block(store: &Store, index: u32, value: Bytes) {
+        let mut write = store
+            .begin_block(JOB, "b", "k", 7, index, value.len() as u64, false)
+            .unwrap();
+        write.append(value).await.unwrap();
+        write.commit().await.unwrap();
+    }
+
+    /// A service state over `store`, and the key of its tokens.
+    fn state_over(store: Store) -> (Arc<ServiceState>, TokenKey) {
+        let key = TokenKey::new(b"0123456789abcdef").unwrap();
         let state = ServiceState {
             store,
             auth: Authority::new(key.clone()),
@@ -371,6 +414,74 @@ mod tests {
             transfer_idle: std::time::Duration::from_secs(30),
         };
         (Arc::new(state), key)
+    }
+
+    /// The DATA messages of a direct GET's answer, as (block index, offset, bytes).
+    fn data_messages(mut answer: &[u8]) -> Vec<(u32, u64, Vec<u8>)> {
+        use pocketflow_protocol::direct::{decode_head, Kind, DATA_META_BYTES, MESSAGE_HEAD_BYTES};
+        let mut messages = Vec::new();
+        while !answer.is_empty() {
+            let head: [u8; MESSAGE_HEAD_BYTES] = answer[..MESSAGE_HEAD_BYTES].try_into().unwrap();
+            let (kind, len) = decode_head(&head).unwrap();
+            assert_eq!(kind, Kind::Data);
+            let payload = &answer[MESSAGE_HEAD_BYTES..MESSAGE_HEAD_BYTES + len];
+            let index = u32::from_le_bytes(payload[..4].try_into().unwrap());
+            let offset = u64::from_le_bytes(payload[4..DATA_META_BYTES].try_into().unwrap());
+            messages.push((index, offset, payload[DATA_META_BYTES..].to_vec()));
+            answer = &answer[MESSAGE_HEAD_BYTES + len..];
+        }
+        messages
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_direct_get_from_nvme_sends_pieces_read_ahead_in_ticket_order() {
+        use pocketflow_store::engine::nvme::{NvmeConfig, NvmeEngine};
+        const PIECE: u64 = NVME_DIRECT_PIECE_BYTES;
+
+        let dir = tempfile::tempdir_in("/tmp").unwrap();
+        let config = NvmeConfig::new(dir.path().join("blocks"), 16 << 20);
+        let store = Store::with_engine(Arc::new(NvmeEngine::open(config).unwrap()), false);
+        store.create_bucket(JOB, "b").unwrap();
+        let pattern = |len: u64, seed: u64| -> Bytes {
+            (0..len).map(|i| (i * 31 + seed + i / 4096) as u8).collect()
+        };
+        let one = pattern(4 * PIECE + 5, 1);
+        let two = pattern(3000, 2);
+        put_block(&store, 1, one.clone()).await;
+        put_block(&store, 2, two.clone()).await;
+        let (state, key) = state_over(store);
+
+        // Block 1 whole (more pieces than the read-ahead, the last 5 bytes), a range of block 2,
+        // then an unaligned range of block 1 again; with delete, both blocks go at the end.
+        let ranges = format!(
+            "[[1,0,{}],[2,100,2000],[1,4097,{}]]",
+            one.len(),
+            2 * PIECE + 77
+        );
+        let mut answer = Vec::new();
+        send_direct(state.clone(), &delete_ticket(&key, &ranges), &mut answer)
+            .await
+            .unwrap();
+        let messages = data_messages(&answer);
+        let mut expected = Vec::new();
+        for (index, block, start, len) in [
+            (1u32, &one, 0u64, one.len() as u64),
+            (2, &two, 100, 2000),
+            (1, &one, 4097, 2 * PIECE + 77),
+        ] {
+            for at in (0..len).step_by(PIECE as usize) {
+                let end = (at + PIECE).min(len);
+                let bytes = block[(start + at) as usize..(start + end) as usize].to_vec();
+                expected.push((index, start + at, bytes));
+            }
+        }
+        assert_eq!(messages.len(), expected.len());
+        for (got, want) in messages.iter().zip(&expected) {
+            assert_eq!((got.0, got.1, got.2.len()), (want.0, want.1, want.2.len()));
+            assert!(got.2 == want.2, "piece of block {} at {}", got.0, got.1);
+        }
+        wait_until_freed(&state).await;
+        assert_eq!(state.transfers.available_permits(), 1);
     }
 
     fn delete_ticket(key: &TokenKey, ranges: &str) -> Bytes {
@@ -497,7 +608,7 @@ mod tests {
             ],
             delete: false,
         };
-        let all: Vec<_> = pieces(&ticket)
+        let all: Vec<_> = pieces(&ticket, BATCH_MAX_BYTES)
             .map(|p| (p.range_at, p.index, p.offset, p.len))
             .collect();
         assert_eq!(

@@ -25,7 +25,7 @@ Reported per variant: job time (the driver's run, registration to deregistration
 pocketflow), storage I/O time per task for each stage (a decode task's write of its frames; a
 detect task's read of them and write of its result; waiting for the input to exist is not
 I/O and is reported apart, in all and from the moment the input was written, which is the
-store's part of it), mean and p95; the peak of intermediate bytes held, from the tasks'
+store's part of it), mean, median and p95; the peak of intermediate bytes held, from the tasks'
 own timestamps (+frames when written, -frames when read with DELETE) for every store, and for
 pocketflow also the servers' used bytes sampled every ``SAMPLE_INTERVAL_S`` (their statistics
 refresh every second). ``this-pipeline-<date>.png`` plots capacity over time with and without
@@ -251,6 +251,7 @@ def stage_io(result: Any, stages: tuple[str, ...]) -> dict[str, Any]:
         out[name] = {
             "tasks": len(rows),
             "io_s_mean": float(io.mean()),
+            "io_s_p50": float(np.percentile(io, 50)),
             "io_s_p95": float(np.percentile(io, 95)),
             "read_s_mean": float(np.mean([o.read_s for o in rows])),
             "write_s_mean": float(np.mean([o.write_s for o in rows])),
@@ -419,17 +420,20 @@ def markdown(results: dict[str, Any]) -> str:
         f"benchmarks.this_pipeline{' --quick' if results['quick'] else ''}`. "
         f"{results['note']}",
         "",
-        "| variant | job s | decode I/O ms mean / p95 | detect I/O ms mean / p95 | "
+        "| variant | job s | decode I/O ms mean / p50 / p95 | detect I/O ms mean / p50 / p95 | "
         "detect wait ms mean | detect wait after input written ms mean / p95 | "
         "peak held MB | peak server used MB | same detections |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def io(stage: dict[str, Any]) -> str:
+        return " / ".join(f"{stage[k] * 1e3:.1f}" for k in ("io_s_mean", "io_s_p50", "io_s_p95"))
+
     for name, r in results["variants"].items():
         d, t = r["stages"]["decode"], r["stages"]["detect"]
         used = r["peak_server_used_bytes"]
         lines.append(
-            f"| {name} | {r['job_s']:.1f} | {d['io_s_mean'] * 1e3:.1f} / {d['io_s_p95'] * 1e3:.1f}"
-            f" | {t['io_s_mean'] * 1e3:.1f} / {t['io_s_p95'] * 1e3:.1f} | "
+            f"| {name} | {r['job_s']:.1f} | {io(d)} | {io(t)} | "
             f"{t['wait_s_mean'] * 1e3:.0f} | {t['wait_after_written_s_mean'] * 1e3:.1f} / "
             f"{t['wait_after_written_s_p95'] * 1e3:.1f} | {r['peak_held_bytes'] / 1e6:.0f} | "
             f"{'-' if used is None else f'{used / 1e6:.0f}'} | "

@@ -11,12 +11,16 @@ The public API::
                 pf.create_bucket("shuffle")
                 pf.put("shuffle", "part-0", b"...")
 
-Importing this package does not import Ray; only starting or joining a cluster does.
+Importing this package does not import Ray; only starting or joining a cluster does. The
+cluster and job API (``LocalCluster``, ``register_job``, ``Job``, ``Hints``) is imported on first
+use, so a task that only connects (a Lithops function runs in a fresh process each time) does not
+pay for the control plane's modules.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from pocketflow.channels import AppendFile, Queue
 from pocketflow.client import Client, ObjectInfo, connect
-from pocketflow.cluster import LocalCluster
 from pocketflow.errors import (
     AlreadyExists,
     BucketExists,
@@ -43,10 +47,32 @@ from pocketflow.errors import (
     Unavailable,
 )
 from pocketflow.handle import JobHandle, ServerInfo
-from pocketflow.job import Hints, Job, register_job
 from pocketflow.notifications import Event, Listener
 
+if TYPE_CHECKING:
+    from pocketflow.cluster import LocalCluster
+    from pocketflow.job import Hints, Job, register_job
+
 __version__ = "0.1.0"
+
+_LAZY = {"LocalCluster": "pocketflow.cluster", "register_job": "pocketflow.job",
+         "Job": "pocketflow.job", "Hints": "pocketflow.job"}
+"""Public names imported on first use, and the module each comes from."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pocketflow' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "LocalCluster",

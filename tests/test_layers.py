@@ -82,3 +82,28 @@ def test_the_layer_list_names_real_modules_that_import_something() -> None:
             assert (PACKAGE_DIR / f"{module}.py").is_file(), module
     assert "layout" in _imports_of("objectfile")
     assert {"layout", "objectfile", "transport"} <= _imports_of("client")
+
+
+def test_a_task_that_only_connects_does_not_import_the_control_plane() -> None:
+    """``import pocketflow`` leaves the cluster and job modules (and Ray) to first use: a
+    Lithops function runs in a fresh process each time and pays every import again."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, pocketflow\n"
+        "heavy = sorted(m for m in ('pocketflow.cluster', 'pocketflow.job', 'pocketflow.control',"
+        " 'ray', 'psutil') if m in sys.modules)\n"
+        "print(','.join(heavy) or '-')\n"
+        "from pocketflow import Hints, LocalCluster, register_job\n"
+        "assert Hints.__module__ == 'pocketflow.job' and callable(register_job)\n"
+        "assert LocalCluster.__module__ == 'pocketflow.cluster'\n"
+        "assert {'LocalCluster', 'Hints'} <= set(dir(pocketflow))\n"
+        "try:\n"
+        "    pocketflow.NoSuchName\n"
+        "except AttributeError:\n"
+        "    print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == ["-", "ok"], out

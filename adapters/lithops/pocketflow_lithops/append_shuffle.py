@@ -31,6 +31,7 @@ from typing import Any
 from pocketflow.errors import BucketExists, ShuffleFailed
 from pocketflow.protocol import SMALL_OBJECT_MAX_BYTES
 from pocketflow_lithops.shuffle import (
+    RUNTIME_PACKAGES,
     SHUFFLE_BUCKET,
     OutputInfo,
     ShuffleResult,
@@ -160,7 +161,8 @@ def run_append_layout(
     maps = [_AppendMap(spec, map_function, item, m) for m, item in enumerate(map_inputs)]
     reduces = [_AppendReduce(spec, reduce_function, r) for r in range(spec.reducers)]
     try:
-        futures = fexec.map(_append_task, [(c,) for c in maps + reduces])
+        futures = fexec.map(_append_task, [(c,) for c in maps + reduces],
+                            exclude_modules=list(RUNTIME_PACKAGES))
         outcomes = fexec.get_result(futures, timeout=timeout_s, show_progressbar=False)
     except BaseException:
         try:  # wakes reducers still parked on the bucket

@@ -147,6 +147,14 @@ def test_shuffle_delivers_every_partition_in_mapper_order(
     # The shuffle's own job is deregistered and its objects were deleted on read.
     assert result.job_id not in {j["job_id"] for j in local_cluster.status()["jobs"]}
     assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)
+    # Lithops shipped this test module to the workers, but not pocketflow's own packages:
+    # the workers ran the installed ones.
+    from lithops.constants import LITHOPS_TEMP_DIR
+
+    shipped = [p.name for d in Path(LITHOPS_TEMP_DIR, "modules").glob(f"{fexec.executor_id}-*")
+               for p in d.iterdir()]
+    assert shipped, "Lithops shipped no module at all: the check below would prove nothing"
+    assert not [name for name in shipped if name.startswith("pocketflow")], shipped
 
 
 def test_sort_output_persists_and_reducers_wait_for_late_mappers(

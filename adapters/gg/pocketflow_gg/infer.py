@@ -96,9 +96,13 @@ class BuildGraph:
 
 @dataclass
 class Toolchain:
-    """The host tools, resolved to files and named by content (once each)."""
+    """The host tools, resolved to files and named by content, each asked and hashed once per
+    build (a compile step would otherwise run its driver twice more just to ask where ``cc1``
+    and ``as`` are and what its install directory is: about 100 processes for Lua's build)."""
 
     _names: dict[Path, str] = field(default_factory=dict)
+    _progs: dict[tuple[Path, str], Path] = field(default_factory=dict)
+    _exec_prefixes: dict[Path, str] = field(default_factory=dict)
 
     def name_of(self, path: Path) -> str:
         real = path.resolve()
@@ -115,21 +119,30 @@ class Toolchain:
 
     def prog(self, driver: Path, name: str) -> Path:
         """What ``driver`` runs for ``name`` (``cc1``, ``as``, ``collect2``, ``ld``)."""
+        known = self._progs.get((driver, name))
+        if known is not None:
+            return known
         out = subprocess.run([str(driver), f"-print-prog-name={name}"], capture_output=True,
                              text=True, timeout=30, check=False).stdout.strip()
         if not out:
             raise InferError(f"{driver} does not know its {name}")
-        return Path(out).resolve() if os.path.isabs(out) else self.which(out)
+        found = Path(out).resolve() if os.path.isabs(out) else self.which(out)
+        self._progs[(driver, name)] = found
+        return found
 
-    @staticmethod
-    def exec_prefix(driver: Path) -> str:
+    def exec_prefix(self, driver: Path) -> str:
         """``GCC_EXEC_PREFIX`` for ``driver``: two levels above its install directory."""
+        known = self._exec_prefixes.get(driver)
+        if known is not None:
+            return known
         out = subprocess.run([str(driver), "-print-search-dirs"], capture_output=True,
                              text=True, timeout=30, check=False).stdout
         for line in out.splitlines():
             if line.startswith("install:"):
                 install = Path(line.split(":", 1)[1].strip())
-                return str(install.parent.parent) + "/"
+                prefix = str(install.parent.parent) + "/"
+                self._exec_prefixes[driver] = prefix
+                return prefix
         raise InferError(f"{driver} -print-search-dirs names no install directory")
 
 

@@ -26,6 +26,18 @@ pub struct BlockSlice<'a> {
     pub data: &'a [u8],
 }
 
+impl<'a> BlockSlice<'a> {
+    /// An object's bytes cut into its data blocks `1..`, each `block_size` bytes but the last.
+    pub fn cut(data: &'a [u8], block_size: usize) -> impl Iterator<Item = BlockSlice<'a>> {
+        data.chunks(block_size)
+            .enumerate()
+            .map(|(i, data)| BlockSlice {
+                index: i as u32 + 1,
+                data,
+            })
+    }
+}
+
 /// Where the bytes of one ticket range go: `[block, offset in block, length]` of the ticket and
 /// the position in the destination of its first byte.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -646,10 +646,7 @@ impl Objects {
             let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
             for &index in &pending {
                 match home(&view, keys[index].as_bytes(), 0, false) {
-                    Ok(server) => match groups.iter_mut().find(|(a, _)| *a == server.address) {
-                        Some((_, group)) => group.push(index),
-                        None => groups.push((server.address.as_str(), vec![index])),
-                    },
+                    Ok(server) => push_grouped(&mut groups, &server.address, index),
                     Err(failure) => results[index] = Some(Err(failure)),
                 }
             }
@@ -834,7 +831,7 @@ impl Objects {
         }
         let first = (start / block_size + 1) as u32;
         let last = ((end - 1) / block_size + 1) as u32;
-        let mut groups: Vec<(String, Vec<RangeTarget>)> = Vec::new();
+        let mut groups: Vec<(&str, Vec<RangeTarget>)> = Vec::new();
         for index in first..=last {
             let block_start = u64::from(index - 1) * block_size;
             let low = start.max(block_start);
@@ -846,10 +843,7 @@ impl Objects {
                 len: high - low,
                 dest_at: (low - start) as usize,
             };
-            match groups.iter_mut().find(|(a, _)| *a == server.address) {
-                Some((_, ranges)) => ranges.push(range),
-                None => groups.push((server.address.clone(), vec![range])),
-            }
+            push_grouped(&mut groups, &server.address, range);
         }
         let blocks = (last - first + 1) as usize;
         let per_ticket = READ_TICKET_BLOCKS_MIN
@@ -860,7 +854,7 @@ impl Objects {
             .flat_map(|(address, ranges)| {
                 ranges
                     .chunks(per_ticket)
-                    .map(move |chunk| (address.as_str(), chunk))
+                    .map(move |chunk| (*address, chunk))
             })
             .collect();
         let received: Received = Mutex::new(HashMap::new());
@@ -918,6 +912,15 @@ pub(crate) fn home<'v>(
         };
         Failure::local(error)
     })
+}
+
+/// Add `item` to the group of `address` in `groups`, which keep the servers in the order they
+/// were first seen: how a call gathers its keys, blocks or ranges per server.
+pub(crate) fn push_grouped<'a, T>(groups: &mut Vec<(&'a str, Vec<T>)>, address: &'a str, item: T) {
+    match groups.iter_mut().find(|(a, _)| *a == address) {
+        Some((_, group)) => group.push(item),
+        None => groups.push((address, vec![item])),
+    }
 }
 
 /// Run `work` on every task, on up to `threads` threads (the calling one included); returns

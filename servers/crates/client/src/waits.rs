@@ -15,7 +15,10 @@ use pocketflow_protocol::limits::{WAIT_KEYS_MAX, WAIT_TIMEOUT_MAX_MS};
 
 use crate::connection::Connection;
 use crate::error::ClientError;
-use crate::objects::{body, home, run_parallel, Failure, Objects, STALE_EPOCH_RETRIES_MAX};
+use crate::objects::{
+    body, home, push_grouped, run_parallel, Failure, Objects, STALE_EPOCH_RETRIES_MAX,
+};
+use crate::writes::kind_is;
 
 /// How much shorter than the client's RPC timeout one parked call is: the server answers a
 /// parked call when its time is up, and that answer must reach the client before it gives up.
@@ -37,12 +40,6 @@ enum Parked {
     Missing(Vec<String>),
     /// The server has a newer map: adopt it and place the part again.
     Stale(Failure),
-}
-
-/// Whether `error` says the object is not there (and not that its bucket or job is not).
-fn object_not_found(error: &ClientError) -> bool {
-    matches!(error, ClientError::Server { message, .. } if message.starts_with("not_found: "))
-        && error.is_not_found()
 }
 
 impl Objects {
@@ -86,7 +83,7 @@ impl Objects {
             for (index, outcome) in wanted.iter().zip(outcomes) {
                 match outcome {
                     Ok(()) => {}
-                    Err(failure) if object_not_found(&failure.error) => missing.push(*index),
+                    Err(failure) if kind_is(&failure.error, "not_found") => missing.push(*index),
                     // A missing bucket or a newer map: the wait action sorts it out.
                     Err(failure)
                         if failure.error.is_not_found() || failure.error.is_stale_epoch() =>
@@ -108,7 +105,7 @@ impl Objects {
             for (index, outcome) in wanted.into_iter().zip(found) {
                 match outcome {
                     Ok(_) => {}
-                    Err(failure) if object_not_found(&failure.error) => missing.push(index),
+                    Err(failure) if kind_is(&failure.error, "not_found") => missing.push(index),
                     Err(failure) => return Err(failure),
                 }
             }
@@ -128,13 +125,8 @@ impl Objects {
             let view = self.view();
             let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
             for &index in &missing {
-                let address = home(&view, keys[index].as_bytes(), 0, false)?
-                    .address
-                    .as_str();
-                match groups.iter_mut().find(|(a, _)| *a == address) {
-                    Some((_, group)) => group.push(index),
-                    None => groups.push((address, vec![index])),
-                }
+                let server = home(&view, keys[index].as_bytes(), 0, false)?;
+                push_grouped(&mut groups, &server.address, index);
             }
             let parts: Vec<(&str, &[usize])> = groups
                 .iter()

@@ -23,7 +23,7 @@ use crate::blocks::BlockSlice;
 use crate::connection::ExchangeRequest;
 use crate::error::ClientError;
 use crate::objects::{
-    body, failure_reply, home, reply_error, run_parallel, Failure, Objects,
+    body, failure_reply, home, push_grouped, reply_error, run_parallel, Failure, Objects,
     LARGE_OBJECTS_IN_FLIGHT_MAX, STALE_EPOCH_RETRIES_MAX,
 };
 use crate::view::{Server, View};
@@ -517,18 +517,13 @@ impl Objects {
     ) -> (Placed, Result<(), Failure>) {
         let view = self.view();
         let block_size = view.block_size as usize;
-        let mut groups: Vec<(String, Vec<BlockSlice<'_>>)> = Vec::new();
-        for (i, chunk) in data.chunks(block_size).enumerate() {
-            let index = i as u32 + 1;
-            let server = match home(&view, key.as_bytes(), index, persist) {
+        let mut groups: Vec<(&str, Vec<BlockSlice<'_>>)> = Vec::new();
+        for block in BlockSlice::cut(data, block_size) {
+            let server = match home(&view, key.as_bytes(), block.index, persist) {
                 Ok(server) => server,
                 Err(failure) => return (HashMap::new(), Err(failure)),
             };
-            let block = BlockSlice { index, data: chunk };
-            match groups.iter_mut().find(|(a, _)| *a == server.address) {
-                Some((_, blocks)) => blocks.push(block),
-                None => groups.push((server.address.clone(), vec![block])),
-            }
+            push_grouped(&mut groups, &server.address, block);
         }
         let placed = std::sync::Mutex::new(Placed::new());
         let upload = BlockUpload {
@@ -629,14 +624,8 @@ impl Objects {
                 return None;
             }
         }
-        let blocks: Vec<BlockSlice<'_>> = data
-            .chunks(header.block_size as usize)
-            .enumerate()
-            .map(|(i, chunk)| BlockSlice {
-                index: i as u32 + 1,
-                data: chunk,
-            })
-            .collect();
+        let blocks: Vec<BlockSlice<'_>> =
+            BlockSlice::cut(data, header.block_size as usize).collect();
         let descriptor = PutDescriptor {
             ctx: view.ctx.clone(),
             bucket: bucket.to_string(),
@@ -811,13 +800,10 @@ impl BlockUpload<'_> {
         attempts_left: usize,
     ) -> Result<(), Failure> {
         let view = self.objects.view();
-        let mut groups: Vec<(String, Vec<BlockSlice<'_>>)> = Vec::new();
+        let mut groups: Vec<(&str, Vec<BlockSlice<'_>>)> = Vec::new();
         for block in blocks {
             let server = home(&view, self.key.as_bytes(), block.index, self.persist)?;
-            match groups.iter_mut().find(|(a, _)| *a == server.address) {
-                Some((_, group)) => group.push(*block),
-                None => groups.push((server.address.clone(), vec![*block])),
-            }
+            push_grouped(&mut groups, &server.address, *block);
         }
         for (address, group) in &groups {
             self.send(address, group, attempts_left)?;

@@ -7,7 +7,7 @@ by one DoGet ticket (at least 256 MiB per timing), alternating between the binar
 size) with every round's MB/s, the median, the median of each round's ratio to the first, and
 the server's CPU seconds (user + system) per GiB sent, which load on the machine disturbs less.
 
-    python3 benchmarks/flight_doget.py --binary before=/path/a --binary after=/path/b \
+    python3 -m benchmarks.flight_doget --binary before=/path/a --binary after=/path/b \
         --size-mib 64 --size-mib 1 --rounds 15
 """
 
@@ -20,17 +20,17 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import pyarrow.flight as flight
 
-from pocketflow.auth import make_token, write_secret_file
+from benchmarks.peers import standalone_job
+from pocketflow.auth import write_secret_file
 from pocketflow.client import connect
 from pocketflow.handle import JobHandle, ServerInfo
 from pocketflow.protocol import OP_LOOKUP, exchange_descriptor, get_ticket
 from pocketflow.server_process import ServerSpec, StorageServerProcess
-from pocketflow.transport import AdminClient, ServerConnection
+from pocketflow.transport import ServerConnection
 
 CAPACITY_BYTES = 512 * 1024 * 1024
 BLOCK_SIZE_BYTES = 16 * 1024 * 1024  # the largest a job allows
@@ -89,12 +89,8 @@ def main() -> None:
                 secret_file=workdir / "cluster.secret", threads=2, metrics=False))
             processes[name] = process
             info = ServerInfo(name, process.start(), "dram", 1.0, False)
-            job = f"bench-{uuid.uuid4().hex[:8]}"
-            handle = JobHandle(job_id=job, name="bench", epoch=1, servers=(info,),
-                               token=make_token(secret, job, ttl_s=TOKEN_TTL_S),
-                               block_size_bytes=BLOCK_SIZE_BYTES, tls_ca=None)
-            with AdminClient(info.address, make_token(secret, "__admin__", ttl_s=TOKEN_TTL_S)) as a:
-                a.set_epoch(job, 1, handle.weight_map())
+            handle = standalone_job(info, secret, block_size_bytes=BLOCK_SIZE_BYTES,
+                                    ttl_s=TOKEN_TTL_S)
             handles[name] = handle
 
         for size_mib in args.size_mib:

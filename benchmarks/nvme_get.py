@@ -15,7 +15,7 @@ server of that binary as a reference: the same gets with the disk taken out.
 Prints one JSON line per (binary, round) and one summary line per binary: median GB/s and p50
 latency over the rounds, fio's median, and the median of each round's get/fio ratio.
 
-    python3 benchmarks/nvme_get.py --binary before=/tmp/a --binary after=/tmp/b \
+    python3 -m benchmarks.nvme_get --binary before=/tmp/a --binary after=/tmp/b \
         --dram dram=/tmp/b --dir /tmp/pocketflow-nvme-get --rounds 8
 """
 
@@ -30,15 +30,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from pocketflow.auth import make_token, write_secret_file
+from benchmarks.peers import standalone_job
+from pocketflow.auth import write_secret_file
 from pocketflow.client import connect
-from pocketflow.handle import JobHandle, ServerInfo
+from pocketflow.handle import ServerInfo
 from pocketflow.server_process import ServerSpec, StorageServerProcess
-from pocketflow.transport import AdminClient
 
 TOKEN_TTL_S = 3600.0
 CAPACITY_SLACK_BYTES = 64 * 1024 * 1024
@@ -124,12 +123,7 @@ def main() -> int:
             secret_file=workdir / "cluster.secret", threads=2, metrics=False,
             nvme_path=data_file if tier == "nvme" else None))
         info = ServerInfo(name, process.start(), tier, 1.0, False)
-        job = f"bench-{uuid.uuid4().hex[:8]}"
-        handle = JobHandle(job_id=job, name="bench", epoch=1, servers=(info,),
-                           token=make_token(secret, job, ttl_s=TOKEN_TTL_S),
-                           block_size_bytes=block_bytes, tls_ca=None)
-        with AdminClient(info.address, make_token(secret, "__admin__", ttl_s=TOKEN_TTL_S)) as a:
-            a.set_epoch(job, 1, handle.weight_map())
+        handle = standalone_job(info, secret, block_size_bytes=block_bytes, ttl_s=TOKEN_TTL_S)
         pf = connect(handle)
         pf.create_bucket(BUCKET)
         keys = [f"obj-{i}" for i in range(args.objects)]

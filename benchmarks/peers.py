@@ -55,6 +55,8 @@ LIST_KEYS_MAX = 100_000
 """Most keys ``list_keys`` returns (one more than this means the listing was cut short)."""
 
 BENCH_BUCKET = "bench"
+ADMIN_TOKEN_TTL_S = 3600.0
+"""Life of the admin token a standalone job's epoch is set with (used once, at once)."""
 
 
 class PeerClient(Protocol):
@@ -790,6 +792,30 @@ def pocketflow_version() -> str | None:
         return None
 
 
+def standalone_job(info: Any, secret: bytes, *, tls_ca: bytes | None = None,
+                   block_size_bytes: int | None = None, ttl_s: float = 3600.0) -> Any:
+    """A job of one storage server started without a controller: a handle over ``info`` (a
+    ``ServerInfo``) whose token is made with the server's ``secret``, and the job's epoch set on
+    the server by its admin. ``block_size_bytes`` defaults to a job's."""
+    import uuid
+
+    from pocketflow.auth import make_token
+    from pocketflow.handle import JobHandle
+    from pocketflow.transport import AdminClient
+
+    job = f"bench-{uuid.uuid4().hex[:8]}"
+    sizes = {} if block_size_bytes is None else {"block_size_bytes": block_size_bytes}
+    handle = JobHandle(job_id=job, name="bench", epoch=1, servers=(info,),
+                       token=make_token(secret, job, ttl_s=ttl_s), tls_ca=tls_ca, **sizes)
+    admin = AdminClient(info.address, make_token(secret, "__admin__", ttl_s=ADMIN_TOKEN_TTL_S),
+                        tls_ca=tls_ca)
+    try:
+        admin.set_epoch(job, 1, handle.weight_map())
+    finally:
+        admin.close()
+    return handle
+
+
 class StandalonePocketflowPeer(_OnPocketflowHandle, _ServerPeer):
     """One DRAM storage server process of its own (no Ray, no controller), plaintext or TLS, and
     a job handle over it made with the server's secret: ``pocketflow-dram-plain`` and
@@ -807,10 +833,8 @@ class StandalonePocketflowPeer(_OnPocketflowHandle, _ServerPeer):
 
     def start(self) -> None:
         """Start the server (with a fresh cluster CA and certificate for TLS), make the handle."""
-        import uuid
-
-        from pocketflow.auth import make_token, write_secret_file
-        from pocketflow.handle import JobHandle, ServerInfo
+        from pocketflow.auth import write_secret_file
+        from pocketflow.handle import ServerInfo
         from pocketflow.server_process import ServerSpec, StorageServerProcess
         from pocketflow.tls import issue_server_cert, make_cluster_ca, read_ca
 
@@ -827,19 +851,8 @@ class StandalonePocketflowPeer(_OnPocketflowHandle, _ServerPeer):
             secret_file=work / "cluster.secret", threads=2, tls=cert,
         ))
         address = self._server.start()
-        job = f"bench-{uuid.uuid4().hex[:8]}"
-        handle = JobHandle(
-            job_id=job, name="bench", epoch=1,
-            servers=(ServerInfo("dram-0", address, "dram", 1.0, False),),
-            token=make_token(secret, job, ttl_s=24 * 3600), tls_ca=tls_ca,
-        )
-        from pocketflow.transport import AdminClient
-
-        admin = AdminClient(address, make_token(secret, "__admin__", ttl_s=3600), tls_ca=tls_ca)
-        try:
-            admin.set_epoch(job, 1, handle.weight_map())
-        finally:
-            admin.close()
+        handle = standalone_job(ServerInfo("dram-0", address, "dram", 1.0, False), secret,
+                                tls_ca=tls_ca, ttl_s=24 * 3600)
         self.notes.append(f"one DRAM server process, {'TLS' if self.tls else 'plaintext'}")
         self._use_handle(handle)
 

@@ -605,12 +605,11 @@ class Client:
         keys cannot be reached, :class:`BucketNotFound`.
         """
         check_bucket(bucket)
-        wanted = list(dict.fromkeys(keys))
-        for key in wanted:
+        key_list = list(keys)
+        for key in key_list:
             check_key(key)
-        if not 0 <= timeout_s < float("inf"):
-            raise InvalidRequest(f"timeout_s must be finite and >= 0, got {timeout_s}")
-        return self._core.wait_for(bucket, wanted, float(timeout_s))
+        # The core awaits a repeated key once and checks the timeout (InvalidRequest).
+        return self._core.wait_for(bucket, key_list, float(timeout_s))
 
     # -- listing -----------------------------------------------------------------------------
 

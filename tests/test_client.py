@@ -1036,6 +1036,7 @@ def test_wait_for_returns_when_the_last_key_is_put(client: Client) -> None:
     assert client.wait_for("w", keys + keys[:2], timeout_s=0) == []
     assert client.get("w", keys[-1], delete=True) == payload(100_000, 1)
     assert client.wait_for("w", [keys[-1]], timeout_s=0) == [keys[-1]]
+    assert client.wait_for("w", [keys[-1], keys[0], keys[-1]], timeout_s=0) == [keys[-1]]
     assert client.wait_for("w", [keys[-1], keys[0]], timeout_s=0.2) == [keys[-1]]
     with pytest.raises(BucketNotFound):
         client.wait_for("nope", ["k"], timeout_s=0.1)

@@ -6,10 +6,18 @@
 //! is `-weight / ln(u)` with `u` in (0, 1) from a SplitMix64 mix of the hash and the seed; the
 //! highest score wins. `tests/vectors/placement.json` (at the repository root) holds cases both
 //! test suites check.
+//!
+//! A map may route key prefixes to named pools of its servers ([`Routes`]): a block of a key
+//! under a routed prefix goes to the rendezvous pick, with equal weights, over the pool's servers.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use blake2::digest::consts::U8;
 use blake2::digest::{Mac, Update};
 use blake2::{Blake2b, Blake2bMac, Digest};
+use pocketflow_protocol::limits::KEY_MAX_BYTES;
+
+use crate::error::ClientError;
 
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 const MIX_1: u64 = 0xBF58_476D_1CE4_E5B9;
@@ -17,6 +25,16 @@ const MIX_2: u64 = 0x94D0_49BB_1331_11EB;
 const TWO_POW_MINUS_53: f64 = 1.0 / (1u64 << 53) as f64;
 /// Weight given to weight-0 servers when ranking every server for fallback reads.
 const RANK_WEIGHT_OF_ZERO: f64 = 1e-9;
+/// Most servers one weight map may list (and one pool may name): far more than any job gets,
+/// small enough that a map from a server's `stale_epoch` answer cannot make the client build
+/// something huge.
+pub const SERVERS_MAX: usize = 4096;
+/// Most pools one weight map may name.
+pub const POOLS_MAX: usize = 16;
+/// Most prefix routes one weight map may hold.
+pub const ROUTES_MAX: usize = 4096;
+/// Longest pool name in bytes (names are `[a-z0-9_-]`).
+pub const POOL_NAME_MAX_BYTES: usize = 32;
 
 /// 64-bit hash of `(key, block index)`.
 pub fn hash_block(key: &[u8], block: u32) -> u64 {
@@ -55,6 +73,133 @@ pub struct PlacedServer {
     pub weight: f64,
     /// Whether it is long-running (takes PERSIST objects).
     pub persist: bool,
+}
+
+/// The prefix routes of a weight map, within their bounds: named pools of node ids, and key
+/// prefixes each routed to one pool. Empty (the default) when the map has none.
+#[derive(Debug, Clone, Default)]
+pub struct Routes {
+    /// Each pool's member node ids, pools in name order (routes index into it).
+    pools: Vec<Vec<String>>,
+    /// Each route's prefix with the index of its pool.
+    prefixes: HashMap<Box<[u8]>, usize>,
+    /// Length of the longest prefix: a `/` further into a key cannot end a routed prefix.
+    prefix_bytes_max: usize,
+}
+
+fn malformed(why: impl std::fmt::Display) -> ClientError {
+    ClientError::InvalidArgument(format!("malformed weight map: {why}"))
+}
+
+/// At most the first 64 characters of `text`, for an error message.
+fn clipped(text: &str) -> &str {
+    text.char_indices()
+        .nth(64)
+        .map_or(text, |(end, _)| &text[..end])
+}
+
+fn check_pool(name: &str, members: &[String]) -> Result<(), ClientError> {
+    let name_ok = (1..=POOL_NAME_MAX_BYTES).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+    if !name_ok {
+        return Err(malformed(format!(
+            "pool name {:?} is not 1..={POOL_NAME_MAX_BYTES} bytes of [a-z0-9_-]",
+            clipped(name)
+        )));
+    }
+    if members.len() > SERVERS_MAX {
+        return Err(malformed(format!(
+            "pool {name} has more than {SERVERS_MAX} members"
+        )));
+    }
+    let mut seen = HashSet::with_capacity(members.len());
+    if let Some(twice) = members.iter().find(|m| !seen.insert(m.as_str())) {
+        return Err(malformed(format!(
+            "pool {name} names {:?} twice",
+            clipped(twice)
+        )));
+    }
+    Ok(())
+}
+
+fn check_prefix(prefix: &str) -> Result<(), ClientError> {
+    if prefix.is_empty()
+        || prefix.len() >= KEY_MAX_BYTES
+        || prefix.starts_with('/')
+        || prefix.ends_with('/')
+        || prefix.contains("//")
+    {
+        return Err(malformed(format!(
+            "route prefix {:?} ({} bytes) must be shorter than {KEY_MAX_BYTES} bytes, \
+             non-empty, without a leading or trailing '/' or a '//'",
+            clipped(prefix),
+            prefix.len()
+        )));
+    }
+    Ok(())
+}
+
+impl Routes {
+    /// Routes from a weight map's `"pools"` (name -> member node ids) and `"routes"` (prefix ->
+    /// pool name). A member that is no server of the map is not an error: placement ignores it.
+    pub fn new(
+        pools: BTreeMap<String, Vec<String>>,
+        routes: BTreeMap<String, String>,
+    ) -> Result<Routes, ClientError> {
+        if pools.len() > POOLS_MAX {
+            return Err(malformed(format!("more than {POOLS_MAX} pools")));
+        }
+        if routes.len() > ROUTES_MAX {
+            return Err(malformed(format!("more than {ROUTES_MAX} routes")));
+        }
+        let mut index_of: HashMap<String, usize> = HashMap::with_capacity(pools.len());
+        let mut members = Vec::with_capacity(pools.len());
+        for (index, (name, ids)) in pools.into_iter().enumerate() {
+            check_pool(&name, &ids)?;
+            index_of.insert(name, index);
+            members.push(ids);
+        }
+        let mut prefixes = HashMap::with_capacity(routes.len());
+        let mut prefix_bytes_max = 0;
+        for (prefix, pool) in routes {
+            check_prefix(&prefix)?;
+            let &index = index_of.get(&pool).ok_or_else(|| {
+                malformed(format!(
+                    "route {:?} names pool {:?}, which the map does not have",
+                    clipped(&prefix),
+                    clipped(&pool)
+                ))
+            })?;
+            prefix_bytes_max = prefix_bytes_max.max(prefix.len());
+            prefixes.insert(prefix.into_bytes().into_boxed_slice(), index);
+        }
+        Ok(Routes {
+            pools: members,
+            prefixes,
+            prefix_bytes_max,
+        })
+    }
+
+    /// Whether no prefix is routed (pools alone route nothing).
+    pub fn is_empty(&self) -> bool {
+        self.prefixes.is_empty()
+    }
+
+    /// The pool (its index, pools in name order) of the longest route prefix `P` that `key`
+    /// lies under, i.e. `key` starts with `P` followed by `/`; `None` when no route matches.
+    fn pool_of(&self, key: &[u8]) -> Option<usize> {
+        // Candidate prefixes end at a '/' of the key, longest first; keys are short.
+        let mut end = key.len().min(self.prefix_bytes_max + 1);
+        while let Some(slash) = key[..end].iter().rposition(|&b| b == b'/') {
+            if let Some(&index) = self.prefixes.get(&key[..slash]) {
+                return Some(index);
+            }
+            end = slash;
+        }
+        None
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -106,11 +251,19 @@ pub struct Placement {
     ephemeral: Option<Pool>,
     persist: Option<Pool>,
     all: Vec<(usize, u64, f64)>,
+    routes: Routes,
+    /// Per pool of `routes`: its members in the map, weighted equally; `None` when none is.
+    routed: Vec<Option<Pool>>,
 }
 
 impl Placement {
-    /// Placement over `servers` (in weight-map order; results are indexes into it).
+    /// Placement over `servers` (in weight-map order; results are indexes into it), no routes.
     pub fn new(servers: &[PlacedServer]) -> Placement {
+        Placement::with_routes(servers, Routes::default())
+    }
+
+    /// Placement over `servers` with the map's prefix `routes`.
+    pub fn with_routes(servers: &[PlacedServer], routes: Routes) -> Placement {
         let seeded: Vec<(usize, u64, &PlacedServer)> = servers
             .iter()
             .enumerate()
@@ -152,25 +305,38 @@ impl Placement {
                 (i, seed, weight)
             })
             .collect();
+        let routed = routed_pools(servers, &routes);
         Placement {
             ephemeral,
             persist,
             all,
+            routes,
+            routed,
         }
     }
 
     /// The index of the server that holds block `block` of `key`; `None` when no server can
-    /// (no server with weight > 0, or none long-running for `persist`).
+    /// (no server with weight > 0, or none long-running for `persist`). A key under a routed
+    /// prefix goes to the route's pool, unless `persist` or none of the pool is in the map.
     pub fn server_for(&self, key: &[u8], block: u32, persist: bool) -> Option<usize> {
         let pool = if persist {
             self.persist.as_ref()
         } else {
-            self.ephemeral.as_ref()
+            self.routed_pool(key).or(self.ephemeral.as_ref())
         };
         pool.map(|p| p.pick(hash_block(key, block)))
     }
 
-    /// Every server of the map, best-scoring first (the order fallback reads probe in).
+    /// The pool of the longest route `key` lies under, if that pool has a server in the map.
+    fn routed_pool(&self, key: &[u8]) -> Option<&Pool> {
+        if self.routes.is_empty() {
+            return None;
+        }
+        self.routed[self.routes.pool_of(key)?].as_ref()
+    }
+
+    /// Every server of the map, best-scoring first (the order fallback reads probe in); routes
+    /// play no part.
     pub fn ranked(&self, key: &[u8], block: u32) -> Vec<usize> {
         let h = hash_block(key, block);
         let mut scored: Vec<(f64, usize)> = self
@@ -189,6 +355,32 @@ impl Placement {
     }
 }
 
+/// One pool per pool of `routes`: its members that are servers of the map, in the map's order,
+/// each with weight 1 whatever its weight in the map.
+fn routed_pools(servers: &[PlacedServer], routes: &Routes) -> Vec<Option<Pool>> {
+    if routes.is_empty() {
+        return Vec::new();
+    }
+    let mut index_of: HashMap<&str, usize> = HashMap::with_capacity(servers.len());
+    for (index, server) in servers.iter().enumerate() {
+        index_of.entry(server.node_id.as_str()).or_insert(index);
+    }
+    let pool = |members: &Vec<String>| {
+        let mut present: Vec<usize> = members
+            .iter()
+            .filter_map(|id| index_of.get(id.as_str()).copied())
+            .collect();
+        present.sort_unstable();
+        Pool::new(
+            present
+                .into_iter()
+                .map(|i| (i, server_seed(&servers[i].node_id), 1.0))
+                .collect(),
+        )
+    };
+    routes.pools.iter().map(pool).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,5 +391,198 @@ mod tests {
         assert_eq!(hash_block(b"key", 0), 8374613497865291850);
         assert_eq!(hash_block(b"", 3), 17092158568922056999);
         assert_eq!(server_seed("dram-0"), 3190597002816539229);
+    }
+
+    fn servers(rows: &[(&str, f64, bool)]) -> Vec<PlacedServer> {
+        rows.iter()
+            .map(|&(node_id, weight, persist)| PlacedServer {
+                node_id: node_id.to_string(),
+                weight,
+                persist,
+            })
+            .collect()
+    }
+
+    fn routes(pools: &[(&str, &[&str])], routes: &[(&str, &str)]) -> Result<Routes, ClientError> {
+        Routes::new(
+            pools
+                .iter()
+                .map(|(name, ids)| {
+                    (
+                        name.to_string(),
+                        ids.iter().map(|s| s.to_string()).collect(),
+                    )
+                })
+                .collect(),
+            routes
+                .iter()
+                .map(|(prefix, pool)| (prefix.to_string(), pool.to_string()))
+                .collect(),
+        )
+    }
+
+    const TIERS: [(&str, &[&str]); 2] = [("dram", &["d0", "d1"]), ("nvme", &["n0", "n1"])];
+
+    #[test]
+    fn equal_weights_pick_as_scoring_with_weight_one() {
+        let seeds: Vec<(usize, u64, f64)> = ["a", "b", "c", "d", "e"]
+            .iter()
+            .enumerate()
+            .map(|(i, id)| (i, server_seed(id), 1.0))
+            .collect();
+        let pool = Pool::new(seeds.clone()).unwrap();
+        assert!(pool.uniform);
+        for n in 0..2000u32 {
+            let h = hash_block(format!("key-{n}").as_bytes(), n % 5);
+            let scored = seeds
+                .iter()
+                .max_by(|a, b| score(h, a.1, 1.0).total_cmp(&score(h, b.1, 1.0)))
+                .unwrap()
+                .0;
+            assert_eq!(pool.pick(h), scored, "key-{n}");
+        }
+    }
+
+    #[test]
+    fn the_longest_matching_prefix_routes_a_key() {
+        let r = routes(
+            &TIERS,
+            &[("r1", "nvme"), ("r1/hot", "dram"), ("a/b", "nvme")],
+        )
+        .unwrap();
+        let (dram, nvme) = (Some(0), Some(1));
+        for (key, pool) in [
+            ("r1/x", nvme),
+            ("r1/", nvme),
+            ("r1/hot/x", dram),
+            ("r1/hot", nvme),
+            ("r1/hotter/x", nvme),
+            ("r1", None),
+            ("r10/x", None),
+            ("x/r1/y", None),
+            ("/r1/x", None),
+            ("a/b/c", nvme),
+            ("a/b/c/d", nvme),
+            ("a/bc/d", None),
+            ("a/c", None),
+            ("", None),
+        ] {
+            assert_eq!(r.pool_of(key.as_bytes()), pool, "{key:?}");
+        }
+        assert!(Routes::default().is_empty());
+        assert!(routes(&TIERS, &[]).unwrap().is_empty());
+    }
+
+    #[test]
+    fn malformed_routes_are_refused() {
+        let long_name = "p".repeat(POOL_NAME_MAX_BYTES + 1);
+        let too_long = "k".repeat(KEY_MAX_BYTES);
+        let longest = "k".repeat(KEY_MAX_BYTES - 1);
+        assert!(routes(
+            &[(&long_name[1..], &["d0"])],
+            &[(&longest, &long_name[1..])]
+        )
+        .is_ok());
+        let bad_pools: [&[(&str, &[&str])]; 5] = [
+            &[("", &["d0"])],
+            &[(&long_name, &["d0"])],
+            &[("Dram", &["d0"])],
+            &[("dr.am", &["d0"])],
+            &[("dram", &["d0", "d1", "d0"])],
+        ];
+        for pools in bad_pools {
+            let error = routes(pools, &[]).unwrap_err();
+            assert!(
+                error.to_string().contains("malformed weight map"),
+                "{error}"
+            );
+        }
+        for prefix in ["", "/a", "a/", "a//b", "/", too_long.as_str()] {
+            assert!(routes(&TIERS, &[(prefix, "dram")]).is_err(), "{prefix:?}");
+        }
+        let error = routes(&TIERS, &[("r1", "ssd")]).unwrap_err();
+        assert!(matches!(error, ClientError::InvalidArgument(_)));
+        assert!(error.to_string().contains("ssd"), "{error}");
+    }
+
+    #[test]
+    fn routes_are_bounded() {
+        let names: Vec<String> = (0..=POOLS_MAX).map(|i| format!("p{i}")).collect();
+        let pools: Vec<(&str, &[&str])> = names.iter().map(|n| (n.as_str(), &[][..])).collect();
+        assert!(routes(&pools[..POOLS_MAX], &[]).is_ok());
+        assert!(routes(&pools, &[]).is_err());
+        let ids: Vec<String> = (0..=SERVERS_MAX).map(|i| format!("s{i}")).collect();
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        assert!(routes(&[("big", &ids[..SERVERS_MAX])], &[]).is_ok());
+        assert!(routes(&[("big", &ids)], &[]).is_err());
+        let prefixes: Vec<String> = (0..=ROUTES_MAX).map(|i| format!("r{i}")).collect();
+        let many: Vec<(&str, &str)> = prefixes.iter().map(|p| (p.as_str(), "dram")).collect();
+        assert!(routes(&TIERS, &many[..ROUTES_MAX]).is_ok());
+        assert!(routes(&TIERS, &many).is_err());
+    }
+
+    #[test]
+    fn a_routed_key_goes_to_its_pool_with_equal_weights() {
+        let map = servers(&[
+            ("d0", 1.0, true),
+            ("d1", 3.0, false),
+            ("n0", 0.0, false),
+            ("n1", 0.0, false),
+        ]);
+        let r = routes(&TIERS, &[("r1", "nvme"), ("r1/hot", "dram")]).unwrap();
+        let routed = Placement::with_routes(&map, r);
+        let plain = Placement::new(&map);
+        let dram = Pool::new(vec![
+            (0, server_seed("d0"), 1.0),
+            (1, server_seed("d1"), 1.0),
+        ]);
+        let mut seen = [0usize; 4];
+        for n in 0..400u32 {
+            let block = n % 3;
+            let key = format!("r1/hot/{n}");
+            let h = hash_block(key.as_bytes(), block);
+            let got = routed.server_for(key.as_bytes(), block, false).unwrap();
+            assert_eq!(got, dram.as_ref().unwrap().pick(h), "{key} block {block}");
+            seen[got] += 1;
+            let key = format!("r1/{n}");
+            let got = routed.server_for(key.as_bytes(), block, false).unwrap();
+            assert!(got >= 2, "weight-0 pool members still take routed keys");
+            seen[got] += 1;
+            let key = format!("other/{n}");
+            let got = routed.server_for(key.as_bytes(), block, false);
+            assert_eq!(got, plain.server_for(key.as_bytes(), block, false));
+            // PERSIST placement and the fallback ranking ignore routes.
+            let key = format!("r1/{n}");
+            let got = routed.server_for(key.as_bytes(), block, true);
+            assert_eq!(got, plain.server_for(key.as_bytes(), block, true));
+            assert_eq!(
+                routed.ranked(key.as_bytes(), block),
+                plain.ranked(key.as_bytes(), block)
+            );
+        }
+        assert!(seen.iter().all(|&count| count > 100), "{seen:?}");
+    }
+
+    #[test]
+    fn pool_members_outside_the_map_are_ignored() {
+        let map = servers(&[("d0", 1.0, true), ("d1", 1.0, false), ("n0", 0.0, false)]);
+        let pools: [(&str, &[&str]); 3] = [
+            ("gone", &["x0", "x1"]),
+            ("half", &["n0", "n9"]),
+            ("dram", &["d0", "d1"]),
+        ];
+        let r = routes(&pools, &[("g", "gone"), ("h", "half"), ("h/g", "gone")]).unwrap();
+        let routed = Placement::with_routes(&map, r);
+        let plain = Placement::new(&map);
+        for n in 0..100u32 {
+            let key = format!("h/{n}");
+            assert_eq!(routed.server_for(key.as_bytes(), 0, false), Some(2));
+            // A pool with no server in the map routes nothing: the default placement applies,
+            // also under a shorter route that would match.
+            for key in [format!("g/{n}"), format!("h/g/{n}")] {
+                let got = routed.server_for(key.as_bytes(), 1, false);
+                assert_eq!(got, plain.server_for(key.as_bytes(), 1, false), "{key}");
+            }
+        }
     }
 }

@@ -1,22 +1,25 @@
-//! One weight map of a job as the client uses it: the servers with their placement, the lost
-//! servers, and the capability context every request carries. A client swaps its view whole when
-//! it adopts a newer epoch, so one call always places and addresses with one consistent map.
+//! One weight map of a job as the client uses it: the servers with their placement (and prefix
+//! routes), the lost servers, and the capability context every request carries. A client swaps
+//! its view whole when it adopts a newer epoch, so one call always places and addresses with one
+//! consistent map.
+
+use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use pocketflow_protocol::context::Context;
 use serde_json::{Map, Value};
 
 use crate::error::ClientError;
-use crate::placement::{PlacedServer, Placement};
+use crate::placement::{PlacedServer, Placement, Routes, SERVERS_MAX};
 
 /// Significant digits a weight keeps (as `pocketflow.handle.WEIGHT_SIGNIFICANT_DIGITS`): both
 /// languages round the same way, so both place a key on the same server.
 const WEIGHT_SIGNIFICANT_DIGITS: usize = 6;
 /// Most lost servers a map remembers (as `pocketflow.handle.LOST_SERVERS_MAX`).
 const LOST_SERVERS_MAX: usize = 16;
-/// Most servers one weight map may list: far more than any job gets, small enough that a map
-/// from a server's `stale_epoch` answer cannot make the client build something huge.
-const SERVERS_MAX: usize = 4096;
+/// The fields of a weight map a view takes from a `stale_epoch` answer or a `set_epoch`; the
+/// optional ones (all but `epoch` and `servers`) are dropped when the new map has none.
+const WEIGHT_MAP_FIELDS: [&str; 5] = ["epoch", "servers", "lost", "pools", "routes"];
 
 /// One storage server of a weight map.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,7 +47,8 @@ pub struct LostServer {
 #[derive(Debug)]
 pub struct View {
     /// The job handle as JSON fields (`job`, `name`, `token`, `block_size`, `tls_ca`, ...), with
-    /// this view's `epoch`, `servers` and `lost`: what [`View::handle_json`] gives back.
+    /// this view's `epoch`, `servers`, `lost`, `pools` and `routes`: what [`View::handle_json`]
+    /// gives back.
     handle: Map<String, Value>,
     /// The capability context of this map.
     pub ctx: Context,
@@ -56,7 +60,7 @@ pub struct View {
     pub lost: Vec<LostServer>,
     /// Bytes per data block of new large objects.
     pub block_size: u32,
-    /// Placement over `servers`.
+    /// Placement over `servers`, with the map's prefix routes.
     pub placement: Placement,
     /// The DoExchange descriptor command (`{"ctx": ...}`).
     pub exchange_command: Bytes,
@@ -125,7 +129,50 @@ fn lost_of(row: &Value) -> Result<LostServer, ClientError> {
     }
 }
 
-/// `(epoch, servers, lost)` of a weight map `{"epoch", "servers", "lost"?}`.
+/// The node ids of one pool of a weight map's `"pools"`.
+fn members_of(name: &str, members: &Value) -> Result<Vec<String>, ClientError> {
+    let rows = members
+        .as_array()
+        .ok_or_else(|| malformed("weight map", format!("pool {name:.64} is not a list")))?;
+    if rows.len() > SERVERS_MAX {
+        return Err(malformed(
+            "weight map",
+            format!("pool {name:.64} has more than {SERVERS_MAX} members"),
+        ));
+    }
+    rows.iter()
+        .map(|id| {
+            text_of(id, "pool member")
+                .map_err(|_| malformed("weight map", format!("pool {name:.64} member {id:.200}")))
+        })
+        .collect()
+}
+
+/// The prefix routes of a weight map (`"pools"` and `"routes"`, both optional).
+fn routes_of(map: &Map<String, Value>) -> Result<Routes, ClientError> {
+    let pools = match map.get("pools") {
+        None | Some(Value::Null) => BTreeMap::new(),
+        Some(Value::Object(pools)) => pools
+            .iter()
+            .map(|(name, members)| Ok((name.clone(), members_of(name, members)?)))
+            .collect::<Result<_, ClientError>>()?,
+        Some(other) => return Err(malformed("weight map", format!("pools {other:.200}"))),
+    };
+    let routes = match map.get("routes") {
+        None | Some(Value::Null) => BTreeMap::new(),
+        Some(Value::Object(routes)) => routes
+            .iter()
+            .map(|(prefix, pool)| match pool {
+                Value::String(pool) => Ok((prefix.clone(), pool.clone())),
+                other => Err(malformed("weight map", format!("route to {other:.200}"))),
+            })
+            .collect::<Result<_, ClientError>>()?,
+        Some(other) => return Err(malformed("weight map", format!("routes {other:.200}"))),
+    };
+    Routes::new(pools, routes)
+}
+
+/// `(epoch, servers, lost)` of a weight map `{"epoch", "servers", "lost"?, ...}`.
 fn map_parts(map: &Map<String, Value>) -> Result<(u64, Vec<Server>, Vec<LostServer>), ClientError> {
     let epoch = map
         .get("epoch")
@@ -164,6 +211,7 @@ impl View {
 
     fn from_handle(handle: Map<String, Value>) -> Result<View, ClientError> {
         let (epoch, servers, lost) = map_parts(&handle)?;
+        let routes = routes_of(&handle)?;
         let job = handle
             .get("job")
             .and_then(Value::as_str)
@@ -196,7 +244,7 @@ impl View {
             handle,
             ctx,
             epoch,
-            placement: Placement::new(&placed),
+            placement: Placement::with_routes(&placed, routes),
             servers,
             lost,
             block_size,
@@ -205,30 +253,32 @@ impl View {
     }
 
     /// This view with the weight map of a `stale_epoch` answer or a `set_epoch` (its epoch,
-    /// servers and lost list; job, token and block size stay).
+    /// servers, lost list, pools and routes; job, token and block size stay).
     pub fn with_weight_map(&self, weight_map: &Map<String, Value>) -> Result<View, ClientError> {
         let mut handle = self.handle.clone();
         for field in ["epoch", "servers"] {
-            let value = weight_map
-                .get(field)
-                .ok_or_else(|| malformed("weight map", format!("no {field}")))?;
-            handle.insert(field.to_string(), value.clone());
-        }
-        match weight_map.get("lost") {
-            Some(lost) if !lost.is_null() => {
-                handle.insert("lost".to_string(), lost.clone());
+            if !weight_map.contains_key(field) {
+                return Err(malformed("weight map", format!("no {field}")));
             }
-            _ => {
-                handle.remove("lost");
+        }
+        for field in WEIGHT_MAP_FIELDS {
+            match weight_map.get(field) {
+                Some(value) if !value.is_null() => {
+                    handle.insert(field.to_string(), value.clone());
+                }
+                _ => {
+                    handle.remove(field);
+                }
             }
         }
         View::from_handle(handle)
     }
 
-    /// This view's weight map (`{"epoch", "servers", "lost"?}`), as a handle carries it.
+    /// This view's weight map (`{"epoch", "servers", "lost"?, "pools"?, "routes"?}`), as a
+    /// handle carries it.
     pub fn weight_map(&self) -> Map<String, Value> {
         let mut map = Map::new();
-        for field in ["epoch", "servers", "lost"] {
+        for field in WEIGHT_MAP_FIELDS {
             if let Some(value) = self.handle.get(field) {
                 map.insert(field.to_string(), value.clone());
             }
@@ -331,6 +381,94 @@ mod tests {
         assert!(!map.contains_key("token"));
         let again = view.with_weight_map(&map).unwrap();
         assert_eq!(again.servers, view.servers);
+    }
+
+    const ROUTED: &str = r#"{"job":"j1","name":"n","epoch":2,"token":"t","block_size":1048576,
+        "servers":[["dram-0","127.0.0.1:5000","dram",1,1],["nvme-0","127.0.0.1:5001","nvme",0,0]],
+        "pools":{"nvme":["nvme-0","nvme-9"],"dram":["dram-0"]},
+        "routes":{"shuffle":"nvme","shuffle/hot":"dram"}}"#;
+
+    #[test]
+    fn a_handle_with_routes_places_routed_keys_on_their_pool() {
+        let view = View::from_handle_json(ROUTED).unwrap();
+        for n in 0..50 {
+            let key = format!("shuffle/{n}");
+            assert_eq!(
+                view.server_for(key.as_bytes(), 1, false).unwrap().node_id,
+                "nvme-0"
+            );
+            assert_eq!(
+                view.server_for(key.as_bytes(), 1, true).unwrap().node_id,
+                "dram-0"
+            );
+            let hot = format!("shuffle/hot/{n}");
+            assert_eq!(
+                view.server_for(hot.as_bytes(), 0, false).unwrap().node_id,
+                "dram-0"
+            );
+            let other = format!("other/{n}");
+            assert_eq!(
+                view.server_for(other.as_bytes(), 0, false).unwrap().node_id,
+                "dram-0"
+            );
+        }
+    }
+
+    #[test]
+    fn routes_round_trip_through_the_handle_and_the_weight_map() {
+        let view = View::from_handle_json(ROUTED).unwrap();
+        let map = view.weight_map();
+        assert_eq!(map["routes"]["shuffle"], "nvme");
+        assert_eq!(map["pools"]["nvme"][1], "nvme-9");
+        let back: Value = serde_json::from_str(&view.handle_json()).unwrap();
+        assert_eq!(back["routes"], map["routes"]);
+        assert_eq!(back["pools"], map["pools"]);
+        let again = view.with_weight_map(&map).unwrap();
+        assert_eq!(again.weight_map(), map);
+        assert_eq!(
+            again.server_for(b"shuffle/x", 0, false).unwrap().node_id,
+            "nvme-0"
+        );
+        // A newer map without routes drops them.
+        let mut plain = map.clone();
+        plain.remove("pools");
+        plain.insert("routes".to_string(), Value::Null);
+        let newer = view.with_weight_map(&plain).unwrap();
+        assert!(!newer.weight_map().contains_key("pools"));
+        assert!(!newer.weight_map().contains_key("routes"));
+        let back: Value = serde_json::from_str(&newer.handle_json()).unwrap();
+        assert!(back.get("routes").is_none() && back.get("pools").is_none());
+        assert_eq!(
+            newer.server_for(b"shuffle/x", 0, false).unwrap().node_id,
+            "dram-0"
+        );
+        // ... and one with routes adds them.
+        let routed = newer.with_weight_map(&map).unwrap();
+        assert_eq!(routed.weight_map(), map);
+    }
+
+    #[test]
+    fn malformed_routes_are_refused() {
+        let view = View::from_handle_json(HANDLE).unwrap();
+        for (pools, routes) in [
+            (r#"{"dram":["dram-0"]}"#, r#"{"a":"nvme"}"#),
+            (r#"{"dram":["dram-0"]}"#, r#"{"a/":"dram"}"#),
+            (r#"{"dram":["dram-0"]}"#, r#"{"a":1}"#),
+            (r#"{"dram":"dram-0"}"#, r#"{"a":"dram"}"#),
+            (r#"{"dram":[["dram-0"]]}"#, r#"{}"#),
+            (r#"{"Dram":["dram-0"]}"#, r#"{}"#),
+            (r#"["dram"]"#, r#"{}"#),
+            (r#"{}"#, r#"["a"]"#),
+        ] {
+            let mut map = view.weight_map();
+            map.insert("pools".into(), serde_json::from_str(pools).unwrap());
+            map.insert("routes".into(), serde_json::from_str(routes).unwrap());
+            let error = view.with_weight_map(&map).unwrap_err();
+            assert!(
+                error.to_string().contains("malformed weight map"),
+                "{pools} {routes}: {error}"
+            );
+        }
     }
 
     #[test]

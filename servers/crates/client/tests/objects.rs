@@ -1,13 +1,15 @@
 //! The object layer of the client core (`Objects`, `Listing`) against three real storage
 //! services on 127.0.0.1:0 (in this process, each on its own runtime, as in the server binary):
 //! small and striped objects, DELETE reads, batches, write-once across placements, overwrites,
-//! a listing merged from every server, a stale map adopted mid-call, and waits for keys.
+//! a listing merged from every server, a stale map adopted mid-call, waits for keys, and keys
+//! routed by prefix to a pool of the map.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use pocketflow_client::objects::Tuning;
+use pocketflow_client::view::View;
 use pocketflow_client::waits::Stop;
 use pocketflow_client::{
     block_on, ClientError, Connection, ConnectionConfig, Destination, Listing, Objects,
@@ -111,23 +113,28 @@ impl Cluster {
     }
 
     fn objects(&self, job: &str, upto: usize) -> Objects {
-        let config = ConnectionConfig {
-            op_timeout: Duration::from_secs(5),
-            ..ConnectionConfig::default()
-        };
-        let tuning = Tuning {
-            io_threads: 4,
-            exchange_window: 64,
-        };
-        let objects = Objects::new(&self.handle(job, upto), config, tuning).unwrap();
+        let objects = client_of(&self.handle(job, upto));
         let view = objects.view();
-        for server in &view.servers[..upto] {
+        for server in &view.servers {
             let body = serde_json::json!({"ctx": &view.ctx, "bucket": "b"});
             let connection = objects.connection(&server.address).unwrap();
             block_on(connection.action("create_bucket", Bytes::from(body.to_string()))).unwrap();
         }
         objects
     }
+}
+
+/// Objects over `handle` (its buckets made elsewhere).
+fn client_of(handle: &str) -> Objects {
+    let config = ConnectionConfig {
+        op_timeout: Duration::from_secs(5),
+        ..ConnectionConfig::default()
+    };
+    let tuning = Tuning {
+        io_threads: 4,
+        exchange_window: 64,
+    };
+    Objects::new(handle, config, tuning).unwrap()
 }
 
 /// A destination that allocates what the read asks for.
@@ -257,6 +264,46 @@ fn write_once_holds_across_the_persist_and_ephemeral_homes() {
     assert_eq!(get(&objects, &key, false).unwrap(), b"first");
     assert_eq!(get(&objects, &key, true).unwrap(), b"first");
     assert_eq!(kind(&get(&objects, &key, false).unwrap_err()), "not_found");
+}
+
+#[test]
+fn routed_keys_live_on_their_pool_whole() {
+    let cluster = Cluster::start();
+    let job = "job-routes";
+    let mut handle: serde_json::Value = serde_json::from_str(&cluster.handle(job, 3)).unwrap();
+    handle["pools"] = serde_json::json!({"b_only": ["dram-b"], "gone": ["dram-z"]});
+    handle["routes"] = serde_json::json!({"shuffle": "b_only", "tmp": "gone"});
+    cluster.objects(job, 3); // makes the bucket on every server
+    let objects = client_of(&handle.to_string());
+    let large = payload(2 * MIB + 5, 3);
+    let keys: Vec<String> = (0..12).map(|i| format!("shuffle/part-{i}")).collect();
+    for key in &keys {
+        objects.put("b", key, &large[..900], false, false).unwrap();
+    }
+    objects
+        .put("b", "shuffle/big", &large, false, false)
+        .unwrap();
+    objects
+        .put("b", "tmp/elsewhere", b"default", false, false)
+        .unwrap();
+    // A view of dram-b alone finds every routed object, every block of the large one too.
+    let mut alone = handle.clone();
+    alone["servers"] = serde_json::json!([cluster.map(1, 3)["servers"][1]]);
+    let only_b = client_of(&alone.to_string());
+    for key in &keys {
+        assert_eq!(get(&only_b, key, false).unwrap(), &large[..900]);
+    }
+    assert_eq!(get(&only_b, "shuffle/big", false).unwrap(), large);
+    // A route to a pool with no server in the map leaves the default placement.
+    let unrouted = View::from_handle_json(&cluster.handle(job, 3)).unwrap();
+    let home = |view: &View| {
+        view.server_for(b"tmp/elsewhere", 0, false)
+            .unwrap()
+            .node_id
+            .clone()
+    };
+    assert_eq!(home(&objects.view()), home(&unrouted));
+    assert_eq!(get(&objects, "tmp/elsewhere", false).unwrap(), b"default");
 }
 
 #[test]

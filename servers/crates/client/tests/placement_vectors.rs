@@ -1,7 +1,10 @@
 //! The placement cases of `tests/vectors/placement.json` (shared with the Python test suite):
-//! the Rust placement picks and ranks exactly as `pocketflow/placement.py` does.
+//! the Rust placement picks and ranks exactly as `pocketflow/placement.py` does. A case may carry
+//! a weight map's `"pools"` and `"routes"`, which its placement applies.
 
-use pocketflow_client::placement::{PlacedServer, Placement};
+use std::collections::BTreeMap;
+
+use pocketflow_client::placement::{PlacedServer, Placement, Routes};
 use serde_json::Value;
 
 const VECTORS: &str = include_str!(concat!(
@@ -26,8 +29,8 @@ fn placement_matches_the_shared_vectors() {
                 persist: row[2].as_bool().unwrap(),
             })
             .collect();
-        let placement = Placement::new(&servers);
         let name = case["name"].as_str().unwrap();
+        let placement = Placement::with_routes(&servers, routes_of(case));
         for pick in case["server_for"].as_array().unwrap() {
             let key = pick[0].as_str().unwrap();
             let block = pick[1].as_u64().unwrap() as u32;
@@ -59,5 +62,28 @@ fn placement_matches_the_shared_vectors() {
             assert_eq!(got, expected, "{name}: ranking of {key:?} block {block}");
         }
     }
-    assert_eq!(checked, 300);
+    assert_eq!(checked, 501);
+}
+
+/// The routes of a case (`"pools"` and `"routes"` as in a weight map; none when absent).
+fn routes_of(case: &Value) -> Routes {
+    let pools: BTreeMap<String, Vec<String>> = case
+        .get("pools")
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+        .map(|(name, members)| {
+            let members = members.as_array().unwrap();
+            let ids = members.iter().map(|id| id.as_str().unwrap().to_string());
+            (name.clone(), ids.collect())
+        })
+        .collect();
+    let routes: BTreeMap<String, String> = case
+        .get("routes")
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+        .map(|(prefix, pool)| (prefix.clone(), pool.as_str().unwrap().to_string()))
+        .collect();
+    Routes::new(pools, routes).expect("the case's routes are well formed")
 }

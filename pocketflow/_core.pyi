@@ -24,7 +24,15 @@ def run_groups(
 class Placement:
     """Weighted rendezvous placement over one weight map (``pocketflow/placement.py``'s picks)."""
 
-    def __init__(self, servers: list[tuple[str, float, bool]]) -> None: ...
+    def __init__(
+        self,
+        servers: list[tuple[str, float, bool]],
+        pools: dict[str, list[str]] | None = None,
+        routes: dict[str, str] | None = None,
+    ) -> None:
+        """``servers`` as ``(node_id, weight, persist)`` in the map's order; ``pools`` (name ->
+        node ids) and ``routes`` (key prefix -> pool name) as a weight map's optional fields.
+        Raises ``InvalidRequest`` for malformed pools or routes."""
     def servers_for(self, keys: list[bytes], block: int = 0, persist: bool = False) -> list[int]:
         """Index of each key's server in the map's order, -1 where none can hold it."""
 

@@ -2,11 +2,12 @@
 //! arguments, releases the GIL around every blocking call, and maps the core's errors to
 //! `pocketflow.errors` in one function ([`to_py_err`]).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use pocketflow_client::placement::{PlacedServer, Placement};
+use pocketflow_client::placement::{PlacedServer, Placement, Routes};
 use pocketflow_client::waits::Stop;
 use pocketflow_client::{
     block_on, BlockSlice, ClientError, ClientTls, Connection, ConnectionConfig, Destination,
@@ -245,9 +246,18 @@ struct PyPlacement {
 
 #[pymethods]
 impl PyPlacement {
-    /// `servers` holds `(node_id, weight, persist)` in the weight map's order.
+    /// `servers` holds `(node_id, weight, persist)` in the weight map's order; `pools` (name ->
+    /// node ids) and `routes` (key prefix -> pool name) are the map's optional prefix routes.
     #[new]
-    fn new(servers: Vec<(String, f64, bool)>) -> Self {
+    #[pyo3(signature = (servers, pools=None, routes=None))]
+    fn new(
+        py: Python<'_>,
+        servers: Vec<(String, f64, bool)>,
+        pools: Option<BTreeMap<String, Vec<String>>>,
+        routes: Option<BTreeMap<String, String>>,
+    ) -> PyResult<Self> {
+        let routes = Routes::new(pools.unwrap_or_default(), routes.unwrap_or_default())
+            .map_err(|e| to_py_err(py, &e, ""))?;
         let placed: Vec<PlacedServer> = servers
             .into_iter()
             .map(|(node_id, weight, persist)| PlacedServer {
@@ -256,9 +266,9 @@ impl PyPlacement {
                 persist,
             })
             .collect();
-        PyPlacement {
-            placement: Placement::new(&placed),
-        }
+        Ok(PyPlacement {
+            placement: Placement::with_routes(&placed, routes),
+        })
     }
 
     /// The index (in the map's order) of the server for block `block` of each key (`bytes`),

@@ -17,6 +17,17 @@ an older epoch returns it in its ``stale_epoch`` error and the client applies it
 :meth:`JobHandle.with_weight_map`. Weights are rounded to :data:`WEIGHT_SIGNIFICANT_DIGITS`
 digits when a :class:`ServerInfo` is built, so a handle placed from memory and the same handle
 read back from JSON place every key identically.
+
+A map may also route prefixes of the job's keys (:class:`Routes`)::
+
+    "pools": {"dram": ["dram-0", "dram-1"], "nvme": ["nvme-0"]},
+    "routes": {"shuffle/r3": "dram", "shuffle/r4": "nvme"}
+
+Every block of a key under ``<prefix>/`` (the longest routed prefix wins; PERSIST placement
+ignores routes) is placed over the members of the route's pool with equal weights, whatever their
+weight in the map; members the map does not list are ignored, and a route whose pool has none left
+is ignored. The controller routes a prefix that was granted DRAM, or that spilled to NVMe
+(:meth:`pocketflow.Job.declare` with ``size_bytes``).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,18 +44,26 @@ from pocketflow.protocol import (
     BLOCK_SIZE_DEFAULT_BYTES,
     BLOCK_SIZE_MAX_BYTES,
     JOB_ID_MAX_BYTES,
+    KEY_MAX_BYTES,
     context,
 )
 
 __all__ = [
-    "ServerInfo", "JobHandle", "LostServer", "TIERS", "WEIGHT_SIGNIFICANT_DIGITS",
-    "LOST_SERVERS_MAX",
+    "ServerInfo", "JobHandle", "LostServer", "Routes", "TIERS", "WEIGHT_SIGNIFICANT_DIGITS",
+    "LOST_SERVERS_MAX", "POOLS_MAX", "ROUTES_MAX",
 ]
 
 TIERS = ("dram", "nvme")
 WEIGHT_SIGNIFICANT_DIGITS = 6
 LOST_SERVERS_MAX = 16
 """Most lost servers a weight map remembers (keeps a handle small); the oldest are dropped."""
+POOLS_MAX = 16
+"""Most server pools a weight map names."""
+ROUTES_MAX = 4096
+"""Most routed prefixes a weight map holds (as ``ROUTES_MAX`` in the client core)."""
+SERVERS_MAX = 4096
+"""Most servers a weight map (or one pool) lists (as the client core's bound)."""
+_POOL_NAME = re.compile(r"^[a-z0-9_-]{1,32}$")
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
@@ -114,18 +134,114 @@ class LostServer:
         return cls(str(row[0]), str(row[1]))
 
 
+def _route_prefix(prefix: Any) -> str:
+    if (not isinstance(prefix, str) or not prefix or prefix.startswith("/")
+            or prefix.endswith("/") or "//" in prefix or len(prefix.encode()) >= KEY_MAX_BYTES):
+        raise InvalidRequest(f"malformed weight map: bad routed prefix {prefix!r:.200}")
+    return prefix
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """Prefixes of a job's keys placed over a named pool of servers (see the module doc).
+
+    ``pools`` and ``routes`` are sorted ``(name, node ids)`` and ``(prefix, pool name)`` pairs;
+    build one with :meth:`of` from dicts."""
+
+    pools: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    routes: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.pools) > POOLS_MAX:
+            raise InvalidRequest(f"malformed weight map: more than {POOLS_MAX} pools")
+        if len(self.routes) > ROUTES_MAX:
+            raise InvalidRequest(f"malformed weight map: more than {ROUTES_MAX} routes")
+        names = set()
+        for name, members in self.pools:
+            if not isinstance(name, str) or not _POOL_NAME.match(name):
+                raise InvalidRequest(f"malformed weight map: bad pool name {name!r:.100}")
+            if len(members) > SERVERS_MAX or len(set(members)) != len(members):
+                raise InvalidRequest(
+                    f"malformed weight map: pool {name!r} lists a server twice or too many")
+            if not all(isinstance(m, str) and m for m in members):
+                raise InvalidRequest(f"malformed weight map: pool {name!r} members are node ids")
+            names.add(name)
+        for prefix, pool in self.routes:
+            _route_prefix(prefix)
+            if pool not in names:
+                raise InvalidRequest(
+                    f"malformed weight map: route {prefix!r} names no pool ({pool!r:.100})")
+
+    @classmethod
+    def of(cls, pools: Any = None, routes: Any = None) -> Routes:
+        """Routes from the JSON shapes ``{name: [node ids]}`` and ``{prefix: pool name}``."""
+        if pools is None and routes is None:
+            return NO_ROUTES
+        if not isinstance(pools or {}, dict) or not isinstance(routes or {}, dict):
+            raise InvalidRequest("malformed weight map: pools and routes are JSON objects")
+        try:
+            return cls(
+                tuple(sorted((str(n), tuple(str(m) for m in ms))
+                             for n, ms in (pools or {}).items())),
+                tuple(sorted((p, str(n)) for p, n in (routes or {}).items())),
+            )
+        except TypeError as exc:
+            raise InvalidRequest(f"malformed weight map: {exc}") from exc
+
+    def __bool__(self) -> bool:
+        return bool(self.routes)
+
+    def pool_map(self) -> dict[str, list[str]]:
+        """``{name: [node ids]}``."""
+        return {name: list(members) for name, members in self.pools}
+
+    def route_map(self) -> dict[str, str]:
+        """``{prefix: pool name}``."""
+        return dict(self.routes)
+
+    def with_routes(self, pools: dict[str, list[str]], routes: dict[str, str]) -> Routes:
+        """These routes with ``pools`` defined (or redefined) and ``routes`` added or replaced."""
+        return Routes.of({**self.pool_map(), **pools}, {**self.route_map(), **routes})
+
+    def without(self, prefixes: set[str]) -> Routes:
+        """These routes without ``prefixes`` (pools no route names are dropped too)."""
+        routes = {p: n for p, n in self.routes if p not in prefixes}
+        used = set(routes.values())
+        return Routes.of({n: m for n, m in self.pool_map().items() if n in used}, routes)
+
+    def without_member(self, node_id: str) -> Routes:
+        """These routes with ``node_id`` out of every pool (a server leaving the job: routed
+        keys must not go to it); a pool left empty goes with its routes."""
+        pools = {n: [m for m in ms if m != node_id] for n, ms in self.pool_map().items()}
+        pools = {n: ms for n, ms in pools.items() if ms}
+        return Routes.of(pools, {p: n for p, n in self.routes if n in pools})
+
+    def add_to(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """``doc`` with ``pools`` and ``routes`` set when there are routes."""
+        if self.routes:
+            doc["pools"] = self.pool_map()
+            doc["routes"] = self.route_map()
+        return doc
+
+
+NO_ROUTES = Routes()
+
+
 def _servers_from_map(
     weight_map: Any,
-) -> tuple[int, tuple[ServerInfo, ...], tuple[LostServer, ...]]:
+) -> tuple[int, tuple[ServerInfo, ...], tuple[LostServer, ...], Routes]:
     if not isinstance(weight_map, dict) or "epoch" not in weight_map or "servers" not in weight_map:
         raise InvalidRequest(f"weight map must be {{'epoch', 'servers'}}, got {weight_map!r:.200}")
     try:
         epoch = int(weight_map["epoch"])
         servers = tuple(ServerInfo.from_row(row) for row in weight_map["servers"])
         lost = tuple(LostServer.from_row(row) for row in weight_map.get("lost", ()))
+        routes = Routes.of(weight_map.get("pools"), weight_map.get("routes"))
     except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidRequest):
+            raise
         raise InvalidRequest(f"malformed weight map: {exc}") from exc
-    return epoch, servers, lost
+    return epoch, servers, lost, routes
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +259,8 @@ class JobHandle:
     tls_ca: str | None = None
     """The cluster CA (PEM) that the servers' certificates are checked against; ``None`` when
     the servers speak plaintext (an embedded cluster on loopback without ``tls=True``)."""
+    routes: Routes = NO_ROUTES
+    """Prefixes placed over a pool of servers of their own (granted DRAM, or spilled)."""
 
     def __post_init__(self) -> None:
         if not self.job_id or len(self.job_id.encode()) > JOB_ID_MAX_BYTES:
@@ -167,12 +285,13 @@ class JobHandle:
         }
         if self.lost:
             weight_map["lost"] = [s.to_row() for s in self.lost]
-        return weight_map
+        return self.routes.add_to(weight_map)
 
     def with_weight_map(self, weight_map: dict[str, Any]) -> JobHandle:
-        """This handle with another epoch and servers (from ``set_epoch`` or ``stale_epoch``)."""
-        epoch, servers, lost = _servers_from_map(weight_map)
-        return dataclasses.replace(self, epoch=epoch, servers=servers, lost=lost)
+        """This handle with another epoch, servers and routes (from ``set_epoch`` or
+        ``stale_epoch``)."""
+        epoch, servers, lost, routes = _servers_from_map(weight_map)
+        return dataclasses.replace(self, epoch=epoch, servers=servers, lost=lost, routes=routes)
 
     def updated_by(self, newer: JobHandle) -> JobHandle:
         """This handle after ``newer``, a later handle of the same job (a renewed token, a newer
@@ -205,14 +324,14 @@ class JobHandle:
             doc["lost"] = [s.to_row() for s in self.lost]
         if self.tls_ca is not None:
             doc["tls_ca"] = self.tls_ca
-        return _dumps(doc)
+        return _dumps(self.routes.add_to(doc))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JobHandle:
         """Parse :meth:`to_json` output."""
         try:
             doc = json.loads(text)
-            epoch, servers, lost = _servers_from_map(doc)
+            epoch, servers, lost, routes = _servers_from_map(doc)
             return cls(
                 job_id=str(doc["job"]),
                 name=str(doc.get("name", "")),
@@ -222,6 +341,7 @@ class JobHandle:
                 block_size_bytes=int(doc.get("block_size", BLOCK_SIZE_DEFAULT_BYTES)),
                 lost=lost,
                 tls_ca=str(doc["tls_ca"]) if doc.get("tls_ca") is not None else None,
+                routes=routes,
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, InvalidRequest):
@@ -237,5 +357,6 @@ class JobHandle:
             f"JobHandle(job_id={self.job_id!r}, name={self.name!r}, epoch={self.epoch}, "
             f"servers=<{len(self.servers)}>, block_size_bytes={self.block_size_bytes}"
             + (", tls" if self.tls_ca is not None else "")
+            + (f", routes=<{len(self.routes.routes)}>" if self.routes else "")
             + (f", lost=<{len(self.lost)}>)" if self.lost else ")")
         )

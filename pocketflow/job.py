@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pocketflow.auth import token_expiry_unix_ms
 from pocketflow.config import parse_size
 from pocketflow.control.leases import LEASE_MS_DEFAULT, check_lease_ms
-from pocketflow.errors import JobNotRegistered
+from pocketflow.errors import ConfigError, InvalidRequest, JobNotRegistered
 from pocketflow.prefixes import (
     PREFIX_LEASE_MS_DEFAULT,
+    PREFIX_WAIT_S_DEFAULT,
     PrefixKeeper,
     PrefixLeases,
     check_prefix_lease_ms,
@@ -113,6 +114,7 @@ class Job:
     ) -> None:
         self._prefix_lease_ms = check_prefix_lease_ms(prefix_lease_ms)
         self._prefix_leases: PrefixLeases | None = None
+        self._granted: set[str] = set()
         self._handle = handle
         self._control = control
         self._lock = threading.Lock()
@@ -190,18 +192,75 @@ class Job:
     def prefix_leases(self) -> PrefixLeases:
         """The job's prefix leases (declared prefixes, lease length, batched renewal)."""
         if self._prefix_leases is None:
-            leases = PrefixLeases(self.connect(), lease_ms=self._prefix_lease_ms)
+            leases = PrefixLeases(self.connect(), lease_ms=self._prefix_lease_ms,
+                                  on_renew=self._renew_grants)
             with self._lock:
                 if self._prefix_leases is None:
                     self._prefix_leases = leases
         return self._prefix_leases
 
-    def declare(self, prefix: str, parents: Iterable[str] = ()) -> None:
+    def declare(
+        self,
+        prefix: str,
+        parents: Iterable[str] = (),
+        *,
+        size_bytes: int | str | None = None,
+        wait_s: float = PREFIX_WAIT_S_DEFAULT,
+    ) -> str | None:
         """Declare a prefix of the job's DAG (``"map/7"``) with the prefixes it depends on, and
         start its lease (``prefix_lease_ms``, default 1 s) on every storage server. Keys under
         ``<prefix>/`` (objects, queues, append files, every bucket) are freed by the servers
-        when the lease lapses; see :mod:`pocketflow.prefixes`."""
-        self.prefix_leases.declare(prefix, parents)
+        when the lease lapses; see :mod:`pocketflow.prefixes`.
+
+        With ``size_bytes`` (what the prefix will hold), the controller also places it: it
+        grants the prefix DRAM when there is room, else the declaration waits for DRAM that
+        lapsing prefixes give back (in order, at most ``wait_s``) and then spills the prefix to
+        NVMe; see :mod:`pocketflow.control.prefix_grants`. Returns ``"dram"``, ``"nvme"``, or
+        ``None`` (no size given, or no pool could take it: the job's own weights place it).
+        Keep the prefix renewed (:meth:`keep`) or its grant lapses with its lease."""
+        return self.declare_many([(prefix, parents, size_bytes)], wait_s=wait_s)[prefix]
+
+    def declare_many(
+        self,
+        declarations: Iterable[tuple[str, Iterable[str], int | str | None]],
+        *,
+        wait_s: float = PREFIX_WAIT_S_DEFAULT,
+    ) -> dict[str, str | None]:
+        """:meth:`declare` for many ``(prefix, parents, size_bytes)`` at once (a stage's
+        prefixes): one controller call places every sized prefix, in one new epoch of the job's
+        map, and one ``renew_leases`` per server starts the leases. Returns each prefix's
+        placement."""
+        items = [(p, tuple(parents), _declared_size(p, size)) for p, parents, size in declarations]
+        leases = self.prefix_leases
+        placed: dict[str, str | None] = {p: None for p, _, _ in items}
+        sized = [(p, size) for p, _, size in items if size is not None]
+        leases.check_declarations([(p, parents) for p, parents, _ in items])
+        if sized:
+            result = self._control.declare_prefixes(
+                self.job_id, sized, self._prefix_lease_ms, wait_s)
+            for pool in ("dram", "nvme"):
+                for prefix in result[pool]:
+                    placed[prefix] = pool
+            with self._lock:
+                self._granted.update(result["dram"])
+            self._adopt(result["handle"])
+        leases.declare_many([(p, parents) for p, parents, _ in items])
+        return placed
+
+    def _adopt(self, handle: JobHandle) -> None:
+        """Take a newer handle (a new epoch) and give it to this job's clients."""
+        with self._lock:
+            handle = self._handle = self._handle.updated_by(handle)
+            clients = list(self._clients)
+        for client in clients:
+            client.update_handle(handle)
+
+    def _renew_grants(self, prefixes: list[str]) -> None:
+        """Renew the controller's grants among ``prefixes`` (a renewal's closure)."""
+        with self._lock:
+            granted = [p for p in prefixes if p in self._granted]
+        if granted:
+            self._control.renew_prefixes(self.job_id, granted)
 
     def renew(self, prefixes: Iterable[str]) -> int:
         """Renew declared ``prefixes`` with their ancestors and descendants, in one call per
@@ -291,6 +350,21 @@ def register_job(
     control = _resolve_control_plane(cluster)
     handle = control.register(name, coerced.to_dict())
     return Job(handle, control, lease_ms=lease_ms, prefix_lease_ms=prefix_lease_ms)
+
+
+def _declared_size(prefix: str, size: int | str | None) -> int | None:
+    """``size`` in bytes (an int >= 0 or a size like ``"64MiB"``), else ``InvalidRequest``."""
+    if size is None:
+        return None
+    if isinstance(size, str):
+        try:
+            return parse_size(size, name=f"size_bytes of {prefix!r}")
+        except ConfigError as exc:
+            raise InvalidRequest(str(exc)) from None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise InvalidRequest(f"size_bytes of {prefix!r} must be an int >= 0 or a size, "
+                             f"got {size!r}")
+    return size
 
 
 def token_half_gone(token: str, *, received_unix_ms: int, now_unix_ms: int) -> bool:

@@ -47,7 +47,7 @@ class View:
 def view_of(handle: JobHandle) -> View:
     """The view of ``handle``'s weight map."""
     ctx = handle.context()
-    return View(handle, Placement(handle.servers), ctx, exchange_descriptor(ctx))
+    return View(handle, Placement.of_handle(handle), ctx, exchange_descriptor(ctx))
 
 
 class ObjectHost(Protocol):

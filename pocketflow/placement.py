@@ -10,7 +10,9 @@ every process of a job places every block the same way.
 
 Small objects and manifests are block 0; data block ``i`` of a large object is placed by
 ``(key, i)``, which stripes a large object over the job's servers. PERSIST objects are placed over
-the servers marked ``persist`` only.
+the servers marked ``persist`` only. A key under a routed prefix (:class:`pocketflow.handle.Routes`:
+the longest prefix ``P`` with the key starting ``P/``) is placed over the members of its route's
+pool with equal weights instead; PERSIST placement and the fallback ranking ignore routes.
 
 The same placement exists in the Rust client core (``servers/crates/client/src/placement.rs``);
 :meth:`Placement.servers_for` places a whole batch of keys there in one call. Both are checked
@@ -25,7 +27,7 @@ from collections.abc import Sequence
 
 from pocketflow import _core
 from pocketflow.errors import DataUnavailable, PersistNotSupported
-from pocketflow.handle import ServerInfo
+from pocketflow.handle import NO_ROUTES, JobHandle, Routes, ServerInfo
 
 __all__ = ["Placement", "hash_block", "server_seed"]
 
@@ -106,8 +108,17 @@ class _Pool:
 class Placement:
     """Placement of blocks over one weight map (build once per epoch; immutable, thread-safe)."""
 
-    def __init__(self, servers: Sequence[ServerInfo]) -> None:
+    def __init__(self, servers: Sequence[ServerInfo], routes: Routes = NO_ROUTES) -> None:
         self.servers: tuple[ServerInfo, ...] = tuple(servers)
+        # Routed prefix -> its pool's members in this map (None: none left, default placement).
+        self._routes: dict[bytes, _Pool | None] = {}
+        if routes:
+            by_id = {s.node_id: s for s in servers}
+            pools: dict[str, _Pool | None] = {}
+            for name, members in routes.pools:
+                present = [by_id[m] for m in members if m in by_id]
+                pools[name] = _Pool(present, [1.0] * len(present)) if present else None
+            self._routes = {prefix.encode(): pools[name] for prefix, name in routes.routes}
         active = [s for s in servers if s.weight > 0]
         self._ephemeral = _Pool(active, [s.weight for s in active]) if active else None
         persist_active = [s for s in active if s.persist]
@@ -121,11 +132,35 @@ class Placement:
         # they rank after every active server.
         weights_all = [s.weight if s.weight > 0 else 1e-9 for s in servers]
         self._all = _Pool(servers, weights_all) if servers else None
-        self._native = _core.Placement([(s.node_id, s.weight, s.persist) for s in servers])
+        self._native = _core.Placement(
+            [(s.node_id, s.weight, s.persist) for s in servers],
+            routes.pool_map() if routes else None,
+            routes.route_map() if routes else None,
+        )
+
+    @classmethod
+    def of_handle(cls, handle: JobHandle) -> Placement:
+        """The placement of ``handle``'s weight map, routes included."""
+        return cls(handle.servers, handle.routes)
 
     def server_for(self, key: bytes, block: int = 0, *, persist: bool = False) -> ServerInfo:
         """The server that holds block ``block`` of ``key`` (UTF-8 bytes)."""
+        if self._routes and not persist:
+            pool = self._route_of(key)
+            if pool is not None:
+                return pool.pick(hash_block(key, block))
         return self.server_for_hash(hash_block(key, block), persist=persist)
+
+    def _route_of(self, key: bytes) -> _Pool | None:
+        """The pool of the longest routed prefix ``P`` that ``key`` starts ``P/`` with; ``None``
+        when no route matches or that route's pool has no member in the map."""
+        end = key.rfind(b"/")
+        while end > 0:
+            prefix = key[:end]
+            if prefix in self._routes:
+                return self._routes[prefix]
+            end = key.rfind(b"/", 0, end)
+        return None
 
     def servers_for(
         self, keys: list[bytes], block: int = 0, *, persist: bool = False
@@ -139,7 +174,7 @@ class Placement:
         return [servers[i] for i in picked]
 
     def server_for_hash(self, h: int, *, persist: bool = False) -> ServerInfo:
-        """The server for a precomputed :func:`hash_block` value."""
+        """The server for a precomputed :func:`hash_block` value (routes not applied)."""
         pool = self._persist if persist else self._ephemeral
         if pool is None:
             if persist:

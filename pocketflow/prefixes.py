@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from pocketflow.errors import ConfigError, InvalidRequest, PocketflowError
@@ -40,12 +40,14 @@ if TYPE_CHECKING:
     from pocketflow.client import Client
 
 __all__ = ["PrefixDag", "PrefixLeases", "PrefixKeeper", "PREFIX_LEASE_MS_DEFAULT",
-           "PREFIXES_MAX"]
+           "PREFIX_WAIT_S_DEFAULT", "PREFIXES_MAX"]
 
 log = logging.getLogger(__name__)
 
 PREFIX_LEASE_MS_DEFAULT = 1000
 """Lease of a prefix unless the job says otherwise (Jiffy used 1 s)."""
+PREFIX_WAIT_S_DEFAULT = 5.0
+"""How long a sized declaration waits for DRAM before it spills (``Job.declare``)."""
 PREFIXES_MAX = 65_536
 """Most prefixes one job declares."""
 PARENTS_MAX = 1024
@@ -84,6 +86,13 @@ class PrefixDag:
 
     def __len__(self) -> int:
         return len(self._parents)
+
+    def copy(self) -> PrefixDag:
+        """An independent copy (to try declarations on)."""
+        dag = PrefixDag()
+        dag._parents = dict(self._parents)
+        dag._children = {p: set(c) for p, c in self._children.items()}
+        return dag
 
     def declare(self, prefix: str, parents: Iterable[str] = ()) -> None:
         """Add ``prefix`` with ``parents`` (declared before it). Declaring a prefix again adds
@@ -154,17 +163,39 @@ class PrefixDag:
 class PrefixLeases:
     """A job's prefix leases on its storage servers, renewed through one client."""
 
-    def __init__(self, client: Client, *, lease_ms: int = PREFIX_LEASE_MS_DEFAULT) -> None:
+    def __init__(
+        self,
+        client: Client,
+        *,
+        lease_ms: int = PREFIX_LEASE_MS_DEFAULT,
+        on_renew: Callable[[list[str]], None] | None = None,
+    ) -> None:
         self._client = client
         self.lease_ms = check_prefix_lease_ms(lease_ms)
         self.dag = PrefixDag()
         self._lock = threading.Lock()
+        self._on_renew = on_renew
 
     def declare(self, prefix: str, parents: Iterable[str] = ()) -> None:
         """Declare ``prefix`` and start its lease (and renew its closure) on every server."""
+        self.declare_many([(prefix, parents)])
+
+    def check_declarations(self, declarations: Iterable[tuple[str, Iterable[str]]]) -> None:
+        """Raise what :meth:`declare_many` would for ``declarations``, declaring nothing."""
         with self._lock:
-            self.dag.declare(prefix, parents)
-        self.renew([prefix])
+            trial = self.dag.copy()
+        for prefix, parents in declarations:
+            trial.declare(prefix, parents)
+
+    def declare_many(self, declarations: Iterable[tuple[str, Iterable[str]]]) -> None:
+        """Declare every ``(prefix, parents)`` in order and start their leases with one
+        renewal (one ``renew_leases`` per server)."""
+        declarations = [(p, tuple(parents)) for p, parents in declarations]
+        self.check_declarations(declarations)
+        with self._lock:
+            for prefix, parents in declarations:
+                self.dag.declare(prefix, parents)
+        self.renew([p for p, _ in declarations])
 
     def renew(self, prefixes: Iterable[str]) -> int:
         """Renew ``prefixes`` with their ancestors and descendants on every server of the job:
@@ -191,6 +222,8 @@ class PrefixLeases:
 
         errors = [e for e in client._parallel([lambda a=a: send(a) for a in addresses])
                   if e is not None]
+        if self._on_renew is not None:
+            self._on_renew(covered)
         if errors and len(errors) == len(addresses):
             raise errors[0]
         for error in errors:  # a dead server's leases do not matter: its data is gone

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -32,6 +34,7 @@ from pocketflow.control.packing import (
     with_allocations,
 )
 from pocketflow.control.packing import Placement as PackedPlacement
+from pocketflow.control.prefix_grants import WAITING_MAX, PrefixGrants, Waiting
 from pocketflow.control.sizing import (
     AddServer,
     AddThreads,
@@ -51,7 +54,9 @@ from pocketflow.errors import (
     JobNotRegistered,
     PocketflowError,
 )
-from pocketflow.handle import JobHandle, LostServer, ServerInfo
+from pocketflow.handle import ROUTES_MAX, JobHandle, LostServer, Routes, ServerInfo
+from pocketflow.prefixes import check_prefix, check_prefix_lease_ms
+from pocketflow.protocol import EPOCH_MAP_MAX_BYTES
 from pocketflow.tls import read_ca
 from pocketflow.transport import AdminClient
 
@@ -138,6 +143,14 @@ DRAIN_NODE_TIMEOUT_S = 30.0
 
 DRAIN_POLL_S = 0.2
 """How often ``drain_node`` looks whether the drained servers are gone."""
+
+PREFIX_WAIT_S_MAX = 30.0
+"""Longest a prefix declaration may wait for DRAM (well inside the driver's call deadline)."""
+
+POOL_DRAM = "dram"
+"""Pool name of the DRAM servers a job's granted prefixes are routed to."""
+POOL_NVME = "nvme"
+"""Pool name of the NVMe servers a job's spilled prefixes are routed to."""
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -292,6 +305,12 @@ class Controller:
         self._dead: dict[str, dict[str, Any]] = {}
         self._jobs: dict[str, JobRecord] = {}
         self._leases = LeaseTable()
+        # DRAM granted to declared prefixes (prefix_grants.py); guarded by ``_lock``, whose
+        # condition wakes the declarations waiting for it.
+        self._grants = PrefixGrants()
+        self._grants_changed = threading.Condition(self._lock)
+        # Routed prefixes whose grant lapsed, per job: dropped from its map at its next epoch.
+        self._lapsed_routes: dict[str, set[str]] = {}
         # Renewals take only this lock, so a lease does not run out while its renewal waits
         # behind a registration (one that waits for a restarting Metadata actor, or a launch).
         # Taken after ``_lock`` when both are held.
@@ -628,6 +647,9 @@ class Controller:
             with self._lease_lock:
                 self._leases.release(job_id)
                 self._leases_logged.pop(job_id, None)
+            self._grants.release_job(job_id, "the job was deregistered while it waited")
+            self._lapsed_routes.pop(job_id, None)
+            self._serve_grants_locked()
             self._call_metadata("remove_job", job_id, True)
         self._metrics.count("deregistrations")
         results, unreachable = self._admin_on_every_server(
@@ -900,6 +922,179 @@ class Controller:
         with self._lock:
             return list(self._jobs)
 
+    # -- prefix grants (policy in control/prefix_grants.py) ------------------------------------
+
+    def declare_prefixes(
+        self,
+        job_id: str,
+        requests: list[tuple[str, int]],
+        lease_ms: int,
+        wait_s: float,
+    ) -> dict[str, Any]:
+        """Place declared prefixes of a job: grant each ``(prefix, size_bytes)`` DRAM, waiting
+        for it in the FIFO at most ``wait_s``; what is still waiting then spills to NVMe.
+
+        Granted prefixes are routed to the job's DRAM pool and spilled ones to its NVMe pool,
+        in one new epoch (``set_epoch`` on the job's servers). A prefix that is granted already
+        keeps its grant (renewed), one that spilled keeps its route. Returns ``{"handle",
+        "dram": [...], "nvme": [...], "default": [...], "waited_s"}``; ``default`` lists the
+        prefixes no pool could take (no NVMe server), left to the job's weights. Raises
+        ``JobNotRegistered``, and ``InvalidRequest`` for a bad request or more routes than a
+        map holds.
+        """
+        requests = _declarations(requests)
+        check_prefix_lease_ms(lease_ms)
+        if not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= PREFIX_WAIT_S_MAX:
+            raise InvalidRequest(f"wait_s must be a number in 0..{PREFIX_WAIT_S_MAX}")
+        started = time.monotonic()
+        with self._grants_changed:
+            record = self._record(job_id)
+            self._expire_grants_locked(started)
+            live = self._grants.granted(job_id)
+            self._grants.renew(job_id, [p for p, _ in requests if p in live], started)
+            lapsed = self._lapsed_routes.get(job_id, set())
+            routed = {p for p, _pool in record.handle.routes.routes if p not in lapsed}
+            todo = [(p, n) for p, n in requests if p not in live and p not in routed]
+            if len(routed | {p for p, _ in todo}) > ROUTES_MAX:
+                raise InvalidRequest(f"a job routes at most {ROUTES_MAX} prefixes")
+            # Each new route adds `"prefix":"pool",` to the map servers must accept.
+            grown = len(json.dumps(record.handle.weight_map(), separators=(",", ":"))) + sum(
+                len(json.dumps(p)) + 8 for p, _ in todo)
+            if grown > EPOCH_MAP_MAX_BYTES:
+                raise InvalidRequest(
+                    f"the routes would make the job's weight map larger than "
+                    f"{EPOCH_MAP_MAX_BYTES} bytes: declare fewer or shorter sized prefixes")
+            waiting = Waiting(job_id, collections.deque(todo), lease_ms / 1000.0)
+            if todo and self._grants.waiting() < WAITING_MAX:
+                self._grants.enqueue(waiting)
+                self._serve_grants_locked()
+                deadline = started + wait_s
+                while waiting.pending and waiting.cancelled is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._grants_changed.wait(left)
+                self._grants.leave(waiting)
+                self._serve_grants_locked()  # what waited behind this one may fit now
+            if waiting.cancelled is not None:
+                raise JobNotRegistered(f"job {job_id!r}: {waiting.cancelled}")
+            spilled = [p for p, _ in waiting.pending]
+            handle, placed = self._route_locked(job_id, waiting.granted, spilled)
+        waited_s = time.monotonic() - started
+        if waiting.granted or spilled:
+            log.info("job %s: %d prefixes granted DRAM, %d spilled after %.2f s", job_id,
+                     len(waiting.granted), len(spilled), waited_s)
+        return {
+            "handle": handle,
+            "dram": list(waiting.granted),
+            "nvme": [p for p in spilled if placed],
+            "default": [] if placed else spilled,
+            "waited_s": waited_s,
+        }
+
+    def renew_prefixes(self, job_id: str, prefixes: list[str]) -> int:
+        """Extend the grants of a job's ``prefixes`` by their lease (one call per renewal period
+        from the driver); returns how many of them hold a grant. Raises ``JobNotRegistered``."""
+        now = time.monotonic()
+        with self._lock:
+            self._record(job_id)
+            renewed = self._grants.renew(job_id, list(prefixes), now)
+            self._expire_grants_locked(now)
+        return renewed
+
+    def expire_grants(self) -> int:
+        """Take back the grants whose lease lapsed and give their DRAM to waiting declarations;
+        returns how many lapsed."""
+        with self._lock:
+            return self._expire_grants_locked(time.monotonic())
+
+    def prefix_grants(self) -> dict[str, Any]:
+        """Live grants, granted bytes, waiting declarations and prefixes, and the DRAM each
+        DRAM server has left for new grants (``dram_free_bytes``)."""
+        with self._lock:
+            free = {
+                load.node_id: max(load.capacity_bytes - load.allocated_capacity_bytes, 0)
+                for load in self._server_loads()
+                if load.tier == POOL_DRAM and load.active
+            }
+            return {**self._grants.summary(), "dram_free_bytes": free}
+
+    def _record(self, job_id: str) -> JobRecord:
+        record = self._jobs.get(job_id)
+        if record is None:
+            raise JobNotRegistered(f"job {job_id!r} is not registered")
+        return record
+
+    def _expire_grants_locked(self, now_s: float) -> int:
+        lapsed = self._grants.expire(now_s)
+        for grant in lapsed:
+            if grant.job_id in self._jobs:
+                self._lapsed_routes.setdefault(grant.job_id, set()).add(grant.prefix)
+        if lapsed:
+            self._serve_grants_locked()
+        return len(lapsed)
+
+    def _serve_grants_locked(self) -> None:
+        """Give free DRAM to the waiting declarations (in order) and wake them."""
+        if not self._grants.waiting():
+            return
+        free = {
+            load.node_id: load.capacity_bytes - load.allocated_capacity_bytes
+            for load in self._server_loads(grants=False)
+            if load.tier == POOL_DRAM and load.active
+        }
+        if self._grants.serve(free, self._dram_pool, time.monotonic()):
+            self._grants_changed.notify_all()
+
+    def _pool(self, job_id: str, name: str) -> list[str]:
+        """The members of a job's pool ``name``: those its map names already (routed keys must
+        not move), else every live, active server of that tier."""
+        record = self._jobs.get(job_id)
+        if record is not None:
+            named = record.handle.routes.pool_map().get(name)
+            if named:
+                return [m for m in named if m in self._servers]
+        return sorted(
+            info.node_id for info in self._servers.values()
+            if info.tier == name and info.node_id not in self._draining
+            and info.node_id not in self._suspects
+        )
+
+    def _dram_pool(self, job_id: str) -> list[str]:
+        return self._pool(job_id, POOL_DRAM)
+
+    def _route_locked(
+        self, job_id: str, granted: list[str], spilled: list[str]
+    ) -> tuple[JobHandle, bool]:
+        """Route ``granted`` prefixes to the job's DRAM pool and ``spilled`` ones to its NVMe
+        pool, dropping routes whose grant lapsed, in a new epoch when anything changed. Returns
+        the job's handle and whether spilled prefixes had an NVMe pool to go to."""
+        record = self._jobs[job_id]
+        handle = record.handle
+        lapsed = self._lapsed_routes.pop(job_id, set()) - set(granted) - set(spilled)
+        routes = handle.routes.without(lapsed) if lapsed else handle.routes
+        defined = routes.pool_map()
+        pools: dict[str, list[str]] = {}
+        new: dict[str, str] = {}
+        for name, prefixes in ((POOL_DRAM, granted), (POOL_NVME, spilled)):
+            members = defined.get(name) or self._pool(job_id, name)
+            if prefixes and members:
+                pools.setdefault(name, members)
+                new.update(dict.fromkeys(prefixes, name))
+        placed = not spilled or POOL_NVME in pools
+        if not new and not lapsed:
+            return handle, placed
+        routes = routes.with_routes({n: m for n, m in pools.items() if n not in defined}, new)
+        servers = list(handle.servers)
+        listed = {s.node_id for s in servers}
+        for _name, members in routes.pools:
+            for node_id in members:
+                info = self._servers.get(node_id)
+                if node_id not in listed and info is not None:
+                    servers.append(ServerInfo(node_id, info.address, info.tier, 0.0))
+                    listed.add(node_id)
+        return self._move_to_epoch(job_id, tuple(servers), routes=routes), placed
+
     # -- reporting --------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
@@ -956,6 +1151,7 @@ class Controller:
             "draining": sorted(list(self._draining)),
             "suspect": self.suspect_servers(),
             "sizing_actions": self.sizing_actions(),
+            "prefix_grants": self.prefix_grants(),
             "cluster_metrics": dict(self._metrics.values),
             "resource_requests": list(self._launcher.resource_requests)
             if self._launcher is not None
@@ -1006,8 +1202,11 @@ class Controller:
             nvme_capacity_bytes=sizes.get(TIER_NVME),
         )
 
-    def _server_loads(self, *, excluding_job: str | None = None) -> list[ServerLoad]:
-        """Every live server with its measured use and what registered jobs reserve on it.
+    def _server_loads(
+        self, *, excluding_job: str | None = None, grants: bool = True
+    ) -> list[ServerLoad]:
+        """Every live server with its measured use and what registered jobs (and, with
+        ``grants``, declared prefixes) reserve on it.
 
         A server's throughput is what it reports it can move (``throughput_bytes_per_s`` of its
         latest heartbeat), else its tier's nominal figure.
@@ -1037,7 +1236,14 @@ class Controller:
             for job_id, record in self._jobs.items()
             if record.demand and job_id != excluding_job
         ]
-        return with_allocations(loads, jobs)
+        loads = with_allocations(loads, jobs)
+        granted = self._grants.reserved_by_server() if grants else {}
+        return [
+            dataclasses.replace(
+                load, allocated_capacity_bytes=load.allocated_capacity_bytes + granted[load.node_id]
+            ) if load.node_id in granted else load
+            for load in loads
+        ]
 
     def _pack_or_launch(
         self,
@@ -1167,6 +1373,10 @@ class Controller:
                 self.expire_leases()
             except Exception:
                 log.exception("lease expiry")
+            try:
+                self.expire_grants()
+            except Exception:
+                log.exception("prefix grant expiry")
             if self._sizing is not None and time.monotonic() >= self._sizing_next_s:
                 self._sizing_next_s = time.monotonic() + self._sizing_interval_s
                 try:
@@ -1434,16 +1644,23 @@ class Controller:
             known = {s.node_id for s in kept}
             kept = [s for s in kept if s.node_id not in {f.node_id for f in fresh}]
             kept += [f for f in fresh if f.node_id not in known or f.weight > 0]
-        self._move_to_epoch(job_id, tuple(sorted(kept, key=lambda s: s.node_id)))
+        self._move_to_epoch(job_id, tuple(sorted(kept, key=lambda s: s.node_id)),
+                            routes=record.handle.routes.without_member(node_id))
 
-    def _move_to_epoch(self, job_id: str, servers: tuple[ServerInfo, ...]) -> JobHandle:
-        """Give a job the next epoch with ``servers``: tell the servers, then record it.
+    def _move_to_epoch(
+        self, job_id: str, servers: tuple[ServerInfo, ...], routes: Routes | None = None
+    ) -> JobHandle:
+        """Give a job the next epoch with ``servers`` (and ``routes``, else its routes stay):
+        tell the servers, then record it.
 
         Callers hold the lock. A server that does not answer ``set_epoch`` in time is logged and
         left to the failure detector.
         """
         record = self._jobs[job_id]
-        handle = dataclasses.replace(record.handle, epoch=record.handle.epoch + 1, servers=servers)
+        handle = dataclasses.replace(
+            record.handle, epoch=record.handle.epoch + 1, servers=servers,
+            routes=record.handle.routes if routes is None else routes,
+        )
         weight_map = handle.weight_map()
         for server in servers:
             try:
@@ -1524,6 +1741,25 @@ def _relaxed_demands(demand: JobDemand, loads: Sequence[ServerLoad]) -> list[Job
     if granted > 0:
         relaxed.insert(0, dataclasses.replace(demand, throughput_bytes_per_s=granted))
     return relaxed
+
+
+def _declarations(requests: Any) -> list[tuple[str, int]]:
+    """``[(prefix, size_bytes), ...]`` checked: declared prefixes, sizes >= 0, no repeats."""
+    if not isinstance(requests, (list, tuple)) or len(requests) > ROUTES_MAX:
+        raise InvalidRequest(f"declare at most {ROUTES_MAX} prefixes as [(prefix, size), ...]")
+    checked: list[tuple[str, int]] = []
+    seen: set[str] = set()
+    for item in requests:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise InvalidRequest(f"a declaration is (prefix, size_bytes), got {item!r:.100}")
+        prefix, size = check_prefix(item[0]), item[1]
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InvalidRequest(f"size_bytes of {prefix!r} must be an int >= 0, got {size!r}")
+        if prefix in seen:
+            raise InvalidRequest(f"prefix {prefix!r} declared twice in one call")
+        seen.add(prefix)
+        checked.append((prefix, size))
+    return checked
 
 
 def _restarted_by_ray() -> bool:

@@ -72,6 +72,16 @@ class ControlPlane:
         """Start or extend a job's lease (see ``Controller.renew_lease``)."""
         return self._call("renew_lease", job_id, lease_ms)
 
+    def declare_prefixes(
+        self, job_id: str, requests: list[tuple[str, int]], lease_ms: int, wait_s: float
+    ) -> dict[str, Any]:
+        """Grant declared prefixes DRAM or spill them (``Controller.declare_prefixes``)."""
+        return self._call("declare_prefixes", job_id, list(requests), lease_ms, wait_s)
+
+    def renew_prefixes(self, job_id: str, prefixes: list[str]) -> int:
+        """Extend the grants of a job's prefixes (``Controller.renew_prefixes``)."""
+        return self._call("renew_prefixes", job_id, list(prefixes))
+
     def renew_token(self, job_id: str) -> JobHandle:
         """A new token for a registered job, in its current handle (``Controller.renew_token``)."""
         return self._call("renew_token", job_id)

@@ -679,7 +679,7 @@ def _home_nodes(handle: JobHandle, keys: dict[int, str]) -> dict[int, str]:
     """Node id of the server holding each key's block 0 under ``handle``'s map."""
     from pocketflow.placement import Placement
 
-    placement = Placement(handle.servers)
+    placement = Placement.of_handle(handle)
     return {m: placement.server_for(key.encode(), 0).node_id for m, key in keys.items()}
 
 
@@ -687,7 +687,7 @@ def _servers_of(handle: JobHandle, keys: dict[int, str]) -> dict[int, str]:
     """Address of the server holding each key's block 0 under ``handle``'s map."""
     from pocketflow.placement import Placement
 
-    placement = Placement(handle.servers)
+    placement = Placement.of_handle(handle)
     return {m: placement.server_for(key.encode(), 0).address for m, key in keys.items()}
 
 

@@ -1,0 +1,331 @@
+"""Jiffy's Figure 9(a) for real: a multi-job trace on the local cluster at 100%, 50% and 20% of
+the peak DRAM it needs, job-level allocation against prefix grants.
+
+The trace: ``--jobs`` jobs arrive ``--every`` seconds apart; each is a chain of stages (``--widths``
+tasks each). A task of stage ``k`` reads its inputs (the objects stage ``k-1`` wrote under its
+prefix ``s<k>/t<i>``) with DELETE, computes (``--compute`` seconds: a sleep, the machine has two
+cores), and writes ``--part`` bytes to each task of stage ``k+1``. Tasks are threads of this
+process, one client per job, against a real cluster (2 DRAM servers, 1 NVMe server).
+
+- ``job`` (Pocket, pocketflow without sized prefixes): a job registers with its whole
+  intermediate data (``HINT_HEADROOM`` times it) as ``data_size_bytes``; the controller reserves
+  DRAM for it (or NVMe when DRAM is short) until the job deregisters.
+- ``prefix`` (Jiffy): a job registers with a token size and declares, when a stage starts, the
+  prefixes of the stage's outputs with their sizes (``Job.declare_many``, one controller call);
+  each gets DRAM, or waits in order for DRAM that lapsing prefixes give back (``--wait`` at
+  most), or spills to NVMe. A prefix is renewed until the stage reading it is done, then lapses
+  one lease (``--lease``) later.
+
+First the trace runs with ample DRAM (both schemes); the peak DRAM the job-level scheme allocates
+there is the 100% figure (the simulator's definition) and each job's time there (the faster of
+the two schemes) is its unconstrained time. Then each fraction of the peak
+runs on a cluster whose DRAM servers hold exactly that. Reported per scheme and fraction: mean and
+p90 job slowdown (job time over its unconstrained time), and utilization of allocated DRAM (the
+time integral of live bytes on DRAM over the integral of DRAM reserved or granted). Writes
+``results/<date>-multiplexing-trace.{json,md,png}``.
+
+    python3 -m benchmarks.multiplexing_trace [--fractions 1,0.5,0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.machine import git_commit, machine, now_iso, today
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MIB = 1024 * 1024
+BUCKET = "t"
+SAMPLE_S = 0.1
+"""How often the DRAM reserved and used are sampled."""
+PUT_RETRIES_MAX = 200
+"""A put that meets a full server retries this often (50 ms apart), then fails the run."""
+AMPLE_DRAM_BYTES = 1024 * MIB
+HINT_HEADROOM = 1.5
+"""A job-level job hints this much more than its data: its keys are spread by weight, so the
+share that lands on DRAM varies around the reservation, and a full DRAM server refuses puts."""
+
+
+@dataclass
+class Shape:
+    jobs: int = 4
+    every_s: float = 1.0
+    widths: tuple[int, ...] = (4, 4, 4)
+    part_bytes: int = 2 * MIB
+    compute_s: float = 0.2
+    """Mean compute per task; each task's is drawn from 0.25x..1.75x of it (seeded), so fast
+    tasks' outputs wait for the stage's stragglers, as in a real shuffle."""
+    lease_ms: int = 250
+    """Prefix lease: the trace is compressed in time (jobs of seconds, Jiffy's of minutes), and
+    so is the lease (Jiffy: 1 s)."""
+    wait_s: float = 0.25
+
+    def stage_bytes(self, stage: int) -> int:
+        """Bytes stage ``stage`` writes (the last writes nothing)."""
+        if stage + 1 >= len(self.widths):
+            return 0
+        return self.widths[stage] * self.widths[stage + 1] * self.part_bytes
+
+    def job_bytes(self) -> int:
+        return sum(self.stage_bytes(s) for s in range(len(self.widths)))
+
+
+@dataclass
+class Ledger:
+    """Live intermediate bytes of the trace, in total and on DRAM, kept by the tasks."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    live: int = 0
+    live_dram: int = 0
+    peak: int = 0
+
+    def add(self, nbytes: int, on_dram: bool) -> None:
+        with self.lock:
+            self.live += nbytes
+            self.live_dram += nbytes if on_dram else 0
+            self.peak = max(self.peak, self.live)
+
+
+def _tier_of(job, key: str) -> str:
+    from pocketflow.placement import Placement
+
+    return Placement.of_handle(job.handle).server_for(key.encode()).tier
+
+
+def _put(pf, key: str, data: bytes) -> None:
+    from pocketflow.errors import CapacityExhausted
+
+    for _ in range(PUT_RETRIES_MAX):
+        try:
+            pf.put(BUCKET, key, data)
+            return
+        except CapacityExhausted:
+            time.sleep(0.05)
+    raise RuntimeError(f"{key}: every server of its tier stayed full")
+
+
+def _run_job(cluster, index: int, shape: Shape, scheme: str, ledger: Ledger) -> dict[str, Any]:
+    """One job of the trace, start to end; returns its timings and placements."""
+    started = time.monotonic()
+    size = int(HINT_HEADROOM * shape.job_bytes()) if scheme == "job" else MIB
+    job = cluster.register_job(f"trace-{scheme}-{index}", {"data_size_bytes": size},
+                               prefix_lease_ms=shape.lease_ms)
+    placed: dict[str, int] = {}
+    waited_s = 0.0
+    pf = job.connect()
+    keeper = None
+    try:
+        pf.create_bucket(BUCKET)
+        widths = shape.widths
+        for stage, width in enumerate(widths):
+            outputs = widths[stage + 1] if stage + 1 < len(widths) else 0
+            if scheme == "prefix" and outputs:
+                size_each = width * shape.part_bytes
+                begun = time.monotonic()
+                decided = job.declare_many(
+                    [(f"s{stage + 1}/t{t}", (), size_each) for t in range(outputs)],
+                    wait_s=shape.wait_s)
+                waited_s += time.monotonic() - begun
+                for pool in decided.values():
+                    placed[str(pool)] = placed.get(str(pool), 0) + 1
+                names = [f"s{stage + 1}/t{t}" for t in range(outputs)]
+                if keeper is None:
+                    keeper = job.keep(names)
+                else:
+                    for name in names:
+                        keeper.add(name)
+            tasks = [threading.Thread(target=_task,
+                                      args=(job, pf, shape, stage, t, ledger, keeper, index))
+                     for t in range(width)]
+            for task in tasks:
+                task.start()
+            for task in tasks:
+                task.join()
+    finally:
+        if keeper is not None:
+            keeper.close()
+        pf.close()
+        job.deregister()
+    return {"job": index, "scheme": scheme, "time_s": time.monotonic() - started,
+            "waited_s": round(waited_s, 3), "prefixes": placed}
+
+
+def _task(job, pf, shape: Shape, stage: int, task: int, ledger: Ledger, keeper,
+          job_index: int) -> None:
+    widths = shape.widths
+    if stage > 0:
+        keys = [f"s{stage}/t{task}/from{m}" for m in range(widths[stage - 1])]
+        tiers = [_tier_of(job, key) for key in keys]
+        for key, tier in zip(keys, tiers, strict=True):
+            data = pf.get(BUCKET, key, delete=True)
+            ledger.add(-len(data), tier == "dram")
+        if keeper is not None:
+            keeper.release(f"s{stage}/t{task}")  # read and deleted: lapses a lease later
+    spread = random.Random(hash((job_index, stage, task)) & 0xFFFF).uniform(0.25, 1.75)
+    time.sleep(shape.compute_s * spread)
+    if stage + 1 < len(widths):
+        payload = bytes([task % 251]) * shape.part_bytes
+        for t in range(widths[stage + 1]):
+            key = f"s{stage + 1}/t{t}/from{task}"
+            _put(pf, key, payload)
+            ledger.add(len(payload), _tier_of(job, key) == "dram")
+
+
+def run_trace(shape: Shape, scheme: str, dram_bytes_per_server: int) -> dict[str, Any]:
+    """The whole trace on a fresh cluster with ``dram_bytes_per_server`` on each DRAM server."""
+    import pocketflow
+
+    ledger = Ledger()
+    jobs: list[dict[str, Any]] = []
+    samples: list[tuple[float, int, int]] = []
+    with pocketflow.LocalCluster(dram_servers=2, nvme_servers=1,
+                                 dram_capacity=dram_bytes_per_server,
+                                 nvme_capacity=max(4 * shape.jobs * shape.job_bytes(), 256 * MIB),
+                                 num_cpus=2, object_store_memory="80MiB") as cluster:
+        stop = threading.Event()
+        capacity = 2 * dram_bytes_per_server
+
+        def sample() -> None:
+            while not stop.wait(SAMPLE_S):
+                free = cluster.status()["prefix_grants"]["dram_free_bytes"]
+                with ledger.lock:
+                    used = ledger.live_dram
+                samples.append((time.monotonic(), capacity - sum(free.values()), used))
+
+        def one(i: int) -> None:
+            time.sleep(i * shape.every_s)
+            jobs.append(_run_job(cluster, i, shape, scheme, ledger))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        started = time.monotonic()
+        drivers = [threading.Thread(target=one, args=(i,)) for i in range(shape.jobs)]
+        for driver in drivers:
+            driver.start()
+        for driver in drivers:
+            driver.join()
+        elapsed = time.monotonic() - started
+        stop.set()
+        sampler.join()
+    allocated = sum(a for _, a, _ in samples)
+    used = sum(u for _, _, u in samples)
+    return {"scheme": scheme, "dram_bytes_per_server": dram_bytes_per_server,
+            "elapsed_s": round(elapsed, 3), "peak_live_bytes": ledger.peak,
+            "peak_allocated_bytes": max((a for _, a, _ in samples), default=0),
+            "utilization": round(used / allocated, 3) if allocated else None,
+            "jobs": sorted(jobs, key=lambda j: j["job"])}
+
+
+def _slowdowns(run: dict[str, Any], base: dict[int, float]) -> list[float]:
+    return [j["time_s"] / base[j["job"]] for j in run["jobs"]]
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fractions", default="1,0.5,0.2")
+    parser.add_argument("--jobs", type=int, default=Shape.jobs)
+    parser.add_argument("--every", type=float, default=Shape.every_s)
+    parser.add_argument("--widths", default="4,4,4")
+    parser.add_argument("--part", default="2MiB")
+    parser.add_argument("--compute", type=float, default=Shape.compute_s)
+    parser.add_argument("--lease", type=int, default=Shape.lease_ms)
+    parser.add_argument("--wait", type=float, default=Shape.wait_s)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    from pocketflow.config import parse_size
+
+    shape = Shape(jobs=args.jobs, every_s=args.every,
+                  widths=tuple(int(w) for w in args.widths.split(",")),
+                  part_bytes=parse_size(args.part), compute_s=args.compute,
+                  lease_ms=args.lease, wait_s=args.wait)
+    fractions = [float(f) for f in args.fractions.split(",")]
+    runs = []
+    base: dict[str, dict[int, float]] = {}
+    peak = 0
+    for scheme in ("job", "prefix"):
+        run = run_trace(shape, scheme, AMPLE_DRAM_BYTES)
+        run["fraction"] = None
+        runs.append(run)
+        base[scheme] = {j["job"]: j["time_s"] for j in run["jobs"]}
+        if scheme == "job":
+            peak = run["peak_allocated_bytes"]
+        print(f"  unconstrained {scheme:6s}: {run['elapsed_s']:.2f} s, peak live "
+              f"{run['peak_live_bytes'] / MIB:.0f} MiB, peak allocated "
+              f"{run['peak_allocated_bytes'] / MIB:.0f} MiB", flush=True)
+    unconstrained = {j: min(base["job"][j], base["prefix"][j]) for j in base["job"]}
+    rows = []
+    for fraction in fractions:
+        per_server = max(int(fraction * peak / 2) // MIB * MIB, 4 * MIB)
+        for scheme in ("job", "prefix"):
+            run = run_trace(shape, scheme, per_server)
+            run["fraction"] = fraction
+            runs.append(run)
+            slow = _slowdowns(run, unconstrained)
+            row = {"fraction": fraction, "scheme": scheme,
+                   "dram_mib": 2 * per_server // MIB,
+                   "slowdown_mean": round(statistics.fmean(slow), 3),
+                   "slowdown_p90": round(_p90(slow), 3),
+                   "utilization": run["utilization"]}
+            rows.append(row)
+            print(f"  {fraction:>4.0%} {scheme:6s}: slowdown {row['slowdown_mean']:.2f}x "
+                  f"(p90 {row['slowdown_p90']:.2f}x), utilization {row['utilization']}",
+                  flush=True)
+    report = {"benchmark": "multiplexing-trace", "when": now_iso(), "git": git_commit(),
+              "machine": machine(), "shape": {**shape.__dict__, "widths": list(shape.widths)},
+              "peak_live_bytes": peak, "rows": rows, "runs": runs}
+    stem = args.out or RESULTS_DIR / f"{today()}-multiplexing-trace"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = ["| DRAM (of peak) | scheme | slowdown mean | p90 | utilization |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['fraction']:.0%} ({r['dram_mib']} MiB) | {r['scheme']} | "
+              f"{r['slowdown_mean']:.2f}x | {r['slowdown_p90']:.2f}x | {r['utilization']} |"
+              for r in rows]
+    stem.with_suffix(".md").write_text(
+        f"# Multi-job trace on the local cluster ({now_iso()}, {git_commit()})\n\n"
+        f"Peak live intermediate data {peak / MIB:.0f} MiB; shape {report['shape']}.\n\n"
+        + "\n".join(lines) + "\n")
+    _plot(rows, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json/.md/.png")
+    return 0
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fractions = sorted({r["fraction"] for r in rows}, reverse=True)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for scheme, label in (("job", "job-level (Pocket)"), ("prefix", "prefix grants (Jiffy)")):
+        mine = {r["fraction"]: r for r in rows if r["scheme"] == scheme}
+        xs = [f"{f:.0%}" for f in fractions]
+        axes[0].plot(xs, [mine[f]["slowdown_mean"] for f in fractions], marker="o", label=label)
+        axes[1].plot(xs, [mine[f]["utilization"] or 0 for f in fractions], marker="o",
+                     label=label)
+    axes[0].set_ylabel("job slowdown (x)")
+    axes[1].set_ylabel("utilization of allocated DRAM")
+    for axis in axes:
+        axis.set_xlabel("DRAM capacity (of peak)")
+        axis.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("Multi-job trace on the local cluster (real servers)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

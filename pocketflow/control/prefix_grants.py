@@ -1,0 +1,187 @@
+"""Prefix grants: DRAM given to the prefixes of a job's DAG, waited for in order, and taken back
+when a prefix's lease lapses (Jiffy's capacity multiplexing, done by the controller).
+
+A job declares a prefix with the bytes it will hold (``job.declare("shuffle/r3",
+size_bytes=...)``). The controller grants the prefix DRAM when every server of the job's DRAM
+pool has room for its share (the size over the pool's members: the prefix's route spreads its
+keys over them evenly); otherwise the declaration waits in a FIFO, at most ``wait_s``, and what is
+still waiting at its deadline spills to NVMe. A grant lasts one prefix lease from its last
+renewal: the driver renews its granted prefixes with the controller in one call per renewal
+period, next to the servers' renewal. When a grant lapses its DRAM goes to the waiting
+declarations first, oldest first, and only then to new declarations and registrations (the
+controller serves the FIFO under the same lock that frees the grant, so nothing slips in
+between).
+
+This module is the bookkeeping only (no I/O, no threads): :class:`PrefixGrants` is driven by the
+controller (:meth:`pocketflow.control.controller.Controller.declare_prefixes`) under its lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from pocketflow.errors import CapacityExhausted
+
+__all__ = ["Grant", "Waiting", "PrefixGrants", "GRANTS_MAX", "WAITING_MAX", "EXPIRY_SLACK_S"]
+
+GRANTS_MAX = 65_536
+"""Most live grants over all jobs."""
+WAITING_MAX = 4
+"""Most declarations waiting for DRAM at once (each holds one of the controller's threads)."""
+WAITING_PREFIXES_MAX = 4096
+"""Most prefixes one waiting declaration asks for."""
+EXPIRY_SLACK_S = 0.1
+"""A grant lapses this long after its lease: the servers free the prefix's data first."""
+
+
+@dataclass
+class Grant:
+    """DRAM reserved for one prefix of one job: ``shares`` bytes on each server of its pool."""
+
+    job_id: str
+    prefix: str
+    shares: dict[str, int]
+    lease_s: float
+    expires_at_s: float
+
+
+@dataclass
+class Waiting:
+    """One declaration waiting for DRAM: ``pending`` prefixes (with their sizes) in order."""
+
+    job_id: str
+    pending: collections.deque[tuple[str, int]]
+    lease_s: float
+    granted: list[str] = field(default_factory=list)
+    cancelled: str | None = None
+    """Why the declaration ended early (its job was deregistered), else ``None``."""
+
+
+class PrefixGrants:
+    """Live grants and the FIFO of waiting declarations."""
+
+    def __init__(self) -> None:
+        self._grants: dict[str, dict[str, Grant]] = {}
+        self._count = 0
+        self._waiting: collections.deque[Waiting] = collections.deque()
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def reserved_by_server(self) -> dict[str, int]:
+        """Bytes granted on each server, over every live grant."""
+        total: dict[str, int] = {}
+        for grants in self._grants.values():
+            for grant in grants.values():
+                for node_id, share in grant.shares.items():
+                    total[node_id] = total.get(node_id, 0) + share
+        return total
+
+    def granted(self, job_id: str) -> dict[str, Grant]:
+        """The live grants of ``job_id`` by prefix (a copy)."""
+        return dict(self._grants.get(job_id, {}))
+
+    def waiting(self) -> int:
+        """How many declarations wait."""
+        return len(self._waiting)
+
+    def summary(self) -> dict[str, int]:
+        """Counts for ``status``: live grants, granted bytes, waiting declarations and prefixes."""
+        return {
+            "grants": self._count,
+            "granted_bytes": sum(self.reserved_by_server().values()),
+            "waiting_declarations": len(self._waiting),
+            "waiting_prefixes": sum(len(w.pending) for w in self._waiting),
+        }
+
+    # -- changing ---------------------------------------------------------------------------
+
+    def enqueue(self, waiting: Waiting) -> None:
+        """Queue a declaration behind the ones already waiting."""
+        if len(waiting.pending) > WAITING_PREFIXES_MAX:
+            raise CapacityExhausted(
+                f"a declaration waits for at most {WAITING_PREFIXES_MAX} prefixes")
+        if len(self._waiting) >= WAITING_MAX:
+            raise CapacityExhausted(f"{WAITING_MAX} declarations already wait for DRAM")
+        self._waiting.append(waiting)
+
+    def leave(self, waiting: Waiting) -> None:
+        """Take a declaration out of the FIFO (decided, timed out or cancelled)."""
+        try:
+            self._waiting.remove(waiting)
+        except ValueError:
+            pass
+
+    def serve(
+        self,
+        free: Mapping[str, int],
+        pool_of: Callable[[str], list[str]],
+        now_s: float,
+    ) -> bool:
+        """Grant waiting prefixes, oldest declaration first, while they fit in ``free`` (bytes
+        free per DRAM server, grants not counted yet); the first that does not fit stops
+        everything behind it. ``pool_of(job_id)`` names the servers a job's grant spreads over.
+        Returns whether anything was granted."""
+        free = dict(free)
+        for node_id, share in self.reserved_by_server().items():
+            if node_id in free:
+                free[node_id] -= share
+        any_granted = False
+        for waiting in self._waiting:
+            while waiting.pending:
+                prefix, size = waiting.pending[0]
+                members = pool_of(waiting.job_id)
+                share = math.ceil(size / len(members)) if members else 0
+                if not members or any(free.get(m, 0) < share for m in members):
+                    return any_granted
+                if self._count >= GRANTS_MAX:
+                    return any_granted
+                for member in members:
+                    free[member] -= share
+                waiting.pending.popleft()
+                self._add(Grant(waiting.job_id, prefix, dict.fromkeys(members, share),
+                                waiting.lease_s, now_s + waiting.lease_s + EXPIRY_SLACK_S))
+                waiting.granted.append(prefix)
+                any_granted = True
+        return any_granted
+
+    def _add(self, grant: Grant) -> None:
+        grants = self._grants.setdefault(grant.job_id, {})
+        if grant.prefix not in grants:
+            self._count += 1
+        grants[grant.prefix] = grant
+
+    def renew(self, job_id: str, prefixes: Iterable[str], now_s: float) -> int:
+        """Extend the grants of ``prefixes`` by their lease from ``now_s``; returns how many of
+        them are granted (the others are ignored: not granted, or lapsed already)."""
+        grants = self._grants.get(job_id)
+        if not grants:
+            return 0
+        renewed = 0
+        for prefix in prefixes:
+            grant = grants.get(prefix)
+            if grant is not None:
+                grant.expires_at_s = now_s + grant.lease_s + EXPIRY_SLACK_S
+                renewed += 1
+        return renewed
+
+    def expire(self, now_s: float) -> list[Grant]:
+        """Take back every grant whose lease lapsed; returns them."""
+        lapsed = []
+        for job_id in list(self._grants):
+            grants = self._grants[job_id]
+            for prefix in [p for p, g in grants.items() if g.expires_at_s <= now_s]:
+                lapsed.append(grants.pop(prefix))
+                self._count -= 1
+            if not grants:
+                del self._grants[job_id]
+        return lapsed
+
+    def release_job(self, job_id: str, why: str) -> None:
+        """Forget a job's grants and end its waiting declarations with ``why``."""
+        self._count -= len(self._grants.pop(job_id, {}))
+        for waiting in [w for w in self._waiting if w.job_id == job_id]:
+            waiting.cancelled = why
+            self._waiting.remove(waiting)

@@ -1,0 +1,190 @@
+"""Prefix grants (Jiffy's capacity multiplexing, for real): a sized prefix gets DRAM when there is
+room, waits in order for DRAM that lapsing prefixes give back, and spills to NVMe at its deadline;
+its keys are routed to the tier it got. The bookkeeping alone, then the real controller and
+servers of the session cluster."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import pytest
+
+from pocketflow.cluster import LocalCluster
+from pocketflow.control.prefix_grants import EXPIRY_SLACK_S, PrefixGrants, Waiting
+from pocketflow.errors import InvalidRequest, JobNotRegistered
+from pocketflow.placement import Placement
+from tests.fixtures_cluster import wait_for
+
+LEASE_MS = 1000
+MIB = 1024 * 1024
+
+
+def _waiting(job: str, *sizes: int, lease_s: float = 1.0) -> Waiting:
+    pending = collections.deque((f"{job}/p{i}", size) for i, size in enumerate(sizes))
+    return Waiting(job, pending, lease_s)
+
+
+def test_waiting_declarations_are_served_in_order_and_lapses_give_dram_back() -> None:
+    grants = PrefixGrants()
+    free = {"d0": 100, "d1": 100}
+    pool = lambda job_id: ["d0", "d1"]  # noqa: E731 - every job spreads over both servers
+    a, b, c = _waiting("a", 150), _waiting("b", 120), _waiting("c", 10)
+    for waiting in (a, b, c):
+        grants.enqueue(waiting)
+    assert grants.serve(free, pool, now_s=0.0)
+    # a got 75 per server; b (60 per server) does not fit, and c, small as it is, waits behind.
+    assert a.granted == ["a/p0"] and b.granted == [] and c.granted == []
+    assert grants.reserved_by_server() == {"d0": 75, "d1": 75}
+    grants.leave(a)
+    assert not grants.serve(free, pool, now_s=0.5)
+    # Renewed, a's grant outlives its first lease; unrenewed, it lapses one lease later.
+    assert grants.renew("a", ["a/p0", "not-granted"], now_s=0.9) == 1
+    assert grants.expire(now_s=1.0 + EXPIRY_SLACK_S) == []
+    lapsed = grants.expire(now_s=1.9 + EXPIRY_SLACK_S)
+    assert [g.prefix for g in lapsed] == ["a/p0"]
+    assert grants.serve(free, pool, now_s=2.0)
+    assert b.granted == ["b/p0"] and c.granted == ["c/p0"]
+    assert grants.summary()["grants"] == 2
+    grants.release_job("b", "gone")
+    assert grants.reserved_by_server() == {"d0": 5, "d1": 5}
+
+
+def test_a_deregistered_job_ends_its_waiting_declarations() -> None:
+    grants = PrefixGrants()
+    waiting = _waiting("j", 10**9)
+    grants.enqueue(waiting)
+    assert not grants.serve({"d0": 10}, lambda job_id: ["d0"], now_s=0.0)
+    grants.release_job("j", "deregistered")
+    assert waiting.cancelled == "deregistered" and grants.waiting() == 0
+
+
+def _grant_state(cluster: LocalCluster) -> dict:
+    return cluster.status()["prefix_grants"]
+
+
+def _job_bytes_by_tier(cluster: LocalCluster, job_id: str) -> dict[str, int]:
+    tiers: dict[str, int] = {}
+    for server in cluster.status()["servers"]:
+        used = int(server["jobs"].get(job_id, {}).get("used_bytes", 0))
+        tiers[server["tier"]] = tiers.get(server["tier"], 0) + used
+    return tiers
+
+
+def test_a_sized_prefix_waits_for_lapsing_dram_and_a_late_one_spills(
+    local_cluster: LocalCluster,
+) -> None:
+    hints = {"data_size_bytes": "1MiB"}
+    with local_cluster.register_job("grants-a", hints, prefix_lease_ms=LEASE_MS) as a, \
+            local_cluster.register_job("grants-b", hints, prefix_lease_ms=LEASE_MS) as b:
+        free = _grant_state(local_cluster)["dram_free_bytes"]
+        assert len(free) == 2, free
+        # A prefix's keys spread over both DRAM servers, so a prefix of `half` takes half of
+        # what the fuller server has left on each: two such prefixes fit, a third does not.
+        half = min(free.values()) // MIB * MIB
+        assert half >= 16 * MIB, f"the session cluster's DRAM is taken: {free}"
+        a.declare("in")
+        placed = a.declare_many([("s/0", ["in"], half), ("s/1", ["in"], half)], wait_s=0)
+        assert placed == {"s/0": "dram", "s/1": "dram"}
+        assert a.handle.routes.route_map() == {"s/0": "dram", "s/1": "dram"}
+        placement = Placement.of_handle(a.handle)
+        assert {placement.server_for(f"s/0/k{i}".encode()).tier for i in range(32)} == {"dram"}
+        keeper = a.keep(["s/0", "s/1"])
+        try:
+            # b's prefix does not fit while a's are renewed: it waits, then spills to NVMe.
+            started = time.monotonic()
+            assert b.declare("late", size_bytes=half, wait_s=1.5) == "nvme"
+            assert time.monotonic() - started >= 1.4
+            b_keeper = b.keep(["late"])
+            with b.connect() as pf:
+                pf.create_bucket("x")
+                pf.put("x", "late/k", b"n" * MIB)
+                assert wait_for(lambda: _job_bytes_by_tier(local_cluster, b.job_id)
+                                .get("nvme", 0) >= MIB)
+            # Another declaration waits; releasing a's prefixes hands their DRAM to it.
+            outcome: dict = {}
+
+            def declare() -> None:
+                begun = time.monotonic()
+                outcome["placed"] = b.declare("r", size_bytes=half, wait_s=10)
+                outcome["waited_s"] = time.monotonic() - begun
+
+            waiter = threading.Thread(target=declare)
+            waiter.start()
+            assert wait_for(lambda: _grant_state(local_cluster)["waiting_declarations"] == 1,
+                            timeout_s=5)
+            time.sleep(1.0)  # a's leases are renewed: nothing lapses, b keeps waiting
+            assert "placed" not in outcome
+            keeper.release("s/0")
+            released = time.monotonic()
+            waiter.join(10)
+            assert outcome["placed"] == "dram"
+            # Within two lease periods of the release (the lease, the slack, the monitor pass).
+            assert time.monotonic() - released < 2 * LEASE_MS / 1000
+            b_keeper.add("r")
+            with b.connect() as pf:
+                pf.create_bucket("y")
+                pf.put("y", "r/k", b"d" * MIB)
+                assert pf.get("y", "r/k") == b"d" * MIB
+                assert pf.get("x", "late/k") == b"n" * MIB
+                assert wait_for(lambda: _job_bytes_by_tier(local_cluster, b.job_id)
+                                .get("dram", 0) >= MIB)
+            b_keeper.close()
+        finally:
+            keeper.close()
+        assert Placement.of_handle(b.handle).server_for(b"r/k").tier == "dram"
+        assert b.handle.routes.route_map() == {"late": "nvme", "r": "dram"}
+    # Deregistered jobs hold no grants.
+    assert wait_for(lambda: _grant_state(local_cluster)["grants"] == 0, timeout_s=5)
+
+
+def test_a_task_with_an_older_handle_adopts_the_routes(local_cluster: LocalCluster) -> None:
+    from pocketflow import connect
+
+    with local_cluster.register_job("grants-adopt", {"data_size_bytes": "1MiB"},
+                                    prefix_lease_ms=LEASE_MS) as job:
+        old = job.handle
+        with connect(old) as task:
+            task.create_bucket("b")
+            assert job.declare("spill", size_bytes=0, wait_s=0) == "dram"
+            with job.keep(["spill"]):
+                # The task's first request meets the new epoch and takes its routes.
+                task.put("b", "spill/k", b"v")
+                assert task.handle.epoch == job.handle.epoch
+                assert task.handle.routes == job.handle.routes
+                assert task.get("b", "spill/k") == b"v"
+
+
+def test_bad_declarations_are_refused_and_lose_nothing(local_cluster: LocalCluster) -> None:
+    with local_cluster.register_job("grants-bad", {"data_size_bytes": "1MiB"}) as job:
+        epoch = job.handle.epoch
+        for size in (-1, 1.5, True):
+            with pytest.raises(InvalidRequest):
+                job.declare("p", size_bytes=size)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest):
+            job.declare("p", ["undeclared"], size_bytes=1)
+        with pytest.raises(InvalidRequest):
+            job.declare("p", size_bytes=1, wait_s=-1)
+        with pytest.raises(InvalidRequest):
+            job.declare_many([("q", (), 1), ("q", (), 2)])
+        assert job.handle.epoch == epoch and not job.handle.routes
+        assert job.declare("p", size_bytes="1MiB", wait_s=0) == "dram"
+    with pytest.raises(JobNotRegistered):
+        job._control.declare_prefixes(job.job_id, [("p", 1)], LEASE_MS, 0)
+
+
+def test_routes_drop_a_leaving_server_and_an_emptied_pool() -> None:
+    from pocketflow.handle import Routes
+
+    routes = Routes.of({"dram": ["d0", "d1"], "nvme": ["n0"]},
+                       {"a": "dram", "b": "nvme", "c/d": "nvme"})
+    assert routes.without_member("d1").pool_map() == {"dram": ["d0"], "nvme": ["n0"]}
+    left = routes.without_member("n0")
+    assert left.pool_map() == {"dram": ["d0", "d1"]} and left.route_map() == {"a": "dram"}
+    with pytest.raises(InvalidRequest):
+        Routes.of({"dram": ["d0"]}, {"a": "nvme"})  # names no pool
+    with pytest.raises(InvalidRequest):
+        Routes.of({"Bad Name": ["d0"]}, {})
+    with pytest.raises(InvalidRequest):
+        Routes.of({"dram": ["d0"]}, {"a/": "dram"})

@@ -26,7 +26,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from pocketflow.errors import ConfigError, InvalidRequest, PocketflowError
+from pocketflow.errors import ConfigError, InvalidRequest, PocketflowError, StaleEpoch
+from pocketflow.layout import STALE_EPOCH_RETRIES_MAX
 from pocketflow.protocol import (
     ACTION_RENEW_LEASES,
     KEY_MAX_BYTES,
@@ -206,18 +207,29 @@ class PrefixLeases:
         if not covered:
             return 0
         client = self._client
-        view = client._view
         chunks = [covered[i:i + LEASE_PREFIXES_MAX]
                   for i in range(0, len(covered), LEASE_PREFIXES_MAX)]
-        addresses = sorted({s.address for s in view.handle.servers})
+        addresses = sorted({s.address for s in client._view.handle.servers})
 
         def send(address: str) -> PocketflowError | None:
-            try:
-                for chunk in chunks:
-                    client._connection(address).action(ACTION_RENEW_LEASES, action_body(
-                        view.ctx, prefixes=chunk, lease_ms=self.lease_ms))
-            except PocketflowError as exc:
-                return exc
+            for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
+                try:
+                    for chunk in chunks:
+                        client._connection(address).action(ACTION_RENEW_LEASES, action_body(
+                            client._view.ctx, prefixes=chunk, lease_ms=self.lease_ms))
+                except StaleEpoch as exc:
+                    # The job moved to a new epoch (a declaration routed prefixes): take its map
+                    # and renew again.
+                    if attempt == STALE_EPOCH_RETRIES_MAX:
+                        return exc
+                    try:
+                        client._adopt(exc)
+                    except PocketflowError as adopt_error:
+                        return adopt_error
+                    continue
+                except PocketflowError as exc:
+                    return exc
+                return None
             return None
 
         errors = [e for e in client._parallel([lambda a=a: send(a) for a in addresses])

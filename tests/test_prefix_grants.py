@@ -188,3 +188,24 @@ def test_routes_drop_a_leaving_server_and_an_emptied_pool() -> None:
         Routes.of({"Bad Name": ["d0"]}, {})
     with pytest.raises(InvalidRequest):
         Routes.of({"dram": ["d0"]}, {"a/": "dram"})
+
+
+def test_kept_prefixes_stay_renewed_across_the_epochs_declarations_make(
+    local_cluster: LocalCluster, caplog: pytest.LogCaptureFixture,
+) -> None:
+    with local_cluster.register_job("grants-renew", {"data_size_bytes": "1MiB"},
+                                    prefix_lease_ms=LEASE_MS) as job, job.connect() as pf:
+        pf.create_bucket("b")
+        job.declare("in")
+        pf.put("b", "in/k", b"kept")
+        with job.keep(["in"]) as keeper:
+            for i in range(3):  # each declaration is a new epoch the keeper's client meets
+                assert job.declare(f"out{i}", ["in"], size_bytes=MIB, wait_s=0) == "dram"
+                keeper.add(f"out{i}")
+                time.sleep(LEASE_MS / 1000)
+            assert pf.get("b", "in/k") == b"kept"
+            renewals = keeper.renewals
+        assert renewals >= 6
+        assert job.handle.epoch >= 4
+    # A renewal that met a newer epoch took its map and renewed again: none failed.
+    assert not [r for r in caplog.records if "renewing prefix" in r.getMessage()]

@@ -209,3 +209,32 @@ def test_kept_prefixes_stay_renewed_across_the_epochs_declarations_make(
         assert job.handle.epoch >= 4
     # A renewal that met a newer epoch took its map and renewed again: none failed.
     assert not [r for r in caplog.records if "renewing prefix" in r.getMessage()]
+
+
+def test_deregistering_a_job_ends_its_waiting_declaration(local_cluster: LocalCluster) -> None:
+    hints = {"data_size_bytes": "1MiB"}
+    with local_cluster.register_job("grants-hog", hints, prefix_lease_ms=LEASE_MS) as hog:
+        free = _grant_state(local_cluster)["dram_free_bytes"]
+        everything = 2 * min(free.values()) // MIB * MIB
+        with hog.keep([]) as keeper:
+            assert hog.declare("all", size_bytes=everything, wait_s=0) == "dram"
+            keeper.add("all")
+            waiter = local_cluster.register_job("grants-waiter", hints)
+            outcome: dict = {}
+
+            def declare() -> None:
+                try:
+                    waiter.declare("p", size_bytes=everything, wait_s=20)
+                except JobNotRegistered as exc:
+                    outcome["error"] = exc
+
+            thread = threading.Thread(target=declare)
+            thread.start()
+            assert wait_for(lambda: _grant_state(local_cluster)["waiting_declarations"] == 1,
+                            timeout_s=5)
+            begun = time.monotonic()
+            waiter.deregister()
+            thread.join(10)
+            assert isinstance(outcome.get("error"), JobNotRegistered)
+            assert time.monotonic() - begun < 2.0
+            assert _grant_state(local_cluster)["waiting_declarations"] == 0

@@ -650,6 +650,7 @@ class Controller:
             self._grants.release_job(job_id, "the job was deregistered while it waited")
             self._lapsed_routes.pop(job_id, None)
             self._serve_grants_locked()
+            self._grants_changed.notify_all()  # its waiting declarations end now
             self._call_metadata("remove_job", job_id, True)
         self._metrics.count("deregistrations")
         results, unreachable = self._admin_on_every_server(

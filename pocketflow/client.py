@@ -11,7 +11,8 @@ Where things go. Block 0 of every object (a small object's bytes, or a large obj
 lives on the server that :mod:`pocketflow.placement` picks for ``(key, 0)``; PERSIST objects are
 placed over the job's long-running servers instead. A large object's data block ``i`` lives on the
 server picked for ``(key, i)`` (over the long-running servers for PERSIST objects), so large
-objects are striped over the job and read and written in parallel.
+objects are striped over the job and read and written in parallel; an object of one data block
+keeps it with its manifest, on the server of ``(key, 0)``, so its put is one round trip.
 
 Reads look for block 0 on the ephemeral placement first, then on the PERSIST placement if that
 is another server, so a reader need not know how an object was written. After the job's weight map

@@ -9,7 +9,9 @@ the result depends on nothing but the key and the weight map (never on Python's 
 every process of a job places every block the same way.
 
 Small objects and manifests are block 0; data block ``i`` of a large object is placed by
-``(key, i)``, which stripes a large object over the job's servers. PERSIST objects are placed over
+``(key, i)``, which stripes a large object over the job's servers, except that the one data block
+of an object of one data block is placed by ``(key, 0)``, with its manifest (:func:`placed_block`),
+so that such an object is written in one round trip to one server. PERSIST objects are placed over
 the servers marked ``persist`` only. A key under a routed prefix (:class:`pocketflow.handle.Routes`:
 the longest prefix ``P`` with the key starting ``P/``) is placed over the members of its route's
 pool with equal weights instead; PERSIST placement and the fallback ranking ignore routes.
@@ -29,7 +31,7 @@ from pocketflow import _core
 from pocketflow.errors import DataUnavailable, PersistNotSupported
 from pocketflow.handle import NO_ROUTES, JobHandle, Routes, ServerInfo
 
-__all__ = ["Placement", "hash_block", "server_seed"]
+__all__ = ["Placement", "hash_block", "placed_block", "server_seed"]
 
 _MASK64 = (1 << 64) - 1
 _MIX_1 = 0xBF58476D1CE4E5B9
@@ -42,6 +44,14 @@ def hash_block(key: bytes, block: int) -> int:
     """64-bit hash of ``(key, block index)``; the block index is appended as 4 bytes."""
     digest = hashlib.blake2b(key + block.to_bytes(4, "little"), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+def placed_block(block: int, block_count: int) -> int:
+    """The block index placement hashes for data block ``block`` (>= 1) of an object of
+    ``block_count`` data blocks: 0, its manifest's, when the object has one data block (the block
+    lives with its manifest), else ``block`` itself (the blocks are striped). The native core's
+    ``placement::placed_block``, which is what the client's reads and writes use."""
+    return 0 if block_count == 1 else block
 
 
 def server_seed(node_id: str) -> int:
@@ -150,6 +160,13 @@ class Placement:
             if pool is not None:
                 return pool.pick(hash_block(key, block))
         return self.server_for_hash(hash_block(key, block), persist=persist)
+
+    def data_block_server(
+        self, key: bytes, block: int, *, block_count: int, persist: bool = False
+    ) -> ServerInfo:
+        """The server that holds data block ``block`` of an object of ``block_count`` data
+        blocks (see :func:`placed_block`)."""
+        return self.server_for(key, placed_block(block, block_count), persist=persist)
 
     def _route_of(self, key: bytes) -> _Pool | None:
         """The pool of the longest routed prefix ``P`` that ``key`` starts ``P/`` with; ``None``

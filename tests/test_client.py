@@ -605,6 +605,18 @@ def test_file_objects(client: Client) -> None:
         assert reader.read() == data[-5:]
         reader.seek(0)
         assert reader.read() == data
+    # Objects of one data block (the block, held until the commit, goes with the manifest).
+    for size in (MiB, MiB - 3):
+        one = payload(size, 6)
+        with client.open("b", f"one-{size}", "wb") as writer:
+            writer.write(one[:400_000])
+            writer.write(one[400_000:])
+        assert client.get("b", f"one-{size}") == one
+        with client.open("b", f"one-{size}", "rb") as reader:
+            reader.seek(size - 10)
+            assert reader.read() == one[-10:]
+        assert client.get("b", f"one-{size}", delete=True) == one
+        assert not client.exists("b", f"one-{size}")
     with client.open("b", "tiny", "wb") as writer:
         writer.write(b"hello ")
         writer.write(b"world")

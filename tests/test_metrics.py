@@ -88,7 +88,10 @@ def test_counters_move_by_exactly_the_operations_made(local_cluster: LocalCluste
         # upload instead of by an exchange put.
         placement = Placement(pf.handle.servers)
         blocks = -(-BIG_BYTES // pf.handle.block_size_bytes)
-        homes = {placement.server_for(b"big", i).node_id for i in range(blocks + 1)}
+        homes = {placement.server_for(b"big").node_id} | {
+            placement.data_block_server(b"big", i, block_count=blocks).node_id
+            for i in range(1, blocks + 1)
+        }
         manifest_puts = 0 if len(homes) == 1 else 1
         assert moved(
             "pocketflow_requests_total", rpc="exchange", op="put", result="ok"

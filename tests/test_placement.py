@@ -10,7 +10,7 @@ import pytest
 
 from pocketflow.errors import DataUnavailable, PersistNotSupported
 from pocketflow.handle import Routes, ServerInfo
-from pocketflow.placement import Placement, hash_block
+from pocketflow.placement import Placement, hash_block, placed_block
 
 KEYS = 100_000
 
@@ -40,6 +40,21 @@ def test_blocks_of_one_key_spread_too() -> None:
     placement = Placement(_servers([1, 1, 1, 1]))
     counts = Counter(placement.server_for(b"one-big-object", i).node_id for i in range(20_000))
     assert all(abs(c / 20_000 - 0.25) < 0.02 for c in counts.values())
+
+
+def test_one_data_block_lives_with_its_manifest_and_more_are_striped() -> None:
+    placement = Placement(_servers([1, 1, 1], persist={0, 2}))
+    assert placed_block(1, 1) == 0
+    assert [placed_block(b, 3) for b in (1, 2, 3)] == [1, 2, 3]
+    for i in range(200):
+        key = f"key-{i}".encode()
+        for persist in (False, True):
+            home = placement.server_for(key, 0, persist=persist)
+            assert placement.data_block_server(key, 1, block_count=1, persist=persist) == home
+            for block in (1, 2):
+                assert placement.data_block_server(
+                    key, block, block_count=2, persist=persist
+                ) == placement.server_for(key, block, persist=persist)
 
 
 def test_adding_a_server_moves_only_keys_to_it() -> None:

@@ -6,7 +6,8 @@
 //!
 //! Where things go (the same rules as the module doc of `pocketflow/client.py`): block 0 of an
 //! object lives on the server placed for `(key, 0)`, PERSIST objects on the long-running servers'
-//! placement; data block `i` on the server placed for `(key, i)`. A read looks for block 0 on the
+//! placement; data block `i` on the server placed for `(key, i)`, except that the one data block of
+//! a one-block object lives with its manifest ([`block_home`]). A read looks for block 0 on the
 //! ephemeral placement, then on the PERSIST one, and once the map has changed (epoch > 1) on every
 //! other server in rendezvous order, because data never moves when a job is resized. Once the job
 //! has lost a server, a key that no live server holds is "unavailable", not "not found".
@@ -27,6 +28,7 @@ use crate::blocks::RangeTarget;
 use crate::config::ConnectionConfig;
 use crate::connection::{Connection, ExchangeReply, ExchangeRequest};
 use crate::error::ClientError;
+use crate::placement::placed_block;
 use crate::view::{stale_weight_map, Server, View};
 
 /// How many times one call adopts a newer weight map and retries (`STALE_EPOCH_RETRIES_MAX`
@@ -836,7 +838,13 @@ impl Objects {
             let block_start = u64::from(index - 1) * block_size;
             let low = start.max(block_start);
             let high = end.min(block_start + block_size).min(header.size);
-            let server = home(&view, key.as_bytes(), index, header.persist())?;
+            let server = block_home(
+                &view,
+                key.as_bytes(),
+                index,
+                header.block_count,
+                header.persist(),
+            )?;
             let range = RangeTarget {
                 block: index,
                 offset: low - block_start,
@@ -868,6 +876,7 @@ impl Objects {
                 bucket,
                 key,
                 version: header.version,
+                block_count: header.block_count,
                 delete,
                 shared,
                 received: &received,
@@ -912,6 +921,20 @@ pub(crate) fn home<'v>(
         };
         Failure::local(error)
     })
+}
+
+/// The home of data block `block` of an object of `block_count` data blocks (any count above
+/// one for a streamed upload that knows no more): where placement puts
+/// `(key, placed_block(block, block_count))`, so an object of one data block lives whole on its
+/// manifest's home. Every path that writes, reads or frees a data block asks this.
+pub(crate) fn block_home<'v>(
+    view: &'v View,
+    key: &[u8],
+    block: u32,
+    block_count: u32,
+    persist: bool,
+) -> Result<&'v Server, Failure> {
+    home(view, key, placed_block(block, block_count), persist)
 }
 
 /// Add `item` to the group of `address` in `groups`, which keep the servers in the order they
@@ -964,6 +987,8 @@ struct ReadOf<'a> {
     bucket: &'a str,
     key: &'a str,
     version: u64,
+    /// The object's data blocks (where each lives depends on it).
+    block_count: u32,
     delete: bool,
     shared: SharedDest,
     received: &'a Received,
@@ -1017,7 +1042,8 @@ impl ReadOf<'_> {
         unreachable!("the last attempt returns")
     }
 
-    /// Find blocks written under an earlier weight map: probe the other servers in order.
+    /// Find blocks written under an earlier weight map: probe the other servers in the ranking
+    /// of each block's placement (its manifest's, for an object of one data block).
     fn moved_blocks(
         &self,
         view: &View,
@@ -1033,7 +1059,8 @@ impl ReadOf<'_> {
                 received.remove(&range.block);
             }
             let mut found = false;
-            for server in view.ranked(self.key.as_bytes(), range.block) {
+            let placed = placed_block(range.block, self.block_count);
+            for server in view.ranked(self.key.as_bytes(), placed) {
                 if server.address == tried {
                     continue;
                 }

@@ -9,6 +9,10 @@
 //!
 //! A map may route key prefixes to named pools of its servers ([`Routes`]): a block of a key
 //! under a routed prefix goes to the rendezvous pick, with equal weights, over the pool's servers.
+//!
+//! Data block `i` of a large object is placed as `(key, i)`, which stripes the object over the
+//! job, except in an object of one data block: that block is placed as `(key, 0)`, with its
+//! manifest ([`placed_block`]), so such an object is written and read on one server.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -42,6 +46,18 @@ pub fn hash_block(key: &[u8], block: u32) -> u64 {
     Digest::update(&mut hasher, key);
     Digest::update(&mut hasher, block.to_le_bytes());
     u64::from_le_bytes(hasher.finalize().into())
+}
+
+/// The block index that placement hashes for data block `block` (>= 1) of an object of
+/// `block_count` data blocks: 0 (its manifest's placement) when the object has one data block,
+/// so that the block lives with its manifest; `block` itself when it has more, which stripes them.
+/// A writer that knows only that an object has more than one block may pass any count above one.
+pub fn placed_block(block: u32, block_count: u32) -> u32 {
+    if block_count == 1 {
+        0
+    } else {
+        block
+    }
 }
 
 /// 64-bit seed of a server, from its node id.
@@ -422,6 +438,15 @@ mod tests {
     }
 
     const TIERS: [(&str, &[&str]); 2] = [("dram", &["d0", "d1"]), ("nvme", &["n0", "n1"])];
+
+    #[test]
+    fn one_data_block_is_placed_with_its_manifest_and_more_are_striped() {
+        assert_eq!(placed_block(1, 1), 0);
+        for count in [2, 3, 64, u32::MAX] {
+            assert_eq!(placed_block(1, count), 1);
+            assert_eq!(placed_block(2, count), 2);
+        }
+    }
 
     #[test]
     fn equal_weights_pick_as_scoring_with_weight_one() {

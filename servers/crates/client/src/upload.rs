@@ -2,6 +2,10 @@
 //! a stream of unknown length) and go out in the background, grouped per server, while the
 //! writer goes on; [`StreamUpload::commit`] then writes the manifest, the commit point.
 //!
+//! Block 1 waits until a second block comes: an object of one data block keeps that block on its
+//! manifest's home (`objects::block_home`), so only the commit knows where it goes; it then
+//! goes there with the manifest in one upload, as [`Objects::put`] sends such an object.
+//!
 //! Memory stays bounded: a server's blocks are sent once `STREAM_GROUP_BYTES_MIN` bytes wait
 //! for it, at most `STREAM_PENDING_GROUPS_MAX` groups' worth of bytes wait in all, and at most
 //! `io_threads` groups are on the wire at once (the writer waits for one to finish).
@@ -11,13 +15,17 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crate::blocks::BlockSlice;
-use crate::objects::{home, Failure, Objects, STALE_EPOCH_RETRIES_MAX};
+use crate::error::ClientError;
+use crate::objects::{block_home, Failure, Objects, STALE_EPOCH_RETRIES_MAX};
 use crate::writes::{kind_is, large_header, new_version, refused, BlockUpload, NewRecord, Placed};
 
 /// A streamed upload sends a server's blocks once this many bytes are waiting for it.
 pub const STREAM_GROUP_BYTES_MIN: usize = 4 * 1024 * 1024;
 /// A streamed upload holds at most this many groups' worth of unsent bytes in total.
 pub const STREAM_PENDING_GROUPS_MAX: usize = 4;
+/// The block count a streamed upload places its blocks with once it has more than one: any count
+/// above one places alike (see `placement::placed_block`).
+const MORE_THAN_ONE_BLOCK: u32 = 2;
 
 /// What a send gives back: its outcome, and the blocks it sent.
 type SendOutcome<B> = (Result<(), Failure>, Vec<(u32, B)>);
@@ -39,6 +47,10 @@ pub struct StreamUpload<B: AsRef<[u8]> + Send + 'static> {
     block_size: u32,
     persist: bool,
     group_bytes: usize,
+    /// Block 1 while it is the only block added (see the module doc).
+    first: Option<B>,
+    /// Blocks added so far.
+    blocks_added: u32,
     pending: Vec<Group<B>>,
     pending_bytes: usize,
     /// Sends on the wire; each gives its blocks back, so that they are released by the thread
@@ -63,6 +75,8 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
             block_size,
             persist,
             group_bytes: STREAM_GROUP_BYTES_MIN.max(block_size as usize),
+            first: None,
+            blocks_added: 0,
             pending: Vec::new(),
             pending_bytes: 0,
             in_flight: VecDeque::new(),
@@ -84,11 +98,26 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
     }
 
     /// Queue data block `index` (1-based); may send groups (waiting for a slot on the wire),
-    /// and returns the failure of an earlier send.
+    /// and returns the failure of an earlier send. Block 1 waits for a second block (see the
+    /// module doc).
     pub fn add(&mut self, index: u32, block: B) -> Result<(), Failure> {
         self.first_failure()?;
+        self.blocks_added += 1;
+        if index == 1 && self.blocks_added == 1 {
+            self.first = Some(block);
+            return Ok(());
+        }
+        if let Some(first) = self.first.take() {
+            self.queue(1, first)?;
+        }
+        self.queue(index, block)
+    }
+
+    /// Queue block `index` of an object of more than one data block for its home.
+    fn queue(&mut self, index: u32, block: B) -> Result<(), Failure> {
         let view = self.objects.view();
-        let address = home(&view, self.key.as_bytes(), index, self.persist)?
+        let key = self.key.as_bytes();
+        let address = block_home(&view, key, index, MORE_THAN_ONE_BLOCK, self.persist)?
             .address
             .clone();
         let len = block.as_ref().len();
@@ -119,9 +148,27 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
     }
 
     /// Send what is queued, wait for every send, then store the manifest of an object of `size`
-    /// bytes. On failure the blocks are freed, unless the manifest was sent and its outcome is
-    /// unknown (the record may point at them).
+    /// bytes (exactly the blocks added, else `InvalidArgument`); an object of one data block goes
+    /// whole in one upload. On failure the blocks are freed, unless the manifest was sent and its
+    /// outcome is unknown (the record may point at them).
     pub fn commit(&mut self, size: u64, overwrite: bool) -> Result<(), Failure> {
+        let header = large_header(self.version, size, self.block_size, self.persist);
+        if header.block_count != self.blocks_added {
+            self.abort();
+            return Err(Failure {
+                error: ClientError::InvalidArgument(format!(
+                    "an upload of {} blocks cannot commit an object of {size} bytes \
+                     ({} blocks of {} bytes)",
+                    self.blocks_added, header.block_count, self.block_size
+                )),
+                server: String::new(),
+            });
+        }
+        if let Some(first) = self.first.take() {
+            self.done = true;
+            let objects = self.objects.clone();
+            return objects.put_large(&self.bucket, &self.key, header, first.as_ref(), overwrite);
+        }
         let sent = self.finish_sends();
         if let Err(failure) = sent {
             self.free();
@@ -129,7 +176,7 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
         }
         let record = NewRecord {
             key: &self.key,
-            header: large_header(self.version, size, self.block_size, self.persist),
+            header,
             value: &[],
         };
         let stored = self
@@ -150,6 +197,7 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
         if self.done {
             return;
         }
+        self.first = None;
         self.pending.clear();
         self.pending_bytes = 0;
         self.wait_for_slots(0);
@@ -221,6 +269,7 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
                 key: &key,
                 version,
                 block_size,
+                block_count: MORE_THAN_ONE_BLOCK,
                 persist,
                 placed: &placed,
             };

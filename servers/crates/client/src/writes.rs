@@ -1,6 +1,7 @@
 //! The write path of a job's client: block-0 records (a small object, or a large object's
 //! manifest, the commit point) stored where placement puts them, with write-once per key across
-//! placements, and the data blocks of large objects striped over the job's servers.
+//! placements, and the data blocks of large objects striped over the job's servers (the one data
+//! block of a one-block object on its manifest's home, so that its put is one round trip).
 //!
 //! Write-once holds per key, not per server: after storing a record a non-overwrite put looks
 //! for the key on its "rivals" (the home of the other placement, PERSIST or ephemeral, and, once
@@ -23,8 +24,8 @@ use crate::blocks::BlockSlice;
 use crate::connection::ExchangeRequest;
 use crate::error::ClientError;
 use crate::objects::{
-    body, failure_reply, home, push_grouped, reply_error, run_parallel, Failure, Objects,
-    LARGE_OBJECTS_IN_FLIGHT_MAX, STALE_EPOCH_RETRIES_MAX,
+    block_home, body, failure_reply, home, push_grouped, reply_error, run_parallel, Failure,
+    Objects, LARGE_OBJECTS_IN_FLIGHT_MAX, STALE_EPOCH_RETRIES_MAX,
 };
 use crate::view::{Server, View};
 
@@ -462,7 +463,13 @@ impl Objects {
                         .or_default()
                         .insert(index);
                 }
-            } else if let Some(server) = view.server_for(key.as_bytes(), index, header.persist()) {
+            } else if let Ok(server) = block_home(
+                &view,
+                key.as_bytes(),
+                index,
+                header.block_count,
+                header.persist(),
+            ) {
                 groups
                     .entry(server.address.clone())
                     .or_default()
@@ -517,9 +524,11 @@ impl Objects {
     ) -> (Placed, Result<(), Failure>) {
         let view = self.view();
         let block_size = view.block_size as usize;
+        let block_count = data.len().div_ceil(block_size) as u32;
         let mut groups: Vec<(&str, Vec<BlockSlice<'_>>)> = Vec::new();
         for block in BlockSlice::cut(data, block_size) {
-            let server = match home(&view, key.as_bytes(), block.index, persist) {
+            let server = match block_home(&view, key.as_bytes(), block.index, block_count, persist)
+            {
                 Ok(server) => server,
                 Err(failure) => return (HashMap::new(), Err(failure)),
             };
@@ -532,6 +541,7 @@ impl Objects {
             key,
             version,
             block_size: view.block_size,
+            block_count,
             persist,
             placed: &placed,
         };
@@ -573,11 +583,26 @@ impl Objects {
             };
             return self.put_records(bucket, &[record], persist, overwrite);
         }
-        let version = new_version();
         let block_size = self.view().block_size;
+        let header = large_header(new_version(), data.len() as u64, block_size, persist);
+        self.put_large(bucket, key, header, data, overwrite)
+    }
+
+    /// Store a large object of manifest `header` whose bytes are `data`: in one round trip when
+    /// every data block lives on block 0's home (always for one data block), else its blocks
+    /// and then the manifest. What [`Objects::put`] says of failures holds.
+    pub(crate) fn put_large(
+        &self,
+        bucket: &str,
+        key: &str,
+        header: ObjectHeader,
+        data: &[u8],
+        overwrite: bool,
+    ) -> Result<(), Failure> {
+        let (version, persist) = (header.version, header.persist());
         let record = NewRecord {
             key,
-            header: large_header(version, data.len() as u64, block_size, persist),
+            header,
             value: &[],
         };
         if let Some(outcome) = self.put_committed(bucket, &record, data, overwrite) {
@@ -600,10 +625,11 @@ impl Objects {
             })
     }
 
-    /// A large object whose data blocks all live on its block-0 home: one upload that carries
-    /// every block and then stores the manifest (a `commit` in the descriptor), one round trip
-    /// instead of two. The server stores the manifest only once every block is, and frees the
-    /// blocks when the upload or the manifest fails, so nothing is left of a refused put.
+    /// A large object whose data blocks all live on its block-0 home (one of one data block
+    /// always does): one upload that carries every block and then stores the manifest (a
+    /// `commit` in the descriptor), one round trip instead of two. The server stores the
+    /// manifest only once every block is, and frees the blocks when the upload or the manifest
+    /// fails, so nothing is left of a refused put.
     ///
     /// `None` when the blocks live elsewhere, or the server's map was newer or it lacked the
     /// bucket (nothing was stored): the caller then takes the two-step path, which handles those.
@@ -620,7 +646,8 @@ impl Objects {
         let key = record.key.as_bytes();
         let server = home(&view, key, 0, persist).ok()?;
         for index in 1..=header.block_count {
-            if home(&view, key, index, persist).ok()?.address != server.address {
+            let block_server = block_home(&view, key, index, header.block_count, persist).ok()?;
+            if block_server.address != server.address {
                 return None;
             }
         }
@@ -738,6 +765,9 @@ pub(crate) struct BlockUpload<'a> {
     pub(crate) key: &'a str,
     pub(crate) version: u64,
     pub(crate) block_size: u32,
+    /// The object's data blocks, or any count above one for a streamed upload of more than one
+    /// that does not know its count yet (placement tells only one block from more).
+    pub(crate) block_count: u32,
     pub(crate) persist: bool,
     pub(crate) placed: &'a std::sync::Mutex<Placed>,
 }
@@ -802,7 +832,13 @@ impl BlockUpload<'_> {
         let view = self.objects.view();
         let mut groups: Vec<(&str, Vec<BlockSlice<'_>>)> = Vec::new();
         for block in blocks {
-            let server = home(&view, self.key.as_bytes(), block.index, self.persist)?;
+            let server = block_home(
+                &view,
+                self.key.as_bytes(),
+                block.index,
+                self.block_count,
+                self.persist,
+            )?;
             push_grouped(&mut groups, &server.address, *block);
         }
         for (address, group) in &groups {

@@ -1,8 +1,9 @@
 //! The object layer of the client core (`Objects`, `Listing`) against three real storage
 //! services on 127.0.0.1:0 (in this process, each on its own runtime, as in the server binary):
 //! small and striped objects, DELETE reads, batches, write-once across placements, overwrites,
-//! a listing merged from every server, a stale map adopted mid-call, waits for keys, and keys
-//! routed by prefix to a pool of the map.
+//! a listing merged from every server, a stale map adopted mid-call, waits for keys, keys
+//! routed by prefix to a pool of the map, and where data blocks live (an object of one data
+//! block whole on its manifest's server, larger ones striped).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,9 +14,12 @@ use pocketflow_client::view::View;
 use pocketflow_client::waits::Stop;
 use pocketflow_client::{
     block_on, ClientError, Connection, ConnectionConfig, Destination, Listing, Objects,
+    RangeTarget, StreamUpload,
 };
 use pocketflow_flight::route::route;
 use pocketflow_flight::{ServiceConfig, StorageService};
+use pocketflow_protocol::frame::OpCode;
+use pocketflow_protocol::header::ObjectHeader;
 use pocketflow_protocol::limits::ADMIN_JOB_ID;
 use pocketflow_protocol::token::{now_unix_ms, TokenKey};
 use pocketflow_store::{Store, StoreConfig, Tier};
@@ -159,6 +163,50 @@ fn get(objects: &Objects, key: &str, delete: bool) -> Result<Vec<u8>, ClientErro
 fn payload(size: usize, seed: u8) -> Vec<u8> {
     (0..size)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// The header and the server of `key`'s record (a LOOKUP where the object layer finds it).
+fn record_of(objects: &Objects, key: &str) -> (ObjectHeader, String) {
+    let record = objects
+        .fetch_record("b", key, OpCode::Lookup, 0, true)
+        .unwrap();
+    (record.header.unwrap(), record.server)
+}
+
+/// Whether the server at `address` holds data block `block` of version `version` of `key`
+/// (one byte of it read over a ticket of its own; `not_found` says no).
+fn holds_block(objects: &Objects, address: &str, key: &str, version: u64, block: u32) -> bool {
+    let view = objects.view();
+    let ticket = serde_json::json!({"ctx": &view.ctx, "bucket": "b", "key": key,
+        "version": version, "ranges": [[block, 0, 1]], "delete": false});
+    let range = RangeTarget {
+        block,
+        offset: 0,
+        len: 1,
+        dest_at: 0,
+    };
+    let mut dest = [0u8; 1];
+    let connection = objects.connection(address).unwrap();
+    match connection.get_ranges_blocking(Bytes::from(ticket.to_string()), &[range], &mut dest) {
+        Ok(outcome) => match outcome.error {
+            None => true,
+            Some(error) if error.is_not_found() => false,
+            Some(error) => panic!("reading block {block} of {key} on {address}: {error}"),
+        },
+        Err(error) if error.is_not_found() => false,
+        Err(error) => panic!("reading block {block} of {key} on {address}: {error}"),
+    }
+}
+
+/// The addresses of the servers that hold data block `block` of `key`'s version `version`.
+fn holders(objects: &Objects, key: &str, version: u64, block: u32) -> Vec<String> {
+    objects
+        .view()
+        .servers
+        .iter()
+        .filter(|s| holds_block(objects, &s.address, key, version, block))
+        .map(|s| s.address.clone())
         .collect()
 }
 
@@ -319,6 +367,28 @@ fn a_stale_map_is_adopted_and_earlier_data_still_found() {
     objects
         .put("b", "big-before", &large, false, false)
         .unwrap();
+    // Objects of one data block whose manifest (and so block) has another home in the map of
+    // three: a read finds the record, then the block, on the server of the first map.
+    let grown = View::from_handle_json(&cluster.handle(job, 3)).unwrap();
+    let moved: Vec<String> = (0..200)
+        .map(|i| format!("one-before-{i}"))
+        .filter(|k| {
+            let before = objects.view();
+            let home = |view: &View| {
+                view.server_for(k.as_bytes(), 0, false)
+                    .unwrap()
+                    .node_id
+                    .clone()
+            };
+            home(&before) != home(&grown)
+        })
+        .take(3)
+        .collect();
+    assert_eq!(moved.len(), 3);
+    let one = &large[..BLOCK_SIZE as usize];
+    for key in &moved {
+        objects.put("b", key, one, false, false).unwrap();
+    }
     // The job grows to three servers; this client still has the map of two.
     cluster.set_epoch(job, 2, 3);
     let view = objects.view();
@@ -335,6 +405,17 @@ fn a_stale_map_is_adopted_and_earlier_data_still_found() {
     }
     assert_eq!(get(&objects, "big-before", false).unwrap(), large);
     assert_eq!(get(&objects, "after", false).unwrap(), b"new");
+    assert_eq!(get(&objects, &moved[0], false).unwrap(), one);
+    let mut range = Buffer::default();
+    objects
+        .get_range("b", &moved[1], 10, 100, &mut range)
+        .unwrap();
+    assert_eq!(range.0, &one[10..110]);
+    assert_eq!(get(&objects, &moved[2], true).unwrap(), one);
+    assert_eq!(
+        kind(&get(&objects, &moved[2], false).unwrap_err()),
+        "not_found"
+    );
     // A waiter finds them too, and only the key nobody wrote is missing.
     let never = || false;
     let stop = Stop {
@@ -434,4 +515,134 @@ fn a_waiter_finds_written_keys_at_once_and_parks_for_the_rest() {
         .wait_for("no-such-bucket", &["k"], Duration::from_millis(100), stop)
         .unwrap_err();
     assert_eq!(kind(&error.error), "bucket_not_found");
+}
+
+#[test]
+fn an_object_of_one_data_block_lives_with_its_manifest() {
+    let cluster = Cluster::start();
+    let objects = Arc::new(cluster.objects("job-one-block", 3));
+    let view = objects.view();
+    let home = |key: &str, block: u32, persist: bool| {
+        view.server_for(key.as_bytes(), block, persist)
+            .unwrap()
+            .address
+            .clone()
+    };
+    // Keys whose block 1, placed by its own index, would go to another server than block 0.
+    let apart = |persist: bool| -> Vec<String> {
+        (0..400)
+            .map(|i| format!("one-{}-{i}", u8::from(persist)))
+            .filter(|k| home(k, 0, persist) != home(k, 1, persist))
+            .take(5)
+            .collect()
+    };
+    let keys = apart(false);
+    assert_eq!(keys.len(), 5);
+    let one = payload(BLOCK_SIZE as usize - 3, 4);
+    for key in &keys[..4] {
+        objects.put("b", key, &one, false, false).unwrap();
+    }
+    // Streamed: block 1 waits for a second one, and goes with the manifest when none comes.
+    let mut upload = StreamUpload::new(objects.clone(), "b", &keys[4], false);
+    upload.add(1, one.clone()).unwrap();
+    upload.commit(one.len() as u64, false).unwrap();
+    for key in &keys {
+        let (header, server) = record_of(&objects, key);
+        assert_eq!(header.block_count, 1);
+        assert_eq!(server, home(key, 0, false));
+        assert_eq!(
+            holders(&objects, key, header.version, 1),
+            vec![server],
+            "{key}"
+        );
+        assert_eq!(get(&objects, key, false).unwrap(), one);
+    }
+
+    // A range, a DELETE read (the block goes with the record), a delete (record, then blocks).
+    let mut range = Buffer::default();
+    let count = objects
+        .get_range("b", &keys[0], 1000, 5000, &mut range)
+        .unwrap();
+    assert_eq!((count, range.0.as_slice()), (5000, &one[1000..6000]));
+    let (header, _) = record_of(&objects, &keys[1]);
+    assert_eq!(get(&objects, &keys[1], true).unwrap(), one);
+    assert_eq!(
+        kind(&get(&objects, &keys[1], false).unwrap_err()),
+        "not_found"
+    );
+    assert!(holders(&objects, &keys[1], header.version, 1).is_empty());
+    let record = objects
+        .fetch_record("b", &keys[2], OpCode::Delete, 0, true)
+        .unwrap();
+    let header = record.header.unwrap();
+    objects.delete_blocks("b", &keys[2], &header);
+    assert!(holders(&objects, &keys[2], header.version, 1).is_empty());
+    // An overwrite frees the replaced version's block on its home.
+    let (replaced, _) = record_of(&objects, &keys[3]);
+    objects.put("b", &keys[3], &one[1..], false, true).unwrap();
+    assert!(holders(&objects, &keys[3], replaced.version, 1).is_empty());
+    assert_eq!(get(&objects, &keys[3], false).unwrap(), &one[1..]);
+
+    // PERSIST objects follow the same rule over the long-running servers.
+    for key in &apart(true)[..2] {
+        objects.put("b", key, &one, true, false).unwrap();
+        let (header, server) = record_of(&objects, key);
+        assert!(header.persist());
+        assert_eq!(server, home(key, 0, true));
+        assert_eq!(holders(&objects, key, header.version, 1), vec![server]);
+        assert_eq!(get(&objects, key, true).unwrap(), one);
+    }
+}
+
+#[test]
+fn objects_of_more_data_blocks_stay_striped() {
+    let cluster = Cluster::start();
+    let objects = Arc::new(cluster.objects("job-striped", 3));
+    let view = objects.view();
+    let home = |key: &str, block: u32| {
+        view.server_for(key.as_bytes(), block, false)
+            .unwrap()
+            .address
+            .clone()
+    };
+    // A key whose two blocks live on two servers, neither of them block 0's.
+    let key = (0..400)
+        .map(|i| format!("two-{i}"))
+        .find(|k| {
+            let (h0, h1, h2) = (home(k, 0), home(k, 1), home(k, 2));
+            h1 != h2 && h1 != h0 && h2 != h0
+        })
+        .expect("a key striped over three servers");
+    let two = payload(BLOCK_SIZE as usize + 7, 5);
+    objects.put("b", &key, &two, false, false).unwrap();
+    let streamed = format!("{key}-streamed");
+    let mut upload = StreamUpload::new(objects.clone(), "b", &streamed, false);
+    let (first, second) = two.split_at(BLOCK_SIZE as usize);
+    upload.add(1, first.to_vec()).unwrap();
+    upload.add(2, second.to_vec()).unwrap();
+    upload.commit(two.len() as u64, false).unwrap();
+    for key in [&key, &streamed] {
+        let (header, _) = record_of(&objects, key);
+        assert_eq!(header.block_count, 2);
+        for block in 1..=2 {
+            let holders = holders(&objects, key, header.version, block);
+            assert_eq!(holders, vec![home(key, block)], "{key} block {block}");
+        }
+        assert_eq!(get(&objects, key, false).unwrap(), two);
+    }
+
+    // A commit whose size disagrees with the blocks added is refused; nothing of it stays.
+    let mut upload = StreamUpload::new(objects.clone(), "b", "short", false);
+    let version = upload.version();
+    upload.add(1, first.to_vec()).unwrap();
+    upload.add(2, second.to_vec()).unwrap();
+    let refused = upload.commit(3 * u64::from(BLOCK_SIZE), false).unwrap_err();
+    assert_eq!(kind(&refused.error), "invalid_argument");
+    for block in 1..=2 {
+        assert!(holders(&objects, "short", version, block).is_empty());
+    }
+    assert_eq!(
+        kind(&get(&objects, "short", false).unwrap_err()),
+        "not_found"
+    );
 }

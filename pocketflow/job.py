@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pocketflow.auth import token_expiry_unix_ms
 from pocketflow.config import parse_size
 from pocketflow.control.leases import LEASE_MS_DEFAULT, check_lease_ms
-from pocketflow.errors import ConfigError, InvalidRequest, JobNotRegistered
+from pocketflow.errors import ConfigError, InvalidRequest, JobNotRegistered, PocketflowError
 from pocketflow.prefixes import (
     PREFIX_LEASE_MS_DEFAULT,
     PREFIX_WAIT_S_DEFAULT,
@@ -115,6 +115,9 @@ class Job:
         self._prefix_lease_ms = check_prefix_lease_ms(prefix_lease_ms)
         self._prefix_leases: PrefixLeases | None = None
         self._granted: set[str] = set()
+        self._grants_due: list[str] = []
+        self._grants_wake = threading.Event()
+        self._grants_renewer: threading.Thread | None = None
         self._handle = handle
         self._control = control
         self._lock = threading.Lock()
@@ -256,11 +259,35 @@ class Job:
             client.update_handle(handle)
 
     def _renew_grants(self, prefixes: list[str]) -> None:
-        """Renew the controller's grants among ``prefixes`` (a renewal's closure)."""
+        """Renew the controller's grants among ``prefixes`` (a renewal's closure). The call runs
+        on a thread of its own, so the servers' renewals never wait for the controller; while
+        one call runs, only the newest set waits for the next."""
         with self._lock:
             granted = [p for p in prefixes if p in self._granted]
-        if granted:
-            self._control.renew_prefixes(self.job_id, granted)
+            if not granted:
+                return
+            self._grants_due = granted
+            if self._grants_renewer is None:
+                self._grants_renewer = threading.Thread(
+                    target=self._grants_renewal_loop, daemon=True,
+                    name=f"pocketflow-grants-{self.job_id}")
+                self._grants_renewer.start()
+        self._grants_wake.set()
+
+    def _grants_renewal_loop(self) -> None:
+        while not self._lease_stop.is_set():
+            self._grants_wake.wait(1.0)
+            self._grants_wake.clear()
+            with self._lock:
+                due, self._grants_due = self._grants_due, []
+            if not due:
+                continue
+            try:
+                self._control.renew_prefixes(self.job_id, due)
+            except JobNotRegistered:
+                return
+            except PocketflowError as exc:
+                log.warning("renewing the DRAM grants of job %s failed: %s", self.job_id, exc)
 
     def renew(self, prefixes: Iterable[str]) -> int:
         """Renew declared ``prefixes`` with their ancestors and descendants, in one call per

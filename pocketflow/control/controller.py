@@ -309,6 +309,7 @@ class Controller:
         # condition wakes the declarations waiting for it.
         self._grants = PrefixGrants()
         self._grants_changed = threading.Condition(self._lock)
+        self._grants_seen: dict[str, Any] = {**self._grants.summary(), "dram_free_bytes": {}}
         # Routed prefixes whose grant lapsed, per job: dropped from its map at its next epoch.
         self._lapsed_routes: dict[str, set[str]] = {}
         # Renewals take only this lock, so a lease does not run out while its renewal waits
@@ -996,12 +997,10 @@ class Controller:
     def renew_prefixes(self, job_id: str, prefixes: list[str]) -> int:
         """Extend the grants of a job's ``prefixes`` by their lease (one call per renewal period
         from the driver); returns how many of them hold a grant. Raises ``JobNotRegistered``."""
-        now = time.monotonic()
-        with self._lock:
-            self._record(job_id)
-            renewed = self._grants.renew(job_id, list(prefixes), now)
-            self._expire_grants_locked(now)
-        return renewed
+        # Not under ``_lock``: a renewal must not wait behind a registration (the grants have a
+        # lock of their own); the monitor pass takes lapsed grants back.
+        self._record(job_id)
+        return self._grants.renew(job_id, list(prefixes), time.monotonic())
 
     def expire_grants(self) -> int:
         """Take back the grants whose lease lapsed and give their DRAM to waiting declarations;
@@ -1013,12 +1012,26 @@ class Controller:
         """Live grants, granted bytes, waiting declarations and prefixes, and the DRAM each
         DRAM server has left for new grants (``dram_free_bytes``)."""
         with self._lock:
-            free = {
-                load.node_id: max(load.capacity_bytes - load.allocated_capacity_bytes, 0)
-                for load in self._server_loads()
-                if load.tier == POOL_DRAM and load.active
-            }
-            return {**self._grants.summary(), "dram_free_bytes": free}
+            return self._prefix_grants_locked()
+
+    def _prefix_grants_locked(self) -> dict[str, Any]:
+        free = {
+            load.node_id: max(load.capacity_bytes - load.allocated_capacity_bytes, 0)
+            for load in self._server_loads()
+            if load.tier == POOL_DRAM and load.active
+        }
+        self._grants_seen = {**self._grants.summary(), "dram_free_bytes": free}
+        return self._grants_seen
+
+    def _prefix_grants_now(self) -> dict[str, Any]:
+        """:meth:`prefix_grants` without waiting: when a registration holds the lock (it may
+        wait for a launch), the figures of the last time they were computed, ``stale``."""
+        if not self._lock.acquire(blocking=False):
+            return {**self._grants_seen, "stale": True}
+        try:
+            return self._prefix_grants_locked()
+        finally:
+            self._lock.release()
 
     def _record(self, job_id: str) -> JobRecord:
         record = self._jobs.get(job_id)
@@ -1152,7 +1165,7 @@ class Controller:
             "draining": sorted(list(self._draining)),
             "suspect": self.suspect_servers(),
             "sizing_actions": self.sizing_actions(),
-            "prefix_grants": self.prefix_grants(),
+            "prefix_grants": self._prefix_grants_now(),
             "cluster_metrics": dict(self._metrics.values),
             "resource_requests": list(self._launcher.resource_requests)
             if self._launcher is not None

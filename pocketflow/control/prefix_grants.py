@@ -12,14 +12,18 @@ declarations first, oldest first, and only then to new declarations and registra
 controller serves the FIFO under the same lock that frees the grant, so nothing slips in
 between).
 
-This module is the bookkeeping only (no I/O, no threads): :class:`PrefixGrants` is driven by the
-controller (:meth:`pocketflow.control.controller.Controller.declare_prefixes`) under its lock.
+This module is the bookkeeping only (no I/O): :class:`PrefixGrants` is driven by the controller
+(:meth:`pocketflow.control.controller.Controller.declare_prefixes`), which decides under its own
+lock; the bookkeeping has a lock of its own, so a renewal never waits behind a registration that
+holds the controller's lock (while a launch comes up, say) and its prefixes never lapse for it.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import math
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -60,18 +64,34 @@ class Waiting:
     """Why the declaration ended early (its job was deregistered), else ``None``."""
 
 
+def _locked(method):
+    """Run ``method`` under the instance's lock."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class PrefixGrants:
-    """Live grants and the FIFO of waiting declarations."""
+    """Live grants and the FIFO of waiting declarations; every method is thread-safe."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._grants: dict[str, dict[str, Grant]] = {}
         self._count = 0
         self._waiting: collections.deque[Waiting] = collections.deque()
 
     # -- reading ----------------------------------------------------------------------------
 
+    @_locked
     def reserved_by_server(self) -> dict[str, int]:
         """Bytes granted on each server, over every live grant."""
+        return self._reserved()
+
+    def _reserved(self) -> dict[str, int]:
         total: dict[str, int] = {}
         for grants in self._grants.values():
             for grant in grants.values():
@@ -79,25 +99,29 @@ class PrefixGrants:
                     total[node_id] = total.get(node_id, 0) + share
         return total
 
+    @_locked
     def granted(self, job_id: str) -> dict[str, Grant]:
         """The live grants of ``job_id`` by prefix (a copy)."""
         return dict(self._grants.get(job_id, {}))
 
+    @_locked
     def waiting(self) -> int:
         """How many declarations wait."""
         return len(self._waiting)
 
+    @_locked
     def summary(self) -> dict[str, int]:
         """Counts for ``status``: live grants, granted bytes, waiting declarations and prefixes."""
         return {
             "grants": self._count,
-            "granted_bytes": sum(self.reserved_by_server().values()),
+            "granted_bytes": sum(self._reserved().values()),
             "waiting_declarations": len(self._waiting),
             "waiting_prefixes": sum(len(w.pending) for w in self._waiting),
         }
 
     # -- changing ---------------------------------------------------------------------------
 
+    @_locked
     def enqueue(self, waiting: Waiting) -> None:
         """Queue a declaration behind the ones already waiting."""
         if len(waiting.pending) > WAITING_PREFIXES_MAX:
@@ -107,6 +131,7 @@ class PrefixGrants:
             raise CapacityExhausted(f"{WAITING_MAX} declarations already wait for DRAM")
         self._waiting.append(waiting)
 
+    @_locked
     def leave(self, waiting: Waiting) -> None:
         """Take a declaration out of the FIFO (decided, timed out or cancelled)."""
         try:
@@ -114,6 +139,7 @@ class PrefixGrants:
         except ValueError:
             pass
 
+    @_locked
     def serve(
         self,
         free: Mapping[str, int],
@@ -125,7 +151,7 @@ class PrefixGrants:
         everything behind it. ``pool_of(job_id)`` names the servers a job's grant spreads over.
         Returns whether anything was granted."""
         free = dict(free)
-        for node_id, share in self.reserved_by_server().items():
+        for node_id, share in self._reserved().items():
             if node_id in free:
                 free[node_id] -= share
         any_granted = False
@@ -153,6 +179,7 @@ class PrefixGrants:
             self._count += 1
         grants[grant.prefix] = grant
 
+    @_locked
     def renew(self, job_id: str, prefixes: Iterable[str], now_s: float) -> int:
         """Extend the grants of ``prefixes`` by their lease from ``now_s``; returns how many of
         them are granted (the others are ignored: not granted, or lapsed already)."""
@@ -167,6 +194,7 @@ class PrefixGrants:
                 renewed += 1
         return renewed
 
+    @_locked
     def expire(self, now_s: float) -> list[Grant]:
         """Take back every grant whose lease lapsed; returns them."""
         lapsed = []
@@ -179,6 +207,7 @@ class PrefixGrants:
                 del self._grants[job_id]
         return lapsed
 
+    @_locked
     def release_job(self, job_id: str, why: str) -> None:
         """Forget a job's grants and end its waiting declarations with ``why``."""
         self._count -= len(self._grants.pop(job_id, {}))

@@ -237,8 +237,8 @@ class Job:
         leases = self.prefix_leases
         placed: dict[str, str | None] = {p: None for p, _, _ in items}
         sized = [(p, size) for p, _, size in items if size is not None]
-        leases.check_declarations([(p, parents) for p, parents, _ in items])
         if sized:
+            leases.check_declarations([(p, parents) for p, parents, _ in items])
             result = self._control.declare_prefixes(
                 self.job_id, sized, self._prefix_lease_ms, wait_s)
             for pool in ("dram", "nvme"):

@@ -192,7 +192,8 @@ class PrefixLeases:
         """Declare every ``(prefix, parents)`` in order and start their leases with one
         renewal (one ``renew_leases`` per server)."""
         declarations = [(p, tuple(parents)) for p, parents in declarations]
-        self.check_declarations(declarations)
+        if len(declarations) > 1:  # all or none (one declaration checks before it changes)
+            self.check_declarations(declarations)
         with self._lock:
             for prefix, parents in declarations:
                 self.dag.declare(prefix, parents)

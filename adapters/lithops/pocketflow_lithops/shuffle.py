@@ -358,8 +358,7 @@ def _run(
                            persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
                            reduce_retries, client_options, delete_inputs, timeout_s, layout)
     prefixes = [reducer_prefix(r) for r in range(reducers)] + [MARKERS_PREFIX]
-    for prefix in prefixes:
-        job.declare(prefix)
+    job.declare_many([(prefix, (), None) for prefix in prefixes])  # one renewal per server
     with job.keep(prefixes):
         return _run_stages(fexec, job, map_function, reduce_function, map_inputs, reducers,
                            persist_output, output_bucket, input_wait_s, regenerate_rounds_max,

@@ -26,15 +26,13 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from pocketflow.errors import ConfigError, InvalidRequest, PocketflowError, StaleEpoch
-from pocketflow.layout import STALE_EPOCH_RETRIES_MAX
+from pocketflow.errors import ConfigError, InvalidRequest, PocketflowError
 from pocketflow.protocol import (
     ACTION_RENEW_LEASES,
     KEY_MAX_BYTES,
     LEASE_MS_MAX,
     LEASE_MS_MIN,
     LEASE_PREFIXES_MAX,
-    action_body,
 )
 
 if TYPE_CHECKING:
@@ -207,38 +205,21 @@ class PrefixLeases:
             covered = sorted(self.dag.closure(prefixes))
         if not covered:
             return 0
-        client = self._client
-        chunks = [covered[i:i + LEASE_PREFIXES_MAX]
-                  for i in range(0, len(covered), LEASE_PREFIXES_MAX)]
-        addresses = sorted({s.address for s in client._view.handle.servers})
-
-        def send(address: str) -> PocketflowError | None:
-            for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
-                try:
-                    for chunk in chunks:
-                        client._connection(address).action(ACTION_RENEW_LEASES, action_body(
-                            client._view.ctx, prefixes=chunk, lease_ms=self.lease_ms))
-                except StaleEpoch as exc:
-                    # The job moved to a new epoch (a declaration routed prefixes): take its map
-                    # and renew again.
-                    if attempt == STALE_EPOCH_RETRIES_MAX:
-                        return exc
-                    try:
-                        client._adopt(exc)
-                    except PocketflowError as adopt_error:
-                        return adopt_error
-                    continue
-                except PocketflowError as exc:
-                    return exc
-                return None
-            return None
-
-        errors = [e for e in client._parallel([lambda a=a: send(a) for a in addresses])
-                  if e is not None]
-        if self._on_renew is not None:
-            self._on_renew(covered)
-        if errors and len(errors) == len(addresses):
-            raise errors[0]
+        # The client's per-server action takes a newer map (a declaration that routed
+        # prefixes moved the job to a new epoch) and runs again.
+        errors: list[PocketflowError] = []
+        try:
+            for i in range(0, len(covered), LEASE_PREFIXES_MAX):
+                results = self._client._on_every_server(
+                    ACTION_RENEW_LEASES, prefixes=covered[i:i + LEASE_PREFIXES_MAX],
+                    lease_ms=self.lease_ms)
+                failed = [r for r in results if isinstance(r, PocketflowError)]
+                if failed and len(failed) == len(results):
+                    raise failed[0]
+                errors += failed
+        finally:
+            if self._on_renew is not None:
+                self._on_renew(covered)
         for error in errors:  # a dead server's leases do not matter: its data is gone
             log.warning("renewing prefix leases on %s failed: %s", error.server, error)
         return len(covered)

@@ -610,9 +610,7 @@ class Controller:
         with the new map and retry. Returns the new handle (the old one if nothing changed).
         """
         with self._lock:
-            record = self._jobs.get(job_id)
-            if record is None:
-                raise JobNotRegistered(f"job {job_id!r} is not registered")
+            record = self._record(job_id)
             old = record.job_demand()
             new = demand_from_hints(hints, self._spec())
             current = record.allocation()
@@ -902,9 +900,7 @@ class Controller:
         # No ``_lock``: the driver's lease thread calls this, and must not wait behind a
         # registration. An epoch move racing with it may keep the older token in the record;
         # both tokens are valid, and the caller gets the new one.
-        record = self._jobs.get(job_id)
-        if record is None:
-            raise JobNotRegistered(f"job {job_id!r} is not registered")
+        record = self._record(job_id)
         token = make_token(self._secret, job_id, ttl_s=self._token_ttl_s)
         handle = dataclasses.replace(record.handle, token=token)
         if self._jobs.get(job_id) is record:
@@ -913,11 +909,8 @@ class Controller:
 
     def job_handle(self, job_id: str) -> JobHandle:
         """The handle of a registered job. Raises ``JobNotRegistered``."""
-        try:
-            with self._lock:
-                return self._jobs[job_id].handle
-        except KeyError:
-            raise JobNotRegistered(f"job {job_id!r} is not registered") from None
+        with self._lock:
+            return self._record(job_id).handle
 
     def jobs(self) -> list[str]:
         """Ids of every registered job, oldest first."""
@@ -1015,11 +1008,7 @@ class Controller:
             return self._prefix_grants_locked()
 
     def _prefix_grants_locked(self) -> dict[str, Any]:
-        free = {
-            load.node_id: max(load.capacity_bytes - load.allocated_capacity_bytes, 0)
-            for load in self._server_loads()
-            if load.tier == POOL_DRAM and load.active
-        }
+        free = {node_id: max(free, 0) for node_id, free in self._dram_free(grants=True).items()}
         self._grants_seen = {**self._grants.summary(), "dram_free_bytes": free}
         return self._grants_seen
 
@@ -1034,6 +1023,7 @@ class Controller:
             self._lock.release()
 
     def _record(self, job_id: str) -> JobRecord:
+        """The record of a registered job, else ``JobNotRegistered``."""
         record = self._jobs.get(job_id)
         if record is None:
             raise JobNotRegistered(f"job {job_id!r} is not registered")
@@ -1052,13 +1042,19 @@ class Controller:
         """Give free DRAM to the waiting declarations (in order) and wake them."""
         if not self._grants.waiting():
             return
-        free = {
-            load.node_id: load.capacity_bytes - load.allocated_capacity_bytes
-            for load in self._server_loads(grants=False)
-            if load.tier == POOL_DRAM and load.active
-        }
+        # Grants not counted: ``serve`` takes them off itself.
+        free = self._dram_free(grants=False)
         if self._grants.serve(free, self._dram_pool, time.monotonic()):
             self._grants_changed.notify_all()
+
+    def _dram_free(self, *, grants: bool) -> dict[str, int]:
+        """What each active DRAM server has neither reserved for jobs nor (with ``grants``)
+        granted to prefixes."""
+        return {
+            load.node_id: load.capacity_bytes - load.allocated_capacity_bytes
+            for load in self._server_loads(grants=grants)
+            if load.tier == POOL_DRAM and load.active
+        }
 
     def _pool(self, job_id: str, name: str) -> list[str]:
         """The members of a job's pool ``name``: those its map names already (routed keys must
@@ -1091,7 +1087,7 @@ class Controller:
         pools: dict[str, list[str]] = {}
         new: dict[str, str] = {}
         for name, prefixes in ((POOL_DRAM, granted), (POOL_NVME, spilled)):
-            members = defined.get(name) or self._pool(job_id, name)
+            members = self._pool(job_id, name)
             if prefixes and members:
                 pools.setdefault(name, members)
                 new.update(dict.fromkeys(prefixes, name))

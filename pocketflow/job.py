@@ -177,12 +177,8 @@ class Job:
         """
         handle = self._control.renew_token(self._handle.job_id)
         with self._lock:
-            handle = self._handle = self._handle.updated_by(handle)
             self._token_received_unix_ms = int(time.time() * 1000)
-            clients = list(self._clients)
-        for client in clients:
-            client.update_handle(handle)
-        return handle
+        return self._adopt(handle)
 
     def _renew_token_if_half_gone(self) -> None:
         if token_half_gone(self._handle.token, received_unix_ms=self._token_received_unix_ms,
@@ -250,13 +246,15 @@ class Job:
         leases.declare_many([(p, parents) for p, parents, _ in items])
         return placed
 
-    def _adopt(self, handle: JobHandle) -> None:
-        """Take a newer handle (a new epoch) and give it to this job's clients."""
+    def _adopt(self, handle: JobHandle) -> JobHandle:
+        """Take a newer handle of this job (a renewed token, a new epoch) and give it to this
+        job's clients; returns the handle now in use."""
         with self._lock:
             handle = self._handle = self._handle.updated_by(handle)
             clients = list(self._clients)
         for client in clients:
             client.update_handle(handle)
+        return handle
 
     def _renew_grants(self, prefixes: list[str]) -> None:
         """Renew the controller's grants among ``prefixes`` (a renewal's closure). The call runs
@@ -380,18 +378,14 @@ def register_job(
 
 
 def _declared_size(prefix: str, size: int | str | None) -> int | None:
-    """``size`` in bytes (an int >= 0 or a size like ``"64MiB"``), else ``InvalidRequest``."""
-    if size is None:
-        return None
-    if isinstance(size, str):
-        try:
-            return parse_size(size, name=f"size_bytes of {prefix!r}")
-        except ConfigError as exc:
-            raise InvalidRequest(str(exc)) from None
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise InvalidRequest(f"size_bytes of {prefix!r} must be an int >= 0 or a size, "
-                             f"got {size!r}")
-    return size
+    """``size`` with a size like ``"64MiB"`` in bytes (``InvalidRequest`` if it is not one);
+    any other value as given: the controller checks it (``Controller.declare_prefixes``)."""
+    if not isinstance(size, str):
+        return size
+    try:
+        return parse_size(size, name=f"size_bytes of {prefix!r}")
+    except ConfigError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def token_half_gone(token: str, *, received_unix_ms: int, now_unix_ms: int) -> bool:

@@ -511,22 +511,20 @@ impl Objects {
         outcomes.into_iter().filter_map(Result::err).collect()
     }
 
-    /// Write the data blocks of one new version of an object held in memory: every server's
-    /// blocks over one stream, servers in parallel. Returns where the blocks went (also on
-    /// failure, so the caller can free them).
+    /// Write the data blocks of the object of manifest `header` held in memory, cut and placed
+    /// as the manifest says: every server's blocks over one stream, servers in parallel. Returns
+    /// where the blocks went (also on failure, so the caller can free them).
     fn upload_blocks(
         &self,
         bucket: &str,
         key: &str,
-        version: u64,
+        header: &ObjectHeader,
         data: &[u8],
-        persist: bool,
     ) -> (Placed, Result<(), Failure>) {
         let view = self.view();
-        let block_size = view.block_size as usize;
-        let block_count = data.len().div_ceil(block_size) as u32;
+        let (block_count, persist) = (header.block_count, header.persist());
         let mut groups: Vec<(&str, Vec<BlockSlice<'_>>)> = Vec::new();
-        for block in BlockSlice::cut(data, block_size) {
+        for block in BlockSlice::cut(data, header.block_size as usize) {
             let server = match block_home(&view, key.as_bytes(), block.index, block_count, persist)
             {
                 Ok(server) => server,
@@ -539,8 +537,8 @@ impl Objects {
             objects: self,
             bucket,
             key,
-            version,
-            block_size: view.block_size,
+            version: header.version,
+            block_size: header.block_size,
             block_count,
             persist,
             placed: &placed,
@@ -608,7 +606,7 @@ impl Objects {
         if let Some(outcome) = self.put_committed(bucket, &record, data, overwrite) {
             return outcome;
         }
-        let (placed, uploaded) = self.upload_blocks(bucket, key, version, data, persist);
+        let (placed, uploaded) = self.upload_blocks(bucket, key, &header, data);
         if let Err(failure) = uploaded {
             self.delete_block_groups(bucket, key, version, &placed);
             return Err(failure);

@@ -30,6 +30,7 @@ time integral of live bytes on DRAM over the integral of DRAM reserved or grante
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -95,10 +96,16 @@ class Ledger:
             self.peak = max(self.peak, self.live)
 
 
-def _tier_of(job, key: str) -> str:
+@functools.lru_cache(maxsize=16)
+def _placement(handle):
+    """The placement of ``handle`` (one per epoch, not one per key)."""
     from pocketflow.placement import Placement
 
-    return Placement.of_handle(job.handle).server_for(key.encode()).tier
+    return Placement.of_handle(handle)
+
+
+def _tier_of(job, key: str) -> str:
+    return _placement(job.handle).server_for(key.encode()).tier
 
 
 def _put(pf, key: str, data: bytes) -> None:

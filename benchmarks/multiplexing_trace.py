@@ -10,11 +10,14 @@ process, one client per job, against a real cluster (2 DRAM servers, 1 NVMe serv
 - ``job`` (Pocket, pocketflow without sized prefixes): a job registers with its whole
   intermediate data (``HINT_HEADROOM`` times it) as ``data_size_bytes``; the controller reserves
   DRAM for it (or NVMe when DRAM is short) until the job deregisters.
-- ``prefix`` (Jiffy): a job registers with a token size and declares, when a stage starts, the
-  prefixes of the stage's outputs with their sizes (``Job.declare_many``, one controller call);
-  each gets DRAM, or waits in order for DRAM that lapsing prefixes give back (``--wait`` at
-  most), or spills to NVMe. A prefix is renewed until the stage reading it is done, then lapses
-  one lease (``--lease``) later.
+- ``prefix`` (Jiffy): a job registers without hints (it reserves nothing); a task about to
+  write declares the prefixes of its output parts (``s<k>/t<i>/m<j>``, one per reader) with
+  their sizes (``Job.declare_many``, one controller call per task), so DRAM is granted as data
+  is written, as in Jiffy (and in the simulator); each gets DRAM, or waits in order for DRAM
+  that ended or lapsing prefixes give back (``--wait`` at most), or spills to NVMe. The job's
+  keeper renews them; a reader that consumed its parts ends them (``Job.end``): the servers free
+  them and the controller takes their DRAM back at once. A reader that never ends its parts (a
+  crash) loses them a lease (``--lease``) after the keeper stops.
 
 First the trace runs with ample DRAM (both schemes); the peak DRAM the job-level scheme allocates
 there is the 100% figure (the simulator's definition) and each job's time there (the faster of
@@ -120,71 +123,88 @@ def _put(pf, key: str, data: bytes) -> None:
     raise RuntimeError(f"{key}: every server of its tier stayed full")
 
 
+@dataclass
+class JobRun:
+    """What one job's driver and tasks share: its handle, client, keeper and figures."""
+
+    job: Any
+    pf: Any
+    shape: Shape
+    scheme: str
+    index: int
+    ledger: Ledger
+    keeper: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    placed: dict[str, int] = field(default_factory=dict)
+    waited_s: float = 0.0
+
+
 def _run_job(cluster, index: int, shape: Shape, scheme: str, ledger: Ledger) -> dict[str, Any]:
     """One job of the trace, start to end; returns its timings and placements."""
     started = time.monotonic()
-    size = int(HINT_HEADROOM * shape.job_bytes()) if scheme == "job" else MIB
-    job = cluster.register_job(f"trace-{scheme}-{index}", {"data_size_bytes": size},
-                               prefix_lease_ms=shape.lease_ms)
-    placed: dict[str, int] = {}
-    waited_s = 0.0
-    pf = job.connect()
-    keeper = None
+    # A prefix-scheme job reserves nothing for itself: its DRAM comes prefix by prefix.
+    hints = {"data_size_bytes": int(HINT_HEADROOM * shape.job_bytes())} if scheme == "job" else {}
+    job = cluster.register_job(f"trace-{scheme}-{index}", hints, prefix_lease_ms=shape.lease_ms)
+    run = JobRun(job, job.connect(), shape, scheme, index, ledger)
     try:
-        pf.create_bucket(BUCKET)
-        widths = shape.widths
-        for stage, width in enumerate(widths):
-            outputs = widths[stage + 1] if stage + 1 < len(widths) else 0
-            if scheme == "prefix" and outputs:
-                size_each = width * shape.part_bytes
-                begun = time.monotonic()
-                decided = job.declare_many(
-                    [(f"s{stage + 1}/t{t}", (), size_each) for t in range(outputs)],
-                    wait_s=shape.wait_s)
-                waited_s += time.monotonic() - begun
-                for pool in decided.values():
-                    placed[str(pool)] = placed.get(str(pool), 0) + 1
-                names = [f"s{stage + 1}/t{t}" for t in range(outputs)]
-                if keeper is None:
-                    keeper = job.keep(names)
-                else:
-                    for name in names:
-                        keeper.add(name)
-            tasks = [threading.Thread(target=_task,
-                                      args=(job, pf, shape, stage, t, ledger, keeper, index))
-                     for t in range(width)]
+        run.pf.create_bucket(BUCKET)
+        if scheme == "prefix":
+            run.keeper = job.keep([])
+        for stage, width in enumerate(shape.widths):
+            tasks = [threading.Thread(target=_task, args=(run, stage, t)) for t in range(width)]
             for task in tasks:
                 task.start()
             for task in tasks:
                 task.join()
     finally:
-        if keeper is not None:
-            keeper.close()
-        pf.close()
+        if run.keeper is not None:
+            run.keeper.close()
+        run.pf.close()
         job.deregister()
     return {"job": index, "scheme": scheme, "time_s": time.monotonic() - started,
-            "waited_s": round(waited_s, 3), "prefixes": placed}
+            "waited_s": round(run.waited_s, 3), "prefixes": run.placed}
 
 
-def _task(job, pf, shape: Shape, stage: int, task: int, ledger: Ledger, keeper,
-          job_index: int) -> None:
-    widths = shape.widths
+def _part(stage: int, reader: int, writer: int) -> str:
+    """The prefix of what task ``writer`` of stage ``stage - 1`` writes for task ``reader``."""
+    return f"s{stage}/t{reader}/m{writer}"
+
+
+def _task(run: JobRun, stage: int, task: int) -> None:
+    """Read (with DELETE) what the previous stage wrote for this task, compute, write a part
+    for each task of the next stage. Prefix scheme: a task declares its output parts, sized,
+    when it is about to write them (DRAM is granted as data is written, as in Jiffy), and a
+    reader ends the parts it consumed (their DRAM goes back at once)."""
+    job, pf, shape, widths = run.job, run.pf, run.shape, run.shape.widths
     if stage > 0:
-        keys = [f"s{stage}/t{task}/from{m}" for m in range(widths[stage - 1])]
-        tiers = [_tier_of(job, key) for key in keys]
-        for key, tier in zip(keys, tiers, strict=True):
+        parts = [_part(stage, task, m) for m in range(widths[stage - 1])]
+        for part in parts:
+            key = f"{part}/data"
+            tier = _tier_of(job, key)
             data = pf.get(BUCKET, key, delete=True)
-            ledger.add(-len(data), tier == "dram")
-        if keeper is not None:
-            keeper.release(f"s{stage}/t{task}")  # read and deleted: lapses a lease later
-    spread = random.Random(hash((job_index, stage, task)) & 0xFFFF).uniform(0.25, 1.75)
+            run.ledger.add(-len(data), tier == "dram")
+        if run.scheme == "prefix":
+            job.end(parts)
+    spread = random.Random(hash((run.index, stage, task)) & 0xFFFF).uniform(0.25, 1.75)
     time.sleep(shape.compute_s * spread)
-    if stage + 1 < len(widths):
-        payload = bytes([task % 251]) * shape.part_bytes
-        for t in range(widths[stage + 1]):
-            key = f"s{stage + 1}/t{t}/from{task}"
-            _put(pf, key, payload)
-            ledger.add(len(payload), _tier_of(job, key) == "dram")
+    if stage + 1 >= len(widths):
+        return
+    parts = [_part(stage + 1, t, task) for t in range(widths[stage + 1])]
+    if run.scheme == "prefix":
+        begun = time.monotonic()
+        decided = job.declare_many([(p, (), shape.part_bytes) for p in parts],
+                                   wait_s=shape.wait_s)
+        for part in parts:
+            run.keeper.add(part)
+        with run.lock:
+            run.waited_s += time.monotonic() - begun
+            for pool in decided.values():
+                run.placed[str(pool)] = run.placed.get(str(pool), 0) + 1
+    payload = bytes([task % 251]) * shape.part_bytes
+    for part in parts:
+        key = f"{part}/data"
+        _put(pf, key, payload)
+        run.ledger.add(len(payload), _tier_of(job, key) == "dram")
 
 
 def run_trace(shape: Shape, scheme: str, dram_bytes_per_server: int) -> dict[str, Any]:
@@ -203,7 +223,10 @@ def run_trace(shape: Shape, scheme: str, dram_bytes_per_server: int) -> dict[str
 
         def sample() -> None:
             while not stop.wait(SAMPLE_S):
-                free = cluster.status()["prefix_grants"]["dram_free_bytes"]
+                grants = cluster.status()["prefix_grants"]
+                free = grants["dram_free_bytes"]
+                if grants.get("stale") or len(free) != 2:
+                    continue  # the controller was busy (a registration): no fresh figures
                 with ledger.lock:
                     used = ledger.live_dram
                 samples.append((time.monotonic(), capacity - sum(free.values()), used))

@@ -23,6 +23,7 @@ from pocketflow.prefixes import (
     PrefixLeases,
     check_prefix_lease_ms,
 )
+from pocketflow.protocol import LEASE_PREFIXES_MAX
 
 if TYPE_CHECKING:
     from pocketflow.client import Client
@@ -291,6 +292,21 @@ class Job:
         """Renew declared ``prefixes`` with their ancestors and descendants, in one call per
         storage server; returns how many prefixes that covered."""
         return self.prefix_leases.renew(prefixes)
+
+    def end(self, prefixes: Iterable[str]) -> int:
+        """The job is done with ``prefixes`` (its readers consumed their data): every server
+        frees them now, with the declared prefixes below them in the path, instead of a lease
+        after their last renewal, and their DRAM grants go back to the controller at once
+        (waiting declarations first). Keepers stop renewing them; declare them again to reuse
+        them. Returns the bytes the servers freed."""
+        ended, freed = self.prefix_leases.end(prefixes)
+        with self._lock:
+            granted = [p for p in ended if p in self._granted]
+            self._granted.difference_update(granted)
+        # After the servers freed the data, so the DRAM given back is really free.
+        for i in range(0, len(granted), LEASE_PREFIXES_MAX):
+            self._control.end_prefixes(self.job_id, granted[i:i + LEASE_PREFIXES_MAX])
+        return freed
 
     def keep(self, prefixes: Iterable[str]) -> PrefixKeeper:
         """Renew ``prefixes`` every third of the lease on a thread until the keeper is closed

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from pocketflow.errors import ConfigError, InvalidRequest, PocketflowError
 from pocketflow.protocol import (
+    ACTION_END_LEASES,
     ACTION_RENEW_LEASES,
     KEY_MAX_BYTES,
     LEASE_MS_MAX,
@@ -113,6 +114,22 @@ class PrefixDag:
         for parent in parents:
             self._children.setdefault(parent, set()).add(prefix)
 
+    def remove(self, prefixes: Iterable[str]) -> list[str]:
+        """Forget the declared ``prefixes`` and the declared prefixes below them in the path
+        (ended: their data is freed); returns what was forgotten, sorted. Children that named
+        one as a parent keep their other parents. They can be declared again."""
+        named = [p for p in prefixes if p in self._parents]
+        gone = set(named) | {p for p in self._parents for n in named if p.startswith(n + "/")}
+        for prefix in gone:
+            for parent in self._parents.pop(prefix):
+                children = self._children.get(parent)
+                if children is not None:
+                    children.discard(prefix)
+            for child in self._children.pop(prefix, set()):
+                if child in self._parents:
+                    self._parents[child] = tuple(p for p in self._parents[child] if p != prefix)
+        return sorted(gone)
+
     def _up(self, prefix: str) -> list[str]:
         """Direct ancestors: declared parents and the nearest declared path prefix."""
         up = list(self._parents.get(prefix, ()))
@@ -139,7 +156,7 @@ class PrefixDag:
             if prefix in seen:
                 continue
             seen.add(prefix)
-            todo.extend(step(prefix))
+            todo.extend(p for p in step(prefix) if p in self._parents)
         return seen
 
     def ancestors(self, prefixes: Iterable[str]) -> set[str]:
@@ -225,6 +242,31 @@ class PrefixLeases:
         return len(covered)
 
 
+    def end(self, prefixes: Iterable[str]) -> tuple[list[str], int]:
+        """End declared ``prefixes`` now, with the declared prefixes below them in the path: the
+        job is done with their data. Every server frees them at once (one ``end_leases`` per
+        server), not a lease later, and they are no longer renewed (declare them again to reuse
+        them). Returns the prefixes ended and the bytes the servers freed."""
+        prefixes = list(prefixes)
+        for prefix in prefixes:
+            check_prefix(prefix)
+        with self._lock:
+            ended = self.dag.remove(prefixes)
+        freed = 0
+        errors: list[PocketflowError] = []
+        for i in range(0, len(ended), LEASE_PREFIXES_MAX):
+            results = self._client._on_every_server(
+                ACTION_END_LEASES, prefixes=ended[i:i + LEASE_PREFIXES_MAX])
+            failed = [r for r in results if isinstance(r, PocketflowError)]
+            if failed and len(failed) == len(results):
+                raise failed[0]
+            errors += failed
+            freed += sum(int(r.get("freed_bytes", 0)) for r in results if isinstance(r, dict))
+        for error in errors:  # a dead server's data is gone with it
+            log.warning("ending prefix leases on %s failed: %s", error.server, error)
+        return ended, freed
+
+
 class PrefixKeeper:
     """Renews a set of prefixes every third of the lease on a thread, until closed; drop a
     prefix with :meth:`release` and it lapses one lease later."""
@@ -243,6 +285,8 @@ class PrefixKeeper:
     def _run(self) -> None:
         while not self._stop.is_set():
             with self._lock:
+                ended = {p for p in self._prefixes if p not in self._leases.dag}
+                self._prefixes -= ended  # ended (PrefixLeases.end): nothing left to keep
                 prefixes = set(self._prefixes)
             if prefixes:
                 try:

@@ -122,6 +122,7 @@ ACTION_SUBSCRIBE = "subscribe"
 ACTION_EVENTS = "events"
 ACTION_UNSUBSCRIBE = "unsubscribe"
 ACTION_RENEW_LEASES = "renew_leases"
+ACTION_END_LEASES = "end_leases"
 
 DATA_COLUMN_NAME = "data"
 """Name of the single non-nullable binary column of DoPut and DoGet streams."""

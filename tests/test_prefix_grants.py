@@ -13,8 +13,9 @@ import pytest
 
 from pocketflow.cluster import LocalCluster
 from pocketflow.control.prefix_grants import EXPIRY_SLACK_S, PrefixGrants, Waiting
-from pocketflow.errors import InvalidRequest, JobNotRegistered
+from pocketflow.errors import InvalidRequest, JobNotRegistered, ObjectNotFound
 from pocketflow.placement import Placement
+from pocketflow.protocol import LEASE_PREFIXES_MAX
 from tests.fixtures_cluster import wait_for
 
 LEASE_MS = 1000
@@ -238,3 +239,50 @@ def test_deregistering_a_job_ends_its_waiting_declaration(local_cluster: LocalCl
             assert isinstance(outcome.get("error"), JobNotRegistered)
             assert time.monotonic() - begun < 2.0
             assert _grant_state(local_cluster)["waiting_declarations"] == 0
+
+
+def test_ending_a_prefix_frees_it_at_once_and_hands_its_dram_to_the_waiting(
+    local_cluster: LocalCluster, caplog: pytest.LogCaptureFixture,
+) -> None:
+    hints = {"data_size_bytes": "1MiB"}
+    long_lease_ms = 5000  # a lapse could not explain what happens within a second
+    with local_cluster.register_job("grants-end", hints, prefix_lease_ms=long_lease_ms) as a, \
+            local_cluster.register_job("grants-next", hints) as b, a.connect() as pf:
+        free = _grant_state(local_cluster)["dram_free_bytes"]
+        everything = 2 * min(free.values()) // MIB * MIB
+        pf.create_bucket("x")
+        assert a.declare("s/0", size_bytes=everything, wait_s=0) == "dram"
+        a.declare_many([("s/1", (), None), ("s/0/sub", (), None)])
+        with a.keep(["s/0", "s/1"]) as keeper:
+            pf.put("x", "s/0/k", b"a" * MIB)
+            pf.put("x", "s/0/sub/k", b"c")
+            pf.put("x", "s/1/k", b"b")
+            outcome: dict = {}
+
+            def declare() -> None:
+                outcome["placed"] = b.declare("r", size_bytes=everything, wait_s=10)
+
+            waiter = threading.Thread(target=declare)
+            waiter.start()
+            assert wait_for(lambda: _grant_state(local_cluster)["waiting_declarations"] == 1,
+                            timeout_s=5)
+            begun = time.monotonic()
+            freed = a.end(["s/0"])
+            waiter.join(10)
+            assert outcome["placed"] == "dram"
+            assert time.monotonic() - begun < 1.0
+            assert freed > MIB
+            for key in ("s/0/k", "s/0/sub/k"):
+                with pytest.raises(ObjectNotFound):
+                    pf.get("x", key)
+            assert "s/0" not in a.prefix_leases.dag and "s/0/sub" not in a.prefix_leases.dag
+            # The keeper goes on renewing what was not ended, and nothing else.
+            renewals = keeper.renewals
+            assert wait_for(lambda: keeper.renewals >= renewals + 2, timeout_s=10)
+            assert pf.get("x", "s/1/k") == b"b"
+            assert a.end(["s/0"]) == 0  # ended already
+    assert not [r for r in caplog.records if "prefixes failed" in r.getMessage()]
+    with pytest.raises(InvalidRequest):
+        local_cluster.control.end_prefixes(a.job_id, ["p"] * (LEASE_PREFIXES_MAX + 1))
+    with pytest.raises(JobNotRegistered):
+        local_cluster.control.end_prefixes(a.job_id, ["s/1"])

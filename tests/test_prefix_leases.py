@@ -46,6 +46,21 @@ def _gone(pf, key: str) -> bool:
     return not any(pf.exists(bucket, key) for bucket in BUCKETS)
 
 
+def test_ending_a_prefix_forgets_it_and_what_is_below_it_in_the_path() -> None:
+    dag = PrefixDag()
+    for prefix, parents in [("map", ()), ("map/0", ()), ("map/0/part", ()), ("map0", ()),
+                            ("reduce/0", ("map/0",)), ("reduce/1", ("map/0", "map0"))]:
+        dag.declare(prefix, parents)
+    assert dag.remove(["map/0", "never"]) == ["map/0", "map/0/part"]
+    assert "map/0" not in dag and "map/0/part" not in dag and "map0" in dag
+    # Its children keep their other parents, and a renewal no longer reaches it.
+    assert dag.closure(["reduce/1"]) == {"reduce/1", "map0"}
+    assert dag.closure(["reduce/0"]) == {"reduce/0"}
+    assert dag.closure(["map"]) == {"map"}
+    dag.declare("map/0", ["map0"])  # declared again, it is a new prefix
+    assert dag.closure(["map/0"]) == {"map/0", "map", "map0", "reduce/1"}
+
+
 def test_a_lapsed_prefix_is_freed_within_two_periods_and_a_renewed_one_never(
     local_cluster: LocalCluster,
 ) -> None:

@@ -56,7 +56,7 @@ from pocketflow.errors import (
 )
 from pocketflow.handle import ROUTES_MAX, JobHandle, LostServer, Routes, ServerInfo
 from pocketflow.prefixes import check_prefix, check_prefix_lease_ms
-from pocketflow.protocol import EPOCH_MAP_MAX_BYTES
+from pocketflow.protocol import EPOCH_MAP_MAX_BYTES, LEASE_PREFIXES_MAX
 from pocketflow.tls import read_ca
 from pocketflow.transport import AdminClient
 
@@ -994,6 +994,23 @@ class Controller:
         # lock of their own); the monitor pass takes lapsed grants back.
         self._record(job_id)
         return self._grants.renew(job_id, list(prefixes), time.monotonic())
+
+    def end_prefixes(self, job_id: str, prefixes: list[str]) -> int:
+        """Take back the grants of a job's ``prefixes`` now (the job ended them: its servers
+        freed their data) and give the DRAM to waiting declarations first; their routes go with
+        the next route change, as a lapsed grant's do. Returns how many held a grant. Raises
+        ``JobNotRegistered``, and ``InvalidRequest`` for more than ``LEASE_PREFIXES_MAX``
+        prefixes."""
+        if not isinstance(prefixes, list) or len(prefixes) > LEASE_PREFIXES_MAX or not all(
+                isinstance(p, str) for p in prefixes):
+            raise InvalidRequest(f"prefixes must be a list of at most {LEASE_PREFIXES_MAX} str")
+        with self._lock:
+            self._record(job_id)
+            ended = self._grants.end(job_id, prefixes)
+            if ended:
+                self._lapsed_routes.setdefault(job_id, set()).update(g.prefix for g in ended)
+                self._serve_grants_locked()
+        return len(ended)
 
     def expire_grants(self) -> int:
         """Take back the grants whose lease lapsed and give their DRAM to waiting declarations;

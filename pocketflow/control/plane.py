@@ -82,6 +82,10 @@ class ControlPlane:
         """Extend the grants of a job's prefixes (``Controller.renew_prefixes``)."""
         return self._call("renew_prefixes", job_id, list(prefixes))
 
+    def end_prefixes(self, job_id: str, prefixes: list[str]) -> int:
+        """Take a job's grants of ended prefixes back now (``Controller.end_prefixes``)."""
+        return self._call("end_prefixes", job_id, list(prefixes))
+
     def renew_token(self, job_id: str) -> JobHandle:
         """A new token for a registered job, in its current handle (``Controller.renew_token``)."""
         return self._call("renew_token", job_id)

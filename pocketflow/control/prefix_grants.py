@@ -195,6 +195,17 @@ class PrefixGrants:
         return renewed
 
     @_locked
+    def end(self, job_id: str, prefixes: Iterable[str]) -> list[Grant]:
+        """Take back the grants of ``prefixes`` of ``job_id`` now; returns them (prefixes
+        without a grant are skipped)."""
+        grants = self._grants.get(job_id, {})
+        ended = [grants.pop(p) for p in dict.fromkeys(prefixes) if p in grants]
+        self._count -= len(ended)
+        if not grants:
+            self._grants.pop(job_id, None)
+        return ended
+
+    @_locked
     def expire(self, now_s: float) -> list[Grant]:
         """Take back every grant whose lease lapsed; returns them."""
         lapsed = []

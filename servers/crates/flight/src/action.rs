@@ -9,8 +9,8 @@ use pocketflow_protocol::action::{
     SetEpochRequest, StatsReport, WaitRequest, WaitResult,
 };
 use pocketflow_protocol::action::{
-    EventJson, EventsRequest, EventsResult, RenewLeasesRequest, RenewLeasesResult,
-    SubscribeRequest, SubscribeResult,
+    EndLeasesRequest, EndLeasesResult, EventJson, EventsRequest, EventsResult, RenewLeasesRequest,
+    RenewLeasesResult, SubscribeRequest, SubscribeResult,
 };
 use pocketflow_protocol::context::{check_job_id, parse_json};
 use pocketflow_protocol::ProtocolError;
@@ -184,6 +184,11 @@ pub(crate) async fn run(
             let req = RenewLeasesRequest::parse(body)?;
             let leases = store.renew_leases(job, &req.prefixes, req.lease_ms)?;
             Ok(json(&RenewLeasesResult { leases }))
+        }
+        ActionName::EndLeases => {
+            let req = EndLeasesRequest::parse(body)?;
+            let (ended, freed_bytes) = store.end_leases(job, &req.prefixes)?;
+            Ok(json(&EndLeasesResult { ended, freed_bytes }))
         }
     }
 }

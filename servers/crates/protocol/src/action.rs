@@ -49,11 +49,13 @@ pub enum ActionName {
     Unsubscribe,
     /// Renew (or start) prefix leases.
     RenewLeases,
+    /// End prefix leases now and free their prefixes.
+    EndLeases,
 }
 
 impl ActionName {
     /// Every action, in the order of docs/PROTOCOL.md.
-    pub const ALL: [ActionName; 17] = [
+    pub const ALL: [ActionName; 18] = [
         ActionName::Lookup,
         ActionName::Delete,
         ActionName::DeleteBlocks,
@@ -71,6 +73,7 @@ impl ActionName {
         ActionName::Events,
         ActionName::Unsubscribe,
         ActionName::RenewLeases,
+        ActionName::EndLeases,
     ];
 
     /// The action type string.
@@ -93,6 +96,7 @@ impl ActionName {
             ActionName::Events => "events",
             ActionName::Unsubscribe => "unsubscribe",
             ActionName::RenewLeases => "renew_leases",
+            ActionName::EndLeases => "end_leases",
         }
     }
 
@@ -153,6 +157,7 @@ impl ActionName {
             }
             ActionName::Unsubscribe => "end a subscription: {subscription}",
             ActionName::RenewLeases => "renew or start prefix leases: {prefixes, lease_ms}",
+            ActionName::EndLeases => "end prefix leases now, freeing their prefixes: {prefixes}",
         }
     }
 }
@@ -439,6 +444,42 @@ impl RenewLeasesRequest {
 pub struct RenewLeasesResult {
     /// Leases the job holds on this server after the renewal.
     pub leases: usize,
+}
+
+/// `end_leases`: the job is done with these prefixes (their data was consumed).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndLeasesRequest {
+    /// Who is asking.
+    pub ctx: Context,
+    /// Prefixes whose leases end now (1..=`LEASE_PREFIXES_MAX`, each a non-empty key prefix
+    /// without the trailing `/`).
+    pub prefixes: Vec<String>,
+}
+
+impl EndLeasesRequest {
+    /// Parse and validate.
+    pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
+        let req: Self = parse_json("action body", body)?;
+        if req.prefixes.is_empty() || req.prefixes.len() > LEASE_PREFIXES_MAX {
+            return Err(ProtocolError::Field {
+                what: "prefixes",
+                why: "must hold 1..=LEASE_PREFIXES_MAX prefixes",
+            });
+        }
+        for prefix in &req.prefixes {
+            check_key(prefix)?;
+        }
+        Ok(req)
+    }
+}
+
+/// Result of `end_leases`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndLeasesResult {
+    /// How many of the named prefixes held a lease on this server (each is freed now).
+    pub ended: usize,
+    /// Bytes those prefixes held here, freed.
+    pub freed_bytes: u64,
 }
 
 /// Result of `wait`: the awaited keys still absent when it returned (empty: all present).

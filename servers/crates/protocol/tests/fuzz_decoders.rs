@@ -11,8 +11,8 @@
 use bytes::Bytes;
 use pocketflow_protocol::action::{
     ActionName, AnyRequest, BucketRequest, DeleteBlocksRequest, DeleteJobRequest, DrainRequest,
-    EnumerateRequest, EventsRequest, ObjectRequest, PrefixRequest, RenewLeasesRequest,
-    SetCoresRequest, SetEpochRequest, SubscribeRequest, WaitRequest,
+    EndLeasesRequest, EnumerateRequest, EventsRequest, ObjectRequest, PrefixRequest,
+    RenewLeasesRequest, SetCoresRequest, SetEpochRequest, SubscribeRequest, WaitRequest,
 };
 use pocketflow_protocol::batch::{GetPieceMeta, PutPieceMeta};
 use pocketflow_protocol::context::parse_json;
@@ -455,6 +455,7 @@ fn required_fields(action: ActionName) -> &'static [&'static str] {
         ActionName::Subscribe => &["ctx", "bucket", "ops"],
         ActionName::Events | ActionName::Unsubscribe => &["ctx", "subscription"],
         ActionName::RenewLeases => &["ctx", "prefixes", "lease_ms"],
+        ActionName::EndLeases => &["ctx", "prefixes"],
     }
 }
 
@@ -538,6 +539,13 @@ fn parse_action(action: ActionName, body: &[u8]) -> Result<(), ProtocolError> {
                 assert_len("prefix", prefix, 1, KEY_MAX_BYTES);
             }
             assert!((LEASE_MS_MIN..=LEASE_MS_MAX).contains(&req.lease_ms));
+        }
+        ActionName::EndLeases => {
+            let req = EndLeasesRequest::parse(body)?;
+            assert!((1..=LEASE_PREFIXES_MAX).contains(&req.prefixes.len()));
+            for prefix in &req.prefixes {
+                assert_len("prefix", prefix, 1, KEY_MAX_BYTES);
+            }
         }
     }
     Ok(())

@@ -86,6 +86,17 @@ impl Leases {
         lapsed
     }
 
+    /// End the leases of `prefixes` of `job` now: remove and return those the job holds (the
+    /// caller frees them); prefixes without a lease here are skipped.
+    pub fn end(&self, job: &str, prefixes: &[String]) -> Vec<String> {
+        let mut table = self.lock();
+        prefixes
+            .iter()
+            .filter(|p| table.remove(&(job.to_string(), (*p).clone())).is_some())
+            .cloned()
+            .collect()
+    }
+
     /// Forget every lease of `job` (its data is gone with it).
     pub fn forget_job(&self, job: &str) {
         self.lock().retain(|(j, _), _| j != job);
@@ -110,6 +121,8 @@ mod tests {
             vec![("j".into(), "map/1".into())]
         );
         assert!(leases.take_lapsed(later).is_empty());
+        assert_eq!(leases.end("j", &p(&["map", "nope"])), p(&["map"]));
+        assert!(leases.end("j", &p(&["map"])).is_empty());
         leases.forget_job("j");
         assert!(leases
             .take_lapsed(later + Duration::from_secs(5))

@@ -255,28 +255,49 @@ impl Store {
     /// data blocks, queues and append files under `<prefix>/`; each one's subscribers get a
     /// `lease_expired` event. Returns (job, prefix, bytes freed) per lapsed lease.
     pub fn expire_leases(&self, now: Instant) -> Vec<(String, String, u64)> {
-        let mut freed = Vec::new();
-        for (job, prefix) in self.shared.leases.take_lapsed(now) {
-            let scope = format!("{prefix}/");
-            let buckets: Vec<String> = self.job(&job).map_or_else(Vec::new, |j| {
-                j.buckets
-                    .read()
-                    .expect("bucket map lock poisoned")
-                    .keys()
-                    .cloned()
-                    .collect()
-            });
-            let bytes = buckets
-                .iter()
-                .filter_map(|bucket| self.delete_prefix(&job, bucket, &scope).ok())
-                .map(|(_, bytes)| bytes)
-                .sum();
-            self.shared
-                .events
-                .emit(&job, "", &prefix, EventOp::LeaseExpired);
-            freed.push((job, prefix, bytes));
+        self.shared
+            .leases
+            .take_lapsed(now)
+            .into_iter()
+            .map(|(job, prefix)| {
+                let bytes = self.free_prefix(&job, &prefix);
+                (job, prefix, bytes)
+            })
+            .collect()
+    }
+
+    /// End the leases of `prefixes` of `job` now (the job consumed their data) and free each
+    /// one as a lapse would; prefixes that hold no lease here are skipped. Returns how many
+    /// ended and the bytes freed.
+    pub fn end_leases(&self, job: &str, prefixes: &[String]) -> Result<(usize, u64), StoreError> {
+        for prefix in prefixes {
+            check_name("prefix", prefix, KEY_MAX_BYTES - 1)?;
         }
-        freed
+        let ended = self.shared.leases.end(job, prefixes);
+        let bytes = ended.iter().map(|p| self.free_prefix(job, p)).sum();
+        Ok((ended.len(), bytes))
+    }
+
+    /// Free what `job` holds under `<prefix>/` in every bucket and emit `lease_expired`.
+    fn free_prefix(&self, job: &str, prefix: &str) -> u64 {
+        let scope = format!("{prefix}/");
+        let buckets: Vec<String> = self.job(job).map_or_else(Vec::new, |j| {
+            j.buckets
+                .read()
+                .expect("bucket map lock poisoned")
+                .keys()
+                .cloned()
+                .collect()
+        });
+        let bytes = buckets
+            .iter()
+            .filter_map(|bucket| self.delete_prefix(job, bucket, &scope).ok())
+            .map(|(_, bytes)| bytes)
+            .sum();
+        self.shared
+            .events
+            .emit(job, "", prefix, EventOp::LeaseExpired);
+        bytes
     }
 
     /// The server-wide byte budget (channels charge their segments to it).
@@ -1967,6 +1988,39 @@ mod tests {
         assert_eq!(store.watched_keys(), 0);
     }
 
+    async fn ended_leases_free_their_prefixes_now(tier: Tier) {
+        let (store, _dir) = open(tier, 1 << 20, true);
+        store.create_bucket(JOB, "b").unwrap();
+        let p = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        store
+            .renew_leases(JOB, &p(&["s1/t0", "s1/t1"]), 60_000)
+            .unwrap();
+        put(&store, "b", "s1/t0/m0", b"gone").await.unwrap();
+        put(&store, "b", "s1/t1/m0", b"kept").await.unwrap();
+        put(&store, "b", "s1/t0x", b"not under it").await.unwrap();
+        let (ended, freed) = store
+            .end_leases(JOB, &p(&["s1/t0", "never-leased"]))
+            .unwrap();
+        assert_eq!(ended, 1);
+        assert!(freed > 0);
+        assert!(matches!(
+            store.get_record(JOB, "b", "s1/t0/m0", false).await,
+            Err(StoreError::NotFound { .. })
+        ));
+        assert!(store.get_record(JOB, "b", "s1/t1/m0", false).await.is_ok());
+        assert!(store.get_record(JOB, "b", "s1/t0x", false).await.is_ok());
+        // Ended once: a second end finds no lease, and a lapse later frees nothing more.
+        assert_eq!(store.end_leases(JOB, &p(&["s1/t0"])).unwrap(), (0, 0));
+        assert!(store.end_leases(JOB, &p(&[""])).is_err());
+        let far = Instant::now() + Duration::from_secs(3600);
+        let lapsed: Vec<String> = store
+            .expire_leases(far)
+            .into_iter()
+            .map(|(_, prefix, _)| prefix)
+            .collect();
+        assert_eq!(lapsed, p(&["s1/t1"]));
+    }
+
     macro_rules! per_tier {
         ($($name:ident),* $(,)?) => {
             mod dram {
@@ -1996,5 +2050,6 @@ mod tests {
         expiry_keeps_the_buckets_of_a_live_job,
         without_a_ttl_persist_never_expires,
         inserts_wake_the_waiters_of_their_keys,
+        ended_leases_free_their_prefixes_now,
     );
 }

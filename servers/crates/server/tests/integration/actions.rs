@@ -516,7 +516,8 @@ async fn list_actions_and_rpcs_outside_the_protocol() {
             "subscribe",
             "events",
             "unsubscribe",
-            "renew_leases"
+            "renew_leases",
+            "end_leases"
         ]
     );
     let descriptor = FlightDescriptor::new_cmd(Bytes::from_static(b"{}"));

@@ -35,7 +35,8 @@ def test_waiting_declarations_are_served_in_order_and_lapses_give_dram_back() ->
     for waiting in (a, b, c):
         grants.enqueue(waiting)
     assert grants.serve(free, pool, now_s=0.0)
-    # a got 75 per server; b (60 per server) does not fit, and c, small as it is, waits behind.
+    # a fits on no one server: an even share of 75 on each. b needs 60 on each (or 120 on one)
+    # and does not fit; c, small as it is, waits behind it.
     assert a.granted == ["a/p0"] and b.granted == [] and c.granted == []
     assert grants.reserved_by_server() == {"d0": 75, "d1": 75}
     grants.leave(a)
@@ -46,10 +47,21 @@ def test_waiting_declarations_are_served_in_order_and_lapses_give_dram_back() ->
     lapsed = grants.expire(now_s=1.9 + EXPIRY_SLACK_S)
     assert [g.prefix for g in lapsed] == ["a/p0"]
     assert grants.serve(free, pool, now_s=2.0)
+    # b spreads (60 each); c fits whole on one server, which its route will name alone.
     assert b.granted == ["b/p0"] and c.granted == ["c/p0"]
+    assert grants.granted("b")["b/p0"].shares == {"d0": 60, "d1": 60}
+    assert grants.granted("c")["c/p0"].shares == {"d1": 10}
     assert grants.summary()["grants"] == 2
     grants.release_job("b", "gone")
-    assert grants.reserved_by_server() == {"d0": 5, "d1": 5}
+    assert grants.reserved_by_server() == {"d1": 10}
+    # A prefix goes whole to the server with the most room, so one-server grants fill both.
+    d = _waiting("d", 50, 50, 45, 40)
+    grants.enqueue(d)
+    assert grants.serve(free, pool, now_s=2.0)
+    assert [list(g.shares.items()) for g in grants.granted("d").values()] == [
+        [("d0", 50)], [("d1", 50)], [("d0", 45)], [("d1", 40)]]
+    assert [g.prefix for g in grants.end("d", ["d/p1", "d/p3", "never"])] == ["d/p1", "d/p3"]
+    assert grants.reserved_by_server() == {"d0": 95, "d1": 10}
 
 
 def test_a_deregistered_job_ends_its_waiting_declarations() -> None:
@@ -81,16 +93,22 @@ def test_a_sized_prefix_waits_for_lapsing_dram_and_a_late_one_spills(
             local_cluster.register_job("grants-b", hints, prefix_lease_ms=LEASE_MS) as b:
         free = _grant_state(local_cluster)["dram_free_bytes"]
         assert len(free) == 2, free
-        # A prefix's keys spread over both DRAM servers, so a prefix of `half` takes half of
-        # what the fuller server has left on each: two such prefixes fit, a third does not.
+        # A prefix of `half` (what the fuller DRAM server has left) fits whole on either
+        # server: each of two such prefixes is granted one server, and a third does not fit.
         half = min(free.values()) // MIB * MIB
         assert half >= 16 * MIB, f"the session cluster's DRAM is taken: {free}"
         a.declare("in")
         placed = a.declare_many([("s/0", ["in"], half), ("s/1", ["in"], half)], wait_s=0)
         assert placed == {"s/0": "dram", "s/1": "dram"}
-        assert a.handle.routes.route_map() == {"s/0": "dram", "s/1": "dram"}
+        routes, pools = a.handle.routes.route_map(), a.handle.routes.pool_map()
+        assert sorted(routes) == ["s/0", "s/1"]
+        homes = [pools[routes[p]] for p in ("s/0", "s/1")]
+        assert all(len(home) == 1 for home in homes) and homes[0] != homes[1], (routes, pools)
         placement = Placement.of_handle(a.handle)
-        assert {placement.server_for(f"s/0/k{i}".encode()).tier for i in range(32)} == {"dram"}
+        for prefix, home in zip(("s/0", "s/1"), homes, strict=True):
+            servers = {placement.server_for(f"{prefix}/k{i}".encode()) for i in range(32)}
+            assert {s.node_id for s in servers} == set(home)
+            assert {s.tier for s in servers} == {"dram"}
         keeper = a.keep(["s/0", "s/1"])
         try:
             # b's prefix does not fit while a's are renewed: it waits, then spills to NVMe.
@@ -135,7 +153,8 @@ def test_a_sized_prefix_waits_for_lapsing_dram_and_a_late_one_spills(
         finally:
             keeper.close()
         assert Placement.of_handle(b.handle).server_for(b"r/k").tier == "dram"
-        assert b.handle.routes.route_map() == {"late": "nvme", "r": "dram"}
+        routes = b.handle.routes.route_map()
+        assert routes["late"] == "nvme" and routes["r"].startswith("dram-"), routes
     # Deregistered jobs hold no grants.
     assert wait_for(lambda: _grant_state(local_cluster)["grants"] == 0, timeout_s=5)
 

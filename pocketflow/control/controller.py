@@ -54,7 +54,7 @@ from pocketflow.errors import (
     JobNotRegistered,
     PocketflowError,
 )
-from pocketflow.handle import ROUTES_MAX, JobHandle, LostServer, Routes, ServerInfo
+from pocketflow.handle import POOLS_MAX, ROUTES_MAX, JobHandle, LostServer, Routes, ServerInfo
 from pocketflow.prefixes import check_prefix, check_prefix_lease_ms
 from pocketflow.protocol import EPOCH_MAP_MAX_BYTES, LEASE_PREFIXES_MAX
 from pocketflow.tls import read_ca
@@ -151,6 +151,8 @@ POOL_DRAM = "dram"
 """Pool name of the DRAM servers a job's granted prefixes are routed to."""
 POOL_NVME = "nvme"
 """Pool name of the NVMe servers a job's spilled prefixes are routed to."""
+SERVER_POOL_PREFIX = "dram-"
+"""Pools of one DRAM server each (``dram-0``, ...): where prefixes granted on one server go."""
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -1103,7 +1105,19 @@ class Controller:
         defined = routes.pool_map()
         pools: dict[str, list[str]] = {}
         new: dict[str, str] = {}
-        for name, prefixes in ((POOL_DRAM, granted), (POOL_NVME, spilled)):
+        grants = self._grants.granted(job_id)
+        spread: list[str] = []
+        for prefix in granted:  # a grant on one server routes the prefix to that server alone
+            grant = grants.get(prefix)
+            name = None
+            if grant is not None and len(grant.shares) == 1:
+                name = _server_pool(next(iter(grant.shares)), {**defined, **pools})
+            if name is None:
+                spread.append(prefix)
+            else:
+                pools.setdefault(name, list(grant.shares))
+                new[prefix] = name
+        for name, prefixes in ((POOL_DRAM, spread), (POOL_NVME, spilled)):
             members = self._pool(job_id, name)
             if prefixes and members:
                 pools.setdefault(name, members)
@@ -1768,6 +1782,18 @@ def _relaxed_demands(demand: JobDemand, loads: Sequence[ServerLoad]) -> list[Job
     if granted > 0:
         relaxed.insert(0, dataclasses.replace(demand, throughput_bytes_per_s=granted))
     return relaxed
+
+
+def _server_pool(node_id: str, pools: dict[str, list[str]]) -> str | None:
+    """The name of the pool of ``node_id`` alone among ``pools`` (``dram-<k>``), or a new one;
+    ``None`` when a map has no room for another pool (two stay for ``dram`` and ``nvme``)."""
+    for name, members in pools.items():
+        if name.startswith(SERVER_POOL_PREFIX) and members == [node_id]:
+            return name
+    if len(set(pools) | {POOL_DRAM, POOL_NVME}) >= POOLS_MAX:
+        return None
+    return next(f"{SERVER_POOL_PREFIX}{k}" for k in range(POOLS_MAX)
+                if f"{SERVER_POOL_PREFIX}{k}" not in pools)
 
 
 def _declarations(requests: Any) -> list[tuple[str, int]]:

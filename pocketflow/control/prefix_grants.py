@@ -1,16 +1,18 @@
 """Prefix grants: DRAM given to the prefixes of a job's DAG, waited for in order, and taken back
-when a prefix's lease lapses (Jiffy's capacity multiplexing, done by the controller).
+when a prefix's lease lapses or the job ends it (Jiffy's capacity multiplexing, done by the
+controller).
 
 A job declares a prefix with the bytes it will hold (``job.declare("shuffle/r3",
-size_bytes=...)``). The controller grants the prefix DRAM when every server of the job's DRAM
-pool has room for its share (the size over the pool's members: the prefix's route spreads its
-keys over them evenly); otherwise the declaration waits in a FIFO, at most ``wait_s``, and what is
-still waiting at its deadline spills to NVMe. A grant lasts one prefix lease from its last
-renewal: the driver renews its granted prefixes with the controller in one call per renewal
-period, next to the servers' renewal. When a grant lapses its DRAM goes to the waiting
-declarations first, oldest first, and only then to new declarations and registrations (the
-controller serves the FIFO under the same lock that frees the grant, so nothing slips in
-between).
+size_bytes=...)``). The controller grants the prefix DRAM on the server of the job's DRAM pool
+with the most room when it fits there (the prefix is then routed to that server alone, so the
+grant is what the server will hold), else over the whole pool when every member has room for an
+even share (the route spreads its keys over them by hash); otherwise the declaration waits in a
+FIFO, at most ``wait_s``, and what is still waiting at its deadline spills to NVMe. A grant
+lasts one prefix lease from its last renewal: the driver renews its granted prefixes with the
+controller in one call per renewal period, next to the servers' renewal; ``Job.end`` gives a
+consumed prefix's grant back at once. DRAM given back goes to the waiting declarations first,
+oldest first, and only then to new declarations and registrations (the controller serves the
+FIFO under the same lock that frees the grant, so nothing slips in between).
 
 This module is the bookkeeping only (no I/O): :class:`PrefixGrants` is driven by the controller
 (:meth:`pocketflow.control.controller.Controller.declare_prefixes`), which decides under its own
@@ -62,6 +64,22 @@ class Waiting:
     granted: list[str] = field(default_factory=list)
     cancelled: str | None = None
     """Why the declaration ended early (its job was deregistered), else ``None``."""
+
+
+def _fit(size: int, members: list[str], free: Mapping[str, int]) -> dict[str, int] | None:
+    """Where a prefix of ``size`` bytes fits, as bytes per server: all of it on the member with
+    the most room when it fits there (its route then names that server alone, so the grant
+    is exact), else an even share on every member when each has room for it (its keys spread
+    over the pool by hash: the shares are what an even spread takes); ``None`` when neither."""
+    if not members:
+        return None
+    roomiest = max(members, key=lambda m: (free.get(m, 0), m))
+    if free.get(roomiest, 0) >= size:
+        return {roomiest: size}
+    share = math.ceil(size / len(members))
+    if all(free.get(m, 0) >= share for m in members):
+        return dict.fromkeys(members, share)
+    return None
 
 
 def _locked(method):
@@ -158,16 +176,13 @@ class PrefixGrants:
         for waiting in self._waiting:
             while waiting.pending:
                 prefix, size = waiting.pending[0]
-                members = pool_of(waiting.job_id)
-                share = math.ceil(size / len(members)) if members else 0
-                if not members or any(free.get(m, 0) < share for m in members):
+                shares = _fit(size, pool_of(waiting.job_id), free)
+                if shares is None or self._count >= GRANTS_MAX:
                     return any_granted
-                if self._count >= GRANTS_MAX:
-                    return any_granted
-                for member in members:
+                for member, share in shares.items():
                     free[member] -= share
                 waiting.pending.popleft()
-                self._add(Grant(waiting.job_id, prefix, dict.fromkeys(members, share),
+                self._add(Grant(waiting.job_id, prefix, shares,
                                 waiting.lease_s, now_s + waiting.lease_s + EXPIRY_SLACK_S))
                 waiting.granted.append(prefix)
                 any_granted = True

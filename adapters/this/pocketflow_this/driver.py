@@ -25,11 +25,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pocketflow.errors import PocketflowError
 from pocketflow_this import codec
 from pocketflow_this.errors import InputLost, InputTimeout, StageFailed
 from pocketflow_this.exchange import Exchange, ExchangeClient, PocketflowExchange
 from pocketflow_this.executors import make_executor
-from pocketflow_this.task import TaskCall, TaskOutcome, value_key
+from pocketflow_this.task import TaskCall, TaskOutcome, value_key, value_prefix
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,47 @@ POLL_S = 0.2
 MAP_PROBE_INTERVAL_S = 1.0
 """How often the driver asks a storage server whether the job's map changed."""
 BUCKET = "this"
+
+
+class Scope:
+    """Prefix leases over a run's intermediate values (Jiffy's task-scoped storage): the value of
+    stage ``k`` (not the last) for an item lives under its own prefix, declared when the item is
+    admitted (or regenerated) and renewed by the job's keeper, and ended when stage ``k + 1`` of
+    the item succeeded: every server frees it then (with or without DELETE-on-read), and if the
+    driver dies, the servers free what is left one lease after its last renewal. The final
+    values are not scoped: they are PERSIST and outlive the job."""
+
+    def __init__(self, job: Any, stages: int) -> None:
+        self.job = job
+        self.intermediate = stages - 1
+        self.keeper = job.keep([])
+        self.consumed: set[str] = set()
+
+    def declare(self, item: int) -> None:
+        """Start (or renew) the item's intermediate prefixes; one renewal per server."""
+        prefixes = [value_prefix(stage=k, item=item) for k in range(self.intermediate)]
+        if not prefixes:
+            return
+        self.consumed.difference_update(prefixes)  # written again: not consumed any more
+        self.job.declare_many([(p, (), None) for p in prefixes])
+        for prefix in prefixes:
+            self.keeper.add(prefix)
+
+    def consume(self, stage: int, item: int) -> None:
+        """Stage ``stage + 1`` of ``item`` succeeded: its input ends at the next :meth:`flush`."""
+        self.consumed.add(value_prefix(stage=stage, item=item))
+
+    def flush(self) -> None:
+        """End the consumed prefixes (one ``end_leases`` per server)."""
+        if self.consumed:
+            ended, self.consumed = sorted(self.consumed), set()
+            try:
+                self.job.end(ended)
+            except PocketflowError as exc:  # the leases still free them, a lease later
+                log.warning("ending %d consumed prefixes failed: %s", len(ended), exc)
+
+    def close(self) -> None:
+        self.keeper.close()
 
 
 @dataclass
@@ -58,8 +100,9 @@ class _Run:
     def __init__(self, pipeline: Any, items: list[Any], executor: Any, exchange: Exchange,
                  client: ExchangeClient, *, delete_intermediates: bool, keep_outputs: bool,
                  input_wait_s: float, regenerations_max: int, timeout_s: float | None,
-                 on_outcome: Any = None) -> None:
+                 on_outcome: Any = None, scope: Scope | None = None) -> None:
         self.p = pipeline
+        self.scope = scope
         self.on_outcome = on_outcome
         self.stages = pipeline.stages
         self.last = len(self.stages) - 1
@@ -119,6 +162,8 @@ class _Run:
             it = self.items[self.admitted]
             self.admitted += 1
             active.append(it)
+            if self.scope is not None:
+                self.scope.declare(it.index)
             self._submit(it, 0)
 
     # -- outcomes -----------------------------------------------------------------------------
@@ -128,9 +173,13 @@ class _Run:
         self.outcomes.append(outcome)
         if self.on_outcome is not None:
             self.on_outcome(outcome)
+        if self.scope is not None and k > 0:
+            self.scope.consume(k - 1, it.index)
         if k < self.last and it.status[k + 1] == DONE:
             # A regeneration wrote a value its consumer no longer needs.
             self.client.delete(value_key(stage=k, item=it.index))
+            if self.scope is not None:
+                self.scope.consume(k, it.index)
         if k == self.last and not it.finished:
             self._collect(it)
 
@@ -178,6 +227,8 @@ class _Run:
                               f"last: {why}")
         log.warning("regenerating item %d up to stage %d: %s", it.index, upto, why)
         self.regenerated.append(it.index)
+        if self.scope is not None:
+            self.scope.declare(it.index)
         for s in range(upto + 1):
             if it.status[s] != RUNNING:
                 it.status[s] = TODO
@@ -242,6 +293,8 @@ class _Run:
                     self._failed(it, k, result)
                 else:
                     self._succeeded(it, k, result)
+            if self.scope is not None:
+                self.scope.flush()
             self._probe()
 
 
@@ -249,7 +302,7 @@ def run_pipeline(pipeline: Any, items: list[Any], *, executor: str, cluster: Any
                  exchange: Exchange | None, delete_intermediates: bool, keep_outputs: bool,
                  input_wait_s: float, regenerations_max: int, timeout_s: float | None,
                  client_options: dict[str, Any], hints: dict[str, Any] | None,
-                 on_outcome: Any) -> Any:
+                 on_outcome: Any, prefix_lease_ms: int | None = None) -> Any:
     """Run ``pipeline`` over ``items`` (see :meth:`Pipeline.run`)."""
     import pocketflow
     from pocketflow_this.pipeline import PipelineResult
@@ -266,12 +319,19 @@ def run_pipeline(pipeline: Any, items: list[Any], *, executor: str, cluster: Any
             job_id = None
         else:
             name = f"{pipeline.name}-{uuid.uuid4().hex[:6]}"
-            with pocketflow.register_job(name, hints, cluster=cluster) as job:
+            leases = {} if prefix_lease_ms is None else {"prefix_lease_ms": prefix_lease_ms}
+            with pocketflow.register_job(name, hints, cluster=cluster, **leases) as job:
                 job_id = job.job_id
                 spec = PocketflowExchange(job.handle.to_json(), BUCKET,
                                           tuple(sorted(client_options.items())))
-                run = _run_with(pipeline, items, ex, spec, delete_intermediates, keep_outputs,
-                                input_wait_s, regenerations_max, timeout_s, on_outcome)
+                scope = None if prefix_lease_ms is None else Scope(job, len(pipeline.stages))
+                try:
+                    run = _run_with(pipeline, items, ex, spec, delete_intermediates,
+                                    keep_outputs, input_wait_s, regenerations_max, timeout_s,
+                                    on_outcome, scope)
+                finally:
+                    if scope is not None:
+                        scope.close()
     finally:
         ex.close()
     return PipelineResult(
@@ -294,7 +354,8 @@ def run_pipeline(pipeline: Any, items: list[Any], *, executor: str, cluster: Any
 
 def _run_with(pipeline: Any, items: list[Any], ex: Any, exchange: Exchange,
               delete_intermediates: bool, keep_outputs: bool, input_wait_s: float,
-              regenerations_max: int, timeout_s: float | None, on_outcome: Any) -> _Run:
+              regenerations_max: int, timeout_s: float | None, on_outcome: Any,
+              scope: Scope | None = None) -> _Run:
     client = exchange.connect()
     try:
         create = getattr(client, "create_bucket", None)
@@ -303,7 +364,7 @@ def _run_with(pipeline: Any, items: list[Any], ex: Any, exchange: Exchange,
         run = _Run(pipeline, items, ex, exchange, client,
                    delete_intermediates=delete_intermediates, keep_outputs=keep_outputs,
                    input_wait_s=input_wait_s, regenerations_max=regenerations_max,
-                   timeout_s=timeout_s, on_outcome=on_outcome)
+                   timeout_s=timeout_s, on_outcome=on_outcome, scope=scope)
         try:
             run.run()
         except BaseException:

@@ -152,6 +152,7 @@ class Pipeline:
         client_options: dict[str, Any] | None = None,
         hints: dict[str, Any] | None = None,
         on_outcome: Callable[[Any], None] | None = None,
+        prefix_lease_ms: int | None = None,
     ) -> PipelineResult:
         """Run the pipeline over ``items`` on ``executor`` (``"ray"`` or ``"lithops"``).
 
@@ -161,6 +162,9 @@ class Pipeline:
         instead (no job is registered). ``keep_outputs=False`` reads the final values with
         DELETE. ``hints`` replaces the derived hints (:meth:`hints`); ``on_outcome`` is called
         in the driver with each finished task's :class:`~pocketflow_this.task.TaskOutcome`.
+        ``prefix_lease_ms`` scopes each intermediate value to a prefix lease of that length
+        (:class:`~pocketflow_this.driver.Scope`): freed on every server as soon as its consumer
+        succeeded, and one lease after the driver's last renewal if the driver dies.
         Raises :class:`~pocketflow_this.errors.StageFailed` when a task fails beyond
         its retries or an item beyond ``regenerations_max`` regenerations,
         :class:`TimeoutError` past ``timeout_s``.
@@ -172,12 +176,15 @@ class Pipeline:
             raise ValueError(f"{len(items)} items, more than {ITEMS_MAX}")
         if not 0 < input_wait_s < float("inf"):
             raise ValueError(f"input_wait_s must be finite and > 0, got {input_wait_s}")
+        if prefix_lease_ms is not None and exchange is not None:
+            raise ValueError("prefix_lease_ms scopes values in the job this call registers; "
+                             "it does not apply to another exchange")
         return run_pipeline(
             self, items, executor=executor, cluster=cluster, exchange=exchange,
             delete_intermediates=delete_intermediates, keep_outputs=keep_outputs,
             input_wait_s=input_wait_s, regenerations_max=regenerations_max,
             timeout_s=timeout_s, client_options=client_options or {}, hints=hints,
-            on_outcome=on_outcome,
+            on_outcome=on_outcome, prefix_lease_ms=prefix_lease_ms,
         )
 
     def __repr__(self) -> str:

@@ -15,15 +15,21 @@ from pocketflow_this import codec
 from pocketflow_this.errors import InputLost, InputTimeout
 from pocketflow_this.exchange import Exchange, client_for
 
-__all__ = ["TaskCall", "TaskOutcome", "run_task", "value_key"]
+__all__ = ["TaskCall", "TaskOutcome", "run_task", "value_key", "value_prefix"]
 
 WAIT_SLICE_S = 2.0
 """Longest single wait for an input; between slices the task gives up early if the run ended."""
 
 
+def value_prefix(*, stage: int, item: int) -> str:
+    """The prefix the value of stage ``stage`` for item ``item`` lives under (a prefix lease
+    scopes it when the run asks for one: :class:`pocketflow_this.driver.Scope`)."""
+    return f"s{stage:02d}/i{item:06d}"
+
+
 def value_key(*, stage: int, item: int) -> str:
     """Key of the value stage ``stage`` writes for item ``item``."""
-    return f"s{stage:02d}/i{item:06d}"
+    return f"{value_prefix(stage=stage, item=item)}/v"
 
 
 @dataclass(frozen=True)

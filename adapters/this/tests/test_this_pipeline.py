@@ -189,6 +189,30 @@ def test_this_on_ray_streams_deletes_and_persists(
             assert out["segment"] == i
 
 
+def test_scoped_values_are_freed_as_their_consumers_finish(
+    local_cluster: LocalCluster, segments: list[Segment], expected: Any, tmp_path: Path
+) -> None:
+    """Without DELETE-on-read, prefix leases alone free each item's frames once its detection
+    is done, so what the run holds at once stays a few items' worth, not the whole video."""
+    pipe = make_pipeline(items_in_flight_max=3)
+    stop = threading.Event()
+    peaks: list[int] = []
+    sampler = threading.Thread(target=_peak_sampler, args=(local_cluster, stop, peaks))
+    sampler.start()
+    try:
+        _, result = run_this(tmp_path, executor="ray", spec=SPEC, cluster=local_cluster,
+                             pipe=pipe, timeout_s=RUN_TIMEOUT_S, delete_intermediates=False,
+                             prefix_lease_ms=1000)
+    finally:
+        stop.set()
+        sampler.join()
+    assert _boxes(result.outputs) == expected
+    frame_bytes = sum(o.bytes_written for o in result.outcomes if o.stage == 0)
+    assert peaks[0] < frame_bytes / 2, (peaks, frame_bytes)
+    with pytest.raises(ValueError):
+        pipe.run(segments, exchange=object(), prefix_lease_ms=1000)
+
+
 def _gated_detect(gate: str, chunk: dict[str, Any]) -> dict[str, Any]:
     """THIS's detect that first waits for the test's gate file."""
     deadline = time.monotonic() + GATE_TIMEOUT_S

@@ -414,7 +414,7 @@ def plot(figure: dict, path: str | Path, *, title: str = "") -> Path:
         left.bar(xs, [rows[f]["slowdown_mean"] for f in fractions], width, label=labels[scheme])
         left.errorbar(xs, [rows[f]["slowdown_mean"] for f in fractions],
                       yerr=[[0] * len(fractions),
-                            [rows[f]["slowdown_p90"] - rows[f]["slowdown_mean"]
+                            [max(0.0, rows[f]["slowdown_p90"] - rows[f]["slowdown_mean"])
                              for f in fractions]],
                       fmt="none", ecolor="black", capsize=3)
         right.bar(xs, [100 * rows[f]["utilization"] for f in fractions], width,
@@ -442,8 +442,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m pocketflow.control.multiplexing")
     parser.add_argument("--out", required=True, help="PNG file to write")
     parser.add_argument("--jobs", type=int, default=24)
+    parser.add_argument("--spill-ratio", type=float, default=None,
+                        help="spill tier's per-task bandwidth over DRAM's (default 0.2: S3-like, "
+                             "as in Jiffy's evaluation)")
     args = parser.parse_args(argv)
-    figure = run_figure(staggered_trace(args.jobs))
+    config = MuxConfig()
+    if args.spill_ratio is not None:
+        if not 0 < args.spill_ratio <= 1:
+            parser.error("--spill-ratio must be in (0, 1]")
+        config = replace(config, spill_bytes_per_s=args.spill_ratio * config.dram_bytes_per_s)
+    figure = run_figure(staggered_trace(args.jobs), config=config)
     print(f"peak capacity (job-level, unlimited DRAM): "
           f"{figure['peak_capacity_bytes'] / GB:.1f} GB, {figure['jobs']} jobs")
     for row in figure["rows"]:

@@ -145,20 +145,27 @@ def _peak_sampler(cluster: LocalCluster, stop: threading.Event, peaks: list[int]
     peaks.append(peak)
 
 
-def test_this_on_ray_streams_deletes_and_persists(
-    local_cluster: LocalCluster, segments: list[Segment], expected: Any, tmp_path: Path
-) -> None:
-    pipe = make_pipeline(items_in_flight_max=3)
+def _run_sampled(cluster: LocalCluster, tmp_path: Path, **options: Any) -> tuple[Any, Any, int]:
+    """THIS on Ray with at most 3 items in flight: its summary, its result, and the most bytes
+    the servers held at once above what they held before."""
     stop = threading.Event()
     peaks: list[int] = []
-    sampler = threading.Thread(target=_peak_sampler, args=(local_cluster, stop, peaks))
+    sampler = threading.Thread(target=_peak_sampler, args=(cluster, stop, peaks))
     sampler.start()
     try:
-        summary, result = run_this(tmp_path, executor="ray", spec=SPEC, cluster=local_cluster,
-                                   pipe=pipe, timeout_s=RUN_TIMEOUT_S)
+        summary, result = run_this(tmp_path, executor="ray", spec=SPEC, cluster=cluster,
+                                   pipe=make_pipeline(items_in_flight_max=3),
+                                   timeout_s=RUN_TIMEOUT_S, **options)
     finally:
         stop.set()
         sampler.join()
+    return summary, result, peaks[0]
+
+
+def test_this_on_ray_streams_deletes_and_persists(
+    local_cluster: LocalCluster, segments: list[Segment], expected: Any, tmp_path: Path
+) -> None:
+    summary, result, peak = _run_sampled(local_cluster, tmp_path)
 
     assert _boxes(result.outputs) == expected
     written = json.loads((tmp_path / "summary.json").read_text())
@@ -179,7 +186,7 @@ def test_this_on_ray_streams_deletes_and_persists(
     assert min(o.input_ready_unix_s for o in detects) < max(o.finished_unix_s for o in decodes)
     # DELETE: with at most 3 items in flight, the frames held at once stay well under the total.
     frame_bytes = sum(o.bytes_written for o in decodes)
-    assert peaks[0] < frame_bytes / 2, (peaks, frame_bytes)
+    assert peak < frame_bytes / 2, (peak, frame_bytes)
 
     # The job is gone; the results were written with PERSIST and outlive it.
     assert result.job_id not in {j["job_id"] for j in local_cluster.status()["jobs"]}
@@ -194,23 +201,13 @@ def test_scoped_values_are_freed_as_their_consumers_finish(
 ) -> None:
     """Without DELETE-on-read, prefix leases alone free each item's frames once its detection
     is done, so what the run holds at once stays a few items' worth, not the whole video."""
-    pipe = make_pipeline(items_in_flight_max=3)
-    stop = threading.Event()
-    peaks: list[int] = []
-    sampler = threading.Thread(target=_peak_sampler, args=(local_cluster, stop, peaks))
-    sampler.start()
-    try:
-        _, result = run_this(tmp_path, executor="ray", spec=SPEC, cluster=local_cluster,
-                             pipe=pipe, timeout_s=RUN_TIMEOUT_S, delete_intermediates=False,
-                             prefix_lease_ms=1000)
-    finally:
-        stop.set()
-        sampler.join()
+    _, result, peak = _run_sampled(local_cluster, tmp_path, delete_intermediates=False,
+                                   prefix_lease_ms=1000)
     assert _boxes(result.outputs) == expected
     frame_bytes = sum(o.bytes_written for o in result.outcomes if o.stage == 0)
-    assert peaks[0] < frame_bytes / 2, (peaks, frame_bytes)
+    assert peak < frame_bytes / 2, (peak, frame_bytes)
     with pytest.raises(ValueError):
-        pipe.run(segments, exchange=object(), prefix_lease_ms=1000)
+        make_pipeline().run(segments, exchange=object(), prefix_lease_ms=1000)
 
 
 def _gated_detect(gate: str, chunk: dict[str, Any]) -> dict[str, Any]:

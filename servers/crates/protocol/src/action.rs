@@ -420,15 +420,7 @@ impl RenewLeasesRequest {
     /// Parse and validate.
     pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
         let req: Self = parse_json("action body", body)?;
-        if req.prefixes.is_empty() || req.prefixes.len() > LEASE_PREFIXES_MAX {
-            return Err(ProtocolError::Field {
-                what: "prefixes",
-                why: "must hold 1..=LEASE_PREFIXES_MAX prefixes",
-            });
-        }
-        for prefix in &req.prefixes {
-            check_key(prefix)?;
-        }
+        check_lease_prefixes(&req.prefixes)?;
         if !(LEASE_MS_MIN..=LEASE_MS_MAX).contains(&req.lease_ms) {
             return Err(ProtocolError::Field {
                 what: "lease_ms",
@@ -460,17 +452,20 @@ impl EndLeasesRequest {
     /// Parse and validate.
     pub fn parse(body: &[u8]) -> Result<Self, ProtocolError> {
         let req: Self = parse_json("action body", body)?;
-        if req.prefixes.is_empty() || req.prefixes.len() > LEASE_PREFIXES_MAX {
-            return Err(ProtocolError::Field {
-                what: "prefixes",
-                why: "must hold 1..=LEASE_PREFIXES_MAX prefixes",
-            });
-        }
-        for prefix in &req.prefixes {
-            check_key(prefix)?;
-        }
+        check_lease_prefixes(&req.prefixes)?;
         Ok(req)
     }
+}
+
+/// The prefixes of `renew_leases` and `end_leases`: 1..=`LEASE_PREFIXES_MAX` keys.
+fn check_lease_prefixes(prefixes: &[String]) -> Result<(), ProtocolError> {
+    if prefixes.is_empty() || prefixes.len() > LEASE_PREFIXES_MAX {
+        return Err(ProtocolError::Field {
+            what: "prefixes",
+            why: "must hold 1..=LEASE_PREFIXES_MAX prefixes",
+        });
+    }
+    prefixes.iter().try_for_each(|prefix| check_key(prefix))
 }
 
 /// Result of `end_leases`.

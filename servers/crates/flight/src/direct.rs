@@ -121,6 +121,9 @@ impl StorageService {
         R: AsyncRead + Unpin,
         W: AsyncWrite + Unpin,
     {
+        // The token of this connection's last READ, verified: its next READs (a client's
+        // gets, one after another) skip the MAC.
+        let mut kept = None;
         loop {
             let started = std::time::Instant::now();
             // A GET's and a READ's END go out with their last DATA.
@@ -130,7 +133,7 @@ impl StorageService {
                 sent
             } else if kind == Kind::Read {
                 // Counted by the READ itself, with the record's outcome.
-                read::send_read(self.state.clone(), &request, &mut writer).await
+                read::send_read(self.state.clone(), &request, &mut writer, &mut kept).await
             } else {
                 let stored = doput::receive_direct(self.state.clone(), &request, &mut reader).await;
                 self.count_block(&stored, "direct_put", "put", started);

@@ -13,6 +13,7 @@ use pocketflow_protocol::ticket::{BlockRange, GetTicket, ReadTicket};
 use pocketflow_protocol::ObjectHeader;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 
+use crate::auth::KeptToken;
 use crate::doget;
 use crate::service::ServiceState;
 use crate::status::ServiceError;
@@ -21,16 +22,19 @@ use crate::status::ServiceError;
 /// object's bytes, then END. `Err(Some)` is an error of the request itself (malformed ticket,
 /// bad token), answered with a STATUS that ends the connection; `Err(None)`: the client went
 /// away.
+///
+/// `kept` is the last token the connection verified (see `Authority::job_kept`).
 pub(crate) async fn send_read<W>(
     state: Arc<ServiceState>,
     ticket_bytes: &[u8],
     writer: &mut W,
+    kept: &mut Option<KeptToken>,
 ) -> Result<(), Option<ServiceError>>
 where
     W: AsyncWrite + Unpin,
 {
     let started = Instant::now();
-    let sent = answer(state.clone(), ticket_bytes, writer).await;
+    let sent = answer(state.clone(), ticket_bytes, writer, kept).await;
     let kind = match &sent {
         Ok(Ok(())) => "ok",
         Ok(Err(e)) | Err(Some(e)) => e.kind().as_str(),
@@ -47,6 +51,7 @@ async fn answer<W>(
     state: Arc<ServiceState>,
     ticket_bytes: &[u8],
     writer: &mut W,
+    kept: &mut Option<KeptToken>,
 ) -> Result<Result<(), ServiceError>, Option<ServiceError>>
 where
     W: AsyncWrite + Unpin,
@@ -56,7 +61,7 @@ where
     let idle = state.transfer_idle;
     // A stale epoch is the record's answer, as for an exchange GET: the client adopts the new
     // map and asks again on the same connection. Any other refusal of the context ends it.
-    let job = match state.auth.job(&ticket.ctx) {
+    let job = match state.auth.job_kept(&ticket.ctx, kept) {
         Ok(job) => job,
         Err(e @ ServiceError::StaleEpoch { .. }) => {
             send_reply(writer, idle, &error_reply(&e), &[]).await?;
@@ -258,7 +263,9 @@ mod tests {
 
     async fn read(state: &Arc<ServiceState>, ticket: &[u8]) -> (Reply, Vec<(u32, u64, Vec<u8>)>) {
         let mut answer = Vec::new();
-        send_read(state.clone(), ticket, &mut answer).await.unwrap();
+        send_read(state.clone(), ticket, &mut answer, &mut None)
+            .await
+            .unwrap();
         parse(&answer)
     }
 
@@ -339,14 +346,14 @@ mod tests {
             .unwrap()
             .replace(r#""epoch":1,"token":""#, r#""epoch":2,"token":"1"#);
         let mut answer = Vec::new();
-        let refused = send_read(state.clone(), forged.as_bytes(), &mut answer).await;
+        let refused = send_read(state.clone(), forged.as_bytes(), &mut answer, &mut None).await;
         assert_eq!(
             refused.err().flatten().unwrap().kind(),
             pocketflow_protocol::ErrorKind::PermissionDenied
         );
         assert!(answer.is_empty());
         let mut answer = Vec::new();
-        let malformed = send_read(state.clone(), b"{}", &mut answer).await;
+        let malformed = send_read(state.clone(), b"{}", &mut answer, &mut None).await;
         assert_eq!(
             malformed.err().flatten().unwrap().kind(),
             pocketflow_protocol::ErrorKind::InvalidArgument

@@ -961,7 +961,9 @@ def test_lost_commit_reply_keeps_the_blocks(
     stored: its data blocks must not be freed (the object would be unreadable), and the put still
     reports the failure. The block-0 server is SIGSTOPped with a session to it already open: the
     commit waits in its socket, the client gives up after its op timeout, and once the server
-    runs again it stores the record, which must find every block."""
+    runs again it stores the record, which must find every block. The reads wait for that
+    record first: a read on another connection may reach the resumed server before it took the
+    commit waiting in the old session's socket."""
     servers, home = server_factory("commit-0", "dram", 32 * MiB)
     server_factory("commit-1", "dram", 32 * MiB)
     server_factory("commit-2", "dram", 32 * MiB)
@@ -980,6 +982,7 @@ def test_lost_commit_reply_keeps_the_blocks(
                 pf.put("b", key, data)
         finally:
             os.kill(pid, signal.SIGCONT)
+        assert pf.wait_for("b", [key], timeout_s=10) == []
         assert pf.get("b", key) == data
         assert not pf.exists("b", writer_key)
         os.kill(pid, signal.SIGSTOP)
@@ -988,6 +991,7 @@ def test_lost_commit_reply_keeps_the_blocks(
                 writer.write(streamed)
         finally:
             os.kill(pid, signal.SIGCONT)
+        assert pf.wait_for("b", [writer_key], timeout_s=10) == []
         assert pf.get("b", writer_key) == streamed
 
 

@@ -82,10 +82,10 @@ def test_counters_move_by_exactly_the_operations_made(local_cluster: LocalCluste
         def moved(name: str, **labels: str) -> float:
             return summed(after, name, **labels) - summed(before, name, **labels)
 
-        # Small puts and gets are one exchange op each; the big object adds one of each for its
-        # block-0 record (the manifest), and its data blocks travel as direct block transfers.
-        # When all its data blocks live on block 0's home, the manifest is committed with their
-        # upload instead of by an exchange put.
+        # Small puts are one exchange op each, small gets one direct READ each; the big object
+        # adds an exchange put and a READ for its block-0 record (the manifest), and its data
+        # blocks travel as direct block transfers. When all its data blocks live on block 0's
+        # home, the manifest is committed with their upload instead of by an exchange put.
         placement = Placement(pf.handle.servers)
         blocks = -(-BIG_BYTES // pf.handle.block_size_bytes)
         homes = {placement.server_for(b"big").node_id} | {
@@ -96,11 +96,12 @@ def test_counters_move_by_exactly_the_operations_made(local_cluster: LocalCluste
         assert moved(
             "pocketflow_requests_total", rpc="exchange", op="put", result="ok"
         ) == 5 + manifest_puts
-        assert moved("pocketflow_requests_total", rpc="exchange", op="get", result="ok") == 4
+        assert moved("pocketflow_requests_total", rpc="direct_read", op="get", result="ok") == 4
+        assert moved("pocketflow_requests_total", rpc="exchange", op="get") == 0
         assert moved("pocketflow_requests_total", rpc="direct_put", op="put", result="ok") >= 1
         assert moved("pocketflow_requests_total", rpc="direct_get", op="get", result="ok") >= 1
         assert moved(
-            "pocketflow_requests_total", rpc="exchange", op="get", result="not_found"
+            "pocketflow_requests_total", rpc="direct_read", op="get", result="not_found"
         ) == 1
         # Value bytes: exactly what the test wrote and read.
         assert moved("pocketflow_received_bytes_total") == 5 * SMALL_BYTES + BIG_BYTES

@@ -115,7 +115,9 @@ def test_a_pool_refused_by_the_server_shares_the_sessions_it_has(server_factory)
             keys = pf.list("b")
             assert len(keys) == 4 * 3 * 2000
 
-        # With every session held by others, a new client gets a typed error, not a hang.
+        # With every session held by others, a new client gets a typed error, not a hang. A get
+        # needs no session (a direct READ on a block connection); a lookup does.
         with sessions_held(handle.to_json(), 1), connect(handle, **CLIENT_OPTIONS) as starved:
             with pytest.raises(CapacityExhausted):
-                starved.get("b", "t0-0-0")
+                starved.lookup("b", "t0-0-0")
+            assert starved.get("b", "t0-0-0") == b"x" * 1024

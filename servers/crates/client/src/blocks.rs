@@ -6,14 +6,16 @@ use arrow_flight::{FlightData, FlightDescriptor, Ticket};
 use bytes::Bytes;
 use pocketflow_protocol::batch::{GetPieceMeta, PutPieceMeta};
 use pocketflow_protocol::ipc::{decode_piece, encode_piece, is_schema_message, schema_flight_data};
-use pocketflow_protocol::limits::BATCH_MAX_BYTES;
+use pocketflow_protocol::limits::{BATCH_MAX_BYTES, BLOCK_SIZE_MAX_BYTES};
+use std::sync::atomic::Ordering;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::config::PUT_PIECES_QUEUED_MAX;
-use crate::connection::Connection;
+use crate::connection::{Connection, ExchangeReply};
 use crate::direct::DirectSession;
 use crate::error::ClientError;
+use crate::objects::Destination;
 use crate::pool::Acquired;
 use crate::session::SessionFailure;
 
@@ -59,6 +61,19 @@ pub struct ReadOutcome {
     /// Bytes received for each range.
     pub received: Vec<u64>,
     /// Why the stream ended before every range was complete.
+    pub error: Option<ClientError>,
+}
+
+/// What a READ (`Connection::read_object_blocking`) brought: the record's reply (for a small
+/// object whose destination refused it, with its value as the body), the object's bytes placed
+/// in the destination, and the error that ended the read after the reply, if any.
+#[derive(Debug)]
+pub struct ObjectRead {
+    /// The record's reply: status, header, error text.
+    pub reply: ExchangeReply,
+    /// The object's bytes placed in the destination.
+    pub received: u64,
+    /// Why the read ended before its END.
     pub error: Option<ClientError>,
 }
 
@@ -246,6 +261,43 @@ impl Connection {
             connection.get_ranges(&ticket, ranges, dest, op_timeout, deadline)
         })
     }
+}
+
+impl Connection {
+    /// Read an object whole with a direct READ `ticket` (docs/PROTOCOL.md, "Direct exchange"):
+    /// its record and, for a small object or an object of one data block kept with its
+    /// manifest, its bytes into `dest`, in one round trip on a block connection. `Ok(None)`
+    /// when this connection does not read so (Flight only, or a server without READ): the
+    /// caller then asks for the record over a session.
+    pub fn read_object_blocking(
+        &self,
+        ticket: &[u8],
+        dest: &mut dyn Destination,
+    ) -> Result<Option<ObjectRead>, ClientError> {
+        let inner = self.inner()?;
+        if !inner.config.direct || inner.reads_unsupported.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let op_timeout = inner.config.op_timeout;
+        let read = self
+            .on_block_connection(u64::from(BLOCK_SIZE_MAX_BYTES), |connection, deadline| {
+                connection.read_object(ticket, &mut *dest, op_timeout, deadline)
+            });
+        match read {
+            // A server older than READ refuses the message kind (and nothing ran there).
+            Err(error) if is_unknown_kind(&error) => {
+                inner.reads_unsupported.store(true, Ordering::Relaxed);
+                Ok(None)
+            }
+            other => other.map(Some),
+        }
+    }
+}
+
+/// Whether `error` is a server's refusal of a direct message kind it does not know.
+fn is_unknown_kind(error: &ClientError) -> bool {
+    matches!(error, ClientError::Server { code, message }
+        if *code == tonic::Code::InvalidArgument as i32 && message.contains("unknown message kind"))
 }
 
 impl Connection {

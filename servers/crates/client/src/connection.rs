@@ -2,6 +2,7 @@
 //! sessions, data blocks over DoPut and DoGet streams, and actions.
 
 use std::mem::ManuallyDrop;
+use std::sync::atomic::AtomicBool;
 
 use arrow_flight::flight_service_client::FlightServiceClient;
 use arrow_flight::Action;
@@ -62,6 +63,9 @@ pub(crate) struct Inner {
     pool: SessionPool,
     direct: DirectPool,
     pub(crate) direct_blocks: DirectPool,
+    /// Set once the server refused a direct READ (a server older than it): reads then ask for
+    /// the record over a session, as before.
+    pub(crate) reads_unsupported: AtomicBool,
 }
 
 /// Everything one client uses to talk to one storage server.
@@ -111,10 +115,11 @@ impl Connection {
                 pool: SessionPool::new(config.sessions_max),
                 direct: DirectPool::new(config.sessions_max),
                 direct_blocks: DirectPool::new(config.sessions_max),
+                reads_unsupported: AtomicBool::new(false),
                 config,
                 client,
             }),
-            pid: std::process::id(),
+            pid: crate::runtime::process_id(),
         })
     }
 
@@ -124,7 +129,7 @@ impl Connection {
     }
 
     pub(crate) fn inner(&self) -> Result<&Inner, ClientError> {
-        if std::process::id() != self.pid {
+        if crate::runtime::process_id() != self.pid {
             return Err(ClientError::InvalidArgument(
                 "this connection was made by the parent of this forked process; \
                  make a new one here"
@@ -401,7 +406,7 @@ impl Connection {
 
 impl Drop for Connection {
     fn drop(&mut self) {
-        if std::process::id() == self.pid {
+        if crate::runtime::process_id() == self.pid {
             // SAFETY: dropped exactly once, here; in a forked child it is leaked instead.
             unsafe { ManuallyDrop::drop(&mut self.inner) }
         }

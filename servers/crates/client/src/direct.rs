@@ -17,10 +17,13 @@ use pocketflow_protocol::direct::{
     MESSAGE_HEAD_BYTES, PIECE_META_BYTES,
 };
 use pocketflow_protocol::frame::{decode_reply_frame, Reply};
+use pocketflow_protocol::header::ObjectHeader;
 use pocketflow_protocol::limits::BATCH_MAX_BYTES;
 
-use crate::blocks::{contains, BlockSlice, RangeTarget, ReadOutcome};
+use crate::blocks::{contains, BlockSlice, ObjectRead, RangeTarget, ReadOutcome};
+use crate::connection::ExchangeReply;
 use crate::error::ClientError;
+use crate::objects::Destination;
 use crate::pool::{no_free_session, Acquired, PoolState, Pooled};
 use crate::session::SessionFailure;
 use crate::tls::{ClientTls, DirectStream};
@@ -411,6 +414,145 @@ impl DirectSession {
         }
     }
 
+    /// Read an object whole with a READ `ticket`: the record's reply, then the bytes that come
+    /// with it, placed in the memory `dest` gives once the first of them arrives (a small
+    /// object's value that `dest` refuses is kept as the reply's body instead, so a DELETE read
+    /// can put it back). A failure before the reply is the `Err`; one after it is the read's
+    /// error, with what arrived.
+    pub(crate) fn read_object(
+        &mut self,
+        ticket: &[u8],
+        dest: &mut dyn Destination,
+        op_timeout: Duration,
+        deadline: Instant,
+    ) -> Result<ObjectRead, SessionFailure> {
+        self.check_reusable()?;
+        self.used = true;
+        if let Err(e) = self.write_message(Kind::Read, ticket) {
+            self.broken = true;
+            return Err(SessionFailure::new(
+                unavailable("cannot send to the server", &e),
+                false,
+            ));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (kind, payload) = self
+            .read_message(op_timeout.min(left))
+            .map_err(|e| SessionFailure::new(e, true))?;
+        if kind != Kind::Frame {
+            let error = self.unexpected(kind, &payload, "a READ's reply");
+            return Err(SessionFailure::new(error, true));
+        }
+        let mut replies =
+            decode_reply_frame(&payload).map_err(|e| self.violation(&e.to_string()))?;
+        if replies.len() != 1 {
+            return Err(self.violation(&format!("a READ answered with {} replies", replies.len())));
+        }
+        let reply = replies.pop().expect("one reply");
+        let mut read = ObjectRead {
+            reply: ExchangeReply {
+                status: reply.status,
+                header: reply.header,
+                body: reply.body,
+            },
+            received: 0,
+            error: None,
+        };
+        let size = match (read.reply.status, read.reply.header) {
+            (0, Some(header)) => header,
+            (0, None) => return Err(self.violation("a READ's OK reply without a header")),
+            _ => ObjectHeader::default(),
+        };
+        let mut memory: Option<&mut [u8]> = None;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                self.broken = true;
+                read.error = Some(ClientError::Unavailable(
+                    "the read did not finish in time".into(),
+                ));
+                return Ok(read);
+            }
+            let (kind, len) = match self.read_head(op_timeout.min(left)) {
+                Ok(head) => head,
+                Err(error) => {
+                    self.broken = true;
+                    read.error = Some(error);
+                    return Ok(read);
+                }
+            };
+            match kind {
+                Kind::End if len == 0 => return Ok(read),
+                Kind::Data if len >= DATA_META_BYTES && read.reply.status == 0 => {}
+                Kind::Status => {
+                    let mut payload = vec![0u8; len];
+                    let error = match self.reader.read_exact(&mut payload) {
+                        Ok(()) => self.unexpected(kind, &payload, "data"),
+                        Err(e) => read_error(e, op_timeout),
+                    };
+                    self.broken = true;
+                    read.error = Some(error);
+                    return Ok(read);
+                }
+                _ => return Err(self.violation(&format!("a {kind:?} message of {len} bytes"))),
+            }
+            let mut meta = [0u8; DATA_META_BYTES];
+            if let Err(e) = self.reader.read_exact(&mut meta) {
+                self.broken = true;
+                read.error = Some(read_error(e, op_timeout));
+                return Ok(read);
+            }
+            let block = u32::from_le_bytes(meta[..4].try_into().expect("4 bytes"));
+            let offset = u64::from_le_bytes(meta[4..].try_into().expect("8 bytes"));
+            let piece_len = (len - DATA_META_BYTES) as u64;
+            // A small object's value is block 0; the one data block of an object of one data
+            // block is block 1: either way the object's bytes from `offset`.
+            let expected_block = u32::from(size.block_count == 1);
+            let fits = offset
+                .checked_add(piece_len)
+                .is_some_and(|end| end <= size.size);
+            if block != expected_block || size.block_count > 1 || !fits {
+                return Err(self.violation(&format!(
+                    "a piece of block {block} at {offset} of an object of {} bytes in {} blocks",
+                    size.size, size.block_count
+                )));
+            }
+            if memory.is_none() {
+                match dest.buffer(size.size as usize) {
+                    Ok(buffer) => memory = Some(buffer),
+                    Err(error) if size.block_count == 0 => {
+                        // The value is at most a small object: kept, so it can be put back.
+                        let mut value = vec![0u8; size.size as usize];
+                        let target = &mut value[offset as usize..(offset + piece_len) as usize];
+                        if let Err(e) = self.reader.read_exact(target) {
+                            self.broken = true;
+                            read.error = Some(read_error(e, op_timeout));
+                            return Ok(read);
+                        }
+                        read.reply.body = Bytes::from(value);
+                        read.error = Some(error);
+                        // The END follows; the connection is not reused.
+                        self.broken = true;
+                        return Ok(read);
+                    }
+                    Err(error) => {
+                        self.broken = true;
+                        read.error = Some(error);
+                        return Ok(read);
+                    }
+                }
+            }
+            let buffer = memory.as_deref_mut().expect("allocated above");
+            let target = &mut buffer[offset as usize..(offset + piece_len) as usize];
+            if let Err(e) = self.reader.read_exact(target) {
+                self.broken = true;
+                read.error = Some(read_error(e, op_timeout));
+                return Ok(read);
+            }
+            read.received += piece_len;
+        }
+    }
+
     /// Write data blocks as one upload: PUT with the DoPut descriptor, each block in PIECE
     /// messages of at most `BATCH_MAX_BYTES` read straight from the caller's memory, END; returns
     /// the server's result JSON. A refusal the server sends while pieces are still going out
@@ -520,19 +662,29 @@ fn write_all_parts(stream: &mut DirectStream, mut parts: &mut [IoSlice<'_>]) -> 
 /// The idle direct connections of one kind to one server; callers that find none free block
 /// until one is.
 pub(crate) struct DirectPool {
-    state: Mutex<PoolState<DirectSession>>,
+    state: Mutex<Waited>,
     freed: Condvar,
+}
+
+/// A pool's state and how many callers wait for a session of it, so that giving one back
+/// wakes somebody only when somebody waits (a wake-up is a system call, on every operation).
+struct Waited {
+    pool: PoolState<DirectSession>,
+    waiting: usize,
 }
 
 impl DirectPool {
     pub(crate) fn new(limit: usize) -> Self {
         DirectPool {
-            state: Mutex::new(PoolState::new(limit)),
+            state: Mutex::new(Waited {
+                pool: PoolState::new(limit),
+                waiting: 0,
+            }),
             freed: Condvar::new(),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, PoolState<DirectSession>> {
+    fn lock(&self) -> MutexGuard<'_, Waited> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -546,38 +698,45 @@ impl DirectPool {
         let deadline = Instant::now() + patience;
         let mut state = self.lock();
         if fresh {
-            state.retire_idle();
+            state.pool.retire_idle();
         }
         loop {
-            if let Some(acquired) = state.try_acquire()? {
+            if let Some(acquired) = state.pool.try_acquire()? {
                 return Ok(acquired);
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(no_free_session(patience));
             }
+            state.waiting += 1;
             state = self
                 .freed
                 .wait_timeout(state, left)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
+            state.waiting -= 1;
         }
     }
 
     /// Give back a session (or the slot of one that failed to open, with `None`).
     pub(crate) fn release(&self, session: Option<Box<DirectSession>>) {
-        self.lock().release(session);
-        self.freed.notify_one();
+        let mut state = self.lock();
+        state.pool.release(session);
+        let wake = state.waiting > 0;
+        drop(state);
+        if wake {
+            self.freed.notify_one();
+        }
     }
 
     /// After the server refused a new session: keep to the sessions already open, if any.
     pub(crate) fn shrink(&self) -> bool {
-        self.lock().shrink()
+        self.lock().pool.shrink()
     }
 
     /// Drop every idle session and refuse new acquisitions.
     pub(crate) fn close(&self) {
-        let idle = self.lock().close();
+        let idle = self.lock().pool.close();
         drop(idle);
         self.freed.notify_all();
     }

@@ -27,7 +27,7 @@ pub mod view;
 pub mod waits;
 pub mod writes;
 
-pub use blocks::{BlockSlice, RangeTarget, ReadOutcome};
+pub use blocks::{BlockSlice, ObjectRead, RangeTarget, ReadOutcome};
 pub use config::ConnectionConfig;
 pub use connection::{Connection, ExchangeReply, ExchangeRequest};
 pub use error::ClientError;

@@ -20,8 +20,8 @@ use bytes::Bytes;
 use pocketflow_protocol::action::ActionName;
 use pocketflow_protocol::frame::{OpCode, OP_FLAG_PERSIST};
 use pocketflow_protocol::header::ObjectHeader;
-use pocketflow_protocol::limits::TICKET_RANGES_MAX;
-use pocketflow_protocol::ticket::{BlockRange, GetTicket};
+use pocketflow_protocol::limits::{BLOCK_SIZE_MAX_BYTES, TICKET_RANGES_MAX};
+use pocketflow_protocol::ticket::{BlockRange, GetTicket, ReadTicket};
 use tonic::Code;
 
 use crate::blocks::RangeTarget;
@@ -109,6 +109,12 @@ pub trait Destination {
     /// Memory for `size` bytes (exactly `size`, or at least `size` for a caller's buffer), or
     /// an error that ends the read (the object is then put back if the read was a DELETE).
     fn buffer(&mut self, size: usize) -> Result<&mut [u8], ClientError>;
+
+    /// The most bytes [`Destination::buffer`] can give, when it is bounded (a caller's buffer);
+    /// `None` when it allocates what the object needs.
+    fn room(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// The connections of one process, made on first use; a forked child never uses its parent's.
@@ -212,7 +218,7 @@ impl Objects {
             io_threads: tuning.io_threads.clamp(1, IO_THREADS_MAX),
             exchange_window: tuning.exchange_window.max(1),
             connections: Mutex::new(Connections {
-                pid: std::process::id(),
+                pid: crate::runtime::process_id(),
                 closed: false,
                 by_address: HashMap::new(),
             }),
@@ -315,7 +321,7 @@ impl Objects {
     /// The connection to `address`, made on first use.
     pub fn connection(&self, address: &str) -> Result<Arc<Connection>, ClientError> {
         let mut connections = self.connections.lock().expect("never poisoned");
-        if connections.pid != std::process::id() {
+        if connections.pid != crate::runtime::process_id() {
             return Err(ClientError::InvalidArgument(
                 "this client core was made by the parent of this forked process; \
                  make a new one here"
@@ -339,7 +345,7 @@ impl Objects {
     pub fn close(&self, reopen: bool) {
         let taken: Vec<Arc<Connection>> = {
             let mut connections = self.connections.lock().expect("never poisoned");
-            if connections.pid != std::process::id() {
+            if connections.pid != crate::runtime::process_id() {
                 return;
             }
             connections.closed |= !reopen;
@@ -423,19 +429,26 @@ impl Objects {
         flags: u8,
         lost_unavailable: bool,
     ) -> Result<Record, Failure> {
-        let request = ExchangeRequest {
-            op,
-            flags,
-            bucket: bucket.to_string(),
-            key: key.to_string(),
-            header: ObjectHeader::default(),
-            value: Bytes::new(),
-        };
+        let request = record_request(bucket, key, op, flags);
+        self.fetch_record_with(&request, lost_unavailable, &mut |view, server| {
+            self.call_or_stale(view, &server.address, request.clone())
+        })
+    }
+
+    /// [`Objects::fetch_record`] of `request`, asking block 0's home with `at_home` (the
+    /// fallbacks ask with `request` over a session).
+    fn fetch_record_with(
+        &self,
+        request: &ExchangeRequest,
+        lost_unavailable: bool,
+        at_home: &mut dyn FnMut(&View, &Server) -> Result<ExchangeReply, Failure>,
+    ) -> Result<Record, Failure> {
+        let (bucket, key, op) = (request.bucket.as_str(), request.key.as_str(), request.op);
         let key_raw = key.as_bytes();
         for attempt in 0..=STALE_EPOCH_RETRIES_MAX {
             let view = self.view();
             let primary = home(&view, key_raw, 0, false)?;
-            let reply = self.call_or_stale(&view, &primary.address, request.clone())?;
+            let reply = at_home(&view, primary)?;
             if reply.status == 0 {
                 return Ok(Record {
                     server: primary.address.clone(),
@@ -451,7 +464,7 @@ impl Objects {
             if !error.is_not_found() {
                 return Err(Failure::at(error, &primary.address));
             }
-            match self.probe_fallbacks(&view, primary, key_raw, &request)? {
+            match self.probe_fallbacks(&view, primary, key_raw, request)? {
                 Probe::Found(record) => return Ok(record),
                 Probe::Stale(stale) => {
                     self.adopt_or_fail(stale, attempt)?;
@@ -582,7 +595,18 @@ impl Objects {
         } else {
             0
         };
-        let record = self.fetch_record(bucket, key, OpCode::Get, flags, true)?;
+        let request = record_request(bucket, key, OpCode::Get, flags);
+        let mut delivered = None;
+        let record = self.fetch_record_with(&request, true, &mut |view, server| {
+            let read = self.read_at_home(view, server, &request, &mut *dest)?;
+            if let Some(size) = read.1 {
+                delivered = Some(size);
+            }
+            Ok(read.0)
+        })?;
+        if let Some(size) = delivered {
+            return Ok(size);
+        }
         let size = usize::try_from(record.size()).map_err(|_| {
             Failure::local(ClientError::InvalidArgument(format!(
                 "an object of {} bytes does not fit this process's memory",
@@ -608,6 +632,77 @@ impl Objects {
         };
         self.fill(bucket, key, &record, 0, delete, &mut buffer[..size])?;
         Ok(size)
+    }
+
+    /// Ask block 0's home for the record of a GET `request` with a direct READ, which brings a
+    /// small object's value, or the data block of an object of one data block, along into
+    /// `dest`; returns the record's reply and, when the whole object is in `dest`, its size.
+    /// Over Flight, or from a server without READ, the record comes over a session alone.
+    fn read_at_home(
+        &self,
+        view: &View,
+        server: &Server,
+        request: &ExchangeRequest,
+        dest: &mut dyn Destination,
+    ) -> Result<(ExchangeReply, Option<usize>), Failure> {
+        let connection = self
+            .connection(&server.address)
+            .map_err(|e| Failure::at(e, &server.address))?;
+        let room = dest.room().map_or(u64::MAX, |room| room as u64);
+        let ticket = body(&ReadTicket {
+            ctx: view.ctx.clone(),
+            bucket: request.bucket.clone(),
+            key: request.key.clone(),
+            delete: request.flags & pocketflow_protocol::frame::OP_FLAG_DELETE != 0,
+            inline_bytes_max: room.min(u64::from(BLOCK_SIZE_MAX_BYTES)),
+        });
+        let read = match connection.read_object_blocking(&ticket, dest) {
+            Ok(Some(read)) => read,
+            Ok(None) => {
+                let reply = self.call_or_stale(view, &server.address, request.clone())?;
+                return Ok((reply, None));
+            }
+            // The ticket's context was refused before the record was looked at.
+            Err(error) if error.is_stale_epoch() => return Ok((failure_reply(&error), None)),
+            Err(error) => return Err(Failure::at(error, &server.address)),
+        };
+        if let Some(error) = read.error {
+            // A small object's value the destination refused is the reply's body: the caller
+            // asks the destination again and, for a DELETE read, puts the object back.
+            let small = read.reply.header.filter(|h| h.block_count == 0);
+            if read.received == 0 && small.is_some_and(|h| read.reply.body.len() as u64 == h.size) {
+                return Ok((read.reply, None));
+            }
+            return Err(Failure::at(error, &server.address));
+        }
+        let whole = match read.reply.header {
+            Some(header) if read.reply.status == 0 && read.received > 0 => {
+                if read.received != header.size {
+                    return Err(Failure::at(
+                        ClientError::Protocol(format!(
+                            "a READ brought {} of {} bytes",
+                            read.received, header.size
+                        )),
+                        &server.address,
+                    ));
+                }
+                Some(header.size as usize)
+            }
+            // An empty small object is whole with no byte.
+            Some(header)
+                if read.reply.status == 0 && header.block_count == 0 && header.size == 0 =>
+            {
+                Some(dest.buffer(0).map(|_| 0).map_err(Failure::local)?)
+            }
+            Some(header) if read.reply.status == 0 && header.block_count == 0 => {
+                return Err(Failure::at(
+                    ClientError::Protocol("a READ's small object came without its bytes".into()),
+                    &server.address,
+                ));
+            }
+            _ => None,
+        };
+        Ok((read.reply, whole))
     }
 
     /// Bytes `[offset, offset + length)` of the object, cut at its end, into the memory `dest`
@@ -899,6 +994,18 @@ impl Objects {
             ))));
         }
         Ok(())
+    }
+}
+
+/// The exchange request of a block-0 op of `key` (GET, LOOKUP, DELETE) with `flags`.
+fn record_request(bucket: &str, key: &str, op: OpCode, flags: u8) -> ExchangeRequest {
+    ExchangeRequest {
+        op,
+        flags,
+        bucket: bucket.to_string(),
+        key: key.to_string(),
+        header: ObjectHeader::default(),
+        value: Bytes::new(),
     }
 }
 

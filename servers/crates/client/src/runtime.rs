@@ -8,7 +8,7 @@
 //! leave the child waiting on a lock held by a thread that no longer exists.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU8, Ordering};
 
 use tokio::runtime::{Builder, Handle, Runtime};
 
@@ -36,7 +36,7 @@ fn find(pid: u32) -> Option<&'static Runtime> {
 }
 
 fn current() -> &'static Runtime {
-    let pid = std::process::id();
+    let pid = process_id();
     if let Some(runtime) = find(pid) {
         return runtime;
     }
@@ -76,6 +76,47 @@ fn current() -> &'static Runtime {
     runtime
 }
 
+/// This process's id, kept after the first call instead of asked of the kernel on every call
+/// (every operation checks it a few times, to refuse a forked child its parent's connections).
+/// A fork handler forgets it in the child; until that handler is registered, nothing is kept.
+pub(crate) fn process_id() -> u32 {
+    if PID_HOOK.load(Ordering::Acquire) == PID_HOOK_REGISTERED {
+        let pid = PID.load(Ordering::Relaxed);
+        if pid != 0 {
+            return pid;
+        }
+        let pid = std::process::id();
+        PID.store(pid, Ordering::Relaxed);
+        return pid;
+    }
+    // The first caller registers the handler; nobody waits for it (a child forked meanwhile
+    // keeps asking the kernel, which is always right).
+    if PID_HOOK
+        .compare_exchange(0, PID_HOOK_REGISTERING, Ordering::AcqRel, Ordering::Acquire)
+        .is_ok()
+    {
+        // SAFETY: registers a handler that only stores to an atomic, which is async-signal-safe.
+        let registered = unsafe { libc::pthread_atfork(None, None, Some(forget_pid)) } == 0;
+        if registered {
+            PID_HOOK.store(PID_HOOK_REGISTERED, Ordering::Release);
+        }
+    }
+    std::process::id()
+}
+
+/// The kept process id (0: not known yet).
+static PID: AtomicU32 = AtomicU32::new(0);
+/// 0: no fork handler yet; `PID_HOOK_REGISTERING`: one is being registered;
+/// `PID_HOOK_REGISTERED`: a fork forgets the kept id in the child.
+static PID_HOOK: AtomicU8 = AtomicU8::new(0);
+const PID_HOOK_REGISTERING: u8 = 1;
+const PID_HOOK_REGISTERED: u8 = 2;
+
+/// Run in the child of every `fork()`, before it returns there.
+extern "C" fn forget_pid() {
+    PID.store(0, Ordering::Relaxed);
+}
+
 /// A handle to this process's client runtime.
 pub fn runtime_handle() -> Handle {
     current().handle().clone()
@@ -98,5 +139,26 @@ mod tests {
             .unwrap();
         assert_eq!(a as usize, b);
         assert_eq!(block_on(async { 6 * 7 }), 42);
+    }
+
+    #[test]
+    fn the_kept_process_id_is_the_kernels_and_a_child_forgets_it() {
+        for _ in 0..3 {
+            assert_eq!(process_id(), std::process::id());
+        }
+        // SAFETY: the child only calls async-signal-safe functions and getpid, then exits.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0, "fork failed");
+        if child == 0 {
+            let ok = process_id() == std::process::id() && process_id() != 0;
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child just made.
+        assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "{status}"
+        );
     }
 }

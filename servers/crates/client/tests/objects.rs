@@ -2,8 +2,9 @@
 //! services on 127.0.0.1:0 (in this process, each on its own runtime, as in the server binary):
 //! small and striped objects, DELETE reads, batches, write-once across placements, overwrites,
 //! a listing merged from every server, a stale map adopted mid-call, waits for keys, keys
-//! routed by prefix to a pool of the map, and where data blocks live (an object of one data
-//! block whole on its manifest's server, larger ones striped).
+//! routed by prefix to a pool of the map, where data blocks live (an object of one data block
+//! whole on its manifest's server, larger ones striped), and the direct READ that brings a
+//! record and its bytes in one answer.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,8 +14,8 @@ use pocketflow_client::objects::Tuning;
 use pocketflow_client::view::View;
 use pocketflow_client::waits::Stop;
 use pocketflow_client::{
-    block_on, ClientError, Connection, ConnectionConfig, Destination, Listing, Objects,
-    RangeTarget, StreamUpload,
+    block_on, BlockSlice, ClientError, Connection, ConnectionConfig, Destination, ExchangeRequest,
+    Listing, Objects, RangeTarget, StreamUpload,
 };
 use pocketflow_flight::route::route;
 use pocketflow_flight::{ServiceConfig, StorageService};
@@ -644,5 +645,152 @@ fn objects_of_more_data_blocks_stay_striped() {
     assert_eq!(
         kind(&get(&objects, "short", false).unwrap_err()),
         "not_found"
+    );
+}
+
+/// A destination that counts what it was asked for.
+#[derive(Default)]
+struct Counted {
+    bytes: Vec<u8>,
+    asked: usize,
+}
+
+impl Destination for Counted {
+    fn buffer(&mut self, size: usize) -> Result<&mut [u8], ClientError> {
+        self.asked += 1;
+        self.bytes = vec![0; size];
+        Ok(&mut self.bytes)
+    }
+}
+
+/// A READ ticket of `key` over `objects`' context.
+fn read_ticket(objects: &Objects, key: &str, delete: bool, inline_bytes_max: u64) -> Vec<u8> {
+    let view = objects.view();
+    serde_json::json!({"ctx": &view.ctx, "bucket": "b", "key": key, "delete": delete,
+        "inline_bytes_max": inline_bytes_max})
+    .to_string()
+    .into_bytes()
+}
+
+#[test]
+fn a_read_brings_the_record_and_its_bytes_in_one_answer() {
+    let cluster = Cluster::start();
+    let objects = cluster.objects("job-read", 3);
+    let small = payload(1000, 1);
+    let one = payload(BLOCK_SIZE as usize - 7, 2);
+    let striped = payload(2 * BLOCK_SIZE as usize + 5, 3);
+    objects.put("b", "small", &small, false, false).unwrap();
+    objects.put("b", "one", &one, false, false).unwrap();
+    objects.put("b", "striped", &striped, false, false).unwrap();
+    let home = |key: &str| record_of(&objects, key).1;
+
+    // Straight from one connection: the value, the one block, a manifest alone, a miss (the
+    // connection stays usable after it), all on block 0's home.
+    for (key, data, inline_bytes_max, brought) in [
+        ("small", &small, 0, true),
+        ("one", &one, u64::from(BLOCK_SIZE), true),
+        ("one", &one, one.len() as u64 - 1, false),
+        ("striped", &striped, u64::MAX, false),
+    ] {
+        let connection = objects.connection(&home(key)).unwrap();
+        let mut dest = Counted::default();
+        let read = connection
+            .read_object_blocking(
+                &read_ticket(&objects, key, false, inline_bytes_max),
+                &mut dest,
+            )
+            .unwrap()
+            .expect("the server reads so");
+        assert_eq!(read.reply.status, 0, "{key}");
+        assert!(read.error.is_none());
+        assert_eq!(read.reply.header.unwrap().size, data.len() as u64);
+        if brought {
+            assert_eq!((read.received, dest.asked), (data.len() as u64, 1));
+            assert_eq!(&dest.bytes, data);
+        } else {
+            assert_eq!((read.received, dest.asked), (0, 0), "{key}");
+        }
+        let mut dest = Counted::default();
+        let miss = connection
+            .read_object_blocking(&read_ticket(&objects, "nope", false, 0), &mut dest)
+            .unwrap()
+            .unwrap();
+        assert_eq!(miss.reply.status, tonic::Code::NotFound as u8);
+        assert!(String::from_utf8_lossy(&miss.reply.body).starts_with("not_found: "));
+    }
+
+    // Through the object layer: one allocation each, DELETE reads leave nothing.
+    for (key, data) in [("small", &small), ("one", &one), ("striped", &striped)] {
+        let mut dest = Counted::default();
+        assert_eq!(objects.get("b", key, true, &mut dest).unwrap(), data.len());
+        assert_eq!((&dest.bytes, dest.asked), (data, 1));
+        assert_eq!(kind(&get(&objects, key, false).unwrap_err()), "not_found");
+    }
+    assert_eq!(
+        kind(&get(&objects, "nope", false).unwrap_err()),
+        "not_found"
+    );
+}
+
+#[test]
+fn a_one_block_object_whose_block_lives_elsewhere_is_still_read_whole() {
+    // As written by a client that placed the block as `(key, 1)`, then the map changed: the
+    // READ under the old epoch is told the new map, the next brings the manifest alone, and the
+    // reader finds the block where the fallbacks of a changed map look.
+    let cluster = Cluster::start();
+    let objects = cluster.objects("job-read-apart", 3);
+    let view = objects.view();
+    let home = |key: &str, block: u32| {
+        view.server_for(key.as_bytes(), block, false)
+            .unwrap()
+            .address
+            .clone()
+    };
+    let key = (0..400)
+        .map(|i| format!("apart-{i}"))
+        .find(|k| home(k, 0) != home(k, 1))
+        .unwrap();
+    let data = payload(BLOCK_SIZE as usize / 2, 9);
+    let version = 77;
+    let descriptor = serde_json::json!({"ctx": &view.ctx, "bucket": "b", "key": &key,
+        "version": version, "block_size": BLOCK_SIZE, "persist": false});
+    let elsewhere = objects.connection(&home(&key, 1)).unwrap();
+    elsewhere
+        .put_blocks_blocking(
+            Bytes::from(descriptor.to_string()),
+            &[BlockSlice {
+                index: 1,
+                data: &data,
+            }],
+        )
+        .unwrap();
+    let manifest = ObjectHeader {
+        version,
+        size: data.len() as u64,
+        block_count: 1,
+        block_size: BLOCK_SIZE,
+        flags: 0,
+    };
+    let put = ExchangeRequest {
+        op: OpCode::Put,
+        flags: 0,
+        bucket: "b".into(),
+        key: key.clone(),
+        header: manifest,
+        value: Bytes::new(),
+    };
+    let at_home = objects.connection(&home(&key, 0)).unwrap();
+    let replies = at_home
+        .exchange_blocking(&view.exchange_command, view.epoch, &[put], 1)
+        .unwrap();
+    assert_eq!(replies[0].status, 0);
+    cluster.set_epoch("job-read-apart", 2, 3);
+    let mut dest = Counted::default();
+    assert_eq!(objects.get("b", &key, true, &mut dest).unwrap(), data.len());
+    assert_eq!(objects.view().epoch, 2);
+    assert_eq!((&dest.bytes, dest.asked), (&data, 1));
+    assert!(
+        holders(&objects, &key, version, 1).is_empty(),
+        "the DELETE read freed it"
     );
 }

@@ -38,6 +38,14 @@ impl JobTable {
     }
 }
 
+/// A job token a connection verified, with its expiry (see [`Authority::job_kept`]).
+#[derive(Debug)]
+pub struct KeptToken {
+    job: String,
+    token: String,
+    expiry_unix_ms: u64,
+}
+
 /// Verifies capability contexts and holds the job table.
 #[derive(Debug)]
 pub struct Authority {
@@ -80,6 +88,32 @@ impl Authority {
         }
         self.check_epoch(&ctx.job, ctx.epoch)?;
         Ok((ctx.job.clone(), expiry_unix_ms))
+    }
+
+    /// [`Authority::job`] for a request of a connection that keeps the last token it had
+    /// verified in `kept`: the same job and token again skip the MAC (the bytes were verified;
+    /// their expiry is checked again), any other is verified and kept.
+    pub fn job_kept(
+        &self,
+        ctx: &Context,
+        kept: &mut Option<KeptToken>,
+    ) -> Result<String, ServiceError> {
+        match kept {
+            Some(k) if k.job == ctx.job && k.token == ctx.token => {
+                Self::check_not_expired(k.expiry_unix_ms)?;
+                self.check_epoch(&ctx.job, ctx.epoch)?;
+                Ok(ctx.job.clone())
+            }
+            _ => {
+                let (job, expiry_unix_ms) = self.job_until(ctx)?;
+                *kept = Some(KeptToken {
+                    job: job.clone(),
+                    token: ctx.token.clone(),
+                    expiry_unix_ms,
+                });
+                Ok(job)
+            }
+        }
     }
 
     /// Fail with `permission_denied` (an expired token) once `expiry_unix_ms`, of a token
@@ -194,6 +228,53 @@ mod tests {
             epoch,
             token: key.make(job, now_unix_ms() + 60_000),
         }
+    }
+
+    #[test]
+    fn a_kept_token_skips_only_the_mac() {
+        let (auth, key) = authority();
+        let mut kept = None;
+        let first = ctx(&key, "j", 1);
+        assert_eq!(auth.job_kept(&first, &mut kept).unwrap(), "j");
+        assert!(kept.is_some());
+        // The same token again: still epoch-checked.
+        assert_eq!(auth.job_kept(&first, &mut kept).unwrap(), "j");
+        auth.set_epoch("j", 2, "{}".into()).unwrap();
+        assert_eq!(
+            auth.job_kept(&first, &mut kept).unwrap_err().kind(),
+            ErrorKind::StaleEpoch
+        );
+        // Another job's claim with the kept token's bytes is verified, and refused.
+        let mut other = ctx(&key, "j", 2);
+        other.job = "k".into();
+        assert_eq!(
+            auth.job_kept(&other, &mut kept).unwrap_err().kind(),
+            ErrorKind::PermissionDenied
+        );
+        // A kept token that expired is refused without its MAC being checked again.
+        let mut expiring = Some(KeptToken {
+            job: "j".into(),
+            token: "1.00".into(),
+            expiry_unix_ms: 1,
+        });
+        let stale = Context {
+            job: "j".into(),
+            epoch: 2,
+            token: "1.00".into(),
+        };
+        assert_eq!(
+            auth.job_kept(&stale, &mut expiring).unwrap_err().kind(),
+            ErrorKind::PermissionDenied
+        );
+        // A forged token is never kept.
+        let mut fresh = None;
+        let forged = Context {
+            job: "j".into(),
+            epoch: 2,
+            token: format!("{}.{}", now_unix_ms() + 60_000, "0".repeat(64)),
+        };
+        assert!(auth.job_kept(&forged, &mut fresh).is_err());
+        assert!(fresh.is_none());
     }
 
     #[test]

@@ -17,7 +17,7 @@ use tonic::Status;
 use crate::exchange::{self, Incoming};
 use crate::service::StorageService;
 use crate::status::ServiceError;
-use crate::{doget, doput};
+use crate::{doget, doput, read};
 
 /// How long a new direct connection may take to send its magic and its open message.
 pub const DIRECT_OPEN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -47,11 +47,11 @@ impl StorageService {
         let opened = tokio::time::timeout(DIRECT_OPEN_TIMEOUT, read_first(&mut reader)).await;
         let descriptor = match opened {
             Ok(Ok((Kind::Open, descriptor))) => descriptor,
-            Ok(Ok((kind @ (Kind::Get | Kind::Put), first))) => {
+            Ok(Ok((kind @ (Kind::Get | Kind::Put | Kind::Read), first))) => {
                 return self.serve_blocks(kind, first, reader, writer).await
             }
             Ok(Ok((kind, _))) => {
-                let e: ServiceError = unexpected(kind, "OPEN, GET or PUT").into();
+                let e: ServiceError = unexpected(kind, "OPEN, GET, PUT or READ").into();
                 return write_status(&mut writer, e.to_status()).await;
             }
             Ok(Err(Some(e))) => return write_status(&mut writer, e.to_status()).await,
@@ -92,9 +92,6 @@ impl StorageService {
 }
 
 impl StorageService {
-    /// A connection of block transfers: answer each GET with its data and END, and each PUT
-    /// (followed by its pieces and END) with STORED, until the client closes. An error ends the
-    /// connection with a STATUS.
     /// Count a direct block transfer's outcome (a vanished client counts as `unavailable`).
     fn count_block<T>(
         &self,
@@ -111,6 +108,9 @@ impl StorageService {
         self.state.metrics.request(rpc, op, kind, started.elapsed());
     }
 
+    /// A connection of block transfers: answer each GET with its data and END, each READ with
+    /// its record, its bytes and END, and each PUT (followed by its pieces and END) with STORED,
+    /// until the client closes. An error ends the connection with a STATUS.
     async fn serve_blocks<R, W>(
         &self,
         mut kind: Kind,
@@ -121,17 +121,19 @@ impl StorageService {
         R: AsyncRead + Unpin,
         W: AsyncWrite + Unpin,
     {
+        // The token of this connection's last READ, verified: its next READs (a client's
+        // gets, one after another) skip the MAC.
+        let mut kept = None;
         loop {
             let started = std::time::Instant::now();
+            // A GET's and a READ's END go out with their last DATA.
             let done = if kind == Kind::Get {
                 let sent = doget::send_direct(self.state.clone(), &request, &mut writer).await;
                 self.count_block(&sent, "direct_get", "get", started);
-                match sent {
-                    Ok(()) => write_message(&mut writer, Kind::End, &[])
-                        .await
-                        .map_err(|_| None),
-                    Err(e) => Err(e),
-                }
+                sent
+            } else if kind == Kind::Read {
+                // Counted by the READ itself, with the record's outcome.
+                read::send_read(self.state.clone(), &request, &mut writer, &mut kept).await
             } else {
                 let stored = doput::receive_direct(self.state.clone(), &request, &mut reader).await;
                 self.count_block(&stored, "direct_put", "put", started);
@@ -148,9 +150,10 @@ impl StorageService {
                 Err(None) => return,
             }
             (kind, request) = match read_message(&mut reader).await {
-                Ok(Some((next @ (Kind::Get | Kind::Put), request))) => (next, request),
+                Ok(Some((next @ (Kind::Get | Kind::Put | Kind::Read), request))) => (next, request),
                 Ok(Some((other, _))) => {
-                    return refuse(unexpected(other, "GET or PUT").into(), reader, writer).await
+                    return refuse(unexpected(other, "GET, PUT or READ").into(), reader, writer)
+                        .await
                 }
                 Err(Some(e)) => return refuse(e, reader, writer).await,
                 Ok(None) | Err(None) => return,

@@ -221,6 +221,17 @@ async fn begin(
     let ticket = GetTicket::parse(ticket_bytes)?;
     let job = state.auth.job(&ticket.ctx)?;
     state.stats.counters.add_ops(1);
+    Ok(begin_authorized(state, job, ticket, piece_bytes_max).await)
+}
+
+/// Take a transfer slot for a ticket of `job` already checked; returns the transfer and its
+/// pieces (of at most `piece_bytes_max`).
+async fn begin_authorized(
+    state: Arc<ServiceState>,
+    job: String,
+    ticket: GetTicket,
+    piece_bytes_max: u64,
+) -> (Transfer, impl Iterator<Item = Piece> + Send + 'static) {
     let slot = state
         .transfers
         .clone()
@@ -241,7 +252,7 @@ async fn begin(
         last_range_of,
         _slot: slot,
     };
-    Ok((transfer, pieces))
+    (transfer, pieces)
 }
 
 /// Send a ticket's pieces over a direct connection (`pocketflow_protocol::direct`): each as a
@@ -265,20 +276,60 @@ pub(crate) async fn send_direct<W>(
 where
     W: tokio::io::AsyncWrite + Unpin,
 {
+    let (piece_bytes_max, _) = direct_pieces(&state);
+    let (transfer, pieces) = begin(state, ticket_bytes, piece_bytes_max)
+        .await
+        .map_err(Some)?;
+    send_pieces(&transfer, pieces, writer, &[]).await
+}
+
+/// A direct transfer's piece size and read-ahead on this server's tier.
+fn direct_pieces(state: &ServiceState) -> (u64, usize) {
+    match state.store.tier() {
+        pocketflow_store::Tier::Nvme => (NVME_DIRECT_PIECE_BYTES, NVME_DIRECT_READS_AHEAD_MAX),
+        pocketflow_store::Tier::Dram => (BATCH_MAX_BYTES, 1),
+    }
+}
+
+/// [`send_direct`] of a ticket of `job` already checked (a direct READ's data block), with
+/// `prefix` (an encoded message) sent in the same write as the first piece.
+pub(crate) async fn send_direct_authorized<W>(
+    state: Arc<ServiceState>,
+    job: String,
+    ticket: GetTicket,
+    writer: &mut W,
+    prefix: &[u8],
+) -> Result<(), Option<ServiceError>>
+where
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    let (piece_bytes_max, _) = direct_pieces(&state);
+    let (transfer, pieces) = begin_authorized(state, job, ticket, piece_bytes_max).await;
+    send_pieces(&transfer, pieces, writer, prefix).await
+}
+
+/// Send `pieces` of `transfer` as DATA messages, read ahead as the tier allows (see
+/// [`send_direct`]), then END. `prefix` (a message already encoded) goes out in the same write
+/// as the first piece, and END in the same write as the last: a transfer of one piece is one
+/// system call, and one wake-up of the client.
+async fn send_pieces<W>(
+    transfer: &Transfer,
+    pieces: impl Iterator<Item = Piece>,
+    writer: &mut W,
+    prefix: &[u8],
+) -> Result<(), Option<ServiceError>>
+where
+    W: tokio::io::AsyncWrite + Unpin,
+{
     use bytes::Buf;
     use futures::stream::FuturesOrdered;
     use pocketflow_protocol::direct::{encode_head, Kind, DATA_META_BYTES};
     use tokio::io::AsyncWriteExt;
 
-    let idle = state.transfer_idle;
-    let (piece_bytes_max, reads_ahead_max) = match state.store.tier() {
-        pocketflow_store::Tier::Nvme => (NVME_DIRECT_PIECE_BYTES, NVME_DIRECT_READS_AHEAD_MAX),
-        pocketflow_store::Tier::Dram => (BATCH_MAX_BYTES, 1),
-    };
-    let (transfer, mut pieces) = begin(state, ticket_bytes, piece_bytes_max)
-        .await
-        .map_err(Some)?;
-    let transfer = &transfer;
+    let idle = transfer.state.transfer_idle;
+    let (_, reads_ahead_max) = direct_pieces(&transfer.state);
+    let end = encode_head(Kind::End, 0);
+    let mut pieces = pieces.peekable();
     let mut reads = FuturesOrdered::new();
     let mut previous: Option<Piece> = None;
     loop {
@@ -300,9 +351,12 @@ where
         head[..5].copy_from_slice(&encode_head(Kind::Data, DATA_META_BYTES + value.len()));
         head[5..9].copy_from_slice(&piece.index.to_le_bytes());
         head[9..].copy_from_slice(&piece.offset.to_le_bytes());
-        // Head and bytes in one vectored write: a piece larger than the writer's buffer would
+        let before: &[u8] = if previous.is_none() { prefix } else { &[] };
+        let last = reads.is_empty() && pieces.peek().is_none();
+        let after: &[u8] = if last { &end } else { &[] };
+        // Heads and bytes in one vectored write: a piece larger than the writer's buffer would
         // otherwise go out as a 17-byte segment of its own, and wake the client twice.
-        let mut message = (&head[..]).chain(&value[..]);
+        let mut message = before.chain(&head[..]).chain(&value[..]).chain(after);
         let sent = async {
             writer.write_all_buf(&mut message).await?;
             writer.flush().await
@@ -363,7 +417,7 @@ pub(crate) async fn get(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use pocketflow_protocol::ticket::BlockRange;
     use pocketflow_protocol::token::{now_unix_ms, TokenKey};
@@ -376,7 +430,7 @@ mod tests {
     use crate::drain::Drain;
     use crate::stats::Stats;
 
-    const JOB: &str = "j";
+    pub(crate) const JOB: &str = "j";
 
     /// A service state over a small DRAM store holding blocks 1 and 2 (10 bytes each) of
     /// `b/k` version 7.
@@ -390,7 +444,7 @@ mod tests {
         state_over(store)
     }
 
-    async fn put_block(store: &Store, index: u32, value: Bytes) {
+    pub(crate) async fn put_block(store: &Store, index: u32, value: Bytes) {
         let mut write = store
             .begin_block(JOB, "b", "k", 7, index, value.len() as u64, false)
             .unwrap();
@@ -399,7 +453,7 @@ mod tests {
     }
 
     /// A service state over `store`, and the key of its tokens.
-    fn state_over(store: Store) -> (Arc<ServiceState>, TokenKey) {
+    pub(crate) fn state_over(store: Store) -> (Arc<ServiceState>, TokenKey) {
         let key = TokenKey::new(b"0123456789abcdef").unwrap();
         let state = ServiceState {
             store,
@@ -416,9 +470,15 @@ mod tests {
         (Arc::new(state), key)
     }
 
-    /// The DATA messages of a direct GET's answer, as (block index, offset, bytes).
-    fn data_messages(mut answer: &[u8]) -> Vec<(u32, u64, Vec<u8>)> {
-        use pocketflow_protocol::direct::{decode_head, Kind, DATA_META_BYTES, MESSAGE_HEAD_BYTES};
+    /// The DATA messages of a direct GET's answer, as (block index, offset, bytes); the answer
+    /// ends with END.
+    pub(crate) fn data_messages(mut answer: &[u8]) -> Vec<(u32, u64, Vec<u8>)> {
+        use pocketflow_protocol::direct::{
+            decode_head, encode_head, Kind, DATA_META_BYTES, MESSAGE_HEAD_BYTES,
+        };
+        let end = encode_head(Kind::End, 0);
+        assert!(answer.ends_with(&end), "the answer ends with END");
+        answer = &answer[..answer.len() - end.len()];
         let mut messages = Vec::new();
         while !answer.is_empty() {
             let head: [u8; MESSAGE_HEAD_BYTES] = answer[..MESSAGE_HEAD_BYTES].try_into().unwrap();
@@ -491,7 +551,7 @@ mod tests {
         ))
     }
 
-    async fn wait_until_freed(state: &ServiceState) {
+    pub(crate) async fn wait_until_freed(state: &ServiceState) {
         for _ in 0..200 {
             if state.store.used_bytes() == 0 {
                 return;

@@ -15,6 +15,7 @@ mod doput;
 pub mod drain;
 mod exchange;
 pub mod metrics;
+mod read;
 pub use pocketflow_protocol::ipc;
 mod refusal;
 pub mod route;

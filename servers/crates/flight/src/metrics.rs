@@ -83,7 +83,8 @@ impl Metrics {
         let requests = must(IntCounterVec::new(
             Opts::new(
                 "requests_total",
-                "Requests by RPC (exchange, do_get, do_put, do_action, direct_get, direct_put), \
+                "Requests by RPC (exchange, do_get, do_put, do_action, direct_get, direct_put, \
+                 direct_read), \
                  op (put/get/delete/lookup, or the action) and result (ok or the error kind).",
             ),
             &["rpc", "op", "result"],

@@ -54,6 +54,12 @@ pub enum Kind {
     Piece,
     /// Server to client: the upload's result JSON (DoPut's `{"blocks", "bytes"}`).
     Stored,
+    /// Client to server, first or after a finished transfer: a [`crate::ticket::ReadTicket`]
+    /// naming an object to read whole. The server answers with a [`Kind::Frame`] holding one
+    /// reply (a GET op's, its body empty when OK), then the object's bytes as [`Kind::Data`]
+    /// messages (block index 0 for a small object's value, 1 for the data block of an object
+    /// of one data block kept with its manifest), then [`Kind::End`].
+    Read,
 }
 
 /// Bytes of a PIECE message's payload before the piece: block index and block length.
@@ -64,7 +70,7 @@ pub const DATA_META_BYTES: usize = 12;
 
 impl Kind {
     /// Every kind, in code order.
-    pub const ALL: [Kind; 10] = [
+    pub const ALL: [Kind; 11] = [
         Kind::Open,
         Kind::Ready,
         Kind::Frame,
@@ -75,6 +81,7 @@ impl Kind {
         Kind::Put,
         Kind::Piece,
         Kind::Stored,
+        Kind::Read,
     ];
 
     /// The wire byte.
@@ -90,6 +97,7 @@ impl Kind {
             Kind::Put => 8,
             Kind::Piece => 9,
             Kind::Stored => 10,
+            Kind::Read => 11,
         }
     }
 
@@ -106,6 +114,7 @@ impl Kind {
             8 => Ok(Kind::Put),
             9 => Ok(Kind::Piece),
             10 => Ok(Kind::Stored),
+            11 => Ok(Kind::Read),
             other => Err(ProtocolError::DirectMessage(format!(
                 "unknown message kind {other}"
             ))),

@@ -1,4 +1,5 @@
-//! The JSON DoGet ticket that names ranges of an object's data blocks.
+//! The JSON DoGet ticket that names ranges of an object's data blocks, and the direct READ's
+//! ticket that names a whole object.
 
 use serde::{Deserialize, Serialize};
 
@@ -90,6 +91,36 @@ impl GetTicket {
     }
 }
 
+/// A direct READ's ticket (`Kind::Read`): read the object `bucket/key` whole, in one exchange
+/// with its block-0 home.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadTicket {
+    /// Whose data this is.
+    pub ctx: Context,
+    /// Bucket of the object.
+    pub bucket: String,
+    /// Key of the object.
+    pub key: String,
+    /// DELETE on read: claim the record (and free the data block sent with it).
+    #[serde(default)]
+    pub delete: bool,
+    /// The most bytes the reader takes with the record: the data block of an object of one
+    /// data block is sent along only when the object's size is at most this (0: never).
+    #[serde(default)]
+    pub inline_bytes_max: u64,
+}
+
+impl ReadTicket {
+    /// Parse and validate a READ ticket.
+    pub fn parse(ticket: &[u8]) -> Result<Self, ProtocolError> {
+        let ticket: Self = parse_json("read ticket", ticket)?;
+        ticket.ctx.validate()?;
+        check_bucket(&ticket.bucket)?;
+        check_key(&ticket.key)?;
+        Ok(ticket)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -98,6 +129,30 @@ mod tests {
         format!(
             r#"{{"ctx":{{"job":"j","epoch":1,"token":"t"}},"bucket":"b","key":"k","version":3,"ranges":{ranges}}}"#
         )
+    }
+
+    #[test]
+    fn read_tickets() {
+        let t = ReadTicket::parse(
+            br#"{"ctx":{"job":"j","epoch":1,"token":"t"},"bucket":"b","key":"k"}"#,
+        )
+        .unwrap();
+        assert!(!t.delete);
+        assert_eq!(t.inline_bytes_max, 0);
+        let t = ReadTicket::parse(
+            br#"{"ctx":{"job":"j","epoch":1,"token":"t"},"bucket":"b","key":"k","delete":true,"inline_bytes_max":1048576}"#,
+        )
+        .unwrap();
+        assert!(t.delete);
+        assert_eq!(t.inline_bytes_max, 1 << 20);
+        for bad in [
+            r#"{"ctx":{"job":"j","epoch":1,"token":"t"},"bucket":"","key":"k"}"#,
+            r#"{"ctx":{"job":"j","epoch":1,"token":"t"},"bucket":"b","key":""}"#,
+            r#"{"ctx":{"job":"j","epoch":1,"token":"t"},"bucket":"b"}"#,
+            r#"{"bucket":"b","key":"k"}"#,
+        ] {
+            assert!(ReadTicket::parse(bad.as_bytes()).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -33,7 +33,7 @@ use pocketflow_protocol::limits::{
     LEASE_PREFIXES_MAX, SMALL_OBJECT_MAX_BYTES, SUBSCRIBER_EVENTS_MAX, TICKET_RANGES_MAX,
     WAIT_KEYS_MAX, WAIT_TIMEOUT_MAX_MS,
 };
-use pocketflow_protocol::ticket::GetTicket;
+use pocketflow_protocol::ticket::{GetTicket, ReadTicket};
 use pocketflow_protocol::token::TokenKey;
 use pocketflow_protocol::{
     Context, ErrorKind, ObjectHeader, ProtocolError, TokenError, HEADER_FLAG_PERSIST,
@@ -927,7 +927,7 @@ fn frames_at_their_bounds() {
 
 // ---- Direct exchange ----
 
-const KINDS: [Kind; 10] = Kind::ALL;
+const KINDS: [Kind; 11] = Kind::ALL;
 
 proptest! {
     #![proptest_config(config())]
@@ -936,7 +936,7 @@ proptest! {
     fn direct_heads(
         head in prop_oneof![
             any::<[u8; MESSAGE_HEAD_BYTES]>(),
-            (0u8..=11, PAYLOAD_MAX_BYTES as u32 - 2..=PAYLOAD_MAX_BYTES as u32 + 2)
+            (0u8..=12, PAYLOAD_MAX_BYTES as u32 - 2..=PAYLOAD_MAX_BYTES as u32 + 2)
                 .prop_map(|(kind, len)| {
                     let n = len.to_le_bytes();
                     [kind, n[0], n[1], n[2], n[3]]
@@ -949,7 +949,7 @@ proptest! {
         let decoded = checked(decode_head(&head));
         let len_ok = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize
             <= PAYLOAD_MAX_BYTES;
-        prop_assert_eq!(decoded.is_some(), (1..=10).contains(&head[0]) && len_ok);
+        prop_assert_eq!(decoded.is_some(), (1..=11).contains(&head[0]) && len_ok);
         if let Some((kind, len)) = decoded {
             prop_assert_eq!(encode_head(kind, len), head);
         }
@@ -1077,6 +1077,11 @@ proptest! {
             ctx: ctx.clone(), bucket: bucket.clone(), key: key.clone(), version, ranges, delete: persist,
         };
         json_round_trip(&ticket, GetTicket::parse);
+        let read = ReadTicket {
+            ctx: ctx.clone(), bucket: bucket.clone(), key: key.clone(), delete: persist,
+            inline_bytes_max: version,
+        };
+        json_round_trip(&read, ReadTicket::parse);
         let put = PutDescriptor { ctx: ctx.clone(), bucket, key, version, block_size, persist, commit: None };
         json_round_trip(&put, PutDescriptor::parse);
         json_round_trip(&ExchangeDescriptor { ctx }, ExchangeDescriptor::parse);
@@ -1140,6 +1145,10 @@ proptest! {
         if let Some(ticket) = checked(GetTicket::parse(&body)) {
             assert_ticket(&ticket);
             assert_present(object.as_ref(), &["ctx", "bucket", "key", "version", "ranges"], "ticket");
+        }
+        if let Some(read) = checked(ReadTicket::parse(&body)) {
+            assert_job(&read.ctx.job);
+            assert_present(object.as_ref(), &["ctx", "bucket", "key"], "read ticket");
         }
         if let Some(descriptor) = checked(PutDescriptor::parse(&body)) {
             assert_put_descriptor(&descriptor);

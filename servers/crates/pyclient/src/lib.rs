@@ -606,6 +606,10 @@ impl Destination for CallerBuffer {
         // SAFETY: the caller's buffer is held (and exported) until the read returns.
         Ok(unsafe { self.memory.slice_mut() })
     }
+
+    fn room(&self) -> Option<usize> {
+        Some(self.memory.len)
+    }
 }
 
 /// The object layer of one job's client (`pocketflow_client::Objects`): the job's current

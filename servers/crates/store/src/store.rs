@@ -815,6 +815,29 @@ impl Store {
         self.read_stored(stored, offset, len).await
     }
 
+    /// The length of data block `index` of `(key, version)`, if this server holds it (an index
+    /// lookup: no byte is read).
+    pub fn block_len(
+        &self,
+        job: &str,
+        bucket: &str,
+        key: &str,
+        version: u64,
+        index: u32,
+    ) -> Result<Option<u64>, StoreError> {
+        check_names(job, bucket, Some(key))?;
+        let address = BlockKey {
+            key: key.to_string(),
+            version,
+            index,
+        };
+        self.with_bucket(job, bucket, |b, _| {
+            Ok(b.blocks
+                .get(&address)
+                .map(|stored| stored.block.as_ref().map_or(0, |block| block.len())))
+        })
+    }
+
     /// Remove data blocks `indices` of `(key, version)`; missing ones are ignored. Returns the
     /// bytes charged to the removed blocks (freed once no reader holds them).
     pub fn delete_blocks(
@@ -1633,6 +1656,17 @@ mod tests {
                 .len(),
             0
         );
+        assert_eq!(
+            store.block_len(JOB, "b", "obj", 5, 1).unwrap(),
+            Some(100_000)
+        );
+        assert_eq!(store.block_len(JOB, "b", "obj", 5, 2).unwrap(), Some(10));
+        assert_eq!(store.block_len(JOB, "b", "obj", 5, 3).unwrap(), None);
+        assert_eq!(store.block_len(JOB, "b", "obj", 6, 1).unwrap(), None);
+        assert!(matches!(
+            store.block_len(JOB, "nope", "obj", 5, 1),
+            Err(StoreError::BucketNotFound { .. })
+        ));
         let past_end = store.read_block(JOB, "b", "obj", 5, 2, 5, 6).await;
         assert!(matches!(
             past_end,

@@ -19,6 +19,9 @@ use crate::error::StoreError;
 /// Allocation granularity of the DRAM arena (one cache line).
 pub const DRAM_GRANULARITY_BYTES: u64 = 64;
 
+/// The base page size, the step of touching every page of the arena.
+const PAGE_BYTES: usize = 4096;
+
 /// The mapped arena; unmapped when the engine and every block read from it are gone.
 #[derive(Debug)]
 struct Arena {
@@ -34,10 +37,7 @@ unsafe impl Sync for Arena {}
 
 impl Arena {
     fn map(len: usize, prefault: bool) -> Result<Self, StoreError> {
-        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
-        if prefault {
-            flags |= libc::MAP_POPULATE;
-        }
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
         // SAFETY: an anonymous mapping with no address hint touches no existing memory.
         let raw = unsafe {
             libc::mmap(
@@ -56,9 +56,23 @@ impl Arena {
                 source: io::Error::last_os_error(),
             });
         }
-        // Transparent huge pages cut TLB misses on large copies; failure only costs speed.
+        // Transparent huge pages cut TLB misses on large copies; failure only costs speed. The
+        // advice comes before the pages exist: populated first (MAP_POPULATE), the arena was
+        // built of 4 KiB pages, which khugepaged only merged minutes later, so a server fresh
+        // from its start copied every block through 256 pages per MiB.
         // SAFETY: advising our own fresh mapping.
         unsafe { libc::madvise(raw, len, libc::MADV_HUGEPAGE) };
+        if prefault {
+            // SAFETY: populating our own fresh mapping, writable, of `len` bytes.
+            let populated = unsafe { libc::madvise(raw, len, libc::MADV_POPULATE_WRITE) } == 0;
+            if !populated {
+                // Kernels before 5.14: touch every page instead.
+                for offset in (0..len).step_by(PAGE_BYTES) {
+                    // SAFETY: in bounds of the fresh mapping, which nothing else uses yet.
+                    unsafe { raw.cast::<u8>().add(offset).write_volatile(0) };
+                }
+            }
+        }
         let base = NonNull::new(raw.cast::<u8>()).expect("mmap returned null");
         Ok(Self { base, len })
     }

@@ -4,7 +4,9 @@
 after ``pocketflow bench`` (which calls :func:`main_from_args`).
 
 Each peer is started on 127.0.0.1 right before its cells and stopped (by pid) right after, so
-idle peers do not share the two cores with the one being measured. Every cell is one object size
+idle peers do not share the two cores with the one being measured; the local cluster behind the
+pocketflow peers (Ray and its servers) is up for the whole run, so every peer's cells share the
+machine with it alike. Every cell is one object size
 and one number of client processes (multiprocessing spawn, started once for the whole run);
 a cell runs rounds of a PUT phase, a GET phase and an untimed cleanup until its time budget is
 spent. Pipelined cells send batches (``put_many``/``get_many``, a Redis pipeline, concurrent S3
@@ -252,8 +254,10 @@ def _make_peers(
 ) -> list[tuple[str, Callable[[], Peer]]]:
     """Factories of the peers to run, in order.
 
-    The pocketflow peers use ``cluster`` if given, else a local cluster started on first use
-    (sized for the plan's live bytes) and stopped with ``stack``.
+    The pocketflow peers use ``cluster`` if given, else a local cluster (sized for the plan's
+    live bytes) started here, before any peer runs, and stopped with ``stack``: its Ray
+    processes and idle servers then share the cores with every peer's cells alike, not only
+    with pocketflow's (the peers before pocketflow's used to run on a quieter machine).
     """
     cluster_box: list[Any] = [] if cluster is None else [cluster]
 
@@ -284,6 +288,8 @@ def _make_peers(
             tls=True, capacity_bytes=plan.live_bytes_max() + 128 * MiB
         ),
     }
+    if {"pocketflow-dram", "pocketflow-nvme"} & set(names):
+        pocketflow_cluster()
     return [(name, factories[name]) for name in names]
 
 

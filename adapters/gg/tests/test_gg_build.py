@@ -61,10 +61,13 @@ def test_infer_turns_make_steps_into_thunks(project: Path) -> None:
     main_step = graph.steps[0]
     assert main_step.headers == ("shapes.h",)  # found like `cc -MM` does
     compile_thunk = graph.thunks[main_step.thunk]
-    # The compile reads the preprocessed source (no headers on the worker) ...
-    (i_name, i_file), = compile_thunk.values
-    assert i_file == "main.i"
-    assert b"square_area" in graph.value_bytes(i_name)  # the header is inlined
+    # The compile carries its source and header at their paths and runs make's command ...
+    assert sorted(f for _, f in compile_thunk.values) == ["main.c", "shapes.h"]
+    assert dict((f, n) for n, f in compile_thunk.values)["main.c"] == file_name(
+        project / "main.c")
+    assert compile_thunk.args[:3] == ("gcc", "-B", "bin/")
+    assert compile_thunk.args[-4:] == ("-c", "-o", "main.o", "main.c")
+    assert "-DGREETING=\"hello\"" in compile_thunk.args
     # ... and the compiler's own programs are executables named by content.
     assert {f for _, f in compile_thunk.executables} == {"", "bin/cc1", "bin/as"}
     assert compile_thunk.function_hash == file_name(Path(shutil.which("gcc")).resolve())
@@ -73,6 +76,44 @@ def test_infer_turns_make_steps_into_thunks(project: Path) -> None:
     assert {f for _, f in link.thunks} == {"main.o", "libshapes.a"}
     assert graph_width(graph, target) == 3
     assert hints_for(graph, target)["max_concurrent_tasks"] == 3
+
+
+def test_infer_with_preprocess_follows_ggs_model(project: Path) -> None:
+    graph, _ = infer(project, "app", preprocess=True)
+    main_step = graph.steps[0]
+    assert main_step.headers == ("shapes.h",)  # from the preprocessor's -MMD
+    compile_thunk = graph.thunks[main_step.thunk]
+    # The compile reads the preprocessed source (no headers on the worker).
+    (i_name, i_file), = compile_thunk.values
+    assert i_file == "main.i"
+    assert b"square_area" in graph.value_bytes(i_name)  # the header is inlined
+    assert {f for _, f in compile_thunk.executables} == {"", "bin/cc1", "bin/as"}
+
+
+def test_a_source_whose_includes_cannot_be_read_gets_its_headers_from_the_compiler(
+        project: Path) -> None:
+    # A computed include the scan cannot follow: `cc -MM` lists the headers instead.
+    main = project / "main.c"
+    main.write_text(main.read_text().replace('#include "shapes.h"',
+                                             "#define SHAPES \"shapes.h\"\n#include SHAPES"))
+    graph, _ = infer(project, "app")
+    main_step = graph.steps[0]
+    assert main_step.headers == ("shapes.h",)
+    assert sorted(f for _, f in graph.thunks[main_step.thunk].values) == ["main.c", "shapes.h"]
+
+
+@pytest.mark.parametrize("preprocess", [False, True])
+def test_both_compile_models_build_the_same_program(project: Path, gg_store: PocketflowStore,
+                                                    preprocess: bool, tmp_path: Path) -> None:
+    graph, target = infer(project, "app", preprocess=preprocess)
+    engine = make_engine("ray", gg_store.spec, workers=2)
+    try:
+        result = force(graph, target, store=gg_store, engine=engine, jobs=2)
+    finally:
+        engine.close()
+    (app,) = fetch_outputs(gg_store, graph.thunks[target], result.outputs, tmp_path / "out")
+    subprocess.run(["make", "-s", "app"], cwd=project, check=True, timeout=60)
+    assert file_name(app) == file_name(project / "app")
 
 
 @pytest.mark.parametrize("engine_kind", ["ray", "lithops"])
@@ -128,8 +169,10 @@ def test_delete_frees_intermediates_and_the_target_persists(
         engine.close()
     compiles = [s for s in graph.steps if s.kind == "compile"]
     for step in compiles:
-        (i_name, _), = graph.thunks[step.thunk].values
-        assert not gg_store.exists(BLOBS, i_name), f"{step.output}'s source was read once"
+        values = dict((f, n) for n, f in graph.thunks[step.thunk].values)
+        source = values.pop(step.inputs[0])
+        assert not gg_store.exists(BLOBS, source), f"{step.output}'s source was read once"
+        assert all(gg_store.exists(BLOBS, n) for n in values.values())  # the shared header
     object_names = [r["outputs"][0] for r in result.reports
                     if r["thunk"] in {s.thunk for s in compiles}]
     assert len(object_names) == 3
@@ -208,8 +251,8 @@ def test_the_same_thunks_run_with_redis_as_the_store(local_cluster, project: Pat
         (app,) = fetch_outputs(store, graph.thunks[target], result.outputs, tmp_path)
         assert run(app, "3") == "hello 9 2826\n"
         assert result.deleted_bytes > 0
-        (i_name, _), = graph.thunks[graph.steps[0].thunk].values
-        assert not store.exists(BLOBS, i_name)  # read once, with GETDEL
+        source = dict((f, n) for n, f in graph.thunks[graph.steps[0].thunk].values)["main.c"]
+        assert not store.exists(BLOBS, source)  # read once, with GETDEL
         store.close()
     finally:
         peer.stop()

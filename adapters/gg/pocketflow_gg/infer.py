@@ -162,23 +162,54 @@ class _Inferrer:
         self.pool: ThreadPoolExecutor | None = None
         self._preprocessed: dict[tuple[str, ...], Future] = {}
         self._file_names: dict[str, str] = {}  # project file -> its name, hashed once
+        self._header_lists: dict[tuple[str, ...], tuple[str, ...] | None] = {}
+        self._warming: dict[str, Future] = {}
 
     def prepare(self, argv: list[str] | None) -> None:
-        """Start preprocessing a step's source if it is a compile that will be preprocessed
-        here (all of them are preprocessed in parallel, as make -j would compile them)."""
-        if argv is None or self.pool is None:
+        """Start the work of a step that can run ahead, on the pool: the tools it runs are
+        located and hashed (the first time they are met), a compile that will be preprocessed
+        here is preprocessed (all of them in parallel, as make -j would compile them). Here, on
+        the calling thread meanwhile, a compile's headers are found and its files hashed."""
+        if not argv or self.pool is None:
             return
-        if argv and _COMPILER.match(os.path.basename(argv[0])) and "-c" in argv:
-            try:
-                driver, flags, source = self._compile_parts(argv)[:3]
-            except InferError:
-                return  # step() raises it again, in order
-            if not self.preprocess and _inside_project(source):
-                return  # decided in step(), which preprocesses the rare source it must
-            key = (str(driver), *flags, source)
-            if key not in self._preprocessed:
-                self._preprocessed[key] = self.pool.submit(self._preprocess, driver, flags,
-                                                           source)
+        program = os.path.basename(argv[0])
+        tool_kind = ("compiler" if _COMPILER.match(program)
+                     else "tool" if _AR.match(program) or _RANLIB.match(program) else None)
+        if tool_kind is not None and argv[0] not in self._warming:
+            self._warming[argv[0]] = self.pool.submit(self._warm, argv[0], tool_kind)
+        if tool_kind != "compiler" or "-c" not in argv:
+            return
+        try:
+            driver, flags, source = self._compile_parts(argv)[:3]
+        except InferError:
+            return  # step() raises it again, in order
+        key = (str(driver), *flags, source)
+        preprocess = self.preprocess or not _inside_project(source)
+        if not preprocess:
+            if key not in self._header_lists:
+                self._header_lists[key] = self._headers(driver, flags, source)
+                for filename in (source, *(self._header_lists[key] or ())):
+                    if (self.src / filename).is_file():
+                        self._input(filename)  # hashed now, while the tools are
+            preprocess = self._header_lists[key] is None
+        if preprocess and key not in self._preprocessed:
+            self._preprocessed[key] = self.pool.submit(self._preprocess, driver, flags, source)
+
+    def _warm(self, program: str, kind: str) -> None:
+        """Locate and hash a tool and, for a compiler driver, the programs it runs."""
+        try:
+            path = self.tools.which(program)
+            self.tools.name_of(path)
+            if kind == "compiler":
+                self.tools.exec_prefix(path)
+                for name in ("cc1", "as", "collect2", "ld"):
+                    self.tools.name_of(self.tools.prog(path, name))
+        except InferError:
+            pass  # the step that needs it raises it, in order
+
+    def wait_for_tools(self) -> None:
+        for started in self._warming.values():
+            started.result()
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -258,7 +289,10 @@ class _Inferrer:
 
     def compile(self, argv: list[str]) -> None:
         driver, flags, source, output, keep = self._compile_parts(argv)
-        headers = None if self.preprocess else self._headers(driver, flags, source)
+        key = (str(driver), *flags, source)
+        headers = (None if self.preprocess
+                   else self._header_lists[key] if key in self._header_lists
+                   else self._headers(driver, flags, source))
         if headers is None:
             self._compile_preprocessed(driver, flags, source, output, keep)
             return
@@ -406,6 +440,15 @@ class _Inferrer:
             raise InferError(f"no model for build command {program!r} ({line!r})")
 
 
+def _split(line: str) -> list[str] | None:
+    """A command's words, or None if it uses shell syntax."""
+    if _SHELL_SYNTAX.search(line):
+        return None
+    if not any(quote in line for quote in "'\"\\"):
+        return line.split()  # what shlex.split gives for a line without quotes or escapes
+    return shlex.split(line)
+
+
 def _dependencies(rule: str) -> list[str]:
     """The prerequisites of a make rule as ``cc -MM`` and ``-MMD`` write it."""
     text = rule.replace("\\\n", " ")
@@ -468,11 +511,12 @@ def infer(source_dir: str | Path, target: str, *, make: str = "make",
     graph = BuildGraph(source_dir=src)
     inferrer = _Inferrer(src, graph, toolchain or Toolchain(), preprocess=preprocess)
     lines = make_commands(src, target, make=make)
-    words = {line: None if _SHELL_SYNTAX.search(line) else shlex.split(line) for line in lines}
+    words = {line: _split(line) for line in lines}
     with ThreadPoolExecutor(max_workers=PREPROCESS_THREADS) as pool:
         inferrer.pool = pool
         for line in lines:
             inferrer.prepare(words[line])
+        inferrer.wait_for_tools()
         for line in lines:
             inferrer.step(line, words[line])
     return graph, graph.target(target)

@@ -266,3 +266,11 @@ def test_cli_reports_bad_input_with_a_clear_error(tmp_path: Path, capsys) -> Non
     assert "--jobs must be at least 1" in capsys.readouterr().err
     assert gg_main(["hash", str(missing)]) == 2
     assert "No such file" in capsys.readouterr().err
+
+
+def test_ray_queues_tasks_only_where_the_cluster_bounds_what_runs(local_cluster) -> None:
+    engine = make_engine("ray", "unused", workers=2)
+    # The session's cluster has 2 CPUs: with 2 jobs Ray itself runs at most 2 thunks, and
+    # a queued one starts as soon as one finishes; with 1 job only 1 may be submitted.
+    assert engine.window(2) == 4
+    assert engine.window(1) == 1

@@ -215,11 +215,13 @@ def test_cli_hash_prints_ggs_name(tmp_path: Path) -> None:
     assert out.getvalue() == content_name(b"abc") + "\n"
 
 
-def test_cli_build_writes_the_target(local_cluster, project: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [[], ["--preprocess"]])
+def test_cli_build_writes_the_target(local_cluster, project: Path, tmp_path: Path,
+                                     extra: list[str]) -> None:
     out = io.StringIO()
     status = gg_main(["build", str(project), "app", "--out", str(tmp_path / "out"),
                       "--engine", "ray", "--jobs", "2", "--address", local_cluster.ray_address,
-                      "--no-progress"], out=out)
+                      "--no-progress", *extra], out=out)
     assert status == 0, out.getvalue()
     assert run(tmp_path / "out" / "app", "1") == "hello 1 314\n"
     text = out.getvalue()

@@ -15,7 +15,7 @@ from pocketflow_gg.errors import GGError
 from pocketflow_gg.force import fetch_outputs, force, hints_for
 from pocketflow_gg.infer import infer
 from pocketflow_gg.objects import file_name
-from pocketflow_gg.worker import forget_executables
+from pocketflow_gg.worker import trim_executables
 
 
 def _format_bytes(n: int) -> str:
@@ -86,7 +86,7 @@ def _build(args: argparse.Namespace, out: TextIO) -> int:
             pocketflow.register_job(f"gg-{args.target}", hints, cluster=cluster))
         store = PocketflowStore(job.handle.to_json())
         stack.callback(store.close)
-        stack.callback(forget_executables, store.store_id)
+        stack.callback(trim_executables)
         store.create_buckets()
         engine = make_engine(args.engine, store.spec, workers=args.jobs)
         stack.callback(engine.close)

@@ -8,8 +8,10 @@ records the reduction (thunk name -> output name). Layout of the private directo
 hash-named path (as in gg), so compilers find their own files through the thunk's envars
 (``GCC_EXEC_PREFIX``) and ``-B`` arguments, not through where they were installed.
 
-Executables are content-named, so a worker keeps those it fetched in a per-job directory on its
-machine (like gg's blob directory on a warm Lambda) and reuses them across thunks.
+Executables are content-named, so workers keep those they fetched in one directory per machine
+(like gg's blob directory on a warm Lambda) and reuse them across thunks and jobs: a name is its
+bytes, checked when they are fetched. The directory is kept under ``EXE_CACHE_BYTES_MAX``, least
+recently used first, never removing a file used in the last ``EXE_CACHE_KEEP_S``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ a time; more serve a worker that runs several at once)."""
 STORES_CACHED_MAX = 4
 """Open stores a worker process keeps (one per build it serves)."""
 EXE_CACHE_ROOT = Path(tempfile.gettempdir()) / f"pocketflow-gg-{os.getuid()}"
+EXE_CACHE_BYTES_MAX = 2 << 30
+"""Most bytes of executables a machine keeps (a gcc toolchain is about 40 MB)."""
+EXE_CACHE_KEEP_S = 600.0
+"""An executable used this recently is never removed (a thunk may be about to link it)."""
+EXE_CACHE_TOUCH_S = 60.0
+"""A cached executable's time of use is refreshed when older than this (not at every use)."""
 
 _stores: OrderedDict[str, Store] = OrderedDict()
 _stores_lock = threading.Lock()
@@ -62,15 +70,37 @@ def _store(spec: str) -> Store:
         return store
 
 
-def exe_cache_dir(store_id: str) -> Path:
-    """Where workers on this machine keep the executables of the build in store ``store_id``."""
-    return EXE_CACHE_ROOT / store_id.replace("/", "_")
+def exe_cache_dir() -> Path:
+    """Where workers on this machine keep the executables they fetched, by content name."""
+    return EXE_CACHE_ROOT / "executables"
 
 
-def forget_executables(store_id: str) -> None:
-    """Remove this machine's cached executables of the build in store ``store_id`` (the driver
-    calls it when the job ends; workers on other machines drop theirs with their temp dirs)."""
-    shutil.rmtree(exe_cache_dir(store_id), ignore_errors=True)
+def trim_executables(bytes_max: int = EXE_CACHE_BYTES_MAX) -> int:
+    """Remove this machine's least recently used executables until they take at most
+    ``bytes_max`` (none used in the last ``EXE_CACHE_KEEP_S``); returns the bytes removed."""
+    try:
+        found = list(os.scandir(exe_cache_dir()))
+    except FileNotFoundError:
+        return 0
+    entries = []
+    for entry in found:
+        try:
+            stat = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        entries.append((stat.st_mtime, stat.st_size, entry.path))
+    total = sum(size for _, size, _ in entries)
+    removed = 0
+    keep_after = time.time() - EXE_CACHE_KEEP_S
+    for used, size, path in sorted(entries):
+        if total - removed <= bytes_max or used >= keep_after:
+            break
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed += size
+    return removed
 
 
 def _safe_relative(filename: str) -> PurePosixPath:
@@ -97,14 +127,18 @@ def _checked(name: str, data: bytes) -> bytes:
 
 
 def _executable(store: Store, name: str) -> Path:
-    cache = exe_cache_dir(store.store_id)
-    path = cache / name
+    path = exe_cache_dir() / name
     try:
-        if path.stat().st_size == size_of(name):
-            return path
+        stat = path.stat()
     except FileNotFoundError:
         pass
+    else:
+        if stat.st_size == size_of(name):
+            if time.time() - stat.st_mtime > EXE_CACHE_TOUCH_S:
+                os.utime(path)
+            return path
     _write(path, _checked(name, need(store, BLOBS, name)), executable=True)
+    trim_executables()
     return path
 
 

@@ -8,10 +8,12 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pocketflow_gg import worker
 from pocketflow_gg.cli import main as gg_main
 from pocketflow_gg.engines import make_engine
 from pocketflow_gg.errors import InferError, ThunkFailed
@@ -19,7 +21,7 @@ from pocketflow_gg.force import fetch_outputs, force, graph_width, hints_for
 from pocketflow_gg.infer import infer
 from pocketflow_gg.objects import content_name, file_name
 from pocketflow_gg.store import BLOBS, PocketflowStore, RedisStore
-from pocketflow_gg.worker import exe_cache_dir, forget_executables
+from pocketflow_gg.worker import exe_cache_dir, trim_executables
 
 import pocketflow
 
@@ -45,7 +47,6 @@ def gg_store(local_cluster, request) -> Iterator[PocketflowStore]:
             yield store
         finally:
             store.close()
-            forget_executables(store.store_id)
 
 
 def run(path: Path, *args: str) -> str:
@@ -127,8 +128,8 @@ def test_force_builds_the_project_on_workers(project: Path, gg_store: Pocketflow
         engine.close()
     assert len(result.ran) == 5 and not result.reused
     assert all(r["pid"] != os.getpid() for r in result.reports)  # workers, not the driver
-    assert sorted(p.name for p in exe_cache_dir(gg_store.store_id).iterdir()) == sorted(
-        graph.executables)  # workers keep the content-named executables they fetched
+    # Workers keep the content-named executables they fetched, for later thunks and jobs.
+    assert graph.executables <= {p.name for p in exe_cache_dir().iterdir()}
     (app,) = fetch_outputs(gg_store, graph.thunks[target], result.outputs, tmp_path / "out")
     assert run(app, "4") == "hello 16 5024\n"
     subprocess.run(["make", "-s", "app"], cwd=project, check=True, timeout=60)
@@ -249,7 +250,6 @@ def test_the_same_thunks_run_with_redis_as_the_store(local_cluster, project: Pat
             result = force(graph, target, store=store, engine=engine, jobs=2)
         finally:
             engine.close()
-            forget_executables(store.store_id)
         (app,) = fetch_outputs(store, graph.thunks[target], result.outputs, tmp_path)
         assert run(app, "3") == "hello 9 2826\n"
         assert result.deleted_bytes > 0
@@ -276,3 +276,20 @@ def test_ray_queues_tasks_only_where_the_cluster_bounds_what_runs(local_cluster)
     # a queued one starts as soon as one finishes; with 1 job only 1 may be submitted.
     assert engine.window(2) == 4
     assert engine.window(1) == 1
+
+
+def test_the_executable_cache_drops_the_least_recently_used_beyond_its_bound(
+        tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(worker, "EXE_CACHE_ROOT", tmp_path)
+    cache = exe_cache_dir()
+    cache.mkdir(parents=True)
+    now = time.time()
+    ages = {"old": 3000, "older": 4000, "recent": 10}
+    for name, age in ages.items():
+        (cache / name).write_bytes(b"x" * 1000)
+        os.utime(cache / name, (now - age, now - age))
+    # Over the bound by 2,000 bytes: the two least recently used go ...
+    assert trim_executables(bytes_max=1000) == 2000
+    assert sorted(p.name for p in cache.iterdir()) == ["recent"]
+    # ... but nothing used in the last EXE_CACHE_KEEP_S, whatever the bound.
+    assert trim_executables(bytes_max=0) == 0

@@ -54,6 +54,12 @@ EXE_CACHE_KEEP_S = 600.0
 EXE_CACHE_TOUCH_S = 60.0
 """A cached executable's time of use is refreshed when older than this (not at every use)."""
 
+VALUE_CACHE_BYTES_MAX = 64 << 20
+"""Most bytes of values read without DELETE (headers, read by many thunks) a worker process
+keeps by content name."""
+VALUE_CACHE_ITEM_BYTES_MAX = 1 << 20
+"""Larger values are not kept."""
+
 _stores: OrderedDict[str, Store] = OrderedDict()
 _stores_lock = threading.Lock()
 
@@ -68,6 +74,38 @@ def _store(spec: str) -> Store:
         while len(_stores) > STORES_CACHED_MAX:
             _stores.popitem(last=False)[1].close()
         return store
+
+
+class _ValueCache:
+    """Values by content name (a name is its bytes, so a kept value never goes stale), least
+    recently used dropped first, at most ``VALUE_CACHE_BYTES_MAX``."""
+
+    def __init__(self, bytes_max: int) -> None:
+        self._values: OrderedDict[str, bytes] = OrderedDict()
+        self._bytes = 0
+        self._bytes_max = bytes_max
+        self._lock = threading.Lock()
+
+    def take(self, names: list[str]) -> dict[str, bytes]:
+        with self._lock:
+            found = {n: self._values[n] for n in names if n in self._values}
+            for name in found:
+                self._values.move_to_end(name)
+            return found
+
+    def keep(self, name: str, data: bytes) -> None:
+        if len(data) > VALUE_CACHE_ITEM_BYTES_MAX:
+            return
+        with self._lock:
+            if name in self._values:
+                return
+            self._values[name] = data
+            self._bytes += len(data)
+            while self._bytes > self._bytes_max:
+                self._bytes -= len(self._values.popitem(last=False)[1])
+
+
+_shared_values = _ValueCache(VALUE_CACHE_BYTES_MAX)
 
 
 def exe_cache_dir() -> Path:
@@ -194,13 +232,16 @@ def run_thunk(store_spec: str, thunk_name: str) -> dict[str, Any]:
         path_of: dict[str, str] = {}
         referenced = {n for text in (*thunk.args, *thunk.envars) for n in placeholders_in(text)}
         # One batch for the inputs read with DELETE, one for the others.
+        # Values read by several thunks (headers) are kept by name in this process.
         names = list(dict.fromkeys(name for name, _ in thunk.values))
-        fetched_values: dict[str, bytes] = {}
+        fetched_values = _shared_values.take([n for n in names if n not in deleting])
         for delete in (True, False):
-            group = [n for n in names if (n in deleting) == delete]
+            group = [n for n in names if (n in deleting) == delete and n not in fetched_values]
             for name, data in zip(group, store.get_many(BLOBS, group, delete=delete),
                                   strict=True):
                 fetched_values[name] = _checked(name, data)
+                if not delete:
+                    _shared_values.keep(name, data)
         made = {workdir}
         for name, filename in thunk.values:
             # The directory is the thunk's own: no other process sees a half-written file.

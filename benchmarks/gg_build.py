@@ -14,7 +14,8 @@ the same cores (the embedded local cluster pins Ray to ``--jobs`` CPUs; ``make``
 
 - ``make``: ``make -B -jN lua`` in the source directory, at niceness 19 like the thunks'
   compilers (a shared machine's other load then slows both alike).
-- ``gg-pocketflow``: :func:`pocketflow_gg.infer` (``make -n`` and local ``gcc -E``), a job
+- ``gg-pocketflow``: :func:`pocketflow_gg.infer` (``make -n``, each compile carrying its source
+  and project headers), a job
   registered with the graph's hints, :func:`pocketflow_gg.force` on the engine's workers with
   DELETE for inputs read once and PERSIST for the target, and the target fetched to disk.
 - ``gg-pocketflow-no-delete``: the same without DELETE, for the peak capacity DELETE saves.
@@ -238,8 +239,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['machine'].get('cores_usable', '?')} cores usable): "
         + ", ".join(f"{v} {row['load_avg_1m']:.1f}" for v, row in s.items()),
         "",
-        "Job time for gg includes inference (`make -n`, `gcc -E` of every source on the "
-        "driver), registration, uploading values and executables, forcing and fetching `lua`. "
+        "Job time for gg includes inference (`make -n`, the headers of each source from its "
+        "`#include` lines, hashing), registration, uploading values and executables, forcing "
+        "and fetching `lua`. "
         "Storage I/O per thunk with executable fetches counts fetching an executable (cc1 is "
         "33 MB) the first time a machine needs it; workers keep executables by content name "
         "in one directory per machine, so after the warm-up builds no thunk fetches one.",

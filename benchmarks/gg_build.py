@@ -14,7 +14,8 @@ the same cores (the embedded local cluster pins Ray to ``--jobs`` CPUs; ``make``
 
 - ``make``: ``make -B -jN lua`` in the source directory, at niceness 19 like the thunks'
   compilers (a shared machine's other load then slows both alike).
-- ``gg-pocketflow``: :func:`pocketflow_gg.infer` (``make -n`` and local ``gcc -E``), a job
+- ``gg-pocketflow``: :func:`pocketflow_gg.infer` (``make -n``, each compile carrying its source
+  and project headers), a job
   registered with the graph's hints, :func:`pocketflow_gg.force` on the engine's workers with
   DELETE for inputs read once and PERSIST for the target, and the target fetched to disk.
 - ``gg-pocketflow-no-delete``: the same without DELETE, for the peak capacity DELETE saves.
@@ -52,7 +53,10 @@ from benchmarks.machine import git_commit, machine, now_iso, package_versions, t
 from benchmarks.peers import RedisPeer
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SAMPLE_INTERVAL_S = 0.05
+SAMPLE_INTERVAL_S = 0.25
+"""How often the store's used bytes are sampled. pocketflow's servers refresh the figure once a
+second, so sampling faster finds no higher peak; each sample is a controller call, and at every
+50 ms they took about 0.05 CPU-seconds per second from the build being measured."""
 VARIANTS = ("make", "gg-pocketflow", "gg-pocketflow-no-delete", "gg-redis")
 WARMUP_VARIANTS = ("make", "gg-pocketflow")
 CLUSTER_SHAPE = dict(dram_servers=2, nvme_servers=1, dram_capacity="256MiB",
@@ -112,7 +116,6 @@ def run_gg(variant: str, src: Path, jobs: int, repeat: int, *, cluster: Any, eng
     from pocketflow_gg.infer import infer
     from pocketflow_gg.objects import file_name, size_of
     from pocketflow_gg.store import PocketflowStore, RedisStore
-    from pocketflow_gg.worker import forget_executables
 
     import pocketflow
     from pocketflow.demo import PeakSampler
@@ -138,7 +141,6 @@ def run_gg(variant: str, src: Path, jobs: int, repeat: int, *, cluster: Any, eng
     finally:
         engine.close()
         store.close()
-        forget_executables(store.store_id)
         if job is not None:
             job.deregister()
     check = subprocess.run([str(built), "-e", "print(6*7)"], capture_output=True, text=True,
@@ -237,11 +239,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['machine'].get('cores_usable', '?')} cores usable): "
         + ", ".join(f"{v} {row['load_avg_1m']:.1f}" for v, row in s.items()),
         "",
-        "Job time for gg includes inference (`make -n`, `gcc -E` of every source on the "
-        "driver), registration, uploading values and executables, forcing and fetching `lua`. "
-        "Storage I/O per thunk includes fetching executables (cc1 is 33 MB) the first time a "
-        "worker process needs them; the per-job executable cache on the machine serves later "
-        "thunks.",
+        "Job time for gg includes inference (`make -n`, the headers of each source from its "
+        "`#include` lines, hashing), registration, uploading values and executables, forcing "
+        "and fetching `lua`. "
+        "Storage I/O per thunk with executable fetches counts fetching an executable (cc1 is "
+        "33 MB) the first time a machine needs it; workers keep executables by content name "
+        "in one directory per machine, so after the warm-up builds no thunk fetches one.",
     ]
     return "\n".join(lines) + "\n"
 

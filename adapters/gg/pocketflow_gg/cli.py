@@ -15,7 +15,7 @@ from pocketflow_gg.errors import GGError
 from pocketflow_gg.force import fetch_outputs, force, hints_for
 from pocketflow_gg.infer import infer
 from pocketflow_gg.objects import file_name
-from pocketflow_gg.worker import forget_executables
+from pocketflow_gg.worker import trim_executables
 
 
 def _format_bytes(n: int) -> str:
@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="Ray address of a running pocketflow cluster (`pocketflow up`)")
     build.add_argument("--no-delete", action="store_true",
                        help="keep intermediate objects (no DELETE-on-read)")
+    build.add_argument("--preprocess", action="store_true",
+                       help="preprocess sources here, as gg's model does, so that workers need "
+                            "no headers (by default a compile carries its project headers and "
+                            "workers use their own system headers)")
     build.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -66,7 +70,7 @@ def _build(args: argparse.Namespace, out: TextIO) -> int:
     from pocketflow_gg.store import PocketflowStore
 
     started = time.perf_counter()
-    graph, target = infer(args.source_dir, args.target)
+    graph, target = infer(args.source_dir, args.target, preprocess=args.preprocess)
     hints = hints_for(graph, target)
     print(f"inferred {len(graph.thunks)} thunks ({len(graph.values)} values, "
           f"{_format_bytes(graph.total_bytes())}) in {time.perf_counter() - started:.1f} s",
@@ -82,7 +86,7 @@ def _build(args: argparse.Namespace, out: TextIO) -> int:
             pocketflow.register_job(f"gg-{args.target}", hints, cluster=cluster))
         store = PocketflowStore(job.handle.to_json())
         stack.callback(store.close)
-        stack.callback(forget_executables, store.store_id)
+        stack.callback(trim_executables)
         store.create_buckets()
         engine = make_engine(args.engine, store.spec, workers=args.jobs)
         stack.callback(engine.close)

@@ -14,6 +14,11 @@ WAIT_POLL_S = 0.05
 """How often the Lithops engine looks for finished calls."""
 LITHOPS_WINDOW_PER_WORKER = 32
 """Calls the Lithops engine keeps submitted per worker process."""
+RAY_QUEUED_PER_JOB = 1
+"""Ray tasks the driver keeps submitted per running one when the cluster's CPUs already bound
+what runs at once to ``jobs``: Ray hands a queued task to the worker that finishes one at once,
+instead of the worker idling while the driver hears of the finish, records it and submits the
+next. On a cluster with more CPUs than ``jobs``, ``jobs`` are submitted at a time."""
 RUNTIME_PACKAGES = ("pocketflow", "pocketflow_gg")
 """Packages a Lithops runtime must have installed (pocketflow's native client core cannot
 travel as a pickled module): every submission passes them as ``exclude_modules``, so Lithops'
@@ -40,7 +45,8 @@ class Engine(Protocol):
 
 
 class RayEngine:
-    """One Ray task per thunk (``num_cpus=1``)."""
+    """One Ray task per thunk (``num_cpus=1``): Ray runs as many at once as the cluster has
+    CPUs for (``jobs`` on the embedded local cluster)."""
 
     def __init__(self) -> None:
         import ray
@@ -52,7 +58,8 @@ class RayEngine:
         self._task = ray.remote(num_cpus=1, max_retries=0)(run_thunk)
 
     def window(self, jobs: int) -> int:
-        return jobs
+        cpus = self._ray.cluster_resources().get("CPU", 0)
+        return jobs * (1 + RAY_QUEUED_PER_JOB) if cpus <= jobs else jobs
 
     def submit_many(self, store_spec: str, thunk_names: list[str]) -> list[Any]:
         return [self._task.remote(store_spec, name) for name in thunk_names]

@@ -20,9 +20,11 @@ from pocketflow_gg.thunk import Thunk
 
 THUNK_TIMEOUT_DEFAULT_S = 900.0
 """How long the driver waits for any one call to finish before giving up on the build."""
-EXISTS_CHECK_MIN_BYTES = 256 * 1024
-"""Values at least this large are looked up before they are uploaded (executables)."""
 JOBS_MAX = 1024
+UPLOAD_BATCH_MAX = 256
+"""Most small objects the driver writes in one batch."""
+UPLOAD_BATCH_BYTES_MAX = 8 << 20
+"""Most bytes the driver writes in one batch; a larger object (an executable) is put alone."""
 
 
 @dataclass
@@ -71,22 +73,26 @@ def hints_for(graph: BuildGraph, target: str) -> dict[str, Any]:
 
 def upload(graph: BuildGraph, store: Store, thunks: Iterable[str] | None = None) -> int:
     """Write the values and executables of ``thunks`` (default: every thunk of the graph) and
-    the thunks themselves to the store, skipping what is there; returns the bytes written."""
+    the thunks themselves to the store, skipping what is there (found in one batch); returns
+    the bytes written. Small objects go in batches, large ones (executables) one by one."""
     names = list(graph.thunks) if thunks is None else list(thunks)
-    needed = dict.fromkeys(n for t in names for n, _ in (*graph.thunks[t].values,
-                                                          *graph.thunks[t].executables))
-    written = 0
-    for name in needed:
-        if size_of(name) >= EXISTS_CHECK_MIN_BYTES and store.exists(BLOBS, name):
+    needed = list(dict.fromkeys(n for t in names for n, _ in (*graph.thunks[t].values,
+                                                               *graph.thunks[t].executables)))
+    before = store.stats.bytes_written
+    batch: list[tuple[str, bytes]] = []
+    batch_bytes = 0
+    for name in store.missing(BLOBS, needed + names):
+        if size_of(name) >= UPLOAD_BATCH_BYTES_MAX:
+            store.put(BLOBS, name, graph.value_bytes(name))
             continue
-        data = graph.value_bytes(name)
-        if store.put(BLOBS, name, data):
-            written += len(data)
-    for name in names:
-        data = graph.thunks[name].data
-        if store.put(BLOBS, name, data):
-            written += len(data)
-    return written
+        data = graph.thunks[name].data if name in graph.thunks else graph.value_bytes(name)
+        batch.append((name, data))
+        batch_bytes += len(data)
+        if len(batch) >= UPLOAD_BATCH_MAX or batch_bytes >= UPLOAD_BATCH_BYTES_MAX:
+            store.put_many(BLOBS, batch)
+            batch, batch_bytes = [], 0
+    store.put_many(BLOBS, batch)
+    return store.stats.bytes_written - before
 
 
 class _Forcer:
@@ -103,6 +109,10 @@ class _Forcer:
         self.progress = progress or (lambda event, name: None)
         self.timeout_s = timeout_s
         self.reductions: dict[str, str] = {}  # thunk reference -> value name
+        # Reductions recorded before this force, of every thunk of the graph: one batch.
+        self.recorded: dict[str, bytes] = (store.get_found(REDUCTIONS, [
+            ref for thunk in graph.thunks.values() for ref in thunk.output_names()])
+            if reuse else {})
         self.order = self._reachable()
         self.dependents: dict[str, set[str]] = {n: set() for n in self.order}
         self.waiting_on: dict[str, set[str]] = {}
@@ -163,15 +173,15 @@ class _Forcer:
         if not self.reuse:
             return None
         for candidate in dict.fromkeys((original, rewritten)):
-            outputs = []
-            for ref in candidate.output_names():
-                data = self.store.get(REDUCTIONS, ref)
-                if data is None:
-                    break
-                outputs.append(data.decode())
-            else:
-                if all(not is_thunk(o) and self.store.exists(BLOBS, o) for o in outputs):
-                    return outputs
+            refs = candidate.output_names()
+            recorded = (self.recorded if candidate is original
+                        else self.store.get_found(REDUCTIONS, refs))
+            if not all(ref in recorded for ref in refs):
+                continue
+            outputs = [recorded[ref].decode() for ref in refs]
+            if (not any(is_thunk(o) for o in outputs)
+                    and not self.store.missing(BLOBS, list(dict.fromkeys(outputs)))):
+                return outputs
         return None
 
     def _record(self, original: Thunk, outputs: list[str]) -> None:
@@ -207,14 +217,16 @@ class _Forcer:
                     self.progress("reused", name)
                     self._finish(original, outputs, ready)
                     continue
-                if rewritten.name != original.name:
-                    self.store.put(BLOBS, rewritten.name, rewritten.data)
-                plan = self._plan(original, rewritten)
-                self.store.put(BLOBS, plan_key(rewritten.name), plan.to_bytes(),
-                               overwrite=True)
                 batch.append((original, rewritten))
                 self.progress("started", name)
             if batch:
+                # A rewritten thunk and each plan, in one batch before the calls start.
+                self.store.put_many(BLOBS, [
+                    item for original, rewritten in batch for item in (
+                        *(((rewritten.name, rewritten.data),)
+                          if rewritten.name != original.name else ()),
+                        (plan_key(rewritten.name),
+                         self._plan(original, rewritten).to_bytes()))], overwrite=True)
                 calls = self.engine.submit_many(self.store.spec, [r.name for _, r in batch])
                 in_flight.update(zip(calls, batch, strict=True))
             if not in_flight:
@@ -234,7 +246,9 @@ class _Forcer:
                 result.deleted_bytes += outcome["deleted_bytes"]
                 result.peak_live_bytes = max(result.peak_live_bytes, live)
                 self.progress("done", original.name)
-                self._finish(original, outcome["outputs"], ready)
+                # The worker recorded the reduction of the thunk it ran.
+                self._finish(original, outcome["outputs"], ready,
+                             recorded=rewritten.name == original.name)
         if self.target not in {r.split("#", 1)[0] for r in self.reductions}:
             raise GGError(f"the graph of {self.target} did not reduce (a cycle?)")
         target = self.graph.thunks[self.target]
@@ -242,10 +256,14 @@ class _Forcer:
         result.job_s = time.perf_counter() - started
         return result
 
-    def _finish(self, original: Thunk, outputs: list[str], ready: list[str]) -> None:
+    def _finish(self, original: Thunk, outputs: list[str], ready: list[str], *,
+                recorded: bool = False) -> None:
         self._record(original, outputs)
-        for ref, output in zip(original.output_names(), outputs, strict=True):
-            self.store.put(REDUCTIONS, ref, output.encode(), overwrite=True)
+        if not recorded:
+            self.store.put_many(REDUCTIONS, [
+                (ref, output.encode())
+                for ref, output in zip(original.output_names(), outputs, strict=True)],
+                overwrite=True)
         for dependent in sorted(self.dependents[original.name]):
             waiting = self.waiting_on[dependent]
             waiting.discard(original.name)

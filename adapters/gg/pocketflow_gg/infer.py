@@ -2,9 +2,13 @@
 
 ``make -n -B TARGET`` prints every command the build runs. Each compile (``cc -c``), archive
 (``ar``), ``ranlib`` and link step becomes a thunk; file bookkeeping (``touch``, ``echo``, ``rm``,
-``mkdir``) is skipped; anything else is an :class:`InferError`. A compile is preprocessed here,
-on the driver (``cc -E``, with ``-MMD`` for its list of headers, which ``cc -MM`` would print),
-and its thunk compiles the ``.i`` value, so workers need no headers. A step's input produced by
+``mkdir``) is skipped; anything else is an :class:`InferError`. A compile thunk carries its
+source and the project headers it includes (the list ``cc -MM`` prints, found by reading
+``#include`` lines, see :mod:`pocketflow_gg.includes`) as values at their paths and runs make's
+own command, so it costs what make's compile costs. With ``preprocess`` (gg's own model), or
+where the headers cannot be listed that way, the source is preprocessed here, on the driver
+(``cc -E``, with ``-MMD`` for its list of headers), and its thunk compiles the ``.i`` value, so
+workers need no headers at all. A step's input produced by
 an earlier step is that step's thunk (an entry of ``thunks``); one that is a file of the project
 is a value. The compiler driver, ``cc1``, ``as``, ``collect2``, ``ld``, ``ar`` and ``ranlib``
 are executables of the thunks, named by content; each thunk sets ``GCC_EXEC_PREFIX`` (the host
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pocketflow_gg.errors import InferError
+from pocketflow_gg.includes import IncludeScanner
 from pocketflow_gg.objects import content_name, file_name, size_of
 from pocketflow_gg.thunk import Entry, Thunk
 
@@ -147,28 +152,64 @@ class Toolchain:
 
 
 class _Inferrer:
-    def __init__(self, source_dir: Path, graph: BuildGraph, tools: Toolchain) -> None:
+    def __init__(self, source_dir: Path, graph: BuildGraph, tools: Toolchain, *,
+                 preprocess: bool) -> None:
         self.src = source_dir
         self.graph = graph
         self.tools = tools
+        self.preprocess = preprocess
+        self.scanner = IncludeScanner(source_dir)
         self.pool: ThreadPoolExecutor | None = None
         self._preprocessed: dict[tuple[str, ...], Future] = {}
+        self._file_names: dict[str, str] = {}  # project file -> its name, hashed once
+        self._header_lists: dict[tuple[str, ...], tuple[str, ...] | None] = {}
+        self._warming: dict[str, Future] = {}
 
-    def prepare(self, line: str) -> None:
-        """Start preprocessing ``line``'s source if it is a compile (all compiles of a build
-        are preprocessed in parallel, as make -j would compile them)."""
-        if _SHELL_SYNTAX.search(line) or self.pool is None:
+    def prepare(self, argv: list[str] | None) -> None:
+        """Start the work of a step that can run ahead, on the pool: the tools it runs are
+        located and hashed (the first time they are met), a compile that will be preprocessed
+        here is preprocessed (all of them in parallel, as make -j would compile them). Here, on
+        the calling thread meanwhile, a compile's headers are found and its files hashed."""
+        if not argv or self.pool is None:
             return
-        argv = shlex.split(line)
-        if argv and _COMPILER.match(os.path.basename(argv[0])) and "-c" in argv:
-            try:
-                driver, flags, source = self._compile_parts(argv)[:3]
-            except InferError:
-                return  # step() raises it again, in order
-            key = (str(driver), *flags, source)
-            if key not in self._preprocessed:
-                self._preprocessed[key] = self.pool.submit(self._preprocess, driver, flags,
-                                                           source)
+        program = os.path.basename(argv[0])
+        tool_kind = ("compiler" if _COMPILER.match(program)
+                     else "tool" if _AR.match(program) or _RANLIB.match(program) else None)
+        if tool_kind is not None and argv[0] not in self._warming:
+            self._warming[argv[0]] = self.pool.submit(self._warm, argv[0], tool_kind)
+        if tool_kind != "compiler" or "-c" not in argv:
+            return
+        try:
+            driver, flags, source = self._compile_parts(argv)[:3]
+        except InferError:
+            return  # step() raises it again, in order
+        key = (str(driver), *flags, source)
+        preprocess = self.preprocess or not _inside_project(source)
+        if not preprocess:
+            if key not in self._header_lists:
+                self._header_lists[key] = self._headers(driver, flags, source)
+                for filename in (source, *(self._header_lists[key] or ())):
+                    if (self.src / filename).is_file():
+                        self._input(filename)  # hashed now, while the tools are
+            preprocess = self._header_lists[key] is None
+        if preprocess and key not in self._preprocessed:
+            self._preprocessed[key] = self.pool.submit(self._preprocess, driver, flags, source)
+
+    def _warm(self, program: str, kind: str) -> None:
+        """Locate and hash a tool and, for a compiler driver, the programs it runs."""
+        try:
+            path = self.tools.which(program)
+            self.tools.name_of(path)
+            if kind == "compiler":
+                self.tools.exec_prefix(path)
+                for name in ("cc1", "as", "collect2", "ld"):
+                    self.tools.name_of(self.tools.prog(path, name))
+        except InferError:
+            pass  # the step that needs it raises it, in order
+
+    def wait_for_tools(self) -> None:
+        for started in self._warming.values():
+            started.result()
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -187,7 +228,9 @@ class _Inferrer:
         path = self.src / key
         if not path.is_file():
             raise InferError(f"input {filename!r} is neither a project file nor built earlier")
-        name = file_name(path)
+        name = self._file_names.get(key)
+        if name is None:
+            name = self._file_names[key] = file_name(path)
         self.graph.values[name] = path
         return "values", name
 
@@ -246,6 +289,56 @@ class _Inferrer:
 
     def compile(self, argv: list[str]) -> None:
         driver, flags, source, output, keep = self._compile_parts(argv)
+        key = (str(driver), *flags, source)
+        headers = (None if self.preprocess
+                   else self._header_lists[key] if key in self._header_lists
+                   else self._headers(driver, flags, source))
+        if headers is None:
+            self._compile_preprocessed(driver, flags, source, output, keep)
+            return
+        values, thunks = self._inputs_entries([source, *headers])
+        thunk = Thunk(
+            function_hash=self._exe(driver),
+            args=("gcc", "-B", "bin/", *_without_dependency_options(argv[1:])),
+            envars=(f"GCC_EXEC_PREFIX={self.tools.exec_prefix(driver)}",),
+            values=values,
+            thunks=thunks,
+            executables=self._compiler_executables(driver),
+            outputs=(output,),
+        )
+        self._add("compile", thunk, output, [source], headers)
+
+    def _headers(self, driver: Path, flags: list[str], source: str) -> tuple[str, ...] | None:
+        """The project headers a compile of ``source`` reads, so that its thunk can carry them
+        (a header an earlier step makes is that step's output); ``None`` if it must be
+        preprocessed here instead (a path outside the project)."""
+        if not _inside_project(source):
+            return None
+        headers = self.scanner.headers(source, flags)
+        if headers is None:
+            headers = self._headers_from_compiler(driver, flags, source)
+        return headers
+
+    def _headers_from_compiler(self, driver: Path, flags: list[str],
+                               source: str) -> tuple[str, ...] | None:
+        """What ``cc -MM`` lists, when reading ``#include`` lines is not enough."""
+        result = subprocess.run([str(driver), *flags, "-MM", source], cwd=self.src,
+                                capture_output=True, timeout=PREPROCESS_TIMEOUT_S, check=False)
+        if result.returncode != 0:
+            raise InferError(f"finding the headers of {source} failed: "
+                             f"{result.stderr.decode(errors='replace')[-2000:]}")
+        headers = tuple(os.path.normpath(h) for h in _dependencies(result.stdout.decode())
+                        if h != source)
+        return headers if all(_inside_project(h) for h in headers) else None
+
+    def _compiler_executables(self, driver: Path) -> tuple[Entry, ...]:
+        return ((self._exe(driver), ""),
+                (self._exe(self.tools.prog(driver, "cc1")), "bin/cc1"),
+                (self._exe(self.tools.prog(driver, "as")), "bin/as"))
+
+    def _compile_preprocessed(self, driver: Path, flags: list[str], source: str, output: str,
+                              keep: list[str]) -> None:
+        """gg's model: preprocess here, and the thunk compiles the ``.i`` value."""
         started = self._preprocessed.get((str(driver), *flags, source))
         preprocessed, headers = (started.result() if started is not None
                                  else self._preprocess(driver, flags, source))
@@ -257,11 +350,7 @@ class _Inferrer:
             args=("gcc", *keep, "-B", "bin/", "-c", i_file, "-o", output),
             envars=(f"GCC_EXEC_PREFIX={self.tools.exec_prefix(driver)}",),
             values=((i_name, i_file),),
-            executables=(
-                (self._exe(driver), ""),
-                (self._exe(self.tools.prog(driver, "cc1")), "bin/cc1"),
-                (self._exe(self.tools.prog(driver, "as")), "bin/as"),
-            ),
+            executables=self._compiler_executables(driver),
             outputs=(output,),
         )
         self._add("compile", thunk, output, [source], headers)
@@ -275,9 +364,8 @@ class _Inferrer:
             if result.returncode != 0:
                 raise InferError(f"preprocessing {source} failed: "
                                  f"{result.stderr.decode(errors='replace')[-2000:]}")
-            deps_text = Path(dep_file).read_text().replace("\\\n", " ")
-        deps = deps_text.split(":", 1)[1].split() if ":" in deps_text else []
-        headers = tuple(d for d in deps if d != source)
+            deps_text = Path(dep_file).read_text()
+        headers = tuple(d for d in _dependencies(deps_text) if d != source)
         return result.stdout, headers
 
     def archive(self, argv: list[str]) -> None:
@@ -332,10 +420,11 @@ class _Inferrer:
         )
         self._add("link", thunk, output, files)
 
-    def step(self, line: str) -> None:
-        if _SHELL_SYNTAX.search(line):
+    def step(self, line: str, argv: list[str] | None) -> None:
+        """Add the thunk of one build command (``argv``: its words, None if it has shell
+        syntax)."""
+        if argv is None:
             raise InferError(f"shell syntax in a build command is not supported: {line!r}")
-        argv = shlex.split(line)
         if not argv:
             return
         program = os.path.basename(argv[0])
@@ -349,6 +438,41 @@ class _Inferrer:
             self.ranlib(argv)
         else:
             raise InferError(f"no model for build command {program!r} ({line!r})")
+
+
+def _split(line: str) -> list[str] | None:
+    """A command's words, or None if it uses shell syntax."""
+    if _SHELL_SYNTAX.search(line):
+        return None
+    if not any(quote in line for quote in "'\"\\"):
+        return line.split()  # what shlex.split gives for a line without quotes or escapes
+    return shlex.split(line)
+
+
+def _dependencies(rule: str) -> list[str]:
+    """The prerequisites of a make rule as ``cc -MM`` and ``-MMD`` write it."""
+    text = rule.replace("\\\n", " ")
+    return text.split(":", 1)[1].split() if ":" in text else []
+
+
+def _inside_project(relative: str) -> bool:
+    path = os.path.normpath(relative)
+    return not os.path.isabs(path) and path != ".." and not path.startswith("../")
+
+
+def _without_dependency_options(words: list[str]) -> list[str]:
+    """A compile's words without those that write a dependency file (a thunk's only outputs
+    are the ones it declares)."""
+    kept: list[str] = []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in _DEPENDENCY_OPTIONS_WITH_ARG:
+            skip = True
+        elif word not in _DEPENDENCY_FLAGS:
+            kept.append(word)
+    return kept
 
 
 def make_commands(source_dir: Path, target: str, *, make: str = "make") -> list[str]:
@@ -372,19 +496,27 @@ def make_commands(source_dir: Path, target: str, *, make: str = "make") -> list[
 
 
 def infer(source_dir: str | Path, target: str, *, make: str = "make",
-          toolchain: Toolchain | None = None) -> tuple[BuildGraph, str]:
+          toolchain: Toolchain | None = None,
+          preprocess: bool = False) -> tuple[BuildGraph, str]:
     """The thunk graph of building ``target`` in ``source_dir`` with make, and the reference of
-    the thunk that produces it."""
+    the thunk that produces it.
+
+    A compile thunk carries its source and the project headers it includes as values at their
+    paths and runs make's own command; with ``preprocess`` (gg's model), or for a source whose
+    headers cannot be carried that way, the source is preprocessed here and the thunk compiles
+    the ``.i`` value, needing no headers on the worker."""
     src = Path(source_dir).resolve()
     if not src.is_dir():
         raise InferError(f"{source_dir} is not a directory")
     graph = BuildGraph(source_dir=src)
-    inferrer = _Inferrer(src, graph, toolchain or Toolchain())
+    inferrer = _Inferrer(src, graph, toolchain or Toolchain(), preprocess=preprocess)
     lines = make_commands(src, target, make=make)
+    words = {line: _split(line) for line in lines}
     with ThreadPoolExecutor(max_workers=PREPROCESS_THREADS) as pool:
         inferrer.pool = pool
         for line in lines:
-            inferrer.prepare(line)
+            inferrer.prepare(words[line])
+        inferrer.wait_for_tools()
         for line in lines:
-            inferrer.step(line)
+            inferrer.step(line, words[line])
     return graph, graph.target(target)

@@ -73,6 +73,15 @@ class Store(Protocol):
 
     def exists(self, bucket: str, key: str) -> bool: ...
 
+    def missing(self, bucket: str, keys: list[str]) -> list[str]:
+        """The keys that hold no object, in one batch."""
+        ...
+
+    def get_found(self, bucket: str, keys: list[str]) -> dict[str, bytes]:
+        """The bytes of the keys that hold an object, in one batch (absent keys are left
+        out)."""
+        ...
+
     def is_persistent(self, bucket: str, key: str) -> bool: ...
 
     def close(self) -> None: ...
@@ -167,6 +176,28 @@ class PocketflowStore(_Timed):
     def exists(self, bucket: str, key: str) -> bool:
         return bool(self._timed(self._client.exists, bucket, key))
 
+    def missing(self, bucket: str, keys: list[str]) -> list[str]:
+        if not keys:
+            return []
+        # A wait of 0 s is one pipelined lookup per server.
+        return list(self._timed(self._client.wait_for, bucket, keys, timeout_s=0))
+
+    def get_found(self, bucket: str, keys: list[str]) -> dict[str, bytes]:
+        from pocketflow.errors import ObjectNotFound, PocketflowError
+
+        if not keys:
+            return {}
+        found: dict[str, bytes] = {}
+        for key, outcome in zip(keys, self._timed(self._client.get_each, bucket, keys),
+                                strict=True):
+            if isinstance(outcome, ObjectNotFound):
+                continue
+            if isinstance(outcome, PocketflowError):
+                raise outcome
+            found[key] = outcome
+            self.stats.bytes_read += len(outcome)
+        return found
+
     def is_persistent(self, bucket: str, key: str) -> bool:
         return bool(self._client.lookup(bucket, key).persist)
 
@@ -241,6 +272,26 @@ class RedisStore(_Timed):
 
     def exists(self, bucket: str, key: str) -> bool:
         return bool(self._timed(self._redis.exists, self._key(bucket, key)))
+
+    def missing(self, bucket: str, keys: list[str]) -> list[str]:
+        if not keys:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self._key(bucket, key))
+        found = self._timed(pipe.execute)
+        return [key for key, there in zip(keys, found, strict=True) if not there]
+
+    def get_found(self, bucket: str, keys: list[str]) -> dict[str, bytes]:
+        if not keys:
+            return {}
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(self._key(bucket, key))
+        datas = self._timed(pipe.execute)
+        found = {key: data for key, data in zip(keys, datas, strict=True) if data is not None}
+        self.stats.bytes_read += sum(len(d) for d in found.values())
+        return found
 
     def is_persistent(self, bucket: str, key: str) -> bool:
         return False

@@ -8,8 +8,10 @@ records the reduction (thunk name -> output name). Layout of the private directo
 hash-named path (as in gg), so compilers find their own files through the thunk's envars
 (``GCC_EXEC_PREFIX``) and ``-B`` arguments, not through where they were installed.
 
-Executables are content-named, so a worker keeps those it fetched in a per-job directory on its
-machine (like gg's blob directory on a warm Lambda) and reuses them across thunks.
+Executables are content-named, so workers keep those they fetched in one directory per machine
+(like gg's blob directory on a warm Lambda) and reuse them across thunks and jobs: a name is its
+bytes, checked when they are fetched. The directory is kept under ``EXE_CACHE_BYTES_MAX``, least
+recently used first, never removing a file used in the last ``EXE_CACHE_KEEP_S``.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -37,9 +41,24 @@ TIMEOUT_DEFAULT_S = 600.0
 """How long a thunk without a timeout of its own may run."""
 STDERR_TAIL_BYTES = 4000
 """How much of a failed function's stderr goes into the error."""
+SPAWNER_THREADS = 4
+"""Threads a worker process starts functions from (Ray runs one thunk per worker process at
+a time; more serve a worker that runs several at once)."""
 STORES_CACHED_MAX = 4
 """Open stores a worker process keeps (one per build it serves)."""
 EXE_CACHE_ROOT = Path(tempfile.gettempdir()) / f"pocketflow-gg-{os.getuid()}"
+EXE_CACHE_BYTES_MAX = 2 << 30
+"""Most bytes of executables a machine keeps (a gcc toolchain is about 40 MB)."""
+EXE_CACHE_KEEP_S = 600.0
+"""An executable used this recently is never removed (a thunk may be about to link it)."""
+EXE_CACHE_TOUCH_S = 60.0
+"""A cached executable's time of use is refreshed when older than this (not at every use)."""
+
+VALUE_CACHE_BYTES_MAX = 64 << 20
+"""Most bytes of values read without DELETE (headers, read by many thunks) a worker process
+keeps by content name."""
+VALUE_CACHE_ITEM_BYTES_MAX = 1 << 20
+"""Larger values are not kept."""
 
 _stores: OrderedDict[str, Store] = OrderedDict()
 _stores_lock = threading.Lock()
@@ -57,15 +76,69 @@ def _store(spec: str) -> Store:
         return store
 
 
-def exe_cache_dir(store_id: str) -> Path:
-    """Where workers on this machine keep the executables of the build in store ``store_id``."""
-    return EXE_CACHE_ROOT / store_id.replace("/", "_")
+class _ValueCache:
+    """Values by content name (a name is its bytes, so a kept value never goes stale), least
+    recently used dropped first, at most ``VALUE_CACHE_BYTES_MAX``."""
+
+    def __init__(self, bytes_max: int) -> None:
+        self._values: OrderedDict[str, bytes] = OrderedDict()
+        self._bytes = 0
+        self._bytes_max = bytes_max
+        self._lock = threading.Lock()
+
+    def take(self, names: list[str]) -> dict[str, bytes]:
+        with self._lock:
+            found = {n: self._values[n] for n in names if n in self._values}
+            for name in found:
+                self._values.move_to_end(name)
+            return found
+
+    def keep(self, name: str, data: bytes) -> None:
+        if len(data) > VALUE_CACHE_ITEM_BYTES_MAX:
+            return
+        with self._lock:
+            if name in self._values:
+                return
+            self._values[name] = data
+            self._bytes += len(data)
+            while self._bytes > self._bytes_max:
+                self._bytes -= len(self._values.popitem(last=False)[1])
 
 
-def forget_executables(store_id: str) -> None:
-    """Remove this machine's cached executables of the build in store ``store_id`` (the driver
-    calls it when the job ends; workers on other machines drop theirs with their temp dirs)."""
-    shutil.rmtree(exe_cache_dir(store_id), ignore_errors=True)
+_shared_values = _ValueCache(VALUE_CACHE_BYTES_MAX)
+
+
+def exe_cache_dir() -> Path:
+    """Where workers on this machine keep the executables they fetched, by content name."""
+    return EXE_CACHE_ROOT / "executables"
+
+
+def trim_executables(bytes_max: int = EXE_CACHE_BYTES_MAX) -> int:
+    """Remove this machine's least recently used executables until they take at most
+    ``bytes_max`` (none used in the last ``EXE_CACHE_KEEP_S``); returns the bytes removed."""
+    try:
+        found = list(os.scandir(exe_cache_dir()))
+    except FileNotFoundError:
+        return 0
+    entries = []
+    for entry in found:
+        try:
+            stat = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        entries.append((stat.st_mtime, stat.st_size, entry.path))
+    total = sum(size for _, size, _ in entries)
+    removed = 0
+    keep_after = time.time() - EXE_CACHE_KEEP_S
+    for used, size, path in sorted(entries):
+        if total - removed <= bytes_max or used >= keep_after:
+            break
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed += size
+    return removed
 
 
 def _safe_relative(filename: str) -> PurePosixPath:
@@ -92,19 +165,51 @@ def _checked(name: str, data: bytes) -> bytes:
 
 
 def _executable(store: Store, name: str) -> Path:
-    cache = exe_cache_dir(store.store_id)
-    path = cache / name
+    path = exe_cache_dir() / name
     try:
-        if path.stat().st_size == size_of(name):
-            return path
+        stat = path.stat()
     except FileNotFoundError:
         pass
+    else:
+        if stat.st_size == size_of(name):
+            if time.time() - stat.st_mtime > EXE_CACHE_TOUCH_S:
+                os.utime(path)
+            return path
     _write(path, _checked(name, need(store, BLOBS, name)), executable=True)
+    trim_executables()
     return path
 
 
 def _lower_priority() -> None:
     os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), FUNCTION_NICENESS))
+
+
+def _lower_this_threads_priority() -> None:
+    # On Linux a nice value belongs to a thread (PRIO_PROCESS with a thread id), and a child
+    # inherits its parent thread's.
+    tid = threading.get_native_id()
+    os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid),
+                                             FUNCTION_NICENESS))
+
+
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def _run_function(argv: list[str], **options: Any) -> subprocess.CompletedProcess:
+    """Run a thunk's function at ``FUNCTION_NICENESS``. On Linux it is started from a thread
+    of this process that runs at that niceness, so that the child inherits it and Python can
+    start it with ``vfork`` (a ``preexec_fn`` would force a ``fork`` of the whole worker
+    process, page tables and all, for every thunk); elsewhere through a ``preexec_fn``."""
+    global _spawner
+    if not sys.platform.startswith("linux"):
+        return subprocess.run(argv, preexec_fn=_lower_priority, **options)
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=SPAWNER_THREADS,
+                                          thread_name_prefix="gg-function",
+                                          initializer=_lower_this_threads_priority)
+    return _spawner.submit(subprocess.run, argv, **options).result()
 
 
 def run_thunk(store_spec: str, thunk_name: str) -> dict[str, Any]:
@@ -127,16 +232,24 @@ def run_thunk(store_spec: str, thunk_name: str) -> dict[str, Any]:
         path_of: dict[str, str] = {}
         referenced = {n for text in (*thunk.args, *thunk.envars) for n in placeholders_in(text)}
         # One batch for the inputs read with DELETE, one for the others.
+        # Values read by several thunks (headers) are kept by name in this process.
         names = list(dict.fromkeys(name for name, _ in thunk.values))
-        fetched_values: dict[str, bytes] = {}
+        fetched_values = _shared_values.take([n for n in names if n not in deleting])
         for delete in (True, False):
-            group = [n for n in names if (n in deleting) == delete]
+            group = [n for n in names if (n in deleting) == delete and n not in fetched_values]
             for name, data in zip(group, store.get_many(BLOBS, group, delete=delete),
                                   strict=True):
                 fetched_values[name] = _checked(name, data)
+                if not delete:
+                    _shared_values.keep(name, data)
+        made = {workdir}
         for name, filename in thunk.values:
+            # The directory is the thunk's own: no other process sees a half-written file.
             target = workdir / (_safe_relative(filename) if filename else Path("blobs", name))
-            _write(target, fetched_values[name], executable=False)
+            if target.parent not in made:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                made.add(target.parent)
+            target.write_bytes(fetched_values[name])
             path_of.setdefault(name, str(target))
         exe_started = store.stats.seconds
         for name, filename in thunk.executables:
@@ -166,9 +279,8 @@ def run_thunk(store_spec: str, thunk_name: str) -> dict[str, Any]:
         fetched = time.perf_counter()
         timeout_s = thunk.timeout_ms / 1000 if thunk.timeout_ms else TIMEOUT_DEFAULT_S
         try:
-            result = subprocess.run(argv, executable=function, cwd=workdir, env=env,
-                                    capture_output=True, timeout=timeout_s, check=False,
-                                    preexec_fn=_lower_priority)
+            result = _run_function(argv, executable=function, cwd=workdir, env=env,
+                                   capture_output=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired as exc:
             raise ThunkFailed(thunk_name, f"timed out after {timeout_s:.0f} s") from exc
         ran = time.perf_counter()

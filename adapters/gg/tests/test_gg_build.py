@@ -8,10 +8,12 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pocketflow_gg import worker
 from pocketflow_gg.cli import main as gg_main
 from pocketflow_gg.engines import make_engine
 from pocketflow_gg.errors import InferError, ThunkFailed
@@ -19,7 +21,7 @@ from pocketflow_gg.force import fetch_outputs, force, graph_width, hints_for
 from pocketflow_gg.infer import infer
 from pocketflow_gg.objects import content_name, file_name
 from pocketflow_gg.store import BLOBS, PocketflowStore, RedisStore
-from pocketflow_gg.worker import exe_cache_dir, forget_executables
+from pocketflow_gg.worker import exe_cache_dir, trim_executables
 
 import pocketflow
 
@@ -45,7 +47,6 @@ def gg_store(local_cluster, request) -> Iterator[PocketflowStore]:
             yield store
         finally:
             store.close()
-            forget_executables(store.store_id)
 
 
 def run(path: Path, *args: str) -> str:
@@ -61,10 +62,13 @@ def test_infer_turns_make_steps_into_thunks(project: Path) -> None:
     main_step = graph.steps[0]
     assert main_step.headers == ("shapes.h",)  # found like `cc -MM` does
     compile_thunk = graph.thunks[main_step.thunk]
-    # The compile reads the preprocessed source (no headers on the worker) ...
-    (i_name, i_file), = compile_thunk.values
-    assert i_file == "main.i"
-    assert b"square_area" in graph.value_bytes(i_name)  # the header is inlined
+    # The compile carries its source and header at their paths and runs make's command ...
+    assert sorted(f for _, f in compile_thunk.values) == ["main.c", "shapes.h"]
+    assert dict((f, n) for n, f in compile_thunk.values)["main.c"] == file_name(
+        project / "main.c")
+    assert compile_thunk.args[:3] == ("gcc", "-B", "bin/")
+    assert compile_thunk.args[-4:] == ("-c", "-o", "main.o", "main.c")
+    assert "-DGREETING=\"hello\"" in compile_thunk.args
     # ... and the compiler's own programs are executables named by content.
     assert {f for _, f in compile_thunk.executables} == {"", "bin/cc1", "bin/as"}
     assert compile_thunk.function_hash == file_name(Path(shutil.which("gcc")).resolve())
@@ -73,6 +77,44 @@ def test_infer_turns_make_steps_into_thunks(project: Path) -> None:
     assert {f for _, f in link.thunks} == {"main.o", "libshapes.a"}
     assert graph_width(graph, target) == 3
     assert hints_for(graph, target)["max_concurrent_tasks"] == 3
+
+
+def test_infer_with_preprocess_follows_ggs_model(project: Path) -> None:
+    graph, _ = infer(project, "app", preprocess=True)
+    main_step = graph.steps[0]
+    assert main_step.headers == ("shapes.h",)  # from the preprocessor's -MMD
+    compile_thunk = graph.thunks[main_step.thunk]
+    # The compile reads the preprocessed source (no headers on the worker).
+    (i_name, i_file), = compile_thunk.values
+    assert i_file == "main.i"
+    assert b"square_area" in graph.value_bytes(i_name)  # the header is inlined
+    assert {f for _, f in compile_thunk.executables} == {"", "bin/cc1", "bin/as"}
+
+
+def test_a_source_whose_includes_cannot_be_read_gets_its_headers_from_the_compiler(
+        project: Path) -> None:
+    # A computed include the scan cannot follow: `cc -MM` lists the headers instead.
+    main = project / "main.c"
+    main.write_text(main.read_text().replace('#include "shapes.h"',
+                                             "#define SHAPES \"shapes.h\"\n#include SHAPES"))
+    graph, _ = infer(project, "app")
+    main_step = graph.steps[0]
+    assert main_step.headers == ("shapes.h",)
+    assert sorted(f for _, f in graph.thunks[main_step.thunk].values) == ["main.c", "shapes.h"]
+
+
+@pytest.mark.parametrize("preprocess", [False, True])
+def test_both_compile_models_build_the_same_program(project: Path, gg_store: PocketflowStore,
+                                                    preprocess: bool, tmp_path: Path) -> None:
+    graph, target = infer(project, "app", preprocess=preprocess)
+    engine = make_engine("ray", gg_store.spec, workers=2)
+    try:
+        result = force(graph, target, store=gg_store, engine=engine, jobs=2)
+    finally:
+        engine.close()
+    (app,) = fetch_outputs(gg_store, graph.thunks[target], result.outputs, tmp_path / "out")
+    subprocess.run(["make", "-s", "app"], cwd=project, check=True, timeout=60)
+    assert file_name(app) == file_name(project / "app")
 
 
 @pytest.mark.parametrize("engine_kind", ["ray", "lithops"])
@@ -86,8 +128,8 @@ def test_force_builds_the_project_on_workers(project: Path, gg_store: Pocketflow
         engine.close()
     assert len(result.ran) == 5 and not result.reused
     assert all(r["pid"] != os.getpid() for r in result.reports)  # workers, not the driver
-    assert sorted(p.name for p in exe_cache_dir(gg_store.store_id).iterdir()) == sorted(
-        graph.executables)  # workers keep the content-named executables they fetched
+    # Workers keep the content-named executables they fetched, for later thunks and jobs.
+    assert graph.executables <= {p.name for p in exe_cache_dir().iterdir()}
     (app,) = fetch_outputs(gg_store, graph.thunks[target], result.outputs, tmp_path / "out")
     assert run(app, "4") == "hello 16 5024\n"
     subprocess.run(["make", "-s", "app"], cwd=project, check=True, timeout=60)
@@ -128,8 +170,10 @@ def test_delete_frees_intermediates_and_the_target_persists(
         engine.close()
     compiles = [s for s in graph.steps if s.kind == "compile"]
     for step in compiles:
-        (i_name, _), = graph.thunks[step.thunk].values
-        assert not gg_store.exists(BLOBS, i_name), f"{step.output}'s source was read once"
+        values = dict((f, n) for n, f in graph.thunks[step.thunk].values)
+        source = values.pop(step.inputs[0])
+        assert not gg_store.exists(BLOBS, source), f"{step.output}'s source was read once"
+        assert all(gg_store.exists(BLOBS, n) for n in values.values())  # the shared header
     object_names = [r["outputs"][0] for r in result.reports
                     if r["thunk"] in {s.thunk for s in compiles}]
     assert len(object_names) == 3
@@ -172,11 +216,13 @@ def test_cli_hash_prints_ggs_name(tmp_path: Path) -> None:
     assert out.getvalue() == content_name(b"abc") + "\n"
 
 
-def test_cli_build_writes_the_target(local_cluster, project: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [[], ["--preprocess"]])
+def test_cli_build_writes_the_target(local_cluster, project: Path, tmp_path: Path,
+                                     extra: list[str]) -> None:
     out = io.StringIO()
     status = gg_main(["build", str(project), "app", "--out", str(tmp_path / "out"),
                       "--engine", "ray", "--jobs", "2", "--address", local_cluster.ray_address,
-                      "--no-progress"], out=out)
+                      "--no-progress", *extra], out=out)
     assert status == 0, out.getvalue()
     assert run(tmp_path / "out" / "app", "1") == "hello 1 314\n"
     text = out.getvalue()
@@ -204,12 +250,11 @@ def test_the_same_thunks_run_with_redis_as_the_store(local_cluster, project: Pat
             result = force(graph, target, store=store, engine=engine, jobs=2)
         finally:
             engine.close()
-            forget_executables(store.store_id)
         (app,) = fetch_outputs(store, graph.thunks[target], result.outputs, tmp_path)
         assert run(app, "3") == "hello 9 2826\n"
         assert result.deleted_bytes > 0
-        (i_name, _), = graph.thunks[graph.steps[0].thunk].values
-        assert not store.exists(BLOBS, i_name)  # read once, with GETDEL
+        source = dict((f, n) for n, f in graph.thunks[graph.steps[0].thunk].values)["main.c"]
+        assert not store.exists(BLOBS, source)  # read once, with GETDEL
         store.close()
     finally:
         peer.stop()
@@ -223,3 +268,28 @@ def test_cli_reports_bad_input_with_a_clear_error(tmp_path: Path, capsys) -> Non
     assert "--jobs must be at least 1" in capsys.readouterr().err
     assert gg_main(["hash", str(missing)]) == 2
     assert "No such file" in capsys.readouterr().err
+
+
+def test_ray_queues_tasks_only_where_the_cluster_bounds_what_runs(local_cluster) -> None:
+    engine = make_engine("ray", "unused", workers=2)
+    # The session's cluster has 2 CPUs: with 2 jobs Ray itself runs at most 2 thunks, and
+    # a queued one starts as soon as one finishes; with 1 job only 1 may be submitted.
+    assert engine.window(2) == 4
+    assert engine.window(1) == 1
+
+
+def test_the_executable_cache_drops_the_least_recently_used_beyond_its_bound(
+        tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(worker, "EXE_CACHE_ROOT", tmp_path)
+    cache = exe_cache_dir()
+    cache.mkdir(parents=True)
+    now = time.time()
+    ages = {"old": 3000, "older": 4000, "recent": 10}
+    for name, age in ages.items():
+        (cache / name).write_bytes(b"x" * 1000)
+        os.utime(cache / name, (now - age, now - age))
+    # Over the bound by 2,000 bytes: the two least recently used go ...
+    assert trim_executables(bytes_max=1000) == 2000
+    assert sorted(p.name for p in cache.iterdir()) == ["recent"]
+    # ... but nothing used in the last EXE_CACHE_KEEP_S, whatever the bound.
+    assert trim_executables(bytes_max=0) == 0

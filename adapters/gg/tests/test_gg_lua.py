@@ -13,7 +13,6 @@ from pocketflow_gg.infer import infer
 from pocketflow_gg.lua_sources import SourcesUnavailable, lua_sources
 from pocketflow_gg.objects import file_name
 from pocketflow_gg.store import PocketflowStore
-from pocketflow_gg.worker import forget_executables
 
 import pocketflow
 
@@ -54,7 +53,6 @@ def test_lua_builds_as_thunks_and_matches_a_local_make(local_cluster, lua_dir: P
             engine.close()
         (built,) = fetch_outputs(store, graph.thunks[target], result.outputs, tmp_path / "out")
         store.close()
-        forget_executables(store.store_id)
     assert len(result.ran) == len(graph.thunks)
     assert lua(built, "-e", "print(6*7)") == "42\n"
     subprocess.run(["make", "-s", "-j2", "lua"], cwd=lua_dir, check=True, timeout=300,

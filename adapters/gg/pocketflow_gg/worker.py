@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -109,8 +110,21 @@ _shared_values = _ValueCache(VALUE_CACHE_BYTES_MAX)
 
 
 def exe_cache_dir() -> Path:
-    """Where workers on this machine keep the executables they fetched, by content name."""
-    return EXE_CACHE_ROOT / "executables"
+    """Where workers on this machine keep the executables they fetched, by content name: under
+    a directory of this user's alone (mode 0700). A cached file is trusted by its name and size,
+    so a root that another user could write to (created before us under the same name in the
+    shared temporary directory) is refused rather than used."""
+    EXE_CACHE_ROOT.mkdir(mode=0o700, exist_ok=True)
+    root = os.lstat(EXE_CACHE_ROOT)
+    if (not stat.S_ISDIR(root.st_mode) or root.st_uid != os.getuid()
+            or root.st_mode & 0o022):
+        raise ThunkFailed("?", f"the executable cache {EXE_CACHE_ROOT} is not a directory "
+                               "only this user can write to; remove it")
+    if root.st_mode & 0o077:
+        EXE_CACHE_ROOT.chmod(0o700)  # ours and written only by us: made private
+    cache = EXE_CACHE_ROOT / "executables"
+    cache.mkdir(exist_ok=True)
+    return cache
 
 
 def trim_executables(bytes_max: int = EXE_CACHE_BYTES_MAX) -> int:
@@ -123,10 +137,10 @@ def trim_executables(bytes_max: int = EXE_CACHE_BYTES_MAX) -> int:
     entries = []
     for entry in found:
         try:
-            stat = entry.stat(follow_symlinks=False)
+            info = entry.stat(follow_symlinks=False)
         except FileNotFoundError:
             continue
-        entries.append((stat.st_mtime, stat.st_size, entry.path))
+        entries.append((info.st_mtime, info.st_size, entry.path))
     total = sum(size for _, size, _ in entries)
     removed = 0
     keep_after = time.time() - EXE_CACHE_KEEP_S
@@ -167,12 +181,12 @@ def _checked(name: str, data: bytes) -> bytes:
 def _executable(store: Store, name: str) -> Path:
     path = exe_cache_dir() / name
     try:
-        stat = path.stat()
+        info = path.stat()
     except FileNotFoundError:
         pass
     else:
-        if stat.st_size == size_of(name):
-            if time.time() - stat.st_mtime > EXE_CACHE_TOUCH_S:
+        if info.st_size == size_of(name):
+            if time.time() - info.st_mtime > EXE_CACHE_TOUCH_S:
                 os.utime(path)
             return path
     _write(path, _checked(name, need(store, BLOBS, name)), executable=True)

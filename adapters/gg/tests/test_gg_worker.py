@@ -27,3 +27,23 @@ def test_the_value_cache_keeps_small_values_and_drops_the_least_recently_used() 
     assert sorted(cache.take(["a", "b", "c"])) == ["a", "c"]
     cache.keep("big", b"z" * (VALUE_CACHE_ITEM_BYTES_MAX + 1))
     assert cache.take(["big"]) == {}
+
+
+def test_the_executable_cache_lives_only_in_a_directory_this_user_alone_writes(
+    tmp_path, monkeypatch
+) -> None:
+    import pytest
+    from pocketflow_gg import worker
+    from pocketflow_gg.errors import ThunkFailed
+
+    root = tmp_path / "cache-root"
+    monkeypatch.setattr(worker, "EXE_CACHE_ROOT", root)
+    assert worker.exe_cache_dir() == root / "executables"
+    assert root.stat().st_mode & 0o777 == 0o700
+    root.chmod(0o755)  # ours, readable by others: made private again
+    worker.exe_cache_dir()
+    assert root.stat().st_mode & 0o777 == 0o700
+    root.chmod(0o777)  # anyone could have put a file there: refused
+    with pytest.raises(ThunkFailed, match="only this user"):
+        worker.exe_cache_dir()
+    root.chmod(0o700)

@@ -281,8 +281,7 @@ def test_ray_queues_tasks_only_where_the_cluster_bounds_what_runs(local_cluster)
 def test_the_executable_cache_drops_the_least_recently_used_beyond_its_bound(
         tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(worker, "EXE_CACHE_ROOT", tmp_path)
-    cache = exe_cache_dir()
-    cache.mkdir(parents=True)
+    cache = exe_cache_dir()  # made (private) on first use
     now = time.time()
     ages = {"old": 3000, "older": 4000, "recent": 10}
     for name, age in ages.items():

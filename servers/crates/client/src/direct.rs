@@ -71,6 +71,16 @@ fn read_error(error: io::Error, timeout: Duration) -> ClientError {
     }
 }
 
+/// What came next in a transfer's answer ([`DirectSession::next_piece`]).
+enum Next {
+    /// A DATA piece; its bytes follow on the connection.
+    Piece(GetPieceMeta),
+    /// END: the answer is complete.
+    End,
+    /// The transfer ended here with this error (the connection is marked broken).
+    Failed(ClientError),
+}
+
 impl DirectSession {
     /// Connect to `address`, open a session with the job's descriptor command and wait for the
     /// server's answer, all within `timeout`.
@@ -320,6 +330,70 @@ impl DirectSession {
         decode_reply_frame(&payload).map_err(|e| self.violation(&e.to_string()))
     }
 
+    /// Start a transfer on this block connection: send `kind` with its `ticket`. Nothing was
+    /// sent when this fails.
+    fn begin(&mut self, kind: Kind, ticket: &[u8]) -> Result<(), SessionFailure> {
+        self.check_reusable()?;
+        self.used = true;
+        if let Err(e) = self.write_message(kind, ticket) {
+            self.broken = true;
+            return Err(SessionFailure::new(
+                unavailable("cannot send to the server", &e),
+                false,
+            ));
+        }
+        Ok(())
+    }
+
+    /// The next message of a transfer's answer, within `deadline`: a DATA piece's metadata
+    /// (its bytes follow on the connection; DATA is a protocol violation unless
+    /// `data_expected`), END, or the failure that ended the transfer here (a timeout, a lost
+    /// connection, a STATUS from the server; the connection is then marked broken).
+    fn next_piece(
+        &mut self,
+        op_timeout: Duration,
+        deadline: Instant,
+        data_expected: bool,
+    ) -> Result<Next, SessionFailure> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            self.broken = true;
+            let error = ClientError::Unavailable("the read did not finish in time".into());
+            return Ok(Next::Failed(error));
+        }
+        let (kind, len) = match self.read_head(op_timeout.min(left)) {
+            Ok(head) => head,
+            Err(error) => {
+                self.broken = true;
+                return Ok(Next::Failed(error));
+            }
+        };
+        match kind {
+            Kind::End if len == 0 => return Ok(Next::End),
+            Kind::Data if len >= DATA_META_BYTES && data_expected => {}
+            Kind::Status => {
+                let mut payload = vec![0u8; len];
+                let error = match self.reader.read_exact(&mut payload) {
+                    Ok(()) => self.unexpected(kind, &payload, "data"),
+                    Err(e) => read_error(e, op_timeout),
+                };
+                self.broken = true;
+                return Ok(Next::Failed(error));
+            }
+            _ => return Err(self.violation(&format!("a {kind:?} message of {len} bytes"))),
+        }
+        let mut meta = [0u8; DATA_META_BYTES];
+        if let Err(e) = self.reader.read_exact(&mut meta) {
+            self.broken = true;
+            return Ok(Next::Failed(read_error(e, op_timeout)));
+        }
+        Ok(Next::Piece(GetPieceMeta {
+            block_index: u32::from_le_bytes(meta[..4].try_into().expect("4 bytes")),
+            offset: u64::from_le_bytes(meta[4..].try_into().expect("8 bytes")),
+            len: (len - DATA_META_BYTES) as u64,
+        }))
+    }
+
     /// Read a DoGet ticket's ranges into `dest` (ranges already checked against it): send GET,
     /// then place each DATA piece where its range says, until END. A failure before any byte
     /// arrived is the `Err`; one after is the outcome's error (as over DoGet).
@@ -331,15 +405,7 @@ impl DirectSession {
         op_timeout: Duration,
         deadline: Instant,
     ) -> Result<ReadOutcome, SessionFailure> {
-        self.check_reusable()?;
-        self.used = true;
-        if let Err(e) = self.write_message(Kind::Get, ticket) {
-            self.broken = true;
-            return Err(SessionFailure::new(
-                unavailable("cannot send to the server", &e),
-                false,
-            ));
-        }
+        self.begin(Kind::Get, ticket)?;
         let mut received = vec![0u64; ranges.len()];
         let mut current = 0usize;
         let outcome = |received: Vec<u64>, error: ClientError| {
@@ -353,47 +419,15 @@ impl DirectSession {
             }
         };
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                self.broken = true;
-                let error = ClientError::Unavailable("the read did not finish in time".into());
-                return outcome(received, error);
-            }
-            let (kind, len) = match self.read_head(op_timeout.min(left)) {
-                Ok(head) => head,
-                Err(error) => {
-                    self.broken = true;
-                    return outcome(received, error);
-                }
-            };
-            match kind {
-                Kind::End if len == 0 => {
+            let piece = match self.next_piece(op_timeout, deadline, true)? {
+                Next::Piece(piece) => piece,
+                Next::End => {
                     return Ok(ReadOutcome {
                         received,
                         error: None,
                     })
                 }
-                Kind::Data if len >= DATA_META_BYTES => {}
-                Kind::Status => {
-                    let mut payload = vec![0u8; len];
-                    let error = match self.reader.read_exact(&mut payload) {
-                        Ok(()) => self.unexpected(kind, &payload, "data"),
-                        Err(e) => read_error(e, op_timeout),
-                    };
-                    self.broken = true;
-                    return outcome(received, error);
-                }
-                _ => return Err(self.violation(&format!("a {kind:?} message of {len} bytes"))),
-            }
-            let mut meta = [0u8; DATA_META_BYTES];
-            if let Err(e) = self.reader.read_exact(&mut meta) {
-                self.broken = true;
-                return outcome(received, read_error(e, op_timeout));
-            }
-            let piece = GetPieceMeta {
-                block_index: u32::from_le_bytes(meta[..4].try_into().expect("4 bytes")),
-                offset: u64::from_le_bytes(meta[4..].try_into().expect("8 bytes")),
-                len: (len - DATA_META_BYTES) as u64,
+                Next::Failed(error) => return outcome(received, error),
             };
             while current < ranges.len() && !contains(&ranges[current], &piece) {
                 current += 1;
@@ -426,15 +460,7 @@ impl DirectSession {
         op_timeout: Duration,
         deadline: Instant,
     ) -> Result<ObjectRead, SessionFailure> {
-        self.check_reusable()?;
-        self.used = true;
-        if let Err(e) = self.write_message(Kind::Read, ticket) {
-            self.broken = true;
-            return Err(SessionFailure::new(
-                unavailable("cannot send to the server", &e),
-                false,
-            ));
-        }
+        self.begin(Kind::Read, ticket)?;
         let left = deadline.saturating_duration_since(Instant::now());
         let (kind, payload) = self
             .read_message(op_timeout.min(left))
@@ -465,46 +491,15 @@ impl DirectSession {
         };
         let mut memory: Option<&mut [u8]> = None;
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                self.broken = true;
-                read.error = Some(ClientError::Unavailable(
-                    "the read did not finish in time".into(),
-                ));
-                return Ok(read);
-            }
-            let (kind, len) = match self.read_head(op_timeout.min(left)) {
-                Ok(head) => head,
-                Err(error) => {
-                    self.broken = true;
-                    read.error = Some(error);
-                    return Ok(read);
-                }
-            };
-            match kind {
-                Kind::End if len == 0 => return Ok(read),
-                Kind::Data if len >= DATA_META_BYTES && read.reply.status == 0 => {}
-                Kind::Status => {
-                    let mut payload = vec![0u8; len];
-                    let error = match self.reader.read_exact(&mut payload) {
-                        Ok(()) => self.unexpected(kind, &payload, "data"),
-                        Err(e) => read_error(e, op_timeout),
-                    };
-                    self.broken = true;
-                    read.error = Some(error);
-                    return Ok(read);
-                }
-                _ => return Err(self.violation(&format!("a {kind:?} message of {len} bytes"))),
-            }
-            let mut meta = [0u8; DATA_META_BYTES];
-            if let Err(e) = self.reader.read_exact(&mut meta) {
-                self.broken = true;
-                read.error = Some(read_error(e, op_timeout));
-                return Ok(read);
-            }
-            let block = u32::from_le_bytes(meta[..4].try_into().expect("4 bytes"));
-            let offset = u64::from_le_bytes(meta[4..].try_into().expect("8 bytes"));
-            let piece_len = (len - DATA_META_BYTES) as u64;
+            let (block, offset, piece_len) =
+                match self.next_piece(op_timeout, deadline, read.reply.status == 0)? {
+                    Next::Piece(piece) => (piece.block_index, piece.offset, piece.len),
+                    Next::End => return Ok(read),
+                    Next::Failed(error) => {
+                        read.error = Some(error);
+                        return Ok(read);
+                    }
+                };
             // A small object's value is block 0; the one data block of an object of one data
             // block is block 1: either way the object's bytes from `offset`.
             let expected_block = u32::from(size.block_count == 1);

@@ -61,6 +61,18 @@ def test_a_lone_job_spills_only_what_does_not_fit() -> None:
         DagJob("bad", 0.0, (1,), (0,))
 
 
+def test_a_reader_gives_dram_back_as_it_reads() -> None:
+    # A's two reducers read 2 GB each for about 27 s; B writes 100 MB ten seconds into that read,
+    # when A's data fills all of DRAM at the start of the read. DELETE-on-read frees each part
+    # as it is read, so B finds room without waiting and spills nothing.
+    a = DagJob("a", 0.0, (4 * GB, 0), (2, 2), compute_s=1.0)
+    b = DagJob("b", 37.0, (GB // 10, 0), (1, 1), compute_s=1.0)
+    result = simulate([a, b], 4 * GB, "prefix")
+    assert result.spilled_bytes == 0
+    alone = simulate([b], float("inf"), "prefix").completion_s[0]
+    assert result.completion_s[1] == pytest.approx(alone)
+
+
 def test_the_command_writes_the_plot(tmp_path: Path, capsys) -> None:
     out = tmp_path / "mux.png"
     assert main(["--out", str(out), "--jobs", "6"]) == 0

@@ -22,7 +22,10 @@ all start when its last mapper finished. A mapper computes, then writes its ``da
 bytes (one part per reducer); a reducer reads its ``data/reducers`` bytes, then computes. A
 task moves bytes at ``dram_bytes_per_s`` to or from DRAM and at ``spill_bytes_per_s`` to or
 from the spill tier (NVMe, or in Jiffy's evaluation S3), so a task whose data did not fit in
-DRAM is slower. Intermediate data is deleted when it is read (DELETE-on-read).
+DRAM is slower. Intermediate data is deleted as it is read (DELETE-on-read): a reader reads its
+parts held in DRAM first (fetched side by side with the spilled ones, they arrive first) and each
+part is deleted when it has been read, so a reader gives its DRAM back at DRAM's rate during its
+read, not all at once when its last spilled byte arrived.
 
 - ``"job"`` (Pocket, and pocketflow without prefixes): a job reserves DRAM for its peak
   (its whole intermediate data) when it arrives, or what is left, and holds the reservation
@@ -123,6 +126,8 @@ class _Task:
     wait_until_s: float = 0.0
     dram_bytes: float = 0.0  # what the current read or write moves from or to DRAM
     spill_bytes: float = 0.0
+    read_s: float = 0.0  # how long the read takes in all
+    freed: float = 0.0  # DRAM bytes of the input the read already deleted
 
 
 @dataclass
@@ -218,7 +223,7 @@ class _Sim:
                 share = 1.0 / job.spec.widths[k]
                 task.dram_bytes = job.out_dram[k - 1] * share
                 task.spill_bytes = job.out_spill[k - 1] * share
-                task.left_s = self._io_s(task.dram_bytes, task.spill_bytes)
+                task.left_s = task.read_s = self._io_s(task.dram_bytes, task.spill_bytes)
             self.tasks.append(task)
 
     def _arrive(self, t: float) -> None:
@@ -278,19 +283,22 @@ class _Sim:
             self.jobs[task.job].held[task.stage] += got
             self._begin_write(task, got)
 
-    def _free_read(self, task: _Task) -> None:
-        """A read deleted its share of the previous stage's output (DELETE-on-read)."""
-        job = self.jobs[task.job]
-        k = task.stage - 1
-        self._live(task.job, -task.dram_bytes)
-        job.held[k] -= task.dram_bytes
+    def _free_read(self, task: _Task, upto: float) -> None:
+        """The read has deleted ``upto`` bytes of its DRAM share of the previous stage's output
+        (DELETE-on-read, part by part); free what it deleted since the last call."""
+        amount = min(upto, task.dram_bytes) - task.freed
+        if amount <= 0:
+            return
+        task.freed += amount
+        self._live(task.job, -amount)
+        self.jobs[task.job].held[task.stage - 1] -= amount
         if self.scheme == "prefix":
-            self._release(task.dram_bytes)
+            self._release(amount)
 
     def _finish(self, task: _Task, t: float) -> list[_Task]:
         job = self.jobs[task.job]
         if task.phase == "read":
-            self._free_read(task)
+            self._free_read(task, task.dram_bytes)
             task.phase, task.left_s = "compute", job.spec.compute_s
             return [task]
         if task.phase == "compute":
@@ -329,6 +337,8 @@ class _Sim:
                 running.append(task)
                 continue
             task.left_s -= dt
+            if task.phase == "read" and task.dram_bytes > 0:  # DRAM parts first, deleted as read
+                self._free_read(task, (task.read_s - task.left_s) * self.c.dram_bytes_per_s)
             if task.left_s <= 1e-9:
                 running += self._finish(task, t + dt)
             else:

@@ -130,6 +130,12 @@ class Objects:
         self, bucket: str, key: str, *, lost_unavailable: bool = True
     ) -> tuple[int, bool]:
         """``(size, persist)``."""
+    def call_placed(
+        self, op: int, flags: int, bucket: bytes, key: bytes, block: int, header: bytes,
+        value: Buffer,
+    ) -> tuple[str, int, RawHeader | None, bytes]:
+        """One small op on the server of block ``block`` of ``key``: ``(server address,
+        status, header, body)``; a stale map is adopted and the op run again."""
     def fetch_record(
         self, bucket: str, key: str, op: int, flags: int, *, lost_unavailable: bool = True
     ) -> tuple[str, RawHeader | None, bytes]:

@@ -93,30 +93,22 @@ class _Channel:
         self._name_raw = check_key(name)
 
     def _call(self, op: int, segment: int, args: bytes, value: Any = b"", flags: int = 0) -> Reply:
-        """Run one op on the server of ``segment``; returns its OK reply or raises its error."""
-        client = self._client
-        for attempt in range(_STALE_RETRIES_MAX + 1):
-            view = client._view
-            server = view.placement.server_for(self._name_raw, segment)
-            try:
-                reply = client._call(view, server, op, flags, self._bucket_raw, self._name_raw,
-                                     args, value)
-            except StaleEpoch as exc:
-                error: Exception = exc
-            else:
-                if reply.status == 0:
-                    return reply
-                error = error_from_status(reply.status, reply.body, server=server.address)
-            if isinstance(error, StaleEpoch) and attempt < _STALE_RETRIES_MAX:
-                client._adopt(error)
-                continue
-            raise error
-        raise AssertionError("unreachable")
+        """Run one op on the server of ``segment``; returns its OK reply or raises its error.
+        The native core places it, and adopts a newer map and runs it again on
+        ``stale_epoch``."""
+        server, status, header, body = self._client._core.call_placed(
+            op, flags, self._bucket_raw, self._name_raw, segment, args, value
+        )
+        if status == 0:
+            return Reply(0, 0, None if header is None else ObjectHeader(*header), body)
+        raise error_from_status(status, body, server=server)
 
     def _run(self, segment: int, ops: list[ExchangeOp]) -> None:
         """Run ``ops`` pipelined over one session of ``segment``'s server (their replies are
-        filled in; errors are per op). A stale map is adopted and the ops run again."""
+        filled in; errors are per op). A stale map is adopted and the ops run again; so are
+        they after the bucket was created on a server added to the job after it was made."""
         client = self._client
+        repaired = False
         for attempt in range(_STALE_RETRIES_MAX + 1):
             view = client._view
             server = view.placement.server_for(self._name_raw, segment)
@@ -130,7 +122,16 @@ class _Channel:
             stale = next((op.reply for op in ops if op.reply is not None
                           and op.reply.status == GRPC_CODE_FAILED_PRECONDITION
                           and bytes(op.reply.body).startswith(b"stale_epoch")), None)
-            if stale is None or attempt == _STALE_RETRIES_MAX:
+            if stale is None:
+                if (not repaired and attempt < _STALE_RETRIES_MAX
+                        and any(op.reply is not None and op.reply.status != 0
+                                and bytes(op.reply.body).startswith(b"bucket_not_found")
+                                for op in ops)):
+                    repaired = True
+                    if client._core.repair_bucket(self.bucket, server.address):
+                        continue
+                return
+            if attempt == _STALE_RETRIES_MAX:
                 return
             error = error_from_status(stale.status, stale.body, server=server.address)
             client._adopt(error)  # type: ignore[arg-type]

@@ -809,7 +809,16 @@ def test_stale_epoch_on_each_kind_of_first_call(storage_servers: ServerSet) -> N
         "enumerate": lambda pf: pf.list("b"),
         "create_bucket": lambda pf: pf.create_bucket("c"),
         "lookup": lambda pf: pf.lookup("b", "seed"),
+        # Queues and append files named so that segment 0 lands on the server the new map
+        # adds, which has never seen the bucket.
+        "enqueue": lambda pf: pf.queue("b", new_home, max_items=4).enqueue(b"item"),
+        "append": lambda pf: pf.append_file("b", new_home).append(b"record"),
+        "append_many": lambda pf: pf.append_file("b", new_home).append_many([b"a", b"b"]),
     }
+    grown_placement = Placement.of_handle(storage_servers.handle(set_epoch=False).with_weight_map(
+        {"epoch": 5, "servers": [s.to_row() for s in storage_servers.infos]}))
+    new_home = next(name for name in (f"channel-{i}" for i in range(1000))
+                    if grown_placement.server_for(name.encode(), 0).node_id == "nvme-0")
     for name, call in first_calls.items():
         handle = storage_servers.handle(servers=two)
         try:

@@ -1030,6 +1030,40 @@ impl PyObjects {
         }
     }
 
+    /// One small operation on the server of block `block` of `key` (see
+    /// `Objects::call_placed`): `(server address, status, header fields or None, body)`.
+    #[allow(clippy::too_many_arguments)]
+    fn call_placed<'py>(
+        &self,
+        py: Python<'py>,
+        op: u8,
+        flags: u8,
+        bucket: &[u8],
+        key: &[u8],
+        block: u32,
+        header: &[u8],
+        value: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let request = request_of(op, flags, bucket, key, header, value)?;
+        let objects = &self.objects;
+        let (server, reply) = py
+            .detach(|| objects.call_placed(request, block))
+            .map_err(|f| failure_to_py(py, &f))?;
+        let header = match reply.header {
+            Some(h) => (h.version, h.size, h.block_count, h.block_size, h.flags)
+                .into_pyobject(py)?
+                .into_any(),
+            None => py.None().into_bound(py),
+        };
+        (
+            server.as_str(),
+            reply.status,
+            header,
+            PyBytes::new(py, &reply.body),
+        )
+            .into_pyobject(py)
+    }
+
     /// Block 0 of an object where it lives (see `Objects::fetch_record`): `(server address,
     /// header fields or None, body)`.
     #[pyo3(signature = (bucket, key, op, flags, *, lost_unavailable=true))]

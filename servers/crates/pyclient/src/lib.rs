@@ -118,15 +118,19 @@ fn request_of(
     })
 }
 
-fn reply_tuple<'py>(py: Python<'py>, reply: &ExchangeReply) -> PyResult<Bound<'py, PyTuple>> {
-    // The header as `(version, size, block_count, block_size, flags)`: cheaper for Python than
-    // bytes to unpack.
-    let header = match reply.header {
+/// A header as `(version, size, block_count, block_size, flags)` (cheaper for Python than
+/// bytes to unpack), or `None`.
+fn header_fields(py: Python<'_>, header: Option<ObjectHeader>) -> PyResult<Bound<'_, PyAny>> {
+    Ok(match header {
         Some(h) => (h.version, h.size, h.block_count, h.block_size, h.flags)
             .into_pyobject(py)?
             .into_any(),
         None => py.None().into_bound(py),
-    };
+    })
+}
+
+fn reply_tuple<'py>(py: Python<'py>, reply: &ExchangeReply) -> PyResult<Bound<'py, PyTuple>> {
+    let header = header_fields(py, reply.header)?;
     PyTuple::new(
         py,
         [
@@ -1049,12 +1053,7 @@ impl PyObjects {
         let (server, reply) = py
             .detach(|| objects.call_placed(request, block))
             .map_err(|f| failure_to_py(py, &f))?;
-        let header = match reply.header {
-            Some(h) => (h.version, h.size, h.block_count, h.block_size, h.flags)
-                .into_pyobject(py)?
-                .into_any(),
-            None => py.None().into_bound(py),
-        };
+        let header = header_fields(py, reply.header)?;
         (
             server.as_str(),
             reply.status,
@@ -1081,12 +1080,7 @@ impl PyObjects {
         let record = py
             .detach(|| objects.fetch_record(bucket, key, op, flags, lost_unavailable))
             .map_err(|f| failure_to_py(py, &f))?;
-        let header = match record.header {
-            Some(h) => (h.version, h.size, h.block_count, h.block_size, h.flags)
-                .into_pyobject(py)?
-                .into_any(),
-            None => py.None().into_bound(py),
-        };
+        let header = header_fields(py, record.header)?;
         (
             record.server.as_str(),
             header,

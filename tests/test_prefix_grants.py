@@ -6,13 +6,21 @@ servers of the session cluster."""
 from __future__ import annotations
 
 import collections
+import json
 import threading
 import time
 
 import pytest
 
 from pocketflow.cluster import LocalCluster
-from pocketflow.control.prefix_grants import EXPIRY_SLACK_S, PrefixGrants, Waiting
+from pocketflow.control.prefix_grants import (
+    EXPIRY_SLACK_S,
+    Grant,
+    PrefixGrants,
+    Waiting,
+    grants_from_record,
+    grants_record,
+)
 from pocketflow.errors import InvalidRequest, JobNotRegistered, ObjectNotFound
 from pocketflow.placement import Placement
 from pocketflow.protocol import LEASE_PREFIXES_MAX
@@ -71,6 +79,25 @@ def test_a_deregistered_job_ends_its_waiting_declarations() -> None:
     assert not grants.serve({"d0": 10}, lambda job_id: ["d0"], now_s=0.0)
     grants.release_job("j", "deregistered")
     assert waiting.cancelled == "deregistered" and grants.waiting() == 0
+
+
+def test_grants_go_through_a_metadata_record_and_come_back_with_a_whole_lease() -> None:
+    grants = {"s/0": Grant("j", "s/0", {"dram-0": 5 * MIB}, 2.0, expires_at_s=1.0),
+              "s/1": Grant("j", "s/1", {"dram-0": MIB, "dram-1": MIB}, 2.0, expires_at_s=1.5)}
+    record = json.loads(json.dumps(grants_record(grants)))  # what the log holds
+    back = grants_from_record("j", record, now_s=100.0)
+    assert [(g.prefix, g.shares, g.lease_s) for g in back] == [
+        (p, g.shares, g.lease_s) for p, g in grants.items()]
+    assert {g.expires_at_s for g in back} == {100.0 + 2.0 + EXPIRY_SLACK_S}
+    table = PrefixGrants()
+    assert all(table.restore(g) for g in back)
+    assert table.reserved_by_server() == {"dram-0": 6 * MIB, "dram-1": MIB}
+    # What does not parse is skipped, not a failed restart.
+    bad = {"a": {"shares": {"d": "x"}, "lease_s": 1}, "b": {"lease_s": 1}, "c": 7,
+           "d": {"shares": {"d": -1}, "lease_s": 1}, "e": {"shares": {"d": 1}, "lease_s": 0},
+           "ok": {"shares": {"d": 1}, "lease_s": 1}}
+    assert [g.prefix for g in grants_from_record("j", bad, now_s=0.0)] == ["ok"]
+    assert grants_from_record("j", None, now_s=0.0) == []
 
 
 def _grant_state(cluster: LocalCluster) -> dict:

@@ -34,7 +34,13 @@ from pocketflow.control.packing import (
     with_allocations,
 )
 from pocketflow.control.packing import Placement as PackedPlacement
-from pocketflow.control.prefix_grants import WAITING_MAX, PrefixGrants, Waiting
+from pocketflow.control.prefix_grants import (
+    WAITING_MAX,
+    PrefixGrants,
+    Waiting,
+    grants_from_record,
+    grants_record,
+)
 from pocketflow.control.sizing import (
     AddServer,
     AddThreads,
@@ -747,9 +753,10 @@ class Controller:
         a new lease for each job that had one. Tasks notice nothing: they talk to the servers.
 
         Dead servers are rebuilt from nodes whose process is gone and from the jobs' ``lost``
-        lists, draining marks from the servers' own stats. Returns what was restored
-        (``restored()``). Not restored: servers launched by the crashed instance (Ray ends them
-        with it), and the sizing history.
+        lists, draining marks from the servers' own stats, prefix grants from the jobs'
+        records (each with a whole lease from now). Returns what was restored (``restored()``).
+        Not restored: servers launched by the crashed instance (Ray ends them with it), and the
+        sizing history.
         """
         import ray
 
@@ -789,6 +796,7 @@ class Controller:
         now_s = time.monotonic()
         jobs: list[str] = []
         leases: dict[str, int] = {}
+        logged_grants: dict[str, object] = {}
         for record in self._call_metadata("jobs"):
             job_id = str(record["job_id"])
             token = make_token(self._secret, job_id, ttl_s=self._token_ttl_s)
@@ -801,7 +809,10 @@ class Controller:
                     self._leases.renew(job_id, lease_ms=int(record["lease_ms"]), now_s=now_s)
                     self._leases_logged[job_id] = int(record["lease_ms"])
                 leases[job_id] = int(record["lease_ms"])
+            if record.get("grants"):
+                logged_grants[job_id] = record["grants"]
             jobs.append(job_id)
+        grants = self._restore_grants(logged_grants, now_s)
         # Servers in the jobs' maps that are gone are lost now, as the failure detector would
         # have declared them: their jobs move to new epochs without them.
         gone = {
@@ -819,13 +830,34 @@ class Controller:
                     lost.node_id, address=lost.address, tier="unknown", keep_known=True,
                     reason=f"lost by job {job_id} before the controller restarted",
                 )
-        log.warning("restarted after a crash: restored %d storage servers and %d jobs",
-                    len(servers), len(jobs))
-        return {"servers": servers, "jobs": jobs, "leases": leases}
+        log.warning("restarted after a crash: restored %d storage servers, %d jobs and %d "
+                    "prefix grants", len(servers), len(jobs), grants)
+        return {"servers": servers, "jobs": jobs, "leases": leases, "grants": grants}
+
+    def _restore_grants(self, logged: dict[str, object], now_s: float) -> int:
+        """Take back the prefix grants the jobs' records hold (written with each route change)
+        before anything moves a job to a new epoch: each gets a whole lease from now, so the
+        keepers that go on renewing keep it, and a grant nobody renews (its prefix ended just
+        before the crash) lapses one lease later. Shares on servers that are not back are
+        dropped; a prefix no longer routed is skipped. Returns how many were taken back."""
+        restored = 0
+        for job_id, record in logged.items():
+            job = self._jobs.get(job_id)
+            if job is None:
+                continue
+            routed = {prefix for prefix, _pool in job.handle.routes.routes}
+            for grant in grants_from_record(job_id, record, now_s):
+                shares = {n: b for n, b in grant.shares.items() if n in self._servers}
+                if grant.prefix not in routed or not shares:
+                    continue
+                grant.shares = shares
+                restored += self._grants.restore(grant)
+        return restored
 
     def restored(self) -> dict[str, Any] | None:
-        """What this instance rebuilt after a crash (``{"servers", "jobs", "leases"}``, leases as
-        job id -> lease_ms), or ``None`` if it is the first instance."""
+        """What this instance rebuilt after a crash (``{"servers", "jobs", "leases", "grants"}``,
+        leases as job id -> lease_ms, grants as a count), or ``None`` if it is the first
+        instance."""
         return self._restored
 
     def pid(self) -> int:
@@ -1714,10 +1746,12 @@ class Controller:
         record = dataclasses.replace(record, handle=handle)
         self._jobs[job_id] = record
         changed = record.to_metadata()
+        # The job's prefix grants go with its routes, so a restarted controller keeps them.
+        changed["grants"] = grants_record(self._grants.granted(job_id))
         self._call_metadata(
             "update_job",
             job_id,
-            {k: changed[k] for k in ("epoch", "weight_map", "hints", "demand")},
+            {k: changed[k] for k in ("epoch", "weight_map", "hints", "demand", "grants")},
         )
         log.info(
             "job %s moved to epoch %d on %s",

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from pocketflow.errors import CapacityExhausted
 
-__all__ = ["Grant", "Waiting", "PrefixGrants", "GRANTS_MAX", "WAITING_MAX", "EXPIRY_SLACK_S"]
+__all__ = ["Grant", "Waiting", "PrefixGrants", "GRANTS_MAX", "WAITING_MAX", "EXPIRY_SLACK_S",
+           "grants_record", "grants_from_record"]
 
 GRANTS_MAX = 65_536
 """Most live grants over all jobs."""
@@ -80,6 +81,32 @@ def _fit(size: int, members: list[str], free: Mapping[str, int]) -> dict[str, in
     if all(free.get(m, 0) >= share for m in members):
         return dict.fromkeys(members, share)
     return None
+
+
+def grants_record(grants: Mapping[str, Grant]) -> dict[str, dict]:
+    """A job's live grants as its Metadata record keeps them (JSON-compatible): prefix ->
+    ``{"shares": {node_id: bytes}, "lease_s": seconds}``."""
+    return {prefix: {"shares": dict(g.shares), "lease_s": g.lease_s}
+            for prefix, g in grants.items()}
+
+
+def grants_from_record(job_id: str, record: object, now_s: float) -> list[Grant]:
+    """The grants :func:`grants_record` wrote, each with a whole lease from ``now_s``; entries
+    that do not parse are skipped (the log is ours, but a grant is never worth a failed
+    restart)."""
+    if not isinstance(record, dict):
+        return []
+    grants = []
+    for prefix, entry in record.items():
+        try:
+            shares = {str(node): int(share) for node, share in entry["shares"].items()}
+            lease_s = float(entry["lease_s"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+        if shares and lease_s > 0 and all(share >= 0 for share in shares.values()):
+            grants.append(Grant(job_id, str(prefix), shares, lease_s,
+                                now_s + lease_s + EXPIRY_SLACK_S))
+    return grants
 
 
 def _locked(method):
@@ -193,6 +220,15 @@ class PrefixGrants:
         if grant.prefix not in grants:
             self._count += 1
         grants[grant.prefix] = grant
+
+    @_locked
+    def restore(self, grant: Grant) -> bool:
+        """Take back a grant a crashed controller had made (read from the job's Metadata
+        record); returns whether it was added (not past ``GRANTS_MAX``)."""
+        if self._count >= GRANTS_MAX and grant.prefix not in self._grants.get(grant.job_id, {}):
+            return False
+        self._add(grant)
+        return True
 
     @_locked
     def renew(self, job_id: str, prefixes: Iterable[str], now_s: float) -> int:

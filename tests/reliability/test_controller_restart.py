@@ -46,6 +46,8 @@ RESTART_BOUND_S = 60.0
 TASK_OPS_MAX = 1_000_000
 """Bound of the task thread's loop, with ``TASK_SECONDS_MAX``."""
 TASK_SECONDS_MAX = 180.0
+GRANT_BYTES = 4 * 1024 * 1024
+"""Size of the prefix granted DRAM before the crash."""
 
 
 def _controller_pid() -> int:
@@ -95,6 +97,13 @@ def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
     # Leaving the pool's block terminates its worker processes (by pid), also on a failure.
     with local_cluster.register_job("restart", lease_ms=LEASE_MS_DEFAULT) as job, \
             context.Pool(POOL_PROCESSES) as pool:
+        # A sized prefix granted DRAM, kept renewed by the driver through the crash (its
+        # route moves the job to its second epoch).
+        assert job.declare("granted", size_bytes=GRANT_BYTES) == "dram"
+        keeper = job.keep(["granted"])
+        granted_before = local_cluster.status()["prefix_grants"]["granted_bytes"]
+        assert granted_before >= GRANT_BYTES
+
         before = local_cluster.control.status()
         servers_before = sorted(s["node_id"] for s in before["servers"])
         jobs_before = {j["job_id"]: j["epoch"] for j in before["jobs"]}
@@ -149,6 +158,9 @@ def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
         assert restored is not None and job.job_id in restored["jobs"]
         # The lease its driver had is given back from the log, not started by a renewal.
         assert restored["leases"][job.job_id] == LEASE_MS_DEFAULT
+        # So is the prefix's DRAM grant: the new instance does not give that DRAM away again.
+        assert restored["grants"] >= 1
+        assert local_cluster.status()["prefix_grants"]["granted_bytes"] == granted_before
 
         after = local_cluster.control.status()
         assert sorted(s["node_id"] for s in after["servers"]) == servers_before
@@ -174,6 +186,9 @@ def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
         # renewals reached the new instance, which gave the job its lease again.
         time.sleep(LEASE_MS_DEFAULT / 1000.0 + 1.0)
         assert job.job_id in {j["job_id"] for j in local_cluster.control.status()["jobs"]}
+        # The keeper's renewals reached the new instance too: the grant did not lapse.
+        assert local_cluster.status()["prefix_grants"]["granted_bytes"] == granted_before
+        keeper.close()
         ops_at_check = ops[0]
         assert wait_for(lambda: ops[0] > ops_at_check + 50), ("the task stalled", ops, failures[:3])
         stop.set()

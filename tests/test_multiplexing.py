@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from pocketflow.control.multiplexing import (
     GB,
     DagJob,
+    MuxConfig,
     main,
     peak_capacity,
     run_figure,
@@ -73,8 +75,26 @@ def test_a_reader_gives_dram_back_as_it_reads() -> None:
     assert result.completion_s[1] == pytest.approx(alone)
 
 
+def test_parked_readers_take_written_parts_while_a_spilled_writer_is_still_writing() -> None:
+    # Two writers of 1 GB each, DRAM for one: the second spills (five times slower). Parked,
+    # the reader reads and deletes the first part while the second is still being written;
+    # stage by stage, that part sits in DRAM until the slow writer is done.
+    job = DagJob("one", 0.0, (2 * GB, 0), (2, 1), compute_s=1.0)
+    config = MuxConfig(wait_max_s=0.0)
+    barrier = simulate([job], GB, "prefix", config)
+    parked = simulate([job], GB, "prefix", replace(config, readers="park"))
+    assert barrier.spilled_bytes == pytest.approx(GB) == parked.spilled_bytes
+    dram_s = GB / config.dram_bytes_per_s
+    assert parked.completion_s[0] == pytest.approx(barrier.completion_s[0] - dram_s, abs=0.2)
+    assert parked.used_byte_s < 0.5 * barrier.used_byte_s
+    with pytest.raises(ValueError):
+        simulate([job], GB, "prefix", replace(config, readers="eager"))
+
+
 def test_the_command_writes_the_plot(tmp_path: Path, capsys) -> None:
     out = tmp_path / "mux.png"
     assert main(["--out", str(out), "--jobs", "6"]) == 0
     assert out.read_bytes().startswith(b"\x89PNG")
     assert "20% prefix" in capsys.readouterr().out
+    assert main(["--out", str(out), "--jobs", "6", "--readers", "park"]) == 0
+    assert "readers park" in capsys.readouterr().out

@@ -17,15 +17,18 @@ API summary:
 - ``run_figure(trace, fractions, config) -> dict`` — both schemes at each fraction of the peak.
 - ``plot(figure, path)`` — write the PNG (matplotlib, imported lazily).
 
-The model. Every job is a shuffle whose mappers all start when it arrives and whose reducers
-all start when its last mapper finished. A mapper computes, then writes its ``data/mappers``
-bytes (one part per reducer); a reducer reads its ``data/reducers`` bytes, then computes. A
-task moves bytes at ``dram_bytes_per_s`` to or from DRAM and at ``spill_bytes_per_s`` to or
-from the spill tier (NVMe, or in Jiffy's evaluation S3), so a task whose data did not fit in
-DRAM is slower. Intermediate data is deleted as it is read (DELETE-on-read): a reader reads its
-parts held in DRAM first (fetched side by side with the spilled ones, they arrive first) and each
-part is deleted when it has been read, so a reader gives its DRAM back at DRAM's rate during its
-read, not all at once when its last spilled byte arrived.
+The model. Every job is a chain of shuffles: a stage's tasks each read an equal share of the
+stage before it (one part from each of its writers), compute, then write their share of the
+stage's output. With ``readers="barrier"`` (Pocket's and Jiffy's jobs) a stage starts when the
+stage before it is done; with ``readers="park"`` (pocketflow's Lithops shuffle, whose reducers
+wait on the servers for their inputs) every stage starts with the job and a reader reads each
+part as soon as its writer finished writing it. A task moves bytes at ``dram_bytes_per_s`` to
+or from DRAM and at ``spill_bytes_per_s`` to or from the spill tier (NVMe, or in Jiffy's
+evaluation S3), so a task whose data did not fit in DRAM is slower. Intermediate data is deleted
+as it is read (DELETE-on-read): a reader reads the parts it can have in DRAM first (fetched side
+by side with the spilled ones, they arrive first) and each part is deleted when it has been
+read, so a reader gives its DRAM back at DRAM's rate during its read, not all at once when its
+last spilled byte arrived. A part is readable once its writer's whole write is done.
 
 - ``"job"`` (Pocket, and pocketflow without prefixes): a job reserves DRAM for its peak
   (its whole intermediate data) when it arrives, or what is left, and holds the reservation
@@ -59,6 +62,7 @@ STEPS_MAX = 2_000_000
 JOBS_MAX = 10_000
 """Upper bound on jobs of one trace."""
 SCHEMES = ("job", "prefix")
+READERS = ("barrier", "park")
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,10 @@ class MuxConfig:
     after the reading stage ends."""
     wait_max_s: float = 1.0
     """Longest a write waits for freed DRAM (one lease) before the rest spills."""
+    readers: str = "barrier"
+    """When a stage's tasks start: ``"barrier"``, when the stage before it is done (Jiffy's
+    and Pocket's jobs); ``"park"``, with the job, each task parked on the servers until a
+    writer's part for it exists, reading it then (pocketflow's Lithops shuffle)."""
     step_s: float = 0.05
 
 
@@ -122,26 +130,28 @@ class _Task:
     job: int
     stage: int
     phase: str = "read"  # read, compute, wait, write
-    left_s: float = 0.0
+    left_s: float = 0.0  # of the compute or the write
     wait_until_s: float = 0.0
-    dram_bytes: float = 0.0  # what the current read or write moves from or to DRAM
-    spill_bytes: float = 0.0
-    read_s: float = 0.0  # how long the read takes in all
-    freed: float = 0.0  # DRAM bytes of the input the read already deleted
+    dram_bytes: float = 0.0  # what the write moves to DRAM
+    spill_bytes: float = 0.0  # what the write moves to the spill tier
+    read_dram: float = 0.0  # input bytes read (and deleted) so far from DRAM
+    read_spill: float = 0.0  # and from the spill tier
 
 
 @dataclass
 class _JobState:
     spec: DagJob
     arrived: bool = False
-    stage: int = 0
-    tasks_left: int = 0
     reserved: float = 0.0
     end_s: float | None = None
-    # Per stage: output bytes in DRAM and spilled (readers take equal shares).
+    # Per stage: tasks created, and tasks not done yet (a task is done when its write is).
+    started: list[bool] = field(default_factory=list)
+    left: list[int] = field(default_factory=list)
+    # Per stage: output bytes written so far (readable) in DRAM and spilled; readers take
+    # equal shares.
     out_dram: list[float] = field(default_factory=list)
     out_spill: list[float] = field(default_factory=list)
-    # Per stage: DRAM allocated to the stage's prefix and not yet freed.
+    # Per stage: DRAM allocated to the stage's output and not yet freed.
     held: list[float] = field(default_factory=list)
 
 
@@ -170,6 +180,8 @@ class _Sim:
                  config: MuxConfig, reservations: Sequence[float] | None) -> None:
         if scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+        if config.readers not in READERS:
+            raise ValueError(f"readers must be one of {READERS}, got {config.readers!r}")
         if not 0 < len(trace) <= JOBS_MAX:
             raise ValueError(f"a trace has 1..{JOBS_MAX} jobs")
         self.c = config
@@ -211,19 +223,13 @@ class _Sim:
 
     # -- stages ----------------------------------------------------------------------------
 
-    def _start_stage(self, j: int, t: float) -> None:
+    def _start_stage(self, j: int, k: int) -> None:
         job = self.jobs[j]
-        k = job.stage
-        job.tasks_left = job.spec.widths[k]
+        job.started[k] = True
         for _ in range(job.spec.widths[k]):
             task = _Task(j, k)
             if k == 0:  # the first stage reads the job's input from outside
                 task.phase, task.left_s = "compute", job.spec.compute_s
-            else:
-                share = 1.0 / job.spec.widths[k]
-                task.dram_bytes = job.out_dram[k - 1] * share
-                task.spill_bytes = job.out_spill[k - 1] * share
-                task.left_s = task.read_s = self._io_s(task.dram_bytes, task.spill_bytes)
             self.tasks.append(task)
 
     def _arrive(self, t: float) -> None:
@@ -233,22 +239,24 @@ class _Sim:
             job.arrived = True
             stages = len(job.spec.stage_bytes)
             job.out_dram, job.out_spill, job.held = [0.0] * stages, [0.0] * stages, [0.0] * stages
+            job.started, job.left = [False] * stages, list(job.spec.widths)
             if self.scheme == "job":
                 want = (self.reservations[j] if self.reservations is not None
                         else float(sum(job.spec.stage_bytes)))
                 job.reserved = self._grant(want)
-            self._start_stage(j, t)
+            # Parked readers start with the job: each stage's tasks wait on the servers for
+            # their inputs. Otherwise a stage starts when the one before it is done.
+            for k in range(stages if self.c.readers == "park" else 1):
+                self._start_stage(j, k)
 
     def _write_share(self, task: _Task) -> float:
         spec = self.jobs[task.job].spec
         return spec.stage_bytes[task.stage] / spec.widths[task.stage]
 
     def _begin_write(self, task: _Task, dram: float) -> None:
-        job = self.jobs[task.job]
         want = self._write_share(task)
         task.dram_bytes, task.spill_bytes = dram, want - dram
-        job.out_dram[task.stage] += dram
-        job.out_spill[task.stage] += want - dram
+        self.jobs[task.job].held[task.stage] += dram
         self.spilled += want - dram
         self._live(task.job, dram)
         task.phase, task.left_s = "write", self._io_s(dram, want - dram)
@@ -261,12 +269,10 @@ class _Sim:
             return
         if self.scheme == "job":
             # Writes go to the job's reservation while it has room, the rest spills.
-            dram = max(0.0, min(want, job.reserved - self.live_per_job[task.job]))
-            job.held[task.stage] += dram
-            self._begin_write(task, dram)
+            self._begin_write(task, max(0.0, min(want, job.reserved - sum(job.held))))
             return
         if not self.waiting and self.free >= want:
-            job.held[task.stage] += self._grant(want)
+            self._grant(want)
             self._begin_write(task, want)
             return
         task.phase, task.wait_until_s = "wait", t + self.c.wait_max_s
@@ -279,46 +285,48 @@ class _Sim:
             if self.free < want and t < task.wait_until_s:
                 break
             self.waiting.popleft()
-            got = self._grant(want)
-            self.jobs[task.job].held[task.stage] += got
-            self._begin_write(task, got)
+            self._begin_write(task, self._grant(want))
 
-    def _free_read(self, task: _Task, upto: float) -> None:
-        """The read has deleted ``upto`` bytes of its DRAM share of the previous stage's output
-        (DELETE-on-read, part by part); free what it deleted since the last call."""
-        amount = min(upto, task.dram_bytes) - task.freed
-        if amount <= 0:
-            return
-        task.freed += amount
-        self._live(task.job, -amount)
-        self.jobs[task.job].held[task.stage - 1] -= amount
-        if self.scheme == "prefix":
-            self._release(amount)
-
-    def _finish(self, task: _Task, t: float) -> list[_Task]:
+    def _read(self, task: _Task, dt: float) -> bool:
+        """Read for ``dt`` what the task's share of the previous stage's written output offers,
+        parts in DRAM first, deleting each part read (DELETE-on-read); returns whether the
+        whole input is read (every writer done and nothing left)."""
         job = self.jobs[task.job]
-        if task.phase == "read":
-            self._free_read(task, task.dram_bytes)
-            task.phase, task.left_s = "compute", job.spec.compute_s
-            return [task]
-        if task.phase == "compute":
-            self._request_write(task, t)
-            return [task]
-        # Write done: the task is done.
-        job.tasks_left -= 1
-        if job.tasks_left:
-            return []
-        k = job.stage
+        k = task.stage - 1
+        share = 1.0 / job.spec.widths[task.stage]
+        dram = max(0.0, min(job.out_dram[k] * share - task.read_dram,
+                            self.c.dram_bytes_per_s * dt))
+        spill_s = dt - dram / self.c.dram_bytes_per_s
+        spill = max(0.0, min(job.out_spill[k] * share - task.read_spill,
+                             self.c.spill_bytes_per_s * spill_s))
+        task.read_dram += dram
+        task.read_spill += spill
+        if dram > 0:
+            self._live(task.job, -dram)
+            job.held[k] -= dram
+            if self.scheme == "prefix":
+                self._release(dram)
+        return (job.left[k] == 0
+                and task.read_dram >= job.out_dram[k] * share - 1e-3
+                and task.read_spill >= job.out_spill[k] * share - 1e-3)
+
+    def _write_done(self, task: _Task, t: float) -> None:
+        job = self.jobs[task.job]
+        k = task.stage
+        job.out_dram[k] += task.dram_bytes
+        job.out_spill[k] += task.spill_bytes
+        job.left[k] -= 1
+        if job.left[k]:
+            return
         if k > 0 and self.scheme == "prefix" and job.held[k - 1] > 1e-6:
             self.lapses.append((t + self.c.lease_s, task.job, k - 1))
         if k + 1 < len(job.spec.stage_bytes):
-            job.stage += 1
-            self._start_stage(task.job, t)
-            return []
+            if not job.started[k + 1]:
+                self._start_stage(task.job, k + 1)
+            return
         job.end_s = t
         if self.scheme == "job":
             self._release(job.reserved)
-        return []
 
     def step(self, t: float) -> None:
         dt = self.c.step_s
@@ -333,16 +341,22 @@ class _Sim:
         self._arrive(t)
         running: list[_Task] = []
         for task in self.tasks:
+            if task.phase == "read":
+                if self._read(task, dt):
+                    task.phase, task.left_s = "compute", self.jobs[task.job].spec.compute_s
+                running.append(task)
+                continue
             if task.phase == "wait":  # parked in self.waiting until DRAM or its deadline
                 running.append(task)
                 continue
             task.left_s -= dt
-            if task.phase == "read" and task.dram_bytes > 0:  # DRAM parts first, deleted as read
-                self._free_read(task, (task.read_s - task.left_s) * self.c.dram_bytes_per_s)
-            if task.left_s <= 1e-9:
-                running += self._finish(task, t + dt)
-            else:
+            if task.left_s > 1e-9:
                 running.append(task)
+            elif task.phase == "compute":
+                self._request_write(task, t + dt)
+                running.append(task)
+            else:
+                self._write_done(task, t + dt)
         self.tasks = running
         self.allocated_byte_s += self.allocated * dt
         self.used_byte_s += self.live * dt
@@ -438,8 +452,10 @@ def plot(figure: dict, path: str | Path, *, title: str = "") -> Path:
     right.set_ylabel("utilization of allocated DRAM (%)")
     right.set_ylim(0, 105)
     left.legend(loc="upper left", fontsize=8)
+    readers = {"barrier": "stage by stage", "park": "readers parked"}[
+        figure["config"].get("readers", "barrier")]
     fig.suptitle(title or f"capacity multiplexing (simulated): {figure['jobs']} staggered "
-                 "jobs of 2-5 stages")
+                 f"jobs of 2-5 stages, {readers}")
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=120)
@@ -455,21 +471,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--spill-ratio", type=float, default=None,
                         help="spill tier's per-task bandwidth over DRAM's (default 0.2: S3-like, "
                              "as in Jiffy's evaluation)")
+    parser.add_argument("--readers", choices=READERS, default="barrier",
+                        help="when a stage's readers start (default barrier: when the stage "
+                             "before it is done; park: with the job, reading parts as written)")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="also print the 20%% rows with other time steps and waits: how "
+                             "much of a figure is the model's timing")
     args = parser.parse_args(argv)
-    config = MuxConfig()
+    config = MuxConfig(readers=args.readers)
     if args.spill_ratio is not None:
         if not 0 < args.spill_ratio <= 1:
             parser.error("--spill-ratio must be in (0, 1]")
         config = replace(config, spill_bytes_per_s=args.spill_ratio * config.dram_bytes_per_s)
     figure = run_figure(staggered_trace(args.jobs), config=config)
     print(f"peak capacity (job-level, unlimited DRAM): "
-          f"{figure['peak_capacity_bytes'] / GB:.1f} GB, {figure['jobs']} jobs")
+          f"{figure['peak_capacity_bytes'] / GB:.1f} GB, {figure['jobs']} jobs, readers "
+          f"{config.readers}, spill at {config.spill_bytes_per_s / config.dram_bytes_per_s:.2f} "
+          "of DRAM's per-task bandwidth")
     for row in figure["rows"]:
         print(f"{int(100 * row['capacity_fraction']):4d}% {row['scheme']:7s} slowdown mean "
               f"{row['slowdown_mean']:.2f} p90 {row['slowdown_p90']:.2f} max "
               f"{row['slowdown_max']:.2f}, utilization {100 * row['utilization']:.0f}%, "
               f"spilled {row['spilled_bytes'] / GB:.1f} GB")
     print(f"wrote {plot(figure, args.out)}")
+    if args.sensitivity:
+        for step_s in (0.025, 0.05, 0.1):
+            for wait_max_s in (0.5, 1.0, 2.0):
+                varied = replace(config, step_s=step_s, wait_max_s=wait_max_s)
+                rows = run_figure(staggered_trace(args.jobs), (0.2,), varied)["rows"]
+                print(f"  20% step {step_s} s, wait {wait_max_s} s: " + ", ".join(
+                    f"{r['scheme']} {r['slowdown_mean']:.2f}" for r in rows))
     return 0
 
 

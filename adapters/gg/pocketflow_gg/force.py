@@ -56,6 +56,8 @@ class ForceResult:
     """Thunk prefixes ended as their readers finished (the build prefix not counted)."""
     ended_bytes: int = 0
     """Bytes the servers freed when the build's prefixes ended (at the end too)."""
+    prefix_calls: int = 0
+    """Declarations, ends and keeper renewals: one action per storage server each."""
 
     @property
     def bytes_moved(self) -> int:
@@ -375,20 +377,21 @@ def force(graph: BuildGraph, target: str, *, store: Store, engine: Engine, jobs:
     if not 1 <= jobs <= JOBS_MAX:
         raise GGError(f"jobs must be in 1..{JOBS_MAX}, got {jobs}")
     build_scope = BuildScope(scope, store) if scope is not None else None
-    forcer = _Forcer(graph, target, store, engine, jobs=jobs, delete=delete, reuse=reuse,
-                     progress=progress, timeout_s=timeout_s, scope=build_scope)
-    if build_scope is None:
-        return forcer.run()
     try:
-        result = forcer.run()
+        result = _Forcer(graph, target, store, engine, jobs=jobs, delete=delete, reuse=reuse,
+                         progress=progress, timeout_s=timeout_s, scope=build_scope).run()
     except BaseException:
-        _close_quietly(build_scope)
+        if build_scope is not None:
+            _close_quietly(build_scope)
         raise
+    if build_scope is None:
+        return result
     build_scope.close()
     result.build_prefix = build_scope.build
     result.prefixes_declared = build_scope.declared
     result.prefixes_ended = build_scope.ended
     result.ended_bytes = build_scope.ended_bytes
+    result.prefix_calls = build_scope.calls
     return result
 
 

@@ -59,6 +59,9 @@ class BuildScope:
         """Bytes the servers freed when the build's prefixes ended (the build's own too)."""
         self.declared = 0
         self.ended = 0
+        self.calls = 1
+        """``declare_many``, ``end`` and keeper renewals so far: each is one action per storage
+        server of the job, and none is a controller call (no prefix is sized)."""
         self._consumed: list[str] = []
         job.declare_many([(self.build, (), None)])
         self._keeper: PrefixKeeper | None = job.keep([self.build])
@@ -72,6 +75,7 @@ class BuildScope:
         if prefixes:
             self.job.declare_many([(p, (), None) for p in prefixes])
             self.declared += len(prefixes)
+            self.calls += 1
 
     def consumed(self, prefix: str) -> None:
         """Every reader of ``prefix`` succeeded: it ends at the next :meth:`flush`."""
@@ -86,6 +90,7 @@ class BuildScope:
             del self._consumed[:ENDS_PER_CALL_MAX]
             freed += self.job.end(batch)
             self.ended += len(batch)
+            self.calls += 1
         self.ended_bytes += freed
         return freed
 
@@ -96,6 +101,7 @@ class BuildScope:
             return 0
         keeper, self._keeper = self._keeper, None
         keeper.close()
+        self.calls += keeper.renewals + 1
         self._consumed.clear()  # under the build prefix: ended with it
         freed = self.job.end([self.build])
         self.ended_bytes += freed

@@ -6,7 +6,9 @@ records the reduction (thunk name -> output name). Layout of the private directo
 ``name=filename`` is placed at ``filename``; an entry without a filename, and any object a
 ``@{GGHASH:name}`` placeholder refers to, at ``blobs/<name>``. The function itself runs from a
 hash-named path (as in gg), so compilers find their own files through the thunk's envars
-(``GCC_EXEC_PREFIX``) and ``-B`` arguments, not through where they were installed.
+(``GCC_EXEC_PREFIX``) and ``-B`` arguments, not through where they were installed. In a build
+scoped to prefix leases the worker is also given the prefix its thunk and plan are stored under,
+and the plan says where each input is and where the outputs go (:mod:`pocketflow_gg.scope`).
 
 Executables are content-named, so workers keep those they fetched in one directory per machine
 (like gg's blob directory on a warm Lambda) and reuse them across thunks and jobs: a name is its

@@ -67,11 +67,12 @@ def run(path: Path, *args: str) -> str:
                           check=True).stdout
 
 
+@pytest.mark.parametrize("engine_kind", ["ray", "lithops"])
 def test_a_scoped_build_leaves_only_its_target_and_reuses_it(
-        local_cluster, project: Path, tmp_path: Path) -> None:
+        local_cluster, project: Path, tmp_path: Path, engine_kind: str) -> None:
     graph, target = infer(project, "app")
     with job_and_store(local_cluster, "gg-scoped", prefix_lease_ms=1000) as (job, store):
-        engine = make_engine("ray", store.spec, workers=2)
+        engine = make_engine(engine_kind, store.spec, workers=2)
         try:
             result = force(graph, target, store=store, engine=engine, jobs=2, scope=job)
             (app,) = fetch_outputs(store, graph.thunks[target], result.outputs, tmp_path)

@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="Ray address of a running pocketflow cluster (`pocketflow up`)")
     build.add_argument("--no-delete", action="store_true",
                        help="keep intermediate objects (no DELETE-on-read)")
+    build.add_argument("--prefix-lease-ms", type=int, default=None, metavar="MS",
+                       help="scope the build's intermediate objects to prefix leases of MS "
+                            "milliseconds, each freed as soon as its readers are done (and all "
+                            "of them one lease after the driver's last renewal if it dies)")
     build.add_argument("--preprocess", action="store_true",
                        help="preprocess sources here, as gg's model does, so that workers need "
                             "no headers (by default a compile carries its project headers and "
@@ -82,8 +86,10 @@ def _build(args: argparse.Namespace, out: TextIO) -> int:
             cluster: Any = connect_control_plane(args.address)
         else:
             cluster = stack.enter_context(pocketflow.LocalCluster())
+        leases = ({} if args.prefix_lease_ms is None
+                  else {"prefix_lease_ms": args.prefix_lease_ms})
         job = stack.enter_context(
-            pocketflow.register_job(f"gg-{args.target}", hints, cluster=cluster))
+            pocketflow.register_job(f"gg-{args.target}", hints, cluster=cluster, **leases))
         store = PocketflowStore(job.handle.to_json())
         stack.callback(store.close)
         stack.callback(trim_executables)
@@ -105,7 +111,8 @@ def _build(args: argparse.Namespace, out: TextIO) -> int:
                 bar.update(1)
 
         result = force(graph, target, store=store, engine=engine, jobs=args.jobs,
-                       delete=not args.no_delete, progress=progress)
+                       delete=not args.no_delete, progress=progress,
+                       scope=job if args.prefix_lease_ms is not None else None)
         if bar is not None:
             bar.close()
         written = fetch_outputs(store, graph.thunks[target.split("#", 1)[0]], result.outputs,
@@ -119,6 +126,10 @@ def _build(args: argparse.Namespace, out: TextIO) -> int:
     print(f"  bytes moved: {_format_bytes(result.bytes_moved)} "
           f"(uploaded {_format_bytes(result.uploaded_bytes)}, "
           f"freed on read {_format_bytes(result.deleted_bytes)})", file=out)
+    if result.build_prefix is not None:
+        print(f"  scoped to {result.build_prefix}: {result.prefixes_ended} thunk prefixes "
+              f"ended as read, {_format_bytes(result.ended_bytes)} freed by ending prefixes",
+              file=out)
     print(f"  peak capacity: {_format_bytes(result.peak_live_bytes)}; "
           f"storage I/O per thunk: mean {mean_io * 1000:.1f} ms", file=out)
     return 0
@@ -133,6 +144,12 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             return _hash(args, out)
         if args.jobs < 1:
             raise GGError(f"--jobs must be at least 1, got {args.jobs}")
+        if args.prefix_lease_ms is not None:
+            from pocketflow.protocol import LEASE_MS_MAX, LEASE_MS_MIN
+
+            if not LEASE_MS_MIN <= args.prefix_lease_ms <= LEASE_MS_MAX:
+                raise GGError(f"--prefix-lease-ms must be in {LEASE_MS_MIN}..{LEASE_MS_MAX}, "
+                              f"got {args.prefix_lease_ms}")
         return _build(args, out)
     except (GGError, OSError) as exc:
         print(f"pocketflow-gg: error: {exc}", file=sys.stderr)

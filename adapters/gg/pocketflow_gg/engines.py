@@ -33,8 +33,10 @@ class Engine(Protocol):
         """How many calls the driver may keep submitted at once for ``jobs`` running."""
         ...
 
-    def submit_many(self, store_spec: str, thunk_names: list[str]) -> list[Any]:
-        """Start one call per thunk; returns their handles in order."""
+    def submit_many(self, store_spec: str, thunk_names: list[str],
+                    scopes: list[str] | None = None) -> list[Any]:
+        """Start one call per thunk (``run_thunk(store_spec, name, scope)``, the scope the
+        prefix the thunk is stored under, ``""`` without); returns their handles in order."""
         ...
 
     def wait_any(self, pending: list[Any], timeout_s: float) -> list[tuple[Any, Any]]:
@@ -61,8 +63,10 @@ class RayEngine:
         cpus = self._ray.cluster_resources().get("CPU", 0)
         return jobs * (1 + RAY_QUEUED_PER_JOB) if cpus <= jobs else jobs
 
-    def submit_many(self, store_spec: str, thunk_names: list[str]) -> list[Any]:
-        return [self._task.remote(store_spec, name) for name in thunk_names]
+    def submit_many(self, store_spec: str, thunk_names: list[str],
+                    scopes: list[str] | None = None) -> list[Any]:
+        return [self._task.remote(store_spec, name, scope)
+                for name, scope in zip(thunk_names, _scopes(thunk_names, scopes), strict=True)]
 
     def wait_any(self, pending: list[Any], timeout_s: float) -> list[tuple[Any, Any]]:
         done, _ = self._ray.wait(pending, num_returns=1, timeout=timeout_s)
@@ -108,8 +112,11 @@ class LithopsEngine:
         # thunks go out together as one map; its worker processes bound what runs at once.
         return jobs * LITHOPS_WINDOW_PER_WORKER
 
-    def submit_many(self, store_spec: str, thunk_names: list[str]) -> list[Any]:
-        return list(self._executor.map(run_thunk, [(store_spec, n) for n in thunk_names],
+    def submit_many(self, store_spec: str, thunk_names: list[str],
+                    scopes: list[str] | None = None) -> list[Any]:
+        calls = [(store_spec, name, scope)
+                 for name, scope in zip(thunk_names, _scopes(thunk_names, scopes), strict=True)]
+        return list(self._executor.map(run_thunk, calls,
                                        exclude_modules=list(RUNTIME_PACKAGES)))
 
     def wait_any(self, pending: list[Any], timeout_s: float) -> list[tuple[Any, Any]]:
@@ -132,6 +139,14 @@ class LithopsEngine:
             self._executor.clean(clean_cloudobjects=True)
         except Exception:  # cleaning Lithops' temporary data must not hide the build's result
             pass
+
+
+def _scopes(thunk_names: list[str], scopes: list[str] | None) -> list[str]:
+    if scopes is None:
+        return [""] * len(thunk_names)
+    if len(scopes) != len(thunk_names):
+        raise GGError(f"{len(scopes)} scopes for {len(thunk_names)} thunks")
+    return scopes
 
 
 def _lithops_local_config() -> dict[str, Any]:

@@ -1,22 +1,30 @@
 """Force: run a thunk graph on an engine's workers, thunks as soon as their inputs exist,
-reusing reductions already recorded, with DELETE and PERSIST chosen from the graph."""
+reusing reductions already recorded, with DELETE and PERSIST chosen from the graph, and
+optionally with the build's intermediate objects scoped to prefix leases."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pocketflow_gg.engines import Engine
 from pocketflow_gg.errors import GGError, MissingObject, ThunkFailed
 from pocketflow_gg.infer import BuildGraph
 from pocketflow_gg.objects import is_thunk, size_of
+from pocketflow_gg.scope import BuildScope, located
 from pocketflow_gg.store import BLOBS, REDUCTIONS, Plan, Store, need, plan_key
 from pocketflow_gg.thunk import Thunk
+
+if TYPE_CHECKING:
+    from pocketflow.job import Job
+
+log = logging.getLogger(__name__)
 
 THUNK_TIMEOUT_DEFAULT_S = 900.0
 """How long the driver waits for any one call to finish before giving up on the build."""
@@ -41,6 +49,15 @@ class ForceResult:
     job_s: float = 0.0
     peak_live_bytes: int = 0
     deleted_bytes: int = 0
+    build_prefix: str | None = None
+    """The prefix the build was scoped to (``None``: not scoped)."""
+    prefixes_declared: int = 0
+    prefixes_ended: int = 0
+    """Thunk prefixes ended as their readers finished (the build prefix not counted)."""
+    ended_bytes: int = 0
+    """Bytes the servers freed when the build's prefixes ended (at the end too)."""
+    prefix_calls: int = 0
+    """Declarations, ends and keeper renewals: one action per storage server each."""
 
     @property
     def bytes_moved(self) -> int:
@@ -71,35 +88,49 @@ def hints_for(graph: BuildGraph, target: str) -> dict[str, Any]:
             "data_size_bytes": max(1 << 20, 2 * graph.total_bytes())}
 
 
-def upload(graph: BuildGraph, store: Store, thunks: Iterable[str] | None = None) -> int:
+def upload(graph: BuildGraph, store: Store, thunks: Iterable[str] | None = None, *,
+           prefix: str = "") -> int:
     """Write the values and executables of ``thunks`` (default: every thunk of the graph) and
     the thunks themselves to the store, skipping what is there (found in one batch); returns
-    the bytes written. Small objects go in batches, large ones (executables) one by one."""
+    the bytes written. Small objects go in batches, large ones (executables) one by one.
+    With ``prefix`` (a scoped build), what is missing at the bucket root goes under the
+    prefix, and the thunks are not written (the driver writes each thunk it submits under the
+    thunk's own prefix)."""
     names = list(graph.thunks) if thunks is None else list(thunks)
+    return _upload(graph, store, names, prefix)[0]
+
+
+def _upload(graph: BuildGraph, store: Store, names: list[str],
+            prefix: str) -> tuple[int, list[str]]:
+    """:func:`upload`; also returns the names written."""
     needed = list(dict.fromkeys(n for t in names for n, _ in (*graph.thunks[t].values,
                                                                *graph.thunks[t].executables)))
     before = store.stats.bytes_written
     batch: list[tuple[str, bytes]] = []
     batch_bytes = 0
-    for name in store.missing(BLOBS, needed + names):
+    missing = store.missing(BLOBS, needed if prefix else needed + names)
+    for name in missing:
+        key = located(prefix, name)
         if size_of(name) >= UPLOAD_BATCH_BYTES_MAX:
-            store.put(BLOBS, name, graph.value_bytes(name))
+            store.put(BLOBS, key, graph.value_bytes(name))
             continue
         data = graph.thunks[name].data if name in graph.thunks else graph.value_bytes(name)
-        batch.append((name, data))
+        batch.append((key, data))
         batch_bytes += len(data)
         if len(batch) >= UPLOAD_BATCH_MAX or batch_bytes >= UPLOAD_BATCH_BYTES_MAX:
             store.put_many(BLOBS, batch)
             batch, batch_bytes = [], 0
     store.put_many(BLOBS, batch)
-    return store.stats.bytes_written - before
+    return store.stats.bytes_written - before, missing
 
 
 class _Forcer:
     def __init__(self, graph: BuildGraph, target: str, store: Store, engine: Engine, *,
                  jobs: int, delete: bool, reuse: bool,
-                 progress: Callable[[str, str], None] | None, timeout_s: float) -> None:
+                 progress: Callable[[str, str], None] | None, timeout_s: float,
+                 scope: BuildScope | None = None) -> None:
         self.graph = graph
+        self.scope = scope
         self.target = target.split("#", 1)[0]
         self.store = store
         self.engine = engine
@@ -125,6 +156,14 @@ class _Forcer:
                 self.dependents[dep].add(name)
         self.readers = self._readers()
         self.not_deletable: set[str] = set(graph.executables)
+        # Scoping: where the driver uploaded each object ("" for the bucket root), the prefix
+        # of each submitted thunk other than the target (its outputs are there), and how many
+        # of each thunk's readers have not succeeded yet.
+        self.deps_of = {name: set(deps) for name, deps in self.waiting_on.items()}
+        self.index = {name: i for i, name in enumerate(self.order)}
+        self.uploaded_at: dict[str, str] = {}
+        self.outputs_at: dict[str, str] = {}
+        self.readers_left = {name: len(self.dependents[name]) for name in self.order}
 
     def _reachable(self) -> list[str]:
         """The thunks the target needs, top down; with ``reuse``, the graph below a thunk whose
@@ -167,7 +206,25 @@ class _Forcer:
             if ref in self.reductions:
                 via_of[self.reductions[ref]] = ref
         delete = sorted({n for n, _ in rewritten.values if self._deletable(n, via_of.get(n))})
-        return Plan(delete_inputs=tuple(delete), persist_outputs=original.name == self.target)
+        where: dict[str, str] = {}
+        if self.scope is not None:
+            for name, _ in (*rewritten.values, *rewritten.executables):
+                where[name] = self.uploaded_at.get(name, "")
+            for ref, _ in original.thunks:  # read where the thunk that made it put it
+                where[self.reductions[ref]] = self.outputs_at.get(ref.split("#", 1)[0], "")
+        return Plan(delete_inputs=tuple(delete), persist_outputs=original.name == self.target,
+                    located=tuple(sorted((n, p) for n, p in where.items() if p)),
+                    outputs_at=self.outputs_at.get(original.name, ""))
+
+    def _scope_of(self, name: str) -> str:
+        """The prefix a submitted thunk is stored under; its outputs too, unless it is the
+        target (those persist at the root)."""
+        if self.scope is None:
+            return ""
+        prefix = self.scope.thunk_prefix(self.index[name])
+        if name != self.target:
+            self.outputs_at[name] = prefix
+        return prefix
 
     def _reused(self, original: Thunk, rewritten: Thunk) -> list[str] | None:
         if not self.reuse:
@@ -196,7 +253,10 @@ class _Forcer:
         result = ForceResult(target=self.target, outputs=[], thunks_total=len(self.order))
         self.progress("total", str(len(self.order)))
         to_run = [n for n in self.order if n not in self.pre_reduced]
-        result.uploaded_bytes = upload(self.graph, self.store, to_run)
+        build = self.scope.build if self.scope is not None else ""
+        result.uploaded_bytes, uploaded = _upload(self.graph, self.store, to_run, build)
+        if build:
+            self.uploaded_at = dict.fromkeys(uploaded, build)
         live = sum(size_of(n) for n in dict.fromkeys(
             n for t in to_run for n, _ in (*self.graph.thunks[t].values,
                                            *self.graph.thunks[t].executables)))
@@ -220,14 +280,20 @@ class _Forcer:
                 batch.append((original, rewritten))
                 self.progress("started", name)
             if batch:
-                # A rewritten thunk and each plan, in one batch before the calls start.
+                scopes = [self._scope_of(original.name) for original, _ in batch]
+                if self.scope is not None:  # the round's prefixes: one renewal per server
+                    self.scope.declare(scopes)
+                # A rewritten thunk (any thunk, when scoped) and each plan, in one batch
+                # before the calls start.
                 self.store.put_many(BLOBS, [
-                    item for original, rewritten in batch for item in (
-                        *(((rewritten.name, rewritten.data),)
-                          if rewritten.name != original.name else ()),
-                        (plan_key(rewritten.name),
+                    item for (original, rewritten), scope in zip(batch, scopes, strict=True)
+                    for item in (
+                        *(((located(scope, rewritten.name), rewritten.data),)
+                          if rewritten.name != original.name or scope else ()),
+                        (located(scope, plan_key(rewritten.name)),
                          self._plan(original, rewritten).to_bytes()))], overwrite=True)
-                calls = self.engine.submit_many(self.store.spec, [r.name for _, r in batch])
+                calls = self.engine.submit_many(self.store.spec, [r.name for _, r in batch],
+                                                scopes if self.scope is not None else None)
                 in_flight.update(zip(calls, batch, strict=True))
             if not in_flight:
                 break
@@ -249,6 +315,8 @@ class _Forcer:
                 # The worker recorded the reduction of the thunk it ran.
                 self._finish(original, outcome["outputs"], ready,
                              recorded=rewritten.name == original.name)
+            if self.scope is not None:  # the round's consumed prefixes: one end per server
+                live -= self.scope.flush()
         if self.target not in {r.split("#", 1)[0] for r in self.reductions}:
             raise GGError(f"the graph of {self.target} did not reduce (a cycle?)")
         target = self.graph.thunks[self.target]
@@ -260,10 +328,16 @@ class _Forcer:
                 recorded: bool = False) -> None:
         self._record(original, outputs)
         if not recorded:
+            at = self.outputs_at.get(original.name, "")
             self.store.put_many(REDUCTIONS, [
-                (ref, output.encode())
+                (located(at, ref), output.encode())
                 for ref, output in zip(original.output_names(), outputs, strict=True)],
                 overwrite=True)
+        if self.scope is not None:
+            for dep in self.deps_of[original.name]:
+                self.readers_left[dep] -= 1
+                if self.readers_left[dep] == 0 and dep in self.outputs_at:
+                    self.scope.consumed(self.outputs_at[dep])
         for dependent in sorted(self.dependents[original.name]):
             waiting = self.waiting_on[dependent]
             waiting.discard(original.name)
@@ -274,7 +348,7 @@ class _Forcer:
 def force(graph: BuildGraph, target: str, *, store: Store, engine: Engine, jobs: int,
           delete: bool = True, reuse: bool = True,
           progress: Callable[[str, str], None] | None = None,
-          timeout_s: float = THUNK_TIMEOUT_DEFAULT_S) -> ForceResult:
+          timeout_s: float = THUNK_TIMEOUT_DEFAULT_S, scope: Job | None = None) -> ForceResult:
     """Reduce ``target`` (a thunk of ``graph``) to its outputs.
 
     First the values, executables and thunks of the thunks that will run are uploaded if they
@@ -287,12 +361,50 @@ def force(graph: BuildGraph, target: str, *, store: Store, engine: Engine, jobs:
     written with PERSIST. ``progress(event, thunk)`` is called with ``started``, ``done`` and
     ``reused``, and once first with ``("total", "<thunks to visit>")`` (the graph below a
     thunk whose reduction is recorded is not visited).
+
+    With ``scope`` (the job that holds ``store``'s objects), the build's intermediate objects
+    live under prefix leases of that job (its ``prefix_lease_ms``; layout in
+    :mod:`pocketflow_gg.scope`): a thunk's thunk, plan, outputs and reductions under a prefix
+    of its own, declared when it is submitted (one declaration per submission round) and
+    ended when every thunk reading its outputs succeeded (one end per scheduling round); the
+    values and executables uploaded for the build under a build prefix that a keeper renews
+    with everything below it (one renewal per server per third of a lease) and that ends when
+    ``force`` returns or raises. If the driver dies, the servers free all of it one lease after
+    the last renewal. The target's outputs and reductions are at the bucket root, as without
+    scoping, so a later ``force`` on the job reuses the target; an intermediate thunk is reused
+    only from what an unscoped force left at the root.
     """
     if not 1 <= jobs <= JOBS_MAX:
         raise GGError(f"jobs must be in 1..{JOBS_MAX}, got {jobs}")
-    forcer = _Forcer(graph, target, store, engine, jobs=jobs, delete=delete, reuse=reuse,
-                     progress=progress, timeout_s=timeout_s)
-    return forcer.run()
+    build_scope = BuildScope(scope, store) if scope is not None else None
+    try:
+        result = _Forcer(graph, target, store, engine, jobs=jobs, delete=delete, reuse=reuse,
+                         progress=progress, timeout_s=timeout_s, scope=build_scope).run()
+    except BaseException:
+        if build_scope is not None:
+            _close_quietly(build_scope)
+        raise
+    if build_scope is None:
+        return result
+    build_scope.close()
+    result.build_prefix = build_scope.build
+    result.prefixes_declared = build_scope.declared
+    result.prefixes_ended = build_scope.ended
+    result.ended_bytes = build_scope.ended_bytes
+    result.prefix_calls = build_scope.calls
+    return result
+
+
+def _close_quietly(build_scope: BuildScope) -> None:
+    """End a failed build's prefixes, keeping the build's own error: if ending fails, the
+    leases free them a lease later."""
+    from pocketflow.errors import PocketflowError
+
+    try:
+        build_scope.close()
+    except PocketflowError as exc:
+        log.warning("ending the prefixes of build %s failed (they lapse in %d ms): %s",
+                    build_scope.build, build_scope.lease_ms, exc)
 
 
 def fetch_outputs(store: Store, thunk: Thunk, outputs: list[str],

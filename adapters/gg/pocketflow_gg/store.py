@@ -6,7 +6,9 @@ Two namespaces: ``gg-blobs`` (values and thunks, keyed by content name, and each
 *plan* under ``plan-<thunk name>``: which inputs to read with DELETE, whether its outputs
 PERSIST) and ``gg-reductions`` (thunk reference -> the name it reduced to). Content-named
 writes are idempotent: an existing object of that name holds the same bytes, so a second put is
-skipped.
+skipped. Keys are the names themselves, at the bucket root, unless the build is scoped to prefix
+leases: then a key is ``<prefix>/<name>`` (:mod:`pocketflow_gg.scope`), and the thunk's plan
+says where its inputs are and where its outputs go.
 """
 
 from __future__ import annotations
@@ -319,17 +321,31 @@ def need(store: Store, bucket: str, key: str, *, delete: bool = False) -> bytes:
 
 @dataclass(frozen=True)
 class Plan:
-    """What the driver tells the worker of one thunk besides its name, through the store."""
+    """What the driver tells the worker of one thunk besides its name, through the store.
+
+    ``located`` maps an input's name to the prefix it is stored under (inputs not named are at
+    the bucket root); ``outputs_at`` is the prefix the outputs and reductions go under (``""``:
+    the root). Both are set only for a build scoped to prefix leases
+    (:mod:`pocketflow_gg.scope`)."""
 
     delete_inputs: tuple[str, ...] = ()
     persist_outputs: bool = False
+    located: tuple[tuple[str, str], ...] = ()
+    outputs_at: str = ""
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"delete": list(self.delete_inputs),
-                           "persist": self.persist_outputs}).encode()
+        raw: dict[str, Any] = {"delete": list(self.delete_inputs),
+                               "persist": self.persist_outputs}
+        if self.located:
+            raw["at"] = dict(self.located)
+        if self.outputs_at:
+            raw["out"] = self.outputs_at
+        return json.dumps(raw).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Plan:
         raw = json.loads(data)
         return cls(delete_inputs=tuple(raw.get("delete", ())),
-                   persist_outputs=bool(raw.get("persist", False)))
+                   persist_outputs=bool(raw.get("persist", False)),
+                   located=tuple(sorted(raw.get("at", {}).items())),
+                   outputs_at=str(raw.get("out", "")))

@@ -6,7 +6,9 @@ records the reduction (thunk name -> output name). Layout of the private directo
 ``name=filename`` is placed at ``filename``; an entry without a filename, and any object a
 ``@{GGHASH:name}`` placeholder refers to, at ``blobs/<name>``. The function itself runs from a
 hash-named path (as in gg), so compilers find their own files through the thunk's envars
-(``GCC_EXEC_PREFIX``) and ``-B`` arguments, not through where they were installed.
+(``GCC_EXEC_PREFIX``) and ``-B`` arguments, not through where they were installed. In a build
+scoped to prefix leases the worker is also given the prefix its thunk and plan are stored under,
+and the plan says where each input is and where the outputs go (:mod:`pocketflow_gg.scope`).
 
 Executables are content-named, so workers keep those they fetched in one directory per machine
 (like gg's blob directory on a warm Lambda) and reuse them across thunks and jobs: a name is its
@@ -31,6 +33,7 @@ from typing import Any
 
 from pocketflow_gg.errors import MissingObject, ThunkFailed
 from pocketflow_gg.objects import content_name, placeholders_in, replace_placeholders, size_of
+from pocketflow_gg.scope import located
 from pocketflow_gg.store import BLOBS, REDUCTIONS, Plan, Store, need, open_store, plan_key
 from pocketflow_gg.thunk import Thunk
 
@@ -178,7 +181,7 @@ def _checked(name: str, data: bytes) -> bytes:
     return data
 
 
-def _executable(store: Store, name: str) -> Path:
+def _executable(store: Store, name: str, key: str) -> Path:
     path = exe_cache_dir() / name
     try:
         info = path.stat()
@@ -189,7 +192,7 @@ def _executable(store: Store, name: str) -> Path:
             if time.time() - info.st_mtime > EXE_CACHE_TOUCH_S:
                 os.utime(path)
             return path
-    _write(path, _checked(name, need(store, BLOBS, name)), executable=True)
+    _write(path, _checked(name, need(store, BLOBS, key)), executable=True)
     trim_executables()
     return path
 
@@ -226,21 +229,30 @@ def _run_function(argv: list[str], **options: Any) -> subprocess.CompletedProces
     return _spawner.submit(subprocess.run, argv, **options).result()
 
 
-def run_thunk(store_spec: str, thunk_name: str) -> dict[str, Any]:
-    """Force one thunk whose inputs are all values; returns its report (outputs, timings)."""
+def run_thunk(store_spec: str, thunk_name: str, scope: str = "") -> dict[str, Any]:
+    """Force one thunk whose inputs are all values; returns its report (outputs, timings).
+    The thunk and its plan are stored under the prefix ``scope`` (``""``: the bucket root);
+    the plan says where each input is and where the outputs go."""
     started = time.perf_counter()
     first_in_process = store_spec not in _stores
     store = _store(store_spec)
     before = store.stats.to_dict()
+    thunk_key = located(scope, thunk_name)
     try:
-        thunk_data, plan_data = store.get_many(BLOBS, [thunk_name, plan_key(thunk_name)])
+        thunk_data, plan_data = store.get_many(
+            BLOBS, [thunk_key, located(scope, plan_key(thunk_name))])
     except MissingObject:  # no plan: nothing to delete, nothing persists
-        thunk_data, plan_data = need(store, BLOBS, thunk_name), None
+        thunk_data, plan_data = need(store, BLOBS, thunk_key), None
     thunk = Thunk.parse(_checked(thunk_name, thunk_data))
     if thunk.thunks:
         raise ThunkFailed(thunk_name, f"has unreduced dependencies {thunk.dependencies()}")
     plan = Plan.from_bytes(plan_data) if plan_data is not None else Plan()
     deleting = set(plan.delete_inputs)
+    prefix_of = dict(plan.located)
+
+    def key(name: str) -> str:
+        return located(prefix_of.get(name, ""), name)
+
     workdir = Path(tempfile.mkdtemp(prefix="gg-thunk-"))
     try:
         path_of: dict[str, str] = {}
@@ -251,8 +263,8 @@ def run_thunk(store_spec: str, thunk_name: str) -> dict[str, Any]:
         fetched_values = _shared_values.take([n for n in names if n not in deleting])
         for delete in (True, False):
             group = [n for n in names if (n in deleting) == delete and n not in fetched_values]
-            for name, data in zip(group, store.get_many(BLOBS, group, delete=delete),
-                                  strict=True):
+            datas = store.get_many(BLOBS, [key(n) for n in group], delete=delete)
+            for name, data in zip(group, datas, strict=True):
                 fetched_values[name] = _checked(name, data)
                 if not delete:
                     _shared_values.keep(name, data)
@@ -267,7 +279,7 @@ def run_thunk(store_spec: str, thunk_name: str) -> dict[str, Any]:
             path_of.setdefault(name, str(target))
         exe_started = store.stats.seconds
         for name, filename in thunk.executables:
-            cached = _executable(store, name)
+            cached = _executable(store, name, key(name))
             path_of.setdefault(name, str(cached))
             if filename:
                 target = workdir / _safe_relative(filename)
@@ -309,8 +321,11 @@ def run_thunk(store_spec: str, thunk_name: str) -> dict[str, Any]:
             data = out_path.read_bytes()
             produced.append((content_name(data), data))
         outputs = [name for name, _ in produced]
-        store.put_many(BLOBS, list(dict(produced).items()), persist=plan.persist_outputs)
-        store.put_many(REDUCTIONS, [(ref, output.encode()) for ref, output in
+        store.put_many(BLOBS, [(located(plan.outputs_at, name), data)
+                               for name, data in dict(produced).items()],
+                       persist=plan.persist_outputs)
+        store.put_many(REDUCTIONS, [(located(plan.outputs_at, ref), output.encode())
+                                    for ref, output in
                                     zip(thunk.output_names(), outputs, strict=True)],
                        overwrite=True)
     finally:

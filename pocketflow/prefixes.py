@@ -21,6 +21,7 @@ a thread of its own.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -80,6 +81,10 @@ class PrefixDag:
     def __init__(self) -> None:
         self._parents: dict[str, tuple[str, ...]] = {}
         self._children: dict[str, set[str]] = {}
+        # The declared prefixes in order: those below ``p`` in the path are one range of it
+        # (``p + "/"`` up to ``p + "0"``, "0" being the byte after "/"), found by bisection, so
+        # a renewal of a prefix with many below it costs no scan of every prefix per prefix.
+        self._sorted: list[str] = []
 
     def __contains__(self, prefix: object) -> bool:
         return prefix in self._parents
@@ -92,6 +97,7 @@ class PrefixDag:
         dag = PrefixDag()
         dag._parents = dict(self._parents)
         dag._children = {p: set(c) for p, c in self._children.items()}
+        dag._sorted = list(self._sorted)
         return dag
 
     def declare(self, prefix: str, parents: Iterable[str] = ()) -> None:
@@ -109,7 +115,10 @@ class PrefixDag:
                 raise InvalidRequest(f"{parent!r} as a parent of {prefix!r} makes a cycle")
         if prefix not in self._parents and len(self._parents) >= PREFIXES_MAX:
             raise InvalidRequest(f"a job declares at most {PREFIXES_MAX} prefixes")
-        known = self._parents.get(prefix, ())
+        known = self._parents.get(prefix)
+        if known is None:
+            bisect.insort(self._sorted, prefix)
+            known = ()
         self._parents[prefix] = known + tuple(p for p in parents if p not in known)
         for parent in parents:
             self._children.setdefault(parent, set()).add(prefix)
@@ -119,7 +128,9 @@ class PrefixDag:
         (ended: their data is freed); returns what was forgotten, sorted. Children that named
         one as a parent keep their other parents. They can be declared again."""
         named = [p for p in prefixes if p in self._parents]
-        gone = set(named) | {p for p in self._parents for n in named if p.startswith(n + "/")}
+        gone = set(named) | {p for n in named for p in self._below(n)}
+        if gone:
+            self._sorted = [p for p in self._sorted if p not in gone]
         for prefix in gone:
             for parent in self._parents.pop(prefix):
                 children = self._children.get(parent)
@@ -141,12 +152,14 @@ class PrefixDag:
                 break
         return up
 
+    def _below(self, prefix: str) -> list[str]:
+        """The declared prefixes below ``prefix`` in the path, in order."""
+        start = bisect.bisect_left(self._sorted, prefix + "/")
+        return self._sorted[start:bisect.bisect_left(self._sorted, prefix + "0", lo=start)]
+
     def _down(self, prefix: str) -> list[str]:
         """Direct descendants: declared children and declared prefixes below it in the path."""
-        below = prefix + "/"
-        return sorted(self._children.get(prefix, set())) + [
-            p for p in self._parents if p.startswith(below)
-        ]
+        return sorted(self._children.get(prefix, set())) + self._below(prefix)
 
     def _walk(self, start: Iterable[str], step) -> set[str]:
         seen: set[str] = set()

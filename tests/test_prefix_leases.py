@@ -20,13 +20,16 @@ def test_the_closure_covers_ancestors_and_descendants_only() -> None:
     dag = PrefixDag()
     for prefix, parents in [("map", ()), ("map/0", ()), ("map/1", ()), ("in", ()),
                             ("reduce", ()), ("reduce/0", ("map/0", "map/1")),
-                            ("reduce/1", ("map/1",)), ("out/0", ("reduce/0",)), ("other", ())]:
+                            ("reduce/1", ("map/1",)), ("out/0", ("reduce/0",)), ("other", ()),
+                            # Names that sort next to "map/": none of them is below "map".
+                            ("map-1", ()), ("map.x", ()), ("map0", ()), ("mapx/1", ())]:
         dag.declare(prefix, parents)
     # reduce/0: parents map/0 and map/1, their path ancestor map, its own path ancestor
     # reduce, its child out/0; not its sibling reduce/1, nor in, nor other.
     assert dag.closure(["reduce/0"]) == {"reduce/0", "map/0", "map/1", "map", "reduce", "out/0"}
     # map: everything below it, transitively through declared children.
     assert dag.closure(["map"]) == {"map", "map/0", "map/1", "reduce/0", "reduce/1", "out/0"}
+    assert dag.copy().closure(["map"]) == dag.closure(["map"])
     with pytest.raises(InvalidRequest):
         dag.declare("x", ["not-declared"])
     with pytest.raises(InvalidRequest):

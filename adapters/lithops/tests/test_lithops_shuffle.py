@@ -8,7 +8,6 @@ consumed regenerated.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -288,7 +287,7 @@ def test_a_retried_reducer_tells_consumed_inputs_from_never_written_ones(
         assert outcome.value == b"0:input 0input 1" and outcome.lost_mappers == ()
 
         # Inputs that never arrive, with no marker naming them: a clear error, no loop.
-        spec = dataclasses.replace(spec, input_wait_s=1.0)
+        spec = spec._replace(input_wait_s=1.0)
         started = time.monotonic()
         with pytest.raises(ShuffleFailed, match=r"reducer 1: inputs of mappers \[0, 1\] did not"):
             _shuffle_task(_ReduceCall(spec, _join, 1))

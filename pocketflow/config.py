@@ -51,7 +51,6 @@ import dataclasses
 import math
 import os
 import re
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,6 +188,10 @@ def load_file_table(table: str, environ: Mapping[str, str] | None = None) -> dic
     path = config_file_path(environ)
     if path is None:
         return {}
+    # Imported here: tomllib compiles its regular expressions on import (some 4 ms), which every
+    # process that connects without a config file (each Lithops task) would pay for nothing.
+    import tomllib
+
     try:
         with path.open("rb") as f:
             document = tomllib.load(f)

@@ -55,6 +55,15 @@ What it does, in Pocket's terms:
   way. Inputs missing with no marker naming them are awaited, and after ``input_wait_s`` fail
   the shuffle with :class:`ShuffleFailed`. The driver deletes the markers once every reducer is
   done. Why lineage, and not holding inputs until the reducer commits: the package's README.
+- **The driver hears of returning reducers from the servers.** Lithops reports a finished call
+  by a status its driver polls for (every 0.1 s with its localhost storage), which at the end of
+  a shuffle is time nobody works. Each reducer attempt therefore writes a small marker,
+  ``finished/r{r:05d}/<attempt>``, as it returns; once every mapper's result is in, the driver
+  parks on the servers for the markers of the reducers still pending (``wait_for``, in slices of
+  ``FINISHED_WAIT_SLICE_S``, between which it looks at Lithops' statuses for failed calls) and,
+  when all are there, looks at the statuses every ``FINISHED_POLL_INTERVAL_S`` until Lithops has
+  them, at most ``FINISHED_POLLS_MAX`` times per stage before it goes back to Lithops' own wait.
+  Every result still comes from Lithops; the markers only say when to look.
 
 Task code runs in Lithops' worker processes, which import it from the installed
 ``pocketflow-lithops`` package (``adapters/lithops``). Workers talk straight to the storage
@@ -70,7 +79,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pocketflow.errors import (
     BucketExists,
@@ -123,6 +132,15 @@ REDUCE_RETRIES_DEFAULT = 2
 """Default bound on how many times the driver submits one reducer again after its task failed."""
 CONSUMING_PREFIX = "consuming/"
 """Prefix of the reducers' markers in the shuffle bucket (see :func:`consuming_key`)."""
+FINISHED_PREFIX = "finished/"
+"""Prefix of the markers reducer attempts write as they return (see :func:`finished_key`)."""
+FINISHED_WAIT_SLICE_S = 0.25
+"""Longest the driver parks on the servers for reducers' finished markers before it looks at
+Lithops' statuses again (a call that failed writes none)."""
+FINISHED_POLL_INTERVAL_S = 0.005
+"""Pause between two looks at Lithops' statuses once the pending reducers said they returned."""
+FINISHED_POLLS_MAX = 40
+"""Most such looks per stage; after them the driver waits with Lithops' own polling."""
 ATTEMPT_MARKERS_MAX = 64
 """Most markers of earlier attempts a reducer reads; beyond, it treats every input as marked."""
 MAP_REFRESH_TIMEOUT_S = 30.0
@@ -157,6 +175,11 @@ def consuming_key(*, reducer: int, attempt: str) -> str:
     return f"{_consuming_prefix(reducer)}{attempt}"
 
 
+def finished_key(*, reducer: int, attempt: str) -> str:
+    """Key of the marker one attempt of reducer ``reducer`` writes as it returns (empty)."""
+    return f"{FINISHED_PREFIX}r{reducer:05d}/{attempt}"
+
+
 def _consuming_prefix(reducer: int) -> str:
     return f"{CONSUMING_PREFIX}r{reducer:05d}/"
 
@@ -181,8 +204,14 @@ class OutputInfo:
     size: int
 
 
-@dataclass(frozen=True)
-class _Spec:
+# Every task runs in a fresh process that imports this module, and a frozen dataclass costs some
+# 0.7 ms to define there (its methods are generated with exec), a NamedTuple a tenth of that: so
+# the spec and the outcomes are NamedTuples. The calls stay dataclasses because Lithops finds the
+# user's map and reduce functions, to ship their modules, among an argument's instance
+# attributes, which a NamedTuple's fields are not.
+
+
+class _Spec(NamedTuple):
     """What every task of one shuffle needs; pickled into each Lithops call."""
 
     handle_json: str
@@ -206,8 +235,7 @@ class _MapCall:
     """Write only these partitions (a rerun after lost partitions); ``None`` writes all."""
 
 
-@dataclass(frozen=True)
-class _MapOutcome:
+class _MapOutcome(NamedTuple):
     mapper: int
     value: Any
     bytes_written: int
@@ -221,10 +249,11 @@ class _ReduceCall:
     spec: _Spec
     reduce_function: Callable[[int, list[bytes]], Any]
     reducer: int
+    attempt: str = ""
+    """Names this submission's finished marker (set by the driver); empty: none is written."""
 
 
-@dataclass(frozen=True)
-class _ReduceOutcome:
+class _ReduceOutcome(NamedTuple):
     reducer: int
     lost_mappers: tuple[int, ...] = ()
     unreachable: tuple[str, ...] = ()
@@ -409,7 +438,7 @@ def _run_stages(
             # until their inputs are written, instead of waiting for a barrier. All mappers come
             # first, so a worker held by a parked reducer never keeps a mapper from running.
             outcomes = _gather(fexec, map_calls + reduce_calls, retries_left=retries_left,
-                               retried=retried, timeout_s=timeout_s)
+                               retried=retried, timeout_s=timeout_s, pf=pf)
             map_outcomes: list[_MapOutcome] = outcomes[:len(map_calls)]
             reduce_outcomes: list[_ReduceOutcome] = outcomes[len(map_calls):]
             map_s = max(o.finished_unix_s for o in map_outcomes) - started_unix_s
@@ -430,7 +459,7 @@ def _run_stages(
                 unreachable = {a for o in failed for a in o.unreachable}
                 if unreachable:
                     refresh_map(pf, unreachable, bucket=SHUFFLE_BUCKET)
-                spec = dataclasses.replace(spec, handle_json=pf.handle.to_json())
+                spec = spec._replace(handle_json=pf.handle.to_json())
                 lost_by_mapper: dict[int, set[int]] = {}
                 for outcome in failed:
                     for mapper in outcome.lost_mappers:
@@ -445,11 +474,11 @@ def _run_stages(
                 rewritten_bytes += sum(
                     o.bytes_written
                     for o in _gather(fexec, reruns, retries_left=retries_left, retried=retried,
-                                     timeout_s=timeout_s)
+                                     timeout_s=timeout_s, pf=pf)
                 )
                 outcomes = _gather(
                     fexec, [_ReduceCall(spec, reduce_function, o.reducer) for o in failed],
-                    retries_left=retries_left, retried=retried, timeout_s=timeout_s,
+                    retries_left=retries_left, retried=retried, timeout_s=timeout_s, pf=pf,
                 )
                 done.update({o.reducer: o for o in outcomes if not o.lost_mappers})
                 failed = [o for o in outcomes if o.lost_mappers]
@@ -463,6 +492,7 @@ def _run_stages(
             raise
         # Every reducer has committed: the markers of its attempts are no longer needed.
         pf.delete_prefix(SHUFFLE_BUCKET, CONSUMING_PREFIX)
+        pf.delete_prefix(SHUFFLE_BUCKET, FINISHED_PREFIX)
         handle_json = pf.handle.to_json()
 
     ordered = [done[r] for r in range(reducers)]
@@ -485,7 +515,7 @@ def _run_stages(
 
 def _gather(
     fexec: Any, calls: Sequence[_MapCall | _ReduceCall], *, retries_left: dict[int, int],
-    retried: list[int], timeout_s: float | None,
+    retried: list[int], timeout_s: float | None, pf: Client | None = None,
 ) -> list[Any]:
     """Run ``calls`` as one Lithops job and return their outcomes, in the order of ``calls``.
 
@@ -495,27 +525,46 @@ def _gather(
     markers (see the module doc). A mapper's
     failure, a reducer's :class:`ShuffleFailed` (its inputs never arrived: a retry would only
     wait again) and a reducer's failure with no retries left are raised at once. ``timeout_s``
-    bounds the whole wait (Lithops raises ``TimeoutError``).
+    bounds the whole wait (Lithops raises ``TimeoutError``). With ``pf`` (the driver's client),
+    once only reducers are pending the driver learns that they returned from their finished
+    markers (:func:`_wait_finished`) instead of from Lithops' next poll alone.
     """
     from lithops.wait import ANY_COMPLETED
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    futures = list(fexec.map(_shuffle_task, [(call,) for call in calls],
+    submitted = [_new_attempt(call) for call in calls]
+    futures = list(fexec.map(_shuffle_task, [(call,) for call in submitted],
                            exclude_modules=list(RUNTIME_PACKAGES)))
     slot = {id(f): i for i, f in enumerate(futures)}
     outcomes: list[Any] = [None] * len(calls)
     every = list(futures)  # Kept alive, so that ids in ``slot`` stay unique.
     pending = list(futures)
+    polls_left = FINISHED_POLLS_MAX if pf is not None else 0
     while pending:
         left_s = None if deadline is None else deadline - time.monotonic()
-        # Any completed call, not all: a failure is seen (and a mapper's raised) as it happens.
-        finished, not_done = fexec.wait(pending, throw_except=False, return_when=ANY_COMPLETED,
-                                        download_results=True, timeout=left_s,
-                                        show_progressbar=False)
+        waiting_on = [submitted[slot[id(f)]] for f in pending]
+        if polls_left > 0 and all(isinstance(c, _ReduceCall) for c in waiting_on):
+            assert pf is not None
+            try:
+                finished, not_done, polls = _wait_finished(fexec, pf, pending, waiting_on,
+                                                            left_s=left_s, polls_max=polls_left)
+                polls_left -= polls
+            except PocketflowError as exc:
+                # The markers only say when to look: without them, Lithops' own wait does.
+                log.warning("shuffle: waiting for finished markers failed (%s); waiting for "
+                            "Lithops' statuses instead", exc)
+                polls_left = 0
+                continue
+        else:
+            # Any completed call, not all: a failure is seen (and a mapper's raised) as it
+            # happens.
+            finished, not_done = fexec.wait(pending, throw_except=False,
+                                            return_when=ANY_COMPLETED, download_results=True,
+                                            timeout=left_s, show_progressbar=False)
         pending = list(not_done)
         for future in finished:
             i = slot[id(future)]
-            call = calls[i]
+            call = submitted[i]
             if not future.error:
                 outcomes[i] = future.result()
                 continue
@@ -530,7 +579,8 @@ def _gather(
                 retried.append(call.reducer)
                 log.warning("reducer %d failed (%s: %s); submitting it again (%d retries left)",
                             call.reducer, type(exc).__name__, exc, retries_left[call.reducer])
-                (again,) = fexec.map(_shuffle_task, [(call,)],
+                submitted[i] = _new_attempt(call)
+                (again,) = fexec.map(_shuffle_task, [(submitted[i],)],
                                      exclude_modules=list(RUNTIME_PACKAGES))
                 slot[id(again)] = i
                 every.append(again)
@@ -540,6 +590,46 @@ def _gather(
     # Every call is done: this wait returns at once and lets Lithops clean the jobs' data.
     fexec.wait(every, throw_except=False, show_progressbar=False)
     return outcomes
+
+
+def _new_attempt(call: _MapCall | _ReduceCall) -> _MapCall | _ReduceCall:
+    """``call`` as one new submission: a reducer gets a finished marker of its own."""
+    if isinstance(call, _MapCall):
+        return call
+    return dataclasses.replace(call, attempt=uuid.uuid4().hex[:16])
+
+
+def _wait_finished(
+    fexec: Any, pf: Client, pending: list[Any], calls: list[_ReduceCall], *,
+    left_s: float | None, polls_max: int,
+) -> tuple[list[Any], list[Any], int]:
+    """Wait for some of the ``pending`` reducer calls to be reported by Lithops: park on the
+    servers until every one of them wrote its finished marker (at most
+    ``FINISHED_WAIT_SLICE_S``), then look at Lithops' statuses once (which also shows calls
+    that failed without a marker) or, when every marker is there, every
+    ``FINISHED_POLL_INTERVAL_S`` until one is reported, at most ``polls_max`` times.
+
+    Returns Lithops' done and not-done futures and how many of the quick looks it took.
+    Raises ``TimeoutError`` once ``left_s`` is used up, as Lithops' own wait does.
+    """
+    from lithops.wait import ALWAYS
+
+    if left_s is not None and left_s <= 0:
+        raise TimeoutError("the shuffle's reducers did not finish within its timeout")
+    slice_s = FINISHED_WAIT_SLICE_S if left_s is None else min(FINISHED_WAIT_SLICE_S, left_s)
+    bucket = calls[0].spec.bucket
+    keys = [finished_key(reducer=c.reducer, attempt=c.attempt) for c in calls]
+    missing = pf.wait_for(bucket, keys, timeout_s=slice_s)
+    polls = 0
+    while True:
+        finished, not_done = fexec.wait(pending, throw_except=False, return_when=ALWAYS,
+                                        download_results=True, show_progressbar=False)
+        if finished or missing:
+            return finished, not_done, polls
+        polls += 1
+        if polls >= polls_max:
+            return finished, not_done, polls
+        time.sleep(FINISHED_POLL_INTERVAL_S)
 
 
 # -- tasks (run in Lithops workers) -------------------------------------------------------------
@@ -634,7 +724,21 @@ def _shuffle_task(call: _MapCall | _ReduceCall) -> _MapOutcome | _ReduceOutcome:
     """The one task function of a shuffle's Lithops job: a mapper or a reducer."""
     if isinstance(call, _MapCall):
         return _map_task(call)
-    return _reduce_task(call)
+    outcome = _reduce_task(call)
+    if call.attempt:
+        _say_finished(call)
+    return outcome
+
+
+def _say_finished(call: _ReduceCall) -> None:
+    """Write this attempt's finished marker, so the driver looks for its result now. Best
+    effort: without it the driver learns of the result from Lithops' next poll."""
+    spec = call.spec
+    try:
+        _client(spec).put(spec.bucket, finished_key(reducer=call.reducer, attempt=call.attempt),
+                          b"", overwrite=True)
+    except PocketflowError as exc:
+        log.warning("reducer %d: could not write its finished marker: %s", call.reducer, exc)
 
 
 def run_map_function(

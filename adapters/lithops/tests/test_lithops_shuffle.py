@@ -8,7 +8,6 @@ consumed regenerated.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -31,6 +30,7 @@ from pocketflow_lithops.shuffle import (
     _ReduceOutcome,
     _shuffle_task,
     _Spec,
+    finished_key,
     refresh_map,
     shuffle,
     shuffle_key,
@@ -288,11 +288,22 @@ def test_a_retried_reducer_tells_consumed_inputs_from_never_written_ones(
         assert outcome.value == b"0:input 0input 1" and outcome.lost_mappers == ()
 
         # Inputs that never arrive, with no marker naming them: a clear error, no loop.
-        spec = dataclasses.replace(spec, input_wait_s=1.0)
+        spec = spec._replace(input_wait_s=1.0)
         started = time.monotonic()
         with pytest.raises(ShuffleFailed, match=r"reducer 1: inputs of mappers \[0, 1\] did not"):
             _shuffle_task(_ReduceCall(spec, _join, 1))
         assert time.monotonic() - started < RETRY_PROBE_MAX_S
+
+        # An attempt the driver named writes an empty finished marker as it returns; one that
+        # raised writes none (the driver then learns of it from Lithops alone).
+        pf.put_many("shuffle", inputs)
+        outcome = _shuffle_task(_ReduceCall(spec, _join, 0, attempt="a1"))
+        assert outcome.value == b"0:input 0input 1"
+        assert pf.get("shuffle", finished_key(reducer=0, attempt="a1")) == b""
+        pf.put_many("shuffle", inputs)
+        with pytest.raises(RuntimeError, match="reduce function breaks"):
+            _shuffle_task(_ReduceCall(spec, _raise_on_reduce, 0, attempt="a2"))
+        assert not pf.exists("shuffle", finished_key(reducer=0, attempt="a2"))
 
 
 def test_bad_arguments_are_refused(local_cluster: LocalCluster, fexec: Any) -> None:

@@ -28,11 +28,15 @@ system-packages:
 	fi
 
 # The core package (with its native client core), then each adapter, a package of its own.
+# Then their bytecode, as a wheel install compiles it: editable installs do not, and where
+# PYTHONDONTWRITEBYTECODE is set no process ever caches it, so every short-lived task process
+# (Lithops starts a fresh one per call) would compile each module it imports again.
 python-packages:
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	for adapter in adapters/*/; do \
 		$(PYTHON) -m pip install --quiet --disable-pip-version-check -e "$$adapter" || exit 1; \
 	done
+	$(PYTHON) -m compileall -q pocketflow adapters/*/pocketflow_* benchmarks
 
 server:
 	cd servers && $(CARGO) build --release --locked

@@ -11,16 +11,16 @@ The public API::
                 pf.create_bucket("shuffle")
                 pf.put("shuffle", "part-0", b"...")
 
-Importing this package does not import Ray; only starting or joining a cluster does. The
-cluster and job API (``LocalCluster``, ``register_job``, ``Job``, ``Hints``) is imported on first
-use, so a task that only connects (a Lithops function runs in a fresh process each time) does not
-pay for the control plane's modules.
+Importing this package does not import Ray; only starting or joining a cluster does. Every
+public name but the errors is imported on first use: the cluster and job API (``LocalCluster``,
+``register_job``, ``Job``, ``Hints``) and the client (``connect``, ``Client``, queues, append
+files, listeners, handles). A task that only connects (a Lithops function runs in a fresh
+process each time) does not pay for the control plane's modules, and one that imports a module
+of the package for something else (``pocketflow.demo``'s records) does not pay for the client.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from pocketflow.channels import AppendFile, Queue
-from pocketflow.client import Client, ObjectInfo, connect
 from pocketflow.errors import (
     AlreadyExists,
     BucketExists,
@@ -46,17 +46,24 @@ from pocketflow.errors import (
     TlsError,
     Unavailable,
 )
-from pocketflow.handle import JobHandle, ServerInfo
-from pocketflow.notifications import Event, Listener
 
 if TYPE_CHECKING:
+    from pocketflow.channels import AppendFile, Queue
+    from pocketflow.client import Client, ObjectInfo, connect
     from pocketflow.cluster import LocalCluster
+    from pocketflow.handle import JobHandle, ServerInfo
     from pocketflow.job import Hints, Job, register_job
+    from pocketflow.notifications import Event, Listener
 
 __version__ = "0.1.0"
 
 _LAZY = {"LocalCluster": "pocketflow.cluster", "register_job": "pocketflow.job",
-         "Job": "pocketflow.job", "Hints": "pocketflow.job"}
+         "Job": "pocketflow.job", "Hints": "pocketflow.job",
+         "connect": "pocketflow.client", "Client": "pocketflow.client",
+         "ObjectInfo": "pocketflow.client", "Queue": "pocketflow.channels",
+         "AppendFile": "pocketflow.channels", "Listener": "pocketflow.notifications",
+         "Event": "pocketflow.notifications", "JobHandle": "pocketflow.handle",
+         "ServerInfo": "pocketflow.handle"}
 """Public names imported on first use, and the module each comes from."""
 
 

@@ -107,3 +107,27 @@ def test_a_task_that_only_connects_does_not_import_the_control_plane() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
     assert out == ["-", "ok"], out
+
+
+def test_a_module_of_the_package_used_for_something_else_does_not_import_the_client() -> None:
+    """``pocketflow.demo``'s record functions (which a plain Lithops sort uses as its workload)
+    cost no client, native core or handle; the client's names load on first use."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, pocketflow.demo\n"
+        "loaded = sorted(m for m in ('pocketflow.client', 'pocketflow._core', 'pocketflow.handle',"
+        " 'pocketflow.channels', 'pocketflow.notifications', 'pocketflow.protocol')"
+        " if m in sys.modules)\n"
+        "print(','.join(loaded) or '-')\n"
+        "import pocketflow\n"
+        "assert pocketflow.connect.__module__ == 'pocketflow.client'\n"
+        "assert pocketflow.Queue.__module__ == 'pocketflow.channels'\n"
+        "from pocketflow import Client, JobHandle, Listener\n"
+        "assert {'connect', 'Client', 'JobHandle'} <= set(dir(pocketflow))\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == ["-", "ok"], out

@@ -128,3 +128,37 @@ def test_renewing_a_parent_keeps_its_descendants(local_cluster: LocalCluster) ->
             job.renew(["never-declared"])
         with pytest.raises(ConfigError):
             local_cluster.register_job("bad-lease", prefix_lease_ms=10)
+
+
+def test_a_straggler_writing_under_an_ended_or_lapsed_prefix_is_freed_a_lease_later(
+    local_cluster: LocalCluster,
+) -> None:
+    lease_s = LEASE_MS / 1000
+    with local_cluster.register_job("prefix-straggler", {"data_size_bytes": "16MiB"},
+                                    prefix_lease_ms=LEASE_MS) as job, job.connect() as pf:
+        for bucket in BUCKETS:
+            pf.create_bucket(bucket)
+        job.declare("ended")
+        job.declare("lapsed")
+        with job.keep(["ended"]):
+            job.end(["ended"])
+            # A task still running writes its output after its readers were done.
+            for bucket in BUCKETS:
+                pf.put(bucket, "ended/late", b"s" * 100)
+            started = time.monotonic()
+            while not _gone(pf, "ended/late"):
+                assert time.monotonic() - started < 2 * lease_s, "the straggler's write stayed"
+                time.sleep(0.05)
+            # `lapsed` was never renewed: it lapsed by now; a straggler writes under it.
+            for bucket in BUCKETS:
+                pf.put(bucket, "lapsed/late", b"s")
+            started = time.monotonic()
+            while not _gone(pf, "lapsed/late"):
+                assert time.monotonic() - started < 2 * lease_s, "the straggler's write stayed"
+                time.sleep(0.05)
+        # After the lingering lease, the prefix is the job's again: a write there stays.
+        time.sleep(1.5 * lease_s)
+        for bucket in BUCKETS:
+            pf.put(bucket, "ended/much-later", b"k")
+        time.sleep(1.5 * lease_s)
+        assert _present(pf, "ended/much-later")

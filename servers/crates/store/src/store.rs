@@ -253,15 +253,17 @@ impl Store {
 
     /// Free every prefix whose lease lapsed by `now`: in every bucket of its job, the records,
     /// data blocks, queues and append files under `<prefix>/`; each one's subscribers get a
-    /// `lease_expired` event. Returns (job, prefix, bytes freed) per lapsed lease.
+    /// `lease_expired` event. A lease that had lapsed or been ended was freed then: its second
+    /// lapse, one lease later, frees what a straggler wrote under it since, with an event only
+    /// if that deleted records. Returns (job, prefix, bytes freed) per lapsed lease.
     pub fn expire_leases(&self, now: Instant) -> Vec<(String, String, u64)> {
         self.shared
             .leases
             .take_lapsed(now)
             .into_iter()
-            .map(|(job, prefix)| {
-                let bytes = self.free_prefix(&job, &prefix);
-                (job, prefix, bytes)
+            .map(|lapsed| {
+                let bytes = self.free_prefix(&lapsed.job, &lapsed.prefix, !lapsed.ended);
+                (lapsed.job, lapsed.prefix, bytes)
             })
             .collect()
     }
@@ -274,12 +276,13 @@ impl Store {
             check_name("prefix", prefix, KEY_MAX_BYTES - 1)?;
         }
         let ended = self.shared.leases.end(job, prefixes);
-        let bytes = ended.iter().map(|p| self.free_prefix(job, p)).sum();
+        let bytes = ended.iter().map(|p| self.free_prefix(job, p, true)).sum();
         Ok((ended.len(), bytes))
     }
 
-    /// Free what `job` holds under `<prefix>/` in every bucket and emit `lease_expired`.
-    fn free_prefix(&self, job: &str, prefix: &str) -> u64 {
+    /// Free what `job` holds under `<prefix>/` in every bucket and emit `lease_expired`
+    /// (without `always`, only when it deleted records).
+    fn free_prefix(&self, job: &str, prefix: &str, always: bool) -> u64 {
         let scope = format!("{prefix}/");
         let buckets: Vec<String> = self.job(job).map_or_else(Vec::new, |j| {
             j.buckets
@@ -289,14 +292,15 @@ impl Store {
                 .cloned()
                 .collect()
         });
-        let bytes = buckets
+        let (deleted, bytes) = buckets
             .iter()
             .filter_map(|bucket| self.delete_prefix(job, bucket, &scope).ok())
-            .map(|(_, bytes)| bytes)
-            .sum();
-        self.shared
-            .events
-            .emit(job, "", prefix, EventOp::LeaseExpired);
+            .fold((0, 0), |(n, b), (count, bytes)| (n + count, b + bytes));
+        if always || deleted > 0 {
+            self.shared
+                .events
+                .emit(job, "", prefix, EventOp::LeaseExpired);
+        }
         bytes
     }
 
@@ -2043,16 +2047,24 @@ mod tests {
         ));
         assert!(store.get_record(JOB, "b", "s1/t1/m0", false).await.is_ok());
         assert!(store.get_record(JOB, "b", "s1/t0x", false).await.is_ok());
-        // Ended once: a second end finds no lease, and a lapse later frees nothing more.
+        // Ended once: a second end finds no lease.
         assert_eq!(store.end_leases(JOB, &p(&["s1/t0"])).unwrap(), (0, 0));
         assert!(store.end_leases(JOB, &p(&[""])).is_err());
+        // A straggler writes under the ended prefix: the ended lease lingers one lease and its
+        // lapse frees what was written since.
+        put(&store, "b", "s1/t0/late", b"straggler").await.unwrap();
         let far = Instant::now() + Duration::from_secs(3600);
-        let lapsed: Vec<String> = store
+        let lapsed: Vec<(String, bool)> = store
             .expire_leases(far)
             .into_iter()
-            .map(|(_, prefix, _)| prefix)
+            .map(|(_, prefix, bytes)| (prefix, bytes > 0))
             .collect();
-        assert_eq!(lapsed, p(&["s1/t1"]));
+        assert_eq!(lapsed, vec![("s1/t0".into(), true), ("s1/t1".into(), true)]);
+        assert!(matches!(
+            store.get_record(JOB, "b", "s1/t0/late", false).await,
+            Err(StoreError::NotFound { .. })
+        ));
+        assert!(store.get_record(JOB, "b", "s1/t0x", false).await.is_ok());
     }
 
     macro_rules! per_tier {

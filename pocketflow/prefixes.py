@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from pocketflow.errors import ConfigError, InvalidRequest, PocketflowError
+from pocketflow.errors import ConfigError, InvalidRequest, JobNotRegistered, PocketflowError
 from pocketflow.protocol import (
     ACTION_END_LEASES,
     ACTION_RENEW_LEASES,
@@ -205,6 +205,11 @@ class PrefixLeases:
         self._lock = threading.Lock()
         self._on_renew = on_renew
 
+    @property
+    def closed(self) -> bool:
+        """Whether the client the leases are renewed through was closed."""
+        return bool(getattr(self._client, "_closed", False))
+
     def declare(self, prefix: str, parents: Iterable[str] = ()) -> None:
         """Declare ``prefix`` and start its lease (and renew its closure) on every server."""
         self.declare_many([(prefix, parents)])
@@ -297,6 +302,10 @@ class PrefixKeeper:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._leases.closed:
+                # The job's client was closed (the job ended): nothing can be renewed any more.
+                log.info("prefix keeper stops: the job's client is closed")
+                return
             with self._lock:
                 ended = {p for p in self._prefixes if p not in self._leases.dag}
                 self._prefixes -= ended  # ended (PrefixLeases.end): nothing left to keep
@@ -305,9 +314,18 @@ class PrefixKeeper:
                 try:
                     self._leases.renew(prefixes)
                     self.renewals += 1
+                except JobNotRegistered:
+                    log.info("prefix keeper stops: the job is no longer registered")
+                    return
                 except PocketflowError as exc:
-                    log.warning("renewing prefixes failed: %s", exc)
+                    if not self._leases.closed:
+                        log.warning("renewing prefixes failed: %s", exc)
             self._stop.wait(self._leases.lease_ms / 3000.0)
+
+    @property
+    def running(self) -> bool:
+        """Whether the keeper still renews (not closed, and its job's client is open)."""
+        return self._thread.is_alive()
 
     def add(self, prefix: str) -> None:
         """Keep ``prefix`` (declared) alive too."""

@@ -162,3 +162,21 @@ def test_a_straggler_writing_under_an_ended_or_lapsed_prefix_is_freed_a_lease_la
             pf.put(bucket, "ended/much-later", b"k")
         time.sleep(1.5 * lease_s)
         assert _present(pf, "ended/much-later")
+
+
+def test_a_keeper_left_running_stops_when_its_job_ends(
+    local_cluster: LocalCluster, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A driver that forgot to close its keeper (or failed before it could) ends its job: the
+    # keeper's client is closed with it, and the keeper stops instead of failing forever.
+    with local_cluster.register_job("prefix-keeper-left", {"data_size_bytes": "1MiB"},
+                                    prefix_lease_ms=LEASE_MS) as job:
+        job.declare("p")
+        keeper = job.keep(["p"])
+        time.sleep(LEASE_MS / 1000)
+        assert keeper.running and keeper.renewals >= 2
+    started = time.monotonic()
+    while keeper.running:
+        assert time.monotonic() - started < 2 * LEASE_MS / 1000, "the keeper still runs"
+        time.sleep(0.05)
+    assert not [r for r in caplog.records if "renewing prefixes failed" in r.getMessage()]

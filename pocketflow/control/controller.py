@@ -110,6 +110,9 @@ ADMIN_CALL_TIMEOUT_S = 5.0
 
 RESTORE_SERVERS_MAX = 4096
 """Most storage nodes a restarted controller takes back."""
+RESTORED_GRANT_GRACE_S = 10.0
+"""Shortest life a restarted controller gives a prefix grant it took back from the log, so that
+the drivers' renewals (which failed while it came up) reach it before the grant lapses."""
 
 PROBE_TIMEOUT_S_MIN = 1.0
 """Shortest deadline of the direct ``stats`` probe of a server whose heartbeats are late.
@@ -836,10 +839,12 @@ class Controller:
 
     def _restore_grants(self, logged: dict[str, object], now_s: float) -> int:
         """Take back the prefix grants the jobs' records hold (written with each route change)
-        before anything moves a job to a new epoch: each gets a whole lease from now, so the
-        keepers that go on renewing keep it, and a grant nobody renews (its prefix ended just
-        before the crash) lapses one lease later. Shares on servers that are not back are
-        dropped; a prefix no longer routed is skipped. Returns how many were taken back."""
+        before anything moves a job to a new epoch: each gets a whole lease from now, at least
+        ``RESTORED_GRANT_GRACE_S`` (the drivers' renewals failed while this instance came up,
+        and reach it only once their next period comes), so the keepers that go on renewing
+        keep it, and a grant nobody renews (its prefix ended just before the crash) lapses
+        then. Shares on servers that are not back are dropped; a prefix no longer routed is
+        skipped. Returns how many were taken back."""
         restored = 0
         for job_id, record in logged.items():
             job = self._jobs.get(job_id)
@@ -851,7 +856,9 @@ class Controller:
                 if grant.prefix not in routed or not shares:
                     continue
                 grant.shares = shares
+                grant.expires_at_s = max(grant.expires_at_s, now_s + RESTORED_GRANT_GRACE_S)
                 restored += self._grants.restore(grant)
+        self._prefix_grants_locked()  # status shows them from the start
         return restored
 
     def restored(self) -> dict[str, Any] | None:

@@ -96,11 +96,11 @@ def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
     context = multiprocessing.get_context("spawn")
     # Leaving the pool's block terminates its worker processes (by pid), also on a failure.
     with local_cluster.register_job("restart", lease_ms=LEASE_MS_DEFAULT) as job, \
-            context.Pool(POOL_PROCESSES) as pool:
+            context.Pool(POOL_PROCESSES) as pool, job.keep([]) as keeper:
         # A sized prefix granted DRAM, kept renewed by the driver through the crash (its
         # route moves the job to its second epoch).
         assert job.declare("granted", size_bytes=GRANT_BYTES) == "dram"
-        keeper = job.keep(["granted"])
+        keeper.add("granted")
         granted_before = local_cluster.status()["prefix_grants"]["granted_bytes"]
         assert granted_before >= GRANT_BYTES
 
@@ -188,7 +188,6 @@ def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
         assert job.job_id in {j["job_id"] for j in local_cluster.control.status()["jobs"]}
         # The keeper's renewals reached the new instance too: the grant did not lapse.
         assert local_cluster.status()["prefix_grants"]["granted_bytes"] == granted_before
-        keeper.close()
         ops_at_check = ops[0]
         assert wait_for(lambda: ops[0] > ops_at_check + 50), ("the task stalled", ops, failures[:3])
         stop.set()

@@ -59,7 +59,7 @@ from pocketflow.protocol import (
     check_bucket,
     check_key,
 )
-from pocketflow.transport import ExchangeOp
+from pocketflow.transport import ExchangeOp, _reply
 
 if TYPE_CHECKING:
     from pocketflow.client import Client
@@ -99,9 +99,10 @@ class _Channel:
         server, status, header, body = self._client._core.call_placed(
             op, flags, self._bucket_raw, self._name_raw, segment, args, value
         )
-        if status == 0:
-            return Reply(0, 0, None if header is None else ObjectHeader(*header), body)
-        raise error_from_status(status, body, server=server)
+        reply = _reply((status, header, body))
+        if reply.status == 0:
+            return reply
+        raise error_from_status(reply.status, reply.body, server=server)
 
     def _run(self, segment: int, ops: list[ExchangeOp]) -> None:
         """Run ``ops`` pipelined over one session of ``segment``'s server (their replies are

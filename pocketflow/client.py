@@ -214,6 +214,11 @@ class Client:
         """The resolved client settings."""
         return self._config
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
     def close(self) -> None:
         """Close every session and connection; the client cannot be used afterwards."""
         with self._lock:

@@ -208,7 +208,7 @@ class PrefixLeases:
     @property
     def closed(self) -> bool:
         """Whether the client the leases are renewed through was closed."""
-        return bool(getattr(self._client, "_closed", False))
+        return self._client.closed
 
     def declare(self, prefix: str, parents: Iterable[str] = ()) -> None:
         """Declare ``prefix`` and start its lease (and renew its closure) on every server."""

@@ -84,12 +84,18 @@ def test_the_layer_list_names_real_modules_that_import_something() -> None:
     assert {"layout", "objectfile", "transport"} <= _imports_of("client")
 
 
-def test_a_task_that_only_connects_does_not_import_the_control_plane() -> None:
-    """``import pocketflow`` leaves the cluster and job modules (and Ray) to first use: a
-    Lithops function runs in a fresh process each time and pays every import again."""
+def _fresh_interpreter_output(script: str) -> list[str]:
+    """What ``script`` prints, split, run in a new interpreter (so nothing is imported yet)."""
     import subprocess
     import sys
 
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=True).stdout.split()
+
+
+def test_a_task_that_only_connects_does_not_import_the_control_plane() -> None:
+    """``import pocketflow`` leaves the cluster and job modules (and Ray) to first use: a
+    Lithops function runs in a fresh process each time and pays every import again."""
     script = (
         "import sys, pocketflow\n"
         "heavy = sorted(m for m in ('pocketflow.cluster', 'pocketflow.job', 'pocketflow.control',"
@@ -104,17 +110,13 @@ def test_a_task_that_only_connects_does_not_import_the_control_plane() -> None:
         "except AttributeError:\n"
         "    print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60, check=True).stdout.split()
+    out = _fresh_interpreter_output(script)
     assert out == ["-", "ok"], out
 
 
 def test_a_module_of_the_package_used_for_something_else_does_not_import_the_client() -> None:
     """``pocketflow.demo``'s record functions (which a plain Lithops sort uses as its workload)
     cost no client, native core or handle; the client's names load on first use."""
-    import subprocess
-    import sys
-
     script = (
         "import sys, pocketflow.demo\n"
         "loaded = sorted(m for m in ('pocketflow.client', 'pocketflow._core', 'pocketflow.handle',"
@@ -128,6 +130,5 @@ def test_a_module_of_the_package_used_for_something_else_does_not_import_the_cli
         "assert {'connect', 'Client', 'JobHandle'} <= set(dir(pocketflow))\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60, check=True).stdout.split()
+    out = _fresh_interpreter_output(script)
     assert out == ["-", "ok"], out

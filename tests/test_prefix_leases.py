@@ -5,11 +5,15 @@ the closure rule alone, and bad declarations."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 
+from pocketflow.client import Client
 from pocketflow.cluster import LocalCluster
 from pocketflow.errors import ConfigError, InvalidRequest
+from pocketflow.job import Job
 from pocketflow.prefixes import PrefixDag
 
 LEASE_MS = 1000  # Jiffy's
@@ -49,6 +53,29 @@ def _gone(pf, key: str) -> bool:
     return not any(pf.exists(bucket, key) for bucket in BUCKETS)
 
 
+def _put_everywhere(pf, key: str, data: bytes) -> None:
+    for bucket in BUCKETS:
+        pf.put(bucket, key, data)
+
+
+def _wait_until(condition: Callable[[], bool], within_s: float, failure: str) -> None:
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < within_s, failure
+        time.sleep(0.05)
+
+
+@contextmanager
+def _job_with_buckets(cluster: LocalCluster, name: str, *,
+                      lease_ms: int) -> Iterator[tuple[Job, Client]]:
+    """A job with prefix leases of ``lease_ms``, connected, with every bucket of BUCKETS."""
+    with cluster.register_job(name, {"data_size_bytes": "16MiB"},
+                              prefix_lease_ms=lease_ms) as job, job.connect() as pf:
+        for bucket in BUCKETS:
+            pf.create_bucket(bucket)
+        yield job, pf
+
+
 def test_ending_a_prefix_forgets_it_and_what_is_below_it_in_the_path() -> None:
     dag = PrefixDag()
     for prefix, parents in [("map", ()), ("map/0", ()), ("map/0/part", ()), ("map0", ()),
@@ -67,10 +94,7 @@ def test_ending_a_prefix_forgets_it_and_what_is_below_it_in_the_path() -> None:
 def test_a_lapsed_prefix_is_freed_within_two_periods_and_a_renewed_one_never(
     local_cluster: LocalCluster,
 ) -> None:
-    with local_cluster.register_job("prefix-leases", {"data_size_bytes": "16MiB"},
-                                    prefix_lease_ms=LEASE_MS) as job, job.connect() as pf:
-        for bucket in BUCKETS:
-            pf.create_bucket(bucket)
+    with _job_with_buckets(local_cluster, "prefix-leases", lease_ms=LEASE_MS) as (job, pf):
         job.declare("map")
         job.declare("map/0")
         job.declare("reduce/0", parents=["map/0"])
@@ -78,16 +102,14 @@ def test_a_lapsed_prefix_is_freed_within_two_periods_and_a_renewed_one_never(
         job.declare("other")
         keys = {p: f"{p}/data" for p in ("map", "map/0", "reduce/0", "out/0", "other")}
         for key in keys.values():
-            for bucket in BUCKETS:
-                pf.put(bucket, key, b"x" * 1000)
+            _put_everywhere(pf, key, b"x" * 1000)
         pf.queue("a", "other/q").enqueue(b"item")
         with pf.subscribe("a", "", ops=("lease_expired",)) as listener:
             with job.keep(["reduce/0"]) as keeper:
                 started = time.monotonic()
                 # `other` is not covered: it lapses and is freed on every server.
-                while not _gone(pf, keys["other"]):
-                    assert time.monotonic() - started < 2 * LEASE_MS / 1000, "not freed in 2 leases"
-                    time.sleep(0.05)
+                _wait_until(lambda: _gone(pf, keys["other"]), 2 * LEASE_MS / 1000,
+                            "not freed in 2 leases")
                 assert pf.queue("a", "other/q").dequeue() is None
                 # The renewed prefix, its ancestors and its descendants outlive 3 leases.
                 deadline = started + 3 * LEASE_MS / 1000
@@ -96,10 +118,9 @@ def test_a_lapsed_prefix_is_freed_within_two_periods_and_a_renewed_one_never(
                         assert _present(pf, keys[prefix]), f"{prefix} freed while renewed"
                     time.sleep(0.1)
                 assert keeper.renewals >= 6
-            stopped = time.monotonic()
-            while not all(_gone(pf, keys[p]) for p in ("map", "map/0", "reduce/0", "out/0")):
-                assert time.monotonic() - stopped < 2 * LEASE_MS / 1000, "not freed in 2 leases"
-                time.sleep(0.05)
+            _wait_until(lambda: all(_gone(pf, keys[p]) for p in ("map", "map/0", "reduce/0",
+                                                                 "out/0")),
+                        2 * LEASE_MS / 1000, "not freed in 2 leases")
             expired = set()
             while len(expired) < 5:
                 event = listener.get(timeout_s=2)
@@ -109,16 +130,12 @@ def test_a_lapsed_prefix_is_freed_within_two_periods_and_a_renewed_one_never(
 
 
 def test_renewing_a_parent_keeps_its_descendants(local_cluster: LocalCluster) -> None:
-    with local_cluster.register_job("prefix-parent", {"data_size_bytes": "16MiB"},
-                                    prefix_lease_ms=500) as job, job.connect() as pf:
-        for bucket in BUCKETS:
-            pf.create_bucket(bucket)
+    with _job_with_buckets(local_cluster, "prefix-parent", lease_ms=500) as (job, pf):
         job.declare("map")
         job.declare("map/3")
         job.declare("reduce/1", parents=["map/3"])
         for key in ("map/3/part", "reduce/1/part"):
-            for bucket in BUCKETS:
-                pf.put(bucket, key, b"y")
+            _put_everywhere(pf, key, b"y")
         started = time.monotonic()
         while time.monotonic() - started < 2.0:  # four leases, renewing only the root
             assert job.renew(["map"]) == 3
@@ -134,32 +151,22 @@ def test_a_straggler_writing_under_an_ended_or_lapsed_prefix_is_freed_a_lease_la
     local_cluster: LocalCluster,
 ) -> None:
     lease_s = LEASE_MS / 1000
-    with local_cluster.register_job("prefix-straggler", {"data_size_bytes": "16MiB"},
-                                    prefix_lease_ms=LEASE_MS) as job, job.connect() as pf:
-        for bucket in BUCKETS:
-            pf.create_bucket(bucket)
+    with _job_with_buckets(local_cluster, "prefix-straggler", lease_ms=LEASE_MS) as (job, pf):
         job.declare("ended")
         job.declare("lapsed")
         with job.keep(["ended"]):
             job.end(["ended"])
             # A task still running writes its output after its readers were done.
-            for bucket in BUCKETS:
-                pf.put(bucket, "ended/late", b"s" * 100)
-            started = time.monotonic()
-            while not _gone(pf, "ended/late"):
-                assert time.monotonic() - started < 2 * lease_s, "the straggler's write stayed"
-                time.sleep(0.05)
+            _put_everywhere(pf, "ended/late", b"s" * 100)
+            _wait_until(lambda: _gone(pf, "ended/late"), 2 * lease_s,
+                        "the straggler's write stayed")
             # `lapsed` was never renewed: it lapsed by now; a straggler writes under it.
-            for bucket in BUCKETS:
-                pf.put(bucket, "lapsed/late", b"s")
-            started = time.monotonic()
-            while not _gone(pf, "lapsed/late"):
-                assert time.monotonic() - started < 2 * lease_s, "the straggler's write stayed"
-                time.sleep(0.05)
+            _put_everywhere(pf, "lapsed/late", b"s")
+            _wait_until(lambda: _gone(pf, "lapsed/late"), 2 * lease_s,
+                        "the straggler's write stayed")
         # After the lingering lease, the prefix is the job's again: a write there stays.
         time.sleep(1.5 * lease_s)
-        for bucket in BUCKETS:
-            pf.put(bucket, "ended/much-later", b"k")
+        _put_everywhere(pf, "ended/much-later", b"k")
         time.sleep(1.5 * lease_s)
         assert _present(pf, "ended/much-later")
 
@@ -175,8 +182,5 @@ def test_a_keeper_left_running_stops_when_its_job_ends(
         keeper = job.keep(["p"])
         time.sleep(LEASE_MS / 1000)
         assert keeper.running and keeper.renewals >= 2
-    started = time.monotonic()
-    while keeper.running:
-        assert time.monotonic() - started < 2 * LEASE_MS / 1000, "the keeper still runs"
-        time.sleep(0.05)
+    _wait_until(lambda: not keeper.running, 2 * LEASE_MS / 1000, "the keeper still runs")
     assert not [r for r in caplog.records if "renewing prefixes failed" in r.getMessage()]

@@ -757,7 +757,7 @@ class Controller:
 
         Dead servers are rebuilt from nodes whose process is gone and from the jobs' ``lost``
         lists, draining marks from the servers' own stats, prefix grants from the jobs'
-        records (each with a whole lease from now). Returns what was restored (``restored()``).
+        records (:meth:`_restore_grants`). Returns what was restored (``restored()``).
         Not restored: servers launched by the crashed instance (Ray ends them with it), and the
         sizing history.
         """
@@ -1753,13 +1753,10 @@ class Controller:
         record = dataclasses.replace(record, handle=handle)
         self._jobs[job_id] = record
         changed = record.to_metadata()
+        fields = {k: changed[k] for k in ("epoch", "weight_map", "hints", "demand")}
         # The job's prefix grants go with its routes, so a restarted controller keeps them.
-        changed["grants"] = grants_record(self._grants.granted(job_id))
-        self._call_metadata(
-            "update_job",
-            job_id,
-            {k: changed[k] for k in ("epoch", "weight_map", "hints", "demand", "grants")},
-        )
+        fields["grants"] = grants_record(self._grants.granted(job_id))
+        self._call_metadata("update_job", job_id, fields)
         log.info(
             "job %s moved to epoch %d on %s",
             job_id, handle.epoch, ", ".join(s.node_id for s in servers),

@@ -42,6 +42,7 @@ from pocketflow.errors import (
 )
 from pocketflow.protocol import (
     APPEND_READ_MAX_BYTES,
+    APPEND_SEGMENT_DEFAULT_BYTES,
     APPEND_SEGMENT_MAX_BYTES,
     CHANNEL_WAIT_MAX_MS,
     HEADER_STRUCT,
@@ -68,8 +69,6 @@ __all__ = ["Queue", "AppendFile", "RecordPosition", "SEGMENTS_MAX", "APPEND_SEGM
 
 SEGMENTS_MAX = 64
 """Most segments one queue or append file spans (each on the server its index places it on)."""
-APPEND_SEGMENT_DEFAULT_BYTES = 4 * 1024 * 1024
-"""Bytes of one append-file segment unless the file says otherwise."""
 _STALE_RETRIES_MAX = 4
 APPEND_BATCH_MAX = 256
 """Most records one ``append_many`` sends in one pipelined round (the session's in-flight

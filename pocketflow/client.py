@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
-import mmap
 import os
 import threading
 import weakref
@@ -44,10 +43,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Literal, TypeVar, overload
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, Literal, TypeVar, overload
 
 from pocketflow import _core
-from pocketflow.channels import APPEND_SEGMENT_DEFAULT_BYTES, AppendFile, Queue
 from pocketflow.config import ClientConfig
 from pocketflow.errors import (
     BucketExists,
@@ -63,18 +61,18 @@ from pocketflow.layout import (
     View,
     view_of,
 )
-from pocketflow.notifications import SUBSCRIBER_EVENTS_DEFAULT, Listener
-from pocketflow.objectfile import ObjectReader, ObjectWriter
 from pocketflow.protocol import (
     ACTION_CREATE_BUCKET,
     ACTION_DELETE_BUCKET,
     ACTION_DELETE_PREFIX,
+    APPEND_SEGMENT_DEFAULT_BYTES,
     ENUMERATE_LIMIT_MAX,
     KEY_MAX_BYTES,
     OP_DELETE,
     OP_FLAG_DELETE,
     OP_GET,
     SMALL_OBJECT_MAX_BYTES,
+    SUBSCRIBER_EVENTS_DEFAULT,
     ZERO_HEADER,
     ObjectHeader,
     Reply,
@@ -84,6 +82,12 @@ from pocketflow.protocol import (
     encode_json,
 )
 from pocketflow.transport import ServerConnection
+
+if TYPE_CHECKING:
+    import mmap
+
+    from pocketflow.channels import AppendFile, Queue
+    from pocketflow.notifications import Listener
 
 __all__ = ["Client", "ObjectInfo", "connect", "STALE_EPOCH_RETRIES_MAX"]
 
@@ -343,12 +347,16 @@ class Client:
     def queue(self, bucket: str, name: str, *, max_items: int = 1024) -> Queue:
         """A bounded FIFO queue named ``name`` in ``bucket``, kept on the storage servers (see
         :class:`pocketflow.channels.Queue`); it exists once something is enqueued."""
+        from pocketflow.channels import Queue
+
         return Queue(self, bucket, name, max_items=max_items)
 
     def append_file(self, bucket: str, key: str, *,
                     segment_bytes: int = APPEND_SEGMENT_DEFAULT_BYTES) -> AppendFile:
         """A shared append file named ``key`` in ``bucket`` (see
         :class:`pocketflow.channels.AppendFile`); it exists once something is appended."""
+        from pocketflow.channels import AppendFile
+
         return AppendFile(self, bucket, key, segment_bytes=segment_bytes)
 
     def subscribe(self, bucket: str, prefix: str = "", *,
@@ -356,6 +364,8 @@ class Client:
                   capacity: int = SUBSCRIBER_EVENTS_DEFAULT) -> Listener:
         """A listener of ``ops`` on keys of ``bucket`` starting with ``prefix``, on every server
         of the job (see :mod:`pocketflow.notifications`); close it when done."""
+        from pocketflow.notifications import Listener
+
         return Listener(self, bucket, prefix, tuple(ops), capacity=capacity)
 
     # -- single objects ----------------------------------------------------------------------
@@ -379,6 +389,8 @@ class Client:
         check_bucket(bucket)
         check_key(key)
         if _is_stream(data):
+            from pocketflow.objectfile import ObjectWriter
+
             with ObjectWriter(self, bucket, key, persist=persist, overwrite=overwrite) as writer:
                 writer.write_from(data)  # type: ignore[arg-type]
             return
@@ -457,6 +469,8 @@ class Client:
             if size <= SMALL_OBJECT_MAX_BYTES:
                 self.put(bucket, key, f.read(), persist=persist, overwrite=overwrite)
                 return size
+            import mmap
+
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             try:
                 self.put(bucket, key, mapped, persist=persist, overwrite=overwrite)
@@ -486,6 +500,8 @@ class Client:
             f = open(target, "w+b")  # noqa: SIM115 - closed below, or right here on failure
             try:
                 f.truncate(header.size)
+                import mmap
+
                 mapped = mmap.mmap(f.fileno(), header.size)
             except BaseException:
                 f.close()
@@ -527,6 +543,8 @@ class Client:
         ``"wb"``: a writer that streams each block to its server as soon as it fills and commits
         the object on ``close()``; leaving a ``with`` block by an exception discards it.
         """
+        from pocketflow.objectfile import ObjectReader, ObjectWriter
+
         if mode == "rb":
             reader = ObjectReader(self, bucket, key)
             buffer_size = max(reader.block_size, io.DEFAULT_BUFFER_SIZE)

@@ -11,8 +11,7 @@ modules import one way only (client -> objectfile -> layout -> transport).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from pocketflow.handle import JobHandle
 from pocketflow.placement import Placement
@@ -29,10 +28,10 @@ STALE_EPOCH_RETRIES_MAX = 4
 """How many times one call adopts a newer weight map and retries (the native core's bound)."""
 
 
-@dataclass(frozen=True, slots=True)
-class View:
+class View(NamedTuple):
     """One consistent weight map of a job: handle, placement, context; a client swaps it whole
-    when it adopts a new epoch."""
+    when it adopts a new epoch. (A NamedTuple, not a dataclass: every task process imports this
+    module, and a NamedTuple costs a tenth of a dataclass to define.)"""
 
     handle: JobHandle
     placement: Placement

@@ -35,6 +35,7 @@ from pocketflow.protocol import (
     ACTION_SUBSCRIBE,
     ACTION_UNSUBSCRIBE,
     KEY_MAX_BYTES,
+    SUBSCRIBER_EVENTS_DEFAULT,
     SUBSCRIBER_EVENTS_MAX,
     action_body,
     check_bucket,
@@ -47,8 +48,6 @@ __all__ = ["Event", "Listener", "EVENT_OPS", "SUBSCRIBER_EVENTS_DEFAULT"]
 
 EVENT_OPS = ("put", "delete", "enqueue", "dequeue", "lease_expired")
 """Operations a subscription can ask for."""
-SUBSCRIBER_EVENTS_DEFAULT = 4096
-"""Events a subscription keeps (per server, and in the listener) unless it says otherwise."""
 POLL_TIMEOUT_MS = 2000
 """Longest one parked ``events`` call waits before the listener's thread calls again."""
 CLOSE_TIMEOUT_S = 10.0

@@ -22,6 +22,10 @@ BLOCK_SIZE_DEFAULT_BYTES = 1024 * 1024
 """Default size of one data block of a large object."""
 BLOCK_SIZE_MAX_BYTES = 16 * 1024 * 1024
 """Largest data block a client may declare."""
+APPEND_SEGMENT_DEFAULT_BYTES = 4 * 1024 * 1024
+"""Bytes of one append-file segment unless the file says otherwise."""
+SUBSCRIBER_EVENTS_DEFAULT = 4096
+"""Events a subscription keeps (per server, and in the listener) unless it says otherwise."""
 BATCH_MAX_BYTES = 4 * 1024 * 1024
 """Largest piece of a block carried by one DoPut or DoGet record batch."""
 MESSAGE_MAX_BYTES = 16 * 1024 * 1024

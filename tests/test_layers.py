@@ -132,3 +132,23 @@ def test_a_module_of_the_package_used_for_something_else_does_not_import_the_cli
     )
     out = _fresh_interpreter_output(script)
     assert out == ["-", "ok"], out
+
+
+def test_a_client_that_puts_and_gets_leaves_channels_notifications_and_files_to_first_use() -> None:
+    """``import pocketflow.client`` loads no queue, append-file, listener or file-object module
+    (each Lithops task is a new process that pays every import again); the methods that need
+    them load them, and their defaults are the modules' own."""
+    script = (
+        "import sys, inspect, pocketflow.client as c\n"
+        "lazy = ('pocketflow.channels', 'pocketflow.notifications', 'pocketflow.objectfile')\n"
+        "print(','.join(m for m in lazy if m in sys.modules) or '-')\n"
+        "from pocketflow.channels import APPEND_SEGMENT_DEFAULT_BYTES\n"
+        "from pocketflow.notifications import SUBSCRIBER_EVENTS_DEFAULT\n"
+        "params = inspect.signature(c.Client.append_file).parameters\n"
+        "assert params['segment_bytes'].default == APPEND_SEGMENT_DEFAULT_BYTES\n"
+        "params = inspect.signature(c.Client.subscribe).parameters\n"
+        "assert params['capacity'].default == SUBSCRIBER_EVENTS_DEFAULT\n"
+        "print('ok')\n"
+    )
+    out = _fresh_interpreter_output(script)
+    assert out == ["-", "ok"], out

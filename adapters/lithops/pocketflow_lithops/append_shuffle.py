@@ -30,11 +30,9 @@ from typing import Any
 
 from pocketflow.errors import BucketExists, ShuffleFailed
 from pocketflow.protocol import SMALL_OBJECT_MAX_BYTES
-from pocketflow_lithops.shuffle import (
-    RUNTIME_PACKAGES,
-    SHUFFLE_BUCKET,
+from pocketflow_lithops.shuffle import RUNTIME_PACKAGES, SHUFFLE_BUCKET, ShuffleResult
+from pocketflow_lithops.shuffle_tasks import (
     OutputInfo,
-    ShuffleResult,
     _client,
     _Spec,
     output_key,

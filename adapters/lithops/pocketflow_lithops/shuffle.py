@@ -65,36 +65,43 @@ What it does, in Pocket's terms:
   them, at most ``FINISHED_POLLS_MAX`` times per stage before it goes back to Lithops' own wait.
   Every result still comes from Lithops; the markers only say when to look.
 
-Task code runs in Lithops' worker processes, which import it from the installed
-``pocketflow-lithops`` package (``adapters/lithops``). Workers talk straight to the storage
-servers with the job handle, never to Ray.
+Task code (:mod:`pocketflow_lithops.shuffle_tasks`, kept apart so that the process Lithops
+forks for each task imports only it) runs in Lithops' worker processes, which import it from
+the installed ``pocketflow-lithops`` package (``adapters/lithops``). Workers talk straight to the
+storage servers with the job handle, never to Ray.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from pocketflow.errors import (
-    BucketExists,
-    DataUnavailable,
-    ObjectExists,
-    ObjectNotFound,
-    PocketflowError,
-    ShuffleFailed,
+from pocketflow.errors import BucketExists, PocketflowError, ShuffleFailed
+from pocketflow_lithops.shuffle_tasks import (
+    CONSUMING_PREFIX,
+    FINISHED_PREFIX,
+    OutputInfo,
+    _MapCall,
+    _MapOutcome,
+    _ReduceCall,
+    _ReduceOutcome,
+    _shuffle_task,
+    _Spec,
+    consuming_key,
+    finished_key,
+    output_key,
+    reducer_prefix,
+    refresh_map,
+    shuffle_key,
 )
 
 if TYPE_CHECKING:
     from pocketflow.client import Client
-    from pocketflow.handle import JobHandle
     from pocketflow.job import Job
-    from pocketflow_lithops.worker_clients import ClientCache
 
 __all__ = [
     "OutputInfo",
@@ -130,10 +137,6 @@ LAYOUTS = ("objects", "append")
 """Shuffle layouts: one object per (mapper, reducer), or one append file per reducer."""
 REDUCE_RETRIES_DEFAULT = 2
 """Default bound on how many times the driver submits one reducer again after its task failed."""
-CONSUMING_PREFIX = "consuming/"
-"""Prefix of the reducers' markers in the shuffle bucket (see :func:`consuming_key`)."""
-FINISHED_PREFIX = "finished/"
-"""Prefix of the markers reducer attempts write as they return (see :func:`finished_key`)."""
 FINISHED_WAIT_SLICE_S = 0.25
 """Longest the driver parks on the servers for reducers' finished markers before it looks at
 Lithops' statuses again (a call that failed writes none)."""
@@ -141,126 +144,6 @@ FINISHED_POLL_INTERVAL_S = 0.005
 """Pause between two looks at Lithops' statuses once the pending reducers said they returned."""
 FINISHED_POLLS_MAX = 40
 """Most such looks per stage; after them the driver waits with Lithops' own polling."""
-ATTEMPT_MARKERS_MAX = 64
-"""Most markers of earlier attempts a reducer reads; beyond, it treats every input as marked."""
-MAP_REFRESH_TIMEOUT_S = 30.0
-"""How long a task waits for the control plane to move the job off an unreachable server."""
-MAP_REFRESH_BACKOFF_S = (0.05, 1.0)
-"""First and largest pause between checks for a new weight map (failure path only)."""
-WRITE_ATTEMPTS_MAX = 3
-"""Most times a mapper (or a reducer putting inputs back) writes again after an unreachable
-server."""
-WORKER_CLIENTS_MAX = 4
-"""Most pocketflow clients one worker process keeps open between tasks."""
-
-
-def reducer_prefix(reducer: int) -> str:
-    """The lease prefix of everything addressed to one reducer (its inputs, its file)."""
-    return f"r{reducer:05d}"
-
-
-def shuffle_key(*, mapper: int, reducer: int) -> str:
-    """Key of the object mapper ``mapper`` writes for reducer ``reducer``."""
-    return f"r{reducer:05d}/m{mapper:05d}"
-
-
-def output_key(reducer: int) -> str:
-    """Key of reducer ``reducer``'s output (with ``persist_output``)."""
-    return f"part-{reducer:05d}"
-
-
-def consuming_key(*, reducer: int, attempt: str) -> str:
-    """Key of the marker in which one attempt of reducer ``reducer`` names the mappers whose
-    inputs it has consumed or is about to consume (a bitmap, one bit per mapper)."""
-    return f"{_consuming_prefix(reducer)}{attempt}"
-
-
-def finished_key(*, reducer: int, attempt: str) -> str:
-    """Key of the marker one attempt of reducer ``reducer`` writes as it returns (empty)."""
-    return f"{FINISHED_PREFIX}r{reducer:05d}/{attempt}"
-
-
-def _consuming_prefix(reducer: int) -> str:
-    return f"{CONSUMING_PREFIX}r{reducer:05d}/"
-
-
-def _encode_mappers(mappers: set[int], count: int) -> bytes:
-    bitmap = bytearray((count + 7) // 8)
-    for m in mappers:
-        bitmap[m // 8] |= 1 << (m % 8)
-    return bytes(bitmap)
-
-
-def _decode_mappers(data: bytes, count: int) -> set[int]:
-    return {m for m in range(min(count, 8 * len(data))) if data[m // 8] >> (m % 8) & 1}
-
-
-@dataclass(frozen=True)
-class OutputInfo:
-    """Where a reducer's PERSIST output is: bucket, key and size."""
-
-    bucket: str
-    key: str
-    size: int
-
-
-# Every task runs in a fresh process that imports this module, and a frozen dataclass costs some
-# 0.7 ms to define there (its methods are generated with exec), a NamedTuple a tenth of that: so
-# the spec and the outcomes are NamedTuples. The calls stay dataclasses because Lithops finds the
-# user's map and reduce functions, to ship their modules, among an argument's instance
-# attributes, which a NamedTuple's fields are not.
-
-
-class _Spec(NamedTuple):
-    """What every task of one shuffle needs; pickled into each Lithops call."""
-
-    handle_json: str
-    mappers: int
-    reducers: int
-    bucket: str
-    output_bucket: str
-    persist_output: bool
-    input_wait_s: float
-    client_options: tuple[tuple[str, Any], ...]
-    delete_inputs: bool = True
-
-
-@dataclass(frozen=True)
-class _MapCall:
-    spec: _Spec
-    map_function: Callable[..., Any]
-    item: Any
-    mapper: int
-    only_reducers: frozenset[int] | None
-    """Write only these partitions (a rerun after lost partitions); ``None`` writes all."""
-
-
-class _MapOutcome(NamedTuple):
-    mapper: int
-    value: Any
-    bytes_written: int
-    write_attempts: int
-    io_s: float = 0.0
-    finished_unix_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class _ReduceCall:
-    spec: _Spec
-    reduce_function: Callable[[int, list[bytes]], Any]
-    reducer: int
-    attempt: str = ""
-    """Names this submission's finished marker (set by the driver); empty: none is written."""
-
-
-class _ReduceOutcome(NamedTuple):
-    reducer: int
-    lost_mappers: tuple[int, ...] = ()
-    unreachable: tuple[str, ...] = ()
-    value: Any = None
-    bytes_read: int = 0
-    wait_s: float = 0.0
-    io_s: float = 0.0
 
 
 @dataclass
@@ -596,7 +479,7 @@ def _new_attempt(call: _MapCall | _ReduceCall) -> _MapCall | _ReduceCall:
     """``call`` as one new submission: a reducer gets a finished marker of its own."""
     if isinstance(call, _MapCall):
         return call
-    return dataclasses.replace(call, attempt=uuid.uuid4().hex[:16])
+    return call.with_attempt(uuid.uuid4().hex[:16])
 
 
 def _wait_finished(
@@ -630,352 +513,3 @@ def _wait_finished(
         if polls >= polls_max:
             return finished, not_done, polls
         time.sleep(FINISHED_POLL_INTERVAL_S)
-
-
-# -- tasks (run in Lithops workers) -------------------------------------------------------------
-
-
-_CLIENTS: ClientCache | None = None
-_CLIENTS_LOCK = threading.Lock()
-
-
-def _client(spec: _Spec) -> Client:
-    """This worker process's client for the shuffle's handle, kept open for the next task.
-
-    A warm worker (Lithops runs many calls per worker process) reuses its connections and
-    sessions instead of opening new ones per task; at most ``WORKER_CLIENTS_MAX`` are kept, and
-    they are disconnected before the process forks.
-    """
-    global _CLIENTS
-    from pocketflow_lithops.worker_clients import ClientCache
-
-    with _CLIENTS_LOCK:  # Made on first use, like this module's other imports of the client.
-        if _CLIENTS is None:
-            _CLIENTS = ClientCache(WORKER_CLIENTS_MAX)
-    return _CLIENTS.get(spec.handle_json, **dict(spec.client_options))
-
-
-def _unreachable_in_map(pf: Client, unreachable: set[str]) -> bool:
-    return any(s.address in unreachable for s in pf.handle.servers)
-
-
-def refresh_map(pf: Client, unreachable: set[str], *, bucket: str,
-                timeout_s: float = MAP_REFRESH_TIMEOUT_S) -> None:
-    """Wait until the client's weight map no longer names the ``unreachable`` servers.
-
-    The control plane declares a silent server dead after a few seconds and moves the job to a
-    new epoch; a client learns it from the ``stale_epoch`` answer of any live server. This asks
-    the live servers (``create_bucket``, which also gives the bucket to servers new to the map)
-    with a bounded exponential backoff: it runs only after a failure, never on the normal path.
-    Raises :class:`DataUnavailable` when the map has not changed within ``timeout_s``.
-    """
-    deadline = time.monotonic() + timeout_s
-    pause_s, pause_max_s = MAP_REFRESH_BACKOFF_S
-    while _unreachable_in_map(pf, unreachable):
-        try:
-            pf.create_bucket(bucket)
-        except (BucketExists, DataUnavailable):
-            pass
-        if not _unreachable_in_map(pf, unreachable):
-            return
-        if time.monotonic() + pause_s > deadline:
-            raise DataUnavailable(
-                f"unavailable: the job's map still names {sorted(unreachable)} after "
-                f"{timeout_s:.0f} s", server=next(iter(unreachable), None),
-            )
-        time.sleep(pause_s)
-        pause_s = min(pause_s * 2, pause_max_s)
-
-
-def _write_all(pf: Client, spec: _Spec, items: list[tuple[str, memoryview]]) -> int:
-    """Write ``items`` to the shuffle bucket (write-once); after an unreachable server, wait for
-    the new map and write what is missing again. Returns how many write rounds it took."""
-    bucket = spec.bucket
-    pending = items
-    for attempt in range(1, WRITE_ATTEMPTS_MAX + 1):
-        try:
-            pf.put_many(bucket, pending)
-            return attempt
-        except DataUnavailable as exc:
-            if attempt == WRITE_ATTEMPTS_MAX:
-                raise
-            refresh_map(pf, {exc.server} if exc.server else set(), bucket=bucket)
-        except ObjectExists:
-            # A rerun, or a retry after a partly failed round: some keys are already there.
-            pass
-        still = []
-        for key, data in pending:
-            try:
-                pf.put(bucket, key, data)
-            except ObjectExists:
-                continue
-            except DataUnavailable as exc:
-                if attempt == WRITE_ATTEMPTS_MAX:
-                    raise
-                refresh_map(pf, {exc.server} if exc.server else set(), bucket=bucket)
-                still.append((key, data))
-        if not still:
-            return attempt + 1
-        pending = still
-    raise AssertionError("unreachable")
-
-
-def _shuffle_task(call: _MapCall | _ReduceCall) -> _MapOutcome | _ReduceOutcome:
-    """The one task function of a shuffle's Lithops job: a mapper or a reducer."""
-    if isinstance(call, _MapCall):
-        return _map_task(call)
-    outcome = _reduce_task(call)
-    if call.attempt:
-        _say_finished(call)
-    return outcome
-
-
-def _say_finished(call: _ReduceCall) -> None:
-    """Write this attempt's finished marker, so the driver looks for its result now. Best
-    effort: without it the driver learns of the result from Lithops' next poll."""
-    spec = call.spec
-    try:
-        _client(spec).put(spec.bucket, finished_key(reducer=call.reducer, attempt=call.attempt),
-                          b"", overwrite=True)
-    except PocketflowError as exc:
-        log.warning("reducer %d: could not write its finished marker: %s", call.reducer, exc)
-
-
-def run_map_function(
-    map_function: Callable[..., Any], item: Any, reducers: int
-) -> tuple[Any, list[list[Any]]]:
-    """Run a mapper's function on ``item`` with an ``emit(partition, data)`` that checks the
-    partition; returns its value and what it emitted, per reducer."""
-    parts: list[list[Any]] = [[] for _ in range(reducers)]
-
-    def emit(partition: int, data: Any) -> None:
-        if not 0 <= partition < reducers:
-            raise ValueError(f"partition {partition} outside 0..{reducers - 1}")
-        parts[partition].append(data)
-
-    return map_function(item, emit), parts
-
-
-def _map_task(call: _MapCall) -> _MapOutcome:
-    """One mapper: run the user's function, then write one object per (wanted) reducer."""
-    spec = call.spec
-    value, parts = run_map_function(call.map_function, call.item, spec.reducers)
-    wanted = range(spec.reducers) if call.only_reducers is None else sorted(call.only_reducers)
-    items: list[tuple[str, memoryview]] = []
-    for r in wanted:
-        chunks = parts[r]
-        data = chunks[0] if len(chunks) == 1 else b"".join(memoryview(c) for c in chunks)
-        items.append((shuffle_key(mapper=call.mapper, reducer=r), memoryview(data).cast("B")))
-    started = time.perf_counter()
-    attempts = _write_all(_client(spec), spec, items)
-    return _MapOutcome(
-        mapper=call.mapper,
-        value=value,
-        bytes_written=sum(len(data) for _, data in items),
-        write_attempts=attempts,
-        io_s=time.perf_counter() - started,
-        finished_unix_s=time.time(),
-    )
-
-
-def _home_nodes(handle: JobHandle, keys: dict[int, str]) -> dict[int, str]:
-    """Node id of the server holding each key's block 0 under ``handle``'s map."""
-    from pocketflow.placement import Placement
-
-    placement = Placement.of_handle(handle)
-    return {m: placement.server_for(key.encode(), 0).node_id for m, key in keys.items()}
-
-
-def _servers_of(handle: JobHandle, keys: dict[int, str]) -> dict[int, str]:
-    """Address of the server holding each key's block 0 under ``handle``'s map."""
-    from pocketflow.placement import Placement
-
-    placement = Placement.of_handle(handle)
-    return {m: placement.server_for(key.encode(), 0).address for m, key in keys.items()}
-
-
-def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
-    """One reducer: wait for its inputs, mark and read them with DELETE, run the user's function,
-    write the output; or, when inputs were lost (with a server, or consumed by an earlier
-    attempt of this reducer that never committed), put back what it read and say which."""
-    from pocketflow.handle import JobHandle
-
-    spec = call.spec
-    keys = {m: shuffle_key(mapper=m, reducer=call.reducer) for m in range(spec.mappers)}
-    inputs: dict[int, bytes] = {}
-    lost: set[int] = set()
-    unreachable: set[str] = set()
-    wait_s = io_s = 0.0
-    deadline = time.monotonic() + spec.input_wait_s
-    pf = _client(spec)
-    marker = consuming_key(reducer=call.reducer, attempt=uuid.uuid4().hex[:16])
-    consuming: set[int] = set()
-    # Where the stage's mappers first placed each input: one whose server the job has since
-    # lost, and which no live server holds, is gone with it.
-    homes = _home_nodes(JobHandle.from_json(spec.handle_json), keys)
-    markers_checked = not spec.delete_inputs
-    waited_epoch: int | None = None
-    pending = dict(keys)
-    while pending:
-        started = time.perf_counter()
-        placed_by = pf.handle
-        # Look without waiting first, and again whenever the client's map changed since
-        # the last look (a read or a listing learnt a new one): inputs are only waited for
-        # once none of them is known to be lost or consumed.
-        probing = placed_by.epoch != waited_epoch
-        waited_epoch = placed_by.epoch
-        try:
-            missing = set(pf.wait_for(
-                spec.bucket, list(pending.values()),
-                timeout_s=0.0 if probing else max(0.0, deadline - time.monotonic()),
-            ))
-        except DataUnavailable as exc:
-            # Inputs placed on the unreachable server are gone (or will be written under
-            # the next map): they are regenerated; the others are still awaited.
-            unreachable.add(exc.server or "")
-            gone = {m for m, address in _servers_of(placed_by, pending).items()
-                    if address in unreachable}
-            if not gone:
-                raise
-            lost |= gone
-            for m in gone:
-                del pending[m]
-            wait_s += time.perf_counter() - started
-            if probing:
-                waited_epoch = None  # look again before waiting
-            continue
-        wait_s += time.perf_counter() - started
-        # The client may have learnt the map without a lost server before it asked that
-        # server for anything (another task of this worker, a read): then nothing raised,
-        # and the inputs it held would be awaited on live servers until the bound.
-        lost_nodes = {s.node_id for s in pf.handle.lost}
-        gone = {m for m, k in pending.items() if k in missing and homes[m] in lost_nodes}
-        lost |= gone
-        for m in gone:
-            del pending[m]
-        if not markers_checked and any(k in missing for k in pending.values()):
-            # Inputs are missing: not written yet, or consumed by an earlier attempt of
-            # this reducer that never committed, in which case it marked them first.
-            markers_checked = True
-            earlier = _marked_by_earlier_attempts(pf, spec, call.reducer)
-            consumed = {m for m, k in pending.items() if m in earlier and k in missing}
-            if consumed:
-                # Nothing read yet: report them for regeneration and read nothing.
-                lost |= consumed
-                break
-            continue
-        ready = {m: k for m, k in pending.items() if k not in missing}
-        if not ready:
-            if probing or not pending:
-                continue
-            raise ShuffleFailed(
-                f"reducer {call.reducer}: inputs of mappers "
-                f"{sorted(pending)[:8]} did not arrive within {spec.input_wait_s:.0f} s "
-                f"(never written, and no earlier attempt of this reducer marked them)"
-            )
-        started = time.perf_counter()
-        if spec.delete_inputs:
-            # The marker is written before the reads that consume, so that a retry of this
-            # reducer knows what may be gone.
-            consuming |= ready.keys()
-            _write_marker(pf, spec, marker, _encode_mappers(consuming, spec.mappers))
-        results = _read_all(pf, spec.bucket, list(ready.values()),
-                            delete=spec.delete_inputs)
-        io_s += time.perf_counter() - started
-        for (m, _), result in zip(ready.items(), results, strict=True):
-            del pending[m]
-            if isinstance(result, bytes):
-                inputs[m] = result
-            else:
-                lost.add(m)
-                if isinstance(result, DataUnavailable):
-                    unreachable.add(result.server or "")
-                # ObjectNotFound on a live server: another reader (a concurrent attempt of
-                # this reducer) consumed it; regenerated by lineage like a lost one.
-    if lost:
-        started = time.perf_counter()
-        _put_back(pf, spec, call.reducer, inputs, unreachable)
-        io_s += time.perf_counter() - started
-        return _ReduceOutcome(call.reducer, lost_mappers=tuple(sorted(lost)),
-                              unreachable=tuple(sorted(unreachable - {""})),
-                              wait_s=wait_s, io_s=io_s)
-    bytes_read = sum(len(v) for v in inputs.values())
-    value = call.reduce_function(call.reducer, [inputs[m] for m in range(spec.mappers)])
-    inputs.clear()
-    if spec.persist_output:
-        started = time.perf_counter()
-        key = output_key(call.reducer)
-        data = memoryview(value).cast("B")
-        pf.put(spec.output_bucket, key, data, persist=True, overwrite=True)
-        io_s += time.perf_counter() - started
-        value = OutputInfo(spec.output_bucket, key, len(data))
-    return _ReduceOutcome(call.reducer, value=value, bytes_read=bytes_read, wait_s=wait_s,
-                          io_s=io_s)
-
-
-def _marked_by_earlier_attempts(pf: Client, spec: _Spec, reducer: int) -> set[int]:
-    """Mappers whose inputs earlier attempts of ``reducer`` marked (empty on a first attempt).
-
-    A marker that cannot be read, or more than ``ATTEMPT_MARKERS_MAX`` of them, count as naming
-    every mapper: an input then counts as consumed only if it is missing when the retry starts.
-    """
-    prefix = _consuming_prefix(reducer)
-    for attempt in range(1, WRITE_ATTEMPTS_MAX + 1):
-        try:
-            markers = sorted({info.key for info in pf.list(spec.bucket, prefix)})
-            break
-        except DataUnavailable as exc:
-            # A server of the map cannot be listed: wait for the map without it.
-            if attempt == WRITE_ATTEMPTS_MAX:
-                raise
-            refresh_map(pf, {exc.server} if exc.server else set(), bucket=spec.bucket)
-    if len(markers) > ATTEMPT_MARKERS_MAX:
-        return set(range(spec.mappers))
-    marked: set[int] = set()
-    for key in markers:
-        try:
-            marked |= _decode_mappers(pf.get(spec.bucket, key), spec.mappers)
-        except (DataUnavailable, ObjectNotFound):
-            return set(range(spec.mappers))
-    return marked
-
-
-def _write_marker(pf: Client, spec: _Spec, key: str, data: bytes) -> None:
-    """Write (overwrite) this attempt's marker; after an unreachable server, under the new map."""
-    for attempt in range(1, WRITE_ATTEMPTS_MAX + 1):
-        try:
-            pf.put(spec.bucket, key, data, overwrite=True)
-            return
-        except DataUnavailable as exc:
-            if attempt == WRITE_ATTEMPTS_MAX:
-                raise
-            refresh_map(pf, {exc.server} if exc.server else set(), bucket=spec.bucket)
-
-
-def _read_all(
-    pf: Client, bucket: str, keys: list[str], *, delete: bool
-) -> list[bytes | PocketflowError]:
-    """Read (and delete) inputs in one call of the native core (block 0 pipelined per server,
-    the data blocks of several objects at once); a lost one (server unreachable, or consumed by
-    another reader) comes back as the error instead of being raised, and so does not cost the
-    inputs already consumed."""
-    results = pf.get_each(bucket, keys, delete=delete)
-    for result in results:
-        if isinstance(result, PocketflowError) and not isinstance(
-            result, (DataUnavailable, ObjectNotFound)
-        ):
-            raise result
-    return results
-
-
-def _put_back(pf: Client, spec: _Spec, reducer: int, inputs: dict[int, bytes],
-              unreachable: set[str]) -> None:
-    """Write the inputs a failed reducer already consumed back under the job's new map, so that
-    its retry finds them and only the lost ones are regenerated."""
-    unreachable.discard("")
-    if unreachable:
-        refresh_map(pf, unreachable, bucket=spec.bucket)
-    items = [(shuffle_key(mapper=m, reducer=reducer), memoryview(data))
-             for m, data in sorted(inputs.items())]
-    if items:
-        _write_all(pf, spec, items)

@@ -72,6 +72,40 @@ RETRY_PROBE_MAX_S = 10.0
 """Bound on a retried reducer finding its consumed inputs (it looks without waiting for them)."""
 
 
+
+def test_a_task_process_imports_only_the_tasks_module() -> None:
+    """Lithops forks a process per task, which imports the task function's module as it
+    unpickles the call: that module is ``shuffle_tasks``, which loads neither the driver's
+    module, Lithops nor the client (a task connects when it first reads or writes), and the
+    user's functions stay instance attributes of the calls, where Lithops looks for the
+    modules to ship."""
+    import subprocess
+
+    from lithops.libs import inspect as lithops_inspect
+    from pocketflow_lithops.shuffle_tasks import _MapCall, _ReduceCall
+
+    pickled = cloudpickle.dumps(_shuffle_task)
+    assert b"pocketflow_lithops.shuffle_tasks" in pickled and len(pickled) < 200
+    script = (
+        "import sys, pocketflow_lithops.shuffle_tasks\n"
+        "heavy = ('pocketflow_lithops.shuffle', 'pocketflow.client', 'pocketflow.job', 'lithops',"
+        " 'dataclasses')\n"
+        "print(','.join(m for m in heavy if m in sys.modules) or '-')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == ["-"], out
+    spec = _Spec("{}", 1, 1, "b", "o", False, 1.0, ())
+    for call, function in ((_MapCall(spec, map_records, 0, 0, None), map_records),
+                           (_ReduceCall(spec, reduce_records, 0), reduce_records)):
+        members = dict(lithops_inspect.getmembers_static(call))
+        assert function in members.values(), type(call).__name__
+        again = cloudpickle.loads(cloudpickle.dumps(call))
+        assert type(again) is type(call) and vars(again).keys() == vars(call).keys()
+    retry = _ReduceCall(spec, reduce_records, 3).with_attempt("a1")
+    assert (retry.reducer, retry.attempt, retry.reduce_function) == (3, "a1", reduce_records)
+
+
 @pytest.fixture
 def fexec() -> Iterator[Any]:
     """A Lithops localhost executor with 4 worker processes (reducers park while mappers run)."""

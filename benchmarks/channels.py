@@ -1,10 +1,11 @@
 """Queue and append-file ops against a put and a get of the same size, on one DRAM server.
 
 One real ``pocketflow-server`` (no Ray), one client, one calling thread: the latency of a 1 KiB
-put, get, enqueue, dequeue and append, taking turns in chunks of ``CHUNK_OPS`` (so drift on a
-shared machine hits every op alike), reported as p50 and p99 and as the ratio of each op's p50
-to the put's. The goal of issue 14: queue ops within 1.2x of a put. Writes JSON (commit,
-machine) to ``--out``.
+put, get, enqueue, dequeue and append, and of the pipelined channel calls (an ``append_many`` of
+``BATCH_RECORDS`` records and a ``read`` of that many records' bytes), taking turns in chunks of
+``CHUNK_OPS`` (so drift on a shared machine hits every op alike), reported as p50 and p99 and as
+the ratio of each op's p50 to the put's. The goal of issue 14: queue ops within 1.2x of a put.
+Writes JSON (commit, machine) to ``--out``.
 
     python -m benchmarks.channels [--ops 2000] [--rounds 5] [--size 1024]
 """
@@ -29,6 +30,8 @@ from pocketflow.transport import AdminClient
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CHUNK_OPS = 50
 """Ops of one kind timed in a row before the next kind takes its turn."""
+BATCH_RECORDS = 16
+"""Records of one timed ``append_many``, and records' worth of bytes of one timed ``read``."""
 
 
 def _percentile(samples: list[float], q: float) -> float:
@@ -56,20 +59,27 @@ def run(ops: int, rounds: int, size: int) -> dict:
 
 def _measure(handle: JobHandle, ops: int, rounds: int, size: int) -> dict:
     payload = bytes(size)
+    batch = [payload] * BATCH_RECORDS
     samples: dict[str, list[float]] = {n: [] for n in
-                                       ("put", "get", "enqueue", "dequeue", "append")}
+                                       ("put", "get", "enqueue", "dequeue", "append",
+                                        "append_many", "read")}
     with connect(handle) as pf:
         pf.create_bucket("b")
         queue = pf.queue("b", "q", max_items=ops + 1)
         log = pf.append_file("b", "log", segment_bytes=64 * 1024 * 1024)
         for r in range(rounds):
             keys = [f"r{r}-k{i}" for i in range(ops)]
+            # One file per round, freed with the round's prefix, so the rounds' batches never
+            # fill the server.
+            many = pf.append_file("b", f"r{r}-many", segment_bytes=64 * 1024 * 1024)
             steps: list[tuple[str, Callable[[int], object]]] = [
                 ("put", lambda i, keys=keys: pf.put("b", keys[i], payload)),
                 ("get", lambda i, keys=keys: pf.get("b", keys[i])),
                 ("enqueue", lambda i: queue.enqueue(payload)),
                 ("dequeue", lambda i: queue.dequeue()),
                 ("append", lambda i: log.append(payload)),
+                ("append_many", lambda i, many=many: many.append_many(batch)),
+                ("read", lambda i, many=many: many.read(0, BATCH_RECORDS * size)),
             ]
             for _name, step in steps:
                 step(0)  # warm the session

@@ -13,6 +13,9 @@ RawHeader = tuple[int, int, int, int, int]
 RawReply = tuple[int, RawHeader | None, bytes]
 """A small operation's reply: status (0 or a gRPC code), header, body."""
 
+PLACED_OPS_MAX: int
+"""Most ops one :meth:`Objects.run_placed` runs (one request frame's worth, 1024)."""
+
 def empty_bytes(size: int) -> bytes:
     """A ``bytes`` of ``size`` zero bytes for :meth:`Connection.get_ranges` to fill in place."""
 
@@ -136,6 +139,13 @@ class Objects:
     ) -> tuple[str, int, RawHeader | None, bytes]:
         """One small op on the server of block ``block`` of ``key``: ``(server address,
         status, header, body)``; a stale map is adopted and the op run again."""
+    def run_placed(
+        self, bucket: bytes, key: bytes, block: int, ops: list[tuple[int, int, bytes, Buffer]],
+    ) -> list[RawReply]:
+        """``(op, flags, header, value)`` ops on ``key``, pipelined on the server of block
+        ``block`` of ``key``, like :meth:`call_placed` (a stale map adopted, the bucket created
+        on a server added after it was made, the refused ops run again): each op's reply, in
+        order. At most :data:`PLACED_OPS_MAX` ops, else ``InvalidRequest``."""
     def fetch_record(
         self, bucket: str, key: str, op: int, flags: int, *, lost_unavailable: bool = True
     ) -> tuple[str, RawHeader | None, bytes]:
@@ -155,7 +165,6 @@ class Objects:
         self, bucket: str, items: list[tuple[str, Buffer]], *, persist: bool = False,
         overwrite: bool = False,
     ) -> int: ...
-    def repair_bucket(self, bucket: str, address: str) -> bool: ...
     def delete_blocks(self, bucket: str, key: str, header: bytes) -> None: ...
     def delete_block_groups(
         self, bucket: str, key: str, version: int, groups: dict[str, list[int]]

@@ -31,13 +31,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pocketflow.errors import (
-    GRPC_CODE_FAILED_PRECONDITION,
     CapacityExhausted,
-    DataUnavailable,
     InvalidRequest,
     QueueFull,
     SegmentSealed,
-    StaleEpoch,
     error_from_status,
 )
 from pocketflow.protocol import (
@@ -60,7 +57,7 @@ from pocketflow.protocol import (
     check_bucket,
     check_key,
 )
-from pocketflow.transport import ExchangeOp, _reply
+from pocketflow.transport import _reply
 
 if TYPE_CHECKING:
     from pocketflow.client import Client
@@ -69,10 +66,9 @@ __all__ = ["Queue", "AppendFile", "RecordPosition", "SEGMENTS_MAX", "APPEND_SEGM
 
 SEGMENTS_MAX = 64
 """Most segments one queue or append file spans (each on the server its index places it on)."""
-_STALE_RETRIES_MAX = 4
 APPEND_BATCH_MAX = 256
 """Most records one ``append_many`` sends in one pipelined round (the session's in-flight
-bound)."""
+bound; within the native run's ``PLACED_OPS_MAX``)."""
 _LENGTH = struct.Struct("<I")
 
 
@@ -103,39 +99,13 @@ class _Channel:
             return reply
         raise error_from_status(reply.status, reply.body, server=server)
 
-    def _run(self, segment: int, ops: list[ExchangeOp]) -> None:
-        """Run ``ops`` pipelined over one session of ``segment``'s server (their replies are
-        filled in; errors are per op). A stale map is adopted and the ops run again; so are
-        they after the bucket was created on a server added to the job after it was made."""
-        client = self._client
-        repaired = False
-        for attempt in range(_STALE_RETRIES_MAX + 1):
-            view = client._view
-            server = view.placement.server_for(self._name_raw, segment)
-            try:
-                client._connection(server.address).run(view.epoch, ops, len(ops))
-            except StaleEpoch as exc:
-                if attempt == _STALE_RETRIES_MAX:
-                    raise
-                client._adopt(exc)
-                continue
-            stale = next((op.reply for op in ops if op.reply is not None
-                          and op.reply.status == GRPC_CODE_FAILED_PRECONDITION
-                          and bytes(op.reply.body).startswith(b"stale_epoch")), None)
-            if stale is None:
-                if (not repaired and attempt < _STALE_RETRIES_MAX
-                        and any(op.reply is not None and op.reply.status != 0
-                                and bytes(op.reply.body).startswith(b"bucket_not_found")
-                                for op in ops)):
-                    repaired = True
-                    if client._core.repair_bucket(self.bucket, server.address):
-                        continue
-                return
-            if attempt == _STALE_RETRIES_MAX:
-                return
-            error = error_from_status(stale.status, stale.body, server=server.address)
-            client._adopt(error)  # type: ignore[arg-type]
-        raise AssertionError("unreachable")
+    def _run(self, segment: int, ops: list[tuple[int, int, bytes, Any]]) -> list[Reply]:
+        """Run ``ops``, ``(op, flags, args, value)`` tuples, pipelined over one session of
+        ``segment``'s server; returns each op's reply, in order (errors are per op). The
+        native core places them, adopts a newer map on ``stale_epoch`` and creates the bucket
+        on a server added to the job after it was made, and runs the refused ops again."""
+        raw = self._client._core.run_placed(self._bucket_raw, self._name_raw, segment, ops)
+        return [_reply(reply) for reply in raw]
 
     def _wait_ms(self, deadline: float) -> int:
         """The server-side wait of the next op: what is left, within the server's bound and
@@ -329,21 +299,17 @@ class AppendFile(_Channel):
         segment = self._tail
         while pending:
             failures: list[Reply] = []
+            args = _args(b=self.segment_bytes, c=segment)
             for start in range(0, len(pending), APPEND_BATCH_MAX):
-                ops = [ExchangeOp(OP_APPEND, 0, self._bucket_raw, self._name_raw,
-                                  _args(b=self.segment_bytes, c=segment), views[i], tag=i)
-                       for i in pending[start:start + APPEND_BATCH_MAX]]
-                self._run(segment, ops)
-                for op in ops:
-                    reply = op.reply
-                    if reply is None:
-                        raise DataUnavailable(f"unavailable: no reply appending to {self.name}")
+                batch = pending[start:start + APPEND_BATCH_MAX]
+                replies = self._run(segment, [(OP_APPEND, 0, args, views[i]) for i in batch])
+                for i, reply in zip(batch, replies, strict=True):
                     if reply.status != 0:
                         failures.append(reply)
                         continue
                     assert reply.header is not None
-                    positions[op.tag] = RecordPosition(segment, reply.header.size,
-                                                       reply.header.version)
+                    positions[i] = RecordPosition(segment, reply.header.size,
+                                                  reply.header.version)
             pending = [i for i in pending if positions[i] is None]
             if not pending:
                 break
@@ -389,15 +355,11 @@ class AppendFile(_Channel):
             stop = min(end, start + seg_len)
             if offset < stop:
                 # Every piece of this segment at once, pipelined over one session.
-                ops = [ExchangeOp(OP_READ_APPEND, 0, self._bucket_raw, self._name_raw,
-                                  _args(a=at - start, c=segment,
-                                        d=min(stop - at, APPEND_READ_MAX_BYTES)))
+                ops = [(OP_READ_APPEND, 0,
+                        _args(a=at - start, c=segment, d=min(stop - at, APPEND_READ_MAX_BYTES)),
+                        b"")
                        for at in range(offset, stop, APPEND_READ_MAX_BYTES)]
-                self._run(segment, ops)
-                for op in ops:
-                    reply = op.reply
-                    if reply is None:
-                        raise DataUnavailable(f"unavailable: no reply reading {self.name}")
+                for reply in self._run(segment, ops):
                     if reply.status != 0:
                         raise error_from_status(reply.status, reply.body)
                     parts.append(bytes(reply.body))

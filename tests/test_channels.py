@@ -12,11 +12,18 @@ from collections.abc import Callable
 
 import pytest
 
+from pocketflow import _core
 from pocketflow.client import Client, connect
 from pocketflow.errors import BucketNotFound, InvalidRequest, QueueFull
 from pocketflow.handle import JobHandle
-from pocketflow.protocol import SMALL_OBJECT_MAX_BYTES
-from tests.fixtures_servers import CLIENT_OPTIONS
+from pocketflow.placement import Placement
+from pocketflow.protocol import (
+    FRAME_MAX_BYTES,
+    HEADER_STRUCT,
+    OP_READ_APPEND,
+    SMALL_OBJECT_MAX_BYTES,
+)
+from tests.fixtures_servers import CLIENT_OPTIONS, ServerSet
 
 CONSUMERS = 16
 PRODUCERS = 4
@@ -238,6 +245,86 @@ def test_append_many_pipelines_whole_records_over_segments(client: Client) -> No
     for record in got:
         _check_record(record)
     assert log.read(0, log.size()) == b"".join(got)
+
+
+def _grown_from_two(storage_servers: ServerSet) -> tuple[JobHandle, JobHandle, str]:
+    """A job's handle on two of the session's servers, the handle of its map grown to all
+    three (epoch 2, told to no server yet), and a channel name whose segment 0 the grown map
+    places on the added server."""
+    two = [s for s in storage_servers.infos if s.node_id != "nvme-0"]
+    handle = storage_servers.handle(servers=two)
+    grown = handle.with_weight_map(
+        {"epoch": 2, "servers": [s.to_row() for s in storage_servers.infos]})
+    placement = Placement.of_handle(grown)
+    name = next(n for n in (f"channel-{i}" for i in range(1000))
+                if placement.server_for(n.encode(), 0).node_id == "nvme-0")
+    return handle, grown, name
+
+
+@pytest.mark.parametrize("session_before", [False, True], ids=["new-session", "pooled-session"])
+def test_append_many_adopts_a_new_map_and_makes_the_bucket_on_the_added_server(
+    storage_servers: ServerSet, session_before: bool
+) -> None:
+    # The job grows from two servers to three while the writer still holds the map of two, and
+    # the file is named so that its segment 0 lands, under the grown map, on the added server,
+    # which has never seen the bucket. One append_many is then refused as stale (when its session
+    # opens, or, over a session pooled before the change, frame by frame), adopts the new map,
+    # is refused there with bucket_not_found, makes the bucket and runs again: all inside the
+    # native core. Its records fill more than one request frame, and each must land once.
+    handle, grown, name = _grown_from_two(storage_servers)
+    records = [bytes([i]) * SMALL_OBJECT_MAX_BYTES for i in range(140)]
+    assert sum(map(len, records)) > FRAME_MAX_BYTES
+    try:
+        with connect(handle, **CLIENT_OPTIONS) as pf, connect(handle, **CLIENT_OPTIONS) as old:
+            pf.create_bucket("b")
+            log = pf.append_file("b", name, segment_bytes=16 * 1024 * 1024)
+            if session_before:
+                # A session to the segment's home under the map of two, pooled for the batch.
+                assert log.size() == 0
+            storage_servers.set_epoch(grown)
+            positions = log.append_many(records)
+            assert pf.handle.epoch == 2
+            assert {p.segment for p in positions} == {0}
+            # Every record once, back to back: none ran twice, none was lost.
+            spans = sorted((p.offset, len(r)) for p, r in zip(positions, records, strict=True))
+            assert [offset for offset, _ in spans] == [
+                sum(n for _, n in spans[:i]) for i in range(len(spans))]
+            total = sum(map(len, records))
+            assert log.size() == total
+            assert sorted(log) == sorted(records)
+            in_file = [r for _, r in sorted(zip(positions, records, strict=True))]
+            # A reader still on the map of two adopts the new one and finds the same bytes.
+            assert old.append_file("b", name).read(0, total) == b"".join(in_file)
+            assert old.handle.epoch == 2
+    finally:
+        storage_servers.delete_job(grown)
+
+
+def test_a_pipelined_run_is_bounded_and_adopts_a_new_map_for_reads(
+    storage_servers: ServerSet,
+) -> None:
+    # The native run behind append_many and read, called as they call it: a batch of reads on a
+    # client that still holds the map of two adopts the grown map and reads where it places the
+    # segment; more ops than one run carries is a typed error before anything is sent.
+    handle, grown, name = _grown_from_two(storage_servers)
+    try:
+        with connect(grown, **CLIENT_OPTIONS) as pf, connect(handle, **CLIENT_OPTIONS) as old:
+            storage_servers.set_epoch(grown)
+            pf.create_bucket("b")
+            pf.append_file("b", name).append_many([b"%04d" % i for i in range(100)])
+            # READ_APPEND of 4 bytes at 4 i of segment 0 (args: offset, -, segment, length).
+            pieces = [(OP_READ_APPEND, 0, HEADER_STRUCT.pack(4 * i, 0, 0, 4, 0, 0), b"")
+                      for i in range(100)]
+            replies = old._core.run_placed(b"b", name.encode(), 0, pieces)
+            assert old.handle.epoch == 2
+            assert [status for status, _, _ in replies] == [0] * 100
+            assert sorted(bytes(body) for _, _, body in replies) == [
+                b"%04d" % i for i in range(100)]
+            too_many = pieces * (_core.PLACED_OPS_MAX // len(pieces) + 1)
+            with pytest.raises(InvalidRequest, match=f"at most {_core.PLACED_OPS_MAX}"):
+                old._core.run_placed(b"b", name.encode(), 0, too_many)
+    finally:
+        storage_servers.delete_job(grown)
 
 
 def test_channels_work_over_doexchange_sessions_too(job_handle: JobHandle) -> None:

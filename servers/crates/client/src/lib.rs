@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 mod blocks;
+pub mod channels;
 mod config;
 mod connection;
 mod direct;

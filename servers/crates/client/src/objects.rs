@@ -70,7 +70,7 @@ impl Failure {
         }
     }
 
-    fn local(error: ClientError) -> Failure {
+    pub(crate) fn local(error: ClientError) -> Failure {
         Failure {
             error,
             server: String::new(),
@@ -413,42 +413,6 @@ impl Objects {
         }
         self.adopt(&stale.error)
             .map_err(|error| Failure::at(error, &stale.server))
-    }
-
-    /// Run one small operation on the server of block `block` of `request.key` (queues and
-    /// append files place a segment there), adopting a newer map on `stale_epoch` and running
-    /// it again there, and creating the bucket on a server added to the job after it was made
-    /// (as a put does); returns the answering server's address and its reply, whatever the
-    /// reply's status otherwise (the caller maps the ones it knows).
-    pub fn call_placed(
-        &self,
-        request: ExchangeRequest,
-        block: u32,
-    ) -> Result<(String, ExchangeReply), Failure> {
-        let mut repaired = false;
-        for attempt in 0..=STALE_EPOCH_RETRIES_MAX {
-            let view = self.view();
-            let server = home(&view, request.key.as_bytes(), block, false)?;
-            let reply = self.call_or_stale(&view, &server.address, request.clone())?;
-            if reply.status != 0 {
-                let error = reply_error(&reply);
-                if error.is_stale_epoch() {
-                    self.adopt_or_fail(Failure::at(error, &server.address), attempt)?;
-                    continue;
-                }
-                if kind_of(&error) == "bucket_not_found"
-                    && !repaired
-                    && attempt < STALE_EPOCH_RETRIES_MAX
-                {
-                    repaired = true;
-                    if self.repair_bucket(&view, &request.bucket, &server.address)? {
-                        continue;
-                    }
-                }
-            }
-            return Ok((server.address.clone(), reply));
-        }
-        unreachable!("the last attempt returns or fails")
     }
 
     // -- block 0 -------------------------------------------------------------------------------

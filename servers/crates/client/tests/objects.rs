@@ -3,13 +3,15 @@
 //! small and striped objects, DELETE reads, batches, write-once across placements, overwrites,
 //! a listing merged from every server, a stale map adopted mid-call, waits for keys, keys
 //! routed by prefix to a pool of the map, where data blocks live (an object of one data block
-//! whole on its manifest's server, larger ones striped), and the direct READ that brings a
-//! record and its bytes in one answer.
+//! whole on its manifest's server, larger ones striped), the direct READ that brings a
+//! record and its bytes in one answer, and a channel segment's ops run pipelined across a map
+//! change and a server that lacks the bucket.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use pocketflow_client::channels::PLACED_OPS_MAX;
 use pocketflow_client::objects::Tuning;
 use pocketflow_client::view::View;
 use pocketflow_client::waits::Stop;
@@ -21,7 +23,7 @@ use pocketflow_flight::route::route;
 use pocketflow_flight::{ServiceConfig, StorageService};
 use pocketflow_protocol::frame::OpCode;
 use pocketflow_protocol::header::ObjectHeader;
-use pocketflow_protocol::limits::ADMIN_JOB_ID;
+use pocketflow_protocol::limits::{ADMIN_JOB_ID, FRAME_MAX_BYTES};
 use pocketflow_protocol::token::{now_unix_ms, TokenKey};
 use pocketflow_store::{Store, StoreConfig, Tier};
 
@@ -793,4 +795,116 @@ fn a_one_block_object_whose_block_lives_elsewhere_is_still_read_whole() {
         holders(&objects, &key, version, 1).is_empty(),
         "the DELETE read freed it"
     );
+}
+
+/// A channel op on segment `segment` of `key` with its arguments in the header's fields
+/// (`a`..`d`: version, size, block count, block size), as `pocketflow/channels.py` sends it.
+fn segment_op(
+    op: OpCode,
+    key: &str,
+    segment: u32,
+    args: [u64; 4],
+    value: Bytes,
+) -> ExchangeRequest {
+    ExchangeRequest {
+        op,
+        flags: 0,
+        bucket: "b".into(),
+        key: key.into(),
+        header: ObjectHeader {
+            version: args[0],
+            size: args[1],
+            block_count: segment,
+            block_size: args[3] as u32,
+            flags: 0,
+        },
+        value,
+    }
+}
+
+#[test]
+fn a_placed_run_adopts_a_newer_map_and_makes_the_bucket_on_an_added_server() {
+    // The job grows from two servers to three while this client holds the map of two; the
+    // segment is one the grown map places on the added server, which never saw the bucket. One
+    // run of appends that fill two request frames is refused as stale, adopts the map, is
+    // refused with bucket_not_found there, makes the bucket and runs again: every append lands
+    // once, on the added server.
+    let cluster = Cluster::start();
+    let job = "job-placed";
+    let objects = cluster.objects(job, 2);
+    let grown = View::from_handle_json(&cluster.handle(job, 3)).unwrap();
+    let segment = 3;
+    let added = &cluster.servers[2].1;
+    let key = (0..400)
+        .map(|i| format!("channel-{i}"))
+        .find(|k| {
+            &grown
+                .server_for(k.as_bytes(), segment, false)
+                .unwrap()
+                .address
+                == added
+        })
+        .unwrap();
+    cluster.set_epoch(job, 2, 3);
+    let record = Bytes::from(payload(60 * 1024, 5));
+    let appends: Vec<ExchangeRequest> = (0..150)
+        .map(|_| {
+            segment_op(
+                OpCode::Append,
+                &key,
+                segment,
+                [0, 32 * MIB as u64, 0, 0],
+                record.clone(),
+            )
+        })
+        .collect();
+    assert!(appends.len() * record.len() > FRAME_MAX_BYTES);
+    let generation = objects.generation();
+    let replies = objects.run_placed(&appends, segment).unwrap();
+    assert_eq!(objects.view().epoch, 2);
+    assert!(objects.generation() > generation);
+    assert_eq!(replies.len(), appends.len());
+    let mut offsets: Vec<u64> = replies
+        .iter()
+        .map(|(server, reply)| {
+            assert_eq!((server.as_str(), reply.status), (added.as_str(), 0));
+            reply.header.unwrap().size
+        })
+        .collect();
+    offsets.sort_unstable();
+    let expected: Vec<u64> = (0..150).map(|i| i * record.len() as u64).collect();
+    assert_eq!(offsets, expected, "each append landed once, back to back");
+
+    // One op is the same run: a client still on the map of two adopts it and finds the segment
+    // where the grown map places it, holding exactly those bytes.
+    let old = client_of(&cluster.handle(job, 2));
+    let state = segment_op(OpCode::ReadAppend, &key, segment, [0; 4], Bytes::new());
+    let (server, reply) = old.call_placed(state, segment).unwrap();
+    assert_eq!((&server, reply.status, old.view().epoch), (added, 0, 2));
+    assert_eq!(reply.header.unwrap().size, 150 * record.len() as u64);
+}
+
+#[test]
+fn a_placed_run_is_bounded_and_on_one_key() {
+    let cluster = Cluster::start();
+    let objects = cluster.objects("job-placed-bounds", 3);
+    assert!(objects.run_placed(&[], 0).unwrap().is_empty());
+    let state = |key: &str| segment_op(OpCode::ReadAppend, key, 0, [0; 4], Bytes::new());
+    let too_many = vec![state("log"); PLACED_OPS_MAX + 1];
+    let failure = objects.run_placed(&too_many, 0).unwrap_err();
+    assert_eq!(kind(&failure.error), "invalid_argument");
+    assert!(
+        failure.error.to_string().contains("at most 1024"),
+        "{}",
+        failure.error
+    );
+    let mixed = [state("log"), state("other")];
+    let failure = objects.run_placed(&mixed, 0).unwrap_err();
+    assert_eq!(kind(&failure.error), "invalid_argument");
+    // Exactly the bound runs, on one session; a segment nobody wrote has length 0.
+    let replies = objects.run_placed(&too_many[1..], 0).unwrap();
+    assert_eq!(replies.len(), PLACED_OPS_MAX);
+    assert!(replies
+        .iter()
+        .all(|(_, reply)| reply.status == 0 && reply.header.unwrap().size == 0));
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use pocketflow_client::channels::{check_placed_ops, PLACED_OPS_MAX};
 use pocketflow_client::placement::{PlacedServer, Placement, Routes};
 use pocketflow_client::waits::Stop;
 use pocketflow_client::{
@@ -820,14 +821,6 @@ impl PyObjects {
         outcome.map_err(|f| failure_to_py(py, &f))
     }
 
-    /// Create `bucket` on the server at `address` if another server of the job has it; returns
-    /// whether it was created.
-    fn repair_bucket(&self, py: Python<'_>, bucket: &str, address: &str) -> PyResult<bool> {
-        let objects = &self.objects;
-        py.detach(|| objects.repair_bucket(&objects.view(), bucket, address))
-            .map_err(|f| failure_to_py(py, &f))
-    }
-
     /// Free a version's data blocks (header as 32 bytes), best effort.
     fn delete_blocks(
         &self,
@@ -1061,6 +1054,43 @@ impl PyObjects {
             PyBytes::new(py, &reply.body),
         )
             .into_pyobject(py)
+    }
+
+    /// Many small operations on `bucket`/`key`, pipelined on the server of block `block` of
+    /// `key` (see `Objects::run_placed`). `ops` holds `(op, flags, header, value)` tuples (each
+    /// value a buffer, read in place and copied once, as `call_placed` does); returns one
+    /// `(status, header fields or None, body)` per op, in order.
+    fn run_placed<'py>(
+        &self,
+        py: Python<'py>,
+        bucket: &[u8],
+        key: &[u8],
+        block: u32,
+        ops: &Bound<'py, PyList>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        check_placed_ops(ops.len()).map_err(|e| to_py_err(py, &e, ""))?;
+        let mut requests = Vec::with_capacity(ops.len());
+        for item in ops.iter() {
+            let (op, flags, header, value): (u8, u8, Bound<'py, PyBytes>, Bound<'py, PyAny>) =
+                item.extract()?;
+            requests.push(request_of(
+                op,
+                flags,
+                bucket,
+                key,
+                header.as_bytes(),
+                &value,
+            )?);
+        }
+        let objects = &self.objects;
+        let replies = py
+            .detach(|| objects.run_placed(&requests, block))
+            .map_err(|f| failure_to_py(py, &f))?;
+        let out = PyList::empty(py);
+        for (_, reply) in &replies {
+            out.append(reply_tuple(py, reply)?)?;
+        }
+        Ok(out)
     }
 
     /// Block 0 of an object where it lives (see `Objects::fetch_record`): `(server address,
@@ -1330,5 +1360,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyUpload>()?;
     m.add_function(wrap_pyfunction!(run_groups, m)?)?;
     m.add_function(wrap_pyfunction!(empty_bytes, m)?)?;
+    m.add("PLACED_OPS_MAX", PLACED_OPS_MAX)?;
     Ok(())
 }

@@ -6,8 +6,8 @@ Run from the repository root::
     python3 -m benchmarks.lithops_sort [--quick] [--repeats N] [--out DIR]
 
 Every variant sorts the same generated records (same seed, 100-byte records, 10-byte keys) with
-the same mappers, reducers and Lithops localhost executor (version 1, this interpreter, the same
-worker processes), one after the other in this one run, in a rotating order per repeat:
+the same mappers, reducers and Lithops localhost executor (version 1, the same worker processes),
+one after the other in this one run, in a rotating order per repeat:
 
 - ``lithops-localhost``: mappers ``put_object`` one object per (mapper, reducer) into Lithops'
   localhost storage (files under Lithops' temporary directory); after the map job, a reduce job
@@ -17,7 +17,13 @@ worker processes), one after the other in this one run, in a rotating order per 
   script starts on 127.0.0.1 and a free port and stops by pid.
 - ``pocketflow``: :func:`pocketflow_lithops.shuffle.shuffle` on an embedded local
   cluster (job registration with hints, reducers parked by the ``wait`` action, DELETE-on-read,
-  PERSIST outputs, deregistration); Lithops' own data in its localhost storage.
+  PERSIST outputs, deregistration); Lithops' own data in its localhost storage. Lithops' runtime
+  is pocketflow's (:mod:`pocketflow_lithops.runtime`): this interpreter with the client loaded
+  before Lithops' runner forks its workers and they fork each task, as Lithops' own storage
+  backend (the Lithops variants' shuffle storage) is loaded in its workers before they fork.
+  The Lithops variants run on this interpreter, which imports nothing of pocketflow's client.
+- ``pocketflow-plain-runtime``: the same shuffle on this interpreter as Lithops' runtime: each
+  task process imports the client itself (some 10 ms per task here).
 - ``pocketflow-no-delete``: the same with ``delete_inputs=False``, to measure what DELETE saves.
 - ``pocketflow-append``: the same shuffle with ``layout="append"``: one shared append file per
   reducer that every mapper appends to (R files instead of M x R objects).
@@ -83,8 +89,8 @@ SAMPLE_INTERVAL_S = 0.05
 """Pause between two samples of the store's used bytes."""
 DIR_ENTRIES_MAX = 100_000
 """Most files the localhost-storage sampler walks per sample."""
-VARIANTS = ("lithops-localhost", "lithops-redis", "pocketflow", "pocketflow-no-delete",
-            "pocketflow-append")
+VARIANTS = ("lithops-localhost", "lithops-redis", "pocketflow", "pocketflow-plain-runtime",
+            "pocketflow-no-delete", "pocketflow-append")
 SHAPES = {
     "quick": {"records": 200_000, "mappers": 4, "reducers": 4, "repeats": 1},
     "full": {"records": 1_000_000, "mappers": 8, "reducers": 8, "repeats": 3},
@@ -250,11 +256,12 @@ def run_pocketflow_variant(name: str, fexec: Any, config: SortConfig, cluster: A
 
 
 @contextmanager
-def _executor(storage: str, extra: dict[str, Any] | None = None) -> Iterator[Any]:
+def _executor(storage: str, extra: dict[str, Any] | None = None,
+              runtime: str | None = None) -> Iterator[Any]:
     import lithops
 
     fexec = lithops.FunctionExecutor(
-        config=lithops_config(storage=storage, workers=WORKERS, extra=extra))
+        config=lithops_config(storage=storage, workers=WORKERS, extra=extra, runtime=runtime))
     try:
         # Warm up: the first job of an executor pays for starting its machinery.
         fexec.get_result(fexec.map(_noop, [0]))
@@ -284,6 +291,7 @@ def run(shape: str, repeats: int, out_dir: Path, *, records: int | None = None,
     """Run every variant ``repeats`` times; write JSON and Markdown; return the results."""
     import redis
     from lithops.constants import LITHOPS_TEMP_DIR
+    from pocketflow_lithops.runtime import runtime_path
 
     import pocketflow
 
@@ -302,6 +310,7 @@ def run(shape: str, repeats: int, out_dir: Path, *, records: int | None = None,
         local_used = lambda prefix: dir_bytes(local_root / prefix)  # noqa: E731
         with pocketflow.LocalCluster(**CLUSTER_SHAPE) as cluster, \
                 _executor("localhost") as local_fexec, \
+                _executor("localhost", runtime=runtime_path()) as pocketflow_fexec, \
                 _executor("redis", {"redis": {"host": "127.0.0.1", "port": port}}) as redis_fexec:
             pf_used = _pocketflow_used(cluster)
             for repeat in range(repeats):
@@ -313,7 +322,8 @@ def run(shape: str, repeats: int, out_dir: Path, *, records: int | None = None,
                         done = run_storage_variant(variant, redis_fexec, config, redis_used)
                     else:
                         done = run_pocketflow_variant(
-                            variant, local_fexec, config, cluster, pf_used,
+                            variant, local_fexec if variant == "pocketflow-plain-runtime"
+                            else pocketflow_fexec, config, cluster, pf_used,
                             delete_inputs=variant != "pocketflow-no-delete",
                             layout="append" if variant == "pocketflow-append" else "objects")
                     print(f"  {variant:22s} job {done.job_s:6.2f} s, I/O per task "

@@ -15,6 +15,7 @@ checks that the partitions are globally ordered.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import threading
@@ -27,6 +28,8 @@ import numpy as np
 
 from pocketflow.errors import ConfigError
 from pocketflow.status_view import format_bytes
+
+log = logging.getLogger(__name__)
 
 RECORD_BYTES = 100
 KEY_BYTES = 10
@@ -362,8 +365,10 @@ def forget_inherited_lithops_session() -> None:
 
 
 def lithops_config(*, storage: str = "localhost", workers: int | None = None,
-                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Lithops configuration of the localhost executor with this interpreter as the runtime.
+                   extra: dict[str, Any] | None = None,
+                   runtime: str | None = None) -> dict[str, Any]:
+    """Lithops configuration of the localhost executor with ``runtime`` (by default this
+    interpreter) as the runtime.
 
     ``storage`` is Lithops' own storage (function payloads, results, status); the shuffle's
     data never goes there. ``extra`` is merged in per section (e.g. a ``redis`` section).
@@ -377,7 +382,7 @@ def lithops_config(*, storage: str = "localhost", workers: int | None = None,
             "log_level": "WARNING",
         },
         "localhost": {
-            "runtime": sys.executable,
+            "runtime": runtime or sys.executable,
             "version": 1,
             "worker_processes": workers or max(2, os.cpu_count() or 2),
         },
@@ -473,6 +478,18 @@ def _say(progress: bool, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+def _shuffle_runtime() -> str | None:
+    """The Lithops runtime that loads pocketflow's client once per job
+    (:mod:`pocketflow_lithops.runtime`), or ``None`` (this interpreter) if it is not installed."""
+    from pocketflow_lithops.runtime import runtime_path
+
+    try:
+        return runtime_path()
+    except FileNotFoundError as exc:
+        log.warning("%s; every task imports the client itself", exc)
+        return None
+
+
 def run_sort(
     cluster: Any = None,
     config: SortConfig | None = None,
@@ -490,7 +507,8 @@ def run_sort(
     size) and deregisters it at the end. ``fexec`` reuses a ``lithops.FunctionExecutor``;
     otherwise one is made with :func:`lithops_config` with ``lithops_storage`` for Lithops' own
     data: ``"localhost"`` (files), or ``"pocket"`` (pocketflow's Lithops storage backend, in a
-    job of its own, registered and deregistered here). ``timeout_s`` bounds each wait for a
+    job of its own, registered and deregistered here), and the runtime that loads the client
+    once per job (:mod:`pocketflow_lithops.runtime`). ``timeout_s`` bounds each wait for a
     stage's Lithops results (``TimeoutError``; only enforced on the main thread, where Lithops
     can arm its alarm). Raises whatever a task raised.
     """
@@ -525,7 +543,8 @@ def run_sort(
             lithops_job = register_job("lithops-data", cluster=control)
             extra = {LITHOPS_POCKET_STORAGE: {"handle": lithops_job.handle.to_json()}}
         fexec = lithops.FunctionExecutor(config=lithops_config(
-            storage=lithops_storage, workers=cfg.pool_size(), extra=extra))
+            storage=lithops_storage, workers=cfg.pool_size(), extra=extra,
+            runtime=_shuffle_runtime()))
     phase_s: dict[str, float] = {}
     try:
         started = time.perf_counter()

@@ -191,6 +191,56 @@ def test_shuffle_delivers_every_partition_in_mapper_order(
     assert not [name for name in shipped if name.startswith("pocketflow")], shipped
 
 
+def _client_loaded(item: int, emit: Callable[[int, Any], None]) -> bool:
+    # Runs before the task writes anything, so before the task itself imports the client.
+    emit(0, bytes([item]))
+    return "pocketflow.client" in sys.modules
+
+
+def test_pocketflows_runtime_hands_the_loaded_client_down_to_every_task(
+    local_cluster: LocalCluster, fexec: Any
+) -> None:
+    """With :func:`pocketflow_lithops.runtime.runtime_path` as Lithops' runtime, the process of
+    every task starts with the client loaded (Lithops' runner loaded it once, before forking);
+    with this interpreter as the runtime, no task process has it until it imports it."""
+    import lithops
+    from pocketflow_lithops.runtime import runtime_path
+
+    preloading = lithops.FunctionExecutor(
+        config=lithops_config(storage="localhost", workers=2, runtime=runtime_path()))
+    try:
+        result = shuffle(preloading, _client_loaded, _join, [1, 2, 3, 4], reducers=1,
+                         cluster=local_cluster, timeout_s=SHUFFLE_TIMEOUT_S)
+    finally:
+        preloading.clean()
+    assert result.map_values == [True] * 4
+    assert result.outputs == [b"0:" + bytes([1, 2, 3, 4])]
+    plain = shuffle(fexec, _client_loaded, _join, [1, 2], reducers=1, cluster=local_cluster,
+                    timeout_s=SHUFFLE_TIMEOUT_S)
+    assert plain.map_values == [False, False]
+
+
+def test_the_runtime_runs_a_script_as_the_interpreter_would(tmp_path: Path) -> None:
+    from pocketflow_lithops.runtime import PRELOADED_MODULES, runtime_path
+
+    script = tmp_path / "show.py"
+    script.write_text(
+        "import json, sys\n"
+        f"loaded = [m for m in {PRELOADED_MODULES!r} if m in sys.modules]\n"
+        "print(json.dumps([sys.argv, sys.path[0], __name__, loaded]))\n"
+        "sys.exit(3)\n"
+    )
+    done = subprocess.run([runtime_path(), str(script), "run_job", "x y"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    argv, path0, name, loaded = json.loads(done.stdout)
+    assert argv == [str(script), "run_job", "x y"] and path0 == str(tmp_path)
+    assert name == "__main__" and loaded == list(PRELOADED_MODULES)
+    # Any other command line is the interpreter's.
+    done = subprocess.run([runtime_path(), "-c", "import sys; print(sys.argv[1:])", "a"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "['a']"
+
 def test_sort_output_persists_and_reducers_wait_for_late_mappers(
     local_cluster: LocalCluster, fexec: Any
 ) -> None:
@@ -472,7 +522,8 @@ def test_benchmark_script_runs_every_variant(tmp_path: Path) -> None:
     (result_file,) = tmp_path.glob("lithops-sort-*-quick.json")
     results = json.loads(result_file.read_text())
     summary = results["summary"]
-    for variant in ("lithops-localhost", "lithops-redis", "pocketflow", "pocketflow-no-delete"):
+    for variant in ("lithops-localhost", "lithops-redis", "pocketflow", "pocketflow-plain-runtime",
+                    "pocketflow-no-delete"):
         assert summary[variant]["all_ok"], variant
         assert summary[variant]["peak_held_bytes"] > 0, variant
     # Without DELETE the shuffle data stays until the job ends: more bytes held at the peak.

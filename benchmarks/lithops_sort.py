@@ -101,6 +101,8 @@ BASELINE_UNSHIPPED = ["pocketflow"]
 sort would not carry pocketflow's dependency walk, which costs a job about 0.3 s before its
 first task starts. pocketflow's own shuffle does the same for its packages
 (``pocketflow_lithops.shuffle.RUNTIME_PACKAGES``), so neither side pays it."""
+SPEEDUP_GOAL = 1.3
+"""pocketflow's job time against Lithops' localhost storage's, at least (median job times)."""
 WORKERS = 2
 """Lithops worker processes (the machine's cores; the same for every variant)."""
 CLUSTER_SHAPE = {"dram_servers": 2, "nvme_servers": 0, "dram_capacity": "1GiB",
@@ -386,6 +388,16 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
         fastest = min(("pocketflow", "lithops-localhost", "lithops-redis"),
                       key=lambda v: summary[v]["job_s"])
         summary["fastest"] = fastest
+    if {"pocketflow", "lithops-localhost"} <= summary.keys():
+        # Repeat k ran the k-th job of every variant, next to each other in time: the ratio of
+        # each repeat's two jobs is less exposed to the machine's drift over the whole run.
+        local = [r.job_s for r in runs if r.variant == "lithops-localhost"]
+        ours = [r.job_s for r in runs if r.variant == "pocketflow"]
+        paired = [a / b for a, b in zip(local, ours, strict=False)]
+        summary["speedup_vs_localhost"] = (
+            summary["lithops-localhost"]["job_s"] / summary["pocketflow"]["job_s"])
+        summary["speedup_vs_localhost_paired"] = {
+            "median": statistics.median(paired), "min": min(paired), "max": max(paired)}
     if {"pocketflow", "pocketflow-no-delete"} <= summary.keys():
         without = summary["pocketflow-no-delete"]["peak_held_bytes"]
         summary["delete_peak_ratio"] = (
@@ -436,6 +448,13 @@ def markdown(results: dict[str, Any]) -> str:
                      f"(goal: pocketflow) - {met}"
                      + ("; the min-max ranges overlap, so on this machine the difference is "
                         "within run-to-run noise" if overlap else ""))
+    speedup = summary.get("speedup_vs_localhost")
+    if speedup is not None:
+        paired = summary["speedup_vs_localhost_paired"]
+        lines.append(
+            f"- pocketflow's speedup over lithops-localhost: **{speedup:.2f}x** (median job times; "
+            f"per repeat {paired['median']:.2f}x median, {paired['min']:.2f}-{paired['max']:.2f}x)"
+            f" (goal: >= {SPEEDUP_GOAL:.1f}x) - {'met' if speedup >= SPEEDUP_GOAL else 'NOT met'}")
     ratio = summary.get("delete_peak_ratio")
     if ratio is not None:
         lines.append(f"- peak bytes held with DELETE / without: **{ratio:.2f}** (goal: <= 0.6) - "

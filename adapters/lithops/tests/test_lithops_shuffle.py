@@ -526,6 +526,7 @@ def test_benchmark_script_runs_every_variant(tmp_path: Path) -> None:
                     "pocketflow-no-delete"):
         assert summary[variant]["all_ok"], variant
         assert summary[variant]["peak_held_bytes"] > 0, variant
+    assert summary["speedup_vs_localhost"] > 0 and len(summary["speedup_vs_localhost_paired"]) == 3
     # Without DELETE the shuffle data stays until the job ends: more bytes held at the peak.
     assert summary["delete_peak_ratio"] < 1.0
     assert (tmp_path / result_file.name.replace(".json", ".md")).exists()

@@ -19,11 +19,6 @@ PLACED_OPS_MAX: int
 def empty_bytes(size: int) -> bytes:
     """A ``bytes`` of ``size`` zero bytes for :meth:`Connection.get_ranges` to fill in place."""
 
-def run_groups(
-    groups: list[tuple[Connection, bytes, int, list[tuple[Any, ...]], int]],
-) -> list[list[RawReply] | BaseException]:
-    """Run ``(connection, command, epoch, ops, window)`` groups, all servers at once."""
-
 class Placement:
     """Weighted rendezvous placement over one weight map (``pocketflow/placement.py``'s picks)."""
 

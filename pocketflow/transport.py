@@ -36,7 +36,6 @@ from pocketflow.protocol import (
 
 __all__ = [
     "ExchangeOp", "ServerConnection", "AdminClient", "ADMIN_TIMEOUT_DEFAULT_S", "new_bytes",
-    "run_groups",
 ]
 
 ADMIN_TIMEOUT_DEFAULT_S = 10.0
@@ -90,28 +89,6 @@ def _op_tuples(ops: Sequence[ExchangeOp]) -> list[tuple[Any, ...]]:
 def _fill_replies(ops: Sequence[ExchangeOp], raw: Sequence[RawReply]) -> None:
     for op, reply in zip(ops, raw, strict=True):
         op.reply = _reply(reply)
-
-
-def run_groups(
-    groups: Sequence[tuple[ServerConnection, int, Sequence[ExchangeOp], int]],
-) -> list[PocketflowError | None]:
-    """Run each ``(connection, epoch, ops, window)`` group over one session of its server, all
-    servers at once in the native core (GIL released); fills each op's ``reply``. Returns per
-    group the error that failed it before its replies came (ops without a reply), or ``None``."""
-    raw = _core.run_groups([
-        (connection._native, connection._command(), epoch, _op_tuples(ops), window)
-        for connection, epoch, ops, window in groups
-    ])
-    failures: list[PocketflowError | None] = []
-    for (_, _, ops, _), result in zip(groups, raw, strict=True):
-        if isinstance(result, BaseException):
-            if not isinstance(result, PocketflowError):
-                raise result
-            failures.append(result)
-            continue
-        _fill_replies(ops, result)
-        failures.append(None)
-    return failures
 
 
 class ServerConnection:

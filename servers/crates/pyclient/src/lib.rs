@@ -177,71 +177,6 @@ fn replies_list<'py>(
     }
 }
 
-/// Run each group's ops over one session of its connection, all groups at once (the first on
-/// the calling thread, the others on threads of their own), with the GIL released. `groups`
-/// holds `(connection, command, epoch, ops, window)`; returns per group its reply list or the
-/// exception that failed it.
-#[pyfunction]
-fn run_groups<'py>(py: Python<'py>, groups: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyList>> {
-    let mut work = Vec::with_capacity(groups.len());
-    for item in groups.iter() {
-        let (connection, command, epoch, ops, window): (
-            Bound<'py, PyConnection>,
-            Vec<u8>,
-            u64,
-            Bound<'py, PyList>,
-            usize,
-        ) = item.extract()?;
-        let requests = requests_of(&ops)?;
-        work.push((
-            connection.unbind(),
-            Bytes::from(command),
-            epoch,
-            requests,
-            window,
-        ));
-    }
-    let results: Vec<Result<Vec<ExchangeReply>, ClientError>> = py.detach(|| {
-        let run = |(connection, command, epoch, requests, window): &(
-            Py<PyConnection>,
-            Bytes,
-            u64,
-            Vec<ExchangeRequest>,
-            usize,
-        )| {
-            connection
-                .get()
-                .connection
-                .exchange_blocking(command, *epoch, requests, *window)
-        };
-        std::thread::scope(|scope| {
-            let others: Vec<_> = work[1.min(work.len())..]
-                .iter()
-                .map(|group| scope.spawn(move || run(group)))
-                .collect();
-            let mut results = Vec::with_capacity(work.len());
-            if let Some(first) = work.first() {
-                results.push(run(first));
-            }
-            for handle in others {
-                results.push(handle.join().unwrap_or_else(|_| {
-                    Err(ClientError::Protocol("a group's thread panicked".into()))
-                }));
-            }
-            results
-        })
-    });
-    let out = PyList::empty(py);
-    for ((connection, ..), result) in work.iter().zip(results) {
-        let address = connection.get().connection.address().to_string();
-        match replies_list(py, result, &address) {
-            Ok(list) => out.append(list)?,
-            Err(e) => out.append(e.into_value(py))?,
-        }
-    }
-    Ok(out)
-}
-
 /// Weighted rendezvous placement over one weight map (`pocketflow_client::placement`, the same
 /// picks as `pocketflow/placement.py`), for batches: one call places many keys.
 #[pyclass(name = "Placement", module = "pocketflow._core", frozen)]
@@ -1358,7 +1293,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyObjects>()?;
     m.add_class::<PyListing>()?;
     m.add_class::<PyUpload>()?;
-    m.add_function(wrap_pyfunction!(run_groups, m)?)?;
     m.add_function(wrap_pyfunction!(empty_bytes, m)?)?;
     m.add("PLACED_OPS_MAX", PLACED_OPS_MAX)?;
     Ok(())

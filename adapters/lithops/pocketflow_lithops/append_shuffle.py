@@ -30,7 +30,8 @@ from typing import Any
 
 from pocketflow.errors import BucketExists, ShuffleFailed
 from pocketflow.protocol import SMALL_OBJECT_MAX_BYTES
-from pocketflow_lithops.shuffle import RUNTIME_PACKAGES, SHUFFLE_BUCKET, ShuffleResult
+from pocketflow_lithops.runtime import RUNTIME_PACKAGES
+from pocketflow_lithops.shuffle_result import ShuffleResult
 from pocketflow_lithops.shuffle_tasks import (
     OutputInfo,
     _client,
@@ -164,12 +165,12 @@ def run_append_layout(
         outcomes = fexec.get_result(futures, timeout=timeout_s, show_progressbar=False)
     except BaseException:
         try:  # wakes reducers still parked on the bucket
-            pf.delete_bucket(SHUFFLE_BUCKET)
+            pf.delete_bucket(spec.bucket)
         except Exception:  # noqa: BLE001 - the task's error is the one to raise
             pass
         raise
     map_outcomes, reduce_outcomes = outcomes[:len(maps)], outcomes[len(maps):]
-    pf.delete_prefix(SHUFFLE_BUCKET, "done/")
+    pf.delete_prefix(spec.bucket, "done/")
     return ShuffleResult(
         job_id=job_id,
         handle_json=pf.handle.to_json(),

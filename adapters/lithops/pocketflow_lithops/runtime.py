@@ -26,10 +26,15 @@ import sys
 import sysconfig
 from pathlib import Path
 
-__all__ = ["RUNTIME_COMMAND", "PRELOADED_MODULES", "main", "runtime_path"]
+__all__ = ["RUNTIME_COMMAND", "RUNTIME_PACKAGES", "PRELOADED_MODULES", "main", "runtime_path"]
 
 RUNTIME_COMMAND = "pocketflow-lithops-runtime"
 """The console command of this runtime (``setup.cfg``)."""
+RUNTIME_PACKAGES = ("pocketflow", "pocketflow_lithops")
+"""Packages a Lithops runtime must have installed (the native client core cannot travel as a
+pickled module), passed to every ``fexec.map`` of a shuffle as ``exclude_modules``: Lithops'
+dependency analysis then neither walks nor ships them, which with an editable install cost
+each job about 0.3 s before its first task started, and workers run the installed code."""
 PRELOADED_MODULES = (
     "pocketflow.client",
     "pocketflow_lithops.shuffle_tasks",

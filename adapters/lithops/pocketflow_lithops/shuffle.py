@@ -77,13 +77,17 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pocketflow.errors import BucketExists, PocketflowError, ShuffleFailed
+from pocketflow_lithops.append_shuffle import run_append_layout
+from pocketflow_lithops.runtime import RUNTIME_PACKAGES
+from pocketflow_lithops.shuffle_result import ShuffleResult
 from pocketflow_lithops.shuffle_tasks import (
     CONSUMING_PREFIX,
     FINISHED_PREFIX,
+    OUTPUT_BUCKET,
+    SHUFFLE_BUCKET,
     OutputInfo,
     _MapCall,
     _MapOutcome,
@@ -116,15 +120,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-RUNTIME_PACKAGES = ("pocketflow", "pocketflow_lithops")
-"""Packages a Lithops runtime must have installed (the native client core cannot travel as a
-pickled module), passed to every ``fexec.map`` of a shuffle as ``exclude_modules``: Lithops'
-dependency analysis then neither walks nor ships them, which with an editable install cost
-each job about 0.3 s before its first task started, and workers run the installed code."""
-SHUFFLE_BUCKET = "shuffle"
-"""Bucket of the (mapper, reducer) objects."""
-OUTPUT_BUCKET = "output"
-"""Default bucket of the reducers' outputs."""
 TASKS_PER_STAGE_MAX = 4096
 """Most mappers, and most reducers, of one shuffle."""
 INPUT_WAIT_DEFAULT_S = 300.0
@@ -144,35 +139,6 @@ FINISHED_POLL_INTERVAL_S = 0.005
 """Pause between two looks at Lithops' statuses once the pending reducers said they returned."""
 FINISHED_POLLS_MAX = 40
 """Most such looks per stage; after them the driver waits with Lithops' own polling."""
-
-
-@dataclass
-class ShuffleResult:
-    """Outcome of one shuffle.
-
-    ``outputs[r]`` is reducer ``r``'s :class:`OutputInfo` (with ``persist_output``) or its return
-    value; ``map_values[m]`` is mapper ``m``'s return value (of its first successful run).
-    ``handle_json`` is the job's handle, with which PERSIST outputs are read after the job is
-    gone. ``regenerated`` lists, per round, the ``(mapper, reducer)`` partitions rerun after a
-    storage server was lost or a failed reducer attempt had consumed them; ``retried`` names the
-    reducer of each resubmission after a failed task. ``input_wait_s`` and ``io_s`` are per
-    reducer: time parked waiting for inputs and time reading inputs and writing the output;
-    ``map_io_s`` is per mapper, time writing its partitions.
-    """
-
-    job_id: str
-    handle_json: str
-    outputs: list[Any]
-    map_values: list[Any]
-    elapsed_s: float
-    map_s: float
-    bytes_shuffled: int
-    bytes_read: int
-    input_wait_s: list[float] = field(default_factory=list)
-    io_s: list[float] = field(default_factory=list)
-    map_io_s: list[float] = field(default_factory=list)
-    regenerated: list[list[tuple[int, int]]] = field(default_factory=list)
-    retried: list[int] = field(default_factory=list)
 
 
 def shuffle(
@@ -305,8 +271,6 @@ def _run_stages(
             delete_inputs=delete_inputs,
         )
         if layout == "append":
-            from pocketflow_lithops.append_shuffle import run_append_layout
-
             return run_append_layout(fexec, pf, job.job_id, map_function, reduce_function,
                                      map_inputs, spec, timeout_s)
         map_calls = [_MapCall(spec, map_function, item, m, None)

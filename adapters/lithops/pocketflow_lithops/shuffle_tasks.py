@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from pocketflow_lithops.worker_clients import ClientCache
 
 __all__ = [
+    "OUTPUT_BUCKET",
+    "SHUFFLE_BUCKET",
     "OutputInfo",
     "consuming_key",
     "finished_key",
@@ -43,6 +45,10 @@ __all__ = [
     "shuffle_key",
 ]
 
+SHUFFLE_BUCKET = "shuffle"
+"""Bucket of the (mapper, reducer) objects."""
+OUTPUT_BUCKET = "output"
+"""Default bucket of the reducers' outputs."""
 CONSUMING_PREFIX = "consuming/"
 """Prefix of the reducers' markers in the shuffle bucket (see :func:`consuming_key`)."""
 FINISHED_PREFIX = "finished/"

@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where Lithops keeps its own data (payloads, results): its localhost "
                       "storage (default) or pocketflow's Lithops backend; the shuffle itself "
                       "always goes through pocketflow")
+    demo.add_argument("--runner", default=None,
+                      help="what runs the tasks: an installed demo runner (entry-point group "
+                      "pocketflow.demo_runners; default: the only one, or lithops)")
     demo.add_argument("--address", default=None,
                       help="Ray address of a running cluster (`pocketflow up --local`); "
                       "default: start a local cluster for the demo")
@@ -367,10 +370,16 @@ def cmd_persist(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``pocketflow demo``: the MapReduce sort, on a fresh local cluster or a running one."""
-    from pocketflow.demo import SortConfig, forget_inherited_lithops_session
+    """``pocketflow demo``: the MapReduce sort, on a fresh local cluster or a running one, its
+    tasks run by an installed demo runner (:func:`pocketflow.demo.demo_runner`)."""
+    from pocketflow.demo import SortConfig, demo_runner
 
-    forget_inherited_lithops_session()
+    try:
+        runner = demo_runner(args.runner)
+    except ConfigError as exc:
+        print(f"pocketflow demo: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    runner.prepare()
 
     config = SortConfig(
         mappers=args.mappers,
@@ -385,21 +394,20 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.address:
         from pocketflow.control.plane import connect_control_plane
 
-        return _run_demo(connect_control_plane(args.address), config, args, out)
+        return _run_demo(runner, connect_control_plane(args.address), config, args, out)
     started = time.perf_counter()
     with _StopSignals() as signals, _local_cluster(args) as cluster:
         signals.install()
         print(f"started a local cluster in {time.perf_counter() - started:.1f} s "
               f"({len(cluster.servers)} storage servers)", file=out, flush=True)
-        return _run_demo(cluster, config, args, out)
+        return _run_demo(runner, cluster, config, args, out)
 
 
-def _run_demo(cluster: Any, config: Any, args: argparse.Namespace, out: TextIO) -> int:
-    from pocketflow.demo import run_sort
-
-    # The shuffle registers the job itself, with the hints it knows (tasks, input size).
-    report = run_sort(cluster, config, progress=not args.no_progress,
-                      lithops_storage=args.lithops_storage)
+def _run_demo(runner: Any, cluster: Any, config: Any, args: argparse.Namespace,
+              out: TextIO) -> int:
+    # The runner's shuffle registers the job itself, with the hints it knows (tasks, input size).
+    report = runner.run(cluster, config, progress=not args.no_progress,
+                        options={"lithops_storage": args.lithops_storage})
     for line in report.summary_lines():
         print(line, file=out)
     out.flush()

@@ -1,28 +1,30 @@
-"""The demo job: a MapReduce sort of generated 100-byte records on Lithops, shuffled by pocketflow.
+"""The demo job: a MapReduce sort of generated 100-byte records, shuffled by pocketflow.
 
-Mappers and reducers are Lithops calls on the localhost executor (worker subprocesses of this
-interpreter, no Ray in the tasks), wired together by the drop-in shuffle of
-:mod:`pocketflow_lithops.shuffle`: the shuffle registers a job with hints, tasks
-receive only the job handle's JSON. Mapper ``i`` generates its share of records
-deterministically from the seed (10-byte keys) and range-partitions them by key into ``R``
-partitions, one object per (mapper, reducer); reducer ``r`` waits for and reads its ``M`` inputs
-with DELETE-on-read, sorts them and writes its output with PERSIST. A validation stage (more
-Lithops calls) reads every output back from the storage servers and checks it; the driver then
-compares record counts and an order-independent checksum with what the mappers generated, and
-checks that the partitions are globally ordered.
+This module holds what the sort is, whatever runs its tasks: the records (mapper ``i``
+generates its share deterministically from the seed, 10-byte keys), their range partitioning
+into ``R`` partitions, the reducers' sort, and the validation (record counts, an
+order-independent checksum, global order), with the report and a sampler of the servers' used
+bytes. What runs the tasks is a *demo runner* that a framework adapter provides, found through
+the entry-point group ``pocketflow.demo_runners`` (:func:`demo_runner`): the core imports no
+adapter. ``pocketflow-lithops`` registers ``lithops``
+(:mod:`pocketflow_lithops.sort`): mappers and reducers as Lithops calls on the localhost
+executor, wired by its drop-in shuffle, reducers reading their ``M`` inputs with DELETE-on-read
+and writing their outputs with PERSIST, and a validation stage that reads every output back.
+
+:func:`lithops_config` and :func:`forget_inherited_lithops_session` stay here because they
+import nothing of Lithops (plain configuration, the environment) and the THIS adapter and the
+benchmarks use them too.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -49,6 +51,10 @@ LITHOPS_POCKET_STORAGE = "pocket"
 """Name of pocketflow's Lithops storage backend (``pocketflow_lithops.storage``)."""
 LITHOPS_MONITORING_INTERVAL_S = 0.1
 """How often Lithops' driver looks for finished calls (its default of 2 s dominates small jobs)."""
+DEMO_RUNNERS_GROUP = "pocketflow.demo_runners"
+"""Entry-point group naming the installed demo runners (see :class:`DemoRunner`)."""
+DEFAULT_DEMO_RUNNER = "lithops"
+"""The runner ``pocketflow demo`` picks when several are installed and none is named."""
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -148,6 +154,8 @@ class SortReport:
     weights: dict[str, float] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     regenerated_partitions: int = 0
+    executor: str = "Lithops localhost executor"
+    """What ran the tasks, as the summary names it."""
 
     @property
     def ok(self) -> bool:
@@ -163,8 +171,7 @@ class SortReport:
         lines = [
             f"sorted {cfg.records:,} records ({format_bytes(cfg.input_bytes)}) with "
             f"{cfg.mappers} mappers and {cfg.reducers} reducers in {self.elapsed_s:.1f} s "
-            f"(job {self.job_id}, Lithops localhost executor, {cfg.pool_size()} worker "
-            f"processes)",
+            f"(job {self.job_id}, {self.executor}, {cfg.pool_size()} worker processes)",
             f"  phases: {phases}",
             "  job's servers (share of data): "
             + ", ".join(
@@ -473,134 +480,48 @@ class CapacityPoller(PeakSampler):
         return self.peak_bytes
 
 
-def _say(progress: bool, text: str) -> None:
-    if progress:
-        print(text, file=sys.stderr, flush=True)
+# -- runners ----------------------------------------------------------------------------------
 
 
-def _shuffle_runtime() -> str | None:
-    """The Lithops runtime that loads pocketflow's client once per job
-    (:mod:`pocketflow_lithops.runtime`), or ``None`` (this interpreter) if it is not installed."""
-    from pocketflow_lithops.runtime import runtime_path
+class DemoRunner(Protocol):
+    """What runs the demo's tasks: an adapter's object named in the entry-point group
+    :data:`DEMO_RUNNERS_GROUP`. ``pocketflow demo`` calls :meth:`prepare` before it starts a
+    cluster and :meth:`run` once the cluster is up."""
 
-    try:
-        return runtime_path()
-    except FileNotFoundError as exc:
-        log.warning("%s; every task imports the client itself", exc)
-        return None
+    def prepare(self) -> None:
+        """Get the process ready before the cluster starts (its child processes inherit it)."""
+
+    def run(
+        self, cluster: Any, config: SortConfig, *, progress: bool, options: Mapping[str, Any]
+    ) -> SortReport:
+        """Run the sort on ``cluster`` (what :func:`pocketflow.register_job` takes) and return
+        its report; ``options`` are the runner's own settings from the command line (unknown
+        ones are ignored). Raises what the job raised; leaves no process of its own behind."""
+        ...
 
 
-def run_sort(
-    cluster: Any = None,
-    config: SortConfig | None = None,
-    *,
-    progress: bool = True,
-    fexec: Any = None,
-    lithops_storage: str = "localhost",
-    client_options: dict[str, Any] | None = None,
-    timeout_s: float | None = SORT_TIMEOUT_DEFAULT_S,
-) -> SortReport:
-    """Run the sort on Lithops' localhost executor, shuffling through pocketflow; the report.
+def demo_runner_names() -> list[str]:
+    """The names of the installed demo runners, sorted."""
+    from importlib.metadata import entry_points
 
-    ``cluster`` is what :func:`pocketflow.register_job` takes (a LocalCluster, a control plane,
-    or ``None`` for the running one). The shuffle registers its own job with hints (tasks, input
-    size) and deregisters it at the end. ``fexec`` reuses a ``lithops.FunctionExecutor``;
-    otherwise one is made with :func:`lithops_config` with ``lithops_storage`` for Lithops' own
-    data: ``"localhost"`` (files), or ``"pocket"`` (pocketflow's Lithops storage backend, in a
-    job of its own, registered and deregistered here), and the runtime that loads the client
-    once per job (:mod:`pocketflow_lithops.runtime`). ``timeout_s`` bounds each wait for a
-    stage's Lithops results (``TimeoutError``; only enforced on the main thread, where Lithops
-    can arm its alarm). Raises whatever a task raised.
-    """
-    import lithops
+    return sorted({ep.name for ep in entry_points(group=DEMO_RUNNERS_GROUP)})
 
-    from pocketflow.job import _resolve_control_plane
 
-    try:
-        from pocketflow_lithops.shuffle import shuffle
-    except ModuleNotFoundError as exc:
+def demo_runner(name: str | None = None) -> DemoRunner:
+    """The installed demo runner called ``name``, or the only one installed (``lithops`` when
+    there are several). Raises :class:`ConfigError` when there is none or no such one."""
+    from importlib.metadata import entry_points
+
+    found = {ep.name: ep for ep in entry_points(group=DEMO_RUNNERS_GROUP)}
+    if not found:
         raise ConfigError(
-            "the demo runs on the Lithops adapter, which is not installed: "
+            "no demo runner is installed: the demo's tasks run on a framework adapter, e.g. "
             "pip install -e adapters/lithops (make install does it)"
-        ) from exc
-
-    cfg = config or SortConfig()
-    control = _resolve_control_plane(cluster)
-    if threading.current_thread() is not threading.main_thread():
-        timeout_s = None
-    options = dict(client_options or {})
-    if cfg.block_size_bytes is not None:
-        options.setdefault("block_size_bytes", cfg.block_size_bytes)
-    own_fexec = fexec is None
-    lithops_job = None
-    if own_fexec:
-        extra: dict[str, Any] = {}
-        if lithops_storage == LITHOPS_POCKET_STORAGE:
-            # Lithops' own data (payloads, results, status) in a pocketflow job of its own,
-            # through the `pocket` storage backend.
-            from pocketflow.job import register_job
-
-            lithops_job = register_job("lithops-data", cluster=control)
-            extra = {LITHOPS_POCKET_STORAGE: {"handle": lithops_job.handle.to_json()}}
-        fexec = lithops.FunctionExecutor(config=lithops_config(
-            storage=lithops_storage, workers=cfg.pool_size(), extra=extra,
-            runtime=_shuffle_runtime()))
-    phase_s: dict[str, float] = {}
-    try:
-        started = time.perf_counter()
-        with CapacityPoller(control.status) as poller:
-            _say(progress, f"shuffle: {cfg.mappers} mappers x {cfg.reducers} reducers on Lithops")
-            result = shuffle(
-                fexec, functools.partial(map_records, cfg), reduce_records, range(cfg.mappers),
-                reducers=cfg.reducers, cluster=control, name="sort",
-                input_size_bytes=2 * cfg.input_bytes, persist_output=True,
-                client_options=options, timeout_s=timeout_s,
-            )
-            phase_s["map"] = result.map_s
-            phase_s["shuffle+reduce"] = result.elapsed_s - result.map_s
-            _say(progress, "validate: reading the sorted output back")
-            phase_started = time.perf_counter()
-            checks: list[PartitionCheck] = fexec.get_result(fexec.map(
-                check_partition,
-                [(result.handle_json, o.bucket, o.key, r) for r, o in enumerate(result.outputs)],
-            ), timeout=timeout_s)
-            phase_s["validate"] = time.perf_counter() - phase_started
-        elapsed_s = time.perf_counter() - started
-        maps: list[MapResult] = result.map_values
-        input_checksum = sum(m.checksum for m in maps) & _MASK64
-        problems = check_output(cfg, input_checksum=input_checksum, checks=checks)
-        if sum(m.records for m in maps) != cfg.records:
-            problems.append(f"mappers generated {sum(m.records for m in maps):,} records")
-        if not cfg.keep_output:
-            import pocketflow
-
-            with pocketflow.connect(result.handle_json) as pf:
-                for output in result.outputs:
-                    pf.delete(output.bucket, output.key)
-    finally:
-        if own_fexec:
-            fexec.clean()
-        if lithops_job is not None:
-            lithops_job.deregister()
-    from pocketflow.handle import JobHandle
-
-    handle = JobHandle.from_json(result.handle_json)
-    output_bytes = sum(o.size for o in result.outputs)
-    return SortReport(
-        config=cfg,
-        job_id=result.job_id,
-        input_checksum=input_checksum,
-        output_checksum=sum(c.checksum for c in checks) & _MASK64,
-        output_records=sum(c.records for c in checks),
-        elapsed_s=elapsed_s,
-        phase_s=phase_s,
-        bytes_written=result.bytes_shuffled + output_bytes,
-        bytes_read=result.bytes_read + sum(c.bytes_read for c in checks),
-        peak_used_bytes=poller.peak_used_bytes,
-        baseline_used_bytes=poller.baseline_used_bytes,
-        capacity_bytes=poller.capacity_bytes,
-        servers=poller.servers,
-        weights={s.node_id: s.weight for s in handle.servers if s.weight > 0},
-        problems=problems,
-        regenerated_partitions=sum(len(r) for r in result.regenerated),
-    )
+        )
+    if name is None:
+        name = next(iter(found)) if len(found) == 1 else DEFAULT_DEMO_RUNNER
+    if name not in found:
+        raise ConfigError(f"no demo runner {name!r} is installed (installed: "
+                          f"{', '.join(sorted(found))})")
+    runner: DemoRunner = found[name].load()
+    return runner

@@ -1,33 +1,31 @@
-"""Tests of the demo sort: its record helpers and validation (pure), and a small end-to-end run."""
+"""Tests of the demo sort's core: its record helpers and validation (pure), and how the
+``pocketflow demo`` command finds a runner. The runs themselves are the runner's tests
+(``adapters/lithops/tests/test_sort.py``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
 import numpy as np
 import pytest
-from fixtures_cluster import used_bytes, wait_for
 
-from pocketflow.cluster import LocalCluster
 from pocketflow.demo import (
     KEY_BYTES,
     PartitionCheck,
     SortConfig,
     check_output,
+    demo_runner,
+    demo_runner_names,
     forget_inherited_lithops_session,
     generate_records,
     is_sorted,
     lithops_config,
     partition_of,
     record_checksum,
-    run_sort,
     sort_records,
 )
-
-SORT_TIMEOUT_S = 240
-"""Bound on each stage of a test sort: a stuck Lithops job fails the test instead of hanging."""
+from pocketflow.errors import ConfigError
 
 
 def test_generation_is_deterministic_and_covers_every_record() -> None:
@@ -110,26 +108,6 @@ def test_bad_sort_configs_are_refused() -> None:
         SortConfig(records=-1)
 
 
-def test_small_sort_end_to_end(local_cluster: LocalCluster) -> None:
-    baseline = used_bytes(local_cluster)
-    config = SortConfig(mappers=3, reducers=2, records=30_000, seed=3, processes=2,
-                        block_size_bytes=64 * 1024)
-    report = run_sort(local_cluster, config, progress=False, timeout_s=SORT_TIMEOUT_S)
-    assert report.ok, report.problems
-    assert report.output_records == 30_000
-    assert report.output_checksum == report.input_checksum
-    # Mappers and reducers each wrote the data once; reducers and the check each read it once.
-    assert report.bytes_written == 2 * config.input_bytes
-    assert report.bytes_read == 2 * config.input_bytes
-    assert report.peak_used_bytes > report.baseline_used_bytes
-    assert report.regenerated_partitions == 0
-    assert "validation: OK" in "\n".join(report.summary_lines())
-    # The shuffle registered its own job and deregistered it at the end.
-    assert report.job_id not in {j["job_id"] for j in local_cluster.status()["jobs"]}
-    # Shuffle objects were consumed on read, output deleted, the job deregistered: nothing left.
-    assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)
-
-
 def test_lithops_config_is_the_localhost_executor() -> None:
     config = lithops_config(storage="redis", workers=3, extra={"redis": {"port": 1}})
     assert config["lithops"]["backend"] == "localhost"
@@ -137,18 +115,6 @@ def test_lithops_config_is_the_localhost_executor() -> None:
     assert config["localhost"] == {"runtime": sys.executable, "version": 1,
                                    "worker_processes": 3}
     assert config["redis"] == {"port": 1}
-
-
-@pytest.mark.skipif(importlib.util.find_spec("pocketflow_lithops.storage") is None,
-                    reason="pocketflow's Lithops storage backend is not in this checkout")
-def test_small_sort_with_lithops_own_data_in_pocketflow(local_cluster: LocalCluster) -> None:
-    config = SortConfig(mappers=2, reducers=2, records=10_000, seed=4, processes=2)
-    jobs_before = {j["job_id"] for j in local_cluster.status()["jobs"]}
-    report = run_sort(local_cluster, config, progress=False, lithops_storage="pocket",
-                      timeout_s=SORT_TIMEOUT_S)
-    assert report.ok, report.problems
-    # Both the shuffle's job and the job holding Lithops' data are deregistered.
-    assert {j["job_id"] for j in local_cluster.status()["jobs"]} == jobs_before
 
 
 def test_a_command_forgets_the_lithops_session_it_inherited(
@@ -161,3 +127,14 @@ def test_a_command_forgets_the_lithops_session_it_inherited(
     assert "__LITHOPS_SESSION_ID" not in os.environ
     assert "__LITHOPS_TOTAL_EXECUTORS" not in os.environ
     assert os.environ["LITHOPS_CONFIG_FILE"] == "/nonexistent"
+
+
+def test_the_command_finds_the_runner_an_adapter_installed() -> None:
+    # pocketflow-lithops names its runner in the entry-point group; the core imports no adapter.
+    assert "lithops" in demo_runner_names()
+    runner = demo_runner("lithops")
+    assert type(runner).__module__ == "pocketflow_lithops.sort"
+    assert callable(runner.prepare) and callable(runner.run)
+    assert demo_runner() is runner or len(demo_runner_names()) > 1
+    with pytest.raises(ConfigError, match="no demo runner 'nosuch' is installed"):
+        demo_runner("nosuch")

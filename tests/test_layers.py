@@ -152,3 +152,21 @@ def test_a_client_that_puts_and_gets_leaves_channels_notifications_and_files_to_
     )
     out = _fresh_interpreter_output(script)
     assert out == ["-", "ok"], out
+
+
+ADAPTER_PACKAGES = ("pocketflow_lithops", "pocketflow_gg", "pocketflow_this")
+"""The framework adapters' packages (``adapters/``), which build on the core, never under it."""
+
+
+def test_the_core_imports_no_adapter() -> None:
+    """No module of ``pocketflow`` imports an adapter, wherever the import stands: an adapter
+    plugs into the core through its hooks (the demo's runners are found by entry point)."""
+    found = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [])
+            found.extend(f"{path.relative_to(PACKAGE_DIR)} imports {name}" for name in names
+                         if name.split(".")[0] in ADAPTER_PACKAGES)
+    assert found == []

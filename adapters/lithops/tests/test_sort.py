@@ -1,0 +1,43 @@
+"""Tests of the demo sort on Lithops (:mod:`pocketflow_lithops.sort`, ``pocketflow demo``'s
+runner ``lithops``): small runs end to end on the session cluster."""
+
+from __future__ import annotations
+
+from fixtures_cluster import used_bytes, wait_for
+from pocketflow_lithops.sort import run_sort
+
+from pocketflow.cluster import LocalCluster
+from pocketflow.demo import SortConfig
+
+SORT_TIMEOUT_S = 240
+"""Bound on each stage of a test sort: a stuck Lithops job fails the test instead of hanging."""
+
+
+def test_small_sort_end_to_end(local_cluster: LocalCluster) -> None:
+    baseline = used_bytes(local_cluster)
+    config = SortConfig(mappers=3, reducers=2, records=30_000, seed=3, processes=2,
+                        block_size_bytes=64 * 1024)
+    report = run_sort(local_cluster, config, progress=False, timeout_s=SORT_TIMEOUT_S)
+    assert report.ok, report.problems
+    assert report.output_records == 30_000
+    assert report.output_checksum == report.input_checksum
+    # Mappers and reducers each wrote the data once; reducers and the check each read it once.
+    assert report.bytes_written == 2 * config.input_bytes
+    assert report.bytes_read == 2 * config.input_bytes
+    assert report.peak_used_bytes > report.baseline_used_bytes
+    assert report.regenerated_partitions == 0
+    assert "validation: OK" in "\n".join(report.summary_lines())
+    # The shuffle registered its own job and deregistered it at the end.
+    assert report.job_id not in {j["job_id"] for j in local_cluster.status()["jobs"]}
+    # Shuffle objects were consumed on read, output deleted, the job deregistered: nothing left.
+    assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)
+
+
+def test_small_sort_with_lithops_own_data_in_pocketflow(local_cluster: LocalCluster) -> None:
+    config = SortConfig(mappers=2, reducers=2, records=10_000, seed=4, processes=2)
+    jobs_before = {j["job_id"] for j in local_cluster.status()["jobs"]}
+    report = run_sort(local_cluster, config, progress=False, lithops_storage="pocket",
+                      timeout_s=SORT_TIMEOUT_S)
+    assert report.ok, report.problems
+    # Both the shuffle's job and the job holding Lithops' data are deregistered.
+    assert {j["job_id"] for j in local_cluster.status()["jobs"]} == jobs_before

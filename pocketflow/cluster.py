@@ -480,7 +480,7 @@ class LocalCluster:
             raise first_error
 
         # Ray restarts a crashed Controller, which rebuilds its state from the Metadata actor's
-        # records and the storage nodes (Controller._restore).
+        # records and the storage nodes (pocketflow.control.restore).
         self._controller = (
             ray.remote(Controller)
             .options(

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from control_roles import register, roles
+
+from pocketflow.client import connect
 from pocketflow.cluster import LocalCluster
+from pocketflow.handle import LostServer
 
 
 def test_a_growing_job_moves_to_a_new_epoch_and_old_data_stays_readable(
@@ -38,3 +44,35 @@ def test_a_growing_job_moves_to_a_new_epoch_and_old_data_stays_readable(
         assert record["epoch"] == grown.epoch
         assert record["weight_map"] == grown.weight_map()
         assert record["hints"]["data_size_bytes"] == 300 * 1024 * 1024
+
+
+# -- the Epochs role, built without Ray -----------------------------------------------------------
+
+
+def test_a_job_moved_off_a_lost_server_follows_without_ray(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """``Epochs`` over real servers: the new map reaches the job's live servers and its log
+    record, the lost server is remembered, and a client holding the old map adopts the new one
+    from the first server it calls."""
+    _, secret_file = cluster_secret_file
+    with roles(secret_file) as built:
+        built.start("ep-0")
+        built.start("ep-1")
+        lost = built.start("ep-2")
+        handle = register(built, "moving")
+        assert {s.node_id for s in handle.servers} == {"ep-0", "ep-1", "ep-2"}
+        with connect(handle, op_timeout_s="5s") as pf:
+            pf.create_bucket("b")
+            with built.lock:
+                moved = built.epochs.move_off_lost(LostServer(lost.node_id, lost.address))
+            assert moved == [handle.job_id]
+            now = built.jobs.record(handle.job_id).handle
+            assert now.epoch == handle.epoch + 1
+            assert [s.node_id for s in now.lost] == ["ep-2"]
+            assert all(s.node_id != "ep-2" or s.weight == 0 for s in now.servers)
+            assert built.metadata.get_job(handle.job_id)["epoch"] == now.epoch
+            for index in range(20):
+                pf.put("b", f"k{index}", b"v")
+            assert pf.handle.epoch == now.epoch
+            assert pf.handle.weight_map() == now.weight_map()

@@ -51,19 +51,14 @@ def test_bad_job_names(name: str) -> None:
         validate_job_name(name)
 
 
-def test_controller_bounds_its_metadata_calls(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A hung Metadata actor must surface as a ClusterError, not hang the controller."""
+def test_controller_bounds_its_metadata_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hung Metadata actor must surface as a ClusterError, not hang the controller (whose
+    Metadata calls all go through MetadataCalls)."""
     import ray
     from ray.exceptions import GetTimeoutError
 
-    from pocketflow.auth import write_secret_file
-    from pocketflow.control.controller import Controller
+    from pocketflow.control.metadata_calls import MetadataCalls
     from pocketflow.errors import ClusterError
-
-    secret_file = tmp_path / "secret"
-    write_secret_file(secret_file)
 
     class HungMetadata:
         class put_job:  # noqa: N801 - stands for an actor method
@@ -77,10 +72,8 @@ def test_controller_bounds_its_metadata_calls(
         raise GetTimeoutError("timed out")
 
     monkeypatch.setattr(ray, "get", get)
-    controller = Controller(secret_file=str(secret_file), metadata=HungMetadata(),
-                            block_size_bytes=1 << 20)
     with pytest.raises(ClusterError):
-        controller._call_metadata("put_job", {"job_id": "x"})
+        MetadataCalls(HungMetadata())("put_job", {"job_id": "x"})
 
 
 # -- the metadata log ---------------------------------------------------------------------------

@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from pocketflow.auth import admin_token, read_secret_file
+from pocketflow.errors import PocketflowError
 from pocketflow.tls import read_ca
 from pocketflow.transport import ADMIN_TIMEOUT_DEFAULT_S, AdminClient
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Addressed(Protocol):
+    """A server as the admin calls name it (``StorageNodeInfo`` is one)."""
+
+    node_id: str
+    address: str
+
+
+S = TypeVar("S", bound=Addressed)
 
 ADMIN_TOKEN_TTL_S = 3600.0
 """Lifetime of an admin token; connections are reopened with a fresh one at half of it."""
@@ -73,3 +90,20 @@ class AdminTokens:
         clients, self._clients = self._clients, {}
         for found in clients.values():
             found.close()
+
+    def on_every_server(
+        self, servers: Iterable[S], what: str, call: Callable[[AdminClient], T]
+    ) -> tuple[list[tuple[S, T]], list[str]]:
+        """Run ``call`` with the admin client of each server, one after another. Returns the
+        servers that answered with their results, and the node ids of those that failed
+        (logged, their connection forgotten)."""
+        results: list[tuple[S, T]] = []
+        unreachable: list[str] = []
+        for info in servers:
+            try:
+                results.append((info, call(self.client(info.address))))
+            except PocketflowError as exc:
+                log.warning("%s on %s failed: %s", what, info.node_id, exc)
+                self.forget(info.address)
+                unreachable.append(info.node_id)
+        return results, unreachable

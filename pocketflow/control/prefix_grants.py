@@ -15,7 +15,7 @@ oldest first, and only then to new declarations and registrations (the controlle
 FIFO under the same lock that frees the grant, so nothing slips in between).
 
 This module is the bookkeeping only (no I/O): :class:`PrefixGrants` is driven by the controller
-(:meth:`pocketflow.control.controller.Controller.declare_prefixes`), which decides under its own
+(:class:`pocketflow.control.prefix_routes.PrefixRoutes`), which decides under the controller's
 lock; the bookkeeping has a lock of its own, so a renewal never waits behind a registration that
 holds the controller's lock (while a launch comes up, say) and its prefixes never lapse for it.
 """

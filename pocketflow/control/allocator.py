@@ -1,0 +1,265 @@
+"""Allocation: packs a job's demand onto the live servers' free room, launching servers for the
+shortfall when the cluster may (policies in control/packing.py and control/hints.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pocketflow.control.hints import JobDemand
+from pocketflow.control.job_table import JobTable
+from pocketflow.control.launcher import Launcher
+from pocketflow.control.membership import Membership
+from pocketflow.control.packing import Allocation, PackResult, ServerLoad, pack, with_allocations
+from pocketflow.control.prefix_grants import PrefixGrants
+from pocketflow.control.storage_node import StorageNodeInfo
+from pocketflow.control.tiers import TIER_NVME, ClusterSpec, local_spec
+from pocketflow.errors import CapacityExhausted, ClusterError
+from pocketflow.handle import ServerInfo
+
+log = logging.getLogger(__name__)
+
+REGISTER_TIMEOUT_S_DEFAULT = 60.0
+"""How long a registration (or a job's growth) may wait for servers it launches."""
+
+LAUNCH_ROUNDS_MAX = 4
+"""Most rounds of "pack, launch the shortfall, pack again" in one registration."""
+
+RELAXED_THROUGHPUT_SHARE = 0.99
+"""Share of a tier's free throughput granted to a job that wants more and cannot launch servers
+(below 1 so rounding in the packing never turns "all of it" into "not enough")."""
+
+Solve = Callable[[list[ServerLoad], JobDemand], PackResult]
+"""A packing of a demand onto server loads (:func:`pack`, or a job's growth)."""
+
+
+class Allocator:
+    """Turns demands into weight maps over the live servers.
+
+    ``add_server(info, node)`` takes a launched server in (the controller's, which also starts
+    its heartbeats). Every method is called under the controller's lock.
+    """
+
+    def __init__(
+        self,
+        membership: Membership,
+        jobs: JobTable,
+        grants: PrefixGrants,
+        *,
+        cluster_spec: ClusterSpec | None,
+        launcher: Launcher | None,
+        register_timeout_s: float,
+        add_server: Callable[[StorageNodeInfo, Any], None],
+    ) -> None:
+        self._membership = membership
+        self._jobs = jobs
+        self._grants = grants
+        self._cluster_spec = cluster_spec
+        self.launcher = launcher
+        self.register_timeout_s = register_timeout_s
+        self._add_server = add_server
+        # StorageNode actors this controller launched (it stops them when it closes).
+        self.launched: dict[str, Any] = {}
+
+    def deadline_s(self) -> float:
+        """The monotonic instant by which servers launched from now must be up."""
+        return time.monotonic() + self.register_timeout_s
+
+    def spec(self) -> ClusterSpec:
+        """The tier specifications packing uses: the configured ones, else the servers' sizes."""
+        if self._cluster_spec is not None:
+            return self._cluster_spec
+        sizes: dict[str, int] = {}
+        for info in self._membership.servers():
+            sizes[info.tier] = max(sizes.get(info.tier, 0), info.capacity_bytes)
+        if self.launcher is not None:
+            for tier, size in self.launcher.spec.capacity_bytes_by_tier.items():
+                sizes.setdefault(tier, size)
+        return local_spec(
+            dram_capacity_bytes=sizes.get("dram", 1),
+            nvme_capacity_bytes=sizes.get(TIER_NVME),
+        )
+
+    def server_loads(
+        self, *, excluding_job: str | None = None, grants: bool = True
+    ) -> list[ServerLoad]:
+        """Every live server with its measured use and what registered jobs (and, with
+        ``grants``, declared prefixes) reserve on it.
+
+        A server's throughput is what it reports it can move (``throughput_bytes_per_s`` of its
+        latest heartbeat), else its tier's nominal figure.
+        """
+        spec = self.spec()
+        loads = []
+        for info in self._membership.servers():
+            stats = self._membership.latest_stats(info.node_id) or {}
+            throughput = measured_throughput(stats) or (
+                spec.tier(info.tier).throughput_bytes_per_s if spec.has_tier(info.tier) else 1
+            )
+            loads.append(
+                ServerLoad(
+                    node_id=info.node_id,
+                    tier=info.tier,
+                    capacity_bytes=info.capacity_bytes,
+                    throughput_bytes_per_s=throughput,
+                    used_bytes=int(stats.get("used_bytes", 0)),
+                    long_running=info.long_running,
+                    draining=self._membership.unavailable(info.node_id)
+                    or bool(stats.get("draining", False)),
+                )
+            )
+        jobs = [
+            (record.job_demand(), record.allocation())
+            for job_id, record in self._jobs.items()
+            if record.demand and job_id != excluding_job
+        ]
+        loads = with_allocations(loads, jobs)
+        granted = self._grants.reserved_by_server() if grants else {}
+        return [
+            dataclasses.replace(
+                load, allocated_capacity_bytes=load.allocated_capacity_bytes + granted[load.node_id]
+            ) if load.node_id in granted else load
+            for load in loads
+        ]
+
+    def dram_free(self, *, grants: bool) -> dict[str, int]:
+        """What each active DRAM server has neither reserved for jobs nor (with ``grants``)
+        granted to prefixes."""
+        return {
+            load.node_id: load.capacity_bytes - load.allocated_capacity_bytes
+            for load in self.server_loads(grants=grants)
+            if load.tier == "dram" and load.active
+        }
+
+    def pack_new(self, demand: JobDemand) -> Allocation:
+        """A fresh allocation of ``demand`` (launching servers if need be)."""
+        return self.pack_or_launch(
+            lambda loads, d: pack(d, loads, self.spec()),
+            demand=demand,
+            deadline_s=self.deadline_s(),
+        )
+
+    def pack_or_launch(self, solve: Solve, *, demand: JobDemand, deadline_s: float) -> Allocation:
+        """Pack with ``solve(loads, demand)``; launch the shortfall and pack again until it fits.
+
+        Without a launcher, a job whose throughput does not fit gets the free throughput of its
+        first tier (spread over that tier's servers), failing that it is packed by capacity alone
+        (its throughput over-committed either way, logged); one whose capacity does not fit is
+        refused with ``CapacityExhausted``, as is a registration whose servers are not up by
+        ``deadline_s``.
+        """
+        result: PackResult | None = None
+        for _ in range(LAUNCH_ROUNDS_MAX):
+            loads = self.server_loads()
+            result = solve(loads, demand)
+            if result.fits and not any(p.weight > 0 for p in result.allocation.placements):
+                # Nothing can take the job's data (e.g. no server of its tier is active).
+                result = PackResult(result.allocation, {demand.tiers[0]: 1})
+            if result.fits:
+                return result.allocation
+            if self.launcher is None or not all(
+                self.launcher.can_launch(t) for t in result.shortfall
+            ):
+                for relaxed_demand in relaxed_demands(demand, loads):
+                    relaxed = solve(loads, relaxed_demand)
+                    if relaxed.fits and any(p.weight > 0 for p in relaxed.allocation.placements):
+                        log.warning(
+                            "throughput of %d bytes/s over-committed (%d granted): no server can "
+                            "be launched",
+                            demand.throughput_bytes_per_s,
+                            relaxed_demand.throughput_bytes_per_s,
+                        )
+                        return relaxed.allocation
+                raise CapacityExhausted(
+                    f"the job needs more servers ({result.shortfall}) and none can be launched"
+                )
+            self._launch_shortfall(result.shortfall, deadline_s=deadline_s)
+        raise CapacityExhausted(
+            f"the job still does not fit after {LAUNCH_ROUNDS_MAX} launch rounds "
+            f"(short of {result.shortfall if result else {}})"
+        )
+
+    def _launch_shortfall(self, shortfall: dict[str, int], *, deadline_s: float) -> None:
+        """Launch ``{tier: count}`` servers and add them; bounded by ``servers_max``."""
+        assert self.launcher is not None
+        limit = self.launcher.spec.servers_max
+        for tier, count in sorted(shortfall.items()):
+            for _ in range(count):
+                if len(self._membership) >= limit:
+                    raise CapacityExhausted(f"the cluster is at its limit of {limit} servers")
+                self.launch_server(tier, deadline_s=deadline_s)
+
+    def launch_server(
+        self, tier: str, *, long_running: bool = False, deadline_s: float | None = None
+    ) -> StorageNodeInfo:
+        """Start a new storage server of ``tier`` and add it."""
+        if self.launcher is None:
+            raise ClusterError("this controller cannot launch storage servers")
+        if deadline_s is None:
+            deadline_s = self.deadline_s()
+        node_id = self._next_node_id(tier)
+        info, node = self.launcher.launch(
+            node_id=node_id, tier=tier, long_running=long_running, deadline_s=deadline_s
+        )
+        self.launched[node_id] = node
+        self._add_server(info, node)
+        return info
+
+    def _next_node_id(self, tier: str) -> str:
+        taken = self._membership.ids() | self._membership.dead_ids() | set(self.launched)
+        index = 0
+        while f"{tier}-{index}" in taken:
+            index += 1
+        return f"{tier}-{index}"
+
+    def server_infos(self, allocation: Allocation) -> tuple[ServerInfo, ...]:
+        """The weight map of ``allocation`` with each live server's address and tier."""
+        infos = []
+        for p in allocation.placements:
+            info = self._membership.get(p.node_id)
+            if info is not None:
+                infos.append(ServerInfo(
+                    node_id=p.node_id, address=info.address, tier=info.tier,
+                    weight=p.weight, persist=p.persist,
+                ))
+        return tuple(infos)
+
+    def resource_requests(self) -> list[dict[str, Any]]:
+        """What the launcher asked Ray's autoscaler for (``status``)."""
+        return list(self.launcher.resource_requests) if self.launcher is not None else []
+
+
+def measured_throughput(stats: dict[str, Any]) -> int:
+    """The bytes per second a server's ``stats`` say it can move; 0 when they do not say."""
+    try:
+        return max(int(stats.get("throughput_bytes_per_s", 0)), 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def without_throughput(demand: JobDemand) -> JobDemand:
+    """``demand`` asking for capacity only (when throughput cannot be had)."""
+    return dataclasses.replace(demand, throughput_bytes_per_s=0)
+
+
+def relaxed_demands(demand: JobDemand, loads: Sequence[ServerLoad]) -> list[JobDemand]:
+    """What to ask for, in order, when ``demand``'s throughput cannot be had.
+
+    First all the free throughput of the job's first tier (so the job is spread over every
+    server of that tier that has any, rather than packed by capacity onto one), then capacity
+    alone.
+    """
+    first_tier = demand.tiers[0] if demand.tiers else None
+    available = sum(
+        load.free_throughput_bytes_per_s
+        for load in loads
+        if load.active and load.tier == first_tier
+    )
+    granted = min(int(available * RELAXED_THROUGHPUT_SHARE), demand.throughput_bytes_per_s)
+    relaxed = [without_throughput(demand)]
+    if granted > 0:
+        relaxed.insert(0, dataclasses.replace(demand, throughput_bytes_per_s=granted))
+    return relaxed

@@ -1,0 +1,159 @@
+"""Cluster sizing: runs the sizing policy (control/sizing.py) on the latest heartbeats and carries
+out its action (more or fewer cores, a new server, a drain)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pocketflow.control.admin import AdminTokens
+from pocketflow.control.allocator import Allocator
+from pocketflow.control.cluster_metrics import ClusterMetrics
+from pocketflow.control.membership import Membership
+from pocketflow.control.sizing import (
+    AddServer,
+    AddThreads,
+    RemoveServer,
+    RemoveThreads,
+    ServerUtilization,
+    SizingBounds,
+    decide,
+)
+from pocketflow.control.storage_node import StorageNodeInfo
+from pocketflow.errors import ClusterError, PocketflowError
+
+log = logging.getLogger(__name__)
+
+SIZING_INTERVAL_MS_DEFAULT = 5000
+"""How often the sizing loop (when enabled) looks at the heartbeats and acts."""
+
+SIZING_ACTIONS_KEPT_MAX = 64
+"""Most sizing actions remembered for ``status``."""
+
+
+class Scaler:
+    """The sizing loop's state (when it last acted, what it did) and one step of it.
+
+    :meth:`size` is called under the controller's lock; ``refresh_stats(info)`` reads a
+    server's stats after a change.
+    """
+
+    def __init__(
+        self,
+        bounds: SizingBounds,
+        membership: Membership,
+        allocator: Allocator,
+        *,
+        admin: AdminTokens,
+        metrics: ClusterMetrics,
+        interval_ms: int = SIZING_INTERVAL_MS_DEFAULT,
+        refresh_stats: Callable[[StorageNodeInfo], None],
+    ) -> None:
+        self.bounds = bounds
+        self._membership = membership
+        self._allocator = allocator
+        self._admin = admin
+        self._metrics = metrics
+        self._refresh_stats = refresh_stats
+        self._interval_s = interval_ms / 1000.0
+        self._last_action_s: float | None = None
+        self._next_s = time.monotonic() + self._interval_s
+        self._actions: list[dict[str, Any]] = []
+
+    def due(self) -> bool:
+        """Whether the monitor loop should size the cluster now (and when next)."""
+        if time.monotonic() < self._next_s:
+            return False
+        self._next_s = time.monotonic() + self._interval_s
+        return True
+
+    def size(
+        self,
+        *,
+        launch_server: Callable[..., StorageNodeInfo],
+        drain_server: Callable[[str], Any],
+    ) -> dict[str, Any]:
+        """Run the policy once and carry out its action; ``{"action", "reason", ...}``.
+
+        Vertical scaling (up and down) is the servers' ``set_cores`` action; a new server is
+        launched only when the cluster may launch servers.
+        """
+        action = decide(
+            self.utilizations(),
+            self.bounds,
+            now_s=time.monotonic(),
+            last_action_s=self._last_action_s,
+        )
+        done: dict[str, Any] = {"action": type(action).__name__, "reason": action.reason}
+        if isinstance(action, (AddThreads, RemoveThreads)):
+            done["node_id"] = action.node_id
+            done["cores"] = action.threads
+            info = self._membership.get(action.node_id)
+            try:
+                if info is None:
+                    raise ClusterError(f"{action.node_id} is gone")
+                self._admin.client(info.address).set_cores(action.threads)
+            except PocketflowError as exc:
+                log.warning("sizing: set_cores on %s failed: %s", action.node_id, exc)
+                done["skipped"] = True
+            else:
+                self._refresh_stats(info)
+            self._last_action_s = time.monotonic()
+        elif isinstance(action, AddServer):
+            launcher = self._allocator.launcher
+            if launcher is None or not launcher.can_launch(action.tier):
+                done["skipped"] = True
+            else:
+                info = launch_server(action.tier, long_running=action.long_running)
+                done["node_id"] = info.node_id
+                self._last_action_s = time.monotonic()
+        elif isinstance(action, RemoveServer):
+            drain_server(action.node_id)
+            done["node_id"] = action.node_id
+            self._last_action_s = time.monotonic()
+        if done["action"] != "NoAction":
+            log.info("sizing: %s", done)
+            self._actions.append({**done, "at_unix_s": time.time()})
+            del self._actions[:-SIZING_ACTIONS_KEPT_MAX]
+            self._metrics.count("sizing_actions", done["action"])
+        return done
+
+    def actions(self) -> list[dict[str, Any]]:
+        """The latest sizing actions, oldest first."""
+        return list(self._actions)
+
+    def utilizations(self) -> list[ServerUtilization]:
+        """Each live server's latest heartbeat as the sizing policy's sample.
+
+        The policy's "threads" of a server are the CPU cores it runs on (``set_cores``), and its
+        CPU fraction is its CPU use over those cores.
+        """
+        rows = []
+        # The packing's view of each server already holds the throughput it measured (or its
+        # tier's nominal one), its measured use and what registered jobs reserve on it.
+        for load in self._allocator.server_loads():
+            stats = self._membership.latest_stats(load.node_id) or {}
+            # A job's reservation counts as used: a server launched for a job that has not
+            # written yet must not look idle.
+            used = max(int(stats.get("used_bytes", 0)), load.allocated_capacity_bytes)
+            cores = max(int(stats.get("cores", 1)), 1)
+            rows.append(
+                ServerUtilization(
+                    node_id=load.node_id,
+                    tier=load.tier,
+                    cpu_fraction=float(stats.get("cpu_utilization", 0.0)) / cores,
+                    net_bytes_per_s=float(
+                        stats.get("bytes_in_per_s", 0) + stats.get("bytes_out_per_s", 0)
+                    ),
+                    net_capacity_bytes_per_s=float(load.throughput_bytes_per_s),
+                    used_bytes=used,
+                    capacity_bytes=load.capacity_bytes,
+                    threads=cores,
+                    threads_max=max(int(stats.get("cores_max", cores)), cores),
+                    long_running=load.long_running,
+                    draining=self._membership.is_draining(load.node_id),
+                )
+            )
+        return rows

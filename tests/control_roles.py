@@ -1,0 +1,139 @@
+"""Helpers for the tests of the control plane's role modules, which build them without Ray:
+real storage servers under ``StorageNode`` objects of this process, and the roles wired as the
+``Controller`` wires them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pocketflow.auth import read_secret_file
+from pocketflow.control.admin import AdminTokens
+from pocketflow.control.allocator import Allocator
+from pocketflow.control.draining import Drainer
+from pocketflow.control.epochs import Epochs
+from pocketflow.control.hints import demand_from_hints
+from pocketflow.control.job_leases import JobLeases
+from pocketflow.control.job_table import JobRecord, JobTable
+from pocketflow.control.membership import Membership
+from pocketflow.control.metadata import Metadata
+from pocketflow.control.metadata_calls import MetadataCalls
+from pocketflow.control.nodes import DirectNodes
+from pocketflow.control.prefix_grants import PrefixGrants
+from pocketflow.control.prefix_routes import PrefixRoutes
+from pocketflow.control.storage_node import StorageNode, StorageNodeInfo
+from pocketflow.handle import JobHandle
+
+ADMIN_TIMEOUT_S = 3.0
+BLOCK_SIZE_BYTES = 1024 * 1024
+TOKEN_TTL_S = 3600.0
+
+
+def start_node(
+    secret_file: Path,
+    node_id: str,
+    *,
+    tier: str = "dram",
+    capacity_bytes: int = 16 * 1024 * 1024,
+    long_running: bool = False,
+    data_dir: Path | None = None,
+) -> tuple[StorageNode, StorageNodeInfo]:
+    """A ``StorageNode`` object of this process (no Ray) with its server started."""
+    nvme_path = str(data_dir / f"{node_id}.img") if tier == "nvme" and data_dir else None
+    node = StorageNode(
+        node_id=node_id, tier=tier, capacity_bytes=capacity_bytes,
+        secret_file=str(secret_file), long_running=long_running, nvme_path=nvme_path,
+        threads=1,
+    )
+    return node, node.start()
+
+
+@dataclass
+class Roles:
+    """The role modules wired as the ``Controller`` wires them, without Ray."""
+
+    secret_file: Path
+    metadata: Metadata
+    membership: Membership
+    jobs: JobTable
+    leases: JobLeases
+    allocator: Allocator
+    epochs: Epochs
+    routes: PrefixRoutes
+    drainer: Drainer
+    admin: AdminTokens
+    nodes: DirectNodes
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    started: list[StorageNode] = field(default_factory=list)
+
+    def add(self, node: StorageNode, info: StorageNodeInfo) -> None:
+        self.membership.add(info, node)
+
+    def start(self, node_id: str, **options: Any) -> StorageNodeInfo:
+        """Start one more server and add it."""
+        node, info = start_node(self.secret_file, node_id, **options)
+        self.started.append(node)
+        self.add(node, info)
+        return info
+
+
+@contextmanager
+def roles(
+    secret_file: Path, *, metadata: Metadata | None = None, **allocator_options: Any
+) -> Iterator[Roles]:
+    """The roles over no servers yet (add them with :meth:`Roles.start`), logging to
+    ``metadata`` (default: a fresh one); every server started through them is stopped by pid
+    at the end."""
+    metadata = Metadata() if metadata is None else metadata
+    calls = MetadataCalls(metadata)
+    membership = Membership()
+    jobs = JobTable(
+        secret=read_secret_file(secret_file), token_ttl_s=TOKEN_TTL_S,
+        block_size_bytes=BLOCK_SIZE_BYTES, tls_ca=None,
+    )
+    grants = PrefixGrants()
+    admin = AdminTokens(secret_file, timeout_s=ADMIN_TIMEOUT_S)
+    nodes = DirectNodes()
+    lock = threading.RLock()
+    changed = threading.Condition(lock)
+    allocator = Allocator(
+        membership, jobs, grants,
+        cluster_spec=allocator_options.get("cluster_spec"), launcher=None,
+        register_timeout_s=10.0, add_server=membership.add,
+    )
+    epochs = Epochs(jobs, allocator, grants, admin=admin, call_metadata=calls)
+    routes = PrefixRoutes(grants, jobs, membership, allocator, epochs, wake=changed.notify_all)
+    drainer = Drainer(membership, jobs, epochs, allocator, admin=admin, nodes=nodes)
+    built = Roles(
+        secret_file=secret_file, metadata=metadata, membership=membership, jobs=jobs,
+        leases=JobLeases(calls), allocator=allocator, epochs=epochs, routes=routes,
+        drainer=drainer, admin=admin, nodes=nodes, lock=lock,
+    )
+    try:
+        yield built
+    finally:
+        built.leases.close()
+        admin.close()
+        for node in built.started:
+            node.stop()
+
+
+def register(built: Roles, name: str, hints: dict[str, Any] | None = None) -> JobHandle:
+    """Register a job on the roles' servers the way the controller does (packed, told to its
+    servers, logged, recorded); returns its handle."""
+    demand = demand_from_hints(hints or {}, built.allocator.spec())
+    job_id = built.jobs.new_job_id(name)
+    handle = built.jobs.new_handle(
+        job_id, name, built.allocator.server_infos(built.allocator.pack_new(demand))
+    )
+    built.epochs.announce(handle)
+    record = JobRecord(handle=handle, hints=dict(hints or {}), registered_at_unix_s=time.time(),
+                       demand=demand.to_dict())
+    built.metadata.put_job(record.to_metadata())
+    built.jobs.put(record)
+    return handle

@@ -1,0 +1,85 @@
+//! Capacity, usage and object counts of the server, in total and per job (statistics and the
+//! drain check).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+
+use super::Store;
+use crate::error::StoreError;
+use crate::throughput::Throughput;
+
+/// Capacity and usage of the server, for statistics.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Usage {
+    /// Bytes of the tier.
+    pub capacity_bytes: u64,
+    /// Bytes charged (engine allocations plus index overhead), including writes in progress and
+    /// deleted entries a reader still holds.
+    pub used_bytes: u64,
+    /// Block-0 records (objects) in the index.
+    pub objects: u64,
+    /// The same per job, for every job with buckets on this server.
+    pub per_job: BTreeMap<String, JobUsage>,
+}
+
+/// Usage of one job.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct JobUsage {
+    /// Bytes charged to the job.
+    pub used_bytes: u64,
+    /// Block-0 records of the job.
+    pub objects: u64,
+}
+
+impl Store {
+    /// Bytes of the tier.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.shared.budget.capacity_bytes()
+    }
+
+    /// Bytes charged now (see [`Usage::used_bytes`]).
+    pub fn used_bytes(&self) -> u64 {
+        self.shared.budget.used_bytes()
+    }
+
+    /// Bytes the engine has allocated now, index overhead not included.
+    pub fn engine_used_bytes(&self) -> u64 {
+        self.shared.engine.used_bytes()
+    }
+
+    /// Measure what the engine can move: one test block of `min(64 MiB, capacity / 8)` written
+    /// and read back in 1 MiB pieces below the index, then freed (see [`crate::throughput`]).
+    /// `None` when the tier is too small for a test block. Run it before serving.
+    pub async fn measure_throughput(&self) -> Result<Option<Throughput>, StoreError> {
+        crate::throughput::measure(self.shared.engine.as_ref()).await
+    }
+
+    /// Capacity, usage and object counts, in total and per job.
+    pub fn usage(&self) -> Usage {
+        let jobs = self.shared.jobs.read().expect("job map lock poisoned");
+        let per_job: BTreeMap<String, JobUsage> = jobs
+            .iter()
+            .map(|(name, job)| {
+                let usage = JobUsage {
+                    used_bytes: job.account.used_bytes.load(Ordering::Acquire),
+                    objects: job.account.objects.load(Ordering::Acquire),
+                };
+                (name.clone(), usage)
+            })
+            .collect();
+        Usage {
+            capacity_bytes: self.capacity_bytes(),
+            used_bytes: self.used_bytes(),
+            objects: per_job.values().map(|j| j.objects).sum(),
+            per_job,
+        }
+    }
+
+    /// Whether the index holds no record and no data block of any job (a draining server may
+    /// exit).
+    pub fn is_empty(&self) -> bool {
+        let jobs = self.shared.jobs.read().expect("job map lock poisoned");
+        jobs.values()
+            .all(|job| job.account.entries.load(Ordering::Acquire) == 0)
+    }
+}

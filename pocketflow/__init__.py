@@ -52,13 +52,14 @@ if TYPE_CHECKING:
     from pocketflow.client import Client, ObjectInfo, connect
     from pocketflow.cluster import LocalCluster
     from pocketflow.handle import JobHandle, ServerInfo
-    from pocketflow.job import Hints, Job, register_job
+    from pocketflow.hints import Hints
+    from pocketflow.job import Job, register_job
     from pocketflow.notifications import Event, Listener
 
 __version__ = "0.1.0"
 
 _LAZY = {"LocalCluster": "pocketflow.cluster", "register_job": "pocketflow.job",
-         "Job": "pocketflow.job", "Hints": "pocketflow.job",
+         "Job": "pocketflow.job", "Hints": "pocketflow.hints",
          "connect": "pocketflow.client", "Client": "pocketflow.client",
          "ObjectInfo": "pocketflow.client", "Queue": "pocketflow.channels",
          "AppendFile": "pocketflow.channels", "Listener": "pocketflow.notifications",

@@ -25,17 +25,18 @@ from pocketflow.control import (
 )
 from pocketflow.control.leases import LEASE_MS_DEFAULT
 from pocketflow.control.loopback import keep_ray_on_loopback
+from pocketflow.control.plane import ControlPlane, forget_started, last_started, remember_started
 from pocketflow.control.tiers import TIER_DRAM, TIER_NVME, local_spec
 from pocketflow.errors import ClusterError, ConfigError, PocketflowError
+from pocketflow.hints import Hints
+from pocketflow.job import Job, register_job
 from pocketflow.processes import ProcessRef, children, descendants, terminate, wait_gone
 from pocketflow.protocol import BLOCK_SIZE_MAX_BYTES
 from pocketflow.tls import make_cluster_ca, read_ca
 
 if TYPE_CHECKING:
     from pocketflow.control.launcher import LaunchSpec
-    from pocketflow.control.plane import ControlPlane
     from pocketflow.control.storage_node import StorageNodeInfo
-    from pocketflow.job import Hints, Job
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +60,6 @@ CONTROLLER_CONCURRENCY_MAX = 8
 
 CONTROLLER_RESTARTS_MAX = 10
 """How many crashes of the ``Controller`` actor Ray repairs by restarting it."""
-
-_registry_lock = threading.Lock()
-_running: list[LocalCluster] = []
 
 
 @dataclass(frozen=True)
@@ -208,8 +206,8 @@ class LocalCluster:
     @classmethod
     def current(cls) -> LocalCluster | None:
         """The most recently started cluster of this process that is still running."""
-        with _registry_lock:
-            return _running[-1] if _running else None
+        current = last_started()
+        return current if isinstance(current, LocalCluster) else None
 
     def start(self) -> LocalCluster:
         """Start Ray (if needed), the actors and the storage servers; returns ``self``."""
@@ -231,8 +229,7 @@ class LocalCluster:
             raise
         with self._lock:
             self._state = "running"
-        with _registry_lock:
-            _running.append(self)
+        remember_started(self)
         atexit.register(_stop_at_exit, weakref.ref(self))
         return self
 
@@ -247,9 +244,7 @@ class LocalCluster:
             if self._state in ("stopping", "stopped"):
                 return
             self._state = "stopping"
-        with _registry_lock:
-            if self in _running:
-                _running.remove(self)
+        forget_started(self)
         try:
             self._stop_actors()
             leftover = terminate(
@@ -372,8 +367,6 @@ class LocalCluster:
         **options: Any,
     ) -> Job:
         """Register a job on this cluster (see :func:`pocketflow.register_job`)."""
-        from pocketflow.job import register_job
-
         return register_job(name, hints, cluster=self, lease_ms=lease_ms, **options)
 
     def __repr__(self) -> str:
@@ -429,7 +422,6 @@ class LocalCluster:
         from pocketflow.control.controller import SIZING_INTERVAL_MS_DEFAULT, Controller
         from pocketflow.control.launcher import tier_resource
         from pocketflow.control.metadata import Metadata
-        from pocketflow.control.plane import ControlPlane
         from pocketflow.control.sizing import SizingBounds
         from pocketflow.control.storage_node import StorageNode
 

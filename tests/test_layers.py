@@ -102,7 +102,7 @@ def test_a_task_that_only_connects_does_not_import_the_control_plane() -> None:
         " 'ray', 'psutil') if m in sys.modules)\n"
         "print(','.join(heavy) or '-')\n"
         "from pocketflow import Hints, LocalCluster, register_job\n"
-        "assert Hints.__module__ == 'pocketflow.job' and callable(register_job)\n"
+        "assert Hints.__module__ == 'pocketflow.hints' and callable(register_job)\n"
         "assert LocalCluster.__module__ == 'pocketflow.cluster'\n"
         "assert {'LocalCluster', 'Hints'} <= set(dir(pocketflow))\n"
         "try:\n"

@@ -305,7 +305,7 @@ class Controller:
     def register_job(self, name: str, hints: dict[str, Any]) -> JobHandle:
         """Register a job: allocate its servers, tell them its epoch, return its handle.
 
-        ``hints`` is :meth:`pocketflow.job.Hints.to_dict` output.
+        ``hints`` is :meth:`pocketflow.Hints.to_dict` output.
         """
         validate_job_name(name)
         with self._lock:

@@ -3,7 +3,7 @@
 API summary (for the controller and the simulator):
 
 - ``demand_from_hints(hints, spec) -> JobDemand`` where ``hints`` is a
-  :class:`pocketflow.job.Hints` or its ``to_dict()`` output and ``spec`` a
+  :class:`pocketflow.Hints` or its ``to_dict()`` output and ``spec`` a
   :class:`~pocketflow.control.tiers.ClusterSpec`.
 - ``derive_demand(spec, *, latency_sensitive, max_concurrent_tasks, data_size_bytes,
   peak_throughput_bytes_per_s) -> JobDemand`` — the same from keyword arguments.

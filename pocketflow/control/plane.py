@@ -6,13 +6,15 @@ import logging
 import os
 import socket
 import sys
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE
 from pocketflow.control.loopback import keep_ray_on_loopback
 from pocketflow.errors import ClusterError, PocketflowError
 from pocketflow.handle import JobHandle
+from pocketflow.hints import Hints
 
 CALL_TIMEOUT_S = 60.0
 """Deadline of one call to the controller."""
@@ -25,6 +27,42 @@ RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 RAY_AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 RAY_AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 RAY_AUTH_TOKEN_PATH_DEFAULT = "~/.ray/auth_token"
+
+STARTED_CLUSTERS_MAX = 64
+"""Most running clusters this process remembers having started (each forgets itself on stop)."""
+
+
+class HasControlPlane(Protocol):
+    """A cluster as jobs see it: something with a control plane (``LocalCluster`` is one)."""
+
+    @property
+    def control(self) -> ControlPlane: ...
+
+
+_started_lock = threading.Lock()
+_started: list[HasControlPlane] = []
+
+
+def remember_started(cluster: HasControlPlane) -> None:
+    """Note a cluster this process started and that now runs (the latest is the default one
+    of :func:`pocketflow.register_job`); the oldest are forgotten past
+    ``STARTED_CLUSTERS_MAX``."""
+    with _started_lock:
+        _started.append(cluster)
+        del _started[:-STARTED_CLUSTERS_MAX]
+
+
+def forget_started(cluster: HasControlPlane) -> None:
+    """Forget a cluster that stops."""
+    with _started_lock:
+        if cluster in _started:
+            _started.remove(cluster)
+
+
+def last_started() -> Any:
+    """The most recently started cluster of this process that still runs, else ``None``."""
+    with _started_lock:
+        return _started[-1] if _started else None
 
 
 class ControlPlane:
@@ -40,20 +78,16 @@ class ControlPlane:
     def register(self, name: str, hints: Any) -> JobHandle:
         """Register a job; returns its handle.
 
-        ``hints`` is a :class:`pocketflow.job.Hints` or a mapping of its fields (sizes as numbers
+        ``hints`` is a :class:`pocketflow.Hints` or a mapping of its fields (sizes as numbers
         or strings such as ``"8MiB"``), checked here as :func:`pocketflow.register_job` does.
         """
-        from pocketflow.job import Hints
-
         return self._call("register_job", name, Hints.coerce(hints).to_dict())
 
     def grow_job(self, job_id: str, hints: Any) -> JobHandle:
         """Give a running job more room (new hints): a new epoch with added servers.
 
-        ``hints`` is a :class:`pocketflow.job.Hints` or a mapping of its fields.
+        ``hints`` is a :class:`pocketflow.Hints` or a mapping of its fields.
         """
-        from pocketflow.job import Hints
-
         return self._call("grow_job", job_id, Hints.coerce(hints).to_dict())
 
     def drain_node(self, ray_node_id: str, timeout_s: float = 30.0) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from pocketflow.control.sizing import (
     decide,
 )
 from pocketflow.control.tiers import GB, I3_2XLARGE, ClusterSpec
-from pocketflow.job import Hints
+from pocketflow.hints import Hints
 
 STEPS_MAX = 100_000
 """Upper bound on simulated steps (seconds)."""

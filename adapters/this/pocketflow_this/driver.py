@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pocketflow.errors import PocketflowError
-from pocketflow_this import codec
+from pocketflow_this.codec import decode
 from pocketflow_this.errors import InputLost, InputTimeout, StageFailed
 from pocketflow_this.exchange import Exchange, ExchangeClient, PocketflowExchange
 from pocketflow_this.executors import make_executor
+from pocketflow_this.result import PipelineResult
 from pocketflow_this.task import TaskCall, TaskOutcome, value_key, value_prefix
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,7 @@ class _Run:
             self._adopt_map({exc.server} if exc.server else set())
             self._regenerate(it, self.last, f"final value lost: {exc}")
             return
-        it.output = codec.decode(data)
+        it.output = decode(data)
         it.finished = True
 
     def _failed(self, it: _Item, k: int, exc: BaseException) -> None:
@@ -305,7 +306,6 @@ def run_pipeline(pipeline: Any, items: list[Any], *, executor: str, cluster: Any
                  on_outcome: Any, prefix_lease_ms: int | None = None) -> Any:
     """Run ``pipeline`` over ``items`` (see :meth:`Pipeline.run`)."""
     import pocketflow
-    from pocketflow_this.pipeline import PipelineResult
 
     if hints is None:
         hints = pipeline.hints(items, delete_intermediates=delete_intermediates)

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from pocketflow_this.driver import run_pipeline
 from pocketflow_this.errors import PipelineDefinitionError
-from pocketflow_this.stage import Stage
+from pocketflow_this.result import PipelineResult
+from pocketflow_this.stage import Stage, Traced
 
 __all__ = ["Pipeline", "pipeline", "PipelineResult", "Traced", "STAGES_MAX", "ITEMS_MAX"]
 
@@ -40,44 +41,6 @@ INPUT_WAIT_DEFAULT_S = 300.0
 """Default bound on how long a task waits for its input to be written."""
 REGENERATIONS_MAX = 3
 """Default bound on how many times one item is regenerated from its input."""
-
-
-class Traced:
-    """The symbolic value a ``@pipeline`` body passes to its stages: it records the chain."""
-
-    def __init__(self, chain: tuple[Stage, ...] = ()) -> None:
-        self.chain = chain
-        self._consumer: Stage | None = None
-
-    def then(self, next_stage: Stage) -> Traced:
-        if self._consumer is not None:
-            what = self.chain[-1].name if self.chain else "the pipeline's input"
-            raise PipelineDefinitionError(
-                f"{what} is consumed by both {self._consumer.name} and {next_stage.name}: "
-                "pipelines are chains (one consumer per value)")
-        self._consumer = next_stage
-        return Traced(self.chain + (next_stage,))
-
-
-@dataclass
-class PipelineResult:
-    """What a run returns. ``outputs`` holds the last stage's values in input order; the
-    outcomes are the successful tasks' timings (every attempt that finished)."""
-
-    outputs: list[Any]
-    outcomes: list[Any]
-    elapsed_s: float
-    started_unix_s: float
-    executor: str
-    exchange: str
-    job_id: str | None
-    hints: dict[str, Any] | None
-    delete_intermediates: bool
-    retried: list[tuple[int, int]] = field(default_factory=list)
-    regenerated: list[int] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-    handle_json: str | None = None
-    """The job's handle at the end (pocketflow runs): reads the PERSIST results later."""
 
 
 class Pipeline:
@@ -169,8 +132,6 @@ class Pipeline:
         its retries or an item beyond ``regenerations_max`` regenerations,
         :class:`TimeoutError` past ``timeout_s``.
         """
-        from pocketflow_this.driver import run_pipeline
-
         items = list(items)
         if len(items) > ITEMS_MAX:
             raise ValueError(f"{len(items)} items, more than {ITEMS_MAX}")

@@ -12,7 +12,7 @@ from typing import Any
 
 from pocketflow_this.errors import PipelineDefinitionError
 
-__all__ = ["Stage", "stage", "CONCURRENCY_MAX"]
+__all__ = ["Stage", "stage", "Traced", "CONCURRENCY_MAX"]
 
 CONCURRENCY_MAX = 1024
 """Most tasks of one stage that may run at once."""
@@ -74,8 +74,6 @@ class Stage:
         return size
 
     def __call__(self, value: Any) -> Any:
-        from pocketflow_this.pipeline import Traced
-
         if isinstance(value, Traced):
             return value.then(self)
         return self.function(value)
@@ -99,3 +97,20 @@ def stage(
     if function is not None:
         return wrap(function)
     return wrap
+
+
+class Traced:
+    """The symbolic value a ``@pipeline`` body passes to its stages: it records the chain."""
+
+    def __init__(self, chain: tuple[Stage, ...] = ()) -> None:
+        self.chain = chain
+        self._consumer: Stage | None = None
+
+    def then(self, next_stage: Stage) -> Traced:
+        if self._consumer is not None:
+            what = self.chain[-1].name if self.chain else "the pipeline's input"
+            raise PipelineDefinitionError(
+                f"{what} is consumed by both {self._consumer.name} and {next_stage.name}: "
+                "pipelines are chains (one consumer per value)")
+        self._consumer = next_stage
+        return Traced(self.chain + (next_stage,))

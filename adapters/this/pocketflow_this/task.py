@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pocketflow_this import codec
+from pocketflow_this.codec import decode, encode
 from pocketflow_this.errors import InputLost, InputTimeout
 from pocketflow_this.exchange import Exchange, client_for
 
@@ -109,11 +109,11 @@ def run_task(call: TaskCall) -> TaskOutcome:
         read_s = time.perf_counter() - t0
         read_done = time.time()
         bytes_read = len(data)
-        value = codec.decode(data)
+        value = decode(data)
     t0 = time.perf_counter()
     result = call.function(value)
     compute_s = time.perf_counter() - t0
-    payload = codec.encode(result)
+    payload = encode(result)
     del value, result
     write_start = time.time()
     t0 = time.perf_counter()

@@ -15,8 +15,8 @@ use crate::config::PUT_PIECES_QUEUED_MAX;
 use crate::connection::{Connection, ExchangeReply};
 use crate::direct::DirectSession;
 use crate::error::ClientError;
-use crate::objects::Destination;
 use crate::pool::Acquired;
+use crate::reads::Destination;
 use crate::session::SessionFailure;
 
 /// One block to write: its index (>= 1) and its bytes, borrowed from the caller.

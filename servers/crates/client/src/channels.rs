@@ -16,7 +16,9 @@ use pocketflow_protocol::limits::FRAME_OPS_MAX;
 
 use crate::connection::{ExchangeReply, ExchangeRequest};
 use crate::error::ClientError;
-use crate::objects::{failure_reply, home, reply_error, Failure, Objects, STALE_EPOCH_RETRIES_MAX};
+use crate::failure::{failure_reply, reply_error, Failure};
+use crate::homes::home;
+use crate::objects::{Objects, STALE_EPOCH_RETRIES_MAX};
 use crate::writes::kind_is;
 
 /// Most ops one [`Objects::run_placed`] runs: one request frame's worth (`FRAME_OPS_MAX`). A

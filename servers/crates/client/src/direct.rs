@@ -23,8 +23,8 @@ use pocketflow_protocol::limits::BATCH_MAX_BYTES;
 use crate::blocks::{contains, BlockSlice, ObjectRead, RangeTarget, ReadOutcome};
 use crate::connection::ExchangeReply;
 use crate::error::ClientError;
-use crate::objects::Destination;
 use crate::pool::{no_free_session, Acquired, PoolState, Pooled};
+use crate::reads::Destination;
 use crate::session::SessionFailure;
 use crate::tls::{ClientTls, DirectStream};
 

@@ -10,16 +10,22 @@
 
 #![warn(missing_docs)]
 
+mod block_reads;
 mod blocks;
 pub mod channels;
 mod config;
 mod connection;
 mod direct;
 mod error;
+pub mod failure;
+mod homes;
 pub mod listing;
 pub mod objects;
+mod parallel;
 pub mod placement;
 mod pool;
+pub mod reads;
+pub mod records;
 mod runtime;
 mod session;
 pub mod tls;
@@ -32,8 +38,11 @@ pub use blocks::{BlockSlice, ObjectRead, RangeTarget, ReadOutcome};
 pub use config::ConnectionConfig;
 pub use connection::{Connection, ExchangeReply, ExchangeRequest};
 pub use error::ClientError;
+pub use failure::Failure;
 pub use listing::Listing;
-pub use objects::{Destination, Failure, Objects, Record, Tuning};
+pub use objects::{Objects, Tuning};
+pub use reads::Destination;
+pub use records::Record;
 pub use runtime::{block_on, runtime_handle};
 pub use tls::ClientTls;
 pub use upload::StreamUpload;

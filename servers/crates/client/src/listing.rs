@@ -10,7 +10,9 @@ use pocketflow_protocol::action::{ActionName, EnumerateRequest, EnumerateResult,
 use tonic::Code;
 
 use crate::error::ClientError;
-use crate::objects::{body, run_parallel, server_error, Failure, Objects, STALE_EPOCH_RETRIES_MAX};
+use crate::failure::{body, server_error, Failure};
+use crate::objects::{Objects, STALE_EPOCH_RETRIES_MAX};
+use crate::parallel::run_parallel;
 
 /// One server's part of a listing: the keys it sent that are not merged yet, and whether it has
 /// more after them.

@@ -16,7 +16,9 @@ use std::thread::JoinHandle;
 
 use crate::blocks::BlockSlice;
 use crate::error::ClientError;
-use crate::objects::{block_home, Failure, Objects, STALE_EPOCH_RETRIES_MAX};
+use crate::failure::Failure;
+use crate::homes::block_home;
+use crate::objects::{Objects, STALE_EPOCH_RETRIES_MAX};
 use crate::writes::{kind_is, large_header, new_version, refused, BlockUpload, NewRecord, Placed};
 
 /// A streamed upload sends a server's blocks once this many bytes are waiting for it.

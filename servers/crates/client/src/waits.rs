@@ -15,9 +15,10 @@ use pocketflow_protocol::limits::{WAIT_KEYS_MAX, WAIT_TIMEOUT_MAX_MS};
 
 use crate::connection::Connection;
 use crate::error::ClientError;
-use crate::objects::{
-    body, home, push_grouped, run_parallel, Failure, Objects, STALE_EPOCH_RETRIES_MAX,
-};
+use crate::failure::{body, Failure};
+use crate::homes::home;
+use crate::objects::{Objects, STALE_EPOCH_RETRIES_MAX};
+use crate::parallel::{push_grouped, run_parallel};
 use crate::writes::kind_is;
 
 /// How much shorter than the client's RPC timeout one parked call is: the server answers a

@@ -20,13 +20,14 @@ use pocketflow_protocol::header::{ObjectHeader, HEADER_FLAG_PERSIST};
 use pocketflow_protocol::limits::SMALL_OBJECT_MAX_BYTES;
 use tonic::Code;
 
+use crate::block_reads::LARGE_OBJECTS_IN_FLIGHT_MAX;
 use crate::blocks::BlockSlice;
 use crate::connection::ExchangeRequest;
 use crate::error::ClientError;
-use crate::objects::{
-    block_home, body, failure_reply, home, push_grouped, reply_error, run_parallel, Failure,
-    Objects, LARGE_OBJECTS_IN_FLIGHT_MAX, STALE_EPOCH_RETRIES_MAX,
-};
+use crate::failure::{body, failure_reply, reply_error, Failure};
+use crate::homes::{block_home, home};
+use crate::objects::{Objects, STALE_EPOCH_RETRIES_MAX};
+use crate::parallel::{push_grouped, run_parallel};
 use crate::view::{Server, View};
 
 /// `put_many` sends at most this many small objects per round of pipelined sessions.

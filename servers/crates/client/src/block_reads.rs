@@ -1,0 +1,316 @@
+//! The data blocks of large objects, read straight into the caller's memory: each server's
+//! blocks as DoGet tickets read in parallel, with fallbacks for blocks written under an earlier
+//! weight map, and several objects at once for `get_many`.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use pocketflow_protocol::header::ObjectHeader;
+use pocketflow_protocol::limits::TICKET_RANGES_MAX;
+use pocketflow_protocol::ticket::{BlockRange, GetTicket};
+use tonic::Code;
+
+use crate::blocks::RangeTarget;
+use crate::error::ClientError;
+use crate::failure::{body, server_error, Failure};
+use crate::homes::block_home;
+use crate::objects::{Objects, STALE_EPOCH_RETRIES_MAX};
+use crate::parallel::{push_grouped, run_parallel};
+use crate::placement::placed_block;
+use crate::records::Record;
+use crate::view::View;
+
+/// Fewest blocks of one object that one read ticket carries: a large object's blocks on one
+/// server are read as several tickets in parallel, each at least this many blocks.
+pub const READ_TICKET_BLOCKS_MIN: usize = 4;
+/// `get_many` reads the data blocks of at most this many large objects at once (fewer if
+/// `io_threads` is smaller); each one already spreads its blocks over the I/O threads.
+pub const LARGE_OBJECTS_IN_FLIGHT_MAX: usize = 4;
+
+/// The destination memory of a read shared by the threads that fill it, each its own ranges.
+#[derive(Clone, Copy)]
+struct SharedDest {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the threads of one read write disjoint ranges of the destination (every range of the
+// object appears in exactly one ticket), and the read waits for all of them before returning.
+unsafe impl Send for SharedDest {}
+unsafe impl Sync for SharedDest {}
+
+impl SharedDest {
+    /// The whole destination. SAFETY: the caller writes only its own ranges of it.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.ptr, self.len)
+    }
+}
+
+/// What one read has received so far, per data block.
+type Received = Mutex<HashMap<u32, u64>>;
+
+impl Objects {
+    /// Read the data blocks of many large objects, each into its own destination, at most
+    /// `LARGE_OBJECTS_IN_FLIGHT_MAX` objects at once; returns each read's outcome in order.
+    pub fn read_objects(
+        &self,
+        bucket: &str,
+        reads: &mut [(&str, ObjectHeader, &mut [u8])],
+        delete: bool,
+    ) -> Vec<Result<(), Failure>> {
+        let objects_at_once = LARGE_OBJECTS_IN_FLIGHT_MAX.min(self.io_threads).max(1);
+        let shared: Vec<(&str, ObjectHeader, SharedDest)> = reads
+            .iter_mut()
+            .map(|(key, header, dest)| {
+                (
+                    *key,
+                    *header,
+                    SharedDest {
+                        ptr: dest.as_mut_ptr(),
+                        len: dest.len(),
+                    },
+                )
+            })
+            .collect();
+        run_parallel(&shared, objects_at_once, |(key, header, dest)| {
+            // SAFETY: each read has a destination of its own, written by this task only.
+            let dest = unsafe { dest.slice() };
+            self.read_blocks(bucket, key, &header, 0, header.size, delete, dest)
+        })
+    }
+
+    /// Fill `dest` with the object's bytes from `start` on: from the record of a small object,
+    /// else from the data blocks its manifest names.
+    pub(crate) fn fill(
+        &self,
+        bucket: &str,
+        key: &str,
+        record: &Record,
+        start: u64,
+        delete: bool,
+        dest: &mut [u8],
+    ) -> Result<(), Failure> {
+        let end = start + dest.len() as u64;
+        match record.header {
+            Some(header) if header.block_count > 0 => {
+                self.read_blocks(bucket, key, &header, start, end, delete, dest)
+            }
+            _ => {
+                dest.copy_from_slice(&record.body[start as usize..end as usize]);
+                Ok(())
+            }
+        }
+    }
+
+    /// Read object bytes `[start, end)` of a large object from its data blocks into `dest`
+    /// (`end - start` bytes). Each server's blocks go as tickets of at least
+    /// `READ_TICKET_BLOCKS_MIN` blocks, read in parallel on up to `io_threads` threads.
+    #[allow(clippy::too_many_arguments)]
+    pub fn read_blocks(
+        &self,
+        bucket: &str,
+        key: &str,
+        header: &ObjectHeader,
+        start: u64,
+        end: u64,
+        delete: bool,
+        dest: &mut [u8],
+    ) -> Result<(), Failure> {
+        let view = self.view();
+        let block_size = u64::from(header.block_size);
+        if block_size == 0 || start >= end || end > header.size {
+            return Err(Failure::local(ClientError::Protocol(format!(
+                "manifest of {bucket}/{key} cannot hold bytes {start}..{end}"
+            ))));
+        }
+        let expected = end - start;
+        if dest.len() as u64 != expected {
+            return Err(Failure::local(ClientError::InvalidArgument(format!(
+                "destination of {} bytes for {expected} bytes",
+                dest.len()
+            ))));
+        }
+        let first = (start / block_size + 1) as u32;
+        let last = ((end - 1) / block_size + 1) as u32;
+        let mut groups: Vec<(&str, Vec<RangeTarget>)> = Vec::new();
+        for index in first..=last {
+            let block_start = u64::from(index - 1) * block_size;
+            let low = start.max(block_start);
+            let high = end.min(block_start + block_size).min(header.size);
+            let server = block_home(
+                &view,
+                key.as_bytes(),
+                index,
+                header.block_count,
+                header.persist(),
+            )?;
+            let range = RangeTarget {
+                block: index,
+                offset: low - block_start,
+                len: high - low,
+                dest_at: (low - start) as usize,
+            };
+            push_grouped(&mut groups, &server.address, range);
+        }
+        let blocks = (last - first + 1) as usize;
+        let per_ticket = READ_TICKET_BLOCKS_MIN
+            .max(blocks.div_ceil(self.io_threads))
+            .min(TICKET_RANGES_MAX);
+        let tasks: Vec<(&str, &[RangeTarget])> = groups
+            .iter()
+            .flat_map(|(address, ranges)| {
+                ranges
+                    .chunks(per_ticket)
+                    .map(move |chunk| (*address, chunk))
+            })
+            .collect();
+        let received: Received = Mutex::new(HashMap::new());
+        let shared = SharedDest {
+            ptr: dest.as_mut_ptr(),
+            len: dest.len(),
+        };
+        let fetch = |(address, chunk): (&str, &[RangeTarget])| -> Result<(), Failure> {
+            let read = ReadOf {
+                objects: self,
+                bucket,
+                key,
+                version: header.version,
+                block_count: header.block_count,
+                delete,
+                shared,
+                received: &received,
+            };
+            match read.ranges_current(address, chunk) {
+                Err(failure) if failure.error.is_not_found() && view.epoch > 1 => {
+                    read.moved_blocks(&view, address, chunk)
+                }
+                other => other,
+            }
+        };
+        let outcomes = run_parallel(&tasks, self.io_threads, fetch);
+        if let Some(failure) = outcomes.into_iter().find_map(Result::err) {
+            return Err(failure);
+        }
+        let got: u64 = received.lock().expect("never poisoned").values().sum();
+        if got != expected {
+            return Err(Failure::local(ClientError::Protocol(format!(
+                "read {got} bytes of {key:?}, expected {expected}"
+            ))));
+        }
+        Ok(())
+    }
+}
+
+/// One object version's block reads, shared by the tickets of one [`Objects::read_blocks`].
+struct ReadOf<'a> {
+    objects: &'a Objects,
+    bucket: &'a str,
+    key: &'a str,
+    version: u64,
+    /// The object's data blocks (where each lives depends on it).
+    block_count: u32,
+    delete: bool,
+    shared: SharedDest,
+    received: &'a Received,
+}
+
+impl ReadOf<'_> {
+    /// One DoGet of `ranges` from `address` with the newest context, counting what arrived per
+    /// block; a stale epoch (refused before any byte was sent) is adopted and the ticket sent
+    /// again.
+    fn ranges_current(&self, address: &str, ranges: &[RangeTarget]) -> Result<(), Failure> {
+        let connection = self
+            .objects
+            .connection(address)
+            .map_err(|e| Failure::at(e, address))?;
+        for attempt in 0..=STALE_EPOCH_RETRIES_MAX {
+            let view = self.objects.view();
+            let ticket = GetTicket {
+                ctx: view.ctx.clone(),
+                bucket: self.bucket.to_string(),
+                key: self.key.to_string(),
+                version: self.version,
+                ranges: ranges
+                    .iter()
+                    .map(|r| BlockRange(r.block, r.offset, r.len))
+                    .collect(),
+                delete: self.delete,
+            };
+            let ticket = body(&ticket);
+            // SAFETY: see `SharedDest`; this ticket's ranges are written by this call only.
+            let dest = unsafe { self.shared.slice() };
+            match connection.get_ranges_blocking(ticket, ranges, dest) {
+                Err(error) if error.is_stale_epoch() => {
+                    self.objects
+                        .adopt_or_fail(Failure::at(error, address), attempt)?;
+                }
+                Err(error) => return Err(Failure::at(error, address)),
+                Ok(outcome) => {
+                    let mut received = self.received.lock().expect("never poisoned");
+                    for (range, count) in ranges.iter().zip(&outcome.received) {
+                        if *count > 0 {
+                            *received.entry(range.block).or_insert(0) += count;
+                        }
+                    }
+                    return match outcome.error {
+                        Some(error) => Err(Failure::at(error, address)),
+                        None => Ok(()),
+                    };
+                }
+            }
+        }
+        unreachable!("the last attempt returns")
+    }
+
+    /// Find blocks written under an earlier weight map: probe the other servers in the ranking
+    /// of each block's placement (its manifest's, for an object of one data block).
+    fn moved_blocks(
+        &self,
+        view: &View,
+        tried: &str,
+        ranges: &[RangeTarget],
+    ) -> Result<(), Failure> {
+        for range in ranges {
+            {
+                let mut received = self.received.lock().expect("never poisoned");
+                if received.get(&range.block) == Some(&range.len) {
+                    continue;
+                }
+                received.remove(&range.block);
+            }
+            let mut found = false;
+            let placed = placed_block(range.block, self.block_count);
+            for server in view.ranked(self.key.as_bytes(), placed) {
+                if server.address == tried {
+                    continue;
+                }
+                match self.ranges_current(&server.address, std::slice::from_ref(range)) {
+                    Ok(()) => {
+                        found = true;
+                        break;
+                    }
+                    Err(failure) if failure.error.is_not_found() => {
+                        self.received
+                            .lock()
+                            .expect("never poisoned")
+                            .remove(&range.block);
+                    }
+                    Err(failure) => return Err(failure),
+                }
+            }
+            if !found {
+                let what = format!("block {} of {}/{}", range.block, self.bucket, self.key);
+                if let Some((error, server)) = view.lost_error(&what) {
+                    return Err(Failure { error, server });
+                }
+                return Err(Failure::local(server_error(
+                    Code::NotFound as i32,
+                    "not_found",
+                    format!("{what} is on no server of the job"),
+                )));
+            }
+        }
+        Ok(())
+    }
+}

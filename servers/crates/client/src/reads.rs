@@ -1,0 +1,175 @@
+//! Whole reads of one object: block 0 from its home (by one direct READ that brings a small
+//! object's value, or an object's one data block, along), then its data blocks; and reads of a
+//! byte range. The caller's [`Destination`] gives the memory once the size is known.
+
+use pocketflow_protocol::frame::OpCode;
+use pocketflow_protocol::limits::BLOCK_SIZE_MAX_BYTES;
+use pocketflow_protocol::ticket::ReadTicket;
+
+use crate::connection::{ExchangeReply, ExchangeRequest};
+use crate::error::ClientError;
+use crate::failure::{body, failure_reply, Failure};
+use crate::objects::Objects;
+use crate::records::record_request;
+use crate::view::{Server, View};
+
+/// Where a read puts an object's bytes once it knows their size.
+pub trait Destination {
+    /// Memory for `size` bytes (exactly `size`, or at least `size` for a caller's buffer), or
+    /// an error that ends the read (the object is then put back if the read was a DELETE).
+    fn buffer(&mut self, size: usize) -> Result<&mut [u8], ClientError>;
+
+    /// The most bytes [`Destination::buffer`] can give, when it is bounded (a caller's buffer);
+    /// `None` when it allocates what the object needs.
+    fn room(&self) -> Option<usize> {
+        None
+    }
+}
+
+impl Objects {
+    /// Read the object into the memory `dest` gives for its size; returns the size. With
+    /// `delete` the object is removed as it is read (exactly one of concurrent DELETE readers
+    /// gets it). If `dest` refuses the size, a DELETE read puts the object back first.
+    pub fn get(
+        &self,
+        bucket: &str,
+        key: &str,
+        delete: bool,
+        dest: &mut dyn Destination,
+    ) -> Result<usize, Failure> {
+        let flags = if delete {
+            pocketflow_protocol::frame::OP_FLAG_DELETE
+        } else {
+            0
+        };
+        let request = record_request(bucket, key, OpCode::Get, flags);
+        let mut delivered = None;
+        let record = self.fetch_record_with(&request, true, &mut |view, server| {
+            let read = self.read_at_home(view, server, &request, &mut *dest)?;
+            if let Some(size) = read.1 {
+                delivered = Some(size);
+            }
+            Ok(read.0)
+        })?;
+        if let Some(size) = delivered {
+            return Ok(size);
+        }
+        let size = usize::try_from(record.size()).map_err(|_| {
+            Failure::local(ClientError::InvalidArgument(format!(
+                "an object of {} bytes does not fit this process's memory",
+                record.size()
+            )))
+        })?;
+        let buffer = match dest.buffer(size) {
+            Ok(buffer) => buffer,
+            Err(error) => {
+                let error = if delete {
+                    match self.restore_record(&record, bucket, key) {
+                        Ok(()) => error,
+                        Err(why) => ClientError::InvalidArgument(format!(
+                            "{}; the object could not be put back: {why}",
+                            error.to_string().trim_start_matches("invalid_argument: ")
+                        )),
+                    }
+                } else {
+                    error
+                };
+                return Err(Failure::local(error));
+            }
+        };
+        self.fill(bucket, key, &record, 0, delete, &mut buffer[..size])?;
+        Ok(size)
+    }
+
+    /// Ask block 0's home for the record of a GET `request` with a direct READ, which brings a
+    /// small object's value, or the data block of an object of one data block, along into
+    /// `dest`; returns the record's reply and, when the whole object is in `dest`, its size.
+    /// Over Flight, or from a server without READ, the record comes over a session alone.
+    fn read_at_home(
+        &self,
+        view: &View,
+        server: &Server,
+        request: &ExchangeRequest,
+        dest: &mut dyn Destination,
+    ) -> Result<(ExchangeReply, Option<usize>), Failure> {
+        let connection = self
+            .connection(&server.address)
+            .map_err(|e| Failure::at(e, &server.address))?;
+        let room = dest.room().map_or(u64::MAX, |room| room as u64);
+        let ticket = body(&ReadTicket {
+            ctx: view.ctx.clone(),
+            bucket: request.bucket.clone(),
+            key: request.key.clone(),
+            delete: request.flags & pocketflow_protocol::frame::OP_FLAG_DELETE != 0,
+            inline_bytes_max: room.min(u64::from(BLOCK_SIZE_MAX_BYTES)),
+        });
+        let read = match connection.read_object_blocking(&ticket, dest) {
+            Ok(Some(read)) => read,
+            Ok(None) => {
+                let reply = self.call_or_stale(view, &server.address, request.clone())?;
+                return Ok((reply, None));
+            }
+            // The ticket's context was refused before the record was looked at.
+            Err(error) if error.is_stale_epoch() => return Ok((failure_reply(&error), None)),
+            Err(error) => return Err(Failure::at(error, &server.address)),
+        };
+        if let Some(error) = read.error {
+            // A small object's value the destination refused is the reply's body: the caller
+            // asks the destination again and, for a DELETE read, puts the object back.
+            let small = read.reply.header.filter(|h| h.block_count == 0);
+            if read.received == 0 && small.is_some_and(|h| read.reply.body.len() as u64 == h.size) {
+                return Ok((read.reply, None));
+            }
+            return Err(Failure::at(error, &server.address));
+        }
+        let whole = match read.reply.header {
+            Some(header) if read.reply.status == 0 && read.received > 0 => {
+                if read.received != header.size {
+                    return Err(Failure::at(
+                        ClientError::Protocol(format!(
+                            "a READ brought {} of {} bytes",
+                            read.received, header.size
+                        )),
+                        &server.address,
+                    ));
+                }
+                Some(header.size as usize)
+            }
+            // An empty small object is whole with no byte.
+            Some(header)
+                if read.reply.status == 0 && header.block_count == 0 && header.size == 0 =>
+            {
+                Some(dest.buffer(0).map(|_| 0).map_err(Failure::local)?)
+            }
+            Some(header) if read.reply.status == 0 && header.block_count == 0 => {
+                return Err(Failure::at(
+                    ClientError::Protocol("a READ's small object came without its bytes".into()),
+                    &server.address,
+                ));
+            }
+            _ => None,
+        };
+        Ok((read.reply, whole))
+    }
+
+    /// Bytes `[offset, offset + length)` of the object, cut at its end, into the memory `dest`
+    /// gives for their count; returns the count.
+    pub fn get_range(
+        &self,
+        bucket: &str,
+        key: &str,
+        offset: u64,
+        length: u64,
+        dest: &mut dyn Destination,
+    ) -> Result<usize, Failure> {
+        let record = self.fetch_record(bucket, key, OpCode::Get, 0, true)?;
+        let size = record.size();
+        let end = size.min(offset.saturating_add(length));
+        let count = end.saturating_sub(offset) as usize;
+        let buffer = dest.buffer(count).map_err(Failure::local)?;
+        if count > 0 {
+            self.fill(bucket, key, &record, offset, false, &mut buffer[..count])?;
+        }
+        Ok(count)
+    }
+}

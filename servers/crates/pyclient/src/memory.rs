@@ -1,0 +1,134 @@
+//! Memory lent across the GIL boundary: the caller's buffers read or filled in place while the
+//! GIL is released, and the `bytes` objects a read allocates once at their final size.
+
+use pocketflow_client::{ClientError, Destination};
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+/// Memory the caller lent for the length of one call, usable without the GIL.
+pub(crate) struct Lent {
+    pub(crate) ptr: *mut u8,
+    pub(crate) len: usize,
+}
+
+// SAFETY: the memory is owned by a Python object that the calling frame keeps alive (and, for a
+// buffer, exported) until the call returns; only the thread running the call touches it.
+unsafe impl Send for Lent {}
+
+impl Lent {
+    /// The bytes; valid while the lender is held.
+    pub(crate) unsafe fn slice(&self) -> &[u8] {
+        std::slice::from_raw_parts(self.ptr, self.len)
+    }
+
+    /// The bytes, writable, for as long as the caller says; valid while the lender is held.
+    pub(crate) unsafe fn into_slice_mut<'a>(self) -> &'a mut [u8] {
+        std::slice::from_raw_parts_mut(self.ptr, self.len)
+    }
+
+    /// The bytes, writable; valid while the lender is held.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn slice_mut(&self) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.ptr, self.len)
+    }
+}
+
+pub(crate) fn readable(buffer: &PyBuffer<u8>) -> PyResult<Lent> {
+    if !buffer.is_c_contiguous() {
+        return Err(PyValueError::new_err("the buffer must be C-contiguous"));
+    }
+    Ok(Lent {
+        ptr: buffer.buf_ptr() as *mut u8,
+        len: buffer.len_bytes(),
+    })
+}
+
+/// A destination to fill: a writable C-contiguous buffer, or a fresh `bytes` object.
+pub(crate) fn writable(dest: &Bound<'_, PyAny>) -> PyResult<(Lent, Option<PyBuffer<u8>>)> {
+    if let Ok(bytes) = dest.cast::<PyBytes>() {
+        let data = bytes.as_bytes();
+        return Ok((
+            Lent {
+                ptr: data.as_ptr() as *mut u8,
+                len: data.len(),
+            },
+            None,
+        ));
+    }
+    let buffer = PyBuffer::<u8>::get(dest)?;
+    if buffer.readonly() {
+        return Err(PyValueError::new_err("the destination buffer is read-only"));
+    }
+    let lent = readable(&buffer)?;
+    Ok((lent, Some(buffer)))
+}
+
+/// A new `bytes` object of `size` zero bytes, for `Connection.get_ranges` to fill before
+/// anything else sees it: the object a get returns, allocated once at its final size.
+#[pyfunction]
+pub(crate) fn empty_bytes(py: Python<'_>, size: usize) -> PyResult<Bound<'_, PyBytes>> {
+    PyBytes::new_with(py, size, |_| Ok(()))
+}
+
+/// A fresh `bytes` object of `size` bytes whose contents are not initialised: only for a
+/// read that fills every byte before anything else sees the object (on failure it is dropped
+/// unseen).
+pub(crate) fn uninit_bytes(py: Python<'_>, size: usize) -> PyResult<Bound<'_, PyBytes>> {
+    let length = pyo3::ffi::Py_ssize_t::try_from(size)
+        .map_err(|_| PyValueError::new_err(format!("{size} bytes is too large")))?;
+    // SAFETY: a NULL source makes CPython allocate without copying; the result is owned.
+    unsafe {
+        let raw = pyo3::ffi::PyBytes_FromStringAndSize(std::ptr::null(), length);
+        Ok(Bound::from_owned_ptr_or_err(py, raw)?.cast_into_unchecked())
+    }
+}
+
+/// A read's destination: a `bytes` of the object's exact size, allocated once its size is
+/// known (taking the GIL for the allocation only), filled in place and then returned.
+#[derive(Default)]
+pub(crate) struct NewBytes {
+    pub(crate) made: Option<Py<PyBytes>>,
+    memory: Option<Lent>,
+}
+
+impl Destination for NewBytes {
+    fn buffer(&mut self, size: usize) -> Result<&mut [u8], ClientError> {
+        let made = Python::attach(|py| uninit_bytes(py, size).map(Bound::unbind)).map_err(|e| {
+            ClientError::InvalidArgument(format!("cannot allocate {size} bytes: {e}"))
+        })?;
+        let memory = Python::attach(|py| {
+            let bytes = made.bind(py);
+            Lent {
+                ptr: bytes.as_bytes().as_ptr() as *mut u8,
+                len: size,
+            }
+        });
+        self.made = Some(made);
+        // SAFETY: the `bytes` is held in `self.made` and seen by nobody else until the read ends.
+        Ok(unsafe { self.memory.insert(memory).slice_mut() })
+    }
+}
+
+/// A read's destination lent by the caller: fits if the object does.
+pub(crate) struct CallerBuffer {
+    pub(crate) memory: Lent,
+}
+
+impl Destination for CallerBuffer {
+    fn buffer(&mut self, size: usize) -> Result<&mut [u8], ClientError> {
+        if size > self.memory.len {
+            return Err(ClientError::InvalidArgument(format!(
+                "buffer of {} bytes is too small for {size} bytes",
+                self.memory.len
+            )));
+        }
+        // SAFETY: the caller's buffer is held (and exported) until the read returns.
+        Ok(unsafe { self.memory.slice_mut() })
+    }
+
+    fn room(&self) -> Option<usize> {
+        Some(self.memory.len)
+    }
+}

@@ -50,6 +50,7 @@ from pocketflow.config import ClientConfig
 from pocketflow.errors import (
     BucketExists,
     BucketNotFound,
+    DataUnavailable,
     InvalidRequest,
     ObjectNotFound,
     PocketflowError,
@@ -65,6 +66,7 @@ from pocketflow.protocol import (
     ACTION_CREATE_BUCKET,
     ACTION_DELETE_BUCKET,
     ACTION_DELETE_PREFIX,
+    ACTION_LOOKUP,
     APPEND_SEGMENT_DEFAULT_BYTES,
     ENUMERATE_LIMIT_MAX,
     KEY_MAX_BYTES,
@@ -103,6 +105,10 @@ LARGE_OBJECTS_IN_FLIGHT_MAX = 4
 READ_TICKET_BLOCKS_MIN = 4
 """Fewest blocks of one object that one read ticket carries: a large object's blocks on one
 server are read as several tickets in parallel, each at least this many blocks."""
+PROBE_BUCKET = "pocketflow-probe"
+"""Bucket of the lookup :meth:`Client.unreachable_servers` asks every server (no job has it)."""
+PROBE_KEY = "probe"
+"""Key of that lookup."""
 
 T = TypeVar("T")
 
@@ -304,6 +310,35 @@ class Client:
             raise InvalidRequest(f"prefix longer than {KEY_MAX_BYTES} bytes")
         results = self._on_every_server(ACTION_DELETE_PREFIX, bucket=bucket, prefix=prefix)
         return self._sum_field(results, "deleted")
+
+    def unreachable_servers(self) -> list[ServerInfo]:
+        """The servers of the job's map that do not answer now (:class:`DataUnavailable`), each
+        asked once, all at the same time; empty when every server answers.
+
+        A lookup of a key that no job has is the question: any answer, ``not_found`` included,
+        counts. It is what a task asks before it waits for the control plane to move its job off
+        a server it cannot reach: when none of the job's servers answers, no newer map can reach
+        the task (a map is learnt from a live server's answer), so waiting cannot help.
+        """
+        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
+            view = self._view
+            servers = _distinct_servers(view.handle.servers)
+            body = action_body(view.ctx, bucket=PROBE_BUCKET, key=PROBE_KEY)
+
+            def run(server: ServerInfo, body: bytes = body) -> PocketflowError | None:
+                try:
+                    self._connection(server.address).action(ACTION_LOOKUP, body)
+                except PocketflowError as exc:
+                    return exc
+                return None
+
+            results = self._parallel([lambda s=s: run(s) for s in servers])
+            stale = next((r for r in results if isinstance(r, StaleEpoch)), None)
+            if stale is None or attempt == STALE_EPOCH_RETRIES_MAX:
+                return [s for s, r in zip(servers, results, strict=True)
+                        if isinstance(r, DataUnavailable)]
+            self._adopt(stale)
+        raise AssertionError("unreachable")
 
     @staticmethod
     def _raise_errors(results: list[Any], *, tolerated: type[PocketflowError]) -> None:

@@ -494,6 +494,21 @@ def test_dead_server_is_data_unavailable_promptly(server_factory) -> None:  # no
     assert info.address
 
 
+def test_unreachable_servers_names_the_dead_ones_only(server_factory) -> None:  # noqa: ANN001
+    servers, alive = server_factory("alive-0", capacity_bytes=8 * MiB)
+    _, doomed = server_factory("doomed-1", capacity_bytes=8 * MiB)
+    handle = servers.handle()
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        assert pf.unreachable_servers() == []
+        servers.process("doomed-1").kill()
+        assert [s.node_id for s in pf.unreachable_servers()] == ["doomed-1"]
+        servers.process("alive-0").kill()
+        started = time.monotonic()
+        assert {s.node_id for s in pf.unreachable_servers()} == {"alive-0", "doomed-1"}
+        assert time.monotonic() - started < 5.0
+    assert alive.address != doomed.address
+
+
 def _process_state(pid: int) -> str:
     """The one-letter state of a process (``T`` when stopped), from /proc."""
     with open(f"/proc/{pid}/stat") as f:

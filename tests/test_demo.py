@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from scenario_runner import run_scenario
 
 from pocketflow.demo import (
     KEY_BYTES,
@@ -138,3 +139,23 @@ def test_the_command_finds_the_runner_an_adapter_installed() -> None:
     assert demo_runner() is runner or len(demo_runner_names()) > 1
     with pytest.raises(ConfigError, match="no demo runner 'nosuch' is installed"):
         demo_runner("nosuch")
+
+
+CLUSTER_GONE_TIMEOUT_S = 420.0
+"""Bound on the scenario below: its own cluster's start, the kill, the exit and the checks."""
+CLUSTER_GONE_EXIT_S = 30.0
+"""How soon the demo must exit once its cluster is gone (slack for a loaded machine; it took
+minutes before, or never)."""
+
+
+def test_a_demo_whose_whole_cluster_is_killed_exits_within_seconds() -> None:
+    # Issue 29 item 9: the demo's own local cluster (GCS, raylet, workers, controller, storage
+    # servers) is SIGKILLed while the shuffle runs. The demo must fail within seconds with an
+    # error that says the cluster is gone, exit non-zero, and leave none of its processes.
+    seen = run_scenario("cluster_gone", timeout_s=CLUSTER_GONE_TIMEOUT_S)
+    assert seen["shuffle_started"] and seen["killed"] > 0, seen
+    assert seen["exited"], seen
+    assert seen["exit_after_kill_s"] < CLUSTER_GONE_EXIT_S, seen
+    assert seen["returncode"] != 0, seen
+    assert any("gone" in line for line in seen["said"]), seen
+    assert seen["left"] == [], seen

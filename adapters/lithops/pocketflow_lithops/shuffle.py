@@ -79,7 +79,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pocketflow.errors import BucketExists, PocketflowError, ShuffleFailed
+from pocketflow.errors import (
+    BucketExists,
+    CapacityExhausted,
+    DataUnavailable,
+    PocketflowError,
+    ShuffleFailed,
+)
 from pocketflow_lithops.append_shuffle import run_append_layout
 from pocketflow_lithops.runtime import RUNTIME_PACKAGES
 from pocketflow_lithops.shuffle_result import ShuffleResult
@@ -98,6 +104,7 @@ from pocketflow_lithops.shuffle_tasks import (
     consuming_key,
     finished_key,
     output_key,
+    raise_if_cluster_gone,
     reducer_prefix,
     refresh_map,
     shuffle_key,
@@ -369,22 +376,44 @@ def _gather(
     A reducer whose task failed (it raised, or its process died: Lithops reports both as a
     failed call) is submitted again while ``retries_left[reducer]`` allows, and the reducer is
     appended to ``retried``; it recovers the inputs its failed attempt consumed through its
-    markers (see the module doc). A mapper's
-    failure, a reducer's :class:`ShuffleFailed` (its inputs never arrived: a retry would only
-    wait again) and a reducer's failure with no retries left are raised at once. ``timeout_s``
-    bounds the whole wait (Lithops raises ``TimeoutError``). With ``pf`` (the driver's client),
-    once only reducers are pending the driver learns that they returned from their finished
-    markers (:func:`_wait_finished`) instead of from Lithops' next poll alone.
-    """
-    from lithops.wait import ANY_COMPLETED
+    markers (see the module doc). Raised at once, without a retry: a mapper's failure, a
+    reducer's :class:`ShuffleFailed` (its inputs never arrived: a retry would only wait again),
+    a task's :class:`CapacityExhausted` (every tier of the job is full: a retry, or the
+    regeneration of the inputs a failed reducer consumed, would write into the same full
+    tiers, so a reducer that could not write its output is not a lost partition), a failure
+    once no storage server of the job answers (:func:`raise_if_cluster_gone`), and a reducer's
+    failure with no retries left. ``timeout_s`` bounds the whole wait (Lithops raises
+    ``TimeoutError``). With ``pf`` (the driver's client), once only reducers are pending the
+    driver learns that they returned from their finished markers (:func:`_wait_finished`)
+    instead of from Lithops' next poll alone.
 
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    Whatever it raises, the calls of this job still queued or running are stopped first
+    (:func:`_stop_calls`), so that no task of a failed shuffle goes on.
+    """
     submitted = [_new_attempt(call) for call in calls]
     futures = list(fexec.map(_shuffle_task, [(call,) for call in submitted],
                            exclude_modules=list(RUNTIME_PACKAGES)))
+    every = list(futures)  # Kept alive, so that ids of futures stay unique.
+    try:
+        return _collect(fexec, submitted, futures, every, retries_left=retries_left,
+                        retried=retried, timeout_s=timeout_s, pf=pf)
+    except BaseException as exc:
+        _stop_calls(fexec, every, exc)
+        raise
+
+
+def _collect(
+    fexec: Any, submitted: list[_MapCall | _ReduceCall], futures: list[Any], every: list[Any],
+    *, retries_left: dict[int, int], retried: list[int], timeout_s: float | None,
+    pf: Client | None,
+) -> list[Any]:
+    """The waiting of :func:`_gather`: outcomes of the ``futures`` of the ``submitted`` calls,
+    resubmitting failed reducers (each new future is appended to ``every``)."""
+    from lithops.wait import ANY_COMPLETED
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     slot = {id(f): i for i, f in enumerate(futures)}
-    outcomes: list[Any] = [None] * len(calls)
-    every = list(futures)  # Kept alive, so that ids in ``slot`` stay unique.
+    outcomes: list[Any] = [None] * len(submitted)
     pending = list(futures)
     polls_left = FINISHED_POLLS_MAX if pf is not None else 0
     while pending:
@@ -419,7 +448,12 @@ def _gather(
                 future.result()  # raises what the task raised
             except ShuffleFailed:
                 raise
+            except CapacityExhausted as exc:
+                raise CapacityExhausted(f"{_task_name(call)}: {exc.message or exc}",
+                                        server=exc.server) from exc
             except Exception as exc:
+                if isinstance(exc, DataUnavailable) and pf is not None:
+                    raise_if_cluster_gone(pf)
                 if not isinstance(call, _ReduceCall) or retries_left[call.reducer] <= 0:
                     raise
                 retries_left[call.reducer] -= 1
@@ -437,6 +471,31 @@ def _gather(
     # Every call is done: this wait returns at once and lets Lithops clean the jobs' data.
     fexec.wait(every, throw_except=False, show_progressbar=False)
     return outcomes
+
+
+def _task_name(call: _MapCall | _ReduceCall) -> str:
+    if isinstance(call, _MapCall):
+        return f"mapper {call.mapper}"
+    return f"reducer {call.reducer}"
+
+
+def _stop_calls(fexec: Any, futures: list[Any], exc: BaseException) -> None:
+    """Stop the Lithops jobs of ``futures``: drop their calls not started yet and kill the
+    processes running the others, as Lithops' own ``wait`` does when it raises. A shuffle that
+    fails leaves no task running against its job (which is about to be deregistered) or its
+    cluster (which may be gone), and no runner of Lithops' starting the calls still queued.
+
+    Lithops has no public call for this (its executor's context manager stops every job of the
+    executor, which a caller's executor may not want), so this goes through the executor's own
+    cleanup; an executor without it is left as it is, with a warning.
+    """
+    try:
+        fexec.invoker.discard_pending({f.job_key for f in futures}, {f.job_id for f in futures})
+        fexec.job_monitor.remove(futures)
+        fexec._cleanup_jobs(futures, exception=exc, force=True)
+    except Exception as error:  # noqa: BLE001 - the shuffle's own error is the one to raise
+        log.warning("shuffle: could not stop its Lithops calls (%s: %s); they run to their end",
+                    type(error).__name__, error)
 
 
 def _new_attempt(call: _MapCall | _ReduceCall) -> _MapCall | _ReduceCall:

@@ -39,6 +39,7 @@ __all__ = [
     "consuming_key",
     "finished_key",
     "output_key",
+    "raise_if_cluster_gone",
     "reducer_prefix",
     "refresh_map",
     "run_map_function",
@@ -223,7 +224,8 @@ def refresh_map(pf: Client, unreachable: set[str], *, bucket: str,
     new epoch; a client learns it from the ``stale_epoch`` answer of any live server. This asks
     the live servers (``create_bucket``, which also gives the bucket to servers new to the map)
     with a bounded exponential backoff: it runs only after a failure, never on the normal path.
-    Raises :class:`DataUnavailable` when the map has not changed within ``timeout_s``.
+    Raises :class:`DataUnavailable` when the map has not changed within ``timeout_s``, and at
+    once when no server of the job answers (:func:`raise_if_cluster_gone`).
     """
     deadline = time.monotonic() + timeout_s
     pause_s, pause_max_s = MAP_REFRESH_BACKOFF_S
@@ -234,6 +236,7 @@ def refresh_map(pf: Client, unreachable: set[str], *, bucket: str,
             pass
         if not _unreachable_in_map(pf, unreachable):
             return
+        raise_if_cluster_gone(pf)
         if time.monotonic() + pause_s > deadline:
             raise DataUnavailable(
                 f"unavailable: the job's map still names {sorted(unreachable)} after "
@@ -241,6 +244,20 @@ def refresh_map(pf: Client, unreachable: set[str], *, bucket: str,
             )
         time.sleep(pause_s)
         pause_s = min(pause_s * 2, pause_max_s)
+
+
+def raise_if_cluster_gone(pf: Client) -> None:
+    """Raise :class:`DataUnavailable` when no server of the job's map answers: the job's
+    cluster is gone (or cut off from this process), so no newer map can arrive and nothing it
+    held can be read; whoever waits for one would wait out its whole bound for nothing."""
+    unreachable = pf.unreachable_servers()
+    servers = {s.address for s in pf.handle.servers}
+    if unreachable and {s.address for s in unreachable} >= servers:
+        names = ", ".join(f"{s.node_id} at {s.address}" for s in unreachable)
+        raise DataUnavailable(
+            f"unavailable: no storage server of job {pf.handle.job_id} answers ({names}): "
+            "its cluster is gone", server=unreachable[0].address,
+        )
 
 
 def _write_all(pf: Client, spec: _Spec, items: list[tuple[str, memoryview]]) -> int:

@@ -1,0 +1,131 @@
+"""Scenario run by tests/test_demo.py in its own process: ``pocketflow demo`` on a local cluster
+of its own, whose whole cluster (Ray's GCS, raylet and workers, the controller, the storage
+servers) is SIGKILLed while the shuffle runs, as another user's ``ray stop`` would. Prints one
+JSON line: the demo's exit status, how long after the kill it exited, what it said, and which
+of the processes it had started were still alive afterwards (by pid and start time)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEMO_ARGS = ["--records", "2000000", "--mappers", "16", "--reducers", "4", "--processes", "2",
+             "--dram-capacity", "64MiB", "--nvme-capacity", "256MiB", "--num-cpus", "1"]
+"""A sort long enough that its shuffle is still running a few seconds after it started."""
+START_TIMEOUT_S = 240.0
+"""Bound on the demo's cluster start and the shuffle's first tasks."""
+RUNNING_BEFORE_KILL_S = 4.0
+"""How long the shuffle runs before the cluster dies."""
+EXIT_TIMEOUT_S = 120.0
+"""Bound on the demo's exit after the kill (it is killed beyond, and the scenario says so)."""
+LEFTOVER_WAIT_S = 15.0
+"""How long the demo's processes may take to be gone once it exited."""
+CLUSTER_PROCESSES = ("gcs_server", "raylet", "ray::", "default_worker.py", "dashboard",
+                     "log_monitor.py", "monitor.py", "runtime_env", "pocketflow-server")
+"""What in a command line marks a process of the cluster (not the demo, not Lithops)."""
+
+
+def start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def descendants(pid: int) -> set[tuple[int, str]]:
+    found: set[tuple[int, str]] = set()
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            started = start_time(child)
+            if started is not None:
+                found.add((child, started))
+                todo.append(child)
+    return found
+
+
+def alive(processes: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    return {(pid, started) for pid, started in processes if start_time(pid) == started}
+
+
+def main() -> None:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_ADDRESS") and not k.startswith("__LITHOPS_")}
+    with tempfile.TemporaryDirectory() as scratch:
+        said = Path(scratch) / "stderr"
+        with said.open("w") as err:
+            demo = subprocess.Popen([sys.executable, "-m", "pocketflow", "demo", *DEMO_ARGS],
+                                    stdout=subprocess.DEVNULL, stderr=err, env=env,
+                                    start_new_session=True)
+        out = watch(demo, said)
+    print(json.dumps(out))
+
+
+def watch(demo: subprocess.Popen[bytes], said: Path) -> dict[str, object]:
+    """Wait for the shuffle, kill the cluster, then watch the demo end (see the module doc)."""
+    seen: set[tuple[int, str]] = set()
+    out: dict[str, object] = {}
+    try:
+        # The demo says "shuffle: ..." on stderr once its cluster is up and the shuffle starts.
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while ("shuffle:" not in said.read_text() and demo.poll() is None
+               and time.monotonic() < deadline):
+            seen |= descendants(demo.pid)
+            time.sleep(0.1)
+        out["shuffle_started"] = "shuffle:" in said.read_text()
+        until = time.monotonic() + RUNNING_BEFORE_KILL_S
+        while time.monotonic() < until and demo.poll() is None:
+            seen |= descendants(demo.pid)
+            time.sleep(0.1)
+        seen |= descendants(demo.pid)
+        cluster = [(pid, started) for pid, started in alive(seen)
+                   if any(mark in cmdline(pid) for mark in CLUSTER_PROCESSES)]
+        out["killed"] = len(cluster)
+        for pid, _ in cluster:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while demo.poll() is None and time.monotonic() - killed < EXIT_TIMEOUT_S:
+            seen |= descendants(demo.pid)
+            time.sleep(0.1)
+        out["exited"] = demo.poll() is not None
+        out["exit_after_kill_s"] = round(time.monotonic() - killed, 1)
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+        demo.wait()
+        out["returncode"] = demo.returncode
+        out["said"] = [line for line in said.read_text().splitlines()
+                       if line.startswith("pocketflow demo:")]
+        left = alive(seen)
+        give_up = time.monotonic() + LEFTOVER_WAIT_S
+        while left and time.monotonic() < give_up:
+            time.sleep(0.2)
+            left = alive(left)
+        out["left"] = sorted(cmdline(pid)[:160] for pid, _ in left)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+        for pid, _ in alive(seen):
+            os.kill(pid, signal.SIGKILL)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -52,3 +52,36 @@ def test_a_drained_server_keeps_its_data_readable_and_an_empty_one_retires_at_on
             with built.lock:
                 built.drainer.drain("dr-1")
 
+
+
+def test_a_drained_servers_share_of_a_reservation_moves_to_a_server_with_room(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """Draining a server that holds most of a job's share packs that share afresh on a server
+    with room, so the job's reservation still counts in full (it used to keep only the sliver
+    its other server held, 1 KiB of 16 MiB here, and count on no server)."""
+    _, secret_file = cluster_secret_file
+    mib = 1024 * 1024
+    with roles(secret_file) as built:
+        for node_id in ("rs-0", "rs-1", "rs-2"):
+            built.start(node_id, capacity_bytes=16 * mib)
+        # rs-0 is left with 1 KiB of room, so best fit gives the next job a sliver of it.
+        register(built, "filler", {"data_size_bytes": 16 * mib - 1024})
+        handle = register(built, "big", {"data_size_bytes": 16 * mib})
+        weights = {s.node_id: s.weight for s in handle.servers}
+        assert 0 < weights["rs-0"] < 1e-3 and weights["rs-1"] > 0.99, weights
+        with connect(handle, op_timeout_s="5s") as pf:
+            # Data on rs-1 keeps it draining (an empty server would retire at once).
+            pf.create_bucket("b")
+            keys, _ = keys_on(handle, "rs-1", on_min=1, off_min=0)
+            pf.put("b", keys[0], b"kept")
+            with built.lock:
+                built.drainer.drain("rs-1")
+            assert pf.get("b", keys[0]) == b"kept"
+        servers = {s.node_id: s for s in built.jobs.record(handle.job_id).handle.servers}
+        assert servers["rs-1"].weight == 0.0, "the drained server stays, readable, at weight 0"
+        assert sum(s.weight for s in servers.values()) == pytest.approx(1.0)
+        assert servers["rs-2"].weight > 0.99, servers
+        reserved = {load.node_id: load.allocated_capacity_bytes
+                    for load in built.allocator.server_loads() if load.active}
+        assert reserved["rs-2"] >= 16 * mib - 2048, reserved

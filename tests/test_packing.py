@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pocketflow.control.hints import JobDemand, derive_demand
@@ -11,7 +13,9 @@ from pocketflow.control.packing import (
     ServerLoad,
     allocated_by_server,
     grow,
+    missing_share,
     pack,
+    refill,
     remove_server,
     with_allocations,
 )
@@ -207,6 +211,48 @@ def test_remove_server_of_a_spread_job_renormalizes() -> None:
     allocation = pack(spread, servers, SPEC).allocation
     result = remove_server(allocation, "d1", demand=spread, servers=servers, spec=SPEC)
     assert result.allocation.weights() == pytest.approx({"d0": 0.5, "d2": 0.5})
+
+
+def test_refill_places_a_leaving_servers_share_where_there_is_room_and_keeps_it_readable() -> None:
+    servers = [dram("d0"), dram("d1", long_running=False), dram("d2", long_running=False)]
+    job = demand(GBPS, 60 * GB)
+    allocation = pack(job, servers, SPEC).allocation
+    leaving = max(allocation.weights(), key=lambda n: allocation.weights()[n])
+    loaded = with_allocations(servers, [(job, allocation)])
+    draining = [replace(s, draining=True) if s.node_id == leaving else s for s in loaded]
+    result = refill(allocation, demand=job, servers=draining, spec=SPEC, leaving=[leaving])
+    assert result.fits
+    weights = result.allocation.weights()
+    assert weights[leaving] == 0.0, "a leaving server stays in the map, at weight 0"
+    assert not next(p for p in result.allocation.placements if p.node_id == leaving).persist
+    assert sum(weights.values()) == pytest.approx(1.0)
+    assert missing_share(result.allocation, job) == 0.0
+
+
+def test_refill_without_room_leaves_the_share_missing_and_names_the_shortfall() -> None:
+    servers = [dram("d0"), dram("d1")]
+    job = demand(2 * GBPS, 120 * GB)
+    allocation = pack(job, servers, SPEC).allocation
+    loaded = with_allocations(servers, [(job, allocation)])
+    lost = [s for s in loaded if s.node_id != "d0"]
+    without = Allocation(tuple(p for p in allocation.placements if p.node_id != "d0"))
+    assert missing_share(without, job) == pytest.approx(0.5)
+    result = refill(without, demand=job, servers=lost, spec=SPEC)
+    assert result.shortfall == {"dram": 1}
+    assert missing_share(result.allocation, job) == pytest.approx(0.5)
+    # A server with room joins: the missing half goes there.
+    joined = [*lost, dram("d2", long_running=False)]
+    result = refill(without, demand=job, servers=joined, spec=SPEC)
+    assert result.fits and result.allocation.weights()["d2"] == pytest.approx(0.5)
+
+
+def test_refill_of_a_spread_job_renormalizes_and_it_never_misses_a_share() -> None:
+    spread = derive_demand(SPEC)
+    servers = [dram("d0"), dram("d1"), dram("d2")]
+    allocation = pack(spread, servers, SPEC).allocation
+    result = refill(allocation, demand=spread, servers=servers, spec=SPEC, leaving=["d1"])
+    assert result.allocation.weights() == pytest.approx({"d0": 0.5, "d1": 0.0, "d2": 0.5})
+    assert missing_share(result.allocation, spread) == 0.0
 
 
 def test_unknown_tier_in_demand_is_refused() -> None:

@@ -9,11 +9,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pocketflow.control.hints import JobDemand
-from pocketflow.control.job_table import JobTable
+from pocketflow.control.hints import JobDemand, demand_from_hints
+from pocketflow.control.job_table import JobRecord, JobTable
 from pocketflow.control.launcher import Launcher
 from pocketflow.control.membership import Membership
-from pocketflow.control.packing import Allocation, PackResult, ServerLoad, pack, with_allocations
+from pocketflow.control.packing import (
+    Allocation,
+    PackResult,
+    ServerLoad,
+    pack,
+    refill,
+    with_allocations,
+)
 from pocketflow.control.prefix_grants import PrefixGrants
 from pocketflow.control.storage_node import StorageNodeInfo
 from pocketflow.control.tiers import TIER_NVME, ClusterSpec, local_spec
@@ -181,6 +188,41 @@ class Allocator:
             f"the job still does not fit after {LAUNCH_ROUNDS_MAX} launch rounds "
             f"(short of {result.shortfall if result else {}})"
         )
+
+    def refilled(
+        self, record: JobRecord, *, leaving: tuple[str, ...] = ()
+    ) -> tuple[ServerInfo, ...]:
+        """A job's map with the share it lacks placed on live servers with room, launching
+        nothing (:func:`~pocketflow.control.packing.refill`); ``leaving`` servers stay in it at
+        weight 0.
+
+        Where the job's throughput finds no room, its capacity alone is placed (throughput
+        over-committed, logged), as a registration that cannot launch does. What still does not
+        fit stays missing: the job's weights then sum to less than 1.
+        """
+        demand = (
+            record.job_demand() if record.demand else demand_from_hints(record.hints, self.spec())
+        )
+        loads = self.server_loads()
+        result = refill(
+            record.allocation(), demand=demand, servers=loads, spec=self.spec(), leaving=leaving
+        )
+        if not result.fits and demand.throughput_bytes_per_s > 0:
+            relaxed = refill(
+                record.allocation(), demand=without_throughput(demand), servers=loads,
+                spec=self.spec(), leaving=leaving,
+            )
+            log.warning(
+                "job %s: no room for its throughput once %s left; placed by capacity",
+                record.handle.job_id, ", ".join(leaving) or "servers",
+            )
+            result = relaxed
+        if not result.fits:
+            log.warning(
+                "job %s: no room for all of its share (short of %s); weights left short",
+                record.handle.job_id, result.shortfall,
+            )
+        return self.server_infos(result.allocation)
 
     def _launch_shortfall(self, shortfall: dict[str, int], *, deadline_s: float) -> None:
         """Launch ``{tier: count}`` servers and add them; bounded by ``servers_max``."""

@@ -3,7 +3,6 @@ once it has left."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -72,16 +71,13 @@ class Drainer:
         self._membership.draining.add(node_id)
         # New epochs first, so that a client still writing to the server is told the new
         # map (stale_epoch) rather than refused (draining).
+        # Its share of each job moves to servers with room (packed afresh, as a new job's is),
+        # so that the job's reservation keeps counting where its new data goes.
         for job_id, record in self._jobs.items():
             entry = next((s for s in record.handle.servers if s.node_id == node_id), None)
             if entry is None or (entry.weight <= 0.0 and not entry.persist):
                 continue
-            kept = tuple(
-                dataclasses.replace(s, weight=0.0, persist=False)
-                if s.node_id == node_id
-                else s
-                for s in record.handle.servers
-            )
+            kept = self._allocator.refilled(record, leaving=(node_id,))
             if not any(s.weight > 0 for s in kept):
                 self._epochs.exclude(job_id, node_id, keep_readable=True)
             else:

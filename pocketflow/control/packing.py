@@ -12,6 +12,9 @@ API summary (for the controller and the simulator):
   demand grew: the weight map for its next epoch; every server of the old map keeps its entry.
 - ``remove_server(allocation, node_id, demand=..., servers=..., spec=...) -> PackResult`` — a
   server died or leaves: the map without it, its share re-placed on the other servers.
+- ``refill(allocation, demand=..., servers=..., spec=..., leaving=...) -> PackResult`` — the
+  share a map lacks (servers drained or lost) placed on servers with room; ``leaving`` servers
+  stay in the map at weight 0. ``missing_share(allocation, demand)`` says how much it lacks.
 - ``with_allocations(servers, jobs) -> list[ServerLoad]`` and
   ``allocated_by_server(jobs) -> {node_id: (throughput, capacity)}`` — the bookkeeping: what
   each server holds for the given ``(demand, allocation)`` pairs (weight x demand).
@@ -223,6 +226,58 @@ def remove_server(
         shares[n] = shares.get(n, 0.0) + share
     shortfall = _shortfall(demand, remaining, spec) if remaining > SHARE_EPSILON else {}
     return PackResult(_allocation(shares, others, keep=persist), shortfall)
+
+
+def refill(
+    allocation: Allocation,
+    *,
+    demand: JobDemand,
+    servers: Sequence[ServerLoad],
+    spec: ClusterSpec,
+    leaving: Iterable[str] = (),
+) -> PackResult:
+    """The job's weight map with the share it lacks placed on servers with room.
+
+    A map lacks share when servers left it: a drained server keeps its entry at weight 0 (its
+    data stays readable), a lost one is gone, and the other servers' weights then sum to less
+    than 1, so the job's reservation (weight x demand) counts less than it needs. ``leaving``
+    servers get weight 0 and ``persist=False`` here (they stay in the map) and are never chosen.
+    The missing share is placed as a new job's is (best fit, tier order) on the active servers,
+    which must count the job's current reservation (:func:`with_allocations`); what does not fit
+    is the shortfall. A ``spread`` job reserves nothing: its kept weights are normalized, or it
+    is spread afresh when none is left.
+    """
+    _check_tiers(demand, spec)
+    gone = set(leaving)
+    weights = {p.node_id: p.weight for p in allocation.placements if p.node_id not in gone}
+    keep = {p.node_id: p.persist and p.node_id not in gone for p in allocation.placements}
+    choosable = [s for s in servers if s.node_id not in gone]
+    kept = sum(weights.values())
+    if demand.spread:
+        if kept > SHARE_EPSILON:
+            shares = {n: w / kept for n, w in weights.items() if w > 0}
+            return PackResult(_allocation(shares, choosable, keep=keep))
+        fresh = _pack_spread(demand, choosable)
+        return PackResult(_allocation(fresh.allocation.weights(), choosable, keep=keep),
+                          fresh.shortfall)
+    shares = {n: w for n, w in weights.items() if w > 0}
+    missing = 1.0 - kept
+    if missing <= SHARE_EPSILON:
+        return PackResult(_allocation(shares, choosable, keep=keep))
+    extra, remaining = _fill(demand, choosable, fraction=missing)
+    for node_id, share in extra.items():
+        shares[node_id] = shares.get(node_id, 0.0) + share
+    shortfall = _shortfall(demand, remaining, spec) if remaining > SHARE_EPSILON else {}
+    return PackResult(_allocation(shares, choosable, keep=keep), shortfall)
+
+
+def missing_share(allocation: Allocation, demand: JobDemand) -> float:
+    """The share of ``demand`` that ``allocation`` places nowhere (0 for a spread job, whose
+    weights are relative)."""
+    if demand.spread or (demand.throughput_bytes_per_s == 0 and demand.capacity_bytes == 0):
+        return 0.0
+    missing = 1.0 - sum(p.weight for p in allocation.placements)
+    return missing if missing > SHARE_EPSILON else 0.0
 
 
 def allocated_by_server(

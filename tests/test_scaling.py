@@ -34,7 +34,7 @@ def test_idle_launched_servers_are_drained_and_long_running_ones_stay(
 ) -> None:
     assert scaling["scaled_down"]
     assert scaling["after_idle"] == ["dram-0", "dram-1"]
-    assert any(action == "RemoveServer" for action, _ in scaling["actions"])
+    assert any(action == "RemoveServers" for action, _ in scaling["actions"])
 
 
 def test_launched_long_running_servers_get_the_persist_ttl(scaling: dict[str, Any]) -> None:
@@ -101,5 +101,49 @@ def test_a_busy_server_gets_more_cores_before_more_servers(
         with servers.admin(infos[0].address) as admin:
             assert int(admin.stats()["cores"]) == 1
         assert {s.node_id for s in controller.servers()} == {"busy-0", "busy-1"}
+    finally:
+        controller.close()
+
+
+def test_idle_launched_servers_are_drained_together_in_one_sizing_action(
+    server_factory: Any, cluster_secret_file: Any
+) -> None:
+    """Capacity follows demand down at once: every empty server the others do not need is
+    drained in one sizing action (one per cool-down before), and the long-running ones stay."""
+    from pocketflow.control.controller import Controller
+    from pocketflow.control.metadata import Metadata
+    from pocketflow.control.sizing import SizingBounds
+    from pocketflow.control.storage_node import StorageNodeInfo
+    from pocketflow.processes import ProcessRef, wait_gone
+
+    _, secret_file = cluster_secret_file
+    controller = Controller(
+        secret_file=str(secret_file),
+        metadata=Metadata(),
+        block_size_bytes=1024 * 1024,
+        failure_detection=False,
+        sizing=SizingBounds(cooldown_s=60.0, vertical_cooldown_s=0.0),
+    )
+    try:
+        infos = []
+        for name, long_running in (("lr-0", True), ("lr-1", True), ("idle-2", False),
+                                   ("idle-3", False)):
+            servers, info = server_factory(name, long_running=long_running)
+            ref = ProcessRef.of(servers.process(name).pid)
+            assert ref is not None
+            infos.append(StorageNodeInfo(
+                node_id=name, tier="dram", address=info.address,
+                capacity_bytes=8 * 1024 * 1024, long_running=long_running,
+                server_pid=ref.pid, server_start_time=ref.start_time, actor_pid=os.getpid(),
+            ))
+        for info in infos:
+            controller.add_server(info)
+            with servers.admin(info.address) as admin:
+                controller.heartbeat(info.node_id, admin.stats())
+        done = controller.size_cluster()
+        assert done["action"] == "RemoveServers", done
+        assert sorted(done["drained"]) == ["idle-2", "idle-3"], done
+        assert {s.node_id for s in controller.servers()} == {"lr-0", "lr-1"}
+        assert not wait_gone([i.server_process() for i in infos[2:]], timeout_s=10.0)
     finally:
         controller.close()

@@ -63,6 +63,18 @@ def test_allocation_shrinks_back_after_deregistration_within_bounded_steps(figur
     assert all(s.allocated_bytes_per_s == baseline for s in figure10.samples[last_end + bound_s:])
 
 
+def test_scale_down_releases_every_idle_node_together_within_a_few_steps(figure10) -> None:
+    # The last job's servers empty when it deregisters; they go in one action after the
+    # short cool-down, not one per cool-down (which took extra nodes x 6 steps before).
+    config = figure10.config
+    last_end = max(j.end_s for j in figure10.jobs if j.end_s is not None)
+    baseline = figure10.samples[0].allocated_bytes_per_s
+    bound_s = int(config.bounds.vertical_cooldown_s) + 2
+    assert figure10.samples[last_end + bound_s].allocated_bytes_per_s == baseline
+    drains = [s.action for s in figure10.samples if s.action.startswith("drain")]
+    assert any("," in action for action in drains), drains
+
+
 def test_allocation_shrinks_between_jobs(figure10) -> None:
     video = next(j for j in figure10.jobs if j.name == "video")
     sort = next(j for j in figure10.jobs if j.name == "sort")

@@ -8,7 +8,7 @@ from pocketflow.control.sizing import (
     AddServer,
     AddThreads,
     NoAction,
-    RemoveServer,
+    RemoveServers,
     RemoveThreads,
     ServerUtilization,
     SizingBounds,
@@ -124,8 +124,8 @@ def test_idle_cluster_removes_the_emptiest_launched_server_of_the_least_used_tie
         server("nvme-1", tier="nvme", cpu=0.1, net=0.1, used=0.05),
     ]
     action = decide(servers, BOUNDS, now_s=100.0)
-    assert isinstance(action, RemoveServer)
-    assert action.node_id == "nvme-1"
+    assert isinstance(action, RemoveServers)
+    assert action.node_ids[0] == "nvme-1"
 
 
 def test_long_running_servers_are_never_removed() -> None:
@@ -155,7 +155,7 @@ def test_cooldown_holds_every_action() -> None:
     assert isinstance(decide(hot, BOUNDS, now_s=100.0, last_action_s=95.0), AddServer)
     idle = base(cpu=0.0, net=0.0, used=0.0)
     assert isinstance(decide(idle, BOUNDS, now_s=100.0, last_action_s=99.0), NoAction)
-    assert isinstance(decide(idle, BOUNDS, now_s=100.0, last_action_s=90.0), RemoveServer)
+    assert isinstance(decide(idle, BOUNDS, now_s=100.0, last_action_s=90.0), RemoveServers)
 
 
 def test_too_few_long_running_servers_adds_one_even_in_cooldown() -> None:
@@ -176,7 +176,7 @@ def test_draining_and_dead_servers_do_not_count() -> None:
     assert usage.net == pytest.approx(0.1)
     assert usage.capacity_by_tier == {"dram": pytest.approx(0.1)}
     action = decide(servers, BOUNDS, now_s=100.0)
-    assert action == RemoveServer("dram-2", action.reason)
+    assert action == RemoveServers(("dram-2",), action.reason)
 
 
 def test_bounds_are_validated() -> None:
@@ -205,16 +205,22 @@ def test_random_clusters_never_lose_long_running_servers_or_overshoot() -> None:
             for i in range(rng.randint(2, 8))
         ]
         action = decide(servers, BOUNDS, now_s=100.0)
-        if isinstance(action, RemoveServer):
-            removed = next(s for s in servers if s.node_id == action.node_id)
-            assert not removed.long_running and removed.active
+        if isinstance(action, RemoveServers):
+            removed = [s for s in servers if s.node_id in action.node_ids]
+            assert len(removed) == len(action.node_ids) >= 1
+            assert all(not s.long_running and s.active for s in removed)
             before = cluster_utilization(servers)
-            assert before.highest() < BOUNDS.lower
+            assert before.highest() < BOUNDS.lower or all(s.used_bytes == 0 for s in removed)
             active = [s for s in servers if s.active]
-            rest = [s for s in active if s is not removed]
+            rest = [s for s in active if s not in removed]
             net_after = sum(s.net_bytes_per_s for s in active) / (NET * len(rest))
             cpu_after = sum(s.cpu_fraction for s in active) / len(rest)
             assert net_after <= BOUNDS.upper and cpu_after <= BOUNDS.upper
+            # What the servers hold (data and reservations) fits in what stays.
+            for tier in {s.tier for s in removed}:
+                held = sum(s.used_bytes for s in active if s.tier == tier)
+                left = sum(s.capacity_bytes for s in rest if s.tier == tier)
+                assert held <= BOUNDS.upper * left
         elif isinstance(action, AddServer):
             assert cluster_utilization(servers).highest() > BOUNDS.upper
 
@@ -272,7 +278,7 @@ def test_idle_threads_are_released_down_to_the_middle_of_the_band() -> None:
 def test_removing_an_idle_server_comes_before_releasing_threads() -> None:
     servers = base(cpu=0.05, net=0.05, used=0.05)
     servers[2] = server("dram-2", cpu=0.05, net=0.05, used=0.05, threads=4, threads_max=4)
-    assert isinstance(decide(servers, BOUNDS, now_s=100.0), RemoveServer)
+    assert isinstance(decide(servers, BOUNDS, now_s=100.0), RemoveServers)
 
 
 def test_threads_are_not_released_while_a_dimension_is_hot_or_in_cooldown() -> None:
@@ -284,3 +290,41 @@ def test_threads_are_not_released_while_a_dimension_is_hot_or_in_cooldown() -> N
     assert isinstance(decide(calm, BOUNDS, now_s=100.0, last_action_s=97.0), NoAction)
     assert isinstance(decide(calm, BOUNDS, now_s=100.0, last_action_s=90.0), RemoveThreads)
     assert isinstance(decide(calm, BOUNDS, now_s=100.0, pending={"dram": 1}), NoAction)
+
+
+def test_empty_servers_go_at_once_and_together_within_the_cool_down() -> None:
+    # A job ended: its two launched servers hold nothing now, while the long-running ones hold
+    # data in the band. Both go in one action, 3 s after the last one (cool-down 5 s).
+    servers = base(cpu=0.1, net=0.1, used=0.65)[:2] + [
+        server("dram-2", cpu=0.0, net=0.0, used=0.0),
+        server("dram-3", cpu=0.0, net=0.0, used=0.0),
+    ]
+    action = decide(servers, BOUNDS, now_s=100.0, last_action_s=97.0)
+    assert action == RemoveServers(("dram-2", "dram-3"), ANY_REASON)
+    # Within the short vertical cool-down nothing happens yet.
+    assert isinstance(decide(servers, BOUNDS, now_s=100.0, last_action_s=99.0), NoAction)
+
+
+def test_an_empty_server_the_others_need_stays() -> None:
+    # The network is at 60% over three servers; taking it would leave 90% on the other two.
+    servers = base(cpu=0.1, net=0.9, used=0.1)[:2] + [server("dram-2", net=0.0, used=0.0)]
+    assert isinstance(decide(servers, BOUNDS, now_s=100.0), NoAction)
+
+
+def test_servers_holding_data_go_together_when_demand_drops_but_not_below_what_jobs_hold() -> None:
+    # Five launched servers each 20% full: together 1 server's worth plus the long-running
+    # ones. Several go at once, as many as keep capacity use at or below 80%.
+    servers = [
+        server("lr-0", long_running=True, cpu=0.1, net=0.1, used=0.2),
+        server("lr-1", long_running=True, cpu=0.1, net=0.1, used=0.2),
+        *(server(f"dram-{i}", cpu=0.1, net=0.1, used=0.2) for i in range(2, 7)),
+    ]
+    action = decide(servers, BOUNDS, now_s=100.0)
+    assert isinstance(action, RemoveServers) and len(action.node_ids) == 5
+    # Seven servers at 20%: 1.4 servers of bytes; two servers left would be 70% full.
+    rest = [s for s in servers if s.node_id not in action.node_ids]
+    assert cluster_utilization(rest).highest() <= BOUNDS.upper or len(rest) == 2
+    held = sum(s.used_bytes for s in servers)
+    assert held <= BOUNDS.upper * sum(s.capacity_bytes for s in rest)
+    # Holding data, they wait for the full cool-down.
+    assert isinstance(decide(servers, BOUNDS, now_s=100.0, last_action_s=97.0), NoAction)

@@ -14,7 +14,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-SIZING_ACTIONS = ("AddServer", "RemoveServer", "AddThreads", "RemoveThreads")
+SIZING_ACTIONS = ("AddServer", "RemoveServers", "AddThreads", "RemoveThreads")
 """Sizing actions counted by name; any other is counted as ``other`` (a bounded tag set)."""
 
 

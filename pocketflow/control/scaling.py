@@ -15,7 +15,7 @@ from pocketflow.control.membership import Membership
 from pocketflow.control.sizing import (
     AddServer,
     AddThreads,
-    RemoveServer,
+    RemoveServers,
     RemoveThreads,
     ServerUtilization,
     SizingBounds,
@@ -109,9 +109,19 @@ class Scaler:
                 info = launch_server(action.tier, long_running=action.long_running)
                 done["node_id"] = info.node_id
                 self._last_action_s = time.monotonic()
-        elif isinstance(action, RemoveServer):
-            drain_server(action.node_id)
-            done["node_id"] = action.node_id
+        elif isinstance(action, RemoveServers):
+            done["node_ids"] = list(action.node_ids)
+            drained = []
+            for node_id in action.node_ids:
+                try:
+                    drain_server(node_id)
+                except ClusterError as exc:  # gone meanwhile, or one of the last long-running
+                    log.warning("sizing: drain of %s refused: %s", node_id, exc)
+                    continue
+                drained.append(node_id)
+            done["drained"] = drained
+            if not drained:
+                done["skipped"] = True
             self._last_action_s = time.monotonic()
         if done["action"] != "NoAction":
             log.info("sizing: %s", done)

@@ -40,7 +40,7 @@ from pocketflow.control.sizing import (
     AddServer,
     AddThreads,
     NoAction,
-    RemoveServer,
+    RemoveServers,
     RemoveThreads,
     ServerUtilization,
     SizingBounds,
@@ -305,9 +305,10 @@ class _Cluster:
         if isinstance(action, AddServer):
             node = self._launch(action.tier, t=t, long_running=action.long_running)
             return f"add {node.node_id}"
-        if isinstance(action, RemoveServer):
-            self._node(action.node_id).draining = True
-            return f"drain {action.node_id}"
+        if isinstance(action, RemoveServers):
+            for node_id in action.node_ids:
+                self._node(node_id).draining = True
+            return f"drain {', '.join(action.node_ids)}"
         assert isinstance(action, (AddThreads, RemoveThreads))
         self._node(action.node_id).threads = action.threads
         return f"threads {action.node_id}={action.threads}"

@@ -9,9 +9,9 @@ API summary (for the controller's sizing loop and the simulator):
   last action the caller executed (``None``: never) and ``pending`` the servers per tier that
   were launched and are not up yet.
 - The action is one of :class:`AddThreads` (vertical scaling of one server),
-  :class:`AddServer` (launch a server of a tier), :class:`RemoveServer` (drain one server and let
-  it exit), :class:`RemoveThreads` (vertical scale-down of one server) or :class:`NoAction` (with
-  the reason). Every action has a ``reason`` for logs.
+  :class:`AddServer` (launch a server of a tier), :class:`RemoveServers` (drain one or more
+  servers and let them exit), :class:`RemoveThreads` (vertical scale-down of one server) or
+  :class:`NoAction` (with the reason). Every action has a ``reason`` for logs.
 - ``cluster_utilization(servers) -> ClusterUtilization`` — the aggregate the rules look at.
 
 The rules, checked in this order:
@@ -23,14 +23,20 @@ The rules, checked in this order:
    CPU to the middle of the band (twice as many when saturated; at least ``bounds.threads_step``
    more, at most its maximum).
    Threads are cheap and local, so their cool-down is short.
-3. Cool-down: within ``bounds.cooldown_s`` of the last action, do nothing more, so that the
+3. Scale-down, when no dimension is above the upper bound and no server is starting (removal
+   goes first so that capacity follows demand down as fast as it follows it up): remove
+   servers that are not long-running, fewest used bytes first, several at once, as long as no
+   dimension would then rise above the upper bound (hysteresis: the removed servers' CPU,
+   network and bytes count against the servers that stay, so what registered jobs hold always
+   fits in what is left). An *empty* server (no bytes and no reservation: the caller counts a
+   job's reservation as used) goes at once, after the short vertical cool-down only, whatever
+   the other dimensions; a server holding data goes only when every dimension is below the
+   lower bound and the full cool-down has passed (its drain waits for the data to be freed).
+4. Cool-down: within ``bounds.cooldown_s`` of the last action, do nothing more, so that the
    effect of an action shows in the samples before the next one (no flapping).
-4. A dimension above the upper bound (a tier's capacity, the mean CPU, the aggregate network):
+5. A dimension above the upper bound (a tier's capacity, the mean CPU, the aggregate network):
    add a server of that tier (for CPU or network: the tier of the busiest server), unless a
    server of that tier is already starting or ``bounds.servers_max`` is reached.
-5. Every dimension below the lower bound: remove a server from the tier with the lowest capacity
-   use — the non-long-running server holding the fewest bytes — provided that no dimension would
-   then rise above the upper bound (hysteresis). Long-running servers are never removed.
 6. Otherwise (and no server is starting), a server whose CPU is below the lower bound and that
    runs more than ``bounds.threads_min`` threads releases threads: as many as keep its CPU at or
    below the middle of the band (so rule 2 never adds them back), at least ``threads_min``. This
@@ -134,10 +140,11 @@ class AddServer:
 
 
 @dataclass(frozen=True)
-class RemoveServer:
-    """Scale down: drain server ``node_id`` (weight 0 for new jobs), then let it exit."""
+class RemoveServers:
+    """Scale down: drain the servers ``node_ids`` (weight 0 for new data), each exiting once it
+    holds no data."""
 
-    node_id: str
+    node_ids: tuple[str, ...]
     reason: str
 
 
@@ -148,7 +155,7 @@ class NoAction:
     reason: str
 
 
-SizingAction = AddThreads | AddServer | RemoveServer | RemoveThreads | NoAction
+SizingAction = AddThreads | AddServer | RemoveServers | RemoveThreads | NoAction
 
 
 @dataclass(frozen=True)
@@ -216,54 +223,72 @@ def decide(
                 f"cpu {server.cpu_fraction:.0%} > {bounds.upper:.0%} on {server.node_id}",
             )
 
+    usage = cluster_utilization(active)
+    hot = _hot_tier(active, usage, bounds)
+    starting = sum(pending.values())
+    below = usage.highest() < bounds.lower
+    if hot is None and starting == 0:
+        removal = _removals(
+            active, usage, bounds, holding_data=below and elapsed_s >= bounds.cooldown_s
+        )
+        if removal is not None:
+            return removal
+
     if elapsed_s < bounds.cooldown_s:
         return NoAction(f"cool-down: last action {elapsed_s:.1f}s ago")
 
-    usage = cluster_utilization(active)
-    hot = _hot_tier(active, usage, bounds)
     if hot is not None:
         tier, reason = hot
-        starting = sum(pending.values())
         if pending.get(tier, 0) > 0:
             return NoAction(f"{reason}; a {tier} server is already starting")
         if len(active) + starting >= bounds.servers_max:
             return NoAction(f"{reason}; at the limit of {bounds.servers_max} servers")
         return AddServer(tier, reason)
 
-    below = usage.highest() < bounds.lower
-    if sum(pending.values()) == 0:
-        removal = _removal(active, usage, bounds) if below else None
-        if removal is not None:
-            return removal
+    if starting == 0:
         release = _thread_release(active, bounds, target)
         if release is not None:
             return release
     if not below:
         return NoAction(f"within bounds (highest {usage.highest():.0%})")
-    if sum(pending.values()) > 0:
+    if starting > 0:
         return NoAction("below bounds, but servers are still starting")
     return NoAction("below bounds, but no server can be removed")
 
 
-def _removal(
-    active: list[ServerUtilization], usage: ClusterUtilization, bounds: SizingBounds
-) -> RemoveServer | None:
-    """Rule 5: the server to drain when every dimension is below the lower bound, if any."""
-    for tier in sorted(usage.capacity_by_tier, key=lambda t: (usage.capacity_by_tier[t], t)):
-        candidates = sorted(
-            (s for s in active if s.tier == tier and not s.long_running),
-            key=lambda s: (s.used_bytes, s.node_id),
-        )
-        for candidate in candidates:
-            rest = [s for s in active if s.node_id != candidate.node_id]
-            after = _utilization_without(rest, candidate)
-            if after.highest() <= bounds.upper:
-                return RemoveServer(
-                    candidate.node_id,
-                    f"all below {bounds.lower:.0%} (highest {usage.highest():.0%}); "
-                    f"{tier} capacity use lowest at {usage.capacity_by_tier[tier]:.0%}",
-                )
-    return None
+def _removals(
+    active: list[ServerUtilization],
+    usage: ClusterUtilization,
+    bounds: SizingBounds,
+    *,
+    holding_data: bool,
+) -> RemoveServers | None:
+    """Rule 3: the servers to drain now, if any.
+
+    Candidates, fewest used bytes first: empty servers always, servers holding data only with
+    ``holding_data``. Each is taken while the servers that stay could carry the load of every
+    server taken so far without a dimension above the upper bound.
+    """
+    candidates = sorted(
+        (s for s in active
+         if not s.long_running and (s.used_bytes == 0 or holding_data)),
+        key=lambda s: (s.used_bytes, s.node_id),
+    )
+    taken: list[ServerUtilization] = []
+    for candidate in candidates:
+        chosen = {s.node_id for s in taken} | {candidate.node_id}
+        rest = [s for s in active if s.node_id not in chosen]
+        if _utilization_without(rest, [*taken, candidate]).highest() <= bounds.upper:
+            taken.append(candidate)
+    if not taken:
+        return None
+    empty = all(s.used_bytes == 0 for s in taken)
+    reason = (
+        f"{len(taken)} empty server(s) not needed (highest {usage.highest():.0%})"
+        if empty
+        else f"all below {bounds.lower:.0%} (highest {usage.highest():.0%})"
+    )
+    return RemoveServers(tuple(s.node_id for s in taken), reason)
 
 
 def _thread_release(
@@ -306,24 +331,22 @@ def _hot_tier(
 
 
 def _utilization_without(
-    rest: list[ServerUtilization], removed: ServerUtilization
+    rest: list[ServerUtilization], removed: Sequence[ServerUtilization]
 ) -> ClusterUtilization:
-    """Utilization once ``removed`` is gone and its load has moved to ``rest``.
+    """Utilization once ``removed`` are gone and their load has moved to ``rest``.
 
-    Its CPU and network load move to the remaining servers; its bytes stay counted against its
-    tier (new data of that tier lands on the remaining servers).
+    Their CPU and network load move to the remaining servers; their bytes stay counted against
+    their tiers (new data of those tiers lands on the remaining servers).
     """
     if not rest:
         return ClusterUtilization(cpu=1.0, net=1.0)
-    cpu = (sum(s.cpu_fraction for s in rest) + removed.cpu_fraction) / len(rest)
+    cpu = (sum(s.cpu_fraction for s in rest) + sum(s.cpu_fraction for s in removed)) / len(rest)
     net_capacity = sum(s.net_capacity_bytes_per_s for s in rest)
-    net_used = sum(s.net_bytes_per_s for s in rest) + removed.net_bytes_per_s
+    net_used = sum(s.net_bytes_per_s for s in rest) + sum(s.net_bytes_per_s for s in removed)
     net = net_used / net_capacity if net_capacity > 0 else 1.0
     capacity: dict[str, float] = {}
-    for tier in sorted({s.tier for s in rest} | {removed.tier}):
+    for tier in sorted({s.tier for s in rest} | {s.tier for s in removed}):
         total = sum(s.capacity_bytes for s in rest if s.tier == tier)
-        used = sum(s.used_bytes for s in rest if s.tier == tier)
-        if tier == removed.tier:
-            used += removed.used_bytes
+        used = sum(s.used_bytes for s in [*rest, *removed] if s.tier == tier)
         capacity[tier] = used / total if total > 0 else (1.0 if used else 0.0)
     return ClusterUtilization(cpu=cpu, net=net, capacity_by_tier=capacity)

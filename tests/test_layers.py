@@ -170,3 +170,25 @@ def test_the_core_imports_no_adapter() -> None:
             found.extend(f"{path.relative_to(PACKAGE_DIR)} imports {name}" for name in names
                          if name.split(".")[0] in ADAPTER_PACKAGES)
     assert found == []
+
+
+HEAVY_PACKAGES = ("ray", "lithops", "pyarrow", "numpy", "grpc", "cryptography", "psutil")
+"""What a client-only install does not have (setup.cfg: they come with the extras)."""
+
+
+def test_a_task_that_connects_with_a_handle_and_does_io_loads_no_extra(job_handle) -> None:
+    """``pip install pocketflow`` brings no Ray, Lithops or pyarrow: a task that imports the
+    package, connects with its job's handle and puts and gets must not need them."""
+    from fixtures_servers import run_with_handle
+
+    script = (
+        "import sys, pocketflow\n"
+        "with pocketflow.connect(sys.stdin.read()) as pf:\n"
+        "    pf.create_bucket('b')\n"
+        "    pf.put('b', 'k', b'v')\n"
+        "    assert pf.get('b', 'k', delete=True) == b'v'\n"
+        "    list(pf.enumerate('b'))\n"
+        f"loaded = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY_PACKAGES!r}))\n"
+        "print(','.join(loaded) or '-')\n"
+    )
+    assert run_with_handle(script, job_handle, timeout_s=60) == ["-"]

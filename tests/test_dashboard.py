@@ -155,7 +155,7 @@ def test_every_controller_panel_queries_series_ray_exports_for_the_controller(
         # A counter Ray has not seen move yet is not exported at all: the sizing actions, on a
         # cluster that does not autoscale. Such a family must be one the controller declares,
         # under the name Ray gives the counters that did move (``ray_<name>_total``).
-        pending = [p for p in problems if "ray_pocketflow_sizing_actions_total is not" in p]
+        pending = [p for p in problems if "ray_pocketflow_sizing_actions_total" in p]
         if problems == pending or time.monotonic() > deadline:
             break
         time.sleep(2.0)
@@ -168,3 +168,4 @@ def test_every_controller_panel_queries_series_ray_exports_for_the_controller(
         assert declared is not None
         assert type(declared["sizing_actions"]).__name__ == "Counter"
         assert declared["sizing_actions"]._name == "pocketflow_sizing_actions"
+        assert tuple(declared["sizing_actions"]._tag_keys) == ("action",)

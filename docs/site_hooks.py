@@ -11,6 +11,7 @@ SITE_SOURCES are read in place; nothing is copied into the source tree.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from mkdocs.config.defaults import MkDocsConfig
@@ -26,6 +27,10 @@ SITE_SOURCES = (
 )
 """Repository files (globs from the checkout's root) that are pages or assets of the site."""
 
+
+SPHINX_ROLE = re.compile(r":(?:class|meth|func|mod|attr|exc|data|obj):(?=<code>)")
+"""A Sphinx cross-reference role before the code span mkdocstrings rendered its target as (the
+docstrings write ``:class:`Client```): the role's name is dropped, the code span stays."""
 
 SITE_PAGES_DIR = "docs/site"
 """The docs_dir of mkdocs.yml, as a path in the checkout."""
@@ -45,3 +50,8 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
                 src_uri = path.relative_to(root).as_posix()
                 files.append(File.generated(config, src_uri, abs_src_path=str(path)))
     return files
+
+
+def on_page_content(html: str, **_: object) -> str:
+    """Drop the Sphinx role names of the docstrings' cross-references from the rendered API."""
+    return SPHINX_ROLE.sub("", html)

@@ -4,8 +4,6 @@ Every blocking method releases the GIL; every failure is raised as a :mod:`pocke
 class (mapped once, by ``error_from_grpc``).
 """
 
-from typing import Any
-
 from typing_extensions import Buffer
 
 RawHeader = tuple[int, int, int, int, int]
@@ -16,11 +14,13 @@ RawReply = tuple[int, RawHeader | None, bytes]
 PLACED_OPS_MAX: int
 """Most ops one :meth:`Objects.run_placed` runs (one request frame's worth, 1024)."""
 
-def empty_bytes(size: int) -> bytes:
-    """A ``bytes`` of ``size`` zero bytes for :meth:`Connection.get_ranges` to fill in place."""
+def placed_block(block: int, block_count: int) -> int:
+    """The block index placement hashes for data block ``block`` of an object of
+    ``block_count`` data blocks: 0 (its manifest's) for an object of one data block."""
 
 class Placement:
-    """Weighted rendezvous placement over one weight map (``pocketflow/placement.py``'s picks)."""
+    """Weighted rendezvous placement over one weight map (what ``pocketflow/placement.py``
+    wraps)."""
 
     def __init__(
         self,
@@ -33,6 +33,12 @@ class Placement:
         Raises ``InvalidRequest`` for malformed pools or routes."""
     def servers_for(self, keys: list[bytes], block: int = 0, persist: bool = False) -> list[int]:
         """Index of each key's server in the map's order, -1 where none can hold it."""
+    def server_for(self, key: bytes, block: int = 0, persist: bool = False) -> int:
+        """Index of the key's server in the map's order, -1 where none can hold it."""
+    def ranked(self, key: bytes, block: int = 0) -> list[int]:
+        """Every server's index, best-scoring first (routes play no part)."""
+    def has_persist(self) -> bool:
+        """Whether PERSIST objects can be placed at all."""
 
 class Connection:
     """One client's connection to one storage server."""
@@ -55,14 +61,6 @@ class Connection:
         self, command: bytes, epoch: int, op: int, flags: int, bucket: bytes, key: bytes,
         header: bytes, value: Buffer | None,
     ) -> RawReply: ...
-    def run(
-        self, command: bytes, epoch: int, ops: list[tuple[Any, ...]], window: int
-    ) -> list[RawReply]: ...
-    def put_blocks(self, command: bytes, blocks: list[tuple[int, Buffer]]) -> bytes: ...
-    def get_ranges(
-        self, ticket: bytes, ranges: list[tuple[int, int, int, int]], dest: Buffer
-    ) -> tuple[list[int], BaseException | None]: ...
-    def warm(self, command: bytes, count: int) -> int: ...
     def action(self, name: str, body: bytes) -> bytes: ...
     def close(self) -> None: ...
 
@@ -116,8 +114,6 @@ class Objects:
     def get(self, bucket: str, key: str, *, delete: bool = False) -> bytes: ...
     def get_into(self, bucket: str, key: str, buffer: Buffer, *, delete: bool = False) -> int: ...
     def get_range(self, bucket: str, key: str, offset: int, length: int) -> bytes: ...
-    def lookup_homes(self, bucket: str, keys: list[str]) -> list[BaseException | None]:
-        """LOOKUP each key at its home: ``None`` where it is, else the server's answer."""
     def wait_for(self, bucket: str, keys: list[str], timeout_s: float) -> list[str]:
         """Block until every key exists or the timeout passes; the keys still missing."""
     def get_many(
@@ -161,6 +157,3 @@ class Objects:
         overwrite: bool = False,
     ) -> int: ...
     def delete_blocks(self, bucket: str, key: str, header: bytes) -> None: ...
-    def delete_block_groups(
-        self, bucket: str, key: str, version: int, groups: dict[str, list[int]]
-    ) -> list[tuple[str, BaseException]]: ...

@@ -1,9 +1,10 @@
 """Connections to storage servers, over the Rust client core (``pocketflow._core``).
 
 One :class:`ServerConnection` per server and client wraps a native connection: one HTTP/2
-connection, a bounded pool of pipelined DoExchange sessions for small operations, DoPut and DoGet
-streams of data blocks and DoActions. The GIL is released during all I/O; every wait is bounded
-by the connection's timeouts, so a dead or hung server surfaces as
+connection, a bounded pool of small-operation sessions and DoActions. Everything else of the data
+path (pipelined batches, data blocks over DoPut and DoGet) runs inside the native object layer
+(``_core.Objects``) and has no Python face. The GIL is released during all I/O; every wait is
+bounded by the connection's timeouts, so a dead or hung server surfaces as
 :class:`~pocketflow.errors.DataUnavailable`, never as a hang. Errors arrive already mapped to
 :mod:`pocketflow.errors` (by ``error_from_grpc``).
 
@@ -15,11 +16,11 @@ connections on first use (the parent's are never touched there), so a client kee
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from pocketflow import _core
-from pocketflow.errors import InternalError, PocketflowError
+from pocketflow.errors import InternalError
 from pocketflow.protocol import (
     ACTION_DELETE_JOB,
     ACTION_DRAIN,
@@ -34,16 +35,9 @@ from pocketflow.protocol import (
     context,
 )
 
-__all__ = [
-    "ExchangeOp", "ServerConnection", "AdminClient", "ADMIN_TIMEOUT_DEFAULT_S", "new_bytes",
-]
+__all__ = ["ServerConnection", "AdminClient", "ADMIN_TIMEOUT_DEFAULT_S"]
 
 ADMIN_TIMEOUT_DEFAULT_S = 10.0
-
-new_bytes: Callable[[int], bytes] = _core.empty_bytes
-"""A ``bytes`` of the given size for :meth:`ServerConnection.get_ranges` to fill in place, so a
-get returns the object it received into, without a join or a copy."""
-
 
 RawReply = tuple[int, tuple[int, int, int, int, int] | None, bytes]
 """A reply as the native core gives it: status, the header's fields or ``None``, body."""
@@ -52,43 +46,6 @@ RawReply = tuple[int, tuple[int, int, int, int, int] | None, bytes]
 def _reply(raw: RawReply) -> Reply:
     status, header, body = raw
     return Reply(0, status, None if header is None else ObjectHeader(*header), body)
-
-
-class ExchangeOp:
-    """One small operation to run over a session, and, once run, its reply.
-
-    ``tag`` is the caller's (for instance the index of the key in a ``get_many`` call).
-    """
-
-    __slots__ = ("op", "flags", "bucket", "key", "header", "value", "tag", "reply")
-
-    def __init__(
-        self,
-        op: int,
-        flags: int,
-        bucket: bytes,
-        key: bytes,
-        header: bytes = ZERO_HEADER,
-        value: bytes | bytearray | memoryview = b"",
-        tag: Any = None,
-    ) -> None:
-        self.op = op
-        self.flags = flags
-        self.bucket = bucket
-        self.key = key
-        self.header = header
-        self.value = value
-        self.tag = tag
-        self.reply: Reply | None = None
-
-
-def _op_tuples(ops: Sequence[ExchangeOp]) -> list[tuple[Any, ...]]:
-    return [(op.op, op.flags, op.bucket, op.key, op.header, op.value) for op in ops]
-
-
-def _fill_replies(ops: Sequence[ExchangeOp], raw: Sequence[RawReply]) -> None:
-    for op, reply in zip(ops, raw, strict=True):
-        op.reply = _reply(reply)
 
 
 class ServerConnection:
@@ -161,45 +118,6 @@ class ServerConnection:
         return _reply(self._native.call(
             self._command(), epoch, op, flags, bucket, key, header, value
         ))
-
-    def run(self, epoch: int, ops: Sequence[ExchangeOp], window: int) -> None:
-        """Run many small operations pipelined over one session; fills each op's ``reply``."""
-        if not ops:
-            return
-        raw = self._native.run(self._command(), epoch, _op_tuples(ops), window)
-        _fill_replies(ops, raw)
-
-    def warm(self, count: int) -> int:
-        """Open sessions until the pool holds ``count`` (at most ``sessions_max``), kept idle for
-        the next concurrent callers; returns how many it holds."""
-        return self._native.warm(self._command(), count)
-
-    # -- data streams ------------------------------------------------------------------------
-
-    def put_blocks(self, command: bytes, blocks: Sequence[tuple[int, Any]]) -> dict[str, Any]:
-        """Write data blocks over one DoPut stream; returns the server's ``{"blocks", "bytes"}``.
-
-        Each block is any C-contiguous buffer, read in place with the GIL released.
-        """
-        result = self._native.put_blocks(command, list(blocks))
-        if not result:
-            return {}
-        try:
-            parsed = json.loads(result)
-        except ValueError:
-            return {}
-        return parsed if isinstance(parsed, dict) else {}
-
-    def get_ranges(
-        self, ticket: bytes, ranges: Sequence[tuple[int, int, int, int]], dest: Any
-    ) -> tuple[list[int], PocketflowError | None]:
-        """Read a DoGet ticket's ranges, ``(block, offset, length, dest_at)`` in ticket order,
-        into ``dest`` (a writable buffer, or a :func:`new_bytes` object).
-
-        Returns the bytes received per range and the error that ended the stream early (or
-        ``None``); a failure before any byte arrived is raised.
-        """
-        return self._native.get_ranges(ticket, list(ranges), dest)
 
     # -- actions -----------------------------------------------------------------------------
 

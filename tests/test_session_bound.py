@@ -9,6 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,40 +21,61 @@ from pocketflow.client import connect
 from pocketflow.errors import CapacityExhausted
 
 EXCHANGE_SESSIONS_MAX = 256  # servers/crates/flight/src/bounds.rs
-SESSIONS_PER_HOLDER_MAX = 127  # under the 128 streams the server allows one connection
+SESSIONS_PER_HOLDER_MAX = 64  # the most sessions_per_server a client takes
 HOLDER_START_TIMEOUT_S = 60
 
-# Opens N sessions to the handle's only server, makes each answer once (so the server holds
-# it), prints "held" and keeps them until stdin closes.
+HELD_WAIT_S = 2.0
+"""How long each of a holder's dequeues parks on its empty queue before the next one."""
+
+# Holds N sessions of the handle's only server through the public API: N threads each park a
+# dequeue on an empty queue, again and again, so the client's pool opens a session per thread and
+# keeps them all open. Prints "started", and stops once stdin closes.
 _HOLDER = """
-import sys
+import sys, threading
+from pocketflow.client import connect
 from pocketflow.handle import JobHandle
-from pocketflow.protocol import OP_GET, exchange_descriptor
-from pocketflow.transport import ServerConnection
 
 handle, count = JobHandle.from_json(sys.stdin.readline()), int(sys.argv[1])
-command = exchange_descriptor(handle.context())
-connection = ServerConnection(handle.servers[0].address, exchange_command=lambda: command,
-                              sessions_max=count)
-assert connection.warm(count) == count
-reply = connection.call(handle.epoch, OP_GET, 0, b"b", b"missing")
-assert reply.status == 5, reply
-print("held", flush=True)
-sys.stdin.read()
+stop = threading.Event()
+with connect(handle, sessions_per_server=count, op_timeout_s="30s") as pf:
+    def hold(n):
+        queue = pf.queue("b", f"held-{n}")
+        while not stop.is_set():
+            queue.dequeue(timeout_s=float(sys.argv[2]))
+    threads = [threading.Thread(target=hold, args=(n,)) for n in range(count)]
+    for thread in threads:
+        thread.start()
+    print("started", flush=True)
+    sys.stdin.read()
+    stop.set()
+    for thread in threads:
+        thread.join()
 """
 
 
+def open_sessions(metrics_url: str) -> int:
+    """The server's gauge of open exchange sessions (DoExchange and direct)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        # `pocketflow_sessions{node_id="...",tier="..."} 12`
+        if line.startswith(("pocketflow_sessions ", "pocketflow_sessions{")):
+            return int(float(line.rsplit(None, 1)[1]))
+    raise AssertionError("the server's metrics have no pocketflow_sessions gauge")
+
+
 @contextmanager
-def sessions_held(handle_json: str, count: int) -> Iterator[None]:
-    """Other processes hold ``count`` sessions of the server until the block ends."""
+def sessions_held(handle_json: str, count: int, *, metrics_url: str, total: int) -> Iterator[None]:
+    """Other processes hold ``count`` sessions of the server until the block ends; the block
+    starts once the server counts ``total`` open sessions."""
     holders: list[subprocess.Popen[str]] = []
     try:
         left = count
         while left:
             n = min(left, SESSIONS_PER_HOLDER_MAX)
             holder = subprocess.Popen(
-                [sys.executable, "-c", _HOLDER, str(n)], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, text=True,
+                [sys.executable, "-c", _HOLDER, str(n), str(HELD_WAIT_S)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             )
             holders.append(holder)
             assert holder.stdin is not None and holder.stdout is not None
@@ -62,7 +85,12 @@ def sessions_held(handle_json: str, count: int) -> Iterator[None]:
         for holder in holders:
             assert holder.stdout is not None
             line = _readline(holder, HOLDER_START_TIMEOUT_S)
-            assert line == "held\n", (line, holder.poll())
+            assert line == "started\n", (line, holder.poll())
+        deadline = time.monotonic() + HOLDER_START_TIMEOUT_S
+        while (held := open_sessions(metrics_url)) < total:
+            assert time.monotonic() < deadline, f"only {held} of {total} sessions open"
+            assert all(holder.poll() is None for holder in holders)
+            time.sleep(0.2)
         yield
     finally:
         for holder in holders:
@@ -87,10 +115,13 @@ def _readline(process: subprocess.Popen[str], timeout_s: float) -> str:
 
 def test_a_pool_refused_by_the_server_shares_the_sessions_it_has(server_factory) -> None:  # noqa: ANN001
     servers, _ = server_factory("sessions-0", capacity_bytes=64 * 1024 * 1024)
+    metrics_url = servers.process("sessions-0").metrics_url
+    assert metrics_url is not None
     handle = servers.handle()
     with connect(handle, **CLIENT_OPTIONS) as setup:
         setup.create_bucket("b")
-    with sessions_held(handle.to_json(), EXCHANGE_SESSIONS_MAX - 1):
+    held = EXCHANGE_SESSIONS_MAX - 1
+    with sessions_held(handle.to_json(), held, metrics_url=metrics_url, total=held):
         # One session is left; four threads each want their own and run long pipelines.
         with connect(handle, sessions_per_server=8, **CLIENT_OPTIONS) as pf:
             start = threading.Barrier(4)
@@ -117,7 +148,9 @@ def test_a_pool_refused_by_the_server_shares_the_sessions_it_has(server_factory)
 
         # With every session held by others, a new client gets a typed error, not a hang. A get
         # needs no session (a direct READ on a block connection); a lookup does.
-        with sessions_held(handle.to_json(), 1), connect(handle, **CLIENT_OPTIONS) as starved:
+        with sessions_held(handle.to_json(), 1, metrics_url=metrics_url,
+                           total=EXCHANGE_SESSIONS_MAX), \
+                connect(handle, **CLIENT_OPTIONS) as starved:
             with pytest.raises(CapacityExhausted):
                 starved.lookup("b", "t0-0-0")
             assert starved.get("b", "t0-0-0") == b"x" * 1024

@@ -9,7 +9,7 @@ from pocketflow.auth import make_token
 from pocketflow.errors import DataUnavailable, PermissionDenied
 from pocketflow.handle import JobHandle
 from pocketflow.protocol import OP_GET, OP_PUT, SMALL_OBJECT_MAX_BYTES, small_header
-from pocketflow.transport import AdminClient, ExchangeOp, ServerConnection
+from pocketflow.transport import AdminClient, ServerConnection
 
 
 def test_admin_client(storage_servers: ServerSet, job_handle: JobHandle) -> None:
@@ -47,40 +47,26 @@ SMALL_OPS = pytest.mark.parametrize("direct", [True, False], ids=["direct", "fli
 
 
 @SMALL_OPS
-def test_session_runs_ops_out_of_order_and_reports_each(
+def test_pipelined_batches_report_each_op_on_either_session_kind(
     storage_servers: ServerSet, job_handle: JobHandle, direct: bool
 ) -> None:
-    server = job_handle.servers[0]
-    from pocketflow.protocol import action_body, exchange_descriptor
+    """More ops than a frame or a window holds, pipelined per server: each op's own outcome comes
+    back in order, a missing key fails alone, and an object of exactly the small-object bound
+    travels as one op."""
+    from pocketflow.client import connect
+    from pocketflow.errors import ObjectNotFound
 
-    command = exchange_descriptor(job_handle.context())
-    connection = ServerConnection(server.address, exchange_command=lambda: command,
-                                  direct=direct)
-    try:
-        connection.action("create_bucket", action_body(job_handle.context(), bucket="b"))
-        header = small_header(7, 3, persist=False).encode()
-        puts = [ExchangeOp(OP_PUT, 0, b"b", f"k{i}".encode(), header, b"abc", tag=i)
-                for i in range(300)]
-        connection.run(job_handle.epoch, puts, window=64)
-        assert all(op.reply is not None and op.reply.status == 0 for op in puts)
-        gets = [ExchangeOp(OP_GET, 0, b"b", f"k{i}".encode(), tag=i) for i in range(300)]
-        gets.append(ExchangeOp(OP_GET, 0, b"b", b"absent", tag=-1))
-        connection.run(job_handle.epoch, gets, window=200)
-        assert all(bytes(op.reply.body) == b"abc" for op in gets[:-1])  # type: ignore[union-attr]
-        assert gets[-1].reply is not None and gets[-1].reply.status == 5
-        # A bad op fails alone: value length disagrees with the header.
-        bad = ExchangeOp(OP_PUT, 0, b"b", b"bad", header, b"x" * 5)
-        ok = ExchangeOp(OP_PUT, 0, b"b", b"ok", header, b"xyz")
-        connection.run(job_handle.epoch, [bad, ok], window=8)
-        assert bad.reply is not None and bad.reply.status == 3
-        assert ok.reply is not None and ok.reply.status == 0
-        too_big = ExchangeOp(OP_PUT, 0, b"b", b"big",
-                             small_header(7, SMALL_OBJECT_MAX_BYTES, persist=False).encode(),
-                             bytes(SMALL_OBJECT_MAX_BYTES))
-        connection.run(job_handle.epoch, [too_big], window=1)
-        assert too_big.reply is not None and too_big.reply.status == 0
-    finally:
-        connection.close()
+    small_ops = "direct" if direct else "flight"
+    with connect(job_handle, small_ops=small_ops, exchange_window=64) as client:
+        client.create_bucket("b")
+        keys = [f"k{i}" for i in range(1500)]
+        assert client.put_many("b", [(key, key.encode()) for key in keys]) == 1500
+        got = client.get_each("b", [*keys, "absent"])
+        assert got[:-1] == [key.encode() for key in keys]
+        assert isinstance(got[-1], ObjectNotFound)
+        edge = bytes(SMALL_OBJECT_MAX_BYTES)
+        client.put("b", "edge", edge)
+        assert client.get("b", "edge") == edge
 
 
 @SMALL_OPS
@@ -106,7 +92,7 @@ def test_refused_calls_free_their_session(
         with pytest.raises(TypeError):
             connection.call(job_handle.epoch, OP_PUT, 0, b"b", b"k2", header, 12345)  # type: ignore[arg-type]
         with pytest.raises(ValueError):
-            connection.run(job_handle.epoch, [ExchangeOp(99, 0, b"b", b"k")], window=1)
+            connection.call(job_handle.epoch, 99, 0, b"b", b"k")
         with pytest.raises(ValueError):
             connection.call(job_handle.epoch, OP_GET, 0, b"b", b"\xff")
         # With one session allowed, a leaked slot would make this wait and fail as unavailable.

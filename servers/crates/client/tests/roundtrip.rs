@@ -137,6 +137,12 @@ fn small_ops_round_trip_and_pipeline() {
     let replies = block_on(conn.exchange(&cmd, 1, &gets, 64)).unwrap();
     assert_eq!(replies.len(), 1500);
     assert!(replies.iter().all(|r| r.status == 0 && &r.body[..] == b"v"));
+
+    // A bad op fails alone in its frame: a value whose length disagrees with its header.
+    let mut bad = small_put("bad", b"xxxxx");
+    bad.header.size = 3;
+    let replies = block_on(conn.exchange(&cmd, 1, &[bad, small_put("ok", b"xyz")], 8)).unwrap();
+    assert_eq!((replies[0].status, replies[1].status), (3, 0));
 }
 
 #[test]

@@ -4,13 +4,13 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use pocketflow_client::{ClientError, ClientTls, ConnectionConfig, ExchangeReply, ExchangeRequest};
+use pocketflow_client::{ClientTls, ConnectionConfig, ExchangeReply, ExchangeRequest};
 use pocketflow_protocol::frame::OpCode;
 use pocketflow_protocol::header::{ObjectHeader, HEADER_LEN_BYTES};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyTuple};
 
 use crate::errors::to_py_err;
 use crate::memory::readable;
@@ -84,41 +84,6 @@ pub(crate) fn reply_tuple<'py>(
             PyBytes::new(py, &reply.body).into_any(),
         ],
     )
-}
-
-/// `(op, flags, bucket, key, header, value)` tuples as requests.
-pub(crate) fn requests_of(ops: &Bound<'_, PyList>) -> PyResult<Vec<ExchangeRequest>> {
-    let mut requests = Vec::with_capacity(ops.len());
-    for item in ops.iter() {
-        let (op, flags, bucket, key, header, value): (
-            u8,
-            u8,
-            Vec<u8>,
-            Vec<u8>,
-            Vec<u8>,
-            Bound<'_, PyAny>,
-        ) = item.extract()?;
-        requests.push(request_of(op, flags, &bucket, &key, &header, &value)?);
-    }
-    Ok(requests)
-}
-
-/// The replies of one run as a list of `(status, header or None, body)`, or its error.
-pub(crate) fn replies_list<'py>(
-    py: Python<'py>,
-    result: Result<Vec<ExchangeReply>, ClientError>,
-    server: &str,
-) -> PyResult<Bound<'py, PyList>> {
-    match result {
-        Ok(replies) => {
-            let list = PyList::empty(py);
-            for reply in &replies {
-                list.append(reply_tuple(py, reply)?)?;
-            }
-            Ok(list)
-        }
-        Err(e) => Err(to_py_err(py, &e, server)),
-    }
 }
 
 /// The bounds of a connection from the keyword arguments of `Connection` and `Objects`;

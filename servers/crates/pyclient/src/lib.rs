@@ -46,7 +46,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<objects::PyObjects>()?;
     m.add_class::<listing::PyListing>()?;
     m.add_class::<upload::PyUpload>()?;
-    m.add_function(wrap_pyfunction!(memory::empty_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(placement::placed_block, m)?)?;
     m.add("PLACED_OPS_MAX", PLACED_OPS_MAX)?;
     Ok(())
 }

@@ -65,13 +65,6 @@ pub(crate) fn writable(dest: &Bound<'_, PyAny>) -> PyResult<(Lent, Option<PyBuff
     Ok((lent, Some(buffer)))
 }
 
-/// A new `bytes` object of `size` zero bytes, for `Connection.get_ranges` to fill before
-/// anything else sees it: the object a get returns, allocated once at its final size.
-#[pyfunction]
-pub(crate) fn empty_bytes(py: Python<'_>, size: usize) -> PyResult<Bound<'_, PyBytes>> {
-    PyBytes::new_with(py, size, |_| Ok(()))
-}
-
 /// A fresh `bytes` object of `size` bytes whose contents are not initialised: only for a
 /// read that fills every byte before anything else sees the object (on failure it is dropped
 /// unseen).

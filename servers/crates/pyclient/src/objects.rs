@@ -238,28 +238,6 @@ impl PyObjects {
         Ok(())
     }
 
-    /// Free the given blocks (`{address: [index, ...]}`) of one version, servers in parallel;
-    /// returns `(address, error)` for each server that failed.
-    fn delete_block_groups<'py>(
-        &self,
-        py: Python<'py>,
-        bucket: &str,
-        key: &str,
-        version: u64,
-        groups: std::collections::HashMap<String, Vec<u32>>,
-    ) -> PyResult<Vec<(String, PyErr)>> {
-        let groups = groups
-            .into_iter()
-            .map(|(address, blocks)| (address, blocks.into_iter().collect()))
-            .collect();
-        let objects = &self.objects;
-        let failures = py.detach(|| objects.delete_block_groups(bucket, key, version, &groups));
-        Ok(failures
-            .iter()
-            .map(|f| (f.server.clone(), failure_to_py(py, f)))
-            .collect())
-    }
-
     /// A streamed upload of `bucket/key`: add its data blocks as they come, then commit.
     #[pyo3(signature = (bucket, key, *, persist))]
     fn upload(&self, bucket: &str, key: &str, persist: bool) -> PyUpload {
@@ -289,23 +267,6 @@ impl PyObjects {
         Ok(PyListing {
             listing: std::sync::Mutex::new(listing),
         })
-    }
-
-    /// LOOKUP each key at its home (no fallbacks), one pipelined round trip per server: per
-    /// key `None` where the record is, else the error the server answered.
-    fn lookup_homes(
-        &self,
-        py: Python<'_>,
-        bucket: &str,
-        keys: Vec<String>,
-    ) -> PyResult<Vec<Option<PyErr>>> {
-        let objects = &self.objects;
-        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let outcomes = py.detach(|| objects.lookup_homes(bucket, &key_refs));
-        Ok(outcomes
-            .iter()
-            .map(|o| o.as_ref().err().map(|f| failure_to_py(py, f)))
-            .collect())
     }
 
     /// Block until every key exists or `timeout_s` passes (the GIL released); the keys still

@@ -1,4 +1,5 @@
-//! `Placement`: weighted rendezvous placement over one weight map, for batches.
+//! `Placement`: weighted rendezvous placement over one weight map (the only implementation the
+//! Python side places with).
 
 use std::collections::BTreeMap;
 
@@ -9,7 +10,7 @@ use pyo3::types::{PyBytes, PyList};
 use crate::errors::to_py_err;
 
 /// Weighted rendezvous placement over one weight map (`pocketflow_client::placement`, the same
-/// picks as `pocketflow/placement.py`), for batches: one call places many keys.
+/// placement `pocketflow/placement.py` wraps): one key, or a batch in one call.
 #[pyclass(name = "Placement", module = "pocketflow._core", frozen)]
 pub(crate) struct PyPlacement {
     placement: Placement,
@@ -62,4 +63,31 @@ impl PyPlacement {
         }
         Ok(out)
     }
+
+    /// The index of the server for block `block` of `key`, or -1 where no server can hold it.
+    #[pyo3(signature = (key, block=0, persist=false))]
+    fn server_for(&self, key: &[u8], block: u32, persist: bool) -> i64 {
+        self.placement
+            .server_for(key, block, persist)
+            .map_or(-1, |i| i as i64)
+    }
+
+    /// Every server's index, best-scoring first for block `block` of `key` (the order fallback
+    /// reads probe in; routes play no part).
+    #[pyo3(signature = (key, block=0))]
+    fn ranked(&self, key: &[u8], block: u32) -> Vec<usize> {
+        self.placement.ranked(key, block)
+    }
+
+    /// Whether PERSIST objects can be placed at all.
+    fn has_persist(&self) -> bool {
+        self.placement.has_persist()
+    }
+}
+
+/// The block index placement hashes for data block `block` of an object of `block_count` data
+/// blocks (`pocketflow_client::placement::placed_block`).
+#[pyfunction]
+pub(crate) fn placed_block(block: u32, block_count: u32) -> u32 {
+    pocketflow_client::placement::placed_block(block, block_count)
 }

@@ -17,12 +17,10 @@ pub struct Args {
     pub tier: Tier,
     /// Capacity of the tier in bytes.
     pub capacity_bytes: u64,
-    /// File holding the cluster secret (its exact bytes).
-    pub secret_file: PathBuf,
+    /// Where the cluster secret and the TLS identity come from.
+    pub keys: KeySource,
     /// Address to listen on (loopback, or a node address with TLS).
     pub listen: SocketAddr,
-    /// TLS certificate chain and key files; every connection must then open with TLS.
-    pub tls: Option<TlsFiles>,
     /// Where to serve Prometheus metrics over HTTP (`GET /metrics`), if anywhere.
     pub metrics_listen: Option<SocketAddr>,
     /// File or block device of the NVMe tier.
@@ -39,6 +37,20 @@ pub struct Args {
     pub persist_ttl: Option<Duration>,
     /// How long a DoPut or DoGet may move nothing before it is ended.
     pub transfer_idle: Duration,
+}
+
+/// Where a server's key material comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeySource {
+    /// Files named on the command line (manual use and tests).
+    Files {
+        /// File holding the cluster secret (its exact bytes).
+        secret: PathBuf,
+        /// TLS certificate chain and key files; every connection must then open with TLS.
+        tls: Option<TlsFiles>,
+    },
+    /// One document on stdin (`crate::keys`), so that no key path is on the command line.
+    Stdin,
 }
 
 /// The PEM files of a TLS listener.
@@ -103,8 +115,13 @@ struct Flags {
     #[arg(long = "capacity", value_name = "SIZE", value_parser = parse_size_bytes)]
     capacity_bytes: u64,
     /// File holding the cluster secret (its exact bytes, at least 16).
-    #[arg(long, value_name = "PATH")]
-    secret_file: PathBuf,
+    #[arg(long, value_name = "PATH", required_unless_present = "keys_from_stdin")]
+    secret_file: Option<PathBuf>,
+    /// Read the cluster secret, and the TLS certificate chain and key if any, from one JSON
+    /// document on stdin at start (`{"secret_hex": .., "tls_cert_pem": .., "tls_key_pem": ..}`)
+    /// instead of from files: no key path is then on the command line or in a shared directory.
+    #[arg(long, conflicts_with_all = ["secret_file", "tls_cert", "tls_key"])]
+    keys_from_stdin: bool,
     /// Address to listen on, port 0 picks one. A loopback address (127.0.0.0/8, [::1],
     /// localhost), or any other specific address together with --tls-cert and --tls-key.
     #[arg(long, value_name = "HOST:PORT", default_value = LISTEN_DEFAULT, value_parser = parse_listen)]
@@ -159,12 +176,18 @@ impl From<Flags> for Args {
         Args {
             tier,
             capacity_bytes: flags.capacity_bytes,
-            secret_file: flags.secret_file,
-            listen: flags.listen,
-            tls: match (flags.tls_cert, flags.tls_key) {
-                (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
-                _ => None,
+            keys: match (flags.keys_from_stdin, flags.secret_file) {
+                (false, Some(secret)) => KeySource::Files {
+                    secret,
+                    tls: match (flags.tls_cert, flags.tls_key) {
+                        (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+                        _ => None,
+                    },
+                },
+                // clap requires --secret-file unless --keys-from-stdin, and forbids both.
+                _ => KeySource::Stdin,
             },
+            listen: flags.listen,
             metrics_listen: flags.metrics_listen,
             nvme_path: flags.nvme_path,
             long_running: flags.long_running,
@@ -188,12 +211,14 @@ where
     T: Into<OsString> + Clone,
 {
     let args = Flags::try_parse_from(argv).map(Args::from)?;
-    if !args.listen.ip().is_loopback() && args.tls.is_none() {
+    // With keys from stdin the document must carry a TLS identity; checked once it is read.
+    let tls_files = matches!(args.keys, KeySource::Files { tls: Some(_), .. });
+    if !args.listen.ip().is_loopback() && !tls_files && args.keys != KeySource::Stdin {
         return Err(clap::Error::raw(
             clap::error::ErrorKind::MissingRequiredArgument,
             format!(
                 "--listen {} is not a loopback address: a server on a node address needs TLS \
-                 (--tls-cert and --tls-key)\n",
+                 (--tls-cert and --tls-key, or --keys-from-stdin with a certificate)\n",
                 args.listen
             ),
         ));
@@ -393,11 +418,14 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(
-            args.tls,
-            Some(TlsFiles {
-                cert: "/c.pem".into(),
-                key: "/k.pem".into()
-            })
+            args.keys,
+            KeySource::Files {
+                secret: "/s".into(),
+                tls: Some(TlsFiles {
+                    cert: "/c.pem".into(),
+                    key: "/k.pem".into()
+                })
+            }
         );
         assert_eq!(args.metrics_listen, Some("127.0.0.1:0".parse().unwrap()));
         let half = parse(argv(
@@ -417,7 +445,13 @@ mod tests {
         .unwrap();
         assert_eq!(args.tier, Tier::Nvme);
         assert_eq!(args.capacity_bytes, 256 << 20);
-        assert_eq!(args.secret_file, PathBuf::from("/s"));
+        assert_eq!(
+            args.keys,
+            KeySource::Files {
+                secret: "/s".into(),
+                tls: None
+            }
+        );
         assert_eq!(args.listen, "127.0.0.1:0".parse().unwrap());
         assert_eq!(args.node_id, "n1");
         assert!(args.long_running);
@@ -441,6 +475,18 @@ mod tests {
         assert_eq!(args.threads, default_threads());
         assert_eq!(args.persist_ttl, None);
         assert_eq!(args.transfer_idle, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn keys_from_stdin_replace_the_key_files() {
+        let args = parse(argv("--tier dram --capacity 1MiB --keys-from-stdin")).unwrap();
+        assert_eq!(args.keys, KeySource::Stdin);
+        // Whether the document holds a certificate is checked when it is read.
+        let node = parse(argv(
+            "--tier dram --capacity 1MiB --keys-from-stdin --listen 10.0.0.1:0",
+        ))
+        .unwrap();
+        assert_eq!(node.keys, KeySource::Stdin);
     }
 
     #[test]
@@ -489,6 +535,14 @@ mod tests {
             ("--capacity 1MiB --secret-file /s", "--tier"),
             ("--tier dram --secret-file /s", "--capacity"),
             ("--tier dram --capacity 1MiB", "--secret-file"),
+            (
+                "--tier dram --capacity 1MiB --secret-file /s --keys-from-stdin",
+                "--keys-from-stdin",
+            ),
+            (
+                "--tier dram --capacity 1MiB --keys-from-stdin --tls-cert /c --tls-key /k",
+                "--keys-from-stdin",
+            ),
             ("--tier tape --capacity 1MiB --secret-file /s", "--tier"),
             (
                 "--tier nvme --capacity 1MiB --secret-file /s",
@@ -565,6 +619,7 @@ mod tests {
             "--tier <TIER>",
             "--capacity <SIZE>",
             "--secret-file <PATH>",
+            "--keys-from-stdin",
             "--listen <HOST:PORT>",
             "--nvme-path <FILE>",
             "--long-running",

@@ -3,6 +3,7 @@
 //! metrics over HTTP.
 
 mod args;
+mod keys;
 mod lifecycle;
 mod link;
 mod listener;
@@ -18,10 +19,9 @@ use pocketflow_flight::bounds::{
 };
 use pocketflow_flight::{ServiceConfig, StorageService};
 use pocketflow_protocol::limits::READY_LINE_PREFIX;
-use pocketflow_protocol::token::TokenKey;
 use pocketflow_store::{Store, StoreConfig, Throughput, Tier};
 
-use crate::args::Args;
+use crate::args::{Args, KeySource};
 
 /// Largest HTTP/2 frame the server accepts; large frames cut per-frame work on block transfers.
 const HTTP2_FRAME_MAX_BYTES: u32 = 1024 * 1024;
@@ -33,9 +33,31 @@ const HTTP2_KEEPALIVE_TIMEOUT_MS: u64 = 20_000;
 const RUNTIME_SHUTDOWN_MS: u64 = 500;
 
 fn main() -> ExitCode {
+    // Before any key is read, so that no other process of the user can read one back.
+    if let Err(e) = keys::forbid_dumps() {
+        eprintln!("pocketflow-server: cannot make the process non-dumpable: {e}");
+        return ExitCode::FAILURE;
+    }
     keep_transfer_buffers();
     // `--help` prints the help and exits 0; a flag error prints itself and the usage and exits 2.
     let args = args::parse(std::env::args_os()).unwrap_or_else(|e| e.exit());
+    let keys = match keys::load(&args.keys, std::io::stdin().lock()) {
+        Ok(keys) => keys,
+        Err(e) => {
+            eprintln!("pocketflow-server: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if !args.listen.ip().is_loopback() && keys.tls.is_none() {
+        // The flags checked this already for key files; a keys document is checked here.
+        debug_assert_eq!(args.keys, KeySource::Stdin);
+        eprintln!(
+            "pocketflow-server: --listen {} is not a loopback address: a server on a node \
+             address needs TLS, and the keys document has no tls_cert_pem and tls_key_pem",
+            args.listen
+        );
+        return ExitCode::FAILURE;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.threads)
         .thread_name("pocketflow-worker")
@@ -48,7 +70,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let outcome = runtime.block_on(serve(args));
+    let outcome = runtime.block_on(serve(args, keys));
     runtime.shutdown_timeout(Duration::from_millis(RUNTIME_SHUTDOWN_MS));
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
@@ -59,15 +81,8 @@ fn main() -> ExitCode {
     }
 }
 
-async fn serve(args: Args) -> Result<(), String> {
-    let secret = std::fs::read(&args.secret_file).map_err(|e| {
-        format!(
-            "cannot read --secret-file {}: {e}",
-            args.secret_file.display()
-        )
-    })?;
-    let token_key = TokenKey::new(&secret)
-        .map_err(|e| format!("--secret-file {}: {e}", args.secret_file.display()))?;
+async fn serve(args: Args, keys: keys::Keys) -> Result<(), String> {
+    let keys::Keys { token_key, tls } = keys;
     let store = Store::open(StoreConfig {
         tier: args.tier,
         capacity_bytes: args.capacity_bytes,
@@ -82,13 +97,8 @@ async fn serve(args: Args) -> Result<(), String> {
         .await
         .map_err(|e| format!("cannot measure the {} store: {e}", args.tier))?;
     pocketflow_flight::cores::init(args.threads);
-    let tls = match &args.tls {
-        Some(files) => Some(tokio_rustls::TlsAcceptor::from(
-            pocketflow_flight::tls::server_config(&files.cert, &files.key)
-                .map_err(|e| e.to_string())?,
-        )),
-        None => None,
-    };
+    let has_tls = tls.is_some();
+    let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let service = StorageService::new(
         store.clone(),
         ServiceConfig {
@@ -156,7 +166,7 @@ async fn serve(args: Args) -> Result<(), String> {
     if let Some(at) = metrics_at {
         ready.push_str(&format!(" metrics={at}"));
     }
-    if args.tls.is_some() {
+    if has_tls {
         ready.push_str(" tls");
     }
     println!("{ready}");

@@ -41,6 +41,10 @@ pub struct ServerOptions {
     pub threads: u32,
     pub persist_ttl: Option<String>,
     pub transfer_idle: Option<String>,
+    /// Hand the secret over stdin (`--keys-from-stdin`) instead of a file.
+    pub keys_from_stdin: bool,
+    /// Run the server as this user (the test runs as root).
+    pub uid: Option<u32>,
 }
 
 impl Default for ServerOptions {
@@ -53,6 +57,8 @@ impl Default for ServerOptions {
             threads: 2,
             persist_ttl: None,
             transfer_idle: None,
+            keys_from_stdin: false,
+            uid: None,
         }
     }
 }
@@ -62,6 +68,7 @@ pub struct TestServer {
     pub child: Child,
     pub addr: String,
     _dir: tempfile::TempDir,
+    _stdin: Option<std::process::ChildStdin>,
 }
 
 impl TestServer {
@@ -81,9 +88,15 @@ impl TestServer {
             "--capacity",
             &options.capacity,
         ])
-        .arg("--secret-file")
-        .arg(&secret_file)
         .args(["--threads", &options.threads.to_string()]);
+        if options.keys_from_stdin {
+            cmd.arg("--keys-from-stdin").stdin(Stdio::piped());
+        } else {
+            cmd.arg("--secret-file").arg(&secret_file);
+        }
+        if let Some(uid) = options.uid {
+            std::os::unix::process::CommandExt::uid(&mut cmd, uid);
+        }
         if options.nvme {
             let path: PathBuf = dir.path().join("nvme.data");
             cmd.args(["--tier", "nvme", "--nvme-path"]).arg(path);
@@ -107,6 +120,12 @@ impl TestServer {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn server");
+        // stdin stays open with the server: it reads one document, not to the end.
+        let stdin = child.stdin.take().map(|mut stdin| {
+            let document = json!({"secret_hex": hex_of(SECRET)}).to_string();
+            std::io::Write::write_all(&mut stdin, document.as_bytes()).expect("write keys");
+            stdin
+        });
         let stdout = child.stdout.take().expect("stdout");
         let mut line = String::new();
         BufReader::new(stdout)
@@ -122,6 +141,7 @@ impl TestServer {
             child,
             addr,
             _dir: dir,
+            _stdin: stdin,
         }
     }
 
@@ -186,6 +206,11 @@ impl Drop for TestServer {
             }
         }
     }
+}
+
+/// Lowercase hex of `bytes`.
+pub fn hex_of(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 pub fn token(job: &str) -> String {

@@ -143,8 +143,10 @@ def sessions() -> list[Session]:
 
 
 # Runs a session: stdin is JSON {"steps": [[label, code]...], "cleanups": [...]}; one namespace.
+# A cleanup that fails (it may use a name the failed step never made) prints its traceback but
+# does not hide the step's error.
 RUNNER = """
-import json, sys
+import json, sys, traceback
 session = json.load(sys.stdin)
 namespace = {"__name__": "__main__"}
 try:
@@ -153,8 +155,11 @@ try:
         exec(compile(code, label, "exec"), namespace)
 finally:
     for label, code in session["cleanups"]:
-        print(f"--- cleanup {label}", flush=True)
-        exec(compile(code, label, "exec"), namespace)
+        try:
+            exec(compile(code, label, "exec"), namespace)
+        except Exception:
+            print(f"cleanup {label} failed:", file=sys.stderr)
+            traceback.print_exc()
 print("--- all snippets ran", flush=True)
 """
 

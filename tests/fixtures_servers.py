@@ -9,6 +9,7 @@ fill or kill. Every process started here is stopped by its process id.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import uuid
@@ -22,6 +23,7 @@ from pocketflow.auth import make_token, write_secret_file
 from pocketflow.client import Client, connect
 from pocketflow.errors import PocketflowError, ServerStartError
 from pocketflow.handle import JobHandle, ServerInfo
+from pocketflow.protocol import READY_LINE_PREFIX
 from pocketflow.server_process import ServerSpec, StorageServerProcess, find_server_binary
 from pocketflow.tls import ServerCert
 from pocketflow.transport import AdminClient
@@ -159,6 +161,47 @@ class ServerSet:
                 process.stop()
             except (OSError, ServerStartError):
                 pass
+
+
+@dataclass
+class KeyedServer:
+    """A server process started here with its keys on stdin (``--keys-from-stdin``)."""
+
+    process: subprocess.Popen[str]
+    address: str
+    ready_fields: list[str]
+    """The ready line's words after the prefix."""
+
+    def stop(self) -> None:
+        """SIGTERM by pid, then wait."""
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+def start_keyed_server(
+    secret: bytes, cert: ServerCert | None, *args: str, node_id: str = "keyed-0"
+) -> KeyedServer:
+    """Start a DRAM server on 127.0.0.1 whose secret (and TLS identity, with ``cert``) come over
+    stdin only; ``args`` are more flags. The caller stops it."""
+    _require_binary()
+    document = {"secret_hex": secret.hex()}
+    if cert is not None:
+        document |= {"tls_cert_pem": cert.cert.read_text(), "tls_key_pem": cert.key.read_text()}
+    process = subprocess.Popen(
+        [str(find_server_binary()), "--tier", "dram", "--capacity", "32MiB",
+         "--listen", "127.0.0.1:0", "--node-id", node_id, "--threads", str(SERVER_THREADS),
+         "--keys-from-stdin", *args],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write(json.dumps(document))
+    process.stdin.flush()
+    ready = process.stdout.readline().split()
+    if ready[:1] != [READY_LINE_PREFIX]:
+        process.terminate()
+        process.wait(timeout=10)
+        raise AssertionError(f"no ready line: {ready}")
+    return KeyedServer(process, ready[1], ready[1:])
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 //! Prometheus metrics of one storage server: counters and histograms bumped by the request
 //! paths, gauges read from the store and the service's bounds at scrape time, and the text
-//! exposition (`prometheus`'s encoder) served at `GET /metrics` by [`serve`].
+//! exposition (`prometheus`'s encoder) served at `GET /metrics` by [`serve`], over HTTPS with
+//! the server's own certificate when it has one ([`metrics_tls_config`]).
 //!
 //! Label values come from closed sets (RPC names, op names, action names, error kinds), so the
 //! number of series is bounded whatever clients send.
@@ -14,9 +15,10 @@ use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
     TextEncoder,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
 
 use crate::bounds::{EXCHANGE_SESSIONS_MAX, TRANSFERS_MAX, WAITS_PARKED_MAX};
 use crate::service::{ServiceState, StorageService};
@@ -29,7 +31,7 @@ const LATENCY_BUCKETS_S: &[f64] = &[
 
 /// Scrapes served at once; further connections wait in the listener's backlog.
 const SCRAPES_MAX: usize = 4;
-/// A scrape's request must arrive within this bound.
+/// A scrape's TLS handshake (if any) and request must arrive within this bound.
 const SCRAPE_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest request head read from a scraper.
 const SCRAPE_REQUEST_MAX_BYTES: usize = 8 * 1024;
@@ -243,10 +245,18 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<(TcpListener, SocketAddr)
     Ok((listener, local))
 }
 
-/// Answer scrapes on `listener` forever: `GET /metrics` gets the text exposition, any other
-/// path 404, anything else 400. HTTP/1.x, one request per connection, at most `SCRAPES_MAX`
-/// at once, each request within `SCRAPE_REQUEST_TIMEOUT`.
-pub async fn serve(listener: TcpListener, service: StorageService) {
+/// The TLS configuration of the metrics listener: the server's identity (`server`, from
+/// [`crate::tls`]) offering ALPN `http/1.1` instead of the Flight port's protocols.
+pub fn metrics_tls_config(server: &rustls::ServerConfig) -> Arc<rustls::ServerConfig> {
+    let mut config = server.clone();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Arc::new(config)
+}
+
+/// Answer scrapes on `listener` forever, over TLS with `tls`: `GET /metrics` gets the text
+/// exposition, any other path 404, anything else 400. HTTP/1.x, one request per connection, at
+/// most `SCRAPES_MAX` at once, each TLS handshake and request within `SCRAPE_REQUEST_TIMEOUT`.
+pub async fn serve(listener: TcpListener, service: StorageService, tls: Option<TlsAcceptor>) {
     let slots = Arc::new(Semaphore::new(SCRAPES_MAX));
     loop {
         let Ok(slot) = slots.clone().acquire_owned().await else {
@@ -257,28 +267,62 @@ pub async fn serve(listener: TcpListener, service: StorageService) {
             continue;
         };
         let service = service.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
             let _slot = slot;
-            let head = tokio::time::timeout(SCRAPE_REQUEST_TIMEOUT, read_head(&mut stream)).await;
-            let (status, content_type, body) = match head {
-                Ok(Some(head)) => respond(&head, &service),
-                _ => return,
+            // One bound for the whole handshake: TLS, then the request head.
+            let answered = tokio::time::timeout(SCRAPE_REQUEST_TIMEOUT, async {
+                match tls {
+                    Some(acceptor) => {
+                        let mut stream = acceptor.accept(stream).await.ok()?;
+                        let head = read_head(&mut stream).await?;
+                        Some(Scrape::Tls(Box::new(stream), head))
+                    }
+                    None => {
+                        let head = read_head(&mut stream).await?;
+                        Some(Scrape::Plain(stream, head))
+                    }
+                }
+            })
+            .await;
+            // A scraper that does not read its answer is left after the same bound.
+            let answering = async {
+                match answered {
+                    Ok(Some(Scrape::Plain(stream, head))) => answer(stream, &head, &service).await,
+                    Ok(Some(Scrape::Tls(stream, head))) => answer(*stream, &head, &service).await,
+                    _ => {}
+                }
             };
-            let mut reply = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
-                 Connection: close\r\n\r\n",
-                body.len()
-            )
-            .into_bytes();
-            reply.extend_from_slice(&body);
-            let _ = stream.write_all(&reply).await;
-            let _ = stream.shutdown().await;
+            let _ = tokio::time::timeout(SCRAPE_REQUEST_TIMEOUT, answering).await;
         });
     }
 }
 
+/// A scrape whose request head arrived.
+enum Scrape {
+    Plain(tokio::net::TcpStream, Vec<u8>),
+    Tls(
+        Box<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
+        Vec<u8>,
+    ),
+}
+
+/// Send the answer to the request `head` on `stream`, then close it.
+async fn answer<S: AsyncWrite + Unpin>(mut stream: S, head: &[u8], service: &StorageService) {
+    let (status, content_type, body) = respond(head, service);
+    let mut reply = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
+                 Connection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    reply.extend_from_slice(&body);
+    let _ = stream.write_all(&reply).await;
+    let _ = stream.shutdown().await;
+}
+
 /// The request head (up to the blank line), or `None` if the client closed or sent too much.
-async fn read_head(stream: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
+async fn read_head<S: AsyncRead + Unpin>(stream: &mut S) -> Option<Vec<u8>> {
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {

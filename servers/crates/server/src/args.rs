@@ -21,8 +21,10 @@ pub struct Args {
     pub keys: KeySource,
     /// Address to listen on (loopback, or a node address with TLS).
     pub listen: SocketAddr,
-    /// Where to serve Prometheus metrics over HTTP (`GET /metrics`), if anywhere.
+    /// Where to serve Prometheus metrics (`GET /metrics`), if anywhere.
     pub metrics_listen: Option<SocketAddr>,
+    /// Serve metrics over plain HTTP even with TLS or on a node address (explicit opt-in).
+    pub metrics_plaintext: bool,
     /// File or block device of the NVMe tier.
     pub nvme_path: Option<PathBuf>,
     /// Whether PERSIST objects are accepted.
@@ -132,10 +134,15 @@ struct Flags {
     /// PEM private key of --tls-cert.
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
-    /// Serve Prometheus metrics over plain HTTP at http://HOST:PORT/metrics (port 0 picks one;
-    /// the ready line then names it).
+    /// Serve Prometheus metrics at HOST:PORT/metrics (port 0 picks one; the ready line then
+    /// names it): over HTTPS with the server's certificate when it has TLS, else over plain HTTP,
+    /// which a node address (not loopback) allows only with --metrics-plaintext.
     #[arg(long, value_name = "HOST:PORT", value_parser = parse_metrics_listen)]
     metrics_listen: Option<SocketAddr>,
+    /// Serve metrics over plain HTTP even when the server has TLS or the metrics address is not
+    /// loopback (anyone who reaches the address can read them).
+    #[arg(long, requires = "metrics_listen")]
+    metrics_plaintext: bool,
     /// File or block device of the NVMe tier (required with --tier nvme).
     #[arg(long, value_name = "FILE", required_if_eq("tier", "nvme"))]
     nvme_path: Option<PathBuf>,
@@ -189,6 +196,7 @@ impl From<Flags> for Args {
             },
             listen: flags.listen,
             metrics_listen: flags.metrics_listen,
+            metrics_plaintext: flags.metrics_plaintext,
             nvme_path: flags.nvme_path,
             long_running: flags.long_running,
             node_id: flags
@@ -223,7 +231,28 @@ where
             ),
         ));
     }
+    if !tls_files && args.keys != KeySource::Stdin {
+        if let Some(message) = plaintext_metrics_refused(&args, false) {
+            return Err(clap::Error::raw(
+                clap::error::ErrorKind::ArgumentConflict,
+                format!("{message}\n"),
+            ));
+        }
+    }
     Ok(args)
+}
+
+/// Why metrics may not be served as `args` say, with or without a TLS identity (`has_tls`):
+/// plain HTTP on an address other than loopback needs `--metrics-plaintext`.
+pub fn plaintext_metrics_refused(args: &Args, has_tls: bool) -> Option<String> {
+    let addr = args.metrics_listen?;
+    (!has_tls && !args.metrics_plaintext && !addr.ip().is_loopback()).then(|| {
+        format!(
+            "--metrics-listen {addr} is not a loopback address: metrics there are served over \
+             HTTPS with the server's TLS identity, or over plain HTTP only with \
+             --metrics-plaintext"
+        )
+    })
 }
 
 /// Parse a size: plain bytes or a number with a binary unit (`KiB`, `MiB`, `GiB`, `TiB`; `B` too).
@@ -475,6 +504,45 @@ mod tests {
         assert_eq!(args.threads, default_threads());
         assert_eq!(args.persist_ttl, None);
         assert_eq!(args.transfer_idle, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn metrics_on_a_node_address_need_tls_or_the_plaintext_opt_in() {
+        let refused = parse(argv(
+            "--tier dram --capacity 1MiB --secret-file /s --metrics-listen 10.0.0.1:0",
+        ))
+        .unwrap_err();
+        assert!(
+            refused.to_string().contains("--metrics-plaintext"),
+            "{refused}"
+        );
+        let opted_in = parse(argv(
+            "--tier dram --capacity 1MiB --secret-file /s --metrics-listen 10.0.0.1:0 \
+             --metrics-plaintext",
+        ))
+        .unwrap();
+        assert!(opted_in.metrics_plaintext);
+        for fine in [
+            "--secret-file /s --metrics-listen 127.0.0.1:0",
+            "--secret-file /s --listen 10.0.0.1:0 --tls-cert /c --tls-key /k \
+             --metrics-listen 10.0.0.1:0",
+            // Known once the keys document is read.
+            "--keys-from-stdin --metrics-listen 10.0.0.1:0",
+        ] {
+            let args = parse(argv(&format!("--tier dram --capacity 1MiB {fine}"))).unwrap();
+            assert!(!args.metrics_plaintext, "{fine}");
+        }
+        let stdin = parse(argv(
+            "--tier dram --capacity 1MiB --keys-from-stdin --metrics-listen 10.0.0.1:0",
+        ))
+        .unwrap();
+        assert!(plaintext_metrics_refused(&stdin, false).is_some());
+        assert!(plaintext_metrics_refused(&stdin, true).is_none());
+        let alone = parse(argv(
+            "--tier dram --capacity 1MiB --secret-file /s --metrics-plaintext",
+        ))
+        .unwrap_err();
+        assert!(alone.to_string().contains("--metrics-listen"), "{alone}");
     }
 
     #[test]

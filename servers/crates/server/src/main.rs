@@ -1,6 +1,6 @@
 //! `pocketflow-server`: one storage server process serving one tier over Arrow Flight (and the
 //! direct exchange) on a loopback address, or with TLS on a node address; optionally Prometheus
-//! metrics over HTTP.
+//! metrics over HTTPS (or plain HTTP without TLS on loopback, or by explicit opt-in).
 
 mod args;
 mod keys;
@@ -58,6 +58,10 @@ fn main() -> ExitCode {
         );
         return ExitCode::FAILURE;
     }
+    if let Some(message) = args::plaintext_metrics_refused(&args, keys.tls.is_some()) {
+        eprintln!("pocketflow-server: {message}");
+        return ExitCode::FAILURE;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.threads)
         .thread_name("pocketflow-worker")
@@ -98,6 +102,13 @@ async fn serve(args: Args, keys: keys::Keys) -> Result<(), String> {
         .map_err(|e| format!("cannot measure the {} store: {e}", args.tier))?;
     pocketflow_flight::cores::init(args.threads);
     let has_tls = tls.is_some();
+    let metrics_tls = match &tls {
+        Some(config) if !args.metrics_plaintext => Some(tokio_rustls::TlsAcceptor::from(
+            pocketflow_flight::metrics::metrics_tls_config(config),
+        )),
+        _ => None,
+    };
+    let metrics_https = metrics_tls.is_some();
     let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let service = StorageService::new(
         store.clone(),
@@ -126,6 +137,7 @@ async fn serve(args: Args, keys: keys::Keys) -> Result<(), String> {
             tokio::spawn(pocketflow_flight::metrics::serve(
                 metrics_listener,
                 service.clone(),
+                metrics_tls,
             ));
             Some(at)
         }
@@ -161,10 +173,13 @@ async fn serve(args: Args, keys: keys::Keys) -> Result<(), String> {
             wait_for(stop_rx.clone()),
         );
 
-    // `POCKETFLOW_SERVER_READY host:port [metrics=host:port] [tls]`
+    // `POCKETFLOW_SERVER_READY host:port [metrics=host:port [metrics_tls]] [tls]`
     let mut ready = format!("{READY_LINE_PREFIX} {local}");
     if let Some(at) = metrics_at {
         ready.push_str(&format!(" metrics={at}"));
+        if metrics_https {
+            ready.push_str(" metrics_tls");
+        }
     }
     if has_tls {
         ready.push_str(" tls");

@@ -14,7 +14,9 @@ Renewals are batched: :meth:`PrefixLeases.renew` expands the prefixes it is give
 closure and sends the whole set to each server of the job in one ``renew_leases`` action per
 server (in parallel), so a driver renews any number of prefixes with one call per server per
 period; tasks never renew through Ray. :class:`PrefixKeeper` does it every third of the lease on
-a thread of its own.
+a thread of its own. Each server is renewed on its own deadline, well inside the lease, and one
+whose renewal failed is tried again at once with a short jittered backoff: a server that hangs
+cannot keep the others from being renewed, so they never free a live job's prefixes.
 
 :class:`PrefixDag` is the pure part (no I/O), so the closure rule is tested alone.
 """
@@ -24,10 +26,19 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from pocketflow.errors import ConfigError, InvalidRequest, JobNotRegistered, PocketflowError
+from pocketflow.errors import (
+    ConfigError,
+    InvalidRequest,
+    JobNotRegistered,
+    PocketflowError,
+    StaleEpoch,
+)
+from pocketflow.layout import STALE_EPOCH_RETRIES_MAX
 from pocketflow.protocol import (
     ACTION_END_LEASES,
     ACTION_RENEW_LEASES,
@@ -35,7 +46,9 @@ from pocketflow.protocol import (
     LEASE_MS_MAX,
     LEASE_MS_MIN,
     LEASE_PREFIXES_MAX,
+    action_body,
 )
+from pocketflow.retry import backoff_s
 
 if TYPE_CHECKING:
     from pocketflow.client import Client
@@ -53,6 +66,13 @@ PREFIXES_MAX = 65_536
 """Most prefixes one job declares."""
 PARENTS_MAX = 1024
 """Most parents one prefix declares."""
+KEEPER_THREADS_MAX = 16
+"""Most renewals one keeper has in flight at once (one per server)."""
+RENEW_DEADLINE_DIVISOR = 3
+"""A keeper's renewal to one server must answer within this fraction of the lease: a server
+that does not is tried again while the lease it renewed last still holds."""
+RENEW_RETRY_BASE_S = 0.02
+"""First backoff after a failed renewal (it doubles up to a third of the lease, jittered)."""
 
 
 def check_prefix(prefix: str) -> str:
@@ -235,30 +255,69 @@ class PrefixLeases:
     def renew(self, prefixes: Iterable[str]) -> int:
         """Renew ``prefixes`` with their ancestors and descendants on every server of the job:
         one ``renew_leases`` action per server (per ``LEASE_PREFIXES_MAX`` prefixes), all
-        servers at once. Returns how many prefixes were renewed."""
+        servers at once, each within one lease (a renewal later than that is too late to keep
+        anything). Returns how many prefixes were renewed; raises if no server could be."""
         with self._lock:
             covered = sorted(self.dag.closure(prefixes))
         if not covered:
             return 0
-        # The client's per-server action takes a newer map (a declaration that routed
-        # prefixes moved the job to a new epoch) and runs again.
-        errors: list[PocketflowError] = []
         try:
-            for i in range(0, len(covered), LEASE_PREFIXES_MAX):
-                results = self._client._on_every_server(
-                    ACTION_RENEW_LEASES, prefixes=covered[i:i + LEASE_PREFIXES_MAX],
-                    lease_ms=self.lease_ms)
-                failed = [r for r in results if isinstance(r, PocketflowError)]
-                if failed and len(failed) == len(results):
-                    raise failed[0]
-                errors += failed
+            outcomes = self._renew_everywhere(covered, deadline_s=self.lease_ms / 1000)
         finally:
             if self._on_renew is not None:
                 self._on_renew(covered)
-        for error in errors:  # a dead server's leases do not matter: its data is gone
+        failed = [e for e in outcomes.values() if e is not None]
+        if failed and len(failed) == len(outcomes):
+            raise failed[0]
+        for error in failed:
             log.warning("renewing prefix leases on %s failed: %s", error.server, error)
         return len(covered)
 
+    def renew_on(self, address: str, covered: list[str], *, deadline_s: float) -> None:
+        """Renew the prefixes ``covered`` (a closure) on the server at ``address``, each action
+        within ``deadline_s``. A newer map a server answers with is adopted, and the renewal
+        sent again if the server is still in it. Raises what the server answered."""
+        client = self._client
+        for attempt in range(STALE_EPOCH_RETRIES_MAX + 1):
+            view = client._view
+            if address not in {s.address for s in view.handle.servers}:
+                return
+            try:
+                for i in range(0, len(covered), LEASE_PREFIXES_MAX):
+                    client._connection(address).action(
+                        ACTION_RENEW_LEASES,
+                        action_body(view.ctx, prefixes=covered[i:i + LEASE_PREFIXES_MAX],
+                                    lease_ms=self.lease_ms),
+                        timeout_s=deadline_s)
+                return
+            except StaleEpoch as stale:
+                if attempt == STALE_EPOCH_RETRIES_MAX:
+                    raise
+                client._adopt(stale)
+        raise AssertionError("unreachable")
+
+    def _renew_everywhere(
+        self, covered: list[str], *, deadline_s: float
+    ) -> dict[str, PocketflowError | None]:
+        """Renew ``covered`` on every server of the map at once, each on its own deadline, and
+        on the servers of a newer map adopted meanwhile; per address, ``None`` or its error."""
+        outcomes: dict[str, PocketflowError | None] = {}
+        for _ in range(STALE_EPOCH_RETRIES_MAX + 1):
+            addresses = sorted({s.address for s in self._client._view.handle.servers}
+                               - outcomes.keys())
+            if not addresses:
+                break
+
+            def renew_one(address: str) -> PocketflowError | None:
+                try:
+                    self.renew_on(address, covered, deadline_s=deadline_s)
+                except PocketflowError as exc:
+                    return exc
+                return None
+
+            results = self._client._parallel([lambda a=a: renew_one(a) for a in addresses])
+            outcomes.update(zip(addresses, results, strict=True))
+        return outcomes
 
     def end(self, prefixes: Iterable[str]) -> tuple[list[str], int]:
         """End declared ``prefixes`` now, with the declared prefixes below them in the path: the
@@ -285,9 +344,31 @@ class PrefixLeases:
         return ended, freed
 
 
+class _ServerRenewal:
+    """One server's part of a keeper: whether a renewal to it is in flight, when the next is
+    due, and how many in a row failed."""
+
+    __slots__ = ("in_flight", "due", "failures", "last_error")
+
+    def __init__(self) -> None:
+        self.in_flight = False
+        self.due = 0.0
+        self.failures = 0
+        self.last_error: PocketflowError | None = None
+
+
 class PrefixKeeper:
     """Renews a set of prefixes every third of the lease on a thread, until closed; drop a
-    prefix with :meth:`release` and it lapses one lease later."""
+    prefix with :meth:`release` and it lapses one lease later.
+
+    Each server is renewed on its own (every server of the job's current map, on a pool of at
+    most ``KEEPER_THREADS_MAX`` threads), each call within ``lease / RENEW_DEADLINE_DIVISOR``:
+    a server that hangs holds up only its own renewal, never another server's, so the servers
+    that answer keep the job's prefixes. A server whose renewal failed is tried again at once,
+    with a jittered backoff well inside the lease (a renewal also declares again what a lapse
+    freed), not a period later. The keeper stops when its job's client is closed (the job ended),
+    or once every server of the map answers that the job is not registered.
+    """
 
     def __init__(self, leases: PrefixLeases, prefixes: Iterable[str]) -> None:
         self._leases = leases
@@ -295,32 +376,131 @@ class PrefixKeeper:
         leases.dag.closure(self._prefixes)  # every prefix declared
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._servers: dict[str, _ServerRenewal] = {}
+        self._covered: list[str] = []
         self.renewals = 0
+        self._pool = ThreadPoolExecutor(max_workers=KEEPER_THREADS_MAX,
+                                        thread_name_prefix="pocketflow-prefix-renewal")
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="pocketflow-prefix-keeper")
         self._thread.start()
 
+    @property
+    def _period_s(self) -> float:
+        return self._leases.lease_ms / 3000.0
+
+    @property
+    def _deadline_s(self) -> float:
+        return self._leases.lease_ms / 1000.0 / RENEW_DEADLINE_DIVISOR
+
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _loop(self) -> None:
+        next_round = time.monotonic()
         while not self._stop.is_set():
             if self._leases.closed:
                 # The job's client was closed (the job ended): nothing can be renewed any more.
                 log.info("prefix keeper stops: the job's client is closed")
                 return
+            now = time.monotonic()
             with self._lock:
+                if self._job_ended():
+                    log.info("prefix keeper stops: the job is no longer registered")
+                    return
                 ended = {p for p in self._prefixes if p not in self._leases.dag}
                 self._prefixes -= ended  # ended (PrefixLeases.end): nothing left to keep
                 prefixes = set(self._prefixes)
-            if prefixes:
-                try:
-                    self._leases.renew(prefixes)
-                    self.renewals += 1
-                except JobNotRegistered:
-                    log.info("prefix keeper stops: the job is no longer registered")
-                    return
-                except PocketflowError as exc:
-                    if not self._leases.closed:
-                        log.warning("renewing prefixes failed: %s", exc)
-            self._stop.wait(self._leases.lease_ms / 3000.0)
+            if now >= next_round:
+                next_round = now + self._period_s
+                if prefixes:
+                    self._start_round(prefixes, now)
+            self._send_due(now)
+            with self._lock:
+                retries = [s.due for s in self._servers.values()
+                           if not s.in_flight and s.failures]
+            wake_at = min([next_round, *retries])
+            self._wake.wait(max(0.0, wake_at - time.monotonic()))
+            self._wake.clear()
+
+    def _job_ended(self) -> bool:
+        """Whether every server of the map said the job is not registered here (under lock)."""
+        states = [self._servers.get(a) for a in self._addresses()]
+        return bool(states) and all(
+            s is not None and isinstance(s.last_error, JobNotRegistered) for s in states)
+
+    def _addresses(self) -> list[str]:
+        return sorted({s.address for s in self._leases._client._view.handle.servers})
+
+    def _start_round(self, prefixes: set[str], now: float) -> None:
+        """A period began: every server of the current map is due (those with a renewal still
+        in flight get theirs when it ends), with the closure as it is now."""
+        try:
+            covered = sorted(self._leases.dag.closure(prefixes))
+        except InvalidRequest:
+            return  # a prefix ended meanwhile; the next pass drops it
+        addresses = self._addresses()
+        with self._lock:
+            self._covered = covered
+            for address in addresses:
+                self._servers.setdefault(address, _ServerRenewal()).due = now
+            for address in [a for a, s in self._servers.items()
+                            if a not in addresses and not s.in_flight]:
+                del self._servers[address]  # left the map
+        self.renewals += 1
+        on_renew = self._leases._on_renew
+        if on_renew is not None:
+            try:
+                on_renew(covered)
+            except PocketflowError as exc:
+                log.warning("renewing prefixes' grants failed: %s", exc)
+
+    def _send_due(self, now: float) -> None:
+        with self._lock:
+            covered = self._covered
+            due = [a for a, s in self._servers.items() if not s.in_flight and s.due <= now]
+            for address in due:
+                state = self._servers[address]
+                state.in_flight = True
+                state.due = float("inf")
+        for address in due:
+            try:
+                self._pool.submit(self._renew_one, address, covered)
+            except RuntimeError:  # the pool is shut down: the keeper is stopping
+                return
+
+    def _renew_one(self, address: str, covered: list[str]) -> None:
+        error: PocketflowError | None = None
+        try:
+            self._leases.renew_on(address, covered, deadline_s=self._deadline_s)
+        except PocketflowError as exc:
+            error = exc
+        with self._lock:
+            state = self._servers.get(address)
+            if state is None:
+                return
+            state.in_flight = False
+            state.last_error = error
+            recovered = error is None and state.failures > 0
+            if error is None:
+                state.failures = 0
+                state.due = float("inf")  # until the next round
+            else:
+                state.due = time.monotonic() + backoff_s(
+                    state.failures, base_s=RENEW_RETRY_BASE_S, cap_s=self._period_s)
+                state.failures += 1
+            failures = state.failures
+        if self._leases.closed or self._stop.is_set():
+            pass
+        elif failures == 1:
+            log.warning("renewing prefixes on %s failed (retrying): %s", address, error)
+        elif recovered:
+            log.info("renewing prefixes on %s works again", address)
+        self._wake.set()
 
     @property
     def running(self) -> bool:
@@ -341,6 +521,7 @@ class PrefixKeeper:
     def close(self) -> None:
         """Stop renewing; every kept prefix lapses one lease later."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(10.0)
 
     def __enter__(self) -> PrefixKeeper:

@@ -121,9 +121,12 @@ class ServerConnection:
 
     # -- actions -----------------------------------------------------------------------------
 
-    def action(self, name: str, body: bytes) -> Any:
-        """Run one DoAction and return its JSON result (``{}`` when the body is empty)."""
-        payload = self._native.action(name, body)
+    def action(self, name: str, body: bytes, *, timeout_s: float | None = None) -> Any:
+        """Run one DoAction and return its JSON result (``{}`` when the body is empty).
+
+        It fails with :class:`~pocketflow.errors.DataUnavailable` after ``timeout_s`` (default:
+        the connection's ``rpc_timeout_s``)."""
+        payload = self._native.action(name, body, timeout_s=timeout_s)
         if not payload:
             return {}
         try:

@@ -3,6 +3,7 @@
 
 use std::mem::ManuallyDrop;
 use std::sync::atomic::AtomicBool;
+use std::time::Duration;
 
 use arrow_flight::flight_service_client::FlightServiceClient;
 use arrow_flight::Action;
@@ -364,11 +365,23 @@ impl Connection {
         }
     }
 
-    /// Run one DoAction and return its first result body (empty when there is none).
+    /// Run one DoAction and return its first result body (empty when there is none), within
+    /// the connection's `rpc_timeout`.
     pub async fn action(&self, name: &str, body: Bytes) -> Result<Bytes, ClientError> {
+        let bound = self.inner()?.config.rpc_timeout;
+        self.action_within(name, body, bound).await
+    }
+
+    /// [`Connection::action`] within `bound` instead of the connection's `rpc_timeout`: a call
+    /// that must not outlive what it protects (a lease renewal) fails as unavailable sooner.
+    pub async fn action_within(
+        &self,
+        name: &str,
+        body: Bytes,
+        bound: Duration,
+    ) -> Result<Bytes, ClientError> {
         let inner = self.inner()?;
         let mut client = inner.client.clone();
-        let bound = inner.config.rpc_timeout;
         let call = async move {
             let mut results = client
                 .do_action(Action {

@@ -2,6 +2,7 @@
 //! admin client's calls, and the control-plane actions of a job's client).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use pocketflow_client::{block_on, ClientError, Connection};
@@ -87,20 +88,32 @@ impl PyConnection {
         }
     }
 
-    /// Run one DoAction; returns its first result body (`b""` when none).
+    /// Run one DoAction; returns its first result body (`b""` when none). It fails as
+    /// unavailable after `timeout_s` (default: the connection's `rpc_timeout_s`).
+    #[pyo3(signature = (name, body, *, timeout_s=None))]
     fn action<'py>(
         &self,
         py: Python<'py>,
         name: &str,
         body: &[u8],
+        timeout_s: Option<f64>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let body = Bytes::copy_from_slice(body);
         let connection = &self.connection;
+        let bound = match timeout_s {
+            Some(seconds) => Some(seconds_bound(py, seconds, connection.address())?),
+            None => None,
+        };
         // An action may be a parked `wait` of many seconds: look at Python's signals every
         // SIGNAL_CHECK_INTERVAL so Ctrl-C ends it (dropping the call cancels its RPC).
         let result: Result<Bytes, ClientError> = py.detach(|| -> PyResult<_> {
             block_on(async {
-                let call = connection.action(name, body);
+                let call = async {
+                    match bound {
+                        Some(bound) => connection.action_within(name, body, bound).await,
+                        None => connection.action(name, body).await,
+                    }
+                };
                 tokio::pin!(call);
                 loop {
                     tokio::select! {
@@ -122,4 +135,14 @@ impl PyConnection {
     fn close(&self) {
         self.connection.close();
     }
+}
+
+/// A finite, non-negative `timeout_s` as a duration, else `InvalidRequest`.
+fn seconds_bound(py: Python<'_>, seconds: f64, address: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(seconds).map_err(|_| {
+        let error = ClientError::InvalidArgument(format!(
+            "timeout_s must be finite and >= 0, got {seconds}"
+        ));
+        to_py_err(py, &error, address)
+    })
 }

@@ -48,6 +48,14 @@ __all__ = [
     "ClusterError",
     "ConfigError",
     "ShuffleFailed",
+    "S3Error",
+    "S3ObjectNotFound",
+    "S3BucketNotFound",
+    "S3AccessDenied",
+    "S3Unavailable",
+    "S3InvalidRequest",
+    "s3_error",
+    "error_from_s3",
     "GRPC_CODE_OK",
     "error_from_kind",
     "error_from_status",
@@ -245,6 +253,101 @@ class ConfigError(PocketflowError, ValueError):
 class ShuffleFailed(PocketflowError):
     """A framework shuffle could not finish: inputs never arrived within their bound, or
     partitions lost with a storage server could not be regenerated within the allowed rounds."""
+
+
+class S3Error(PocketflowError):
+    """A request to the S3-compatible store behind a read-through cache (:mod:`pocketflow.cache`)
+    failed. ``code`` is S3's error code (``NoSuchKey``, ``AccessDenied``, ``SlowDown``, ...) or
+    the HTTP status as text, ``status`` the HTTP status (0 when no answer came), ``bucket`` and
+    ``key`` what was asked for, ``detail`` S3's own message. Each subclass is also the
+    pocketflow family of its failure, so ``except pocketflow.ObjectNotFound`` catches a key
+    missing in S3 as well."""
+
+    def __init__(
+        self, message: str = "", *, code: str = "", status: int = 0, bucket: str = "",
+        key: str | None = None, detail: str = "", server: str | None = None,
+    ) -> None:
+        super().__init__(message, server=server)
+        self.detail = detail
+        self.code = code
+        self.status = status
+        self.bucket = bucket
+        self.key = key
+
+
+class S3ObjectNotFound(S3Error, ObjectNotFound):
+    """The key does not exist in the S3 bucket (``NoSuchKey``, or 404 on HEAD)."""
+
+
+class S3BucketNotFound(S3Error, BucketNotFound):
+    """The S3 bucket does not exist (``NoSuchBucket``)."""
+
+
+class S3AccessDenied(S3Error, PermissionDenied):
+    """S3 refused the credentials or the request (``AccessDenied``, 403, a bad signature or key
+    id, an expired token)."""
+
+
+class S3Unavailable(S3Error, DataUnavailable):
+    """S3 could not be reached or could not serve now: no connection, a timeout, a 5xx answer,
+    throttling (``SlowDown``). Worth retrying later."""
+
+
+class S3InvalidRequest(S3Error, InvalidRequest):
+    """S3 refused the request as malformed or not allowed (any other 4xx answer, e.g.
+    ``InvalidBucketName``); also a ``ValueError``."""
+
+
+_S3_DENIED_CODES = frozenset({
+    "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+    "ExpiredToken", "InvalidToken", "TokenRefreshRequired", "AccountProblem",
+})
+_S3_UNAVAILABLE_CODES = frozenset({
+    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+    "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted",
+})
+
+
+def s3_error(
+    code: str, status: int, message: str, *, bucket: str, key: str | None = None
+) -> S3Error:
+    """The typed error of an S3 failure, from its error code and HTTP status: the one rule,
+    used for boto3's exceptions (:func:`error_from_s3`) and for failures a cache recorded."""
+    cls: type[S3Error]
+    if code == "NoSuchBucket":
+        cls = S3BucketNotFound
+    elif code in ("NoSuchKey", "NotFound") or (status == 404 and code in ("404", "")):
+        cls = S3ObjectNotFound
+    elif code in _S3_DENIED_CODES or status in (401, 403):
+        cls = S3AccessDenied
+    elif code in _S3_UNAVAILABLE_CODES or status == 0 or status >= 500 or status == 429:
+        cls = S3Unavailable
+    else:
+        cls = S3InvalidRequest
+    where = f"s3://{bucket}/{key}" if key is not None else f"s3://{bucket}"
+    text = f"{code or status}: {message}" if message else str(code or status)
+    return cls(f"S3 {where}: {text}", code=code, status=status, bucket=bucket, key=key,
+               detail=message)
+
+
+def error_from_s3(exc: BaseException, *, bucket: str, key: str | None = None) -> PocketflowError:
+    """Map an exception raised by boto3/botocore on a request for ``bucket``/``key`` to a
+    pocketflow error (the caller raises it ``from exc``). A ``ClientError`` (S3 answered) maps by
+    its code and status (:func:`s3_error`); a failure to get an answer at all (no connection,
+    timeouts, a connection closed mid-answer) is :class:`S3Unavailable`."""
+    if isinstance(exc, PocketflowError):
+        return exc
+    # Imported here: pocketflow's errors stay importable without botocore (an extra).
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {}) or {}
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        return s3_error(str(error.get("Code", "") or ""), status,
+                        str(error.get("Message", "") or ""), bucket=bucket, key=key)
+    if isinstance(exc, (BotoCoreError, OSError)):
+        return s3_error("", 0, f"{type(exc).__name__}: {exc}", bucket=bucket, key=key)
+    return s3_error("", 0, f"unexpected {type(exc).__name__}: {exc}", bucket=bucket, key=key)
 
 
 _KIND_TO_CLASS: dict[str, type[PocketflowError]] = {

@@ -1,0 +1,972 @@
+"""A task's side of a read-through cache: reads served from pocketflow while S3's confirmation
+of an entry holds, revalidated with one conditional request (or one listing for many keys)
+after it, filled from S3 by exactly one process per miss; writes and deletes go through to S3.
+
+The read of a batch of keys, in rounds of at most ``ROUND_KEYS_MAX``:
+
+1. The keys' ``meta`` records, one pipelined read. A *fresh* one (validated less than the lease
+   ago) is a hit: its entry is read, and S3 is not asked.
+2. A *stale* one is revalidated: with a conditional GET (``If-None-Match`` its ETag) per key, or,
+   for ``LIST_REVALIDATE_MIN`` keys or more, with ListObjectsV2 pages over them (one request per
+   1000 keys). Unchanged keys get their ``meta`` rewritten with the new validation time and are
+   hits; a changed key whose new bytes came with the answer is refilled with them; others are
+   misses.
+3. A miss is filled under a *claim* (``claims/<ckey>``, written once, so one process wins): the
+   winner reads S3, writes the entry, then ``meta``, then the fill's outcome
+   (``done/<ckey>@<fill>``), then removes the claim; the others park on the storage server for
+   that outcome (``Client.wait_for``) and read the entry the winner wrote. A claim carries a
+   deadline its owner moves on during a long download; once it passed with no outcome (the owner
+   died), one waiter takes the fill over (the write-once ``steal`` marker decides which) and
+   the others wait for it.
+
+If the cache's storage fails (a full tier, an unreachable server), reads go to S3 directly and
+are counted as ``bypassed``: the cache is a shortcut, never a new way to fail.
+
+Staleness bound: a read returns a version of the object that S3 held at some instant no more
+than ``lease_ms`` before the read began (``validated_ms`` is taken before the confirming
+request is sent; processes on several hosts add their clocks' skew). Writes and deletes through
+the cache update the entry before they return, so a later read through the cache sees them,
+unless a revalidation begun before the write finishes after it, which still keeps the bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pocketflow.cache.access_log import AccessRecorder
+from pocketflow.cache.records import (
+    BUCKETS,
+    CLAIM_BUCKET,
+    DONE_BUCKET,
+    ENTRY_BUCKET,
+    META_BUCKET,
+    STATE_ERROR,
+    STATE_MISSING,
+    STATE_UNCACHED,
+    STATE_VALUE,
+    Claim,
+    Meta,
+    Outcome,
+    cache_key,
+    done_key,
+    entry_key,
+    new_fill_id,
+    owner_id,
+    steal_key,
+)
+from pocketflow.cache.source import NOT_MODIFIED, Fetched, S3Store
+from pocketflow.cache.spec import CacheSpec
+from pocketflow.errors import (
+    InternalError,
+    InvalidRequest,
+    ObjectExists,
+    ObjectNotFound,
+    PocketflowError,
+    S3Error,
+    S3ObjectNotFound,
+    s3_error,
+)
+
+__all__ = ["CacheClient", "CacheStats", "connect", "create_buckets", "ROUND_KEYS_MAX",
+           "LIST_REVALIDATE_MIN", "WAIT_SLICE_S", "READ_ATTEMPTS_MAX", "S3_PARALLEL_MAX",
+           "DONE_LINGER_S"]
+
+log = logging.getLogger(__name__)
+
+ROUND_KEYS_MAX = 1024
+"""Most keys one round of a batch read handles (its pipelined reads and writes)."""
+LIST_REVALIDATE_MIN = 8
+"""Stale keys of one round from which a listing revalidates them instead of conditional GETs."""
+WAIT_SLICE_S = 2.0
+"""A waiter looks at the claims it waits on at least this often (to see a lapsed one)."""
+READ_ATTEMPTS_MAX = 4
+"""Rounds a key may go around (its entry replaced or evicted under the read, a claim stolen)
+before it is read from S3 directly."""
+S3_PARALLEL_MAX = 16
+"""S3 requests one client has in flight (S3 does not pipeline; each is a connection)."""
+DONE_LINGER_S = 10.0
+"""How long a fill's outcome stays for waiters that have not read it yet."""
+DONE_PENDING_MAX = 4096
+"""Outcomes a client keeps waiting to remove; past this the oldest go at once."""
+PUT_CHUNK_KEYS = 4096
+"""``put_many`` sends at most this many objects per round and stops at a failed round, so
+writes go out in chunks no larger (and no larger than ``PUT_CHUNK_BYTES``)."""
+PUT_CHUNK_BYTES = 32 * 1024 * 1024
+"""Most bytes of one chunk of pipelined writes."""
+
+
+@dataclass
+class CacheStats:
+    """What a client's reads were: ``fresh`` hits (no S3 request), ``revalidated`` hits (one
+    validation), ``waited`` (filled by another process while this one waited), ``filled``
+    (fetched from S3 by this process and cached), ``bypassed`` (read from S3 without the cache),
+    ``missing`` (the key is not in S3). ``hits`` counts every read served from the cache."""
+
+    fresh: int = 0
+    revalidated: int = 0
+    waited: int = 0
+    filled: int = 0
+    bypassed: int = 0
+    missing: int = 0
+    validations: int = 0
+    listings: int = 0
+    bytes_read: int = 0
+    steals: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def hits(self) -> int:
+        return self.fresh + self.revalidated + self.waited
+
+    @property
+    def reads(self) -> int:
+        return self.hits + self.filled + self.bypassed + self.missing
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def to_dict(self) -> dict[str, int]:
+        with self._lock:
+            out = {name: getattr(self, name) for name in (
+                "fresh", "revalidated", "waited", "filled", "bypassed", "missing",
+                "validations", "listings", "bytes_read", "steals")}
+        out["hits"] = out["fresh"] + out["revalidated"] + out["waited"]
+        return out
+
+
+class _Retry(Exception):
+    """A key must go around again (its entry went away under the read, a claim was taken over)."""
+
+
+class _Bypass(Exception):
+    """The cache's storage failed for this key: read S3 directly."""
+
+
+Result = bytes | PocketflowError
+
+
+class CacheClient:
+    """Reads and writes S3 objects through a cache (build it with :func:`connect`).
+
+    Thread-safe. ``get``/``get_many``/``get_each`` read; ``put``/``delete`` write through;
+    ``invalidate`` drops an entry; ``prefetch`` fills keys without returning them (prewarming).
+    """
+
+    def __init__(self, spec: CacheSpec, *, client: Any = None) -> None:
+        from pocketflow.client import connect as connect_job
+
+        self.spec = spec
+        self._own_client = client is None
+        self._pf = connect_job(spec.handle) if client is None else client
+        self._s3 = S3Store(spec.source)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._owner = owner_id()
+        self.stats = CacheStats()
+        self._recorder = (AccessRecorder(self._pf, spec.run_id)
+                          if spec.run_id is not None else None)
+        self._done_lock = threading.Lock()
+        self._done_due: deque[tuple[float, str]] = deque()
+        self._closed = False
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    @property
+    def client(self) -> Any:
+        """The pocketflow client of the cache's job."""
+        return self._pf
+
+    def update_spec(self, spec: CacheSpec) -> None:
+        """Take a newer spec of the same cache (a renewed token, a resized map)."""
+        self.spec = spec
+        self._pf.update_handle(spec.handle)
+
+    def flush(self) -> None:
+        """Send the buffered access records and remove the fill outcomes that are due."""
+        if self._recorder is not None:
+            self._recorder.flush()
+        self._remove_done(everything=False)
+
+    def close(self) -> None:
+        """Flush, remove every pending fill outcome, close the job's client if it made it."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._recorder is not None:
+                self._recorder.flush()
+            self._remove_done(everything=True)
+        finally:
+            with self._pool_lock:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=True)
+                    self._pool = None
+            if self._own_client:
+                self._pf.close()
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def get(self, bucket: str, key: str) -> bytes:
+        """The object's bytes. Raises :class:`~pocketflow.errors.S3ObjectNotFound` if S3 has no
+        such key, other :class:`~pocketflow.errors.S3Error` kinds as S3 fails."""
+        result = self.get_each(bucket, [key])[0]
+        if isinstance(result, PocketflowError):
+            raise result
+        return result
+
+    def get_many(self, bucket: str, keys: Iterable[str]) -> list[bytes]:
+        """The bytes of many objects, in order; every key is read before the first error (in
+        key order) is raised."""
+        results = self.get_each(bucket, keys)
+        for result in results:
+            if isinstance(result, PocketflowError):
+                raise result
+        return results  # type: ignore[return-value]
+
+    def get_each(self, bucket: str, keys: Iterable[str]) -> list[Result]:
+        """Like :meth:`get_many`, but each key's own outcome: its bytes or its error."""
+        key_list = list(keys)
+        ckeys = [cache_key(bucket, k) for k in key_list]
+        results: list[Result | None] = [None] * len(key_list)
+        for start in range(0, len(key_list), ROUND_KEYS_MAX):
+            index = list(range(start, min(start + ROUND_KEYS_MAX, len(key_list))))
+            self._read_round(bucket, key_list, ckeys, index, results)
+        self._remove_done(everything=False)
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def get_range(self, bucket: str, key: str, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` of the object, cut at its end. A fresh entry is
+        read in part; otherwise the whole object is read (and cached) first."""
+        if offset < 0 or length < 0:
+            raise InvalidRequest("offset and length must be >= 0")
+        ckey = cache_key(bucket, key)
+        meta = self._meta(ckey)
+        if meta is not None and meta.state == STATE_VALUE and meta.fresh(_now_ms(),
+                                                                         self.spec.lease_ms):
+            try:
+                data = self._pf.get_range(ENTRY_BUCKET, entry_key(ckey, meta.etag), offset,
+                                          length)
+            except ObjectNotFound:
+                pass
+            except PocketflowError as exc:
+                log.debug("cache %s: range of %s bypassed: %s", self.spec.name, ckey, exc)
+            else:
+                self.stats.add(fresh=1, bytes_read=len(data))
+                self._note(bucket, key, meta.size)
+                return data
+        return self.get(bucket, key)[offset:offset + length]
+
+    def head(self, bucket: str, key: str) -> tuple[str, int]:
+        """The object's ETag and size, as the cache holds them (revalidated, or filled, as a
+        read would)."""
+        ckey = cache_key(bucket, key)
+        meta = self._meta(ckey)
+        if meta is None or not meta.fresh(_now_ms(), self.spec.lease_ms):
+            self.get(bucket, key)
+            meta = self._meta(ckey)
+        if meta is None:
+            data = self.get(bucket, key)
+            return "", len(data)
+        if meta.state == STATE_MISSING:
+            raise s3_error("NoSuchKey", 404, "the key does not exist", bucket=bucket, key=key)
+        return meta.etag, meta.size
+
+    def prefetch(self, bucket: str, keys: Sequence[str]) -> int:
+        """Make ``keys`` fresh in the cache (fill or revalidate them) without returning their
+        bytes; returns how many of them S3 holds. Other readers of a key being fetched wait for
+        this fetch instead of starting their own."""
+        results = self.get_each(bucket, keys)
+        return sum(1 for r in results if not isinstance(r, PocketflowError))
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview) -> str:
+        """Write ``data`` to S3 and cache it as the key's current version; returns its ETag.
+
+        If the cache cannot take it, the entry is dropped instead, so that no later read
+        serves the version this write replaced."""
+        ckey = cache_key(bucket, key)
+        sent_ms = _now_ms()
+        etag = self._s3.put(bucket, key, data)
+        size = len(memoryview(data).cast("B"))
+        old = self._meta_or_none(ckey)
+        try:
+            self._store_entry(ckey, etag, data)
+            self._pf.put(META_BUCKET, ckey, Meta(STATE_VALUE, etag, size, sent_ms).encode(),
+                         overwrite=True)
+        except PocketflowError as exc:
+            log.info("cache %s: %s not cached after a write (%s); entry dropped",
+                     self.spec.name, ckey, exc)
+            self._drop(ckey)
+            return etag
+        if old is not None and old.state == STATE_VALUE and old.etag != etag:
+            self._delete_entry(ckey, old.etag)
+        self._note(bucket, key, size, read=False, filled=True)
+        return etag
+
+    def delete(self, bucket: str, key: str) -> None:
+        """Delete the key in S3; the cache then holds that it is missing."""
+        ckey = cache_key(bucket, key)
+        sent_ms = _now_ms()
+        self._s3.delete(bucket, key)
+        old = self._meta_or_none(ckey)
+        try:
+            self._pf.put(META_BUCKET, ckey, Meta(STATE_MISSING, "", 0, sent_ms).encode(),
+                         overwrite=True)
+        except PocketflowError:
+            self._drop(ckey)
+        if old is not None and old.state == STATE_VALUE:
+            self._delete_entry(ckey, old.etag)
+
+    def invalidate(self, bucket: str, key: str) -> bool:
+        """Drop the key's entry (the next read goes to S3); returns whether there was one."""
+        return self._drop(cache_key(bucket, key))
+
+    # -- the read round ------------------------------------------------------------------------
+
+    def _read_round(self, bucket: str, keys: list[str], ckeys: list[str], index: list[int],
+                    results: list[Result | None]) -> None:
+        pending = index
+        for _attempt in range(READ_ATTEMPTS_MAX):
+            if not pending:
+                return
+            pending = self._attempt(bucket, keys, ckeys, pending, results)
+        for i in pending:
+            results[i] = self._bypass(bucket, keys[i])
+
+    def _attempt(self, bucket: str, keys: list[str], ckeys: list[str], pending: list[int],
+                 results: list[Result | None]) -> list[int]:
+        """One pass over ``pending`` keys; returns those that must go around again."""
+        try:
+            metas = self._pf.get_each(META_BUCKET, [ckeys[i] for i in pending])
+        except PocketflowError as exc:
+            log.info("cache %s: reading S3 directly (%s)", self.spec.name, exc)
+            for i in pending:
+                results[i] = self._bypass(bucket, keys[i])
+            return []
+        now_ms = _now_ms()
+        fresh: list[tuple[int, Meta]] = []
+        stale: list[tuple[int, Meta]] = []
+        misses: list[tuple[int, Meta | None]] = []
+        for i, raw in zip(pending, metas, strict=True):
+            if isinstance(raw, ObjectNotFound):
+                misses.append((i, None))
+                continue
+            if isinstance(raw, PocketflowError):
+                results[i] = self._bypass(bucket, keys[i])
+                continue
+            try:
+                meta = Meta.decode(raw)
+            except InvalidRequest:
+                misses.append((i, None))
+                continue
+            if meta.fresh(now_ms, self.spec.lease_ms):
+                fresh.append((i, meta))
+            else:
+                stale.append((i, meta))
+        again: list[int] = []
+        for i, meta in fresh:
+            if meta.state == STATE_MISSING:
+                results[i] = self._missing(bucket, keys[i], fresh=True)
+        values = [(i, m) for i, m in fresh if m.state == STATE_VALUE]
+        again += self._read_entries(bucket, keys, ckeys, values, results, counter="fresh")
+        if stale:
+            revalidated, more_misses = self._revalidate(bucket, keys, ckeys, stale, results)
+            again += self._read_entries(bucket, keys, ckeys, revalidated, results,
+                                        counter="revalidated")
+            misses += more_misses
+        if misses:
+            again += self._fill(bucket, keys, ckeys, misses, results)
+        return again
+
+    def _read_entries(self, bucket: str, keys: list[str], ckeys: list[str],
+                      found: list[tuple[int, Meta]], results: list[Result | None], *,
+                      counter: str) -> list[int]:
+        """Read the entries ``found`` point at; returns the keys whose entry went away."""
+        if not found:
+            return []
+        try:
+            datas = self._pf.get_each(ENTRY_BUCKET,
+                                      [entry_key(ckeys[i], m.etag) for i, m in found])
+        except PocketflowError as exc:
+            log.info("cache %s: reading S3 directly (%s)", self.spec.name, exc)
+            for i, _ in found:
+                results[i] = self._bypass(bucket, keys[i])
+            return []
+        again = []
+        served = 0
+        for (i, meta), data in zip(found, datas, strict=True):
+            if isinstance(data, ObjectNotFound):
+                again.append(i)  # evicted or replaced since its meta was read
+                continue
+            if isinstance(data, PocketflowError):
+                results[i] = self._bypass(bucket, keys[i])
+                continue
+            if len(data) != meta.size:
+                raise InternalError(
+                    f"cache {self.spec.name}: entry of {ckeys[i]} holds {len(data)} bytes, its "
+                    f"meta says {meta.size}"
+                )
+            results[i] = data
+            served += len(data)
+            self._note(bucket, keys[i], meta.size)
+        self.stats.add(bytes_read=served, **{counter: len(found) - len(again)})
+        return again
+
+    # -- revalidation --------------------------------------------------------------------------
+
+    def _revalidate(self, bucket: str, keys: list[str], ckeys: list[str],
+                    stale: list[tuple[int, Meta]], results: list[Result | None],
+                    ) -> tuple[list[tuple[int, Meta]], list[tuple[int, Meta | None]]]:
+        """Ask S3 about stale entries. Returns the unchanged ones (their meta renewed) and the
+        misses; changed keys whose new bytes came back are refilled and their results set."""
+        sent_ms = _now_ms()
+        unchanged: list[tuple[int, Meta]] = []
+        misses: list[tuple[int, Meta | None]] = []
+        gone: list[tuple[int, Meta]] = []
+        by_get = stale
+        if len(stale) >= LIST_REVALIDATE_MIN:
+            try:
+                listed = self._s3.list_keys(bucket, [keys[i] for i, _ in stale])
+            except S3Error as exc:
+                log.info("cache %s: listing to revalidate failed (%s); asking per key",
+                         self.spec.name, exc)
+            else:
+                self.stats.add(listings=1)
+                by_get = []
+                for i, meta in stale:
+                    seen = listed.found.get(keys[i])
+                    if seen is not None:
+                        etag, size = seen
+                        if meta.state == STATE_VALUE and etag == meta.etag and size == meta.size:
+                            unchanged.append((i, meta))
+                        else:
+                            misses.append((i, meta))
+                    elif keys[i] in listed.absent:
+                        gone.append((i, meta))
+                    else:
+                        by_get.append((i, meta))
+        if by_get:
+            answers = self._s3_each(
+                bucket, [(keys[i], meta.etag if meta.state == STATE_VALUE else None)
+                 for i, meta in by_get])
+            self.stats.add(validations=len(by_get))
+            refills: list[tuple[int, Meta, Fetched]] = []
+            for (i, meta), answer in zip(by_get, answers, strict=True):
+                if answer is NOT_MODIFIED:
+                    unchanged.append((i, meta))
+                elif isinstance(answer, S3ObjectNotFound):
+                    gone.append((i, meta))
+                elif isinstance(answer, PocketflowError):
+                    results[i] = answer
+                else:
+                    refills.append((i, meta, answer))
+            self._refill(bucket, keys, ckeys, refills, sent_ms, results)
+        if gone:
+            self._mark_missing(ckeys, gone, sent_ms)
+            for i, _ in gone:
+                results[i] = self._missing(bucket, keys[i], fresh=False)
+        if unchanged:
+            renewed = [(i, Meta(m.state, m.etag, m.size, sent_ms)) for i, m in unchanged]
+            try:
+                self._put_all(META_BUCKET, [(ckeys[i], m.encode()) for i, m in renewed],
+                              overwrite=True)
+            except PocketflowError as exc:
+                log.debug("cache %s: renewing validations failed: %s", self.spec.name, exc)
+            missing_now = [(i, m) for i, m in renewed if m.state == STATE_MISSING]
+            for i, _ in missing_now:
+                results[i] = self._missing(bucket, keys[i], fresh=False)
+            unchanged = [(i, m) for i, m in renewed if m.state == STATE_VALUE]
+        if len(stale) >= LIST_REVALIDATE_MIN:
+            # A listing validated them all at once; count each key's share as one validation.
+            self.stats.add(validations=len(stale) - len(by_get))
+        return unchanged, misses
+
+    def _refill(self, bucket: str, keys: list[str], ckeys: list[str],
+                refills: list[tuple[int, Meta, Fetched]], sent_ms: int,
+                results: list[Result | None]) -> None:
+        """Cache changed objects whose new bytes a conditional GET returned."""
+        for i, old, fetched in refills:
+            results[i] = fetched.data
+            try:
+                self._store_entry(ckeys[i], fetched.etag, fetched.data)
+                self._pf.put(META_BUCKET, ckeys[i],
+                             Meta(STATE_VALUE, fetched.etag, fetched.size, sent_ms).encode(),
+                             overwrite=True)
+            except PocketflowError as exc:
+                log.info("cache %s: %s not refilled (%s)", self.spec.name, ckeys[i], exc)
+                self._drop(ckeys[i])
+                self.stats.add(bypassed=1, bytes_read=fetched.size)
+                continue
+            if old.state == STATE_VALUE and old.etag != fetched.etag:
+                self._delete_entry(ckeys[i], old.etag)
+            self.stats.add(filled=1, bytes_read=fetched.size)
+            self._note(bucket, keys[i], fetched.size, filled=True)
+
+    def _mark_missing(self, ckeys: list[str], gone: list[tuple[int, Meta]],
+                      sent_ms: int) -> None:
+        try:
+            self._put_all(META_BUCKET, [(ckeys[i], Meta(STATE_MISSING, "", 0, sent_ms).encode())
+                                        for i, _ in gone], overwrite=True)
+        except PocketflowError as exc:
+            log.debug("cache %s: marking keys missing failed: %s", self.spec.name, exc)
+            for i, _ in gone:
+                self._drop(ckeys[i])
+        for i, meta in gone:
+            if meta.state == STATE_VALUE:
+                self._delete_entry(ckeys[i], meta.etag)
+
+    # -- fills (single flight) -----------------------------------------------------------------
+
+    def _fill(self, bucket: str, keys: list[str], ckeys: list[str],
+              misses: list[tuple[int, Meta | None]], results: list[Result | None]) -> list[int]:
+        """Fill ``misses`` under claims; returns the keys that must go around again."""
+        deadline_ms = _now_ms() + self.spec.claim_ms
+        mine = {i: Claim(new_fill_id(), deadline_ms, self._owner) for i, _ in misses}
+        try:
+            self._put_all(CLAIM_BUCKET, [(ckeys[i], mine[i].encode()) for i, _ in misses],
+                          tolerate=ObjectExists)
+            held = self._pf.get_each(CLAIM_BUCKET, [ckeys[i] for i, _ in misses])
+        except PocketflowError as exc:
+            log.info("cache %s: claims failed (%s); reading S3 directly", self.spec.name, exc)
+            for i, _ in misses:
+                results[i] = self._bypass(bucket, keys[i])
+            return []
+        won: list[tuple[int, Meta | None, Claim]] = []
+        waiting: list[tuple[int, Claim]] = []
+        again: list[int] = []
+        for (i, old), raw in zip(misses, held, strict=True):
+            if isinstance(raw, ObjectNotFound):
+                again.append(i)  # another fill ended between our claim and the read: look again
+                continue
+            if isinstance(raw, PocketflowError):
+                results[i] = self._bypass(bucket, keys[i])
+                continue
+            try:
+                claim = Claim.decode(raw)
+            except InvalidRequest:
+                results[i] = self._bypass(bucket, keys[i])
+                continue
+            if claim.fill_id == mine[i].fill_id:
+                won.append((i, old, claim))
+            else:
+                waiting.append((i, claim))
+        if won:
+            self._fetch_and_fill(bucket, keys, ckeys, won, results)
+        if waiting:
+            again += self._wait_fills(bucket, keys, ckeys, waiting, results)
+        return again
+
+    def _fetch_and_fill(self, bucket: str, keys: list[str], ckeys: list[str],
+                        won: list[tuple[int, Meta | None, Claim]],
+                        results: list[Result | None]) -> None:
+        sent_ms = _now_ms()
+        fetched = self._s3_each(bucket, [(keys[i], None) for i, _, _ in won],
+                                renew=[(ckeys[i], claim) for i, _, claim in won])
+        entries: list[tuple[int, Fetched]] = []
+        outcomes: dict[int, Outcome] = {}
+        for (i, _old, _claim), answer in zip(won, fetched, strict=True):
+            if isinstance(answer, S3ObjectNotFound):
+                outcomes[i] = Outcome(STATE_MISSING)
+                results[i] = answer
+            elif isinstance(answer, S3Error):
+                outcomes[i] = Outcome(STATE_ERROR, code=answer.code, status=answer.status,
+                                      message=answer.detail)
+                results[i] = answer
+            else:
+                assert isinstance(answer, Fetched)
+                entries.append((i, answer))
+                results[i] = answer.data
+        stored = self._store_entries(ckeys, entries)
+        metas: list[tuple[str, bytes]] = []
+        for i, answer in entries:
+            if i in stored:
+                metas.append((ckeys[i], Meta(STATE_VALUE, answer.etag, answer.size,
+                                             sent_ms).encode()))
+                outcomes[i] = Outcome(STATE_VALUE, answer.etag, answer.size)
+            else:
+                outcomes[i] = Outcome(STATE_UNCACHED, answer.etag, answer.size)
+        metas += [(ckeys[i], Meta(STATE_MISSING, "", 0, sent_ms).encode())
+                  for i, o in outcomes.items() if o.state == STATE_MISSING]
+        try:
+            self._put_all(META_BUCKET, metas, overwrite=True)
+        except PocketflowError as exc:
+            log.info("cache %s: writing entries' meta failed (%s)", self.spec.name, exc)
+            for i in list(outcomes):
+                if outcomes[i].state == STATE_VALUE:
+                    outcomes[i] = Outcome(STATE_UNCACHED, outcomes[i].etag, outcomes[i].size)
+                    self._delete_entry(ckeys[i], outcomes[i].etag)
+        self._finish_fills(ckeys, [(i, claim) for i, _, claim in won], outcomes)
+        filled = bypassed = missing = 0
+        for i, old, _claim in won:
+            outcome = outcomes[i]
+            if outcome.state == STATE_VALUE:
+                filled += 1
+                if old is not None and old.state == STATE_VALUE and old.etag != outcome.etag:
+                    self._delete_entry(ckeys[i], old.etag)
+                self._note(bucket, keys[i], outcome.size, filled=True)
+            elif outcome.state == STATE_UNCACHED:
+                bypassed += 1
+            elif outcome.state == STATE_MISSING:
+                missing += 1
+                if old is not None and old.state == STATE_VALUE:
+                    self._delete_entry(ckeys[i], old.etag)
+        self.stats.add(filled=filled, bypassed=bypassed, missing=missing,
+                       bytes_read=sum(len(a.data) for _, a in entries))
+
+    def _store_entries(self, ckeys: list[str], entries: list[tuple[int, Fetched]]) -> set[int]:
+        """Write the entries, pipelined in chunks of at most ``PUT_CHUNK_KEYS`` keys and
+        ``PUT_CHUNK_BYTES``; returns the indices stored (a version already there counts). A
+        chunk that fails is written again one entry at a time, to learn each one's fate."""
+        stored: set[int] = set()
+        for chunk in _chunks(entries, lambda e: e[1].size):
+            try:
+                self._pf.put_many(ENTRY_BUCKET,
+                                  [(entry_key(ckeys[i], a.etag), a.data) for i, a in chunk])
+                stored.update(i for i, _ in chunk)
+                continue
+            except PocketflowError as exc:
+                if not isinstance(exc, ObjectExists):
+                    log.info("cache %s: entries not all stored (%s)", self.spec.name, exc)
+            for i, answer in chunk:
+                try:
+                    self._store_entry(ckeys[i], answer.etag, answer.data)
+                    stored.add(i)
+                except PocketflowError:
+                    pass
+        return stored
+
+    def _store_entry(self, ckey: str, etag: str, data: Any) -> None:
+        try:
+            self._pf.put(ENTRY_BUCKET, entry_key(ckey, etag), data)
+        except ObjectExists:
+            pass  # the same version, written by another process
+
+    def _finish_fills(self, ckeys: list[str], claims: list[tuple[int, Claim]],
+                      outcomes: dict[int, Outcome]) -> None:
+        """Publish each fill's outcome, then remove its claim (only if it is still ours)."""
+        try:
+            self._put_all(DONE_BUCKET, [(done_key(ckeys[i], c.fill_id), outcomes[i].encode())
+                                        for i, c in claims], tolerate=ObjectExists)
+        except PocketflowError as exc:
+            log.info("cache %s: fill outcomes not written (%s)", self.spec.name, exc)
+        self._release_claims([(ckeys[i], c) for i, c in claims])
+        due = time.monotonic() + DONE_LINGER_S
+        with self._done_lock:
+            for i, c in claims:
+                self._done_due.append((due, done_key(ckeys[i], c.fill_id)))
+
+    def _release_claims(self, claims: list[tuple[str, Claim]]) -> None:
+        try:
+            taken = self._pf.get_each(CLAIM_BUCKET, [ckey for ckey, _ in claims], delete=True)
+        except PocketflowError as exc:
+            log.info("cache %s: claims not removed (%s)", self.spec.name, exc)
+            return
+        for (ckey, claim), raw in zip(claims, taken, strict=True):
+            if isinstance(raw, PocketflowError):
+                continue
+            try:
+                found = Claim.decode(raw)
+            except InvalidRequest:
+                continue
+            if found.fill_id != claim.fill_id:
+                # Someone else's claim (ours was taken over and a new fill began): put it back.
+                try:
+                    self._pf.put(CLAIM_BUCKET, ckey, raw)
+                except PocketflowError:
+                    pass
+
+    def _wait_fills(self, bucket: str, keys: list[str], ckeys: list[str],
+                    waiting: list[tuple[int, Claim]], results: list[Result | None]) -> list[int]:
+        """Wait for other processes' fills; returns keys to look at again."""
+        give_up_s = time.monotonic() + self.spec.fill_wait_s
+        claims = dict(waiting)
+        again: list[int] = []
+        while claims:
+            done = {i: done_key(ckeys[i], c.fill_id) for i, c in claims.items()}
+            left_s = give_up_s - time.monotonic()
+            try:
+                if left_s > 0:
+                    self._pf.wait_for(DONE_BUCKET, list(done.values()),
+                                      timeout_s=min(WAIT_SLICE_S, left_s))
+                outcomes = self._pf.get_each(DONE_BUCKET, list(done.values()))
+            except PocketflowError as exc:
+                log.info("cache %s: waiting for fills failed (%s)", self.spec.name, exc)
+                for i in claims:
+                    results[i] = self._bypass(bucket, keys[i])
+                return again
+            finished: list[tuple[int, Outcome]] = []
+            for i, raw in zip(list(done), outcomes, strict=True):
+                if isinstance(raw, PocketflowError):
+                    continue
+                try:
+                    finished.append((i, Outcome.decode(raw)))
+                except InvalidRequest:
+                    results[i] = self._bypass(bucket, keys[i])
+                    claims.pop(i)
+            values: list[tuple[int, Meta]] = []
+            for i, outcome in finished:
+                claims.pop(i)
+                if outcome.state == STATE_VALUE:
+                    values.append((i, Meta(STATE_VALUE, outcome.etag, outcome.size, 0)))
+                elif outcome.state == STATE_MISSING:
+                    results[i] = self._missing(bucket, keys[i], fresh=True)
+                elif outcome.state == STATE_ERROR:
+                    results[i] = s3_error(outcome.code, outcome.status, outcome.message,
+                                          bucket=bucket, key=keys[i])
+                else:
+                    results[i] = self._bypass(bucket, keys[i])
+            again += self._read_entries(bucket, keys, ckeys, values, results, counter="waited")
+            if not claims:
+                break
+            if time.monotonic() >= give_up_s:
+                for i in claims:
+                    results[i] = self._bypass(bucket, keys[i])
+                break
+            again += self._recheck_claims(ckeys, claims)
+        return again
+
+    def _recheck_claims(self, ckeys: list[str], claims: dict[int, Claim]) -> list[int]:
+        """Look at the claims still waited on after a slice: a claim that is gone or belongs
+        to a new fill sends its key around again (its entry may be fresh now, or the new fill
+        is waited on); one whose deadline passed with no outcome (its owner died or hangs) is
+        taken over: the one waiter whose write-once steal marker lands removes it, and every
+        waiter goes around to claim the key afresh. A claim whose owner moved the deadline on
+        is waited on again. Changes ``claims``; returns the keys to go around."""
+        order = list(claims)
+        try:
+            current = self._pf.get_each(CLAIM_BUCKET, [ckeys[i] for i in order])
+        except PocketflowError:
+            return []
+        now_ms = _now_ms()
+        again = []
+        for i, raw in zip(order, current, strict=True):
+            old = claims[i]
+            if isinstance(raw, PocketflowError):
+                if isinstance(raw, ObjectNotFound):
+                    claims.pop(i)
+                    again.append(i)
+                continue
+            try:
+                claim = Claim.decode(raw)
+            except InvalidRequest:
+                continue
+            if claim.fill_id != old.fill_id:
+                claims.pop(i)
+                again.append(i)
+                continue
+            claims[i] = claim
+            if claim.deadline_ms >= now_ms:
+                continue
+            claims.pop(i)
+            again.append(i)
+            marker = steal_key(ckeys[i], old.fill_id)
+            try:
+                self._pf.put(CLAIM_BUCKET, marker, b"1")
+            except PocketflowError:
+                continue  # another waiter takes it over (or the cache failed): look again
+            log.warning("cache %s: fill %s of %s by %s lapsed; taking it over",
+                        self.spec.name, old.fill_id, ckeys[i], old.owner)
+            self.stats.add(steals=1)
+            try:
+                taken = self._pf.get(CLAIM_BUCKET, ckeys[i], delete=True)
+                if Claim.decode(taken).fill_id != old.fill_id:
+                    self._pf.put(CLAIM_BUCKET, ckeys[i], taken)  # a new fill's: put it back
+            except (PocketflowError, InvalidRequest):
+                pass
+            try:
+                self._pf.delete(CLAIM_BUCKET, marker)
+            except PocketflowError:
+                pass
+        return again
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _s3_each(self, bucket: str, asks: list[tuple[str, str | None]], *,
+                 renew: list[tuple[str, Claim]] | None = None,
+                 ) -> list[Fetched | Any | PocketflowError]:
+        """GET each ``(key, if_none_match)`` of ``bucket``, at most ``S3_PARALLEL_MAX`` at
+        once (a claim in ``renew`` is moved on during its download); each answer (or
+        :data:`NOT_MODIFIED`) or its error, in order."""
+        renewals = renew or [None] * len(asks)  # type: ignore[list-item]
+
+        def one(ask: tuple[str, str | None], claim: tuple[str, Claim] | None) -> Any:
+            key, etag = ask
+            try:
+                return self._s3.get(bucket, key, if_none_match=etag,
+                                    on_progress=self._renewer(claim) if claim else None)
+            except S3Error as exc:
+                return exc
+
+        if len(asks) == 1:
+            return [one(asks[0], renewals[0])]
+        return list(self._threads().map(one, asks, renewals))
+
+    def _renewer(self, claim: tuple[str, Claim]) -> Callable[[], None]:
+        """Moves a claim's deadline on every third of the claim time during a long download."""
+        ckey, original = claim
+        claim_ms = self.spec.claim_ms
+        state = {"renewed_s": time.monotonic()}
+
+        def renew() -> None:
+            if time.monotonic() - state["renewed_s"] < claim_ms / 3000:
+                return
+            state["renewed_s"] = time.monotonic()
+            moved = Claim(original.fill_id, _now_ms() + claim_ms, original.owner)
+            try:
+                self._pf.put(CLAIM_BUCKET, ckey, moved.encode(), overwrite=True)
+            except PocketflowError as exc:
+                log.debug("cache %s: claim of %s not moved on: %s", self.spec.name, ckey, exc)
+
+        return renew
+
+    def _threads(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(S3_PARALLEL_MAX, thread_name_prefix="cache-s3")
+            return self._pool
+
+    def _put_all(self, bucket: str, items: list[tuple[str, Any]], *, overwrite: bool = False,
+                 tolerate: type[PocketflowError] | None = None) -> None:
+        """``put_many`` in chunks (:func:`_chunks`); an error of the ``tolerate`` kind (a claim
+        already there) is not one. Used for small records only: a chunk's first error hides
+        the others', which the callers read back or can afford to lose."""
+        for chunk in _chunks(items, lambda item: len(memoryview(item[1]).cast("B"))):
+            try:
+                self._pf.put_many(bucket, chunk, overwrite=overwrite)
+            except PocketflowError as exc:
+                if tolerate is None or not isinstance(exc, tolerate):
+                    raise
+
+    def _meta(self, ckey: str) -> Meta | None:
+        try:
+            return Meta.decode(self._pf.get(META_BUCKET, ckey))
+        except (ObjectNotFound, InvalidRequest):
+            return None
+
+    def _meta_or_none(self, ckey: str) -> Meta | None:
+        try:
+            return self._meta(ckey)
+        except PocketflowError:
+            return None
+
+    def _drop(self, ckey: str) -> bool:
+        """Remove a key's meta and entry; whether there was a meta."""
+        try:
+            raw = self._pf.get(META_BUCKET, ckey, delete=True)
+        except PocketflowError:
+            return False
+        try:
+            meta = Meta.decode(raw)
+        except InvalidRequest:
+            return True
+        if meta.state == STATE_VALUE:
+            self._delete_entry(ckey, meta.etag)
+        return True
+
+    def _delete_entry(self, ckey: str, etag: str) -> None:
+        try:
+            self._pf.delete(ENTRY_BUCKET, entry_key(ckey, etag))
+        except PocketflowError:
+            pass  # gone already, or left for the maintainer's sweep
+
+    def _missing(self, bucket: str, key: str, *, fresh: bool) -> S3ObjectNotFound:
+        self.stats.add(missing=1)
+        error = s3_error("NoSuchKey", 404, "the key does not exist"
+                         + (" (cached)" if fresh else ""), bucket=bucket, key=key)
+        assert isinstance(error, S3ObjectNotFound)
+        return error
+
+    def _bypass(self, bucket: str, key: str) -> Result:
+        """Read S3 directly, without the cache."""
+        try:
+            fetched = self._s3.get(bucket, key)
+        except S3ObjectNotFound as exc:
+            self.stats.add(missing=1)
+            return exc
+        except S3Error as exc:
+            return exc
+        assert isinstance(fetched, Fetched)
+        self.stats.add(bypassed=1, bytes_read=fetched.size)
+        return fetched.data
+
+    def _note(self, bucket: str, key: str, size: int, *, read: bool = True,
+              filled: bool = False) -> None:
+        if self._recorder is not None:
+            self._recorder.note(bucket, key, size, read=read, filled=filled)
+
+    def _remove_done(self, *, everything: bool) -> None:
+        """Remove the fill outcomes whose linger is over (all of them with ``everything``)."""
+        now_s = time.monotonic()
+        with self._done_lock:
+            due = []
+            while self._done_due and (everything or self._done_due[0][0] <= now_s
+                                      or len(self._done_due) > DONE_PENDING_MAX):
+                due.append(self._done_due.popleft()[1])
+        if due:
+            try:
+                self._pf.get_each(DONE_BUCKET, due, delete=True)
+            except PocketflowError as exc:
+                log.debug("cache %s: fill outcomes not removed: %s", self.spec.name, exc)
+
+
+def create_buckets(client: Any) -> None:
+    """Create the cache's buckets in its job (:data:`~pocketflow.cache.records.BUCKETS`), those
+    that exist already left as they are."""
+    from pocketflow.errors import BucketExists
+
+    for bucket in BUCKETS:
+        try:
+            client.create_bucket(bucket)
+        except BucketExists:
+            pass
+
+
+def _chunks(items: list[Any], size_of: Callable[[Any], int]) -> list[list[Any]]:
+    """``items`` cut into runs of at most ``PUT_CHUNK_KEYS`` items and ``PUT_CHUNK_BYTES``
+    (an item larger than that is a run of its own)."""
+    chunks: list[list[Any]] = []
+    current: list[Any] = []
+    used = 0
+    for item in items:
+        size = size_of(item)
+        if current and (len(current) >= PUT_CHUNK_KEYS or used + size > PUT_CHUNK_BYTES):
+            chunks.append(current)
+            current, used = [], 0
+        current.append(item)
+        used += size
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def connect(spec: CacheSpec | str, **options: Any) -> CacheClient:
+    """A client of the cache described by ``spec`` (a :class:`CacheSpec` or its JSON), for a
+    task in any process; ``options`` go to the job's :func:`pocketflow.connect`."""
+    if isinstance(spec, str):
+        spec = CacheSpec.from_json(spec)
+    if options:
+        from pocketflow.client import connect as connect_job
+
+        return CacheClient(spec, client=connect_job(spec.handle, **options))
+    return CacheClient(spec)

@@ -1,0 +1,287 @@
+"""The S3-compatible store behind a cache: one boto3 client per process and source, the few
+requests the cache makes (conditional GET, listing, PUT, DELETE), their count, and the one place
+boto3's failures become typed errors (:func:`pocketflow.errors.error_from_s3`)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
+
+from pocketflow.errors import InvalidRequest, error_from_s3
+
+__all__ = [
+    "S3Source",
+    "S3Store",
+    "Fetched",
+    "NOT_MODIFIED",
+    "Listed",
+    "BODY_CHUNK_BYTES",
+    "LIST_PAGE_KEYS",
+    "LIST_WASTE_FACTOR",
+]
+
+BODY_CHUNK_BYTES = 8 * 1024 * 1024
+"""A GET's body is read in pieces of this size, and ``on_progress`` runs between them (a fill
+renews its claim there, so a long download is not taken for a dead one)."""
+
+LIST_PAGE_KEYS = 1000
+"""Keys per ListObjectsV2 page (S3's maximum)."""
+
+LIST_WASTE_FACTOR = 4
+"""A listing that revalidates ``n`` keys stops after ``max(n * LIST_WASTE_FACTOR, one page)``
+listed keys: keys it has not reached by then are revalidated one conditional GET each."""
+
+CLIENTS_MAX = 16
+"""boto3 clients kept per process (one per source); the oldest is dropped past this."""
+
+
+@dataclass(frozen=True)
+class S3Source:
+    """Where a cache's backing objects live: an S3-compatible endpoint.
+
+    ``endpoint_url`` None means AWS S3 in ``region``. Credentials are never part of the source
+    (which travels to every task in the cache's spec): boto3 finds them in each process as it
+    always does (environment, config files, instance role); ``unsigned`` sends anonymous requests
+    instead (public buckets, or a local store without identities such as the tests' SeaweedFS).
+    ``attempts`` is botocore's total attempts per request (1 = no retry).
+    """
+
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    unsigned: bool = False
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+    attempts: int = 3
+    pool_connections: int = 32
+
+    def __post_init__(self) -> None:
+        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
+            raise InvalidRequest("S3 timeouts must be > 0")
+        if not 1 <= self.attempts <= 10:
+            raise InvalidRequest("S3 attempts must be in 1..10")
+        if not 1 <= self.pool_connections <= 1024:
+            raise InvalidRequest("S3 pool_connections must be in 1..1024")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the cache's spec."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> S3Source:
+        """The inverse of :meth:`to_dict` (unknown fields are refused)."""
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise InvalidRequest(f"not an S3 source: {exc}") from None
+
+
+class Fetched(NamedTuple):
+    """An object as a GET returned it."""
+
+    etag: str
+    size: int
+    data: bytes
+
+
+class _NotModified:
+    def __repr__(self) -> str:
+        return "NOT_MODIFIED"
+
+
+NOT_MODIFIED = _NotModified()
+"""What a conditional GET returns when the object still has the ETag it was given."""
+
+
+class Listed(NamedTuple):
+    """A listing's revalidation of some keys: ``found`` maps each key the listing reached and
+    holds to its ``(etag, size)``; ``absent`` are keys it reached that do not exist; keys in
+    neither were not reached (the listing stopped at its bound)."""
+
+    found: dict[str, tuple[str, int]]
+    absent: set[str]
+
+
+def normal_etag(etag: str) -> str:
+    """An ETag without the quotes S3 puts around it (listings and GETs agree then)."""
+    return etag.strip().strip('"')
+
+
+_clients_lock = threading.Lock()
+_clients: dict[S3Source, tuple[int, Any]] = {}
+
+
+def _client(source: S3Source) -> Any:
+    """This process's boto3 client for ``source`` (made again in a forked child: a client's
+    connection pool belongs to the process that opened it)."""
+    pid = os.getpid()
+    with _clients_lock:
+        held = _clients.get(source)
+        if held is not None and held[0] == pid:
+            return held[1]
+    import boto3
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    config = Config(
+        signature_version=UNSIGNED if source.unsigned else None,
+        retries={"max_attempts": source.attempts, "mode": "standard"},
+        connect_timeout=source.connect_timeout_s,
+        read_timeout=source.read_timeout_s,
+        max_pool_connections=source.pool_connections,
+        # Checksums only where S3 requires them: the cache's reads are checked by length, and
+        # hashing every payload twice would cost more than the loopback transfer.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    client = boto3.session.Session().client(
+        "s3", endpoint_url=source.endpoint_url, region_name=source.region, config=config
+    )
+    client.meta.events.register("before-send.s3", _count_request)
+    with _clients_lock:
+        _clients[source] = (pid, client)
+        while len(_clients) > CLIENTS_MAX:
+            del _clients[next(iter(_clients))]
+    return client
+
+
+_requests_lock = threading.Lock()
+_requests: Counter[str] = Counter()
+
+
+def _count_request(event_name: str = "", **_: Any) -> None:
+    # event_name is "before-send.s3.<Operation>"; every attempt sent counts, retries included.
+    operation = event_name.rsplit(".", 1)[-1]
+    with _requests_lock:
+        _requests[operation] += 1
+
+
+def request_counts() -> dict[str, int]:
+    """S3 requests this process has sent, by operation (``GetObject``, ``ListObjectsV2``, ...),
+    every retry counted; the counts a benchmark reports."""
+    with _requests_lock:
+        return dict(_requests)
+
+
+class S3Store:
+    """The requests a cache makes to its source, each raising a typed :class:`S3Error`."""
+
+    def __init__(self, source: S3Source) -> None:
+        self.source = source
+
+    def get(
+        self, bucket: str, key: str, *, if_none_match: str | None = None,
+        on_progress: Callable[[], None] | None = None,
+    ) -> Fetched | _NotModified:
+        """GetObject, whole. With ``if_none_match`` (an ETag) a 304 answer returns
+        :data:`NOT_MODIFIED` and carries no body. ``on_progress`` runs between body pieces."""
+        args: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        if if_none_match is not None:
+            args["IfNoneMatch"] = f'"{normal_etag(if_none_match)}"'
+        try:
+            answer = _client(self.source).get_object(**args)
+            etag = normal_etag(answer["ETag"])
+            size = int(answer["ContentLength"])
+            data = _read_body(answer["Body"], size, on_progress)
+        except Exception as exc:
+            if if_none_match is not None and _status(exc) == 304:
+                return NOT_MODIFIED
+            raise error_from_s3(exc, bucket=bucket, key=key) from exc
+        if len(data) != size:
+            raise error_from_s3(
+                OSError(f"body of {len(data)} bytes, Content-Length said {size}"),
+                bucket=bucket, key=key,
+            )
+        return Fetched(etag, size, data)
+
+    def list_keys(self, bucket: str, keys: Sequence[str]) -> Listed:
+        """Revalidate ``keys`` (sorted, distinct) with ListObjectsV2 pages over their common
+        prefix, from just before the first: each page answers for up to 1000 keys at the cost of
+        one request. Stops once past the last key or after ``LIST_WASTE_FACTOR`` times as many
+        listed keys as asked for (at least one page)."""
+        if not keys:
+            return Listed({}, set())
+        keys = sorted(set(keys))
+        wanted = set(keys)
+        first, last = keys[0], keys[-1]
+        prefix = os.path.commonprefix([first, last])
+        listed_max = max(len(keys) * LIST_WASTE_FACTOR, LIST_PAGE_KEYS)
+        args: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": LIST_PAGE_KEYS}
+        if first[:-1]:
+            # StartAfter is exclusive: a string just below the first key (the key less its last
+            # character sorts before it and before nothing between them but its own prefixes).
+            args["StartAfter"] = first[:-1]
+        found: dict[str, tuple[str, int]] = {}
+        listed = 0
+        reached = ""
+        client = _client(self.source)
+        while True:
+            try:
+                page = client.list_objects_v2(**args)
+            except Exception as exc:
+                raise error_from_s3(exc, bucket=bucket, key=None) from exc
+            contents = page.get("Contents", ()) or ()
+            for item in contents:
+                name = item["Key"]
+                listed += 1
+                reached = name
+                if name in wanted:
+                    found[name] = (normal_etag(item["ETag"]), int(item["Size"]))
+            done = not page.get("IsTruncated") or (reached and reached >= last)
+            if done or listed >= listed_max:
+                if not page.get("IsTruncated"):
+                    reached = max(reached, last)
+                break
+            token = page.get("NextContinuationToken")
+            if not token:
+                break
+            args["ContinuationToken"] = token
+            args.pop("StartAfter", None)
+        absent = {k for k in wanted if k not in found and k <= reached}
+        return Listed(found, absent)
+
+    def put(self, bucket: str, key: str, data: Any) -> str:
+        """PutObject; returns the new ETag."""
+        try:
+            answer = _client(self.source).put_object(Bucket=bucket, Key=key, Body=data)
+        except Exception as exc:
+            raise error_from_s3(exc, bucket=bucket, key=key) from exc
+        return normal_etag(answer["ETag"])
+
+    def delete(self, bucket: str, key: str) -> None:
+        """DeleteObject (deleting a missing key is not an error in S3)."""
+        try:
+            _client(self.source).delete_object(Bucket=bucket, Key=key)
+        except Exception as exc:
+            raise error_from_s3(exc, bucket=bucket, key=key) from exc
+
+
+def _status(exc: BaseException) -> int:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return 0
+    return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+def _read_body(body: Any, size: int, on_progress: Callable[[], None] | None) -> bytes:
+    """The whole body; in ``BODY_CHUNK_BYTES`` pieces with ``on_progress`` between them when it
+    is larger than one piece."""
+    try:
+        if size <= BODY_CHUNK_BYTES or on_progress is None:
+            return body.read()
+        buffer = bytearray(size)
+        view = memoryview(buffer)
+        at = 0
+        while at < size:
+            piece = body.read(min(BODY_CHUNK_BYTES, size - at))
+            if not piece:
+                break
+            view[at:at + len(piece)] = piece
+            at += len(piece)
+            on_progress()
+        return bytes(view[:at])
+    finally:
+        body.close()

@@ -1,0 +1,383 @@
+"""The read-through cache's data path (``pocketflow.cache.client``) against a real S3 server
+(SeaweedFS) and real storage servers: hits, misses, the validation lease and its staleness
+bound, listings, writes and deletes through the cache, single flight across processes (and a
+fill whose process is killed), S3 errors as typed errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fixtures_s3 import boto3_client
+
+from pocketflow.cache.client import CacheClient, create_buckets
+from pocketflow.cache.records import CLAIM_BUCKET, ENTRY_BUCKET, META_BUCKET, cache_key, entry_key
+from pocketflow.cache.source import S3Source, request_counts
+from pocketflow.cache.spec import CacheSpec
+from pocketflow.client import connect
+from pocketflow.errors import (
+    ObjectNotFound,
+    S3BucketNotFound,
+    S3InvalidRequest,
+    S3ObjectNotFound,
+    S3Unavailable,
+)
+from pocketflow.handle import JobHandle
+
+CLIENT_OPTIONS = {"op_timeout_s": "10s", "rpc_timeout_s": "10s", "stream_timeout_s": "60s"}
+PROCESS_TIMEOUT_S = 120.0
+
+
+@pytest.fixture
+def cache_spec(job_handle: JobHandle, s3_server: S3Source) -> CacheSpec:
+    with connect(job_handle, **CLIENT_OPTIONS) as pf:
+        create_buckets(pf)
+    return CacheSpec(name="t", handle=job_handle, source=s3_server, lease_ms=60_000)
+
+
+@pytest.fixture
+def s3(s3_server: S3Source) -> Iterator[Any]:
+    client = boto3_client(s3_server)
+    yield client
+    client.close()
+
+
+def _cache(spec: CacheSpec, **changes: Any) -> CacheClient:
+    from dataclasses import replace
+
+    return CacheClient(replace(spec, **changes) if changes else spec)
+
+
+def _gets() -> int:
+    return request_counts().get("GetObject", 0)
+
+
+def _lists() -> int:
+    return request_counts().get("ListObjectsV2", 0)
+
+
+def test_miss_fills_and_a_hit_asks_s3_nothing(cache_spec: CacheSpec, s3: Any,
+                                              s3_bucket: str) -> None:
+    s3.put_object(Bucket=s3_bucket, Key="in/a", Body=b"alpha" * 1000)
+    with _cache(cache_spec) as cache:
+        before = _gets()
+        assert cache.get(s3_bucket, "in/a") == b"alpha" * 1000
+        assert _gets() - before == 1
+        assert cache.stats.filled == 1
+        before = _gets()
+        for _ in range(3):
+            assert cache.get(s3_bucket, "in/a") == b"alpha" * 1000
+        assert _gets() == before, "a fresh hit must not ask S3"
+        assert cache.stats.fresh == 3
+        # The entry is in pocketflow, named by its version.
+        meta = cache.client.get(META_BUCKET, cache_key(s3_bucket, "in/a"))
+        assert b'"s":"value"' in meta
+
+
+def test_large_object_and_range(cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    s3.put_object(Bucket=s3_bucket, Key="big", Body=data)
+    with _cache(cache_spec) as cache:
+        assert cache.get(s3_bucket, "big") == data
+        before = _gets()
+        assert cache.get_range(s3_bucket, "big", 1024 * 1024 - 5, 10) == data[
+            1024 * 1024 - 5:1024 * 1024 + 5]
+        assert cache.head(s3_bucket, "big")[1] == len(data)
+        assert _gets() == before
+
+
+def test_a_second_client_in_another_process_hits(cache_spec: CacheSpec, s3: Any,
+                                                 s3_bucket: str) -> None:
+    s3.put_object(Bucket=s3_bucket, Key="shared", Body=b"x" * 70_000)
+    with _cache(cache_spec) as cache:
+        cache.get(s3_bucket, "shared")
+    script = (
+        "import sys, json\n"
+        "from pocketflow.cache import connect\n"
+        "from pocketflow.cache.source import request_counts\n"
+        f"c = connect(sys.stdin.read())\n"
+        f"assert c.get({s3_bucket!r}, 'shared') == b'x' * 70_000\n"
+        "print(json.dumps([c.stats.fresh, request_counts().get('GetObject', 0)]))\n"
+        "c.close()\n"
+    )
+    out = _run(script, cache_spec.to_json())
+    assert out.strip().endswith("[1, 0]"), out
+
+
+def test_revalidation_after_the_lease(cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
+    s3.put_object(Bucket=s3_bucket, Key="k", Body=b"v1")
+    with _cache(cache_spec, lease_ms=400) as cache:
+        assert cache.get(s3_bucket, "k") == b"v1"
+        time.sleep(0.5)
+        before = _gets()
+        assert cache.get(s3_bucket, "k") == b"v1"
+        assert _gets() - before == 1, "one conditional request revalidates"
+        assert cache.stats.revalidated == 1 and cache.stats.validations == 1
+        # Renewed: the next read within the lease asks nothing.
+        before = _gets()
+        assert cache.get(s3_bucket, "k") == b"v1"
+        assert _gets() == before
+
+
+def test_staleness_bound(cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
+    """A write behind the cache's back is served stale while the lease holds, never after."""
+    lease_ms = 1500
+    s3.put_object(Bucket=s3_bucket, Key="k", Body=b"old")
+    with _cache(cache_spec, lease_ms=lease_ms) as cache:
+        validated_s = time.time()
+        assert cache.get(s3_bucket, "k") == b"old"
+        s3.put_object(Bucket=s3_bucket, Key="k", Body=b"new")
+        seen_old_at = []
+        while True:
+            value = cache.get(s3_bucket, "k")
+            now = time.time()
+            if value == b"new":
+                break
+            assert value == b"old"
+            seen_old_at.append(now)
+            assert now - validated_s < lease_ms / 1000 + 1.0, "stale beyond the lease"
+            time.sleep(0.05)
+        assert seen_old_at, "the lease served the cached version"
+        # Every stale read began within the lease of the validation (taken before it was sent).
+        assert max(seen_old_at) - validated_s <= lease_ms / 1000 + 0.2
+        assert cache.get(s3_bucket, "k") == b"new"
+        # The replaced version's entry is gone.
+        assert cache.stats.filled == 2
+
+
+def test_lease_zero_checks_every_read(cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
+    s3.put_object(Bucket=s3_bucket, Key="k", Body=b"v1")
+    with _cache(cache_spec, lease_ms=0) as cache:
+        cache.get(s3_bucket, "k")
+        before = _gets()
+        for _ in range(3):
+            assert cache.get(s3_bucket, "k") == b"v1"
+        assert _gets() - before == 3
+        s3.put_object(Bucket=s3_bucket, Key="k", Body=b"v2")
+        assert cache.get(s3_bucket, "k") == b"v2"
+        assert cache.stats.revalidated == 3
+
+
+def test_listing_revalidates_a_batch(cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
+    keys = [f"part/{i:04d}" for i in range(40)]
+    for k in keys:
+        s3.put_object(Bucket=s3_bucket, Key=k, Body=k.encode())
+    s3.put_object(Bucket=s3_bucket, Key="other", Body=b"not asked for")
+    with _cache(cache_spec, lease_ms=300) as cache:
+        assert cache.get_many(s3_bucket, keys) == [k.encode() for k in keys]
+        time.sleep(0.4)
+        s3.put_object(Bucket=s3_bucket, Key=keys[7], Body=b"changed")
+        s3.delete_object(Bucket=s3_bucket, Key=keys[9])
+        gets, lists = _gets(), _lists()
+        results = cache.get_each(s3_bucket, keys)
+        assert _lists() - lists == 1
+        assert _gets() - gets == 1, "only the changed key is fetched"
+        assert results[7] == b"changed"
+        assert isinstance(results[9], S3ObjectNotFound)
+        assert [r for i, r in enumerate(results) if i not in (7, 9)] == [
+            k.encode() for i, k in enumerate(keys) if i not in (7, 9)]
+        assert cache.stats.revalidated == 38
+
+
+def test_write_through(cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
+    with _cache(cache_spec) as cache:
+        s3.put_object(Bucket=s3_bucket, Key="w", Body=b"first")
+        assert cache.get(s3_bucket, "w") == b"first"
+        old_meta = cache.client.get(META_BUCKET, cache_key(s3_bucket, "w"))
+        etag = cache.put(s3_bucket, "w", b"second")
+        assert s3.get_object(Bucket=s3_bucket, Key="w")["Body"].read() == b"second"
+        assert etag and etag in s3.head_object(Bucket=s3_bucket, Key="w")["ETag"]
+        before = _gets()
+        assert cache.get(s3_bucket, "w") == b"second"
+        assert _gets() == before, "a write through the cache is read without asking S3"
+        # The replaced version's entry was removed.
+        import json
+
+        old_etag = json.loads(old_meta)["e"]
+        with pytest.raises(ObjectNotFound):
+            cache.client.get(ENTRY_BUCKET, entry_key(cache_key(s3_bucket, "w"), old_etag))
+        cache.delete(s3_bucket, "w")
+        with pytest.raises(S3ObjectNotFound):
+            cache.get(s3_bucket, "w")
+        assert _gets() == before, "the delete left a negative entry"
+        assert cache.invalidate(s3_bucket, "w")
+        with pytest.raises(S3ObjectNotFound):
+            cache.get(s3_bucket, "w")
+
+
+def test_missing_key_is_cached_negative(cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
+    with _cache(cache_spec, lease_ms=60_000) as cache:
+        with pytest.raises(S3ObjectNotFound) as raised:
+            cache.get(s3_bucket, "nope")
+        assert raised.value.code == "NoSuchKey" and isinstance(raised.value, ObjectNotFound)
+        before = _gets()
+        with pytest.raises(S3ObjectNotFound):
+            cache.get(s3_bucket, "nope")
+        assert _gets() == before
+        # A key created later is seen once the negative entry's lease is over (here: dropped).
+        s3.put_object(Bucket=s3_bucket, Key="nope", Body=b"now")
+        cache.invalidate(s3_bucket, "nope")
+        assert cache.get(s3_bucket, "nope") == b"now"
+
+
+def test_s3_errors_are_typed(cache_spec: CacheSpec, s3_bucket: str) -> None:
+    with _cache(cache_spec) as cache:
+        with pytest.raises(S3BucketNotFound) as raised:
+            cache.get("no-such-bucket-here", "k")
+        assert raised.value.bucket == "no-such-bucket-here"
+        with pytest.raises(S3InvalidRequest) as invalid:
+            cache.put("in", "k", b"a bucket name S3 refuses")
+        assert invalid.value.code == "InvalidBucketName" and isinstance(invalid.value, ValueError)
+        results = cache.get_each(s3_bucket, ["missing-1", "missing-2"])
+        assert all(isinstance(r, S3ObjectNotFound) for r in results)
+    # An S3 endpoint nobody listens on: every read fails fast with S3Unavailable.
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dead = S3Source(endpoint_url=f"http://127.0.0.1:{port}", unsigned=True, attempts=1,
+                    connect_timeout_s=2.0, read_timeout_s=2.0)
+    with _cache(cache_spec, source=dead) as cache:
+        with pytest.raises(S3Unavailable) as raised:
+            cache.get(s3_bucket, "k")
+        assert raised.value.status == 0
+        # The claim was released: nothing is left waiting for a fill that failed.
+        with pytest.raises(ObjectNotFound):
+            cache.client.get(CLAIM_BUCKET, cache_key(s3_bucket, "k"))
+
+
+def test_concurrent_misses_in_threads_fetch_once(cache_spec: CacheSpec, s3: Any,
+                                                 s3_bucket: str) -> None:
+    data = os.urandom(4 * 1024 * 1024)
+    s3.put_object(Bucket=s3_bucket, Key="hot", Body=data)
+    with _cache(cache_spec) as cache:
+        barrier = threading.Barrier(6)
+        got: list[bytes] = []
+
+        def read() -> None:
+            barrier.wait(timeout=30)
+            got.append(cache.get(s3_bucket, "hot"))
+
+        before = _gets()
+        threads = [threading.Thread(target=read) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert got == [data] * 6
+        assert _gets() - before == 1
+        assert cache.stats.filled == 1 and cache.stats.waited + cache.stats.fresh == 5
+
+
+CONCURRENT_READER = """
+import json, sys, time
+from pocketflow.cache import connect
+from pocketflow.cache.source import request_counts
+spec_json, bucket, start_at = sys.stdin.read().split("\\n")
+cache = connect(spec_json)
+while time.time() < float(start_at):
+    time.sleep(0.001)
+data = cache.get(bucket, "hot")
+print(json.dumps({"len": len(data), "gets": request_counts().get("GetObject", 0),
+                  "stats": cache.stats.to_dict()}))
+cache.close()
+"""
+
+
+def test_concurrent_misses_in_processes_fetch_once(cache_spec: CacheSpec, s3: Any,
+                                                   s3_bucket: str) -> None:
+    import json
+
+    data = os.urandom(8 * 1024 * 1024)
+    s3.put_object(Bucket=s3_bucket, Key="hot", Body=data)
+    readers = 5
+    start_at = time.time() + 4.0  # every process is up and connected by then
+    procs = [_spawn(CONCURRENT_READER, f"{cache_spec.to_json()}\n{s3_bucket}\n{start_at}")
+             for _ in range(readers)]
+    outs = [json.loads(_finish(p).strip().splitlines()[-1]) for p in procs]
+    assert all(o["len"] == len(data) for o in outs)
+    assert sum(o["gets"] for o in outs) == 1, outs
+    assert sum(o["stats"]["filled"] for o in outs) == 1
+    assert sum(o["stats"]["hits"] for o in outs) == readers - 1
+
+
+KILLED_FILLER = """
+import sys
+from pocketflow.cache import connect
+spec_json, bucket = sys.stdin.read().split("\\n")
+cache = connect(spec_json)
+cache.get(bucket, "slow")
+"""
+
+
+def test_a_killed_fill_is_taken_over(cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
+    """A process killed while it holds a fill's claim: the next reader waits out the claim's
+    deadline, takes the fill over, and reads the object; nothing is left claimed."""
+    from dataclasses import replace
+
+    spec = replace(cache_spec, claim_ms=1500)
+    data = os.urandom(48 * 1024 * 1024)
+    s3.put_object(Bucket=s3_bucket, Key="slow", Body=data)
+    ckey = cache_key(s3_bucket, "slow")
+    with _cache(spec) as cache:
+        for _attempt in range(5):
+            proc = _spawn(KILLED_FILLER, f"{spec.to_json()}\n{s3_bucket}")
+            claimed = _wait_until(lambda: cache.client.exists(CLAIM_BUCKET, ckey), 60.0)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            if claimed and cache.client.exists(CLAIM_BUCKET, ckey):
+                break
+            cache.invalidate(s3_bucket, "slow")  # it finished first: try again
+        else:
+            pytest.fail("the filler never held its claim when killed")
+        started = time.monotonic()
+        assert cache.get(s3_bucket, "slow") == data
+        assert cache.stats.steals == 1
+        assert time.monotonic() - started < 60.0
+        assert not cache.client.exists(CLAIM_BUCKET, ckey)
+        assert cache.get(s3_bucket, "slow") == data and cache.stats.fresh == 1
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _spawn(script: str, stdin: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None
+    proc.stdin.write(stdin)
+    proc.stdin.close()
+    proc.stdin = None  # communicate() must not flush it again
+    return proc
+
+
+def _finish(proc: subprocess.Popen[str]) -> str:
+    try:
+        out, err = proc.communicate(timeout=PROCESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err
+    return out
+
+
+def _run(script: str, stdin: str) -> str:
+    return _finish(_spawn(script, stdin))
+
+
+def _wait_until(predicate: Any, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.002)
+    return False

@@ -98,7 +98,8 @@ def test_boto_exceptions_map() -> None:
 
 
 def test_access_batches_round_trip_and_stay_bounded() -> None:
-    accesses = [Access("b", f"key/{i:06d}", i, 1 + i % 3, i % 2) for i in range(3000)]
+    accesses = [Access("b", f"key/{i:06d}", i, f"etag{i}", 1 + i % 3, i % 2)
+                for i in range(3000)]
     items = encode_batches(accesses)
     assert len(items) > 1 and all(len(item) <= ACCESS_ITEM_MAX_BYTES for item in items)
     assert [a for item in items for a in decode_batch(item)] == accesses

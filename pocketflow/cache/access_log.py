@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pocketflow.cache.records import RECORD_BUCKET
 from pocketflow.errors import InvalidRequest, PocketflowError
@@ -37,12 +37,14 @@ _VERSION = 1
 
 
 class Access(NamedTuple):
-    """What one batch says about one key: its size, how often it was read, and how many times
-    this process filled it from S3 (each fill adds ``size`` bytes to the cache)."""
+    """What one batch says about one key: its size and version (the cached entry's ETag), how
+    often it was read, and how many times this process filled it from S3 (each fill adds
+    ``size`` bytes to the cache)."""
 
     bucket: str
     key: str
     size: int
+    etag: str
     reads: int
     fills: int
 
@@ -58,7 +60,7 @@ def encode_batches(accesses: list[Access]) -> list[bytes]:
     rows: list[list[object]] = []
     used = 0
     for a in accesses:
-        row = [a.bucket, a.key, a.size, a.reads, a.fills]
+        row = [a.bucket, a.key, a.size, a.etag, a.reads, a.fills]
         cost = len(json.dumps(row, separators=(",", ":")).encode()) + 1
         if cost + 32 > ACCESS_ITEM_MAX_BYTES:
             continue  # a key this long is left out of the bookkeeping
@@ -82,7 +84,8 @@ def decode_batch(raw: bytes) -> list[Access]:
         data = json.loads(raw)
         if data.get("v") != _VERSION:
             raise ValueError("version")
-        return [Access(str(b), str(k), int(n), int(r), int(f)) for b, k, n, r, f in data["a"]]
+        return [Access(str(b), str(k), int(n), str(e), int(r), int(f))
+                for b, k, n, e, r, f in data["a"]]
     except (ValueError, TypeError, KeyError, AttributeError):
         raise InvalidRequest("not a cache access batch") from None
 
@@ -94,20 +97,21 @@ class AccessRecorder:
         self._queue = client.queue(RECORD_BUCKET, access_queue_name(run_id),
                                    max_items=ACCESS_QUEUE_ITEMS_MAX)
         self._lock = threading.Lock()
-        self._buffer: dict[tuple[str, str], list[int]] = {}
+        self._buffer: dict[tuple[str, str], list[Any]] = {}
         self._oldest_s: float | None = None
         self.dropped_batches = 0
 
-    def note(self, bucket: str, key: str, size: int, *, read: bool = True,
+    def note(self, bucket: str, key: str, size: int, etag: str, *, read: bool = True,
              filled: bool = False) -> None:
-        """Count one read (and/or one fill) of ``bucket/key``."""
+        """Count one read (and/or one fill) of version ``etag`` of ``bucket/key``."""
         with self._lock:
             row = self._buffer.get((bucket, key))
             if row is None:
-                row = self._buffer[(bucket, key)] = [size, 0, 0]
+                row = self._buffer[(bucket, key)] = [size, etag, 0, 0]
             row[0] = size
-            row[1] += int(read)
-            row[2] += int(filled)
+            row[1] = etag
+            row[2] += int(read)
+            row[3] += int(filled)
             if self._oldest_s is None:
                 self._oldest_s = time.monotonic()
             due = (len(self._buffer) >= ACCESS_KEYS_BUFFERED_MAX
@@ -121,7 +125,7 @@ class AccessRecorder:
             rows, self._buffer, self._oldest_s = self._buffer, {}, None
         if not rows:
             return
-        accesses = [Access(b, k, n, r, f) for (b, k), (n, r, f) in rows.items()]
+        accesses = [Access(b, k, n, e, r, f) for (b, k), (n, e, r, f) in rows.items()]
         for item in encode_batches(accesses):
             try:
                 self._queue.enqueue(item, timeout_s=0)

@@ -240,12 +240,15 @@ class CacheClient:
 
     def get_each(self, bucket: str, keys: Iterable[str]) -> list[Result]:
         """Like :meth:`get_many`, but each key's own outcome: its bytes or its error."""
+        return self._read(bucket, keys, want_data=True)
+
+    def _read(self, bucket: str, keys: Iterable[str], *, want_data: bool) -> list[Result]:
         key_list = list(keys)
         ckeys = [cache_key(bucket, k) for k in key_list]
         results: list[Result | None] = [None] * len(key_list)
         for start in range(0, len(key_list), ROUND_KEYS_MAX):
             index = list(range(start, min(start + ROUND_KEYS_MAX, len(key_list))))
-            self._read_round(bucket, key_list, ckeys, index, results)
+            self._read_round(bucket, key_list, ckeys, index, results, want_data=want_data)
         self._remove_done(everything=False)
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
@@ -268,7 +271,7 @@ class CacheClient:
                 log.debug("cache %s: range of %s bypassed: %s", self.spec.name, ckey, exc)
             else:
                 self.stats.add(fresh=1, bytes_read=len(data))
-                self._note(bucket, key, meta.size)
+                self._note(bucket, key, meta.size, meta.etag)
                 return data
         return self.get(bucket, key)[offset:offset + length]
 
@@ -288,10 +291,10 @@ class CacheClient:
         return meta.etag, meta.size
 
     def prefetch(self, bucket: str, keys: Sequence[str]) -> int:
-        """Make ``keys`` fresh in the cache (fill or revalidate them) without returning their
-        bytes; returns how many of them S3 holds. Other readers of a key being fetched wait for
-        this fetch instead of starting their own."""
-        results = self.get_each(bucket, keys)
+        """Make ``keys`` fresh in the cache (fill or revalidate them) without reading their
+        cached bytes; returns how many of them S3 holds. Other readers of a key being fetched
+        wait for this fetch instead of starting their own."""
+        results = self._read(bucket, keys, want_data=False)
         return sum(1 for r in results if not isinstance(r, PocketflowError))
 
     # -- writes --------------------------------------------------------------------------------
@@ -317,7 +320,7 @@ class CacheClient:
             return etag
         if old is not None and old.state == STATE_VALUE and old.etag != etag:
             self._delete_entry(ckey, old.etag)
-        self._note(bucket, key, size, read=False, filled=True)
+        self._note(bucket, key, size, etag, read=False, filled=True)
         return etag
 
     def delete(self, bucket: str, key: str) -> None:
@@ -338,21 +341,40 @@ class CacheClient:
         """Drop the key's entry (the next read goes to S3); returns whether there was one."""
         return self._drop(cache_key(bucket, key))
 
+    def evict(self, entry: str) -> bool:
+        """Remove the entry named ``entry`` (``<cache key>@<version digest>``, as listed in the
+        entries bucket), and its key's meta if that still points at it (a reader then fills it
+        again); returns whether the entry was there. The maintainer's eviction; an entry a
+        newer version replaced, or a fill left behind, goes the same way."""
+        ckey = entry.rpartition("@")[0]
+        meta = self._meta_or_none(ckey)
+        if meta is not None and meta.state == STATE_VALUE and entry_key(ckey, meta.etag) == entry:
+            try:
+                self._pf.delete(META_BUCKET, ckey)
+            except PocketflowError:
+                pass
+        try:
+            self._pf.delete(ENTRY_BUCKET, entry)
+        except ObjectNotFound:
+            return False
+        return True
+
     # -- the read round ------------------------------------------------------------------------
 
     def _read_round(self, bucket: str, keys: list[str], ckeys: list[str], index: list[int],
-                    results: list[Result | None]) -> None:
+                    results: list[Result | None], *, want_data: bool) -> None:
         pending = index
         for _attempt in range(READ_ATTEMPTS_MAX):
             if not pending:
                 return
-            pending = self._attempt(bucket, keys, ckeys, pending, results)
+            pending = self._attempt(bucket, keys, ckeys, pending, results, want_data=want_data)
         for i in pending:
             results[i] = self._bypass(bucket, keys[i])
 
     def _attempt(self, bucket: str, keys: list[str], ckeys: list[str], pending: list[int],
-                 results: list[Result | None]) -> list[int]:
-        """One pass over ``pending`` keys; returns those that must go around again."""
+                 results: list[Result | None], *, want_data: bool) -> list[int]:
+        """One pass over ``pending`` keys; returns those that must go around again. Without
+        ``want_data``, a hit's entry is only checked to exist (``results`` gets ``b""``)."""
         try:
             metas = self._pf.get_each(META_BUCKET, [ckeys[i] for i in pending])
         except PocketflowError as exc:
@@ -385,11 +407,13 @@ class CacheClient:
             if meta.state == STATE_MISSING:
                 results[i] = self._missing(bucket, keys[i], fresh=True)
         values = [(i, m) for i, m in fresh if m.state == STATE_VALUE]
-        again += self._read_entries(bucket, keys, ckeys, values, results, counter="fresh")
+        # An entry gone under a fresh meta (evicted meanwhile) is filled again.
+        misses += self._read_entries(bucket, keys, ckeys, values, results, counter="fresh",
+                                     want_data=want_data)
         if stale:
             revalidated, more_misses = self._revalidate(bucket, keys, ckeys, stale, results)
-            again += self._read_entries(bucket, keys, ckeys, revalidated, results,
-                                        counter="revalidated")
+            misses += self._read_entries(bucket, keys, ckeys, revalidated, results,
+                                         counter="revalidated", want_data=want_data)
             misses += more_misses
         if misses:
             again += self._fill(bucket, keys, ckeys, misses, results)
@@ -397,23 +421,32 @@ class CacheClient:
 
     def _read_entries(self, bucket: str, keys: list[str], ckeys: list[str],
                       found: list[tuple[int, Meta]], results: list[Result | None], *,
-                      counter: str) -> list[int]:
-        """Read the entries ``found`` point at; returns the keys whose entry went away."""
+                      counter: str, want_data: bool = True) -> list[tuple[int, Meta]]:
+        """Read the entries ``found`` point at (without ``want_data``, only look them up);
+        returns those whose entry went away (evicted or replaced since their meta was read)."""
         if not found:
             return []
+        names = [entry_key(ckeys[i], m.etag) for i, m in found]
         try:
-            datas = self._pf.get_each(ENTRY_BUCKET,
-                                      [entry_key(ckeys[i], m.etag) for i, m in found])
+            if want_data:
+                datas: list[Any] = self._pf.get_each(ENTRY_BUCKET, names)
+            else:
+                absent = set(self._pf.wait_for(ENTRY_BUCKET, names, timeout_s=0))
+                datas = [ObjectNotFound(name) if name in absent else None for name in names]
         except PocketflowError as exc:
             log.info("cache %s: reading S3 directly (%s)", self.spec.name, exc)
             for i, _ in found:
                 results[i] = self._bypass(bucket, keys[i])
             return []
-        again = []
+        gone: list[tuple[int, Meta]] = []
         served = 0
         for (i, meta), data in zip(found, datas, strict=True):
             if isinstance(data, ObjectNotFound):
-                again.append(i)  # evicted or replaced since its meta was read
+                gone.append((i, meta))
+                continue
+            if data is None:
+                results[i] = b""
+                self._note(bucket, keys[i], meta.size, meta.etag)
                 continue
             if isinstance(data, PocketflowError):
                 results[i] = self._bypass(bucket, keys[i])
@@ -425,9 +458,9 @@ class CacheClient:
                 )
             results[i] = data
             served += len(data)
-            self._note(bucket, keys[i], meta.size)
-        self.stats.add(bytes_read=served, **{counter: len(found) - len(again)})
-        return again
+            self._note(bucket, keys[i], meta.size, meta.etag)
+        self.stats.add(bytes_read=served, **{counter: len(found) - len(gone)})
+        return gone
 
     # -- revalidation --------------------------------------------------------------------------
 
@@ -517,7 +550,7 @@ class CacheClient:
             if old.state == STATE_VALUE and old.etag != fetched.etag:
                 self._delete_entry(ckeys[i], old.etag)
             self.stats.add(filled=1, bytes_read=fetched.size)
-            self._note(bucket, keys[i], fetched.size, filled=True)
+            self._note(bucket, keys[i], fetched.size, fetched.etag, filled=True)
 
     def _mark_missing(self, ckeys: list[str], gone: list[tuple[int, Meta]],
                       sent_ms: int) -> None:
@@ -620,7 +653,7 @@ class CacheClient:
                 filled += 1
                 if old is not None and old.state == STATE_VALUE and old.etag != outcome.etag:
                     self._delete_entry(ckeys[i], old.etag)
-                self._note(bucket, keys[i], outcome.size, filled=True)
+                self._note(bucket, keys[i], outcome.size, outcome.etag, filled=True)
             elif outcome.state == STATE_UNCACHED:
                 bypassed += 1
             elif outcome.state == STATE_MISSING:
@@ -732,7 +765,9 @@ class CacheClient:
                                           bucket=bucket, key=keys[i])
                 else:
                     results[i] = self._bypass(bucket, keys[i])
-            again += self._read_entries(bucket, keys, ckeys, values, results, counter="waited")
+            # A waited-for entry gone already (replaced or evicted): look again.
+            again += [i for i, _ in self._read_entries(bucket, keys, ckeys, values, results,
+                                                       counter="waited")]
             if not claims:
                 break
             if time.monotonic() >= give_up_s:
@@ -906,10 +941,10 @@ class CacheClient:
         self.stats.add(bypassed=1, bytes_read=fetched.size)
         return fetched.data
 
-    def _note(self, bucket: str, key: str, size: int, *, read: bool = True,
+    def _note(self, bucket: str, key: str, size: int, etag: str, *, read: bool = True,
               filled: bool = False) -> None:
         if self._recorder is not None:
-            self._recorder.note(bucket, key, size, read=read, filled=filled)
+            self._recorder.note(bucket, key, size, etag, read=read, filled=filled)
 
     def _remove_done(self, *, everything: bool) -> None:
         """Remove the fill outcomes whose linger is over (all of them with ``everything``)."""

@@ -18,6 +18,7 @@ from pocketflow.control.allocator import (
     Allocator,
     without_throughput,
 )
+from pocketflow.control.caches import Caches
 from pocketflow.control.cluster_metrics import ClusterMetrics
 from pocketflow.control.draining import DRAIN_NODE_TIMEOUT_S, DRAIN_POLL_S, Drainer
 from pocketflow.control.epochs import Epochs
@@ -190,6 +191,10 @@ class Controller:
         )
         self._persist = PersistAdmin(
             self._membership, self._jobs, admin=self._admin, refresh_stats=self._refresh_stats
+        )
+        self._caches = Caches(
+            self._jobs, self._leases, register=self.register_job, grow=self.grow_job,
+            call_metadata=self._metadata, spec=self._allocator.spec,
         )
         self._restored: dict[str, Any] | None = None
         if restarted_by_ray():
@@ -421,6 +426,19 @@ class Controller:
         Returns ``{"deleted", "freed_bytes", "unreachable": [node ids]}``.
         """
         return self._persist.delete(job_ids)
+
+    # -- named caches (pocketflow.cache; control/caches.py) -----------------------------------
+
+    def open_cache(self, name: str, hints: dict[str, Any], idle_ms: int) -> dict[str, Any]:
+        """Find or register the job of cache ``name`` and (re)start its lease at ``idle_ms``;
+        returns ``{"handle", "created", "predecessor", "capacity_bytes"}`` (``Caches.open``)."""
+        with self._lock:
+            return self._caches.open(name, hints, idle_ms=idle_ms)
+
+    def resize_cache(self, job_id: str, hints: dict[str, Any]) -> JobHandle:
+        """Grow or shrink a cache's reservation to ``hints`` (see ``Caches.resize``)."""
+        with self._lock:
+            return self._caches.resize(job_id, hints)
 
     # -- restart ------------------------------------------------------------------------------
 

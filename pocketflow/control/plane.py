@@ -90,6 +90,15 @@ class ControlPlane:
         """
         return self._call("grow_job", job_id, Hints.coerce(hints).to_dict())
 
+    def open_cache(self, name: str, hints: Any, idle_ms: int) -> dict[str, Any]:
+        """Find or register the job of cache ``name``, (re)starting its lease at ``idle_ms``:
+        ``{"handle", "created", "predecessor", "capacity_bytes"}`` (``Controller.open_cache``)."""
+        return self._call("open_cache", name, Hints.coerce(hints).to_dict(), idle_ms)
+
+    def resize_cache(self, job_id: str, hints: Any) -> JobHandle:
+        """Grow or shrink a cache's reservation (``Controller.resize_cache``)."""
+        return self._call("resize_cache", job_id, Hints.coerce(hints).to_dict())
+
     def drain_node(self, ray_node_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
         """Drain every storage server of a Ray node before removing the node (bounded wait)."""
         return self._call("drain_node", ray_node_id, min(timeout_s, CALL_TIMEOUT_S / 2))

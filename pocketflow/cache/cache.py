@@ -1,0 +1,481 @@
+"""A driver's handle on a named cache for one run of an application: opens (or creates) the
+cache through the control plane, keeps it alive, hands tasks its spec, maintains it (recency,
+eviction, capacity) while the run goes on, prewarms it from the application's last working set,
+and records this run's working set when the run ends."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from pocketflow.auth import token_expiry_unix_ms
+from pocketflow.cache.client import CacheClient, create_buckets
+from pocketflow.cache.maintainer import Maintainer
+from pocketflow.cache.records import RECORD_BUCKET
+from pocketflow.cache.source import S3Source, S3Store
+from pocketflow.cache.spec import (
+    CLAIM_MS_DEFAULT,
+    FILL_WAIT_S_DEFAULT,
+    LEASE_MS_DEFAULT,
+    CacheSpec,
+    check_lease_ms,
+)
+from pocketflow.cache.working_set import (
+    CAPACITY_MIN_BYTES,
+    RunRecord,
+    WorkingSet,
+    plan_prewarm,
+    resize_wanted,
+    target_capacity_bytes,
+)
+from pocketflow.config import parse_duration, parse_size
+from pocketflow.control.caches import check_cache_name
+from pocketflow.control.leases import LEASE_MS_MAX, LEASE_MS_MIN
+from pocketflow.control.plane import ControlPlane, connect_control_plane, last_started
+from pocketflow.errors import (
+    CapacityExhausted,
+    ConfigError,
+    InvalidRequest,
+    ObjectNotFound,
+    PersistNotSupported,
+    PocketflowError,
+    S3Error,
+)
+from pocketflow.handle import JobHandle
+
+__all__ = ["Cache", "open_cache", "IDLE_DEFAULT_S", "CAPACITY_DEFAULT_BYTES",
+           "MAINTAIN_INTERVAL_S", "PREWARM_BATCH_KEYS", "working_set_key"]
+
+log = logging.getLogger(__name__)
+
+IDLE_DEFAULT_S = 600.0
+"""How long a cache lives after its last driver let it go (its entries are freed then)."""
+CAPACITY_DEFAULT_BYTES = 64 * 1024 * 1024
+"""Capacity of a new cache with nothing recorded to size it by."""
+MAINTAIN_INTERVAL_S = 0.25
+"""Pause between two maintainer passes."""
+SIZING_INTERVAL_S = 2.0
+"""How often the maintainer considers growing the cache."""
+PREWARM_BATCH_KEYS = 16
+"""Keys a prewarm claims and fetches at once (a task waiting on one waits for its batch)."""
+STOP_TIMEOUT_S = 30.0
+"""How long closing waits for the prewarm and maintainer threads."""
+LEASE_RENEW_DIVISOR = 3
+"""The cache's lease is renewed every ``idle / LEASE_RENEW_DIVISOR`` (at most every 10 s)."""
+LEASE_RENEW_MAX_S = 10.0
+
+
+def working_set_key(app: str) -> str:
+    """Where (in the records bucket) application ``app``'s last working set is kept."""
+    return f"working-sets/{check_cache_name(app)}"
+
+
+def _control(cluster: Any) -> ControlPlane:
+    if isinstance(cluster, ControlPlane):
+        return cluster
+    if cluster is not None:
+        return cluster.control
+    current = last_started()
+    if current is not None:
+        return current.control
+    return connect_control_plane()
+
+
+def _s3_url(url: str) -> tuple[str, str]:
+    bucket, sep, key = url.removeprefix("s3://").partition("/")
+    if not url.startswith("s3://") or not sep or not bucket or not key:
+        raise InvalidRequest(f"an S3 URL is s3://bucket/key, got {url!r}")
+    return bucket, key
+
+
+class Cache:
+    """One run's handle on a named cache (make it with :func:`open_cache`; use it as a context
+    manager). ``spec`` (or ``spec.to_json()``) is what tasks pass to
+    :func:`pocketflow.cache.connect`."""
+
+    def __init__(
+        self, name: str, control: ControlPlane, opened: dict[str, Any], *, source: S3Source,
+        app: str | None, lease_ms: int, idle_ms: int, capacity_bytes: int, autosize: bool,
+        capacity_max_bytes: int | None, working_set_url: str | None, claim_ms: int,
+        fill_wait_s: float,
+    ) -> None:
+        self.name = name
+        self.app = app
+        self._control = control
+        self._handle: JobHandle = opened["handle"]
+        self._predecessor: JobHandle | None = opened["predecessor"]
+        self.created: bool = opened["created"]
+        self._idle_ms = idle_ms
+        self._autosize = autosize
+        self._capacity_max_bytes = capacity_max_bytes
+        self._working_set_url = working_set_url
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._started_s = time.monotonic()
+        self._token_received_ms = int(time.time() * 1000)
+        self.run_id = secrets.token_hex(6)
+        self.spec = CacheSpec(name=name, handle=self._handle, source=source, lease_ms=lease_ms,
+                              run_id=self.run_id, claim_ms=claim_ms, fill_wait_s=fill_wait_s)
+        self._client = CacheClient(self.spec)
+        create_buckets(self._client.client)
+        # A live generation keeps the capacity it had (its last run fitted it to its working set).
+        reserved = int(opened.get("capacity_bytes") or capacity_bytes)
+        self._maintainer = Maintainer(self._client, self.run_id,
+                                      capacity_bytes=reserved if autosize else capacity_bytes)
+        self._fixed_resize = not autosize and reserved != capacity_bytes
+        self._sized_s = time.monotonic()
+        self._previous: RunRecord | None = None
+        self._previous_from: str | None = None
+        self.prewarm_planned = 0
+        self.prewarm_fetched = 0
+        self._prewarm_done = threading.Event()
+        self._prewarm_done.set()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    # -- what tasks and callers see --------------------------------------------------------------
+
+    @property
+    def handle(self) -> JobHandle:
+        """The cache's job handle (its current one: renewed tokens, resized maps)."""
+        return self._handle
+
+    @property
+    def job_id(self) -> str:
+        return self._handle.job_id
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._maintainer.capacity_bytes
+
+    @property
+    def client(self) -> CacheClient:
+        """The driver's own client of the cache (its reads are logged with the run's)."""
+        return self._client
+
+    @property
+    def maintainer(self) -> Maintainer:
+        return self._maintainer
+
+    def connect(self) -> CacheClient:
+        """A new client of the cache in this process."""
+        return CacheClient(self.spec)
+
+    def status(self) -> dict[str, Any]:
+        """The cache's state as the maintainer sees it, and the prewarm's progress."""
+        m = self._maintainer
+        return {
+            "name": self.name, "job_id": self.job_id, "run_id": self.run_id,
+            "capacity_bytes": m.capacity_bytes, "held_bytes": m.held_bytes,
+            "entries": m.entries, "evictions": m.evictions, "evicted_bytes": m.evicted_bytes,
+            "working_set_keys": len(m.working_set),
+            "working_set_bytes": m.working_set.distinct_bytes,
+            "prewarm_planned": self.prewarm_planned, "prewarm_fetched": self.prewarm_fetched,
+            "prewarm_from": self._previous_from,
+        }
+
+    def wait_prewarmed(self, timeout_s: float) -> bool:
+        """Wait until the prewarm finished (or there is none); whether it did within
+        ``timeout_s``."""
+        return self._prewarm_done.wait(timeout_s)
+
+    def maintain_now(self) -> None:
+        """Run a maintainer pass now, in this thread (tests, and before a measurement)."""
+        with self._lock:
+            self._maintainer.run_pass()
+
+    # -- starting ------------------------------------------------------------------------------
+
+    def _start(self, *, prewarm: bool) -> None:
+        if self._fixed_resize:
+            self._resize(self.capacity_bytes, 0)
+        if self.app is not None:
+            self._previous = self._load_previous()
+        if self._previous is not None and self._autosize:
+            wanted = target_capacity_bytes(self._previous.distinct_bytes,
+                                           capacity_max_bytes=self._capacity_max_bytes)
+            if resize_wanted(self.capacity_bytes, wanted):
+                self._resize(wanted, self._previous.read_bytes_per_s)
+        if prewarm and self._previous is not None:
+            plan = plan_prewarm(self._previous.keys, self.capacity_bytes)
+            self.prewarm_planned = len(plan)
+            self._prewarm_done.clear()
+            self._spawn("prewarm", lambda: self._prewarm(plan))
+        self._spawn("maintain", self._maintain_loop)
+        self._spawn("lease", self._lease_loop)
+
+    def _spawn(self, role: str, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name=f"pocketflow-cache-{role}-{self.name}",
+                                  daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _load_previous(self) -> RunRecord | None:
+        """The application's last run record: this generation's, the ended generation's (a
+        PERSIST object it left), or the S3 copy at ``working_set_url``."""
+        assert self.app is not None
+        key = working_set_key(self.app)
+        sources: list[tuple[str, Callable[[], bytes]]] = [
+            ("cache", lambda: self._client.client.get(RECORD_BUCKET, key))]
+        if self._predecessor is not None:
+            predecessor = self._predecessor
+
+            def from_predecessor() -> bytes:
+                from pocketflow.client import connect
+
+                with connect(predecessor) as old:
+                    return old.get(RECORD_BUCKET, key)
+
+            sources.append(("predecessor", from_predecessor))
+        if self._working_set_url is not None:
+            bucket, s3_key = _s3_url(self._working_set_url)
+            store = S3Store(self.spec.source)
+
+            def from_s3() -> bytes:
+                fetched = store.get(bucket, s3_key)
+                return fetched.data  # type: ignore[union-attr]
+
+            sources.append(("s3", from_s3))
+        for origin, read in sources:
+            try:
+                record = RunRecord.decode(read())
+            except (ObjectNotFound, S3Error, InvalidRequest) as exc:
+                log.debug("cache %s: no working set of %s in %s: %s", self.name, self.app,
+                          origin, exc)
+                continue
+            except PocketflowError as exc:
+                log.warning("cache %s: reading the working set of %s from %s failed: %s",
+                            self.name, self.app, origin, exc)
+                continue
+            self._previous_from = origin
+            return record
+        return None
+
+    def _prewarm(self, plan: list[Any]) -> None:
+        """Fetch the planned keys, largest benefit first, a batch at a time; tasks asking for a
+        key of a batch in flight wait for it."""
+        try:
+            client = CacheClient(replace(self.spec, run_id=None), client=self._client.client)
+            start = 0
+            while start < len(plan) and not self._stop.is_set():
+                batch = plan[start:start + PREWARM_BATCH_KEYS]
+                start += len(batch)
+                by_bucket: dict[str, list[str]] = {}
+                for use in batch:
+                    by_bucket.setdefault(use.bucket, []).append(use.key)
+                for bucket, keys in by_bucket.items():
+                    try:
+                        client.prefetch(bucket, keys)
+                    except PocketflowError as exc:
+                        log.warning("cache %s: prewarming %d keys failed: %s", self.name,
+                                    len(keys), exc)
+                self.prewarm_fetched = start
+            self.prewarm_stats = client.stats.to_dict()
+        finally:
+            self._prewarm_done.set()
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def _maintain_loop(self) -> None:
+        while not self._stop.wait(MAINTAIN_INTERVAL_S):
+            try:
+                with self._lock:
+                    self._maintainer.run_pass()
+                    self._grow_if_short()
+            except Exception as exc:  # noqa: BLE001 - the loop outlives one bad pass, logged
+                log.warning("cache %s: maintainer pass failed: %s", self.name, exc)
+
+    def _grow_if_short(self) -> None:
+        """Grow (never shrink: a run's working set so far is not yet all of it) once the run's
+        working set outgrows the capacity."""
+        if not self._autosize or time.monotonic() - self._sized_s < SIZING_INTERVAL_S:
+            return
+        self._sized_s = time.monotonic()
+        working_set = self._maintainer.working_set
+        wanted = target_capacity_bytes(working_set.distinct_bytes,
+                                       capacity_max_bytes=self._capacity_max_bytes)
+        if wanted > self.capacity_bytes and resize_wanted(self.capacity_bytes, wanted):
+            self._resize(wanted, self._read_bytes_per_s(working_set))
+
+    def _read_bytes_per_s(self, working_set: WorkingSet) -> int:
+        elapsed_s = max(time.monotonic() - self._started_s, 1e-3)
+        return int(working_set.bytes_read / elapsed_s)
+
+    def _resize(self, capacity_bytes: int, read_bytes_per_s: int) -> None:
+        hints: dict[str, Any] = {"data_size_bytes": capacity_bytes, "latency_sensitive": True}
+        if read_bytes_per_s > 0:
+            hints["peak_throughput_bytes_per_s"] = read_bytes_per_s
+        try:
+            handle = self._control.resize_cache(self.job_id, hints)
+        except CapacityExhausted as exc:
+            log.warning("cache %s: cannot resize to %d bytes: %s", self.name, capacity_bytes, exc)
+            return
+        log.info("cache %s: capacity %d -> %d bytes", self.name, self.capacity_bytes,
+                 capacity_bytes)
+        self._maintainer.set_capacity(capacity_bytes)
+        self._adopt(handle)
+
+    def _adopt(self, handle: JobHandle) -> None:
+        if handle.epoch < self._handle.epoch:
+            return
+        self._handle = handle
+        self.spec = self.spec.with_handle(handle)
+        self._client.update_spec(self.spec)
+
+    def _lease_loop(self) -> None:
+        """Renew the cache's lease while the run lasts (the cache ends ``idle`` after the last
+        renewal of every driver), and its token once half of its life is gone."""
+        period_s = min(self._idle_ms / 1000 / LEASE_RENEW_DIVISOR, LEASE_RENEW_MAX_S)
+        while not self._stop.wait(period_s):
+            try:
+                self._control.renew_lease(self.job_id, self._idle_ms)
+                self._renew_token_if_due()
+            except PocketflowError as exc:
+                log.warning("cache %s: renewing its lease failed: %s", self.name, exc)
+
+    def _renew_token_if_due(self) -> None:
+        expiry_ms = token_expiry_unix_ms(self._handle.token)
+        now_ms = int(time.time() * 1000)
+        if now_ms >= expiry_ms - (expiry_ms - self._token_received_ms) / 2:
+            handle = self._control.renew_token(self.job_id)
+            self._token_received_ms = now_ms
+            self._adopt(replace(self._handle, token=handle.token))
+
+    # -- ending ----------------------------------------------------------------------------------
+
+    def close(self) -> dict[str, Any]:
+        """End the run: stop prewarming and maintaining, record the run's working set (with
+        PERSIST, and at ``working_set_url``), fit the capacity to it, and let the cache's idle
+        time start. Returns the final :meth:`status`. A second call does nothing."""
+        if self._closed:
+            return self.status()
+        self._closed = True
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=STOP_TIMEOUT_S)
+        try:
+            self._client.flush()
+            with self._lock:
+                self._maintainer.take_accesses()
+                self._maintainer.evict()
+            if self.app is not None and len(self._maintainer.working_set):
+                self._record(self._maintainer.working_set)
+            try:
+                self._client.client.delete_prefix(RECORD_BUCKET, f"access/{self.run_id}")
+            except PocketflowError as exc:
+                log.debug("cache %s: the run's access queue stays: %s", self.name, exc)
+            self._control.renew_lease(self.job_id, self._idle_ms)
+        finally:
+            self._client.close()
+        return self.status()
+
+    def _record(self, working_set: WorkingSet) -> None:
+        assert self.app is not None
+        duration_s = time.monotonic() - self._started_s
+        record = RunRecord(self.app, self.run_id, int(time.time() * 1000), duration_s,
+                           tuple(working_set.uses()))
+        raw = record.encode()
+        try:
+            self._client.client.put(RECORD_BUCKET, working_set_key(self.app), raw,
+                                    persist=True, overwrite=True)
+        except PersistNotSupported:
+            log.warning("cache %s: no long-running server: the working set of %s is kept "
+                        "only while the cache lives", self.name, self.app)
+            self._client.client.put(RECORD_BUCKET, working_set_key(self.app), raw,
+                                    overwrite=True)
+        except PocketflowError as exc:
+            log.warning("cache %s: recording the working set of %s failed: %s", self.name,
+                        self.app, exc)
+        if self._working_set_url is not None:
+            bucket, key = _s3_url(self._working_set_url)
+            try:
+                S3Store(self.spec.source).put(bucket, key, raw)
+            except S3Error as exc:
+                log.warning("cache %s: copying the working set to %s failed: %s", self.name,
+                            self._working_set_url, exc)
+        if self._autosize:
+            wanted = target_capacity_bytes(record.distinct_bytes,
+                                           capacity_max_bytes=self._capacity_max_bytes)
+            if resize_wanted(self.capacity_bytes, wanted):
+                self._resize(wanted, record.read_bytes_per_s)
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<pocketflow.cache.Cache {self.name} job={self.job_id} run={self.run_id}>"
+
+
+def open_cache(
+    name: str,
+    source: S3Source | str,
+    *,
+    app: str | None = None,
+    prewarm: bool = False,
+    lease_ms: int = LEASE_MS_DEFAULT,
+    idle: float | str = IDLE_DEFAULT_S,
+    capacity: int | str | None = None,
+    capacity_max: int | str | None = None,
+    working_set_url: str | None = None,
+    claim_ms: int = CLAIM_MS_DEFAULT,
+    fill_wait_s: float = FILL_WAIT_S_DEFAULT,
+    cluster: Any = None,
+) -> Cache:
+    """Open the cache ``name`` over ``source`` (an :class:`S3Source`, or an endpoint URL) for
+    one run, creating it if it has no live generation; use the result as a context manager.
+
+    - ``app``: the application this run belongs to; its working set is recorded when the run
+      ends and, with ``prewarm=True``, the last run's is fetched as this one starts (in the
+      background: tasks may start at once; one asking for a key being fetched waits for it).
+    - ``lease_ms``: the validation lease (0: every read asks S3).
+    - ``idle``: the cache lives this long after its last driver closed it (then its entries are
+      freed; the recorded working sets stay, with PERSIST).
+    - ``capacity``: fixed capacity; by default it follows the working set (the last run's when
+      one is recorded, else ``CAPACITY_DEFAULT_BYTES``), grown during a run up to
+      ``capacity_max`` and fitted to the run's working set at its end.
+    - ``working_set_url``: ``s3://bucket/key`` where the working set is also kept, so a run on
+      a fresh cluster can prewarm from it.
+    - ``cluster``: as for :func:`pocketflow.register_job`.
+    """
+    check_cache_name(name)
+    if app is not None:
+        check_cache_name(app)
+    if isinstance(source, str):
+        source = S3Source(endpoint_url=source)
+    check_lease_ms(lease_ms)
+    idle_ms = int(parse_duration(idle, name="idle") * 1000)
+    if not LEASE_MS_MIN <= idle_ms <= LEASE_MS_MAX:
+        raise ConfigError(f"idle must be in {LEASE_MS_MIN} ms..{LEASE_MS_MAX} ms")
+    if working_set_url is not None:
+        _s3_url(working_set_url)
+    capacity_max_bytes = None if capacity_max is None else parse_size(capacity_max,
+                                                                      name="capacity_max")
+    autosize = capacity is None
+    capacity_bytes = (CAPACITY_DEFAULT_BYTES if capacity is None
+                      else parse_size(capacity, name="capacity"))
+    if capacity_max_bytes is not None:
+        capacity_bytes = min(capacity_bytes, capacity_max_bytes)
+    if capacity_bytes < (CAPACITY_MIN_BYTES if autosize else 1):
+        raise ConfigError(f"capacity must be at least {CAPACITY_MIN_BYTES} bytes")
+    control = _control(cluster)
+    opened = control.open_cache(
+        name, {"data_size_bytes": capacity_bytes, "latency_sensitive": True}, idle_ms)
+    cache = Cache(
+        name, control, opened, source=source, app=app, lease_ms=lease_ms, idle_ms=idle_ms,
+        capacity_bytes=capacity_bytes, autosize=autosize, capacity_max_bytes=capacity_max_bytes,
+        working_set_url=working_set_url, claim_ms=claim_ms, fill_wait_s=fill_wait_s,
+    )
+    try:
+        cache._start(prewarm=prewarm)
+    except BaseException:
+        cache.close()
+        raise
+    return cache

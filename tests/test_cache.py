@@ -1,0 +1,218 @@
+"""Named caches end to end on the session's local cluster (a real controller) and a real S3
+server: tasks in other processes reading through a cache's spec, the run's working set
+recorded with PERSIST, prewarming (also from a generation that ended idle), a task waiting
+for a key being prewarmed, eviction by recency, capacity grown and shrunk by the working set."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fixtures_s3 import boto3_client
+
+from pocketflow.cache import open_cache
+from pocketflow.cache.cache import Cache, working_set_key
+from pocketflow.cache.records import RECORD_BUCKET
+from pocketflow.cache.source import S3Source, request_counts
+from pocketflow.cache.working_set import KeyUse, RunRecord, plan_prewarm
+from pocketflow.cluster import LocalCluster
+from pocketflow.errors import JobNotRegistered
+
+MiB = 1024 * 1024
+PROCESS_TIMEOUT_S = 120.0
+IDLE_END_TIMEOUT_S = 30.0
+
+
+@pytest.fixture
+def s3(s3_server: S3Source) -> Iterator[Any]:
+    client = boto3_client(s3_server)
+    yield client
+    client.close()
+
+
+TASK = """
+import json, sys
+from pocketflow.cache import connect, request_counts
+spec_json, bucket, keys = sys.stdin.read().split("\\n")
+with connect(spec_json) as cache:
+    data = cache.get_many(bucket, json.loads(keys))
+    stats = cache.stats.to_dict()
+print(json.dumps({"sizes": [len(d) for d in data], "stats": stats,
+                  "gets": request_counts().get("GetObject", 0)}))
+"""
+
+
+def _task(cache: Cache, bucket: str, keys: list[str]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", TASK], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None
+    proc.stdin.write(f"{cache.spec.to_json()}\n{bucket}\n{json.dumps(keys)}")
+    proc.stdin.close()
+    proc.stdin = None
+    return proc
+
+
+def _result(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    try:
+        out, err = proc.communicate(timeout=PROCESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _upload(s3: Any, bucket: str, sizes: dict[str, int]) -> None:
+    for key, size in sizes.items():
+        s3.put_object(Bucket=bucket, Key=key, Body=key.encode().ljust(size, b"."))
+
+
+def _wait_ended(cluster: LocalCluster, job_id: str) -> None:
+    deadline = time.monotonic() + IDLE_END_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            cluster.control.job_handle(job_id)
+        except JobNotRegistered:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"the idle cache {job_id} was not freed within {IDLE_END_TIMEOUT_S}s")
+
+
+def test_tasks_read_through_the_spec_and_the_run_is_recorded(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    sizes = {f"in/{i:03d}": 20_000 + i for i in range(24)}
+    _upload(s3, s3_bucket, sizes)
+    keys = sorted(sizes)
+    with open_cache("t-record", s3_server, app="rec", idle="60s", cluster=local_cluster) as cache:
+        first = _task(cache, s3_bucket, keys[:16])
+        second = _task(cache, s3_bucket, keys[8:])
+        results = [_result(first), _result(second)]
+        assert results[0]["sizes"] == [sizes[k] for k in keys[:16]]
+        assert results[1]["sizes"] == [sizes[k] for k in keys[8:]]
+        # Every key came from S3 once across both tasks (the overlap waited or hit).
+        assert sum(r["gets"] for r in results) == len(keys)
+        assert sum(r["stats"]["filled"] for r in results) == len(keys)
+        cache.maintain_now()
+        status = cache.status()
+        assert status["entries"] == len(keys)
+        assert status["held_bytes"] == sum(sizes.values())
+        assert status["working_set_keys"] == len(keys)
+        job_id = cache.job_id
+    record_info = local_cluster.control.job_handle(job_id)  # the cache outlives the run
+    from pocketflow.client import connect
+
+    with connect(record_info) as pf:
+        info = pf.lookup(RECORD_BUCKET, working_set_key("rec"))
+        assert info.persist
+        record = RunRecord.decode(pf.get(RECORD_BUCKET, working_set_key("rec")))
+    reads = {use.key: use.reads for use in record.keys}
+    assert reads == {k: 2 if k in keys[8:16] else 1 for k in keys}
+    assert record.distinct_bytes == sum(sizes.values())
+
+
+def test_prewarm_from_the_generation_that_ended_idle(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    """Run 1 records its working set; the cache idles out (its entries are freed, the PERSIST
+    record stays); run 2 on a new generation prewarms from it, and its tasks ask S3 nothing."""
+    sizes = {f"p/{i:03d}": 50_000 for i in range(20)}
+    _upload(s3, s3_bucket, sizes)
+    keys = sorted(sizes)
+    with open_cache("t-prewarm", s3_server, app="pw", idle="1s",
+                    cluster=local_cluster) as cache:
+        assert cache.status()["prewarm_from"] is None
+        _result(_task(cache, s3_bucket, keys))
+        first_job = cache.job_id
+    _wait_ended(local_cluster, first_job)
+    with open_cache("t-prewarm", s3_server, app="pw", prewarm=True, idle="60s",
+                    cluster=local_cluster) as cache:
+        assert cache.job_id != first_job and cache.created
+        assert cache.wait_prewarmed(60.0)
+        status = cache.status()
+        assert status["prewarm_from"] == "predecessor"
+        assert status["prewarm_planned"] == len(keys) == status["prewarm_fetched"]
+        result = _result(_task(cache, s3_bucket, keys))
+        assert result["gets"] == 0, "prewarmed keys are read without S3"
+        assert result["stats"]["hits"] == len(keys)
+
+
+def test_a_task_waits_for_the_key_being_prewarmed(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    big = {"w/big": 40 * MiB}
+    _upload(s3, s3_bucket, big)
+    with open_cache("t-wait", s3_server, app="wt", idle="60s", cluster=local_cluster) as cache:
+        cache.client.get(s3_bucket, "w/big")
+        cache.client.invalidate(s3_bucket, "w/big")
+    gets = request_counts().get("GetObject", 0)
+    with open_cache("t-wait", s3_server, app="wt", prewarm=True, idle="60s",
+                    cluster=local_cluster) as cache:
+        result = _result(_task(cache, s3_bucket, ["w/big"]))
+        assert cache.wait_prewarmed(60.0)
+        assert result["gets"] == 0, "the task started no second fetch"
+        assert result["stats"]["waited"] + result["stats"]["fresh"] == 1
+        assert request_counts().get("GetObject", 0) - gets == 1
+
+
+def test_eviction_by_recency(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    sizes = {f"e/{i}": MiB for i in range(10)}
+    _upload(s3, s3_bucket, sizes)
+    with open_cache("t-evict", s3_server, capacity="6MiB", idle="60s",
+                    cluster=local_cluster) as cache:
+        reader = cache.client
+        for i in range(10):
+            reader.get(s3_bucket, f"e/{i}")
+            reader.flush()
+            cache.maintain_now()
+        reader.get(s3_bucket, "e/0")  # read again: the most recent now
+        reader.flush()
+        cache.maintain_now()
+        status = cache.status()
+        assert status["held_bytes"] <= 6 * MiB and status["evictions"] >= 4
+        fresh, filled = reader.stats.fresh, reader.stats.filled
+        reader.get(s3_bucket, "e/9")
+        reader.get(s3_bucket, "e/0")
+        assert reader.stats.fresh - fresh == 2, "the most recent stay"
+        reader.get(s3_bucket, "e/1")
+        assert reader.stats.filled - filled == 1, "the least recent went"
+
+
+def test_capacity_follows_the_working_set(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    sizes = {f"s/{i:02d}": MiB for i in range(40)}
+    _upload(s3, s3_bucket, sizes)
+    keys = sorted(sizes)
+    with open_cache("t-size", s3_server, app="sz", idle="60s", cluster=local_cluster) as cache:
+        assert cache.capacity_bytes == 64 * MiB
+        cache.client.get_many(s3_bucket, keys[:20])
+    # Fitted to the run's 20 MiB at its end (x1.25), and the controller reserves that.
+    with open_cache("t-size", s3_server, app="sz", idle="60s", cluster=local_cluster) as cache:
+        assert cache.capacity_bytes == 25 * MiB
+        opened = local_cluster.control.open_cache("t-size", {}, 60_000)
+        assert opened["capacity_bytes"] == 25 * MiB
+        cache.client.get_many(s3_bucket, keys)
+        cache.client.flush()
+        deadline = time.monotonic() + 30.0
+        while cache.capacity_bytes < 50 * MiB and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert cache.capacity_bytes == 50 * MiB, "grown while the run read more"
+        assert local_cluster.control.open_cache("t-size", {}, 60_000)["capacity_bytes"] == (
+            50 * MiB)
+
+
+def test_prewarm_plan_takes_benefit_per_byte_within_capacity() -> None:
+    uses = [KeyUse("b", "big-once", 10 * MiB, 1), KeyUse("b", "small-often", 1000, 50),
+            KeyUse("b", "mid", MiB, 3), KeyUse("b", "never", 10, 0)]
+    plan = plan_prewarm(uses, 2 * MiB)
+    assert [u.key for u in plan] == ["small-often", "mid"]
+    assert [u.key for u in plan_prewarm(uses, 64 * MiB)] == ["small-often", "big-once", "mid"]

@@ -89,7 +89,8 @@ def test_large_object_and_range(cache_spec: CacheSpec, s3: Any, s3_bucket: str) 
         before = _gets()
         assert cache.get_range(s3_bucket, "big", 1024 * 1024 - 5, 10) == data[
             1024 * 1024 - 5:1024 * 1024 + 5]
-        assert cache.head(s3_bucket, "big")[1] == len(data)
+        assert cache.stat(s3_bucket, "big")[1] == len(data)
+        assert [k for k, _ in cache.list(s3_bucket)] == ["big"]
         assert _gets() == before
 
 

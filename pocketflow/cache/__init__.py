@@ -26,15 +26,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pocketflow.cache.cache import Cache, open_cache
-    from pocketflow.cache.client import CacheClient, CacheStats, connect
+    from pocketflow.cache.client import CacheClient, CacheStats, connect, shared_client
     from pocketflow.cache.source import S3Source, request_counts
     from pocketflow.cache.spec import CacheSpec
 
-__all__ = ["open_cache", "Cache", "connect", "CacheClient", "CacheStats", "CacheSpec",
-           "S3Source", "request_counts"]
+__all__ = ["open_cache", "Cache", "connect", "shared_client", "CacheClient", "CacheStats",
+           "CacheSpec", "S3Source", "request_counts"]
 
 _LAZY = {"open_cache": "pocketflow.cache.cache", "Cache": "pocketflow.cache.cache",
-         "connect": "pocketflow.cache.client", "CacheClient": "pocketflow.cache.client",
+         "connect": "pocketflow.cache.client", "shared_client": "pocketflow.cache.client",
+         "CacheClient": "pocketflow.cache.client",
          "CacheStats": "pocketflow.cache.client", "CacheSpec": "pocketflow.cache.spec",
          "S3Source": "pocketflow.cache.source", "request_counts": "pocketflow.cache.source"}
 """Public names imported on first use, and the module each comes from."""

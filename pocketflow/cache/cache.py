@@ -61,13 +61,36 @@ MAINTAIN_INTERVAL_S = 0.25
 """Pause between two maintainer passes."""
 SIZING_INTERVAL_S = 2.0
 """How often the maintainer considers growing the cache."""
-PREWARM_BATCH_KEYS = 16
-"""Keys a prewarm claims and fetches at once (a task waiting on one waits for its batch)."""
+PREWARM_BATCH_KEYS = 64
+"""Most keys a prewarm claims and fetches at once (a task waiting on one waits for its batch)."""
+PREWARM_BATCH_BYTES = 16 * 1024 * 1024
+"""Most bytes of one prewarm batch (a batch holds at least one key)."""
+PREWARM_STREAMS = 2
+"""Prewarm batches in flight at once (each fetches up to ``S3_PARALLEL_MAX`` keys in parallel
+and then writes its entries: two keep S3 busy while the other writes)."""
 STOP_TIMEOUT_S = 30.0
 """How long closing waits for the prewarm and maintainer threads."""
 LEASE_RENEW_DIVISOR = 3
 """The cache's lease is renewed every ``idle / LEASE_RENEW_DIVISOR`` (at most every 10 s)."""
 LEASE_RENEW_MAX_S = 10.0
+
+
+def _batches(plan: list[Any]) -> list[list[Any]]:
+    """``plan`` cut in order into batches of at most ``PREWARM_BATCH_KEYS`` keys and
+    ``PREWARM_BATCH_BYTES``."""
+    batches: list[list[Any]] = []
+    current: list[Any] = []
+    used = 0
+    for use in plan:
+        if current and (len(current) >= PREWARM_BATCH_KEYS
+                        or used + use.size > PREWARM_BATCH_BYTES):
+            batches.append(current)
+            current, used = [], 0
+        current.append(use)
+        used += use.size
+    if current:
+        batches.append(current)
+    return batches
 
 
 def working_set_key(app: str) -> str:
@@ -133,6 +156,8 @@ class Cache:
         self._previous_from: str | None = None
         self.prewarm_planned = 0
         self.prewarm_fetched = 0
+        self.prewarm_done_s: float | None = None
+        self.prewarm_client: CacheClient | None = None
         self._prewarm_done = threading.Event()
         self._prewarm_done.set()
         self._threads: list[threading.Thread] = []
@@ -176,7 +201,9 @@ class Cache:
             "working_set_keys": len(m.working_set),
             "working_set_bytes": m.working_set.distinct_bytes,
             "prewarm_planned": self.prewarm_planned, "prewarm_fetched": self.prewarm_fetched,
-            "prewarm_from": self._previous_from,
+            "prewarm_from": self._previous_from, "prewarm_s": self.prewarm_done_s,
+            "prewarm_stats": (self.prewarm_client.stats.to_dict()
+                              if self.prewarm_client is not None else None),
         }
 
     def wait_prewarmed(self, timeout_s: float) -> bool:
@@ -205,7 +232,7 @@ class Cache:
             plan = plan_prewarm(self._previous.keys, self.capacity_bytes)
             self.prewarm_planned = len(plan)
             self._prewarm_done.clear()
-            self._spawn("prewarm", lambda: self._prewarm(plan))
+            self._start_prewarm(plan)
         self._spawn("maintain", self._maintain_loop)
         self._spawn("lease", self._lease_loop)
 
@@ -256,28 +283,45 @@ class Cache:
             return record
         return None
 
-    def _prewarm(self, plan: list[Any]) -> None:
-        """Fetch the planned keys, largest benefit first, a batch at a time; tasks asking for a
-        key of a batch in flight wait for it."""
-        try:
-            client = CacheClient(replace(self.spec, run_id=None), client=self._client.client)
-            start = 0
-            while start < len(plan) and not self._stop.is_set():
-                batch = plan[start:start + PREWARM_BATCH_KEYS]
-                start += len(batch)
-                by_bucket: dict[str, list[str]] = {}
-                for use in batch:
-                    by_bucket.setdefault(use.bucket, []).append(use.key)
-                for bucket, keys in by_bucket.items():
-                    try:
-                        client.prefetch(bucket, keys)
-                    except PocketflowError as exc:
-                        log.warning("cache %s: prewarming %d keys failed: %s", self.name,
-                                    len(keys), exc)
-                self.prewarm_fetched = start
-            self.prewarm_stats = client.stats.to_dict()
-        finally:
-            self._prewarm_done.set()
+    def _start_prewarm(self, plan: list[Any]) -> None:
+        """Fetch the planned keys in batches, largest benefit first, ``PREWARM_STREAMS`` batches
+        at a time; tasks asking for a key of a batch in flight wait for it."""
+        batches = _batches(plan)
+        lock = threading.Lock()
+        next_batch = iter(enumerate(batches))
+        running = [PREWARM_STREAMS]
+        client = CacheClient(replace(self.spec, run_id=None), client=self._client.client)
+        self.prewarm_client = client
+
+        def stream() -> None:
+            try:
+                while not self._stop.is_set():
+                    with lock:
+                        item = next(next_batch, None)
+                    if item is None:
+                        return
+                    _, batch = item
+                    by_bucket: dict[str, list[str]] = {}
+                    for use in batch:
+                        by_bucket.setdefault(use.bucket, []).append(use.key)
+                    for bucket, keys in by_bucket.items():
+                        try:
+                            client.prefetch(bucket, keys)
+                        except PocketflowError as exc:
+                            log.warning("cache %s: prewarming %d keys failed: %s", self.name,
+                                        len(keys), exc)
+                    with lock:
+                        self.prewarm_fetched += len(batch)
+            finally:
+                with lock:
+                    running[0] -= 1
+                    last = running[0] == 0
+                if last:
+                    self.prewarm_done_s = time.monotonic() - self._started_s
+                    self._prewarm_done.set()
+
+        for _ in range(PREWARM_STREAMS):
+            self._spawn("prewarm", stream)
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -285,22 +329,27 @@ class Cache:
         while not self._stop.wait(MAINTAIN_INTERVAL_S):
             try:
                 with self._lock:
-                    self._maintainer.run_pass()
-                    self._grow_if_short()
+                    # Grow before evicting: what outgrew the capacity may stay if it may grow.
+                    self._maintainer.run_pass(before_evict=self._grow_if_short)
             except Exception as exc:  # noqa: BLE001 - the loop outlives one bad pass, logged
                 log.warning("cache %s: maintainer pass failed: %s", self.name, exc)
 
     def _grow_if_short(self) -> None:
         """Grow (never shrink: a run's working set so far is not yet all of it) once the run's
-        working set outgrows the capacity."""
+        working set, or the bytes held, outgrow the capacity: to the larger of the working
+        set's target and twice the capacity (geometric growth, so a growing run resizes a
+        logarithmic number of times), within ``capacity_max``."""
         if not self._autosize or time.monotonic() - self._sized_s < SIZING_INTERVAL_S:
             return
-        self._sized_s = time.monotonic()
         working_set = self._maintainer.working_set
-        wanted = target_capacity_bytes(working_set.distinct_bytes,
-                                       capacity_max_bytes=self._capacity_max_bytes)
+        needed = max(working_set.distinct_bytes, self._maintainer.held_bytes)
+        wanted = target_capacity_bytes(needed, capacity_max_bytes=self._capacity_max_bytes)
         if wanted > self.capacity_bytes and resize_wanted(self.capacity_bytes, wanted):
-            self._resize(wanted, self._read_bytes_per_s(working_set))
+            self._sized_s = time.monotonic()
+            doubled = self.capacity_bytes * 2
+            if self._capacity_max_bytes is not None:
+                doubled = min(doubled, self._capacity_max_bytes)
+            self._resize(max(wanted, doubled), self._read_bytes_per_s(working_set))
 
     def _read_bytes_per_s(self, working_set: WorkingSet) -> int:
         elapsed_s = max(time.monotonic() - self._started_s, 1e-3)
@@ -369,7 +418,11 @@ class Cache:
                 self._client.client.delete_prefix(RECORD_BUCKET, f"access/{self.run_id}")
             except PocketflowError as exc:
                 log.debug("cache %s: the run's access queue stays: %s", self.name, exc)
-            self._control.renew_lease(self.job_id, self._idle_ms)
+            try:
+                # The cache's idle time starts now.
+                self._control.renew_lease(self.job_id, self._idle_ms)
+            except PocketflowError as exc:
+                log.warning("cache %s: its last lease renewal failed: %s", self.name, exc)
         finally:
             self._client.close()
         return self.status()

@@ -32,9 +32,10 @@ unless a revalidation begun before the write finishes after it, which still keep
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -74,16 +75,18 @@ from pocketflow.errors import (
     s3_error,
 )
 
-__all__ = ["CacheClient", "CacheStats", "connect", "create_buckets", "ROUND_KEYS_MAX",
-           "LIST_REVALIDATE_MIN", "WAIT_SLICE_S", "READ_ATTEMPTS_MAX", "S3_PARALLEL_MAX",
-           "DONE_LINGER_S"]
+__all__ = ["CacheClient", "CacheStats", "connect", "shared_client", "create_buckets",
+           "ROUND_KEYS_MAX", "LIST_REVALIDATE_MIN", "WAIT_SLICE_S", "READ_ATTEMPTS_MAX",
+           "S3_PARALLEL_MAX", "DONE_LINGER_S"]
 
 log = logging.getLogger(__name__)
 
 ROUND_KEYS_MAX = 1024
 """Most keys one round of a batch read handles (its pipelined reads and writes)."""
-LIST_REVALIDATE_MIN = 8
-"""Stale keys of one round from which a listing revalidates them instead of conditional GETs."""
+LIST_REVALIDATE_MIN = 2
+"""Stale keys of one round from which a listing revalidates them instead of conditional GETs
+(one listing page answers for up to 1000 keys; keys it does not reach within its bound are
+asked one conditional GET each)."""
 WAIT_SLICE_S = 2.0
 """A waiter looks at the claims it waits on at least this often (to see a lapsed one)."""
 READ_ATTEMPTS_MAX = 4
@@ -185,6 +188,11 @@ class CacheClient:
         """The pocketflow client of the cache's job."""
         return self._pf
 
+    @property
+    def source_store(self) -> S3Store:
+        """The S3 requests of the cache's source (for what the cache does not cover: buckets)."""
+        return self._s3
+
     def update_spec(self, spec: CacheSpec) -> None:
         """Take a newer spec of the same cache (a renewed token, a resized map)."""
         self.spec = spec
@@ -275,20 +283,21 @@ class CacheClient:
                 return data
         return self.get(bucket, key)[offset:offset + length]
 
-    def head(self, bucket: str, key: str) -> tuple[str, int]:
-        """The object's ETag and size, as the cache holds them (revalidated, or filled, as a
-        read would)."""
+    def stat(self, bucket: str, key: str) -> tuple[str, int]:
+        """The object's ETag and size: from its entry while the lease holds (no S3 request),
+        else one HEAD request (the object is not fetched)."""
         ckey = cache_key(bucket, key)
-        meta = self._meta(ckey)
-        if meta is None or not meta.fresh(_now_ms(), self.spec.lease_ms):
-            self.get(bucket, key)
-            meta = self._meta(ckey)
-        if meta is None:
-            data = self.get(bucket, key)
-            return "", len(data)
-        if meta.state == STATE_MISSING:
-            raise s3_error("NoSuchKey", 404, "the key does not exist", bucket=bucket, key=key)
-        return meta.etag, meta.size
+        meta = self._meta_or_none(ckey)
+        if meta is not None and meta.fresh(_now_ms(), self.spec.lease_ms):
+            if meta.state == STATE_MISSING:
+                raise self._missing(bucket, key, fresh=True)
+            return meta.etag, meta.size
+        return self._s3.head(bucket, key)
+
+    def list(self, bucket: str, prefix: str = "") -> list[tuple[str, int]]:
+        """Every ``(key, size)`` of the S3 bucket under ``prefix``, sorted, as S3 lists it now
+        (listings are not cached)."""
+        return self._s3.list_objects(bucket, prefix)
 
     def prefetch(self, bucket: str, keys: Sequence[str]) -> int:
         """Make ``keys`` fresh in the cache (fill or revalidate them) without reading their
@@ -993,6 +1002,40 @@ def _chunks(items: list[Any], size_of: Callable[[Any], int]) -> list[list[Any]]:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+SHARED_CLIENTS_MAX = 8
+"""Clients :func:`shared_client` keeps per process, one per spec."""
+
+_shared_lock = threading.Lock()
+_shared: OrderedDict[tuple[int, str], CacheClient] = OrderedDict()
+
+
+def shared_client(spec_json: str) -> CacheClient:
+    """This process's client of the cache of ``spec_json``, made on first use and kept (at most
+    ``SHARED_CLIENTS_MAX``, least recently used closed): for serverless workers that run many
+    calls per process and fork one per call (a forked child makes its own)."""
+    key = (os.getpid(), spec_json)
+    with _shared_lock:
+        client = _shared.get(key)
+        if client is None:
+            client = _shared[key] = CacheClient(CacheSpec.from_json(spec_json))
+        _shared.move_to_end(key)
+        evicted = []
+        while len(_shared) > SHARED_CLIENTS_MAX:
+            evicted.append(_shared.popitem(last=False))
+    for (pid, _), old in evicted:
+        if pid == os.getpid():
+            old.close()
+    return client
+
+
+def _reset_shared_lock_in_child() -> None:
+    global _shared_lock
+    _shared_lock = threading.Lock()  # a lock held by another thread at fork stays held
+
+
+os.register_at_fork(after_in_child=_reset_shared_lock_in_child)
 
 
 def connect(spec: CacheSpec | str, **options: Any) -> CacheClient:

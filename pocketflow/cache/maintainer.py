@@ -89,11 +89,14 @@ class Maintainer:
         with self._lock:
             return list(self._recency)[-count:]
 
-    def run_pass(self) -> None:
-        """One pass: resync if due, take the access batches in, evict beyond the capacity."""
+    def run_pass(self, *, before_evict: Callable[[], None] | None = None) -> None:
+        """One pass: resync if due, take the access batches in, run ``before_evict`` (the
+        cache's chance to grow), evict beyond the capacity."""
         if self._resynced_s is None or time.monotonic() - self._resynced_s >= RESYNC_S:
             self.resync()
         self.take_accesses()
+        if before_evict is not None:
+            before_evict()
         self.evict()
         if self._on_working_set is not None:
             self._on_working_set(self.working_set)

@@ -22,6 +22,9 @@ __all__ = [
     "BODY_CHUNK_BYTES",
     "LIST_PAGE_KEYS",
     "LIST_WASTE_FACTOR",
+    "LIST_SLACK_KEYS",
+    "LIST_KEYS_MAX",
+    "request_counts",
 ]
 
 BODY_CHUNK_BYTES = 8 * 1024 * 1024
@@ -32,8 +35,13 @@ LIST_PAGE_KEYS = 1000
 """Keys per ListObjectsV2 page (S3's maximum)."""
 
 LIST_WASTE_FACTOR = 4
-"""A listing that revalidates ``n`` keys stops after ``max(n * LIST_WASTE_FACTOR, one page)``
-listed keys: keys it has not reached by then are revalidated one conditional GET each."""
+"""A listing that revalidates ``n`` keys stops after ``n * LIST_WASTE_FACTOR + LIST_SLACK_KEYS``
+listed keys: keys it has not reached by then (they are spread over a range holding many other
+keys) are revalidated one conditional GET each."""
+LIST_SLACK_KEYS = 16
+
+LIST_KEYS_MAX = 1_000_000
+"""Most keys one :meth:`S3Store.list_objects` returns."""
 
 CLIENTS_MAX = 16
 """boto3 clients kept per process (one per source); the oldest is dropped past this."""
@@ -172,6 +180,11 @@ class S3Store:
     def __init__(self, source: S3Source) -> None:
         self.source = source
 
+    def connect(self) -> None:
+        """Make this process's boto3 client now (it is made on first use otherwise; importing
+        boto3 and building a client costs tens of milliseconds)."""
+        _client(self.source)
+
     def get(
         self, bucket: str, key: str, *, if_none_match: str | None = None,
         on_progress: Callable[[], None] | None = None,
@@ -201,15 +214,16 @@ class S3Store:
         """Revalidate ``keys`` (sorted, distinct) with ListObjectsV2 pages over their common
         prefix, from just before the first: each page answers for up to 1000 keys at the cost of
         one request. Stops once past the last key or after ``LIST_WASTE_FACTOR`` times as many
-        listed keys as asked for (at least one page)."""
+        listed keys as asked for (and ``LIST_SLACK_KEYS``)."""
         if not keys:
             return Listed({}, set())
         keys = sorted(set(keys))
         wanted = set(keys)
         first, last = keys[0], keys[-1]
         prefix = os.path.commonprefix([first, last])
-        listed_max = max(len(keys) * LIST_WASTE_FACTOR, LIST_PAGE_KEYS)
-        args: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": LIST_PAGE_KEYS}
+        listed_max = len(keys) * LIST_WASTE_FACTOR + LIST_SLACK_KEYS
+        args: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix,
+                                "MaxKeys": min(LIST_PAGE_KEYS, listed_max)}
         if first[:-1]:
             # StartAfter is exclusive: a string just below the first key (the key less its last
             # character sorts before it and before nothing between them but its own prefixes).
@@ -242,6 +256,50 @@ class S3Store:
             args.pop("StartAfter", None)
         absent = {k for k in wanted if k not in found and k <= reached}
         return Listed(found, absent)
+
+    def head(self, bucket: str, key: str) -> tuple[str, int]:
+        """HeadObject: the object's ETag and size."""
+        try:
+            answer = _client(self.source).head_object(Bucket=bucket, Key=key)
+        except Exception as exc:
+            raise error_from_s3(exc, bucket=bucket, key=key) from exc
+        return normal_etag(answer["ETag"]), int(answer["ContentLength"])
+
+    def list_objects(self, bucket: str, prefix: str = "") -> list[tuple[str, int]]:
+        """Every ``(key, size)`` under ``prefix``, sorted (at most ``LIST_KEYS_MAX + 1``)."""
+        client = _client(self.source)
+        found: list[tuple[str, int]] = []
+        try:
+            pages = client.get_paginator("list_objects_v2").paginate(
+                Bucket=bucket, Prefix=prefix, PaginationConfig={"MaxItems": LIST_KEYS_MAX + 1})
+            for page in pages:
+                found += [(item["Key"], int(item["Size"])) for item in page.get("Contents", ())]
+        except Exception as exc:
+            raise error_from_s3(exc, bucket=bucket, key=None) from exc
+        return found
+
+    def create_bucket(self, bucket: str) -> None:
+        """CreateBucket; one that exists and is ours is not an error."""
+        try:
+            _client(self.source).create_bucket(Bucket=bucket)
+        except Exception as exc:
+            code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+            if code in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                return
+            raise error_from_s3(exc, bucket=bucket, key=None) from exc
+
+    def head_bucket(self, bucket: str) -> None:
+        """HeadBucket: raises :class:`~pocketflow.errors.S3BucketNotFound` if it is missing."""
+        try:
+            _client(self.source).head_bucket(Bucket=bucket)
+        except Exception as exc:
+            error = error_from_s3(exc, bucket=bucket, key=None)
+            if getattr(error, "status", 0) == 404:
+                from pocketflow.errors import s3_error
+
+                raise s3_error("NoSuchBucket", 404, "the bucket does not exist",
+                               bucket=bucket) from exc
+            raise error from exc
 
     def put(self, bucket: str, key: str, data: Any) -> str:
         """PutObject; returns the new ETag."""

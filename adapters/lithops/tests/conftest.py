@@ -6,4 +6,4 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 
-pytest_plugins = ["fixtures_servers", "fixtures_cluster"]
+pytest_plugins = ["fixtures_servers", "fixtures_cluster", "fixtures_s3"]

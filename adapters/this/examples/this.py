@@ -15,7 +15,13 @@ from typing import Any
 
 import numpy as np
 from pocketflow_this import Pipeline, PipelineResult, pipeline, stage
-from pocketflow_this_examples.video import Segment, VideoSpec, true_face, write_segments
+from pocketflow_this_examples.video import (
+    Segment,
+    VideoSpec,
+    in_s3,
+    true_face,
+    write_segments,
+)
 
 __all__ = ["decode", "detect", "this", "make_pipeline", "summarize", "run_demo", "THUMB_WIDTH"]
 
@@ -50,7 +56,7 @@ def decode_segment(segment: Segment) -> dict[str, Any]:
 
     frames = np.empty((segment.frames, segment.height, segment.width, 3), dtype=np.uint8)
     count = 0
-    with av.open(segment.path) as container:
+    with av.open(segment.open_encoded()) as container:
         for frame in container.decode(video=0):
             if count == segment.frames:
                 raise ValueError(f"{segment.path} has more than {segment.frames} frames")
@@ -230,18 +236,25 @@ def draw(spec: VideoSpec, outputs: list[dict[str, Any]], summary: dict[str, Any]
     return ["detections.png", "contact_sheet.png"]
 
 
+INPUT_CACHE = "this-inputs"
+"""The cache the video is read through when it lives in S3."""
+INPUT_BUCKET = "this-video"
+"""The S3 bucket the video's segments are uploaded to."""
+
+
 def run_demo(out_dir: Path, *, executor: str = "ray", spec: VideoSpec | None = None,
-             cluster: Any = None, pipe: Pipeline | None = None, **run_options: Any
-             ) -> dict[str, Any]:
+             cluster: Any = None, pipe: Pipeline | None = None, s3: Any = None,
+             **run_options: Any) -> dict[str, Any]:
     """Make the video, run THIS over it, write ``summary.json`` and the PNGs into ``out_dir``;
-    returns the summary."""
-    return run_this(out_dir, executor=executor, spec=spec, cluster=cluster, pipe=pipe,
+    returns the summary. With ``s3`` (a :class:`pocketflow.cache.S3Source`) the video is
+    uploaded to S3 and decode reads it through a pocketflow cache."""
+    return run_this(out_dir, executor=executor, spec=spec, cluster=cluster, pipe=pipe, s3=s3,
                     **run_options)[0]
 
 
 def run_this(out_dir: Path, *, executor: str = "ray", spec: VideoSpec | None = None,
-             cluster: Any = None, pipe: Pipeline | None = None, **run_options: Any
-             ) -> tuple[dict[str, Any], PipelineResult]:
+             cluster: Any = None, pipe: Pipeline | None = None, s3: Any = None,
+             **run_options: Any) -> tuple[dict[str, Any], PipelineResult]:
     """:func:`run_demo`, also returning the pipeline's result."""
     spec = spec or VideoSpec()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -249,8 +262,20 @@ def run_this(out_dir: Path, *, executor: str = "ray", spec: VideoSpec | None = N
     segments = write_segments(spec, out_dir / "video")
     encode_s = time.perf_counter() - t0
     pipe = pipe or this
-    result = pipe.run(segments, executor=executor, cluster=cluster, **run_options)
+    input_cache: dict[str, Any] | None = None
+    if s3 is None:
+        result = pipe.run(segments, executor=executor, cluster=cluster, **run_options)
+    else:
+        from pocketflow.cache import open_cache
+
+        # The run reads the video through the cache; the next run prewarms from this one.
+        with open_cache(INPUT_CACHE, s3, app="this", prewarm=True, cluster=cluster) as cache:
+            result = pipe.run(in_s3(segments, cache, INPUT_BUCKET), executor=executor,
+                              cluster=cluster, **run_options)
+            input_cache = cache.close()
     summary = summarize(spec, result.outputs)
+    if input_cache is not None:
+        summary["input_cache"] = input_cache
     summary.update({
         "executor": executor,
         "elapsed_s": result.elapsed_s,

@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["VideoSpec", "Segment", "write_segments", "true_face", "render", "FACE_BOX"]
+__all__ = ["VideoSpec", "Segment", "write_segments", "in_s3", "true_face", "render",
+           "FACE_BOX"]
 
 FACE_BOX = (175, 63, 100, 100)
 """The face in ``astronaut()`` (x, y, w, h in its 512x512 pixels), as OpenCV's frontal-face
@@ -56,7 +58,9 @@ class VideoSpec:
 
 @dataclass(frozen=True)
 class Segment:
-    """One encoded segment of the video: the decode stage's input item."""
+    """One encoded segment of the video: the decode stage's input item. It is read from
+    ``path``, or, when ``cache_spec`` is set, from S3 (``s3_bucket``/``s3_key``) through the
+    pocketflow cache of that spec (:func:`in_s3`)."""
 
     path: str
     index: int
@@ -64,10 +68,43 @@ class Segment:
     frames: int
     width: int
     height: int
+    s3_bucket: str | None = None
+    s3_key: str | None = None
+    cache_spec: str | None = None
 
     @property
     def decoded_bytes(self) -> int:
         return self.frames * self.width * self.height * 3
+
+    def open_encoded(self) -> Any:
+        """The encoded segment for PyAV: its path, or its bytes read through the cache."""
+        if self.cache_spec is None:
+            return self.path
+        import io
+
+        from pocketflow.cache import shared_client
+
+        cache = shared_client(self.cache_spec)
+        try:
+            return io.BytesIO(cache.get(str(self.s3_bucket), str(self.s3_key)))
+        finally:
+            cache.flush()
+
+
+def in_s3(segments: list[Segment], cache: Any, bucket: str) -> list[Segment]:
+    """Upload the segments' files to S3 ``bucket`` (the cache's source, created if need be),
+    writing through ``cache`` (a :class:`pocketflow.cache.Cache`) so that it holds what S3
+    holds, and return segments that decode reads from there through the cache."""
+    from dataclasses import replace
+
+    cache.client.source_store.create_bucket(bucket)
+    moved = []
+    for segment in segments:
+        key = f"segments/{Path(segment.path).name}"
+        cache.client.put(bucket, key, Path(segment.path).read_bytes())
+        moved.append(replace(segment, s3_bucket=bucket, s3_key=key,
+                             cache_spec=cache.spec.to_json()))
+    return moved
 
 
 def placement(spec: VideoSpec, frame: int) -> tuple[int, int, int]:

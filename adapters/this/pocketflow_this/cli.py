@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--height", type=_positive, default=360, help="frame height (default 360)")
     demo.add_argument("--segment-frames", type=_positive, default=25,
                       help="frames per decode task (default 25)")
+    demo.add_argument("--s3-endpoint", default=None,
+                      help="upload the video to this S3 endpoint and read it through a "
+                           "pocketflow cache (credentials as boto3 finds them)")
+    demo.add_argument("--s3-unsigned", action="store_true",
+                      help="send the S3 requests unsigned (a local store without identities)")
     demo.add_argument("--address", default=None,
                       help="use the pocketflow cluster at this Ray address (`pocketflow up "
                            "--local` prints it); by default a local cluster is started")
@@ -59,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"pocketflow-this: {exc}", file=sys.stderr)
         return 2
+    s3 = None
+    if args.s3_endpoint is not None:
+        from pocketflow.cache import S3Source
+
+        s3 = S3Source(endpoint_url=args.s3_endpoint, unsigned=args.s3_unsigned)
     if args.address is not None:
         import os
 
@@ -67,13 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["RAY_ADDRESS"] = args.address
         if not ray.is_initialized():
             ray.init(address=args.address, log_to_driver=False)
-        summary = run_demo(args.out, executor=args.executor, spec=spec)
+        summary = run_demo(args.out, executor=args.executor, spec=spec, s3=s3)
     else:
         import pocketflow
 
         with pocketflow.LocalCluster(dram_capacity=DEMO_DRAM_CAPACITY,
                                      nvme_capacity=DEMO_NVME_CAPACITY) as cluster:
-            summary = run_demo(args.out, executor=args.executor, spec=spec, cluster=cluster)
+            summary = run_demo(args.out, executor=args.executor, spec=spec, cluster=cluster,
+                               s3=s3)
     brief = {k: summary[k] for k in ("frames", "detections", "seconds_of_video", "score",
                                     "elapsed_s", "decoded_bytes")}
     print(json.dumps(brief, indent=2))

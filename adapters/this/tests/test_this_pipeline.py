@@ -196,6 +196,23 @@ def test_this_on_ray_streams_deletes_and_persists(
             assert out["segment"] == i
 
 
+def test_this_reads_its_video_through_the_cache(
+    local_cluster: LocalCluster, s3_server: Any, segments: list[Segment], expected: Any,
+    tmp_path: Path,
+) -> None:
+    """The video in S3: decode tasks read it through a pocketflow cache, the run's working set
+    is recorded, and the next run prewarms from it."""
+    for run in ("first", "second"):
+        summary, result = run_this(tmp_path / run, executor="ray", spec=SPEC,
+                                   cluster=local_cluster, s3=s3_server, timeout_s=RUN_TIMEOUT_S)
+        assert _boxes(result.outputs) == expected
+        cache = summary["input_cache"]
+        assert cache["working_set_keys"] == len(segments), "every segment read through it"
+        assert cache["held_bytes"] >= sum(Path(s.path).stat().st_size for s in segments)
+    assert cache["prewarm_from"] == "cache"
+    assert cache["prewarm_planned"] == cache["prewarm_fetched"] == len(segments)
+
+
 def test_scoped_values_are_freed_as_their_consumers_finish(
     local_cluster: LocalCluster, segments: list[Segment], expected: Any, tmp_path: Path
 ) -> None:

@@ -1,0 +1,361 @@
+"""A Lithops job mapping over inputs in S3, run four ways (issue 32's benchmark of the
+read-through cache, :mod:`pocketflow.cache`), for two input mixes.
+
+Run from the repository root::
+
+    python3 -m benchmarks.cache_inputs [--quick] [--out DIR] [--mixes 1MiB,4KiB]
+
+One SeaweedFS S3 server (``weed server -s3`` on 127.0.0.1, :class:`benchmarks.peers.S3Peer`)
+holds the inputs of each mix: ``1MiB``, 1 GiB of 1 MiB objects (1024), and ``4KiB``, 20,000
+objects of 4 KiB (``--quick``: 24 and 600). A Lithops localhost executor (version 1, ``WORKERS``
+worker processes, Lithops' own data in its localhost storage) maps ``TASKS`` calls over the
+keys, each call reading a contiguous share of them, four ways, one after the other:
+
+- ``s3``: straight from S3, boto3 GETs, ``S3_PARALLEL_MAX`` at once per task (as the cache
+  fetches its misses).
+- ``cold``: through a new cache on a local cluster (``Client.get_many`` of the cache, the run's
+  ``app`` recorded at its end, with a copy of its working set in S3).
+- ``cached``: the same cache again (its entries held; their validation lease has run out, so
+  each task revalidates its keys: one ListObjectsV2 page per 1000 keys).
+- ``prewarmed``: a fresh local cluster (nothing cached), the cache opened with ``prewarm=True``
+  from the working set's copy in S3; the map is submitted at once, while the prewarm runs.
+
+Reported per run: input I/O per task (the time a call spends getting its inputs: mean and p95
+over calls), job time (submission to the last result; for ``prewarmed`` from opening the
+cache, so the prewarm counts), the hit ratio (reads served from the cache: fresh, revalidated,
+or filled by another process while the task waited; over every read of every call), the S3
+requests of the run by operation (every call's and the driver's, which prewarms), and bytes
+checked (each call verifies its inputs' contents). Results go to
+``benchmarks/results/cache-inputs-<date>[-quick].json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from benchmarks.machine import git_commit, machine, now_iso, package_versions, today
+from benchmarks.peers import S3Peer
+from pocketflow.demo import forget_inherited_lithops_session, lithops_config
+
+# Lithops pickles the tasks below; workers cannot import this module by name from every working
+# directory, so they travel by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+WAYS = ("s3", "cold", "cached", "prewarmed")
+MIXES = {
+    "full": {"1MiB": (1024, 1024 * 1024), "4KiB": (20_000, 4096)},
+    "quick": {"1MiB": (24, 1024 * 1024), "4KiB": (600, 4096)},
+}
+TASKS = {"full": 16, "quick": 4}
+WORKERS = 2
+"""Lithops worker processes (the machine's cores)."""
+S3_PARALLEL_MAX = 16
+"""GETs one straight-S3 task has in flight (the cache client's own bound for its misses)."""
+UPLOAD_THREADS = 16
+CLUSTER_SHAPE = {"dram_servers": 2, "nvme_servers": 0, "dram_capacity": "1GiB",
+                 "num_cpus": 2, "object_store_memory": "80MiB"}
+"""Room for the 1 GiB mix and the 4 KiB one, with the caches' bookkeeping."""
+CACHED_AFTER_S = 6.0
+"""The cached run starts at least this long after the cold one ended, so that the validation
+lease (5 s by default) has run out: the cached run pays its validations."""
+GOAL_IO_RATIO = 0.2
+GOAL_COLD_SLOWDOWN = 1.10
+GOAL_HIT_RATIO = 0.95
+WS_BUCKET = "cache-bench-working-sets"
+
+
+def _content(key: str, size: int) -> bytes:
+    """The bytes of input ``key``: its name repeated (each call checks what it read)."""
+    seed = key.encode()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+# -- the map's tasks (run in Lithops workers) ---------------------------------------------------
+
+
+def read_straight(source: dict[str, Any], bucket: str, keys: list[str],
+                  size: int) -> dict[str, Any]:
+    """Read ``keys`` with boto3 GETs, ``S3_PARALLEL_MAX`` at once; time it, check it."""
+    from pocketflow.cache.source import S3Source, S3Store, request_counts
+
+    store = S3Store(S3Source.from_dict(source))
+    store.connect()  # boto3's import and client, outside the timed reads
+    before = Counter(request_counts())
+    started = time.perf_counter()
+    with ThreadPoolExecutor(S3_PARALLEL_MAX) as pool:
+        datas = list(pool.map(lambda k: store.get(bucket, k).data, keys))  # type: ignore[union-attr]
+    io_s = time.perf_counter() - started
+    ok = all(d == _content(k, size) for k, d in zip(keys, datas, strict=True))
+    after = Counter(request_counts())
+    return {"io_s": io_s, "reads": len(keys), "hits": 0, "ok": ok,
+            "bytes": sum(len(d) for d in datas), "requests": dict(after - before),
+            "stats": {}}
+
+
+def read_cached(spec_json: str, bucket: str, keys: list[str], size: int) -> dict[str, Any]:
+    """Read ``keys`` through the cache (one ``get_many``); time it, check it."""
+    from pocketflow.cache import shared_client
+    from pocketflow.cache.source import request_counts
+
+    cache = shared_client(spec_json)
+    cache.source_store.connect()  # as the straight reads: boto3 outside the timed reads
+    before = Counter(request_counts())
+    stats_before = cache.stats.to_dict()
+    started = time.perf_counter()
+    datas = cache.get_many(bucket, keys)
+    io_s = time.perf_counter() - started
+    cache.flush()
+    ok = all(d == _content(k, size) for k, d in zip(keys, datas, strict=True))
+    after = Counter(request_counts())
+    stats = {k: v - stats_before.get(k, 0) for k, v in cache.stats.to_dict().items()}
+    return {"io_s": io_s, "reads": len(keys), "hits": stats["hits"], "ok": ok,
+            "bytes": sum(len(d) for d in datas), "requests": dict(after - before),
+            "stats": stats}
+
+
+def _noop(x: int) -> int:
+    return x
+
+
+# -- the driver ---------------------------------------------------------------------------------
+
+
+def _upload(source: Any, bucket: str, count: int, size: int) -> list[str]:
+    from pocketflow.cache.source import S3Store
+
+    store = S3Store(source)
+    store.create_bucket(bucket)
+    keys = [f"in/{i:06d}" for i in range(count)]
+    with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+        list(pool.map(lambda k: store.put(bucket, k, _content(k, size)), keys))
+    return keys
+
+
+def _shares(keys: list[str], tasks: int) -> list[list[str]]:
+    per = -(-len(keys) // tasks)
+    return [keys[i:i + per] for i in range(0, len(keys), per)]
+
+
+@contextmanager
+def _executor() -> Iterator[Any]:
+    import lithops
+
+    fexec = lithops.FunctionExecutor(config=lithops_config(storage="localhost", workers=WORKERS))
+    try:
+        fexec.get_result(fexec.map(_noop, [0]))  # the first job pays for the machinery
+        yield fexec
+    finally:
+        fexec.clean()
+
+
+def _map(fexec: Any, function: Any, args: list[tuple[Any, ...]]) -> tuple[list[Any], float]:
+    started = time.perf_counter()
+    results = fexec.get_result(fexec.map(function, args))
+    return results, time.perf_counter() - started
+
+
+def _summary(way: str, results: list[dict[str, Any]], job_s: float,
+             driver_requests: Counter[str], extra: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+    io = [r["io_s"] for r in results]
+    requests: Counter[str] = Counter(driver_requests)
+    for r in results:
+        requests.update(r["requests"])
+    reads = sum(r["reads"] for r in results)
+    stats: Counter[str] = Counter()
+    for r in results:
+        stats.update(r["stats"])
+    row = {
+        "way": way, "job_s": job_s, "tasks": len(results),
+        "io_s_mean": statistics.fmean(io), "io_s_p95": _p95(io),
+        "reads": reads, "hit_ratio": sum(r["hits"] for r in results) / reads if reads else 0.0,
+        "s3_requests": dict(requests), "s3_requests_total": sum(requests.values()),
+        "bytes": sum(r["bytes"] for r in results), "ok": all(r["ok"] for r in results),
+        "cache_stats": dict(stats),
+    }
+    row.update(extra or {})
+    return row
+
+
+def _p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def run_mix(mix: str, count: int, size: int, tasks: int, source: Any, fexec: Any) -> list[dict]:
+    """The four ways over one mix of inputs."""
+    import pocketflow
+    from pocketflow.cache import open_cache
+    from pocketflow.cache.source import request_counts
+
+    bucket = f"cache-bench-{mix.lower()}-{uuid.uuid4().hex[:6]}"
+    print(f"{mix}: uploading {count} objects of {size} bytes to s3://{bucket}", flush=True)
+    keys = _upload(source, bucket, count, size)
+    shares = _shares(keys, tasks)
+    cache_name = f"bench-{mix.lower()}-{uuid.uuid4().hex[:6]}"
+    ws_url = f"s3://{WS_BUCKET}/{cache_name}"
+    rows = []
+
+    def report(row: dict[str, Any]) -> None:
+        print(f"  {mix:5s} {row['way']:10s} job {row['job_s']:7.2f} s, I/O per task mean "
+              f"{1000 * row['io_s_mean']:8.1f} ms p95 {1000 * row['io_s_p95']:8.1f} ms, hits "
+              f"{100 * row['hit_ratio']:5.1f}%, S3 requests {row['s3_requests']}, "
+              f"{'OK' if row['ok'] else 'WRONG BYTES'}", flush=True)
+        rows.append(row)
+
+    results, job_s = _map(fexec, read_straight,
+                          [(source.to_dict(), bucket, share, size) for share in shares])
+    report(_summary("s3", results, job_s, Counter()))
+
+    with pocketflow.LocalCluster(**CLUSTER_SHAPE) as cluster:
+        for way in ("cold", "cached"):
+            before = Counter(request_counts())
+            with open_cache(cache_name, source, app=cache_name, cluster=cluster,
+                            working_set_url=ws_url, idle="10min") as cache:
+                spec = cache.spec.to_json()
+                results, job_s = _map(fexec, read_cached,
+                                      [(spec, bucket, share, size) for share in shares])
+                status = cache.close()
+            report(_summary(way, results, job_s, Counter(request_counts()) - before,
+                            {"cache": status}))
+            time.sleep(CACHED_AFTER_S)
+    with pocketflow.LocalCluster(**CLUSTER_SHAPE) as cluster:
+        before = Counter(request_counts())
+        started = time.perf_counter()
+        with open_cache(cache_name, source, app=cache_name, cluster=cluster, prewarm=True,
+                        working_set_url=ws_url, idle="10min") as cache:
+            spec = cache.spec.to_json()
+            results, _ = _map(fexec, read_cached,
+                              [(spec, bucket, share, size) for share in shares])
+            job_s = time.perf_counter() - started
+            cache.wait_prewarmed(600.0)
+            status = cache.close()
+        report(_summary("prewarmed", results, job_s, Counter(request_counts()) - before,
+                        {"cache": status}))
+    return rows
+
+
+def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's goals, per mix."""
+    out: dict[str, Any] = {}
+    for mix in sorted({r["mix"] for r in rows}):
+        by_way = {r["way"]: r for r in rows if r["mix"] == mix}
+        s3 = by_way["s3"]
+        out[mix] = {
+            "cached_io_ratio": by_way["cached"]["io_s_mean"] / s3["io_s_mean"],
+            "prewarmed_io_ratio": by_way["prewarmed"]["io_s_mean"] / s3["io_s_mean"],
+            "cold_job_ratio": by_way["cold"]["job_s"] / s3["job_s"],
+            "cold_io_ratio": by_way["cold"]["io_s_mean"] / s3["io_s_mean"],
+            "prewarmed_hit_ratio": by_way["prewarmed"]["hit_ratio"],
+            "cached_gets": by_way["cached"]["s3_requests"].get("GetObject", 0),
+            "cached_lists": by_way["cached"]["s3_requests"].get("ListObjectsV2", 0),
+        }
+    return out
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m, commit = results["machine"], results["commit"]
+    lines = [
+        f"# Lithops map over S3 inputs: straight, and through pocketflow's cache "
+        f"({results['shape']})",
+        "",
+        f"- commit `{(commit['commit'] or '?')[:12]}`"
+        f"{' with uncommitted changes' if commit['dirty'] else ''}, {results['started']}, "
+        f"{results['duration_s']} s",
+        f"- {m['cpu_model']}, {m['cores']} cores, load average {m['load_avg_1m_at_start']:.2f} "
+        "at start (other work on the machine counts)",
+        f"- Lithops localhost executor v1, {WORKERS} workers; S3: SeaweedFS on 127.0.0.1",
+        "",
+        "| mix | way | job s | I/O per task mean ms | p95 ms | hit ratio | S3 requests | "
+        "bytes ok |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["runs"]:
+        requests = ", ".join(f"{k} {v}" for k, v in sorted(r["s3_requests"].items())) or "0"
+        lines.append(
+            f"| {r['mix']} | {r['way']} | {r['job_s']:.2f} | {1000 * r['io_s_mean']:.1f} | "
+            f"{1000 * r['io_s_p95']:.1f} | {100 * r['hit_ratio']:.1f}% | {requests} | "
+            f"{'yes' if r['ok'] else 'NO'} |")
+    lines += ["", "Goals:"]
+    for mix, g in results["goals"].items():
+        lines += [
+            f"- {mix}: cached I/O per task {g['cached_io_ratio']:.2f}x straight S3, prewarmed "
+            f"{g['prewarmed_io_ratio']:.2f}x (goal <= {GOAL_IO_RATIO}x); cold job "
+            f"{g['cold_job_ratio']:.2f}x straight S3 (goal <= {GOAL_COLD_SLOWDOWN}x); prewarmed "
+            f"hit ratio {100 * g['prewarmed_hit_ratio']:.1f}% (goal >= "
+            f"{100 * GOAL_HIT_RATIO:.0f}%); cached run's S3 requests: {g['cached_lists']} "
+            f"listings, {g['cached_gets']} GETs (goal: validations only)",
+        ]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def run(shape: str, mixes: tuple[str, ...], out_dir: Path) -> dict[str, Any]:
+    started_iso, started = now_iso(), time.perf_counter()
+    peer = S3Peer(volume_size_limit_mb=1024)
+    peer.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        from pocketflow.cache.source import S3Source, S3Store
+
+        source = S3Source(endpoint_url=peer.spec().endpoint_url, unsigned=True, attempts=1)
+        S3Store(source).create_bucket(WS_BUCKET)
+        with _executor() as fexec:
+            for mix in mixes:
+                count, size = MIXES[shape][mix]
+                for row in run_mix(mix, count, size, TASKS[shape], source, fexec):
+                    rows.append({"mix": mix, "objects": count, "object_bytes": size, **row})
+    finally:
+        peer.stop()
+    results = {
+        "benchmark": "cache-inputs", "shape": shape, "started": started_iso,
+        "duration_s": round(time.perf_counter() - started, 1), "commit": git_commit(),
+        "machine": machine(),
+        "versions": {**package_versions(("pocketflow", "lithops", "boto3", "ray")),
+                     "seaweedfs": peer.version()},
+        "config": {"tasks": TASKS[shape], "lithops_workers": WORKERS,
+                   "s3_parallel_per_task": S3_PARALLEL_MAX, "cluster": CLUSTER_SHAPE,
+                   "mixes": {m: MIXES[shape][m] for m in mixes}},
+        "runs": rows,
+        "goals": goals(rows),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"cache-inputs-{today()}" + ("-quick" if shape == "quick" else "")
+    (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (out_dir / f"{stem}.md").write_text(markdown(results))
+    print(f"wrote {out_dir / stem}.json and .md")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python3 -m benchmarks.cache_inputs``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="24 x 1 MiB and 600 x 4 KiB, 4 tasks (default: 1 GiB and 20,000)")
+    parser.add_argument("--mixes", default="1MiB,4KiB", help="comma-separated input mixes")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
+    args = parser.parse_args(argv)
+    mixes = tuple(m for m in args.mixes.split(",") if m)
+    if not mixes or not set(mixes) <= set(MIXES["full"]):
+        parser.error(f"--mixes takes some of {','.join(MIXES['full'])}")
+    forget_inherited_lithops_session()
+    results = run("quick" if args.quick else "full", mixes, args.out)
+    return 0 if all(r["ok"] for r in results["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

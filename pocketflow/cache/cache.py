@@ -10,7 +10,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from pocketflow.auth import token_expiry_unix_ms
@@ -290,7 +289,8 @@ class Cache:
         lock = threading.Lock()
         next_batch = iter(enumerate(batches))
         running = [PREWARM_STREAMS]
-        client = CacheClient(replace(self.spec, run_id=None), client=self._client.client)
+        # Its fills are logged (the maintainer counts the bytes), its reads are not the run's.
+        client = CacheClient(self.spec, client=self._client.client, record_reads=False)
         self.prewarm_client = client
 
         def stream() -> None:
@@ -391,9 +391,8 @@ class Cache:
         expiry_ms = token_expiry_unix_ms(self._handle.token)
         now_ms = int(time.time() * 1000)
         if now_ms >= expiry_ms - (expiry_ms - self._token_received_ms) / 2:
-            handle = self._control.renew_token(self.job_id)
             self._token_received_ms = now_ms
-            self._adopt(replace(self._handle, token=handle.token))
+            self._adopt(self._control.renew_token(self.job_id))
 
     # -- ending ----------------------------------------------------------------------------------
 
@@ -408,6 +407,8 @@ class Cache:
         for thread in self._threads:
             thread.join(timeout=STOP_TIMEOUT_S)
         try:
+            if self.prewarm_client is not None:
+                self.prewarm_client.close()  # flushes its fills' records, removes its outcomes
             self._client.flush()
             with self._lock:
                 self._maintainer.take_accesses()

@@ -164,7 +164,10 @@ class CacheClient:
     ``invalidate`` drops an entry; ``prefetch`` fills keys without returning them (prewarming).
     """
 
-    def __init__(self, spec: CacheSpec, *, client: Any = None) -> None:
+    def __init__(self, spec: CacheSpec, *, client: Any = None, record_reads: bool = True) -> None:
+        """``client``: a client of the cache's job to use (default: one of its own).
+        ``record_reads`` False logs this client's fills to the run's access queue but not its
+        reads (a prewarm's reads are not the run's working set)."""
         from pocketflow.client import connect as connect_job
 
         self.spec = spec
@@ -177,6 +180,7 @@ class CacheClient:
         self.stats = CacheStats()
         self._recorder = (AccessRecorder(self._pf, spec.run_id)
                           if spec.run_id is not None else None)
+        self._record_reads = record_reads
         self._done_lock = threading.Lock()
         self._done_due: deque[tuple[float, str]] = deque()
         self._closed = False
@@ -619,8 +623,23 @@ class CacheClient:
                         won: list[tuple[int, Meta | None, Claim]],
                         results: list[Result | None]) -> None:
         sent_ms = _now_ms()
+        stored: set[int] = set()
+        stored_lock = threading.Lock()
+
+        def keep(j: int, answer: Fetched) -> None:
+            # In the fetching thread, as soon as the bytes are here: the entry is written while
+            # the batch's other keys still download.
+            i = won[j][0]
+            try:
+                self._store_entry(ckeys[i], answer.etag, answer.data)
+            except PocketflowError as exc:
+                log.info("cache %s: %s not stored (%s)", self.spec.name, ckeys[i], exc)
+                return
+            with stored_lock:
+                stored.add(i)
+
         fetched = self._s3_each(bucket, [(keys[i], None) for i, _, _ in won],
-                                renew=[(ckeys[i], claim) for i, _, claim in won])
+                                renew=[(ckeys[i], claim) for i, _, claim in won], keep=keep)
         entries: list[tuple[int, Fetched]] = []
         outcomes: dict[int, Outcome] = {}
         for (i, _old, _claim), answer in zip(won, fetched, strict=True):
@@ -635,7 +654,6 @@ class CacheClient:
                 assert isinstance(answer, Fetched)
                 entries.append((i, answer))
                 results[i] = answer.data
-        stored = self._store_entries(ckeys, entries)
         metas: list[tuple[str, bytes]] = []
         for i, answer in entries:
             if i in stored:
@@ -671,28 +689,6 @@ class CacheClient:
                     self._delete_entry(ckeys[i], old.etag)
         self.stats.add(filled=filled, bypassed=bypassed, missing=missing,
                        bytes_read=sum(len(a.data) for _, a in entries))
-
-    def _store_entries(self, ckeys: list[str], entries: list[tuple[int, Fetched]]) -> set[int]:
-        """Write the entries, pipelined in chunks of at most ``PUT_CHUNK_KEYS`` keys and
-        ``PUT_CHUNK_BYTES``; returns the indices stored (a version already there counts). A
-        chunk that fails is written again one entry at a time, to learn each one's fate."""
-        stored: set[int] = set()
-        for chunk in _chunks(entries, lambda e: e[1].size):
-            try:
-                self._pf.put_many(ENTRY_BUCKET,
-                                  [(entry_key(ckeys[i], a.etag), a.data) for i, a in chunk])
-                stored.update(i for i, _ in chunk)
-                continue
-            except PocketflowError as exc:
-                if not isinstance(exc, ObjectExists):
-                    log.info("cache %s: entries not all stored (%s)", self.spec.name, exc)
-            for i, answer in chunk:
-                try:
-                    self._store_entry(ckeys[i], answer.etag, answer.data)
-                    stored.add(i)
-                except PocketflowError:
-                    pass
-        return stored
 
     def _store_entry(self, ckey: str, etag: str, data: Any) -> None:
         try:
@@ -844,23 +840,29 @@ class CacheClient:
 
     def _s3_each(self, bucket: str, asks: list[tuple[str, str | None]], *,
                  renew: list[tuple[str, Claim]] | None = None,
+                 keep: Callable[[int, Fetched], None] | None = None,
                  ) -> list[Fetched | Any | PocketflowError]:
         """GET each ``(key, if_none_match)`` of ``bucket``, at most ``S3_PARALLEL_MAX`` at
-        once (a claim in ``renew`` is moved on during its download); each answer (or
-        :data:`NOT_MODIFIED`) or its error, in order."""
+        once (a claim in ``renew`` is moved on during its download; ``keep(j, answer)`` runs in
+        the fetching thread as answer ``j`` arrives); each answer (or :data:`NOT_MODIFIED`) or
+        its error, in order."""
         renewals = renew or [None] * len(asks)  # type: ignore[list-item]
 
-        def one(ask: tuple[str, str | None], claim: tuple[str, Claim] | None) -> Any:
-            key, etag = ask
+        def one(j: int) -> Any:
+            key, etag = asks[j]
+            claim = renewals[j]
             try:
-                return self._s3.get(bucket, key, if_none_match=etag,
-                                    on_progress=self._renewer(claim) if claim else None)
+                answer = self._s3.get(bucket, key, if_none_match=etag,
+                                      on_progress=self._renewer(claim) if claim else None)
             except S3Error as exc:
                 return exc
+            if keep is not None and isinstance(answer, Fetched):
+                keep(j, answer)
+            return answer
 
         if len(asks) == 1:
-            return [one(asks[0], renewals[0])]
-        return list(self._threads().map(one, asks, renewals))
+            return [one(0)]
+        return list(self._threads().map(one, range(len(asks))))
 
     def _renewer(self, claim: tuple[str, Claim]) -> Callable[[], None]:
         """Moves a claim's deadline on every third of the claim time during a long download."""
@@ -952,8 +954,9 @@ class CacheClient:
 
     def _note(self, bucket: str, key: str, size: int, etag: str, *, read: bool = True,
               filled: bool = False) -> None:
-        if self._recorder is not None:
-            self._recorder.note(bucket, key, size, etag, read=read, filled=filled)
+        if self._recorder is not None and (filled or self._record_reads):
+            self._recorder.note(bucket, key, size, etag, read=read and self._record_reads,
+                                filled=filled)
 
     def _remove_done(self, *, everything: bool) -> None:
         """Remove the fill outcomes whose linger is over (all of them with ``everything``)."""

@@ -131,6 +131,7 @@ def _client(source: S3Source) -> Any:
         if held is not None and held[0] == pid:
             return held[1]
     import boto3
+    import botocore.session
     from botocore import UNSIGNED
     from botocore.config import Config
 
@@ -145,7 +146,11 @@ def _client(source: S3Source) -> Any:
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
-    client = boto3.session.Session().client(
+    session = botocore.session.get_session()
+    # Timestamps stay text: nothing here reads them, and botocore's datetime parsing was most of
+    # a listing's cost (a page of 1000 keys parsed in 0.69 s, 0.19 s without it, here).
+    session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=str)
+    client = boto3.session.Session(botocore_session=session).client(
         "s3", endpoint_url=source.endpoint_url, region_name=source.region, config=config
     )
     client.meta.events.register("before-send.s3", _count_request)

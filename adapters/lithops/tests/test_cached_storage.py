@@ -154,10 +154,12 @@ def test_a_fresh_interpreter_finds_the_backend(tmp_path: Path) -> None:
     assert result.stdout.split() == [target, target]
 
 
-BENCHMARK_TIMEOUT_S = 900.0
-"""Bound on the quick benchmark (two local clusters and a SeaweedFS start in it)."""
+BENCHMARK_TIMEOUT_S = 600.0
+"""Bound on the quick benchmark (two local clusters, a SeaweedFS and eight Lithops maps: about
+4 minutes on a loaded 2-core machine)."""
 
 
+@pytest.mark.timeout(BENCHMARK_TIMEOUT_S + 30)
 def test_the_benchmark_runs_every_way(tmp_path: Path) -> None:
     """``benchmarks/cache_inputs.py --quick`` end to end (its own S3 server and clusters, in a
     subprocess: Ray runs once per process). It checks the script works and its runs are what
@@ -176,16 +178,19 @@ def test_the_benchmark_runs_every_way(tmp_path: Path) -> None:
     assert set(runs) == {(m, w) for m in ("1MiB", "4KiB")
                          for w in ("s3", "cold", "cached", "prewarmed")}
     for (mix, way), r in runs.items():
-        count = 24 if mix == "1MiB" else 600
+        count = 12 if mix == "1MiB" else 300
         assert r["ok"] and r["reads"] == count, (mix, way)
         gets = r["s3_requests"].get("GetObject", 0)
-        if way in ("s3", "cold"):
+        # The cold and prewarmed runs' drivers also look for the working set's copy in S3.
+        if way == "s3":
             assert gets == count, (mix, way, r["s3_requests"])
+        if way == "cold":
+            assert gets == count + 1, (mix, way, r["s3_requests"])
         if way == "cached":
             assert gets == 0 and r["hit_ratio"] == 1.0, (mix, r)
             assert r["s3_requests"].get("ListObjectsV2", 0) >= 1, "validated by listing"
         if way == "prewarmed":
             assert r["cache"]["prewarm_from"] == "s3"
-            assert gets == count, "one fetch per key, by the prewarm or a task"
+            assert gets == count + 1, "one fetch per key, by the prewarm or a task"
     assert set(results["goals"]) == {"1MiB", "4KiB"}
     assert (tmp_path / result_file.name.replace(".json", ".md")).exists()

@@ -277,6 +277,10 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "prewarmed_hit_ratio": by_way["prewarmed"]["hit_ratio"],
             "cached_gets": by_way["cached"]["s3_requests"].get("GetObject", 0),
             "cached_lists": by_way["cached"]["s3_requests"].get("ListObjectsV2", 0),
+            "cached_job_saving": 1 - by_way["cached"]["job_s"] / s3["job_s"],
+            "prewarmed_job_saving": 1 - by_way["prewarmed"]["job_s"] / s3["job_s"],
+            "cached_validations_per_read": (
+                sum(by_way["cached"]["s3_requests"].values()) / by_way["cached"]["reads"]),
         }
     return out
 
@@ -314,6 +318,24 @@ def markdown(results: dict[str, Any]) -> str:
             f"{100 * GOAL_HIT_RATIO:.0f}%); cached run's S3 requests: {g['cached_lists']} "
             f"listings, {g['cached_gets']} GETs (goal: validations only)",
         ]
+    lines += ["", "Side by side with Faa$T (SoCC'21: runs up to 92% and on average 57% faster "
+              "with its cache; every read first checks the object's version in blob storage):"]
+    for mix, g in results["goals"].items():
+        lines.append(
+            f"- {mix}: the cached run's job is {100 * g['cached_job_saving']:.0f}% shorter than "
+            f"straight S3's, the prewarmed run's {100 * g['prewarmed_job_saving']:.0f}%; its S3 "
+            f"requests per read: {g['cached_validations_per_read']:.3f} (Faa$T: 1, a version "
+            "check per read)")
+    lines += [
+        "",
+        "Where the gain comes from: a hit costs no S3 request while its validation lease holds, "
+        "and once it has run out one listing page revalidates up to 1000 keys, so small "
+        "objects, whose reads are mostly the round trip, gain as much as large ones (Faa$T's "
+        "per-read check erased the gain at 64 KB and below); a miss is fetched once however "
+        "many tasks ask; and the cached bytes come from pocketflow's storage servers over "
+        "pipelined sessions. On this one machine the S3 server is local, so S3 is far faster "
+        "than a remote store and every ratio here understates the gain against real S3.",
+    ]
     lines += [
         "",
         "S3 requests count every call's and the driver's: the driver's are the working set's copy "

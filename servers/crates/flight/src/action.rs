@@ -302,6 +302,7 @@ pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
             .store
             .persist_ttl()
             .map_or(0, |ttl| ttl.as_millis() as u64),
+        parked_queue_ops: state.store.parked_queue_ops() as u64,
         requests_total: state.metrics.requests_total(),
         received_bytes_total,
         sent_bytes_total,

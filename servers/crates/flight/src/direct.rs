@@ -79,13 +79,21 @@ impl StorageService {
             return;
         }
         while let Some(reply) = replies.recv().await {
-            let written = match reply {
-                Ok(frame) => write_message(&mut writer, Kind::Frame, &frame).await,
+            let frame = match reply {
+                Ok(frame) => frame,
                 Err(status) => return write_status(&mut writer, status).await,
             };
-            if written.is_err() {
+            // A frame dropped unsent puts the queue items it carries back.
+            let Some(bytes) = frame.to_send() else {
+                continue;
+            };
+            if write_message(&mut writer, Kind::Frame, &bytes)
+                .await
+                .is_err()
+            {
                 return; // The client went away; dropping `replies` ends the session.
             }
+            frame.delivered();
         }
         let _ = writer.shutdown().await;
     }

@@ -1,7 +1,15 @@
 //! The DoExchange small-operation session: request frames in, ops run concurrently up to
 //! `SESSION_INFLIGHT_MAX`, ready replies coalesced into reply frames out.
+//!
+//! A session ends with its client: when the request stream breaks the session stops at once,
+//! dropping the ops it runs; when the client closes its side, the ops parked on a queue (a
+//! dequeue waiting for an item, an enqueue waiting for room) end unanswered, and the others
+//! finish. A dequeued item travels in its reply frame with its store guard and stays taken only
+//! once the frame is out ([`ReplyFrame::delivered`]); a frame dropped unsent, or one carrying items
+//! after the client closed its side, puts them back at the head of their queues.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use arrow_flight::FlightData;
@@ -15,7 +23,8 @@ use pocketflow_protocol::frame::{
 };
 use pocketflow_protocol::limits::SESSION_INFLIGHT_MAX;
 use pocketflow_store::channels::{AppendState, QueueState};
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use pocketflow_store::delivery::Undelivered;
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
 
@@ -38,7 +47,30 @@ pub(crate) enum Incoming {
 pub(crate) type IncomingFrames = BoxStream<'static, Incoming>;
 
 /// Reply frames of a session, then the status that ended it, if one did.
-pub(crate) type ReplyFrames = mpsc::Receiver<Result<Bytes, Status>>;
+pub(crate) type ReplyFrames = mpsc::Receiver<Result<ReplyFrame, Status>>;
+
+/// One reply frame, with the queue items its replies carry until the frame is out.
+pub(crate) struct ReplyFrame {
+    bytes: Bytes,
+    deliveries: Vec<Undelivered>,
+    /// Set once the session's client closed its side of the session.
+    client_closed: Arc<AtomicBool>,
+}
+
+impl ReplyFrame {
+    /// The frame's bytes to send, or `None` when the frame carries queue items and its client
+    /// closed its side (a consumer that went away): dropping the frame then puts them back.
+    pub(crate) fn to_send(&self) -> Option<Bytes> {
+        let undeliverable =
+            !self.deliveries.is_empty() && self.client_closed.load(Ordering::Acquire);
+        (!undeliverable).then(|| self.bytes.clone())
+    }
+
+    /// The frame went out: the items it carries stay taken.
+    pub(crate) fn delivered(self) {
+        self.deliveries.into_iter().for_each(Undelivered::delivered);
+    }
+}
 
 /// Open a DoExchange session: authorize its descriptor, then run it on its own task.
 pub(crate) async fn open(
@@ -72,12 +104,20 @@ pub(crate) async fn open(
         }))
         .boxed();
     let replies = start(state, &descriptor, frames)?;
+    // A frame counts as out once tonic takes it for the response body.
     Ok(ReceiverStream::new(replies)
-        .map(|reply| {
-            reply.map(|frame| FlightData {
-                app_metadata: frame,
-                ..Default::default()
-            })
+        .filter_map(|reply| async move {
+            match reply {
+                Ok(frame) => {
+                    let bytes = frame.to_send()?;
+                    frame.delivered();
+                    Some(Ok(FlightData {
+                        app_metadata: bytes,
+                        ..Default::default()
+                    }))
+                }
+                Err(status) => Some(Err(status)),
+            }
         })
         .boxed())
 }
@@ -112,12 +152,15 @@ pub(crate) fn start(
                 max: EXCHANGE_SESSIONS_MAX,
             })?;
     let (tx, rx) = mpsc::channel(REPLY_FRAMES_QUEUED_MAX);
+    let (client_closed_tx, _) = watch::channel(false);
     let session = Session {
         state,
         job,
         token_expiry_unix_ms,
         input: frames,
         tx,
+        client_closed: Arc::new(AtomicBool::new(false)),
+        client_closed_tx,
         _permit: permit,
     };
     tokio::spawn(session.run());
@@ -138,7 +181,10 @@ struct Session {
     /// When the token the session was opened with expires: later frames are refused.
     token_expiry_unix_ms: u64,
     input: IncomingFrames,
-    tx: mpsc::Sender<Result<Bytes, Status>>,
+    tx: mpsc::Sender<Result<ReplyFrame, Status>>,
+    /// Set (and told to the parked ops) once the client closed its side of the session.
+    client_closed: Arc<AtomicBool>,
+    client_closed_tx: watch::Sender<bool>,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -165,7 +211,8 @@ impl Session {
                 let Some(next) = pending.pop_front() else {
                     break;
                 };
-                inflight.push(run_op(self.state.clone(), self.job.clone(), next));
+                let closed = self.client_closed_tx.subscribe();
+                inflight.push(run_op(self.state.clone(), self.job.clone(), next, closed));
             }
             if !input_open && pending.is_empty() && inflight.is_empty() {
                 break;
@@ -177,8 +224,10 @@ impl Session {
                 input_open && pending.is_empty() && inflight.len() < SESSION_INFLIGHT_MAX;
             tokio::select! {
                 biased;
-                Some(reply) = inflight.next(), if !inflight.is_empty() => {
-                    let frame = coalesce(reply, &mut inflight);
+                Some(answer) = inflight.next(), if !inflight.is_empty() => {
+                    // A parked op that ended with its client's side has no reply.
+                    let Some(answer) = answer else { continue };
+                    let frame = coalesce(answer, &mut inflight, &self.client_closed);
                     if self.tx.send(Ok(frame)).await.is_err() {
                         return; // The client went away; dropping the ops cancels them.
                     }
@@ -195,7 +244,12 @@ impl Session {
                         input_open = false;
                     }
                     Some(Incoming::Broken) => return,
-                    None => input_open = false,
+                    None => {
+                        // The client closed its side: its parked queue ops end now.
+                        input_open = false;
+                        self.client_closed.store(true, Ordering::Release);
+                        self.client_closed_tx.send_replace(true);
+                    }
                 },
                 () = &mut expired, if input_open => {
                     if let Err(e) = Authority::check_not_expired(self.token_expiry_unix_ms) {
@@ -238,52 +292,88 @@ impl Session {
 }
 
 /// Pack `first` and every other reply that is ready now into one frame of about
-/// `REPLY_FRAME_TARGET_BYTES`.
-fn coalesce<S>(first: Reply, inflight: &mut S) -> Bytes
+/// `REPLY_FRAME_TARGET_BYTES`, with the queue items the replies carry.
+fn coalesce<S>(first: Answer, inflight: &mut S, client_closed: &Arc<AtomicBool>) -> ReplyFrame
 where
-    S: futures::Stream<Item = Reply> + Unpin,
+    S: futures::Stream<Item = Option<Answer>> + Unpin,
 {
     let mut builder = ReplyFrameBuilder::new();
-    builder.push(&first);
+    let mut deliveries = Vec::new();
+    let (reply, taken) = first;
+    builder.push(&reply);
+    deliveries.extend(taken);
     while builder.len_bytes() < REPLY_FRAME_TARGET_BYTES {
-        let Some(Some(reply)) = inflight.next().now_or_never() else {
-            break;
+        let (reply, taken) = match inflight.next().now_or_never() {
+            Some(Some(Some(answer))) => answer,
+            Some(Some(None)) => continue,
+            _ => break,
         };
         // At most SESSION_INFLIGHT_MAX replies are ready, each under EPOCH_MAP_MAX_BYTES plus a
         // small prefix, so a frame below the target always has room for one more.
         assert!(builder.fits(&reply), "reply frame bound exceeded");
         builder.push(&reply);
+        deliveries.extend(taken);
     }
-    builder.finish()
+    ReplyFrame {
+        bytes: builder.finish(),
+        deliveries,
+        client_closed: client_closed.clone(),
+    }
 }
 
-async fn run_op(state: Arc<ServiceState>, job: Arc<str>, pending: PendingOp) -> Reply {
+/// A reply, with the queue item it carries if it is a dequeue's.
+type Answer = (Reply, Option<Undelivered>);
+
+/// Run one op; `None` when it was parked on a queue and its client closed its side meanwhile.
+async fn run_op(
+    state: Arc<ServiceState>,
+    job: Arc<str>,
+    pending: PendingOp,
+    mut client_closed: watch::Receiver<bool>,
+) -> Option<Answer> {
     let request_id = pending.op.request_id;
     state.stats.counters.add_ops(1);
     let started = std::time::Instant::now();
     let op_name = pending.op.op.name();
+    let parks = matches!(pending.op.op, OpCode::Dequeue | OpCode::Enqueue);
     let result = match pending.stale_map {
         Some(map_json) => Err(ServiceError::StaleEpoch { map_json }),
+        None if parks => {
+            tokio::select! {
+                done = execute(&state, &job, pending.op) => done,
+                _ = client_closed.wait_for(|closed| *closed) => return None,
+            }
+        }
         None => execute(&state, &job, pending.op).await,
     };
     state.metrics.outcome("exchange", op_name, &result, started);
-    match result {
-        Ok((header, body)) => Reply {
-            request_id,
-            status: STATUS_OK,
-            header,
-            body,
-        },
-        Err(e) => Reply {
-            request_id,
-            status: e.status_byte(),
-            header: None,
-            body: e.reply_body(),
-        },
-    }
+    Some(match result {
+        Ok((header, body, taken)) => (
+            Reply {
+                request_id,
+                status: STATUS_OK,
+                header,
+                body,
+            },
+            taken,
+        ),
+        Err(e) => (
+            Reply {
+                request_id,
+                status: e.status_byte(),
+                header: None,
+                body: e.reply_body(),
+            },
+            None,
+        ),
+    })
 }
 
-type OpOutcome = (Option<pocketflow_protocol::ObjectHeader>, Bytes);
+type OpOutcome = (
+    Option<pocketflow_protocol::ObjectHeader>,
+    Bytes,
+    Option<Undelivered>,
+);
 
 async fn execute(
     state: &ServiceState,
@@ -306,20 +396,25 @@ async fn execute(
             let replaced = store
                 .put_record(job, &op.bucket, &op.key, op.header, op.value, overwrite)
                 .await?;
-            Ok((replaced, Bytes::new()))
+            Ok((replaced, Bytes::new(), None))
         }
         OpCode::Get => {
             let (header, value) = store
                 .get_record(job, &op.bucket, &op.key, op.delete_on_read())
                 .await?;
             state.stats.counters.add_out(value.len() as u64);
-            Ok((Some(header), value))
+            Ok((Some(header), value, None))
         }
         OpCode::Delete => Ok((
             Some(store.delete_record(job, &op.bucket, &op.key)?),
             Bytes::new(),
+            None,
         )),
-        OpCode::Lookup => Ok((Some(store.lookup(job, &op.bucket, &op.key)?), Bytes::new())),
+        OpCode::Lookup => Ok((
+            Some(store.lookup(job, &op.bucket, &op.key)?),
+            Bytes::new(),
+            None,
+        )),
         _ => execute_channel(state, job, op).await,
     }
 }
@@ -349,7 +444,7 @@ async fn execute_channel(
         e: u32::from(s.sealed),
     };
     let seal = op.flags & OP_FLAG_SEAL != 0;
-    let (reply, body) = match op.op {
+    let (reply, body, taken) = match op.op {
         OpCode::Enqueue => {
             state.drain.check_write(&state.node_id)?;
             state.auth.check_may_write(job)?;
@@ -357,18 +452,21 @@ async fn execute_channel(
             let s = store
                 .enqueue(job, bucket, name, segment, args.d, op.value, args.a)
                 .await?;
-            (queue_reply(s, 0), Bytes::new())
+            (queue_reply(s, 0), Bytes::new(), None)
         }
         OpCode::Dequeue => {
             let (item, s) = store.dequeue(job, bucket, name, segment, args.a).await?;
             let present = u64::from(item.is_some());
-            let item = item.unwrap_or_default();
+            let (item, taken) = match item {
+                Some((item, taken)) => (item, Some(taken)),
+                None => (Bytes::new(), None),
+            };
             state.stats.counters.add_out(item.len() as u64);
-            (queue_reply(s, present), item)
+            (queue_reply(s, present), item, taken)
         }
         OpCode::QueueInfo => {
             let s = store.queue_info(job, bucket, name, segment, seal, args.d)?;
-            (queue_reply(s, u64::from(s.exists)), Bytes::new())
+            (queue_reply(s, u64::from(s.exists)), Bytes::new(), None)
         }
         OpCode::Append => {
             state.drain.check_write(&state.node_id)?;
@@ -383,29 +481,29 @@ async fn execute_channel(
                 c: segment,
                 ..Default::default()
             };
-            (reply, Bytes::new())
+            (reply, Bytes::new(), None)
         }
         OpCode::ReadAppend if seal => {
             let s = store.seal_append(job, bucket, name, segment)?;
-            (append_reply(s, u64::from(s.exists)), Bytes::new())
+            (append_reply(s, u64::from(s.exists)), Bytes::new(), None)
         }
         OpCode::ReadAppend => {
             let (bytes, s) = store
                 .read_append(job, bucket, name, segment, args.a, args.d)
                 .await?;
             state.stats.counters.add_out(bytes.len() as u64);
-            (append_reply(s, u64::from(s.exists)), bytes)
+            (append_reply(s, u64::from(s.exists)), bytes, None)
         }
         OpCode::ReadRecords => {
             let (bytes, count, s) = store
                 .read_records(job, bucket, name, segment, args.a, args.d)
                 .await?;
             state.stats.counters.add_out(bytes.len() as u64);
-            (append_reply(s, count), bytes)
+            (append_reply(s, count), bytes, None)
         }
         OpCode::Put | OpCode::Get | OpCode::Delete | OpCode::Lookup => {
             unreachable!("object ops are run by execute")
         }
     };
-    Ok((Some(reply.to_header()), body))
+    Ok((Some(reply.to_header()), body, taken))
 }

@@ -52,6 +52,7 @@ pub struct Metrics {
     sessions: IntGauge,
     transfers: IntGauge,
     parked_waits: IntGauge,
+    parked_queue_ops: IntGauge,
     draining: IntGauge,
     /// One render at a time: it brings the byte counters up to the request paths' totals.
     render_lock: std::sync::Mutex<()>,
@@ -127,6 +128,10 @@ impl Metrics {
                 "Block transfers (DoPut, DoGet, direct) in progress.",
             ),
             parked_waits: gauge("parked_waits", "Wait calls parked until their keys exist."),
+            parked_queue_ops: gauge(
+                "parked_queue_ops",
+                "Queue ops parked: dequeues of an empty queue, enqueues into a full one.",
+            ),
             draining: gauge("draining", "1 while the server drains, else 0."),
             render_lock: std::sync::Mutex::new(()),
             registry,
@@ -145,6 +150,7 @@ impl Metrics {
             Box::new(metrics.sessions.clone()),
             Box::new(metrics.transfers.clone()),
             Box::new(metrics.parked_waits.clone()),
+            Box::new(metrics.parked_queue_ops.clone()),
             Box::new(metrics.draining.clone()),
         ];
         for collector in collectors {
@@ -218,6 +224,8 @@ impl Metrics {
         self.transfers.set(in_use(&state.transfers, TRANSFERS_MAX));
         self.parked_waits
             .set(in_use(&state.waits, WAITS_PARKED_MAX));
+        self.parked_queue_ops
+            .set(to_i64(state.store.parked_queue_ops() as u64));
         self.draining.set(i64::from(state.drain.is_draining()));
         let mut out = Vec::new();
         // Encoding into a Vec fails only on a bad family, which `new` rules out.

@@ -789,6 +789,9 @@ pub struct StatsReport {
     pub threads: u32,
     /// Time-to-live of PERSIST objects in milliseconds; 0 when they never expire.
     pub persist_ttl_ms: u64,
+    /// Queue ops (dequeues of an empty segment, enqueues into a full one) parked now.
+    #[serde(default)]
+    pub parked_queue_ops: u64,
     /// Requests served since start, the sum of the metrics' `pocketflow_requests_total`.
     #[serde(default)]
     pub requests_total: u64,

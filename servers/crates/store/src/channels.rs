@@ -22,6 +22,7 @@ use pocketflow_protocol::limits::{
 };
 
 use crate::capacity::{Charge, JobAccount, INDEX_ENTRY_OVERHEAD_BYTES};
+use crate::delivery::Undelivered;
 use crate::error::StoreError;
 use crate::events::EventOp;
 use crate::index::{BucketIndex, Stored};
@@ -80,6 +81,11 @@ pub struct AppendState {
 }
 
 impl QueueSegment {
+    /// Put an item taken from this segment back at its head (see [`crate::delivery`]).
+    pub(crate) fn put_back(&mut self, item: Arc<Stored>) {
+        self.items.push_front(item);
+    }
+
     fn state(&self) -> QueueState {
         QueueState {
             exists: true,
@@ -152,7 +158,7 @@ fn check_range(what: &'static str, value: u64, min: u64, max: u64) -> Result<(),
 }
 
 /// The key parked ops of a queue segment watch.
-fn watch_key(name: &str, segment: u32) -> String {
+pub(crate) fn watch_key(name: &str, segment: u32) -> String {
     format!("{name}\u{0}{segment}")
 }
 
@@ -287,6 +293,10 @@ impl Store {
     /// not sealed is waited on up to `wait_ms` (an absent one too: a producer may create it).
     /// Returns the item (`None` when the wait passed, or at once when the segment is sealed and
     /// empty) and the segment's state after the dequeue.
+    ///
+    /// The item comes with its [`Undelivered`] guard, made at the pop: if this future is dropped
+    /// before it returns (while an NVMe read of the item is in the kernel, say), or the guard is
+    /// dropped before [`Undelivered::delivered`], the item goes back to the segment's head.
     pub async fn dequeue(
         &self,
         job: &str,
@@ -294,7 +304,7 @@ impl Store {
         name: &str,
         segment: u32,
         wait_ms: u64,
-    ) -> Result<(Option<Bytes>, QueueState), StoreError> {
+    ) -> Result<(Option<(Bytes, Undelivered)>, QueueState), StoreError> {
         crate::store::check_names(job, bucket, Some(name))?;
         let deadline = Instant::now() + check_wait(wait_ms)?;
         let key = SegmentKey {
@@ -322,10 +332,12 @@ impl Store {
             })?;
             match taken {
                 (Some(stored), state) => {
+                    // Before any await: from here on, a cancelled dequeue puts the item back.
+                    let taken = Undelivered::new(self, job, bucket, &key, Arc::clone(&stored));
                     space_waiters.inserted(job, bucket, &watched[0]);
                     let len = stored.block.as_ref().map_or(0, |block| block.len());
                     let bytes = self.read_stored(stored, 0, len).await?;
-                    return Ok((Some(bytes), state));
+                    return Ok((Some((bytes, taken)), state));
                 }
                 (None, state) if state.sealed => return Ok((None, state)),
                 (None, state) => {
@@ -592,6 +604,8 @@ impl Store {
 
 #[cfg(test)]
 mod tests {
+    use std::future::Future;
+
     use crate::engine::Tier;
     use crate::store::{Store, StoreConfig};
 
@@ -626,7 +640,10 @@ mod tests {
             Err(StoreError::QueueFull { max_items: 3, .. })
         ));
         let (item, state) = s.dequeue("j", "b", "q/1", 0, 0).await.unwrap();
-        assert_eq!(item.unwrap(), Bytes::from(vec![0u8; 10]));
+        let (item, taken) = item.unwrap();
+        taken.delivered();
+        assert_eq!(item, Bytes::from(vec![0u8; 10]));
+        drop(item);
         assert_eq!(state.items, 2);
         assert!(s.used_bytes() > 0);
         let (deleted, freed) = s.delete_prefix("j", "b", "q/").unwrap();
@@ -650,7 +667,9 @@ mod tests {
             .await
             .unwrap();
         let (item, _) = consumer.await.unwrap().unwrap();
-        assert_eq!(item.unwrap(), Bytes::from_static(b"hi"));
+        let (item, taken) = item.unwrap();
+        taken.delivered();
+        assert_eq!(item, Bytes::from_static(b"hi"));
         let parked = {
             let s = s.clone();
             tokio::spawn(async move { s.dequeue("j", "b", "q", 0, 5_000).await })
@@ -665,6 +684,90 @@ mod tests {
             .enqueue("j", "b", "q", 0, 8, Bytes::from_static(b"x"), 0)
             .await;
         assert!(matches!(refused, Err(StoreError::Sealed { .. })));
+    }
+
+    #[tokio::test]
+    async fn an_undelivered_item_goes_back_to_the_head_of_its_queue() {
+        let s = store();
+        for item in [b"first", b"secnd"] {
+            s.enqueue("j", "b", "q", 0, 2, Bytes::from_static(item), 0)
+                .await
+                .unwrap();
+        }
+        let used = s.used_bytes();
+        let (item, state) = s.dequeue("j", "b", "q", 0, 0).await.unwrap();
+        assert_eq!(state.items, 1);
+        let (bytes, taken) = item.unwrap();
+        assert_eq!(bytes, Bytes::from_static(b"first"));
+        // The reply never went out: the item is first in line again, nothing charged twice.
+        drop((bytes, taken));
+        assert_eq!(s.queue_info("j", "b", "q", 0, false, 2).unwrap().items, 2);
+        assert_eq!(s.used_bytes(), used);
+        for expected in [b"first", b"secnd"] {
+            let (item, _) = s.dequeue("j", "b", "q", 0, 0).await.unwrap();
+            let (bytes, taken) = item.unwrap();
+            taken.delivered();
+            assert_eq!(bytes, Bytes::from_static(expected));
+        }
+        assert_eq!(s.queue_info("j", "b", "q", 0, false, 2).unwrap().items, 0);
+        // A parked dequeue is woken by an item put back.
+        s.enqueue("j", "b", "q", 0, 2, Bytes::from_static(b"again"), 0)
+            .await
+            .unwrap();
+        let (item, _) = s.dequeue("j", "b", "q", 0, 0).await.unwrap();
+        let (_, taken) = item.unwrap();
+        let parked = {
+            let s = s.clone();
+            tokio::spawn(async move { s.dequeue("j", "b", "q", 0, 5_000).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        drop(taken);
+        let (item, _) = parked.await.unwrap().unwrap();
+        let (bytes, taken) = item.expect("the parked dequeue got the item put back");
+        taken.delivered();
+        assert_eq!(bytes, Bytes::from_static(b"again"));
+        drop(bytes);
+        // An item whose queue was freed meanwhile is freed with it.
+        s.enqueue("j", "b", "q", 0, 2, Bytes::from_static(b"gone"), 0)
+            .await
+            .unwrap();
+        let (item, _) = s.dequeue("j", "b", "q", 0, 0).await.unwrap();
+        s.delete_prefix("j", "b", "q").unwrap();
+        drop(item);
+        assert_eq!(s.used_bytes(), 0);
+        assert!(s.is_empty());
+    }
+
+    /// A dequeue dropped while the NVMe read of its item is in the kernel leaves the item in its
+    /// queue. On a current-thread runtime the first poll submits the read and returns pending
+    /// (the reaper task cannot run in between), so dropping the future then cuts the read short.
+    #[tokio::test]
+    async fn a_dequeue_cancelled_during_its_nvme_read_loses_nothing() {
+        let dir = tempfile::tempdir_in("/tmp").unwrap();
+        let s = Store::open(StoreConfig {
+            tier: Tier::Nvme,
+            capacity_bytes: 8 * 1024 * 1024,
+            nvme_path: Some(dir.path().join("blocks")),
+            ..Default::default()
+        })
+        .unwrap();
+        s.create_bucket("j", "b").unwrap();
+        let item = Bytes::from(vec![7u8; 60_000]);
+        s.enqueue("j", "b", "q", 0, 4, item.clone(), 0)
+            .await
+            .unwrap();
+        let mut dequeue = Box::pin(s.dequeue("j", "b", "q", 0, 0));
+        let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(
+            dequeue.as_mut().poll(&mut context).is_pending(),
+            "the first poll must stop at the NVMe read"
+        );
+        drop(dequeue);
+        assert_eq!(s.queue_info("j", "b", "q", 0, false, 4).unwrap().items, 1);
+        let (got, _) = s.dequeue("j", "b", "q", 0, 0).await.unwrap();
+        let (bytes, taken) = got.expect("the item is still in its queue");
+        taken.delivered();
+        assert_eq!(bytes, item);
     }
 
     #[tokio::test]

@@ -15,7 +15,8 @@
 //!   prefix and job deletion, usage, and the expiry of PERSIST entries after the server's
 //!   PERSIST time-to-live ([`Store::expire_persist`]).
 //! - [`channels`]: FIFO queues and append files, kept in segments of a bucket beside its
-//!   objects and freed with them (bucket, prefix and job deletion).
+//!   objects and freed with them (bucket, prefix and job deletion); [`delivery`]: a dequeued
+//!   item goes back to its queue unless the reply carrying it went out.
 //! - [`events`]: subscriptions to a job's operations on a prefix (notifications), and
 //!   [`leases`]: prefix leases whose lapse frees the prefix.
 //! - [`throughput`]: the start-up self-test of what the engine can move
@@ -46,6 +47,7 @@
 pub mod allocator;
 mod capacity;
 pub mod channels;
+pub mod delivery;
 pub mod engine;
 pub mod error;
 pub mod events;

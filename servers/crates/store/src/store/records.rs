@@ -163,6 +163,13 @@ impl Store {
         self.shared.queue_space.wake_all();
     }
 
+    /// Queue ops parked now: dequeues waiting for an item and enqueues waiting for room (each
+    /// watches its one segment).
+    pub fn parked_queue_ops(&self) -> usize {
+        let (items, space) = self.queue_waiters();
+        items.watched_keys() + space.watched_keys()
+    }
+
     /// Keys watched by parked readers, each reader counting once per key.
     pub fn watched_keys(&self) -> usize {
         self.shared.waiters.watched_keys()

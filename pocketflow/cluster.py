@@ -433,10 +433,21 @@ class LocalCluster:
         else:
             raise ClusterError("a pocketflow cluster is already running in this Ray instance")
 
+        # The control plane stays on this process's node: on a multi-node cluster a zero-CPU
+        # actor may land on any node, and the autoscaler removes a node whose resources are idle
+        # whatever actors it runs (a storage node, once its server retired).
+        control_options = dict(options)
+        if self._storage_resources:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            control_options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                node_id=ray.get_runtime_context().get_node_id(), soft=False
+            )
         # Ray restarts a dead Metadata actor, which replays its log (see control/metadata.py).
         self._metadata = (
             ray.remote(Metadata)
-            .options(name=METADATA_ACTOR_NAME, **{**options, "max_restarts": METADATA_RESTARTS_MAX})
+            .options(name=METADATA_ACTOR_NAME,
+                     **{**control_options, "max_restarts": METADATA_RESTARTS_MAX})
             .remote(str(self.metadata_log))
         )
         for plan in self._plans:
@@ -478,7 +489,7 @@ class LocalCluster:
             .options(
                 name=CONTROLLER_ACTOR_NAME,
                 max_concurrency=CONTROLLER_CONCURRENCY_MAX,
-                **{**options, "max_restarts": CONTROLLER_RESTARTS_MAX},
+                **{**control_options, "max_restarts": CONTROLLER_RESTARTS_MAX},
             )
             .remote(
                 secret_file=str(self.secret_file),
@@ -569,6 +580,31 @@ class LocalCluster:
             except Exception as exc:
                 log.warning("could not kill actor: %s", exc)
         self._control = None
+        self._end_launched_nodes()
+        if self._autoscale and self._storage_resources:
+            _withdraw_resource_request()
+
+    def _end_launched_nodes(self) -> None:
+        """End every ``StorageNode`` actor of pocketflow's namespace still alive: the nodes the
+        controller launched are detached actors (they outlive a crashed controller), and a
+        controller that could not close leaves them running. Their servers exit with them."""
+        import ray
+
+        try:
+            named = ray.util.list_named_actors(all_namespaces=True)
+        except Exception as exc:  # noqa: BLE001 - Ray is going away
+            log.warning("could not list the storage nodes left: %s", exc)
+            return
+        for entry in named:
+            name = str(entry.get("name", ""))
+            if entry.get("namespace") != NAMESPACE or not name.startswith(
+                STORAGE_NODE_ACTOR_PREFIX
+            ):
+                continue
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - ended meanwhile
+                log.info("storage node %s: %s", name, exc)
 
     def _stop_ray(self) -> None:
         if not self._owns_ray:
@@ -590,6 +626,17 @@ class LocalCluster:
                 if ref is not None:
                     tree.add(ref)
         return sorted(tree, key=lambda r: r.pid)
+
+
+def _withdraw_resource_request() -> None:
+    """Clear the autoscaler request for storage slots (the controller withdraws it when it
+    closes; this covers a controller that crashed or could not close)."""
+    try:
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=[])
+    except Exception as exc:  # noqa: BLE001 - no autoscaler API, or Ray is going away
+        log.warning("could not withdraw the autoscaler request: %s", exc)
 
 
 def _unwrap(exc: BaseException, doing: str) -> BaseException:

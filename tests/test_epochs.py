@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import pytest
 from control_roles import register, roles
 
 from pocketflow.client import connect
 from pocketflow.cluster import LocalCluster
+from pocketflow.control.repair import REPAIR_RETRY_S, Repairer
 from pocketflow.handle import LostServer
 
 
@@ -76,3 +79,64 @@ def test_a_job_moved_off_a_lost_server_follows_without_ray(
                 pf.put("b", f"k{index}", b"v")
             assert pf.handle.epoch == now.epoch
             assert pf.handle.weight_map() == now.weight_map()
+
+
+def test_a_lost_servers_share_of_a_reservation_moves_at_once_to_a_server_with_room(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """A job that loses the server holding most of its share gets that share packed afresh on a
+    server with room in the same epoch (it used to keep only the sliver its other server held,
+    so its reservation counted on no server)."""
+    _, secret_file = cluster_secret_file
+    mib = 1024 * 1024
+    with roles(secret_file) as built:
+        for node_id in ("lr-0", "lr-1", "lr-2"):
+            built.start(node_id, capacity_bytes=16 * mib)
+        # lr-0 is left with 1 KiB of room, so best fit gives the next job a sliver of it.
+        register(built, "filler", {"data_size_bytes": 16 * mib - 1024})
+        handle = register(built, "big", {"data_size_bytes": 16 * mib})
+        weights = {s.node_id: s.weight for s in handle.servers}
+        assert 0 < weights["lr-0"] < 1e-3 and weights["lr-1"] > 0.99, weights
+        lost = built.membership.get("lr-1")
+        assert lost is not None
+        with built.lock:
+            built.membership.forget("lr-1")
+            built.epochs.move_off_lost(LostServer(lost.node_id, lost.address))
+        now = {s.node_id: s.weight for s in built.jobs.record(handle.job_id).handle.servers}
+        assert "lr-1" not in now
+        assert sum(now.values()) == pytest.approx(1.0) and now["lr-2"] > 0.99, now
+
+
+def test_a_share_no_server_had_room_for_is_placed_once_one_has(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """The share of a lost server that fits nowhere stays missing (the epoch still moves at
+    once), and the repair places it on a server that joins later."""
+    _, secret_file = cluster_secret_file
+    mib = 1024 * 1024
+    with roles(secret_file) as built:
+        built.start("sh-0", capacity_bytes=16 * mib)
+        lost = built.start("sh-1", capacity_bytes=16 * mib)
+        register(built, "filler", {"data_size_bytes": 16 * mib})  # all of sh-0 (best fit)
+        handle = register(built, "short", {"data_size_bytes": 8 * mib})
+        assert {s.node_id for s in handle.servers if s.weight > 0} == {"sh-1"}
+        repairer = Repairer(built.jobs, built.allocator, built.epochs)
+        with built.lock:
+            built.membership.forget("sh-1")
+            repairer.note(built.epochs.move_off_lost(LostServer(lost.node_id, lost.address)))
+            assert repairer.short_jobs() == [handle.job_id]
+            assert repairer.repair() == []  # no room anywhere, nothing to launch
+        moved = built.jobs.record(handle.job_id).handle
+        assert moved.epoch == handle.epoch + 1
+        assert not any(s.weight > 0 for s in moved.servers)
+        built.start("sh-2", capacity_bytes=16 * mib)
+        with built.lock:
+            assert repairer.repair() == [], "it waits REPAIR_RETRY_S after a failed attempt"
+            assert repairer.repair(now_s=time.monotonic() + REPAIR_RETRY_S) == [handle.job_id]
+            assert repairer.short_jobs() == []
+        repaired = built.jobs.record(handle.job_id).handle
+        assert {s.node_id: s.weight for s in repaired.servers if s.weight > 0} == {"sh-2": 1.0}
+        with connect(repaired, op_timeout_s="5s") as pf:
+            pf.create_bucket("b")
+            pf.put("b", "k", b"v")
+            assert pf.get("b", "k") == b"v"

@@ -211,3 +211,31 @@ def test_the_log_is_compacted_past_its_byte_bound_without_fsync(tmp_path: Path) 
     assert [j["job_id"] for j in Metadata(path).jobs()] == ["kept-000001"]
     with pytest.raises(ValueError):
         Metadata(path, compact_records_max=0)
+
+
+def test_the_sizing_history_is_logged_bounded_and_survives_replay_and_compaction(
+    tmp_path: Path,
+) -> None:
+    """A restarted controller takes its sizing history back from here (issue 31 item 5)."""
+    from pocketflow.control.metadata import SIZING_ACTIONS_KEPT_MAX
+
+    path = tmp_path / "metadata.log"
+    metadata = Metadata(path, compact_records_max=SIZING_ACTIONS_KEPT_MAX + 10)
+    metadata.put_job({"job_id": "a-000001", "name": "a"})
+    for i in range(SIZING_ACTIONS_KEPT_MAX + 5):
+        metadata.record_sizing({"action": "AddServer", "node_id": f"dram-{i}",
+                                "at_unix_s": float(i)})
+    kept = metadata.sizing_actions()
+    assert len(kept) == SIZING_ACTIONS_KEPT_MAX
+    assert kept[-1]["node_id"] == f"dram-{SIZING_ACTIONS_KEPT_MAX + 4}"
+    metadata.close()
+    again = Metadata(path, compact_records_max=SIZING_ACTIONS_KEPT_MAX + 10)
+    assert again.sizing_actions() == kept
+    assert [j["job_id"] for j in again.jobs()] == ["a-000001"]
+    for i in range(10):  # past the record bound: compacted into one snapshot
+        again.record_sizing({"action": "RemoveServers", "node_ids": [f"dram-{i}"],
+                             "at_unix_s": 100.0 + i})
+    assert again.log_info()["records"] < SIZING_ACTIONS_KEPT_MAX
+    expected = again.sizing_actions()
+    again.close()
+    assert Metadata(path).sizing_actions() == expected

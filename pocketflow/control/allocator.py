@@ -4,6 +4,7 @@ shortfall when the cluster may (policies in control/packing.py and control/hints
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -200,9 +201,7 @@ class Allocator:
         over-committed, logged), as a registration that cannot launch does. What still does not
         fit stays missing: the job's weights then sum to less than 1.
         """
-        demand = (
-            record.job_demand() if record.demand else demand_from_hints(record.hints, self.spec())
-        )
+        demand = self._demand(record)
         loads = self.server_loads()
         result = refill(
             record.allocation(), demand=demand, servers=loads, spec=self.spec(), leaving=leaving
@@ -224,6 +223,23 @@ class Allocator:
             )
         return self.server_infos(result.allocation)
 
+    def refilled_or_launched(
+        self, record: JobRecord, *, leaving: tuple[str, ...] = ()
+    ) -> tuple[ServerInfo, ...]:
+        """:meth:`refilled`, launching servers for what finds no room (within the registration
+        timeout; ``CapacityExhausted`` or ``ClusterError`` when they cannot be had)."""
+        demand = self._demand(record)
+        solve = functools.partial(_refill, record.allocation(), self.spec(), leaving)
+        return self.server_infos(
+            self.pack_or_launch(solve, demand=demand, deadline_s=self.deadline_s())
+        )
+
+    def _demand(self, record: JobRecord) -> JobDemand:
+        """The demand a job was packed with (from its hints for a record without one)."""
+        if record.demand:
+            return record.job_demand()
+        return demand_from_hints(record.hints, self.spec())
+
     def _launch_shortfall(self, shortfall: dict[str, int], *, deadline_s: float) -> None:
         """Launch ``{tier: count}`` servers and add them; bounded by ``servers_max``."""
         assert self.launcher is not None
@@ -243,11 +259,13 @@ class Allocator:
         if deadline_s is None:
             deadline_s = self.deadline_s()
         node_id = self._next_node_id(tier)
-        info, node = self.launcher.launch(
-            node_id=node_id, tier=tier, long_running=long_running, deadline_s=deadline_s
-        )
-        self.launched[node_id] = node
-        self._add_server(info, node)
+        # Counted as starting (its slot asked of the autoscaler) until it is taken in.
+        with self.launcher.starting(tier):
+            info, node = self.launcher.launch(
+                node_id=node_id, tier=tier, long_running=long_running, deadline_s=deadline_s
+            )
+            self.launched[node_id] = node
+            self._add_server(info, node)
         return info
 
     def _next_node_id(self, tier: str) -> str:
@@ -272,6 +290,17 @@ class Allocator:
     def resource_requests(self) -> list[dict[str, Any]]:
         """What the launcher asked Ray's autoscaler for (``status``)."""
         return list(self.launcher.resource_requests) if self.launcher is not None else []
+
+
+def _refill(
+    allocation: Allocation,
+    spec: ClusterSpec,
+    leaving: tuple[str, ...],
+    loads: list[ServerLoad],
+    demand: JobDemand,
+) -> PackResult:
+    """The packing of a refill on each round of :meth:`Allocator.pack_or_launch`."""
+    return refill(allocation, demand=demand, servers=loads, spec=spec, leaving=leaving)
 
 
 def measured_throughput(stats: dict[str, Any]) -> int:

@@ -44,6 +44,7 @@ from pocketflow.control.packing import grow
 from pocketflow.control.persist_admin import PersistAdmin
 from pocketflow.control.prefix_grants import PrefixGrants
 from pocketflow.control.prefix_routes import PrefixRoutes
+from pocketflow.control.repair import Repairer
 from pocketflow.control.reporting import job_rows, metric_figures, server_rows
 from pocketflow.control.restore import load_init_data, restarted_by_ray, restore
 from pocketflow.control.scaling import SIZING_INTERVAL_MS_DEFAULT, Scaler
@@ -168,7 +169,8 @@ class Controller:
         self._allocator = Allocator(
             self._membership, self._jobs, grants,
             cluster_spec=cluster_spec,
-            launcher=Launcher(launch) if launch is not None else None,
+            launcher=Launcher(launch, live_slots=self._membership.count_by_tier)
+            if launch is not None else None,
             register_timeout_s=register_timeout_s,
             add_server=self.add_server,
         )
@@ -179,6 +181,7 @@ class Controller:
             grants, self._jobs, self._membership, self._allocator, self._epochs,
             wake=self._grants_changed.notify_all,
         )
+        self._repairer = Repairer(self._jobs, self._allocator, self._epochs)
         self._drainer = Drainer(
             self._membership, self._jobs, self._epochs, self._allocator,
             admin=self._admin, nodes=self._nodes,
@@ -188,6 +191,7 @@ class Controller:
             sizing, self._membership, self._allocator,
             admin=self._admin, metrics=self._metrics, interval_ms=sizing_interval_ms,
             refresh_stats=self._refresh_stats,
+            record=lambda action: self._metadata("record_sizing", action),
         )
         self._persist = PersistAdmin(
             self._membership, self._jobs, admin=self._admin, refresh_stats=self._refresh_stats
@@ -203,7 +207,13 @@ class Controller:
                 self._restored = restore(
                     init, membership=self._membership, jobs=self._jobs, leases=self._leases,
                     routes=self._routes, epochs=self._epochs, add_server=self.add_server,
+                    launched=self._allocator.launched, end_node=self._nodes.stop_and_kill,
                 )
+                if self._scaler is not None:
+                    self._scaler.restore(init.sizing)
+                # Jobs moved off servers that did not come back get their share again.
+                self._repairer.note(self._restored["jobs"])
+                self._restored["sizing_actions"] = len(init.sizing)
         self._monitor: threading.Thread | None = None
         if failure_detection:
             self._monitor = threading.Thread(
@@ -222,6 +232,11 @@ class Controller:
         with self._lock:
             self._membership.add(info, node)
         self._nodes.start_heartbeats(node, self._heartbeat_interval_ms)
+
+    def knows_server(self, node_id: str) -> bool:
+        """Whether ``node_id`` is a live server of this controller (a launched ``StorageNode``
+        that no controller knows stops itself). Takes no lock."""
+        return node_id in self._membership
 
     def servers(self) -> list[StorageNodeInfo]:
         """Every live storage server, ordered by node id.
@@ -296,13 +311,20 @@ class Controller:
             moved: list[str] = []
             try:
                 moved = self._epochs.move_off_lost(LostServer(node_id, info.address))
+                self._repairer.note(moved)
             finally:
                 # Listed as dead only once its jobs have moved (dead_servers reads without the
                 # lock): whoever sees it dead also finds the jobs' new epochs on the servers.
                 self._membership.remember_dead(
                     node_id, address=info.address, tier=info.tier, reason=reason
                 )
-        self._nodes.stop(node, node_id)
+            launched = self._allocator.launched.pop(node_id, None) is not None
+        if launched:
+            # A launched node is a detached actor: ended here, or it would hold its Ray node's
+            # storage slot (and the node) for good.
+            self._nodes.stop_and_kill(node, node_id)
+        else:
+            self._nodes.stop(node, node_id)
         return moved
 
     # -- jobs -------------------------------------------------------------------------------
@@ -443,9 +465,9 @@ class Controller:
     # -- restart ------------------------------------------------------------------------------
 
     def restored(self) -> dict[str, Any] | None:
-        """What this instance rebuilt after a crash (``{"servers", "jobs", "leases", "grants"}``,
-        leases as job id -> lease_ms, grants as a count), or ``None`` if it is the first
-        instance."""
+        """What this instance rebuilt after a crash (``{"servers", "jobs", "leases", "grants",
+        "sizing_actions"}``, leases as job id -> lease_ms, grants and sizing actions as counts),
+        or ``None`` if it is the first instance."""
         return self._restored
 
     def pid(self) -> int:
@@ -560,6 +582,14 @@ class Controller:
                 tier, long_running=long_running, deadline_s=deadline_s
             )
 
+    def repair_jobs(self) -> list[str]:
+        """Place the share that jobs' maps lack since a server of theirs died where no other
+        had room, launching servers when the cluster may (see
+        :class:`~pocketflow.control.repair.Repairer`); returns the ids of the jobs moved to a
+        new epoch."""
+        with self._lock:
+            return self._repairer.repair()
+
     def size_cluster(self) -> dict[str, Any]:
         """Run the sizing policy once on the latest heartbeats and carry out its action.
 
@@ -671,14 +701,30 @@ class Controller:
                 self.expire_grants()
             except Exception:
                 log.exception("prefix grant expiry")
+            try:
+                self.repair_jobs()
+            except Exception:
+                log.exception("job repair")
             if self._scaler is not None and self._scaler.due():
                 try:
                     self.size_cluster()
                 except Exception:
                     log.exception("sizing loop")
+            try:
+                self._follow_resource_requests()
+            except Exception:
+                log.exception("autoscaler requests")
+
+    def _follow_resource_requests(self) -> None:
+        """Keep the autoscaler asked for the storage slots of the servers kept and starting
+        (servers retire, die and are drained without launches knowing)."""
+        launcher = self._allocator.launcher
+        if launcher is not None:
+            launcher.follow()
 
     def close(self) -> None:
-        """Stop the background loops and close the admin connections (the actor is ending)."""
+        """Stop the background loops, stop the servers this controller launched, withdraw its
+        autoscaler request and close the admin connections (the actor is ending)."""
         self._stopping.set()
         self._leases.close()
         monitor = self._monitor
@@ -690,3 +736,5 @@ class Controller:
             launched, self._allocator.launched = dict(self._allocator.launched), {}
         if launched:
             self._nodes.stop_all(list(launched.values()), timeout_s=LAUNCHED_STOP_TIMEOUT_S)
+        if self._allocator.launcher is not None:
+            self._allocator.launcher.withdraw()

@@ -10,7 +10,6 @@ from typing import Any
 
 from pocketflow.control.admin import AdminTokens
 from pocketflow.control.allocator import Allocator
-from pocketflow.control.hints import demand_from_hints
 from pocketflow.control.job_table import JobTable
 from pocketflow.control.prefix_grants import PrefixGrants, grants_record
 from pocketflow.errors import PocketflowError
@@ -100,29 +99,19 @@ class Epochs:
         """Move a job to a new epoch whose weight map no longer holds ``node_id`` (with
         ``keep_readable``, holds it with weight 0).
 
-        When no server with a positive weight is left, the job's data servers are allocated
-        afresh on the live servers.
+        The server's share is packed afresh on the live servers with room, launching nothing
+        (:meth:`Allocator.refilled`), so the epoch moves at once; what finds no room stays
+        missing from the map until :class:`~pocketflow.control.repair.Repairer` places it,
+        launching servers if the cluster may. A job none of whose data finds room gets a map
+        without a weighted server (its clients' new keys are ``DataUnavailable`` until the
+        repair) rather than one that still names a dead server: its readers learn at once what
+        was lost, and no call waits for a launch.
         """
         record = self._jobs.record(job_id)
-        kept = [
-            dataclasses.replace(s, weight=0.0, persist=False) if s.node_id == node_id else s
-            for s in record.handle.servers
-            if keep_readable or s.node_id != node_id
-        ]
-        if not any(s.weight > 0 for s in kept):
-            try:
-                demand = record.job_demand() if record.demand else demand_from_hints(
-                    record.hints, self._allocator.spec()
-                )
-                fresh = self._allocator.server_infos(self._allocator.pack_new(demand))
-            except PocketflowError as exc:
-                log.error("job %s lost its last data server %s: %s", job_id, node_id, exc)
-                fresh = ()
-            known = {s.node_id for s in kept}
-            kept = [s for s in kept if s.node_id not in {f.node_id for f in fresh}]
-            kept += [f for f in fresh if f.node_id not in known or f.weight > 0]
-        self.move(job_id, tuple(sorted(kept, key=lambda s: s.node_id)),
-                  routes=record.handle.routes.without_member(node_id))
+        kept = self._allocator.refilled(record, leaving=(node_id,))
+        if not keep_readable:
+            kept = tuple(s for s in kept if s.node_id != node_id)
+        self.move(job_id, kept, routes=record.handle.routes.without_member(node_id))
 
     def drop(self, node_id: str) -> None:
         """Move every job whose map names ``node_id`` to a new epoch without it (a drained

@@ -1,16 +1,20 @@
-"""Starting storage servers on demand: one ``StorageNode`` Ray actor per server, bounded waits."""
+"""Starting storage servers on demand: one ``StorageNode`` Ray actor per server, bounded waits,
+and the storage slots asked of Ray's autoscaler, which follow the servers kept and starting."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pocketflow.control import NAMESPACE, STORAGE_NODE_ACTOR_PREFIX
 from pocketflow.control.storage_node import StorageNode, StorageNodeInfo
-from pocketflow.errors import CapacityExhausted, ClusterError
+from pocketflow.errors import CapacityExhausted, ClusterError, PocketflowError
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +23,16 @@ RESOURCE_PREFIX = "pocketflow_storage_"
 
 RESOURCE_REQUESTS_KEPT_MAX = 64
 """Most autoscaler requests remembered for ``status``."""
+
+LAUNCH_ATTEMPTS_MAX = 3
+"""Most times one launch starts over because the Ray node under the starting actor died."""
+
+RESOURCE_REQUEST_SLOTS_MAX = 4096
+"""Most storage slots one autoscaler request asks for (more servers than any cluster runs)."""
+
+RequestResources = Callable[[list[dict[str, float]]], None]
+"""Sends the autoscaler the resource bundles the cluster must be able to fit
+(``ray.autoscaler.sdk.request_resources(bundles=...)``; an empty list withdraws the request)."""
 
 
 def tier_resource(tier: str) -> str:
@@ -51,20 +65,114 @@ class LaunchSpec:
 
 
 class Launcher:
-    """Starts ``StorageNode`` actors and their servers, each start bounded by a deadline.
+    """Starts ``StorageNode`` actors and their servers, each start bounded by a deadline, and keeps
+    Ray's autoscaler asked for the storage slots the cluster needs.
 
-    When a server cannot be placed because no Ray node has a free slot of its tier, the launcher
-    asks Ray's autoscaler for one (``ray.autoscaler.sdk.request_resources``; harmless without an
-    autoscaler) and remembers the request for ``status``.
+    Launched nodes are detached actors (``lifetime="detached"``), so they outlive a crash of the
+    controller that launched them and a restarted controller takes them back
+    (:mod:`pocketflow.control.restore`); the controller stops them when it closes, and a launched
+    node that no live controller knows stops itself (:class:`StorageNode`).
+
+    With ``use_resources``, each server holds one storage slot (:func:`tier_resource`) of a Ray
+    node, and :meth:`follow` keeps one standing autoscaler request
+    (``ray.autoscaler.sdk.request_resources``) for exactly the slots of the servers the cluster
+    keeps plus those starting. Ray fits such a request on every node's total resources as if they
+    were idle and keeps the nodes it needs for it, so the request must follow the servers down
+    as well as up: a slot still requested after its server left keeps an idle node up for good.
+    :meth:`withdraw` clears the request when the controller closes. The request is one per Ray
+    cluster: another client's ``request_resources`` replaces it, and this one replaces theirs.
     """
 
-    def __init__(self, spec: LaunchSpec) -> None:
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        *,
+        live_slots: Callable[[], Mapping[str, int]] = dict,
+        request_resources: RequestResources | None = None,
+    ) -> None:
         self.spec = spec
         self.resource_requests: list[dict[str, Any]] = []
+        self._live_slots = live_slots
+        self._request = request_resources or _ray_request_resources
+        # Guards the launches in progress and the last request sent: launches run under the
+        # controller's lock, the monitor loop follows without it.
+        self._lock = threading.Lock()
+        self._starting: dict[str, int] = {}
+        self._requested: dict[str, int] | None = None
 
     def can_launch(self, tier: str) -> bool:
         """Whether servers of ``tier`` can be launched at all."""
         return tier in self.spec.capacity_bytes_by_tier
+
+    def requested_slots(self) -> dict[str, int]:
+        """The slots of the standing autoscaler request, per resource (empty: none)."""
+        with self._lock:
+            return dict(self._requested or {})
+
+    @contextmanager
+    def starting(self, tier: str) -> Iterator[None]:
+        """Count a launch of ``tier`` as starting while the block runs (the caller launches the
+        server and takes it in), asking the autoscaler for its slot at once."""
+        with self._lock:
+            self._starting[tier] = self._starting.get(tier, 0) + 1
+        self.follow(reason=f"launching a {tier} server")
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._starting[tier] -= 1
+                if self._starting[tier] <= 0:
+                    del self._starting[tier]
+            self.follow(reason=f"{tier} launch done")
+
+    def follow(self, *, reason: str = "servers changed") -> bool:
+        """Ask the autoscaler for one slot per server kept (``live_slots()``, per tier) and per
+        server starting, if that differs from the standing request; returns whether a request
+        was sent. Does nothing without ``use_resources``."""
+        if not self.spec.use_resources:
+            return False
+        live = self._live_slots()
+        with self._lock:
+            wanted: dict[str, int] = {}
+            for tier in set(live) | set(self._starting):
+                count = int(live.get(tier, 0)) + self._starting.get(tier, 0)
+                if count > 0:
+                    wanted[tier_resource(tier)] = count
+            if wanted == self._requested:
+                return False
+            self._send(wanted, reason=reason)
+            return True
+
+    def withdraw(self, *, reason: str = "the controller is closing") -> None:
+        """Clear the standing autoscaler request (also one a crashed controller left behind).
+        Does nothing without ``use_resources``."""
+        if not self.spec.use_resources:
+            return
+        with self._lock:
+            self._send({}, reason=reason)
+
+    def _send(self, slots: dict[str, int], *, reason: str) -> None:
+        """Send ``slots`` as the standing request and remember it. Called under ``_lock``."""
+        total = sum(slots.values())
+        if total > RESOURCE_REQUEST_SLOTS_MAX:
+            raise ClusterError(
+                f"asked for {total} storage slots, more than {RESOURCE_REQUEST_SLOTS_MAX}"
+            )
+        bundles = [{resource: 1.0} for resource in sorted(slots) for _ in range(slots[resource])]
+        try:
+            self._request(bundles)
+        except Exception as exc:  # noqa: BLE001 - no autoscaler API, or no cluster to ask
+            outcome = f"request failed: {exc}"
+            log.warning("autoscaler request %s (%s) failed: %s", slots, reason, exc)
+        else:
+            outcome = "requested" if slots else "withdrawn"
+            self._requested = dict(slots)
+            log.info("autoscaler asked for %s (%s)", slots or "nothing", reason)
+        self.resource_requests.append(
+            {"slots": dict(slots), "reason": reason, "at_unix_s": time.time(),
+             "outcome": outcome}
+        )
+        del self.resource_requests[:-RESOURCE_REQUESTS_KEPT_MAX]
 
     def launch(
         self, *, node_id: str, tier: str, long_running: bool, deadline_s: float
@@ -72,19 +180,44 @@ class Launcher:
         """Start one server; returns its info and ``StorageNode`` actor handle.
 
         ``deadline_s`` is a ``time.monotonic()`` instant. Raises ``CapacityExhausted`` when the
-        server is not up by then (the half-started actor is killed) and ``ClusterError`` when the
-        tier cannot be launched.
+        server is not up by then (the half-started actor is killed), ``ClusterError`` when the
+        tier cannot be launched or the server failed to start. A node that dies under the
+        starting actor (Ray placed it on a node it had not yet found dead) is not the server's
+        fault: the launch starts over with a new actor, at most ``LAUNCH_ATTEMPTS_MAX`` times.
+        Call it inside :meth:`starting`, so the autoscaler is asked for the server's slot while
+        it waits.
         """
-        import ray
-        from ray.exceptions import GetTimeoutError
-
         if not self.can_launch(tier):
             raise ClusterError(f"this cluster cannot launch {tier} servers")
+        for attempt in range(1, LAUNCH_ATTEMPTS_MAX + 1):
+            try:
+                return self._launch_once(
+                    node_id=node_id, tier=tier, long_running=long_running, deadline_s=deadline_s
+                )
+            except _NodeDied as died:
+                if attempt == LAUNCH_ATTEMPTS_MAX:
+                    raise ClusterError(
+                        f"storage server {node_id} ({tier}) did not start: the Ray node under "
+                        f"it died {attempt} times ({died})"
+                    ) from died
+                log.warning("storage server %s: the Ray node under it died while it started; "
+                            "launching it again (%s)", node_id, died)
+        raise AssertionError("unreachable")
+
+    def _launch_once(
+        self, *, node_id: str, tier: str, long_running: bool, deadline_s: float
+    ) -> tuple[StorageNodeInfo, Any]:
+        """One attempt of :meth:`launch`; ``_NodeDied`` when the actor died with its node."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
         options: dict[str, Any] = {
             "name": STORAGE_NODE_ACTOR_PREFIX + node_id,
             "namespace": NAMESPACE,
             "num_cpus": 0,
             "max_restarts": 0,
+            # Survives a crash of the controller, which takes it back when Ray restarts it.
+            "lifetime": "detached",
             **self.spec.extra_options,
         }
         if self.spec.use_resources:
@@ -102,47 +235,59 @@ class Launcher:
             threads=self.spec.threads,
             persist_ttl_ms=self.spec.persist_ttl_ms if long_running else None,
             tls_dir=self.spec.tls_dir,
+            launched=True,
         )
         ref = node.start.remote()
-        requested = False
         while True:
             remaining = deadline_s - time.monotonic()
             if remaining <= 0:
                 ray.kill(node, no_restart=True)
+                waited_for_slot = self.spec.use_resources and bool(self.requested_slots())
                 raise CapacityExhausted(
                     f"storage server {node_id} ({tier}) was not up in time"
-                    + (" (no node had a free slot; autoscaler asked)" if requested else "")
+                    + (" (the autoscaler was asked for a node with a free slot)"
+                       if waited_for_slot else "")
                 )
             try:
                 info = ray.get(ref, timeout=min(remaining, 1.0))
                 break
             except GetTimeoutError:
-                if self.spec.use_resources and not requested:
-                    requested = self._request_slot(tier)
-            except Exception:
-                ray.kill(node, no_restart=True)
+                continue
+            except RayActorError as exc:
+                _kill_quietly(node)
+                if not exc.actor_init_failed:
+                    # A system-level death before the server was up: its node (or the actor's
+                    # process) died under it, not a fault of the server's.
+                    raise _NodeDied(str(exc).splitlines()[-1]) from exc
+                raise ClusterError(f"storage server {node_id} ({tier}) did not start: "
+                                   f"{exc}") from exc
+            except PocketflowError:
+                _kill_quietly(node)
                 raise
+            except Exception as exc:
+                _kill_quietly(node)
+                raise ClusterError(f"storage server {node_id} ({tier}) did not start: "
+                                   f"{exc}") from exc
         log.info("launched storage server %s (%s) at %s", node_id, tier, info.address)
         return info, node
 
-    def _request_slot(self, tier: str) -> bool:
-        """Ask the autoscaler for a node with one more slot of ``tier``, if none is free."""
-        import ray
 
-        resource = tier_resource(tier)
-        if ray.available_resources().get(resource, 0) >= 1:
-            return False
-        bundle = {resource: 1}
-        try:
-            from ray.autoscaler.sdk import request_resources
+class _NodeDied(Exception):
+    """The starting ``StorageNode`` actor died of a system-level failure (its Ray node died,
+    or its process), not of an error of its own."""
 
-            request_resources(bundles=[bundle])
-            outcome = "requested"
-        except Exception as exc:  # no autoscaler API in this Ray, or no cluster to ask
-            outcome = f"request failed: {exc}"
-        log.warning("no free %s slot: autoscaler %s", resource, outcome)
-        self.resource_requests.append(
-            {"bundle": bundle, "at_unix_s": time.time(), "outcome": outcome}
-        )
-        del self.resource_requests[:-RESOURCE_REQUESTS_KEPT_MAX]
-        return True
+
+def _kill_quietly(node: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(node, no_restart=True)
+    except Exception as exc:  # noqa: BLE001 - already gone
+        log.info("killing a storage node that failed to start: %s", exc)
+
+
+def _ray_request_resources(bundles: list[dict[str, float]]) -> None:
+    """``ray.autoscaler.sdk.request_resources(bundles=bundles)``."""
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=bundles)

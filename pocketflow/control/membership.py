@@ -82,6 +82,13 @@ class Membership:
         """Node ids of the live servers."""
         return set(self._servers)
 
+    def count_by_tier(self) -> dict[str, int]:
+        """How many live servers (draining and suspect ones included) each tier has."""
+        counts: dict[str, int] = {}
+        for info in list(self._servers.values()):
+            counts[info.tier] = counts.get(info.tier, 0) + 1
+        return counts
+
     def servers(self) -> list[StorageNodeInfo]:
         """Every live server, ordered by node id (a copy, taken without a lock)."""
         return sorted(list(self._servers.values()), key=lambda info: info.node_id)

@@ -29,6 +29,10 @@ COMPACT_BYTES_MAX_DEFAULT = 64 * 1024 * 1024
 LOG_RECORD_MAX_BYTES = 16 * 1024 * 1024
 """Longest log record; a longer line is treated as corrupt on replay."""
 
+SIZING_ACTIONS_KEPT_MAX = 64
+"""Most sizing actions kept (the controller's sizing history, which a restarted controller
+takes back); the oldest are dropped past it."""
+
 _SNAPSHOT = "snapshot"
 
 
@@ -99,6 +103,7 @@ class Metadata:
         if compact_records_max < 1 or compact_bytes_max < 1:
             raise ValueError("compaction bounds must be positive")
         self._jobs: dict[str, dict[str, Any]] = {}
+        self._sizing: list[dict[str, Any]] = []
         self._ops: list[dict[str, Any]] = []
         self._next_seq = 1
         self._path = None if log_path is None else Path(log_path)
@@ -146,7 +151,17 @@ class Metadata:
         self._commit({"op": "deregister_job", "job_id": job_id})
         return record
 
+    def record_sizing(self, action: dict[str, Any]) -> int:
+        """Log one action of the controller's sizing loop (JSON-compatible, with its
+        ``at_unix_s``); the latest ``SIZING_ACTIONS_KEPT_MAX`` are kept. Returns the op's
+        sequence number."""
+        return self._commit({"op": "sizing_action", "action": dict(action)})
+
     # -- queries ------------------------------------------------------------------------------
+
+    def sizing_actions(self) -> list[dict[str, Any]]:
+        """The latest sizing actions logged, oldest first."""
+        return [dict(a) for a in self._sizing]
 
     def get_job(self, job_id: str) -> dict[str, Any]:
         """The record of one job. Raises ``JobNotRegistered`` if it is unknown."""
@@ -204,10 +219,14 @@ class Metadata:
         kind = entry["op"]
         if kind == _SNAPSHOT:
             self._jobs = {r["job_id"]: r for r in entry["jobs"]}
+            self._sizing = list(entry.get("sizing", []))[-SIZING_ACTIONS_KEPT_MAX:]
             self._next_seq = max(self._next_seq, int(entry["next_seq"]))
             return
-        job_id = entry["job_id"]
-        if kind == "register_job":
+        job_id = entry.get("job_id", "")
+        if kind == "sizing_action":
+            self._sizing.append(entry["action"])
+            del self._sizing[:-SIZING_ACTIONS_KEPT_MAX]
+        elif kind == "register_job":
             self._jobs[job_id] = entry["record"]
         elif kind == "update_job":
             if job_id in self._jobs:
@@ -258,6 +277,7 @@ class Metadata:
             "op": _SNAPSHOT,
             "next_seq": self._next_seq,
             "jobs": list(self._jobs.values()),
+            "sizing": list(self._sizing),
         }
         tmp = self._path.with_name(self._path.name + ".compact")
         try:

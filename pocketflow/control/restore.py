@@ -41,10 +41,13 @@ class RestoredNode:
 
 @dataclass(frozen=True)
 class InitData:
-    """What a restarted controller starts from: the storage nodes and the jobs' log records."""
+    """What a restarted controller starts from: the storage nodes, the jobs' log records and
+    the sizing history."""
 
     nodes: list[RestoredNode] = field(default_factory=list)
     jobs: list[dict[str, Any]] = field(default_factory=list)
+    sizing: list[dict[str, Any]] = field(default_factory=list)
+    """The sizing actions the crashed instance logged, oldest first."""
 
 
 def restarted_by_ray() -> bool:
@@ -63,8 +66,8 @@ def restarted_by_ray() -> bool:
 
 def load_init_data(call_metadata: Callable[..., Any]) -> InitData:
     """Read the storage nodes from their named ``StorageNode`` actors (which go on sending
-    heartbeats to the restarted actor) and the jobs from the ``Metadata`` records. A node that
-    cannot answer is left out."""
+    heartbeats to the restarted actor), the jobs and the sizing history from the ``Metadata``
+    records. A node that cannot answer is left out."""
     import ray
 
     names = sorted(
@@ -90,7 +93,9 @@ def load_init_data(call_metadata: Callable[..., Any]) -> InitData:
             except Exception as exc:  # noqa: BLE001 - the next heartbeat brings them
                 log.warning("restart: stats of %s failed: %s", info.node_id, exc)
         nodes.append(RestoredNode(info, node, bool(alive), stats))
-    return InitData(nodes=nodes, jobs=list(call_metadata("jobs")))
+    return InitData(
+        nodes=nodes, jobs=list(call_metadata("jobs")), sizing=list(call_metadata("sizing_actions"))
+    )
 
 
 def restore(
@@ -102,6 +107,8 @@ def restore(
     routes: PrefixRoutes,
     epochs: Epochs,
     add_server: Callable[[StorageNodeInfo, Any], None],
+    launched: dict[str, Any] | None = None,
+    end_node: Callable[[Any, str], None] | None = None,
 ) -> dict[str, Any]:
     """Rebuild the roles' tables from ``init``, under the controller's lock: the live servers
     (``add_server``, which starts their heartbeats), dead ones from nodes whose process is gone
@@ -110,8 +117,12 @@ def restore(
     jobs' records. Jobs whose map names a server that is not back move to a new epoch without
     it. Tasks notice nothing: they talk to the servers.
 
-    Returns ``{"servers", "jobs", "leases", "grants"}``. Not restored: servers launched by the
-    crashed instance (Ray ends them with it), and the sizing history.
+    Servers the crashed instance launched (detached ``StorageNode`` actors, ``info.launched``)
+    go back into ``launched``, the controller's table of the nodes it stops when it closes; the
+    node of a launched server whose process is gone is ended with ``end_node(node, node_id)``
+    (it would hold its Ray node's storage slot for good).
+
+    Returns ``{"servers", "jobs", "leases", "grants"}``.
     """
     servers: list[str] = []
     for found in init.nodes:
@@ -121,8 +132,12 @@ def restore(
                 info.node_id, address=info.address, tier=info.tier,
                 reason="its process was gone when the controller restarted",
             )
+            if info.launched and end_node is not None:
+                end_node(found.node, info.node_id)
             continue
         add_server(info, found.node)
+        if info.launched and launched is not None:
+            launched[info.node_id] = found.node
         servers.append(info.node_id)
         if found.stats is None:
             continue

@@ -50,6 +50,7 @@ class Scaler:
         metrics: ClusterMetrics,
         interval_ms: int = SIZING_INTERVAL_MS_DEFAULT,
         refresh_stats: Callable[[StorageNodeInfo], None],
+        record: Callable[[dict[str, Any]], Any] | None = None,
     ) -> None:
         self.bounds = bounds
         self._membership = membership
@@ -61,6 +62,7 @@ class Scaler:
         self._last_action_s: float | None = None
         self._next_s = time.monotonic() + self._interval_s
         self._actions: list[dict[str, Any]] = []
+        self._record = record
 
     def due(self) -> bool:
         """Whether the monitor loop should size the cluster now (and when next)."""
@@ -125,10 +127,25 @@ class Scaler:
             self._last_action_s = time.monotonic()
         if done["action"] != "NoAction":
             log.info("sizing: %s", done)
-            self._actions.append({**done, "at_unix_s": time.time()})
+            entry = {**done, "at_unix_s": time.time()}
+            self._actions.append(entry)
             del self._actions[:-SIZING_ACTIONS_KEPT_MAX]
             self._metrics.count("sizing_actions", done["action"])
+            if self._record is not None:
+                # Logged, so that a restarted controller keeps its history and its cool-down.
+                try:
+                    self._record(entry)
+                except PocketflowError as exc:
+                    log.warning("sizing action not logged: %s", exc)
         return done
+
+    def restore(self, actions: list[dict[str, Any]]) -> None:
+        """Take back the history a crashed instance logged: the actions for ``status``, and the
+        time of the last one, so that the cool-down goes on where it was."""
+        self._actions = [dict(a) for a in actions][-SIZING_ACTIONS_KEPT_MAX:]
+        if self._actions:
+            ago_s = max(time.time() - float(self._actions[-1].get("at_unix_s", 0.0)), 0.0)
+            self._last_action_s = time.monotonic() - ago_s
 
     def actions(self) -> list[dict[str, Any]]:
         """The latest sizing actions, oldest first."""

@@ -29,6 +29,17 @@ HEARTBEAT_STATS_TIMEOUT_S = 2.0
 HEARTBEATS_IN_FLIGHT_MAX = 2
 """Most heartbeats sent to the controller and not yet delivered; further ones are skipped."""
 
+ORPHAN_CHECK_INTERVAL_S = 5.0
+"""How often a launched node asks whether a live controller knows its server."""
+
+ORPHAN_CHECKS_MAX = 2
+"""Consecutive answers "unknown" (or no controller at all) after which a launched node stops its
+server and ends itself: its controller is gone for good, or restarted without it."""
+
+ORPHAN_CALL_TIMEOUT_S = 5.0
+"""Deadline of one orphan check's call to the controller; a call that does not answer (the
+controller is restarting or busy) decides nothing."""
+
 
 @dataclass(frozen=True)
 class StorageNodeInfo:
@@ -48,6 +59,9 @@ class StorageNodeInfo:
     """Where the server serves Prometheus metrics (``http://host:port/metrics``)."""
     tls: bool = False
     """Whether every connection to the server must use TLS."""
+    launched: bool = False
+    """Whether the controller launched it (a detached actor the controller stops), as opposed to
+    one its cluster started."""
 
     def server_process(self) -> ProcessRef:
         """The server process, for stopping it by pid when its actor cannot."""
@@ -64,6 +78,13 @@ class StorageNode:
     ``HEARTBEATS_IN_FLIGHT_MAX`` undelivered). A server that does not answer ``stats`` within
     ``HEARTBEAT_STATS_TIMEOUT_S`` or has exited sends no heartbeat; the controller's failure
     detector notices the silence.
+
+    A node the controller ``launched`` is a detached actor (it outlives a crash of the controller,
+    which takes it back when Ray restarts it); once started it asks the controller every
+    ``ORPHAN_CHECK_INTERVAL_S`` whether it knows the server, and after ``ORPHAN_CHECKS_MAX``
+    answers in a row that it does not (or that there is no controller) it stops its server and
+    ends itself, so a node left behind by a controller that is gone for good, or by a launch the
+    restarted controller never saw finish, frees its Ray node.
     """
 
     def __init__(
@@ -78,6 +99,7 @@ class StorageNode:
         threads: int | None = None,
         persist_ttl_ms: int | None = None,
         tls_dir: str | None = None,
+        launched: bool = False,
     ) -> None:
         # The server listens on the address Ray knows this node by (127.0.0.1 on an embedded
         # cluster); with TLS it gets a certificate naming that address, signed by the cluster CA.
@@ -103,6 +125,8 @@ class StorageNode:
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self._heartbeats_sent = 0
+        self._launched = launched
+        self._orphan_thread: threading.Thread | None = None
 
     def start(self) -> StorageNodeInfo:
         """Start the server and wait until it listens; returns where it runs."""
@@ -125,7 +149,14 @@ class StorageNode:
             ray_node_id=_ray_node_id(),
             metrics_url=self._process.metrics_url or "",
             tls=self._spec.tls is not None,
+            launched=self._launched,
         )
+        if self._launched and _running_ray() is not None:
+            self._orphan_thread = threading.Thread(
+                target=self._orphan_watch, name=f"orphan-watch-{self._spec.node_id}",
+                daemon=True,
+            )
+            self._orphan_thread.start()
         return self._info
 
     def info(self) -> StorageNodeInfo:
@@ -181,6 +212,41 @@ class StorageNode:
         self.stop_heartbeats()
         self._admin.close()
         return self._process.stop()
+
+    def _orphan_watch(self) -> None:
+        """Stop the server and end this actor once no live controller knows it (class doc)."""
+        import ray
+
+        from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE
+
+        node_id = self._spec.node_id
+        unknown = 0
+        while not self._heartbeat_stop.wait(ORPHAN_CHECK_INTERVAL_S):
+            try:
+                controller = ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE)
+            except ValueError:
+                known: bool | None = False  # no controller of that name: gone for good
+            else:
+                try:
+                    known = bool(ray.get(controller.knows_server.remote(node_id),
+                                         timeout=ORPHAN_CALL_TIMEOUT_S))
+                except Exception as exc:  # noqa: BLE001 - restarting or busy: decides nothing
+                    log.info("orphan check of %s: the controller did not answer: %s",
+                             node_id, exc)
+                    known = None
+            if known is None:
+                continue
+            unknown = 0 if known else unknown + 1
+            if unknown >= ORPHAN_CHECKS_MAX:
+                break
+        else:
+            return
+        log.warning("storage server %s: no controller knows it; stopping it", node_id)
+        self.stop()
+        try:
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        except Exception as exc:  # noqa: BLE001 - already ending
+            log.info("ending the node of %s: %s", node_id, exc)
 
     def _heartbeat_loop(self, controller: Any, interval_s: float) -> None:
         import ray

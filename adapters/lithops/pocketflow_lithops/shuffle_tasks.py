@@ -212,35 +212,47 @@ def _client(spec: _Spec) -> Client:
     return _CLIENTS.get(spec.handle_json, **dict(spec.client_options))
 
 
-def _unreachable_in_map(pf: Client, unreachable: set[str]) -> bool:
-    return any(s.address in unreachable for s in pf.handle.servers)
+def _unusable_map(pf: Client, unreachable: set[str]) -> bool:
+    """Whether the client's map still names an ``unreachable`` server, or has no server to
+    write new keys to (the control plane moved the job off a dead server where no other had
+    room, and is launching one)."""
+    servers = pf.handle.servers
+    return any(s.address in unreachable for s in servers) or not any(
+        s.weight > 0 for s in servers
+    )
 
 
 def refresh_map(pf: Client, unreachable: set[str], *, bucket: str,
                 timeout_s: float = MAP_REFRESH_TIMEOUT_S) -> None:
-    """Wait until the client's weight map no longer names the ``unreachable`` servers.
+    """Wait until the client's weight map no longer names the ``unreachable`` servers and has a
+    server to write to.
 
     The control plane declares a silent server dead after a few seconds and moves the job to a
-    new epoch; a client learns it from the ``stale_epoch`` answer of any live server. This asks
-    the live servers (``create_bucket``, which also gives the bucket to servers new to the map)
-    with a bounded exponential backoff: it runs only after a failure, never on the normal path.
-    Raises :class:`DataUnavailable` when the map has not changed within ``timeout_s``, and at
-    once when no server of the job answers (:func:`raise_if_cluster_gone`).
+    new epoch (without a weighted server when no live one had room for the job's data, until a
+    server launched for it is up); a client learns it from the ``stale_epoch`` answer of any
+    live server. This asks the live servers (``create_bucket``, which also gives the bucket to
+    servers new to the map) with a bounded exponential backoff: it runs only after a failure,
+    never on the normal path. Raises :class:`DataUnavailable` when the map has not changed
+    within ``timeout_s``, and at once when no server of the job answers
+    (:func:`raise_if_cluster_gone`).
     """
     deadline = time.monotonic() + timeout_s
     pause_s, pause_max_s = MAP_REFRESH_BACKOFF_S
-    while _unreachable_in_map(pf, unreachable):
+    while _unusable_map(pf, unreachable):
         try:
             pf.create_bucket(bucket)
         except (BucketExists, DataUnavailable):
             pass
-        if not _unreachable_in_map(pf, unreachable):
+        if not _unusable_map(pf, unreachable):
             return
         raise_if_cluster_gone(pf)
         if time.monotonic() + pause_s > deadline:
+            named = sorted(unreachable & {s.address for s in pf.handle.servers})
             raise DataUnavailable(
-                f"unavailable: the job's map still names {sorted(unreachable)} after "
-                f"{timeout_s:.0f} s", server=next(iter(unreachable), None),
+                f"unavailable: the job's map still names {named} after {timeout_s:.0f} s"
+                if named else
+                f"unavailable: the job's map has no server to write to after {timeout_s:.0f} s",
+                server=next(iter(unreachable), None),
             )
         time.sleep(pause_s)
         pause_s = min(pause_s * 2, pause_max_s)

@@ -530,3 +530,33 @@ def test_benchmark_script_runs_every_variant(tmp_path: Path) -> None:
     # Without DELETE the shuffle data stays until the job ends: more bytes held at the peak.
     assert summary["delete_peak_ratio"] < 1.0
     assert (tmp_path / result_file.name.replace(".json", ".md")).exists()
+
+
+def test_a_task_waits_for_a_map_with_a_server_to_write_to(
+    server_factory: Callable[..., tuple[Any, Any]],
+) -> None:
+    """After its last data server died where no other had room, a job's new map has no weighted
+    server until the control plane has launched one (issue 31): a task's map refresh waits for
+    that map instead of writing into nothing at once, and gives up after its bound."""
+    import dataclasses
+
+    servers, info = server_factory("refresh-0", long_running=True)
+    weightless = dataclasses.replace(info, weight=0.0)
+    handle = servers.handle(servers=[weightless], epoch=2)
+    with pocketflow.connect(handle.to_json(), op_timeout_s="5s") as pf:
+        with pytest.raises(DataUnavailable, match="no server to write to"):
+            refresh_map(pf, set(), bucket="b", timeout_s=1.0)
+
+        def launched() -> None:
+            time.sleep(1.0)
+            servers.set_epoch(dataclasses.replace(handle, epoch=3, servers=(info,)))
+
+        setter = threading.Thread(target=launched, daemon=True)
+        setter.start()
+        started = time.monotonic()
+        refresh_map(pf, set(), bucket="b", timeout_s=30.0)
+        setter.join()
+        assert time.monotonic() - started >= 0.5, "it waited for the new map"
+        assert pf.handle.epoch == 3 and pf.handle.servers[0].weight > 0
+        pf.put("b", "k", b"v")
+        assert pf.get("b", "k") == b"v"

@@ -1,0 +1,69 @@
+"""Tests of the nodes the controller launches (detached ``StorageNode`` actors): one that no live
+controller knows stops its server and ends itself, so it never holds a Ray node for good."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from fixtures_cluster import wait_for
+
+from pocketflow.cluster import LocalCluster
+from pocketflow.control import NAMESPACE, STORAGE_NODE_ACTOR_PREFIX
+from pocketflow.control.storage_node import (
+    ORPHAN_CALL_TIMEOUT_S,
+    ORPHAN_CHECK_INTERVAL_S,
+    ORPHAN_CHECKS_MAX,
+    StorageNode,
+)
+
+MIB = 1024 * 1024
+ORPHAN_GONE_TIMEOUT_S = (ORPHAN_CHECKS_MAX + 2) * (ORPHAN_CHECK_INTERVAL_S
+                                                   + ORPHAN_CALL_TIMEOUT_S) + 15.0
+"""Bound on a launched node noticing that no controller knows it, with slack for a loaded
+machine."""
+
+
+def test_a_launched_node_no_controller_knows_stops_its_server_and_itself(
+    local_cluster: LocalCluster,
+) -> None:
+    """As a launch that the crashed controller started and its restarted instance never saw
+    finish: the controller runs, but does not know the server."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    node_id = f"orphan-{uuid.uuid4().hex[:6]}"
+    node = ray.remote(StorageNode).options(
+        name=STORAGE_NODE_ACTOR_PREFIX + node_id, namespace=NAMESPACE, num_cpus=0,
+        lifetime="detached",
+    ).remote(
+        node_id=node_id, tier="dram", capacity_bytes=8 * MIB,
+        secret_file=str(local_cluster.secret_file), launched=True,
+    )
+    try:
+        info = ray.get(node.start.remote(), timeout=60)
+        assert info.launched
+        server = info.server_process()
+        assert server.alive()
+        assert node_id not in {s["node_id"] for s in local_cluster.status()["servers"]}
+        assert wait_for(lambda: not server.alive(), timeout_s=ORPHAN_GONE_TIMEOUT_S), (
+            "the orphaned server still runs"
+        )
+
+        def actor_gone() -> bool:
+            try:
+                ray.get(node.alive.remote(), timeout=5)
+            except RayActorError:
+                return True
+            except Exception:  # noqa: BLE001 - slow to answer: not gone yet
+                return False
+            return False
+
+        assert wait_for(actor_gone, timeout_s=30.0), "the orphaned node still runs"
+        with pytest.raises(ValueError):
+            ray.get_actor(STORAGE_NODE_ACTOR_PREFIX + node_id, namespace=NAMESPACE)
+    finally:
+        try:
+            ray.kill(node, no_restart=True)
+        except Exception:  # noqa: BLE001 - already ended
+            pass

@@ -382,3 +382,53 @@ def _wait_until(predicate: Any, timeout_s: float) -> bool:
             return True
         time.sleep(0.002)
     return False
+
+
+# -- the cache's own storage failing: reads go to S3 --------------------------------------------
+
+
+def _private_cache(server_factory: Any, s3_server: S3Source, capacity_bytes: int,
+                   ) -> tuple[Any, CacheSpec]:
+    servers, _ = server_factory("cache-0", "dram", capacity_bytes, long_running=True)
+    handle = servers.handle()
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        create_buckets(pf)
+    return servers, CacheSpec(name="t", handle=handle, source=s3_server, lease_ms=60_000)
+
+
+def test_a_full_cache_serves_from_s3(server_factory: Any, s3_server: S3Source, s3: Any,
+                                     s3_bucket: str) -> None:
+    """An object larger than the cache's tier: each read returns it from S3 (counted as
+    bypassed), and neither a meta nor a claim of it stays behind; what fits is cached."""
+    _, spec = _private_cache(server_factory, s3_server, 4 * 1024 * 1024)
+    data = os.urandom(6 * 1024 * 1024)
+    s3.put_object(Bucket=s3_bucket, Key="huge", Body=data)
+    s3.put_object(Bucket=s3_bucket, Key="small", Body=b"fits")
+    with CacheClient(spec, client=connect(spec.handle, **CLIENT_OPTIONS)) as cache:
+        assert cache.get_many(s3_bucket, ["huge", "small"]) == [data, b"fits"]
+        assert cache.stats.bypassed == 1 and cache.stats.filled == 1
+        assert cache.get(s3_bucket, "small") == b"fits" and cache.stats.fresh == 1
+        with pytest.raises(ObjectNotFound):
+            cache.client.get(META_BUCKET, cache_key(s3_bucket, "huge"))
+        assert not cache.client.exists(CLAIM_BUCKET, cache_key(s3_bucket, "huge"))
+        assert cache.get(s3_bucket, "huge") == data and cache.stats.bypassed == 2
+        cache.client.close()
+
+
+def test_a_dead_cache_server_serves_from_s3(server_factory: Any, s3_server: S3Source,
+                                            s3: Any, s3_bucket: str) -> None:
+    """The cache's only storage server is SIGKILLed: reads, hits and misses alike, come from
+    S3 and are correct; nothing raises but S3's own errors."""
+    servers, spec = _private_cache(server_factory, s3_server, 16 * 1024 * 1024)
+    s3.put_object(Bucket=s3_bucket, Key="a", Body=b"alpha")
+    s3.put_object(Bucket=s3_bucket, Key="b", Body=b"beta")
+    with CacheClient(spec, client=connect(spec.handle, **CLIENT_OPTIONS)) as cache:
+        assert cache.get(s3_bucket, "a") == b"alpha"
+        os.kill(servers.process("cache-0").pid, signal.SIGKILL)
+        started = time.monotonic()
+        assert cache.get_many(s3_bucket, ["a", "b"]) == [b"alpha", b"beta"]
+        assert cache.stats.bypassed == 2
+        with pytest.raises(S3ObjectNotFound):
+            cache.get(s3_bucket, "missing")
+        assert time.monotonic() - started < 60.0
+        cache.client.close()

@@ -329,22 +329,35 @@ def test_a_killed_fill_is_taken_over(cache_spec: CacheSpec, s3: Any, s3_bucket: 
     s3.put_object(Bucket=s3_bucket, Key="slow", Body=data)
     ckey = cache_key(s3_bucket, "slow")
     with _cache(spec) as cache:
-        for _attempt in range(5):
-            proc = _spawn(KILLED_FILLER, f"{spec.to_json()}\n{s3_bucket}")
-            claimed = _wait_until(lambda: cache.client.exists(CLAIM_BUCKET, ckey), 60.0)
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            if claimed and cache.client.exists(CLAIM_BUCKET, ckey):
-                break
-            cache.invalidate(s3_bucket, "slow")  # it finished first: try again
-        else:
-            pytest.fail("the filler never held its claim when killed")
+        _kill_while_claimed(spec, cache, s3_bucket, "slow")
         started = time.monotonic()
         assert cache.get(s3_bucket, "slow") == data
-        assert cache.stats.steals == 1
+        assert cache.stats.steals == 1 and cache.stats.wait_slices >= 1
         assert time.monotonic() - started < 60.0
         assert not cache.client.exists(CLAIM_BUCKET, ckey)
         assert cache.get(s3_bucket, "slow") == data and cache.stats.fresh == 1
+        # A claim that lapsed long before anyone asked again is taken over without a wait.
+        cache.invalidate(s3_bucket, "slow")
+        _kill_while_claimed(spec, cache, s3_bucket, "slow")
+        time.sleep(spec.claim_ms / 1000 + 0.5)
+        slices = cache.stats.wait_slices
+        assert cache.get(s3_bucket, "slow") == data
+        assert cache.stats.steals == 2 and cache.stats.wait_slices == slices
+
+
+def _kill_while_claimed(spec: CacheSpec, cache: CacheClient, bucket: str, key: str) -> None:
+    """Start a process that reads ``key`` through the cache and SIGKILL it while it holds the
+    key's claim (a few attempts: a fast fill may end before it is killed)."""
+    ckey = cache_key(bucket, key)
+    for _attempt in range(5):
+        proc = _spawn(KILLED_FILLER, f"{spec.to_json()}\n{bucket}")
+        claimed = _wait_until(lambda: cache.client.exists(CLAIM_BUCKET, ckey), 60.0)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        if claimed and cache.client.exists(CLAIM_BUCKET, ckey):
+            return
+        cache.invalidate(bucket, key)  # it finished first: try again
+    pytest.fail("the filler never held its claim when killed")
 
 
 # -- helpers --------------------------------------------------------------------------------

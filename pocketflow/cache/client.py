@@ -110,7 +110,8 @@ class CacheStats:
     """What a client's reads were: ``fresh`` hits (no S3 request), ``revalidated`` hits (one
     validation), ``waited`` (filled by another process while this one waited), ``filled``
     (fetched from S3 by this process and cached), ``bypassed`` (read from S3 without the cache),
-    ``missing`` (the key is not in S3). ``hits`` counts every read served from the cache."""
+    ``missing`` (the key is not in S3). ``hits`` counts every read served from the cache;
+    ``wait_slices`` the waits parked on the servers for other processes' fills."""
 
     fresh: int = 0
     revalidated: int = 0
@@ -122,6 +123,7 @@ class CacheStats:
     listings: int = 0
     bytes_read: int = 0
     steals: int = 0
+    wait_slices: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -141,7 +143,7 @@ class CacheStats:
         with self._lock:
             out = {name: getattr(self, name) for name in (
                 "fresh", "revalidated", "waited", "filled", "bypassed", "missing",
-                "validations", "listings", "bytes_read", "steals")}
+                "validations", "listings", "bytes_read", "steals", "wait_slices")}
         out["hits"] = out["fresh"] + out["revalidated"] + out["waited"]
         return out
 
@@ -739,8 +741,11 @@ class CacheClient:
         while claims:
             done = {i: done_key(ckeys[i], c.fill_id) for i, c in claims.items()}
             left_s = give_up_s - time.monotonic()
+            # Claims all lapsed already (their owners died long ago): look, do not wait.
+            lapsed = all(c.deadline_ms < _now_ms() for c in claims.values())
             try:
-                if left_s > 0:
+                if left_s > 0 and not lapsed:
+                    self.stats.add(wait_slices=1)
                     self._pf.wait_for(DONE_BUCKET, list(done.values()),
                                       timeout_s=min(WAIT_SLICE_S, left_s))
                 outcomes = self._pf.get_each(DONE_BUCKET, list(done.values()))

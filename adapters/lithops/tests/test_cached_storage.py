@@ -50,18 +50,20 @@ def s3(s3_server: S3Source) -> Iterator[Any]:
     client.close()
 
 
-def count_bytes(obj: Any) -> dict[str, Any]:
-    """A map function over one input: its bytes, and the S3 GETs of this call's process (Lithops
-    opened the input before the call, in the process it forked for the call)."""
-    from pocketflow.cache.source import request_counts
-
-    data = obj.data_stream.read()
-    return {"key": obj.key, "bytes": len(data), "head": data[:8].decode(), "pid": os.getpid(),
-            "gets": request_counts().get("GetObject", 0)}
-
-
 def test_a_map_reads_its_inputs_through_the_cache(cache: Cache, s3: Any,
                                                    s3_bucket: str) -> None:
+    def count_bytes(obj: Any) -> dict[str, Any]:
+        # A map function over one input: its bytes, and the S3 GETs of this call's process
+        # (Lithops opened the input before the call, in the process it forked for the call).
+        # Nested, so it is shipped by value and the worker does not import this module.
+        import os
+
+        from pocketflow.cache.source import request_counts
+
+        data = obj.data_stream.read()
+        return {"key": obj.key, "bytes": len(data), "head": data[:8].decode(),
+                "pid": os.getpid(), "gets": request_counts().get("GetObject", 0)}
+
     sizes = {f"in/part-{i}": 100_000 + i for i in range(6)}
     for key, size in sizes.items():
         s3.put_object(Bucket=s3_bucket, Key=key, Body=key.encode().ljust(size, b"."))
@@ -84,12 +86,11 @@ def test_a_map_reads_its_inputs_through_the_cache(cache: Cache, s3: Any,
     assert sum(r["gets"] for r in by_prefix) == 0
 
 
-def count_lines(obj: Any) -> int:
-    return obj.data_stream.read().count(b"\n")
-
-
 def test_chunks_are_read_as_ranges_of_the_cached_object(cache: Cache, s3: Any,
                                                         s3_bucket: str) -> None:
+    def count_lines(obj: Any) -> int:
+        return obj.data_stream.read().count(b"\n")
+
     body = b"".join(b"line %06d\n" % i for i in range(60_000))
     s3.put_object(Bucket=s3_bucket, Key="lines.txt", Body=body)
     config = cached_storage_config(cache, lithops_config(storage="localhost", workers=2))
@@ -152,6 +153,30 @@ def test_a_fresh_interpreter_finds_the_backend(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     target = "pocketflow_lithops.cached_storage"
     assert result.stdout.split() == [target, target]
+
+
+def test_the_modules_shipped_to_workers_import_without_benchmarks(tmp_path: Path) -> None:
+    """Lithops ships the module of a function it maps, and the modules beside it that it
+    imports, to its workers; in CI a worker cannot import ``benchmarks`` (a directory of the
+    checkout, not an installed package), so neither this module nor the S3 fixtures may import
+    it at the top (CI failed both Lithops maps above with ModuleNotFoundError)."""
+    here = Path(__file__).resolve().parent
+    code = (
+        "import sys\n"
+        "class NoBenchmarks:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'benchmarks':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, NoBenchmarks())\n"
+        "import fixtures_s3, test_cached_storage\n"
+        "print('imported')\n"
+    )
+    path = os.pathsep.join([str(here), str(here.parents[2] / "tests"),
+                            os.environ.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": path},
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0 and result.stdout.split() == ["imported"], result.stderr
 
 
 BENCHMARK_TIMEOUT_S = 600.0

@@ -104,6 +104,7 @@ def test_tasks_read_through_the_spec_and_the_run_is_recorded(
         assert status["entries"] == len(keys)
         assert status["held_bytes"] == sum(sizes.values())
         assert status["working_set_keys"] == len(keys)
+        assert status["reads"] == 32 and status["fills"] == len(keys)
         job_id = cache.job_id
     record_info = local_cluster.control.job_handle(job_id)  # the cache outlives the run
     from pocketflow.client import connect

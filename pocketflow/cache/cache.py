@@ -197,6 +197,7 @@ class Cache:
             "name": self.name, "job_id": self.job_id, "run_id": self.run_id,
             "capacity_bytes": m.capacity_bytes, "held_bytes": m.held_bytes,
             "entries": m.entries, "evictions": m.evictions, "evicted_bytes": m.evicted_bytes,
+            "reads": m.reads, "fills": m.fills,
             "working_set_keys": len(m.working_set),
             "working_set_bytes": m.working_set.distinct_bytes,
             "prewarm_planned": self.prewarm_planned, "prewarm_fetched": self.prewarm_fetched,

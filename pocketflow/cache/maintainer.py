@@ -63,7 +63,8 @@ class Maintainer:
         self.working_set = WorkingSet()
         self.evictions = 0
         self.evicted_bytes = 0
-        self.batches = 0
+        self.reads = 0
+        self.fills = 0
 
     @property
     def held_bytes(self) -> int:
@@ -111,6 +112,8 @@ class Maintainer:
                 taken += 1
                 name = entry_key(cache_key(access.bucket, access.key), access.etag)
                 with self._lock:
+                    self.reads += access.reads
+                    self.fills += access.fills
                     if access.reads:
                         self.working_set.add(access.bucket, access.key, access.size,
                                              access.reads)

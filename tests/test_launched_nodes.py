@@ -67,3 +67,35 @@ def test_a_launched_node_no_controller_knows_stops_its_server_and_itself(
             ray.kill(node, no_restart=True)
         except Exception:  # noqa: BLE001 - already ended
             pass
+
+
+def test_several_servers_are_launched_at_once_and_one_that_cannot_be_fails_alone(
+    local_cluster: LocalCluster,
+) -> None:
+    """A registration short of several servers starts them together (each waits for its own
+    node); a request the cluster cannot serve is that request's error, not the others'."""
+    import time
+
+    from pocketflow.control.launcher import Launcher, LaunchRequest, LaunchSpec
+    from pocketflow.errors import ClusterError
+
+    suffix = uuid.uuid4().hex[:6]
+    launcher = Launcher(LaunchSpec(
+        secret_file=str(local_cluster.secret_file), data_dir=str(local_cluster.work_dir),
+        capacity_bytes_by_tier={"dram": 8 * MIB},
+    ))
+    requests = [LaunchRequest(f"many-{i}-{suffix}", "dram") for i in range(2)]
+    requests.append(LaunchRequest(f"many-nvme-{suffix}", "nvme"))
+    outcomes = launcher.launch_many(requests, deadline_s=time.monotonic() + 60.0)
+    try:
+        assert isinstance(outcomes[2], ClusterError)
+        infos = [o[0] for o in outcomes[:2] if isinstance(o, tuple)]
+        assert [i.node_id for i in infos] == [r.node_id for r in requests[:2]], outcomes
+        assert all(i.launched and i.server_process().alive() for i in infos)
+    finally:
+        import ray
+
+        for outcome in outcomes:
+            if isinstance(outcome, tuple):
+                ray.get(outcome[1].stop.remote(), timeout=30)
+                ray.kill(outcome[1], no_restart=True)

@@ -37,6 +37,15 @@ def test_idle_launched_servers_are_drained_and_long_running_ones_stay(
     assert any(action == "RemoveServers" for action, _ in scaling["actions"])
 
 
+def test_a_job_the_server_limit_cannot_hold_launches_nothing(scaling: dict[str, Any]) -> None:
+    """Its shortfall (three servers) is checked against ``servers_max`` (two more) before any
+    launch: launching up to the limit and then refusing it left idle servers behind."""
+    assert scaling["after_too_big"] == ["dram-0", "dram-1"], scaling
+    assert scaling["removals_since_too_big"] == 0, "no server was launched, so none drained"
+    assert scaling["too_big"].startswith("CapacityExhausted"), scaling["too_big"]
+    assert "limited to 4" in scaling["too_big"], scaling["too_big"]
+
+
 def test_launched_long_running_servers_get_the_persist_ttl(scaling: dict[str, Any]) -> None:
     assert scaling["launched_persist_ttl_ms"] == {"long_running": 90 * 60 * 1000, "ephemeral": 0}
 

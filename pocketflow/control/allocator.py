@@ -3,6 +3,7 @@ shortfall when the cluster may (policies in control/packing.py and control/hints
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -12,7 +13,7 @@ from typing import Any
 
 from pocketflow.control.hints import JobDemand, demand_from_hints
 from pocketflow.control.job_table import JobRecord, JobTable
-from pocketflow.control.launcher import Launcher
+from pocketflow.control.launcher import Launcher, LaunchRequest
 from pocketflow.control.membership import Membership
 from pocketflow.control.packing import (
     Allocation,
@@ -25,7 +26,7 @@ from pocketflow.control.packing import (
 from pocketflow.control.prefix_grants import PrefixGrants
 from pocketflow.control.storage_node import StorageNodeInfo
 from pocketflow.control.tiers import TIER_NVME, ClusterSpec, local_spec
-from pocketflow.errors import CapacityExhausted, ClusterError
+from pocketflow.errors import CapacityExhausted, ClusterError, PocketflowError
 from pocketflow.handle import ServerInfo
 
 log = logging.getLogger(__name__)
@@ -241,35 +242,61 @@ class Allocator:
         return demand_from_hints(record.hints, self.spec())
 
     def _launch_shortfall(self, shortfall: dict[str, int], *, deadline_s: float) -> None:
-        """Launch ``{tier: count}`` servers and add them; bounded by ``servers_max``."""
+        """Launch ``{tier: count}`` servers, all at once, and add those that came up; bounded by
+        ``servers_max`` (nothing is launched past it)."""
         assert self.launcher is not None
         limit = self.launcher.spec.servers_max
-        for tier, count in sorted(shortfall.items()):
-            for _ in range(count):
-                if len(self._membership) >= limit:
-                    raise CapacityExhausted(f"the cluster is at its limit of {limit} servers")
-                self.launch_server(tier, deadline_s=deadline_s)
+        tiers = [tier for tier, count in sorted(shortfall.items()) for _ in range(count)]
+        if len(self._membership) + len(tiers) > limit:
+            raise CapacityExhausted(
+                f"the job needs {len(tiers)} more servers and the cluster is limited to {limit}"
+            )
+        self.launch_servers(tiers, deadline_s=deadline_s)
 
     def launch_server(
         self, tier: str, *, long_running: bool = False, deadline_s: float | None = None
     ) -> StorageNodeInfo:
         """Start a new storage server of ``tier`` and add it."""
+        (info,) = self.launch_servers([tier], long_running=long_running, deadline_s=deadline_s)
+        return info
+
+    def launch_servers(
+        self, tiers: list[str], *, long_running: bool = False, deadline_s: float | None = None
+    ) -> list[StorageNodeInfo]:
+        """Start one server of each of ``tiers`` at once and add each that comes up; raises the
+        first launch's error after adding the others (they are of use, and the sizing loop
+        drains what stays idle)."""
         if self.launcher is None:
             raise ClusterError("this controller cannot launch storage servers")
         if deadline_s is None:
             deadline_s = self.deadline_s()
-        node_id = self._next_node_id(tier)
-        # Counted as starting (its slot asked of the autoscaler) until it is taken in.
-        with self.launcher.starting(tier):
-            info, node = self.launcher.launch(
-                node_id=node_id, tier=tier, long_running=long_running, deadline_s=deadline_s
-            )
-            self.launched[node_id] = node
-            self._add_server(info, node)
-        return info
+        requests: list[LaunchRequest] = []
+        for tier in tiers:
+            taken = {r.node_id for r in requests}
+            requests.append(LaunchRequest(self._next_node_id(tier, taken=taken), tier,
+                                          long_running))
+        added: list[StorageNodeInfo] = []
+        first_error: PocketflowError | None = None
+        # Each counts as starting (its slot asked of the autoscaler) until it is taken in.
+        with contextlib.ExitStack() as starting:
+            for request in requests:
+                starting.enter_context(self.launcher.starting(request.tier))
+            for outcome in self.launcher.launch_many(requests, deadline_s=deadline_s):
+                if isinstance(outcome, PocketflowError):
+                    first_error = first_error or outcome
+                    continue
+                info, node = outcome
+                self.launched[info.node_id] = node
+                self._add_server(info, node)
+                added.append(info)
+        if first_error is not None:
+            raise first_error
+        return added
 
-    def _next_node_id(self, tier: str) -> str:
-        taken = self._membership.ids() | self._membership.dead_ids() | set(self.launched)
+    def _next_node_id(self, tier: str, *, taken: set[str] | None = None) -> str:
+        taken = (taken or set()) | self._membership.ids() | self._membership.dead_ids() | set(
+            self.launched
+        )
         index = 0
         while f"{tier}-{index}" in taken:
             index += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +23,9 @@ RESOURCE_PREFIX = "pocketflow_storage_"
 
 RESOURCE_REQUESTS_KEPT_MAX = 64
 """Most autoscaler requests remembered for ``status``."""
+
+LAUNCHES_AT_ONCE_MAX = 64
+"""Most servers one call starts at once (a cluster's ``servers_max`` at most)."""
 
 LAUNCH_ATTEMPTS_MAX = 3
 """Most times one launch starts over because the Ray node under the starting actor died."""
@@ -62,6 +65,15 @@ class LaunchSpec:
     servers_max: int = 64
     extra_options: dict[str, Any] = field(default_factory=dict)
     tls_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """One server to launch: its node id, tier, and whether it is long-running."""
+
+    node_id: str
+    tier: str
+    long_running: bool = False
 
 
 class Launcher:
@@ -177,42 +189,105 @@ class Launcher:
     def launch(
         self, *, node_id: str, tier: str, long_running: bool, deadline_s: float
     ) -> tuple[StorageNodeInfo, Any]:
-        """Start one server; returns its info and ``StorageNode`` actor handle.
+        """Start one server; returns its info and ``StorageNode`` actor handle, or raises what
+        :meth:`launch_many` reports for it."""
+        (outcome,) = self.launch_many(
+            [LaunchRequest(node_id, tier, long_running)], deadline_s=deadline_s
+        )
+        if isinstance(outcome, PocketflowError):
+            raise outcome
+        return outcome
 
-        ``deadline_s`` is a ``time.monotonic()`` instant. Raises ``CapacityExhausted`` when the
-        server is not up by then (the half-started actor is killed), ``ClusterError`` when the
-        tier cannot be launched or the server failed to start. A node that dies under the
-        starting actor (Ray placed it on a node it had not yet found dead) is not the server's
-        fault: the launch starts over with a new actor, at most ``LAUNCH_ATTEMPTS_MAX`` times.
-        Call it inside :meth:`starting`, so the autoscaler is asked for the server's slot while
-        it waits.
+    def launch_many(
+        self, requests: Sequence[LaunchRequest], *, deadline_s: float
+    ) -> list[tuple[StorageNodeInfo, Any] | PocketflowError]:
+        """Start several servers at once (each waits for its own node, so a registration that
+        needs several waits for the slowest, not for their sum); one outcome per request, in
+        order: its info and ``StorageNode`` actor handle, or the error that stopped it.
+
+        ``deadline_s`` is a ``time.monotonic()`` instant. A server not up by then is
+        ``CapacityExhausted`` (its half-started actor is killed); a tier that cannot be launched,
+        or a server that failed to start, ``ClusterError``. A node that dies under a starting
+        actor (Ray placed it on a node it had not yet found dead) is not the server's fault:
+        that launch starts over with a new actor, at most ``LAUNCH_ATTEMPTS_MAX`` times. Call it
+        inside :meth:`starting` (once per request), so the autoscaler is asked for the servers'
+        slots while they wait.
         """
-        if not self.can_launch(tier):
-            raise ClusterError(f"this cluster cannot launch {tier} servers")
-        for attempt in range(1, LAUNCH_ATTEMPTS_MAX + 1):
-            try:
-                return self._launch_once(
-                    node_id=node_id, tier=tier, long_running=long_running, deadline_s=deadline_s
-                )
-            except _NodeDied as died:
-                if attempt == LAUNCH_ATTEMPTS_MAX:
-                    raise ClusterError(
-                        f"storage server {node_id} ({tier}) did not start: the Ray node under "
-                        f"it died {attempt} times ({died})"
-                    ) from died
-                log.warning("storage server %s: the Ray node under it died while it started; "
-                            "launching it again (%s)", node_id, died)
-        raise AssertionError("unreachable")
-
-    def _launch_once(
-        self, *, node_id: str, tier: str, long_running: bool, deadline_s: float
-    ) -> tuple[StorageNodeInfo, Any]:
-        """One attempt of :meth:`launch`; ``_NodeDied`` when the actor died with its node."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import RayActorError
+
+        if len(requests) > LAUNCHES_AT_ONCE_MAX:
+            raise ClusterError(
+                f"{len(requests)} servers to launch at once, more than {LAUNCHES_AT_ONCE_MAX}"
+            )
+        outcomes: list[tuple[StorageNodeInfo, Any] | PocketflowError | None] = (
+            [None] * len(requests)
+        )
+        # Starting actors: their start call -> (request index, actor, attempt).
+        starting: dict[Any, tuple[int, Any, int]] = {}
+        for index, request in enumerate(requests):
+            if not self.can_launch(request.tier):
+                outcomes[index] = ClusterError(
+                    f"this cluster cannot launch {request.tier} servers"
+                )
+                continue
+            node = self._create(request)
+            starting[node.start.remote()] = (index, node, 1)
+        while starting:
+            remaining = deadline_s - time.monotonic()
+            if remaining <= 0:
+                waited_for_slot = self.spec.use_resources and bool(self.requested_slots())
+                for index, node, _ in starting.values():
+                    _kill_quietly(node)
+                    request = requests[index]
+                    outcomes[index] = CapacityExhausted(
+                        f"storage server {request.node_id} ({request.tier}) was not up in time"
+                        + (" (the autoscaler was asked for a node with a free slot)"
+                           if waited_for_slot else "")
+                    )
+                break
+            ready, _ = ray.wait(list(starting), num_returns=1, timeout=min(remaining, 1.0))
+            for ref in ready:
+                index, node, attempt = starting.pop(ref)
+                request = requests[index]
+                try:
+                    info = ray.get(ref)
+                except RayActorError as exc:
+                    _kill_quietly(node)
+                    # A system-level death before the server was up: its node (or the actor's
+                    # process) died under it, not a fault of the server's.
+                    if not exc.actor_init_failed and attempt < LAUNCH_ATTEMPTS_MAX:
+                        log.warning("storage server %s: the Ray node under it died while it "
+                                    "started; launching it again (%s)", request.node_id,
+                                    str(exc).splitlines()[-1])
+                        again = self._create(request)
+                        starting[again.start.remote()] = (index, again, attempt + 1)
+                        continue
+                    outcomes[index] = ClusterError(
+                        f"storage server {request.node_id} ({request.tier}) did not start: "
+                        f"{str(exc).splitlines()[-1]}"
+                    )
+                except PocketflowError as exc:
+                    _kill_quietly(node)
+                    outcomes[index] = exc
+                except Exception as exc:  # noqa: BLE001 - Ray's own errors, typed here
+                    _kill_quietly(node)
+                    outcomes[index] = ClusterError(
+                        f"storage server {request.node_id} ({request.tier}) did not start: "
+                        f"{exc}"
+                    )
+                else:
+                    log.info("launched storage server %s (%s) at %s", request.node_id,
+                             request.tier, info.address)
+                    outcomes[index] = (info, node)
+        return [o if o is not None else ClusterError("not launched") for o in outcomes]
+
+    def _create(self, request: LaunchRequest) -> Any:
+        """Create one detached ``StorageNode`` actor (its server is not started yet)."""
+        import ray
 
         options: dict[str, Any] = {
-            "name": STORAGE_NODE_ACTOR_PREFIX + node_id,
+            "name": STORAGE_NODE_ACTOR_PREFIX + request.node_id,
             "namespace": NAMESPACE,
             "num_cpus": 0,
             "max_restarts": 0,
@@ -221,60 +296,23 @@ class Launcher:
             **self.spec.extra_options,
         }
         if self.spec.use_resources:
-            options["resources"] = {tier_resource(tier): 1}
+            options["resources"] = {tier_resource(request.tier): 1}
         nvme_path = (
-            str(Path(self.spec.data_dir) / f"{node_id}.data") if tier != "dram" else None
+            str(Path(self.spec.data_dir) / f"{request.node_id}.data")
+            if request.tier != "dram" else None
         )
-        node = ray.remote(StorageNode).options(**options).remote(
-            node_id=node_id,
-            tier=tier,
-            capacity_bytes=self.spec.capacity_bytes_by_tier[tier],
+        return ray.remote(StorageNode).options(**options).remote(
+            node_id=request.node_id,
+            tier=request.tier,
+            capacity_bytes=self.spec.capacity_bytes_by_tier[request.tier],
             secret_file=self.spec.secret_file,
-            long_running=long_running,
+            long_running=request.long_running,
             nvme_path=nvme_path,
             threads=self.spec.threads,
-            persist_ttl_ms=self.spec.persist_ttl_ms if long_running else None,
+            persist_ttl_ms=self.spec.persist_ttl_ms if request.long_running else None,
             tls_dir=self.spec.tls_dir,
             launched=True,
         )
-        ref = node.start.remote()
-        while True:
-            remaining = deadline_s - time.monotonic()
-            if remaining <= 0:
-                ray.kill(node, no_restart=True)
-                waited_for_slot = self.spec.use_resources and bool(self.requested_slots())
-                raise CapacityExhausted(
-                    f"storage server {node_id} ({tier}) was not up in time"
-                    + (" (the autoscaler was asked for a node with a free slot)"
-                       if waited_for_slot else "")
-                )
-            try:
-                info = ray.get(ref, timeout=min(remaining, 1.0))
-                break
-            except GetTimeoutError:
-                continue
-            except RayActorError as exc:
-                _kill_quietly(node)
-                if not exc.actor_init_failed:
-                    # A system-level death before the server was up: its node (or the actor's
-                    # process) died under it, not a fault of the server's.
-                    raise _NodeDied(str(exc).splitlines()[-1]) from exc
-                raise ClusterError(f"storage server {node_id} ({tier}) did not start: "
-                                   f"{exc}") from exc
-            except PocketflowError:
-                _kill_quietly(node)
-                raise
-            except Exception as exc:
-                _kill_quietly(node)
-                raise ClusterError(f"storage server {node_id} ({tier}) did not start: "
-                                   f"{exc}") from exc
-        log.info("launched storage server %s (%s) at %s", node_id, tier, info.address)
-        return info, node
-
-
-class _NodeDied(Exception):
-    """The starting ``StorageNode`` actor died of a system-level failure (its Ray node died,
-    or its process), not of an error of its own."""
 
 
 def _kill_quietly(node: Any) -> None:

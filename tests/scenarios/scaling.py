@@ -67,6 +67,21 @@ def main() -> None:
         out["scaled_down"] = wait(lambda: server_ids(cluster) == initial, WAIT_S)
         out["after_idle"] = sorted(server_ids(cluster))
 
+        # 40 MiB needs three more 8 MiB servers; two more reach servers_max: nothing is
+        # launched for a job that could not fit even then.
+        removals_before = sum(
+            a["action"] == "RemoveServers" for a in cluster.status()["sizing_actions"]
+        )
+        try:
+            cluster.register_job("too-big", {"data_size_bytes": "40MiB"})
+            out["too_big"] = "registered"
+        except CapacityExhausted as exc:
+            out["too_big"] = f"CapacityExhausted: {exc}"
+        out["after_too_big"] = sorted(server_ids(cluster))
+        out["removals_since_too_big"] = sum(
+            a["action"] == "RemoveServers" for a in cluster.status()["sizing_actions"]
+        ) - removals_before
+
         with cluster.register_job("fill") as job, job.connect() as pf:
             pf.create_bucket("b")
             stored = 0

@@ -3,13 +3,14 @@
 ``python -m benchmarks.compare [--quick|--full] [--peers ...] [--out DIR]``, or the same options
 after ``pocketflow bench`` (which calls :func:`main_from_args`).
 
-Each peer is started on 127.0.0.1 right before its cells and stopped (by pid) right after, so
-idle peers do not share the two cores with the one being measured; the local cluster behind the
-pocketflow peers (Ray and its servers) is up for the whole run, so every peer's cells share the
-machine with it alike. Every cell is one object size
-and one number of client processes (multiprocessing spawn, started once for the whole run);
-a cell runs rounds of a PUT phase, a GET phase and an untimed cleanup until its time budget is
-spent. Pipelined cells send batches (``put_many``/``get_many``, a Redis pipeline, concurrent S3
+Every peer is started on 127.0.0.1 before the first cell and stopped (by pid) after the last,
+so that the peers can take turns: every cell (one object size and one number of client
+processes, multiprocessing spawn, started once for the whole run) runs interleaved rounds
+(:mod:`benchmarks.schedule`): in each round every peer in turn runs a PUT phase, a GET phase of
+what it put and an untimed cleanup, the order rotating from round to round. The first rounds of
+every cell are warm-ups, discarded; each figure is the median of the measured rounds, reported
+with its spread (:mod:`benchmarks.spread`), and pocketflow/peer ratios are taken round by round.
+Pipelined cells send batches (``put_many``/``get_many``, a Redis pipeline, concurrent S3
 requests, one TCP send). Results go to ``<out>/<date>-<mode>.json``, ``.md`` and ``-*.png``; a
 full run also copies its summary to ``<out>/LATEST.md``.
 
@@ -44,16 +45,21 @@ from benchmarks.peers import (
     weed_binary,
 )
 from benchmarks.pool import ClientPool, PhaseError
+from benchmarks.schedule import RoundBounds, interleave
+from benchmarks.spread import spread
 from benchmarks.workloads import (
     DELETE,
     GET,
     GET_MANY,
     PUT,
     PUT_MANY,
+    ROUND_FIGURES,
     KiB,
     MiB,
+    PhaseResult,
     cdf_points,
     combine,
+    round_figures,
     round_keys,
 )
 
@@ -78,11 +84,18 @@ class Plan:
     """Bytes all clients of a round put together, at most (but one object per client at
     least). Rounds are kept small so that most of them reuse memory the previous round freed:
     the figures are a steady state, not a store's first touch of fresh memory."""
+    warmup_rounds: int
+    """Rounds every peer runs at the start of every cell, discarded (a store's first touch of
+    fresh memory at this size, connections, caches)."""
+    rounds_min: int
+    """Measured rounds every peer runs in every cell, whatever the time."""
+    rounds_max: int
+    """Measured rounds at most."""
     cell_seconds: float
-    """A cell starts no new round after this long (it always runs at least one)."""
+    """Time budget of a cell per peer: past ``rounds_min``, a cell of N peers starts no new
+    round after N times this."""
     phase_seconds_max: float
     """A client starts no new operation of a phase after this long (it always does one)."""
-    rounds_max: int
 
     def ops_per_client(self, size_bytes: int, clients: int) -> int:
         """Objects per client per round: bounded by count and by the round's bytes."""
@@ -100,6 +113,13 @@ class Plan:
         """Figure cells (one per op) each peer contributes."""
         return 2 * (len(self.sizes_bytes) * len(self.clients) + len(self.batch_clients))
 
+    def round_bounds(self) -> RoundBounds:
+        """The interleaved rounds of one cell."""
+        return RoundBounds(
+            warmup_rounds=self.warmup_rounds, rounds_min=self.rounds_min,
+            rounds_max=self.rounds_max, seconds_per_peer=self.cell_seconds,
+        )
+
 
 QUICK = Plan(
     mode="quick",
@@ -110,9 +130,11 @@ QUICK = Plan(
     batch_clients=(1,),
     ops_per_phase_max=200,
     round_bytes_max=16 * MiB,
+    warmup_rounds=1,
+    rounds_min=3,
+    rounds_max=3,
     cell_seconds=0.3,
     phase_seconds_max=0.5,
-    rounds_max=3,
 )
 
 FULL = Plan(
@@ -124,9 +146,11 @@ FULL = Plan(
     batch_clients=(1, 4),
     ops_per_phase_max=1000,
     round_bytes_max=64 * MiB,
+    warmup_rounds=2,
+    rounds_min=5,
+    rounds_max=20,
     cell_seconds=2.0,
     phase_seconds_max=5.0,
-    rounds_max=20,
 )
 
 
@@ -134,17 +158,22 @@ FULL = Plan(
 
 
 def run_cell(
-    pool: ClientPool,
-    peer: Peer,
+    pool_holder: list[ClientPool],
+    peers: Sequence[Peer],
     plan: Plan,
     *,
     size_bytes: int,
     clients: int,
     batched: bool,
-) -> list[dict[str, Any]]:
-    """Measure one peer at one object size and client count; one record per op (put, get)."""
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Measure every peer at one object size and client count, in interleaved rounds.
+
+    Returns one record per peer and op (put, get), each figure the median over the measured
+    rounds with its spread and per-round values, and the cell's schedule (the order the peers
+    ran in, round by round, warm-ups first). A peer whose round fails gets error records and
+    leaves the cell; ``pool_holder[0]`` is replaced if the failure broke the client pool.
+    """
     mode = "batch" if batched else "single"
-    spec = peer.spec()
     if batched:
         per_client = plan.batch_ops * max(1, plan.ops_per_phase_max // plan.batch_ops)
         phases = ((PUT_MANY, "put"), (GET_MANY, "get"))
@@ -152,40 +181,81 @@ def run_cell(
         per_client = plan.ops_per_client(size_bytes, clients)
         phases = ((PUT, "put"), (GET, "get"))
     cell_id = f"{mode}-{size_bytes}-{clients}"
-    rounds: dict[str, list[Any]] = {phase: [] for phase, _ in phases}
-    started = time.monotonic()
-    for index in range(plan.rounds_max):
-        if index > 0 and time.monotonic() - started >= plan.cell_seconds:
-            break
+    by_name = {peer.name: peer for peer in peers}
+
+    def one_round(name: str, index: int, warmup: bool) -> dict[str, list[PhaseResult]]:
+        pool = pool_holder[0]
+        spec = by_name[name].spec()
         prefixes, keys = zip(
             *(round_keys(cell_id, index, c, per_client) for c in range(clients)), strict=True
         )
         todo: Sequence[Sequence[str]] = keys
+        phase_results: dict[str, list[PhaseResult]] = {}
         try:
             for phase, _ in phases:
                 results = pool.run(
                     spec, phase, prefixes=prefixes, keys=todo, size_bytes=size_bytes,
                     batch_ops=plan.batch_ops, seconds_max=plan.phase_seconds_max,
                 )
-                rounds[phase].append(results)
+                phase_results[phase] = results
                 # The GET phase reads what the PUT phase stored before its time ran out.
                 todo = [done[: r.ops] for done, r in zip(todo, results, strict=True)]
         finally:
-            # Also after a failed phase, so that the next cell finds the peer empty.
+            # Also after a failed phase, so that the next round finds the peer empty.
             if not pool.broken:
                 pool.run(spec, DELETE, prefixes=prefixes, keys=keys, size_bytes=size_bytes)
-    records = []
-    for phase, op in phases:
-        figures = combine(rounds[phase])
-        record = {
-            "peer": peer.name, "op": op, "mode": mode, "size_bytes": size_bytes,
-            "clients": clients, "batch_ops": plan.batch_ops if batched else 1,
-            "rounds": len(rounds[phase]), **figures.as_dict(),
-        }
-        if not batched and clients == 1 and size_bytes == CDF_SIZE_BYTES:
-            record["cdf_us"] = cdf_points(figures.latencies_ns)
-        records.append(record)
-    return records
+        return phase_results
+
+    def describe(name: str, exc: Exception) -> str:
+        message = exc.args[0] if isinstance(exc, PhaseError) else traceback.format_exc()
+        if pool_holder[0].broken:
+            size = pool_holder[0].size
+            pool_holder[0].close()
+            pool_holder[0] = ClientPool(size).start()
+        return str(message)
+
+    outcome = interleave(list(by_name), one_round, plan.round_bounds(), describe=describe)
+    records: list[dict[str, Any]] = []
+    for name in by_name:
+        base = {"peer": name, "mode": mode, "size_bytes": size_bytes, "clients": clients}
+        if name in outcome.errors:
+            records += [{**base, "op": op, "error": outcome.errors[name]} for _, op in phases]
+            continue
+        for phase, op in phases:
+            rounds = [r[phase] for r in outcome.rounds[name]]
+            record = {
+                **base, "op": op, "batch_ops": plan.batch_ops if batched else 1,
+                "warmup_rounds": plan.warmup_rounds, **cell_figures(rounds),
+            }
+            if not batched and clients == 1 and size_bytes == CDF_SIZE_BYTES:
+                record["cdf_us"] = cdf_points(combine(rounds).latencies_ns)
+            records.append(record)
+    schedule = {"cell": cell_id, "warmup_rounds": plan.warmup_rounds, "orders": outcome.orders}
+    return records, schedule
+
+
+def cell_figures(rounds: Sequence[Sequence[PhaseResult]]) -> dict[str, Any]:
+    """The figures of one peer's phase over the measured rounds of a cell.
+
+    Each of :data:`~benchmarks.workloads.ROUND_FIGURES` is the median over the rounds, with
+    ``spread`` (min, quartiles, max) and ``per_round`` (in round order, for paired ratios);
+    ``ops``, ``bytes`` and ``wall_s`` are totals, ``latency_pooled_us`` the percentiles of every
+    measured operation together.
+    """
+    per_round = [round_figures(r) for r in rounds]
+    values = {name: [f[name] for f in per_round] for name in ROUND_FIGURES}
+    spreads = {name: spread(values[name]) for name in ROUND_FIGURES}
+    pooled = combine(rounds)
+    return {
+        "rounds": len(per_round),
+        "ops": pooled.ops,
+        "bytes": pooled.bytes,
+        "wall_s": pooled.wall_s,
+        **{name: spreads[name]["median"] for name in ROUND_FIGURES},
+        "spread": spreads,
+        "per_round": values,
+        "latency_pooled_us": pooled.latency,
+    }
 
 
 def cell_grid(plan: Plan) -> list[tuple[int, int, bool]]:
@@ -195,55 +265,13 @@ def cell_grid(plan: Plan) -> list[tuple[int, int, bool]]:
     return grid
 
 
-def warm_up(pool: ClientPool, peer: Peer, clients: int) -> None:
-    """Connect every client process and move a few objects (not recorded)."""
-    spec = peer.spec()
-    for index in range(2):
-        prefixes, keys = zip(
-            *(round_keys(f"warmup{index}", 0, c, 20) for c in range(clients)), strict=True
-        )
-        for phase in (PUT, GET, DELETE):
-            pool.run(spec, phase, prefixes=prefixes, keys=keys, size_bytes=KiB)
-
-
-def measure_peer(
-    pool_holder: list[ClientPool],
-    peer: Peer,
-    plan: Plan,
-    log: Callable[[str], None],
-) -> list[dict[str, Any]]:
-    """Every cell of the plan on one started peer; a failing cell is recorded, not raised."""
-    pool = pool_holder[0]
-    warm_up(pool, peer, max(plan.clients + plan.batch_clients))
-    records: list[dict[str, Any]] = []
-    for size_bytes, clients, batched in cell_grid(plan):
-        began = time.monotonic()
-        try:
-            cell = run_cell(
-                pool, peer, plan, size_bytes=size_bytes, clients=clients, batched=batched
-            )
-        except Exception as exc:  # noqa: BLE001 - one failing cell must not end the run
-            message = exc.args[0] if isinstance(exc, PhaseError) else traceback.format_exc()
-            cell = [
-                {"peer": peer.name, "op": op, "mode": "batch" if batched else "single",
-                 "size_bytes": size_bytes, "clients": clients, "error": str(message)}
-                for op in ("put", "get")
-            ]
-            if pool.broken:
-                pool.close()
-                pool = pool_holder[0] = ClientPool(pool.size).start()
-        records += cell
-        log("  " + "; ".join(_describe(c) for c in cell) + f"  ({time.monotonic() - began:.1f} s)")
-    pool.forget(peer.spec())
-    return records
-
-
 def _describe(cell: dict[str, Any]) -> str:
-    where = f"{cell['mode']} {cell['size_bytes']} B x{cell['clients']} {cell['op']}"
+    where = f"{cell['peer']} {cell['op']}"
     if "error" in cell:
         return f"{where}: FAILED ({str(cell['error']).strip().splitlines()[-1]})"
-    return (f"{where}: p50 {cell['p50_us']:.0f} us, p99 {cell['p99_us']:.0f} us, "
-            f"{cell['ops_per_s']:.0f} ops/s, {cell['gb_per_s']:.3f} GB/s")
+    if cell["size_bytes"] <= 64 * KiB:
+        return f"{where} p50 {cell['p50_us']:.0f} us"
+    return f"{where} {cell['gb_per_s']:.2f} GB/s"
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -255,9 +283,7 @@ def _make_peers(
     """Factories of the peers to run, in order.
 
     The pocketflow peers use ``cluster`` if given, else a local cluster (sized for the plan's
-    live bytes) started here, before any peer runs, and stopped with ``stack``: its Ray
-    processes and idle servers then share the cores with every peer's cells alike, not only
-    with pocketflow's (the peers before pocketflow's used to run on a quieter machine).
+    live bytes) started here, before any peer, and stopped with ``stack``.
     """
     cluster_box: list[Any] = [] if cluster is None else [cluster]
 
@@ -275,8 +301,9 @@ def _make_peers(
             cluster_box.append(started)
         return cluster_box[0]
 
+    object_max_bytes = max(plan.sizes_bytes)
     factories: dict[str, Callable[[], Peer]] = {
-        "tcp": lambda: TcpPeer(object_max_bytes=max(plan.sizes_bytes)),
+        "tcp": lambda: TcpPeer(object_max_bytes=object_max_bytes),
         "redis": RedisPeer,
         "s3": S3Peer,
         "pocketflow-dram": lambda: PocketflowPeer(pocketflow_cluster(), tier="dram"),
@@ -307,7 +334,7 @@ def run(
     """
     began = time.monotonic()
     result: dict[str, Any] = {
-        "schema": 1,
+        "schema": 2,
         "mode": plan.mode,
         "date": machine.now_iso(),
         "commit": machine.git_commit(),
@@ -321,18 +348,21 @@ def run(
         },
         "peers": {},
         "cells": [],
+        "schedule": [],
     }
     with ExitStack() as stack:
         pool_size = max(plan.clients + plan.batch_clients)
-        pool = ClientPool(pool_size).start()
-        pool_holder = [pool]
+        pool_holder = [ClientPool(pool_size).start()]
         stack.callback(lambda: pool_holder[0].close())
-        log(f"{pool_size} client processes: pids {pool.pids()}")
+        log(f"{pool_size} client processes: pids {pool_holder[0].pids()}")
+        started: list[Peer] = []
+        infos: dict[str, dict[str, Any]] = {}
         for name, factory in _make_peers(peer_names, stack, plan, cluster):
             t0 = time.monotonic()
             peer: Peer | None = None
             try:
                 peer = factory()
+                stack.callback(peer.stop)
                 peer.start()
             except Exception as exc:  # noqa: BLE001 - a peer that cannot start is recorded
                 result["peers"][name] = {"error": f"did not start: {exc}"}
@@ -340,23 +370,27 @@ def run(
                 if peer is not None:
                     peer.stop()
                 continue
-            startup_s = time.monotonic() - t0
-            log(f"{name}: started in {startup_s:.1f} s")
-            info: dict[str, Any] = {"startup_s": startup_s}
-            try:
-                result["cells"] += measure_peer(pool_holder, peer, plan, log)
-            except Exception as exc:  # noqa: BLE001 - e.g. the warm-up failed; go on
-                info["error"] = f"failed: {exc}"
-                log(f"{name}: failed: {traceback.format_exc()}")
-                if pool_holder[0].broken:
-                    pool_holder[0].close()
-                    pool_holder[0] = ClientPool(pool_size).start()
-            finally:
-                result["peers"][name] = {**peer.info(), **info}
-                peer.stop()
+            infos[name] = {"startup_s": time.monotonic() - t0}
+            log(f"{name}: started in {infos[name]['startup_s']:.1f} s")
+            started.append(peer)
+        for size_bytes, clients, batched in cell_grid(plan) if started else ():
+            t0 = time.monotonic()
+            cell, schedule = run_cell(
+                pool_holder, started, plan, size_bytes=size_bytes, clients=clients,
+                batched=batched,
+            )
+            result["cells"] += cell
+            result["schedule"].append(schedule)
+            log(f"{'batch' if batched else 'single'} {size_bytes} B x{clients}: "
+                + "; ".join(_describe(c) for c in cell) + f"  ({time.monotonic() - t0:.1f} s)")
+        for peer in started:
+            result["peers"][peer.name] = {**peer.info(), **infos[peer.name]}
+            if not pool_holder[0].broken:
+                pool_holder[0].forget(peer.spec())
     result["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
     result["versions"] = _versions(result["peers"])
     result["ratios"] = report.ratios(result)
+    result["loopback_limit"] = report.loopback_fractions(result)
     result["elapsed_s"] = time.monotonic() - began
     return result
 

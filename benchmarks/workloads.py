@@ -254,6 +254,24 @@ def combine(rounds: Sequence[Sequence[PhaseResult]]) -> Figures:
     )
 
 
+ROUND_FIGURES = ("ops_per_s", "gb_per_s", "p50_us", "p99_us")
+"""The figures of one round of a phase (see :func:`round_figures`); a cell reports each as the
+median over its rounds with the spread (:mod:`benchmarks.spread`)."""
+
+
+def round_figures(results: Sequence[PhaseResult]) -> dict[str, float]:
+    """The figures of one round of a phase run by ``len(results)`` clients started together:
+    objects and decimal GB per second over the round's wall-clock window (first client's start
+    to last client's end), and p50/p99 of its operations' (or batches') latencies."""
+    figures = combine([results])
+    return {
+        "ops_per_s": figures.ops_per_s,
+        "gb_per_s": figures.gb_per_s,
+        "p50_us": figures.latency["p50_us"],
+        "p99_us": figures.latency["p99_us"],
+    }
+
+
 def all_finite_positive(values: Sequence[float]) -> bool:
     """Whether every value is a finite number above zero (the harness's sanity check)."""
     return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)

@@ -23,6 +23,7 @@ if str(REPO_ROOT) not in sys.path:  # benchmarks/ is not an installed package
 from benchmarks import compare, report  # noqa: E402
 from benchmarks.peers import weed_binary  # noqa: E402
 from benchmarks.rounds import WARMUP_ROUNDS, verified_rounds  # noqa: E402
+from benchmarks.spread import SPREAD_FIELDS  # noqa: E402
 from benchmarks.workloads import PhaseResult, combine, run_phase  # noqa: E402
 
 QUICK_RUN_SECONDS_MAX = 240.0
@@ -30,35 +31,76 @@ QUICK_RUN_SECONDS_MAX = 240.0
 
 
 def _cell(peer: str, op: str, **figures: Any) -> dict[str, Any]:
+    """A measured cell of one round: each figure its own median and whole spread."""
     base = {
         "peer": peer, "op": op, "mode": "single", "size_bytes": 1024, "clients": 1,
         "ops_per_s": 1000.0, "gb_per_s": 0.001, "p50_us": 90.0, "p99_us": 200.0,
+        "rounds": 1, "warmup_rounds": 1,
     }
-    return {**base, **figures}
+    cell = {**base, **figures}
+    names = report.FIGURE_FIELDS
+    cell["spread"] = {n: dict.fromkeys(SPREAD_FIELDS, cell[n]) for n in names}
+    cell["per_round"] = {n: [cell[n]] for n in names}
+    return cell
 
 
 def _result(cells: list[dict[str, Any]]) -> dict[str, Any]:
     result = {
         "commit": {"commit": "abc"}, "date": "2026-01-01", "machine": {"cores": 2},
-        "versions": {"pocketflow": "0"}, "plan": {"cells_planned": len(cells)},
+        "versions": {"pocketflow": "0"},
+        "plan": {"cells_planned": len(cells), "rounds_min": 1, "warmup_rounds": 1},
         "peers": {c["peer"]: {"notes": []} for c in cells}, "cells": cells,
     }
     result["ratios"] = report.ratios(result)
+    result["loopback_limit"] = report.loopback_fractions(result)
     return result
 
 
 def test_figure_problems_accepts_a_complete_result() -> None:
-    result = _result([_cell("pocketflow-dram", "put", p50_us=45.0), _cell("redis", "put")])
+    result = _result([_cell("pocketflow-dram", "put", p50_us=45.0), _cell("redis", "put"),
+                      _cell("tcp-native", "put", gb_per_s=0.004)])
     assert report.figure_problems(result) == []
-    (ratio,) = result["ratios"]
+    ratio = next(r for r in result["ratios"] if r["peer"] == "redis")
     assert ratio["p50_us"] == pytest.approx(0.5)
+    fractions = {f["peer"]: f["fraction"] for f in result["loopback_limit"]}
+    assert fractions == pytest.approx({"pocketflow-dram": 0.25, "redis": 0.25})
 
 
 @pytest.mark.parametrize("bad", [0.0, math.nan, math.inf, -1.0, None])
 def test_figure_problems_flags_a_bad_figure(bad: Any) -> None:
-    result = _result([_cell("redis", "get", p99_us=bad)])
-    (problem,) = report.figure_problems(result)
+    cell = _cell("redis", "get")
+    cell["p99_us"] = bad
+    (problem,) = report.figure_problems(_result([cell]))
     assert "p99_us" in problem
+
+
+def test_figure_problems_flags_a_figure_without_its_spread() -> None:
+    missing = _cell("redis", "get")
+    del missing["spread"]["gb_per_s"]
+    wrong = _cell("redis", "put")
+    wrong["spread"]["p50_us"] = {"min": 50.0, "q1": 60.0, "median": 70.0, "q3": 80.0, "max": 99.0}
+    short = _cell("s3", "get")
+    short["per_round"]["ops_per_s"] = []
+    problems = report.figure_problems(_result([missing, wrong, short]))
+    assert any("get 1024 B x1: gb_per_s: no spread" in p for p in problems)
+    assert any("p50_us: median 70.0 is not the figure 90.0" in p for p in problems)
+    assert any("ops_per_s: per-round values [] for 1 rounds" in p for p in problems)
+    assert len(problems) == 3
+
+
+def test_figure_problems_flags_too_few_rounds_and_skipped_warmups() -> None:
+    result = _result([_cell("redis", "get"), _cell("s3", "get", warmup_rounds=0)])
+    result["plan"]["rounds_min"] = 3
+    problems = report.figure_problems(result)
+    assert sum("1 measured rounds, at least 3 planned" in p for p in problems) == 2
+    assert any("s3" in p and "0 warm-up rounds, 1 planned" in p for p in problems)
+
+
+def test_figure_problems_flags_a_missing_loopback_fraction() -> None:
+    result = _result([_cell("redis", "get"), _cell("tcp-native", "get")])
+    result["loopback_limit"] = []
+    (problem,) = report.figure_problems(result)
+    assert "0 fractions of tcp-native, 1 cells" in problem
 
 
 def test_figure_problems_flags_failed_and_missing_cells() -> None:
@@ -159,16 +201,37 @@ def test_quick_compare_measures_every_figure(local_cluster: Any, tmp_path: Path)
     assert {c["peer"] for c in result["cells"]} == set(compare.PEER_NAMES)
     assert result["commit"]["commit"] and result["machine"]["cores"]
     assert result["versions"]["seaweedfs"] and result["versions"]["redis-server"]
+
+    # Every figure of every peer is a median over the planned rounds, with its spread.
+    plan = compare.QUICK
+    for cell in result["cells"]:
+        assert plan.rounds_min <= cell["rounds"] <= plan.rounds_max
+        assert cell["warmup_rounds"] == plan.warmup_rounds
+        for name in report.FIGURE_FIELDS:
+            summary = cell["spread"][name]
+            assert summary["min"] <= cell[name] == summary["median"] <= summary["max"]
+            assert len(cell["per_round"][name]) == cell["rounds"]
+    # The peers took turns round by round, warm-ups first, the order rotating.
+    assert len(result["schedule"]) == len(compare.cell_grid(plan))
+    for cell_schedule in result["schedule"]:
+        orders = cell_schedule["orders"]
+        assert len(orders) == plan.warmup_rounds + plan.rounds_min
+        assert all(sorted(order) == sorted(compare.PEER_NAMES) for order in orders)
+        assert len({order[0] for order in orders}) == len(orders)
+
     pairs = {(r["pocketflow"], r["peer"]) for r in result["ratios"]}
     assert pairs == {
         (pf, peer) for pf in report.POCKETFLOW_PEERS for peer in report.BASELINE_PEERS
+        if peer in compare.PEER_NAMES
     }
+    assert all(r["pairs"] == plan.rounds_min for r in result["ratios"])
     assert any(c.get("cdf_us") for c in result["cells"])
 
     on_disk = json.loads(paths[0].read_text())
     assert len(on_disk["cells"]) == result["plan"]["cells_planned"]
     summary = paths[1].read_text()
     assert "| 1 KiB | put | pocketflow-dram |" in summary
+    assert "warm-up rounds" in summary
     pngs = [p for p in paths if p.suffix == ".png"]
     assert len(pngs) == 3 and all(p.stat().st_size > 0 for p in pngs)
     assert not (tmp_path / "LATEST.md").exists()  # only a full run refreshes LATEST.md

@@ -130,3 +130,26 @@ def test_hot_servers_get_threads_before_the_cluster_gets_servers(figure10) -> No
     first_add = next(i for i, a in enumerate(actions) if a.startswith("add "))
     assert first_add > 0
     assert all(a.startswith("threads ") for a in actions[:first_add])
+
+
+def test_capacity_is_sampled_from_each_jobs_arrival_and_covered_once_it_runs(figure10) -> None:
+    for job in figure10.jobs:
+        asked = figure10.samples[job.arrive_s]
+        assert asked.demand_capacity_bytes >= job.demand.capacity_bytes
+    for sample in figure10.samples:
+        running = [j for j in figure10.jobs
+                   if j.start_s is not None and j.start_s <= sample.t_s
+                   and (j.end_s is None or sample.t_s < j.end_s)]
+        waiting = [j for j in figure10.jobs if j.arrive_s <= sample.t_s and (
+            j.start_s is None or sample.t_s < j.start_s)]
+        if running and not waiting:
+            assert sample.allocated_capacity_bytes >= sample.demand_capacity_bytes, sample
+
+
+def test_the_sizing_policy_runs_every_sizing_interval() -> None:
+    config = SimConfig(sizing_interval_s=5, duration_s=150)
+    result = simulate(FIGURE10_TRACE, config)
+    sized = [s.t_s for s in result.samples if s.action]
+    assert sized and all(t % 5 == 0 for t in sized), sized
+    with pytest.raises(ValueError):
+        SimConfig(sizing_interval_s=0)

@@ -17,8 +17,9 @@ The model: each step is one second. A storage node offers its tier's throughput 
 once its start-up delay has passed. A job asking to register is packed onto the ready, active
 nodes (:func:`pocketflow.control.packing.pack`); when it does not fit, the shortfall is launched
 and the job waits until those nodes are up (registration blocks), then it is packed again. A
-running job drives its peak throughput, spread by its weights, and fills its capacity linearly
-over its run. Every step the sizing policy (:func:`pocketflow.control.sizing.decide`) sees each
+running job drives its peak throughput, spread by its weights, and its reservation (weight x
+capacity demand) counts as used from its registration on, as the controller counts it. Every
+``sizing_interval_s`` steps the sizing policy (:func:`pocketflow.control.sizing.decide`) sees each
 node's utilization (CPU modelled as network use over the throughput its threads can drive, each
 of ``threads_max`` threads driving an equal part) and may add threads to a node, add a node, or
 drain one: a draining node takes no new jobs and exits once no running job has data on it. Allocated
@@ -80,6 +81,12 @@ class SimConfig:
     threads_start: int = 2
     threads_max: int = 4
     duration_s: int = 200
+    sizing_interval_s: int = 1
+    """How often (in steps) the sizing policy runs, as the controller's ``sizing_interval``."""
+
+    def __post_init__(self) -> None:
+        if self.sizing_interval_s < 1:
+            raise ValueError(f"sizing_interval_s must be >= 1, got {self.sizing_interval_s}")
 
 
 FIGURE10_TRACE: tuple[SimJob, ...] = (
@@ -114,6 +121,10 @@ class Sample:
     nodes_starting: int
     nodes_draining: int
     action: str
+    demand_capacity_bytes: int = 0
+    """Capacity the jobs demand (their hints), from when each asks to register."""
+    allocated_capacity_bytes: int = 0
+    """Capacity of the nodes that are up, draining or not."""
 
 
 @dataclass(frozen=True)
@@ -257,11 +268,12 @@ class _Cluster:
         used: dict[str, float] = {}
         for job in self._running(t):
             assert job.allocation is not None and job.start_s is not None
-            fill = min((t - job.start_s + 1) / max(job.spec.run_s, 1), 1.0)
             throughput, capacity = job.demand.throughput_bytes_per_s, job.demand.capacity_bytes
             for p in job.allocation.placements:
                 net[p.node_id] = net.get(p.node_id, 0.0) + p.weight * throughput
-                used[p.node_id] = used.get(p.node_id, 0.0) + p.weight * capacity * fill
+                # A job's reservation counts as used from its registration on, as the
+                # controller's sizing loop counts it (a fresh job must not look idle).
+                used[p.node_id] = used.get(p.node_id, 0.0) + p.weight * capacity
         samples = []
         for node in self.nodes:
             if not node.up(t):
@@ -288,6 +300,8 @@ class _Cluster:
         return samples
 
     def _size(self, t: int) -> str:
+        if t % self.config.sizing_interval_s:
+            return ""
         pending: dict[str, int] = {}
         for node in self.nodes:
             if node.ready_s > t:
@@ -324,6 +338,13 @@ class _Cluster:
             nodes_starting=sum(1 for n in self.nodes if n.ready_s > t),
             nodes_draining=sum(1 for n in up if n.draining),
             action=action,
+            # From the moment a job asks to register (a registration waiting for launched
+            # nodes demands its capacity already).
+            demand_capacity_bytes=sum(
+                j.demand.capacity_bytes for j in self.jobs
+                if j.spec.arrive_s <= t and j.end_s is None
+            ),
+            allocated_capacity_bytes=sum(spec.tier(n.tier).capacity_bytes for n in up),
         )
 
 

@@ -32,7 +32,7 @@ from pocketflow.hints import Hints
 from pocketflow.job import Job, register_job
 from pocketflow.processes import ProcessRef, children, descendants, terminate, wait_gone
 from pocketflow.protocol import BLOCK_SIZE_MAX_BYTES
-from pocketflow.tls import make_cluster_ca, read_ca
+from pocketflow.tls import cluster_ca_name, make_cluster_ca, read_ca
 
 if TYPE_CHECKING:
     from pocketflow.control.launcher import LaunchSpec
@@ -221,7 +221,7 @@ class LocalCluster:
             )
             write_secret_file(self.secret_file)
             if self._tls:
-                make_cluster_ca(self.work_dir / "tls")
+                make_cluster_ca(self.work_dir / "tls", name=cluster_ca_name(self.work_dir.name))
             self._start_ray()
             self._start_actors()
         except BaseException:

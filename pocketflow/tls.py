@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,8 +61,17 @@ def _key_pem(key: object) -> bytes:
     )
 
 
-def make_cluster_ca(tls_dir: Path, *, name: str = "pocketflow cluster CA") -> Path:
-    """Make a CA in ``tls_dir`` (``ca.pem``, ``ca.key``); returns the ``ca.pem`` path."""
+def cluster_ca_name(cluster_id: str | None = None) -> str:
+    """The subject name of a cluster's CA: ``pocketflow cluster CA <cluster_id>`` (a random id
+    without one). Each cluster's CA has a name of its own, so that a client holding another
+    cluster's CA is told the server's certificate is not signed by the CA it trusts (a TLS
+    library looks the issuer up by name: two CAs of one name read as a bad signature)."""
+    return f"pocketflow cluster CA {cluster_id or secrets.token_hex(8)}"
+
+
+def make_cluster_ca(tls_dir: Path, *, name: str | None = None) -> Path:
+    """Make a CA in ``tls_dir`` (``ca.pem``, ``ca.key``) named ``name`` (default
+    :func:`cluster_ca_name` with a random id); returns the ``ca.pem`` path."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -70,7 +80,7 @@ def make_cluster_ca(tls_dir: Path, *, name: str = "pocketflow cluster CA") -> Pa
     tls_dir = Path(tls_dir)
     tls_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name or cluster_ca_name())])
     now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()

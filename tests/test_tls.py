@@ -110,6 +110,27 @@ def test_a_client_that_trusts_another_ca_is_refused(
             pf.put("b", "k", b"v")
 
 
+@pytest.mark.parametrize("small_ops", TRANSPORTS)
+def test_another_clusters_ca_is_named_apart_and_refused_as_such(
+    tls_servers: ServerSet, tmp_path: Path, small_ops: str
+) -> None:
+    """Issue 29 item 8: two clusters' CAs made the same way have names of their own, so a
+    client holding the other cluster's CA gets the documented error, not a bad signature."""
+    make_cluster_ca(tmp_path)
+    handle = dataclasses.replace(tls_servers.handle(), tls_ca=read_ca(tmp_path))
+    assert _ca_subject(handle.tls_ca) != _ca_subject(tls_servers.tls_ca)
+    with connect(handle, small_ops=small_ops, **CLIENT_OPTIONS) as pf:
+        with pytest.raises(TlsError, match="not signed by the trusted CA"):
+            pf.put("b", "k", b"v")
+
+
+def _ca_subject(pem: str | None) -> str:
+    from cryptography import x509
+
+    assert pem is not None
+    return x509.load_pem_x509_certificate(pem.encode()).subject.rfc4514_string()
+
+
 def _refusal_of_a_server_with(
     servers: ServerSet, secret_file: Path, node_id: str, host: str,
     **cert_times: datetime.datetime,

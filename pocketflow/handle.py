@@ -8,15 +8,16 @@ The *weight map* is the part of the handle that changes when the controller resi
 
     {"epoch": 2, "servers": [["dram-0", "127.0.0.1:40123", "dram", 1.0, 1], ...]}
 
-with one ``[node_id, address, tier, weight, persist]`` row per server, and, once the job has lost
-a server to a failure, ``"lost": [[node_id, address], ...]`` (the servers declared dead while
-they were in the job's map, at most :data:`LOST_SERVERS_MAX`, oldest dropped first): a key that
-no live server of the map holds may have been on one of them, so reads raise ``DataUnavailable``
-instead of ``ObjectNotFound``. The controller passes the map to ``set_epoch``; a server that sees
-an older epoch returns it in its ``stale_epoch`` error and the client applies it with
-:meth:`JobHandle.with_weight_map`. Weights are rounded to :data:`WEIGHT_SIGNIFICANT_DIGITS`
-digits when a :class:`ServerInfo` is built, so a handle placed from memory and the same handle
-read back from JSON place every key identically.
+with one ``[node_id, address, tier, weight, persist]`` row per server; ``"suspects": [node_id,
+...]`` names servers of the map that hang (the controller gave them weight 0); and, once the job
+has lost a server to a failure, ``"lost": [[node_id, address], ...]`` (the servers declared
+dead while they were in the job's map, at most :data:`LOST_SERVERS_MAX`, oldest dropped first):
+a key that no live server of the map holds may have been on one of them, so reads raise
+``DataUnavailable`` instead of ``ObjectNotFound``. The controller passes the map to
+``set_epoch``; a server that sees an older epoch returns it in its ``stale_epoch`` error and the
+client applies it with :meth:`JobHandle.with_weight_map`. Weights are rounded to
+:data:`WEIGHT_SIGNIFICANT_DIGITS` digits when a :class:`ServerInfo` is built, so a handle placed
+from memory and the same handle read back from JSON place every key identically.
 
 A map may also route prefixes of the job's keys (:class:`Routes`)::
 
@@ -227,6 +228,15 @@ class Routes:
 NO_ROUTES = Routes()
 
 
+def _suspects_from_map(weight_map: Any) -> tuple[str, ...]:
+    """The ``"suspects"`` of a weight map (node ids), checked."""
+    suspects = weight_map.get("suspects", ()) if isinstance(weight_map, dict) else ()
+    if not isinstance(suspects, (list, tuple)) or len(suspects) > SERVERS_MAX or not all(
+            isinstance(n, str) for n in suspects):
+        raise InvalidRequest(f"malformed weight map: suspects {suspects!r:.200}")
+    return tuple(suspects)
+
+
 def _servers_from_map(
     weight_map: Any,
 ) -> tuple[int, tuple[ServerInfo, ...], tuple[LostServer, ...], Routes]:
@@ -261,6 +271,9 @@ class JobHandle:
     the servers speak plaintext (an embedded cluster on loopback without ``tls=True``)."""
     routes: Routes = NO_ROUTES
     """Prefixes placed over a pool of servers of their own (granted DRAM, or spilled)."""
+    suspects: tuple[str, ...] = ()
+    """Servers of the map that are hung (running but not answering): the controller gave them
+    weight 0, so new keys go elsewhere; they keep what they hold (see docs/ARCHITECTURE.md)."""
 
     def __post_init__(self) -> None:
         if not self.job_id or len(self.job_id.encode()) > JOB_ID_MAX_BYTES:
@@ -285,13 +298,16 @@ class JobHandle:
         }
         if self.lost:
             weight_map["lost"] = [s.to_row() for s in self.lost]
+        if self.suspects:
+            weight_map["suspects"] = list(self.suspects)
         return self.routes.add_to(weight_map)
 
     def with_weight_map(self, weight_map: dict[str, Any]) -> JobHandle:
         """This handle with another epoch, servers and routes (from ``set_epoch`` or
         ``stale_epoch``)."""
         epoch, servers, lost, routes = _servers_from_map(weight_map)
-        return dataclasses.replace(self, epoch=epoch, servers=servers, lost=lost, routes=routes)
+        return dataclasses.replace(self, epoch=epoch, servers=servers, lost=lost, routes=routes,
+                                   suspects=_suspects_from_map(weight_map))
 
     def updated_by(self, newer: JobHandle) -> JobHandle:
         """This handle after ``newer``, a later handle of the same job (a renewed token, a newer
@@ -322,6 +338,8 @@ class JobHandle:
         }
         if self.lost:
             doc["lost"] = [s.to_row() for s in self.lost]
+        if self.suspects:
+            doc["suspects"] = list(self.suspects)
         if self.tls_ca is not None:
             doc["tls_ca"] = self.tls_ca
         return _dumps(self.routes.add_to(doc))
@@ -342,6 +360,7 @@ class JobHandle:
                 lost=lost,
                 tls_ca=str(doc["tls_ca"]) if doc.get("tls_ca") is not None else None,
                 routes=routes,
+                suspects=_suspects_from_map(doc),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, InvalidRequest):

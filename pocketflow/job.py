@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
@@ -19,7 +20,13 @@ from pocketflow.control.plane import (
     connect_control_plane,
     last_started,
 )
-from pocketflow.errors import ConfigError, InvalidRequest, JobNotRegistered, PocketflowError
+from pocketflow.errors import (
+    ClusterError,
+    ConfigError,
+    InvalidRequest,
+    JobNotRegistered,
+    PocketflowError,
+)
 from pocketflow.hints import Hints
 from pocketflow.prefixes import (
     PREFIX_LEASE_MS_DEFAULT,
@@ -35,6 +42,22 @@ if TYPE_CHECKING:
     from pocketflow.handle import JobHandle
 
 log = logging.getLogger(__name__)
+
+RENEW_RETRY_FIRST_S = 0.25
+"""Pause before retrying a failed lease renewal (doubled for each further failure)."""
+
+RENEW_BACKOFF_MAX_S = 2.0
+"""Longest pause between two renewal attempts while they fail, unless a third of the lease is
+longer (the controller's ``RESTORED_LEASE_GRACE_S`` must exceed it)."""
+
+RENEW_FAILURE_LOG_INTERVAL_S = 30.0
+"""How often a driver whose lease renewals keep failing says so."""
+
+REGISTER_RETRY_S = 60.0
+"""How long a registration is retried while the controller does not answer (it restarts)."""
+
+REGISTER_RETRY_PAUSE_MAX_S = 2.0
+"""Longest pause between two attempts of a registration."""
 
 class Job:
     """A registered job: its handle, a way to connect, and deregistration.
@@ -315,10 +338,14 @@ def register_job(
     in this process, or the pocketflow controller of the Ray cluster at ``$RAY_ADDRESS`` (default
     ``"auto"``, e.g. one started by ``pocketflow up --local``).
 
-    While the job is registered, a background thread of this process renews its lease with the
-    controller every ``lease_ms / 3``; if this process dies, the lease runs out and the controller
-    deregisters the job (freeing its non-PERSIST data) within about ``lease_ms`` plus one monitor
-    pass. ``lease_ms=None`` takes no lease: the job then lives until it is deregistered.
+    The job's lease starts with its registration, and while the job is registered a background
+    thread of this process renews it with the controller every ``lease_ms / 3`` (with backoff
+    while the controller does not answer, for as long as the job lives); if this process dies,
+    the lease runs out and the controller deregisters the job (freeing its non-PERSIST data)
+    within about ``lease_ms`` plus one monitor pass. ``lease_ms=None`` takes no lease: the job
+    then lives until it is deregistered. A registration that fails because the controller is
+    restarting is retried (``REGISTER_RETRY_S``) under the same request id, so it registers one
+    job, never two.
     ``prefix_lease_ms`` is the lease of the prefixes the job declares (:meth:`Job.declare`).
     """
     coerced = Hints.coerce(hints)
@@ -326,8 +353,31 @@ def register_job(
         check_lease_ms(lease_ms)  # before registering: a refused lease leaves no job behind
     check_prefix_lease_ms(prefix_lease_ms)
     control = _resolve_control_plane(cluster)
-    handle = control.register(name, coerced.to_dict())
+    handle = _register(control, name, coerced, lease_ms=lease_ms)
     return Job(handle, control, lease_ms=lease_ms, prefix_lease_ms=prefix_lease_ms)
+
+
+def _register(
+    control: ControlPlane, name: str, hints: Hints, *, lease_ms: int | None
+) -> JobHandle:
+    """Register with a request id of its own, retried while the controller does not answer
+    (``ClusterError``: it crashed and Ray restarts it) for ``REGISTER_RETRY_S``: a restarted
+    controller that took the job back from its log answers the retry with that job instead of
+    registering another, and one whose log never got it registers it now. The job's lease is
+    given with the registration, so a job whose driver never learnt of it ends with its lease.
+    """
+    request_id = uuid.uuid4().hex
+    deadline_s = time.monotonic() + REGISTER_RETRY_S
+    pause_s = RENEW_RETRY_FIRST_S
+    while True:
+        try:
+            return control.register(name, hints, request_id=request_id, lease_ms=lease_ms)
+        except ClusterError as exc:
+            if time.monotonic() + pause_s > deadline_s:
+                raise
+            log.warning("registering job %s failed (%s); trying again", name, exc)
+        time.sleep(pause_s)
+        pause_s = min(pause_s * 2, REGISTER_RETRY_PAUSE_MAX_S)
 
 
 def _declared_size(prefix: str, size: int | str | None) -> int | None:
@@ -351,31 +401,46 @@ def _renew_lease(
     control: ControlPlane, job_id: str, lease_ms: int, stop: threading.Event,
     renew_token: Callable[[], None],
 ) -> None:
-    """Renew a job's lease every third of ``lease_ms`` until ``stop`` is set or the job is gone,
-    and after each renewal ``renew_token`` (which renews the job's token when half of its life
-    is gone).
+    """Renew a job's lease every third of ``lease_ms`` until ``stop`` is set or the job is gone
+    (``JobNotRegistered``), and after each renewal ``renew_token`` (which renews the job's token
+    when half of its life is gone).
 
-    Each renewal is one bounded controller call; a failed one is logged and retried at the next
-    turn, so two may fail before the lease runs out. Once no renewal succeeded for a whole lease
-    (the controller is gone, or the lease ran out and the job is being cleaned up), the thread
-    gives up.
+    Each renewal is one bounded controller call. A failed one (the controller restarts, or its
+    restore waits for the ``Metadata`` actor) is retried after ``RENEW_RETRY_FIRST_S``, then
+    twice as long each time, at most a third of the lease or ``RENEW_BACKOFF_MAX_S`` whichever is
+    longer, for as long as the job lives: a restarted controller gives the job's lease back for
+    at least ``RESTORED_LEASE_GRACE_S``, longer than any of these pauses, so the first renewal
+    that reaches it keeps the job.
     """
-    last_ok_s = time.monotonic()
+    period_s = lease_ms / 3000.0
+    pause_max_s = max(period_s, RENEW_BACKOFF_MAX_S)
+    failing_since_s: float | None = None
+    logged_s = 0.0
+    pause_s = period_s
     while not stop.is_set():
         try:
             control.renew_lease(job_id, lease_ms)
-            last_ok_s = time.monotonic()
             renew_token()
         except JobNotRegistered:
             return
         except Exception as exc:
-            if time.monotonic() - last_ok_s >= lease_ms / 1000.0:
-                log.warning("job %s: no lease renewal for %d ms (%s); giving up", job_id,
-                            lease_ms, exc)
-                return
-            log.warning("renewing the lease of job %s failed: %s", job_id, exc)
-        stop.wait(lease_ms / 3000.0)
-
+            now_s = time.monotonic()
+            if failing_since_s is None:
+                failing_since_s = now_s
+                pause_s = min(RENEW_RETRY_FIRST_S, period_s)
+            else:
+                pause_s = min(pause_s * 2, pause_max_s)
+            if now_s - logged_s >= RENEW_FAILURE_LOG_INTERVAL_S:
+                logged_s = now_s
+                log.warning("renewing the lease of job %s failed for %.1f s (%s); trying again",
+                            job_id, now_s - failing_since_s, exc)
+        else:
+            if failing_since_s is not None:
+                log.warning("job %s: its lease is renewed again after %.1f s", job_id,
+                            time.monotonic() - failing_since_s)
+            failing_since_s = None
+            pause_s = period_s
+        stop.wait(pause_s)
 
 
 def _resolve_control_plane(cluster: Any) -> ControlPlane:

@@ -4,6 +4,8 @@ real storage servers under ``StorageNode`` objects of this process, and the role
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from pocketflow.control.allocator import Allocator
 from pocketflow.control.draining import Drainer
 from pocketflow.control.epochs import Epochs
 from pocketflow.control.hints import demand_from_hints
+from pocketflow.control.job_ends import JobEnds
 from pocketflow.control.job_leases import JobLeases
 from pocketflow.control.job_table import JobRecord, JobTable
 from pocketflow.control.membership import Membership
@@ -68,6 +71,9 @@ class Roles:
     drainer: Drainer
     admin: AdminTokens
     nodes: DirectNodes
+    ends: JobEnds
+    retry_admin: AdminTokens
+    """The monitor thread's admin connections (retries)."""
     lock: threading.RLock = field(default_factory=threading.RLock)
     started: list[StorageNode] = field(default_factory=list)
 
@@ -106,19 +112,23 @@ def roles(
         cluster_spec=allocator_options.get("cluster_spec"), launcher=None,
         register_timeout_s=10.0, add_server=membership.add,
     )
-    epochs = Epochs(jobs, allocator, grants, admin=admin, call_metadata=calls)
+    epochs = Epochs(jobs, allocator, grants, membership, admin=admin, call_metadata=calls)
+    retry_admin = AdminTokens(secret_file, timeout_s=ADMIN_TIMEOUT_S)
+    ends = JobEnds(membership, admin=admin, retry_admin=retry_admin, call_metadata=calls)
     routes = PrefixRoutes(grants, jobs, membership, allocator, epochs, wake=changed.notify_all)
     drainer = Drainer(membership, jobs, epochs, allocator, admin=admin, nodes=nodes)
     built = Roles(
         secret_file=secret_file, metadata=metadata, membership=membership, jobs=jobs,
         leases=JobLeases(calls), allocator=allocator, epochs=epochs, routes=routes,
-        drainer=drainer, admin=admin, nodes=nodes, lock=lock,
+        drainer=drainer, admin=admin, nodes=nodes, lock=lock, ends=ends,
+        retry_admin=retry_admin,
     )
     try:
         yield built
     finally:
         built.leases.close()
         admin.close()
+        retry_admin.close()
         for node in built.started:
             node.stop()
 
@@ -137,3 +147,26 @@ def register(built: Roles, name: str, hints: dict[str, Any] | None = None) -> Jo
     built.metadata.put_job(record.to_metadata())
     built.jobs.put(record)
     return handle
+
+
+STOP_WAIT_S = 10.0
+"""How long :func:`sigstop` waits for every thread of the process to be stopped."""
+
+
+def sigstop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped (a thread running on another
+    core when the signal is sent may otherwise still answer a request sent right after)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while not all(_thread_state(pid, task) in ("T", "t", None)
+                  for task in os.listdir(f"/proc/{pid}/task")):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.01)
+
+
+def _thread_state(pid: int, task: str) -> str | None:
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None  # the thread ended

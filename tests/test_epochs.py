@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
-from control_roles import register, roles
+from control_roles import ADMIN_TIMEOUT_S, register, roles, sigstop
+from fixtures_cluster import keys_on
 
 from pocketflow.client import connect
 from pocketflow.cluster import LocalCluster
+from pocketflow.control.epochs import SET_EPOCH_RETRY_FIRST_S, Epochs
 from pocketflow.control.repair import REPAIR_RETRY_S, Repairer
-from pocketflow.handle import LostServer
+from pocketflow.errors import StaleEpoch
+from pocketflow.handle import JobHandle, LostServer
 
 
 def test_a_growing_job_moves_to_a_new_epoch_and_old_data_stays_readable(
@@ -140,3 +145,85 @@ def test_a_share_no_server_had_room_for_is_placed_once_one_has(
             pf.create_bucket("b")
             pf.put("b", "k", b"v")
             assert pf.get("b", "k") == b"v"
+
+
+def test_a_server_that_misses_a_new_epoch_is_told_again_until_it_confirms(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """A server stopped (SIGSTOP) while its job moves to a new epoch does not confirm it; the
+    retry (the monitor loop's ``due``/``send``/``settle``) tells it once it runs again, so a
+    client holding the old map is sent the new one by that server too."""
+    _, secret_file = cluster_secret_file
+    with roles(secret_file) as built:
+        built.start("uc-0")
+        stopped = built.start("uc-1")
+        handle = register(built, "unconfirmed")
+        sigstop(stopped.server_pid)
+        try:
+            with built.lock:
+                built.epochs.move(handle.job_id, handle.servers)
+            assert built.epochs.unconfirmed() == {handle.job_id: ["uc-1"]}
+            time.sleep(SET_EPOCH_RETRY_FIRST_S)
+            with built.lock:
+                due = built.epochs.due()
+            confirmed, failed = Epochs.send(due, built.retry_admin)
+            assert (confirmed, failed) == ([], ["uc-1"])
+            with built.lock:
+                built.epochs.settle(confirmed, failed)
+        finally:
+            os.kill(stopped.server_pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while built.epochs.unconfirmed():
+            assert time.monotonic() < deadline, "the stopped server never confirmed"
+            time.sleep(0.2)
+            with built.lock:
+                due = built.epochs.due()
+            confirmed, failed = Epochs.send(due, built.retry_admin)
+            with built.lock:
+                built.epochs.settle(confirmed, failed)
+        # The server holds the new epoch: a write with the old map is told it.
+        with pytest.raises(StaleEpoch):
+            built.admin.client(stopped.address).set_epoch(
+                handle.job_id, handle.epoch, handle.weight_map())
+
+
+def test_a_suspect_gets_weight_zero_and_its_weight_back_without_being_called(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """``suspend`` moves a job off a hung server (weight 0, listed in ``suspects``) without
+    waiting on it; ``resume`` gives the weight back once it answers."""
+    _, secret_file = cluster_secret_file
+    with roles(secret_file) as built:
+        built.start("sp-0")
+        hung = built.start("sp-1")
+        handle = register(built, "suspended")
+        weight = next(s.weight for s in handle.servers if s.node_id == "sp-1")
+        assert weight > 0
+        sigstop(hung.server_pid)
+        try:
+            built.membership.mark_suspect("sp-1")
+            started = time.monotonic()
+            with built.lock:
+                assert built.epochs.suspend("sp-1") == [handle.job_id]
+                assert built.epochs.suspend("sp-1") == []  # listed already
+            assert time.monotonic() - started < ADMIN_TIMEOUT_S, "suspend waited on the suspect"
+            now = built.jobs.record(handle.job_id).handle
+            assert now.suspects == ("sp-1",)
+            entry = next(s for s in now.servers if s.node_id == "sp-1")
+            assert entry.weight == 0 and not entry.persist
+            assert any(s.weight > 0 for s in now.servers)
+            on, _ = keys_on(now, "sp-1", on_min=0)
+            assert on == [], "new keys still go to the suspect"
+            assert built.metadata.get_job(handle.job_id)["held_weights"] == {
+                "sp-1": [weight, False]}
+            assert built.epochs.unconfirmed() == {handle.job_id: ["sp-1"]}
+        finally:
+            os.kill(hung.server_pid, signal.SIGCONT)
+        built.membership.heartbeat("sp-1", {})
+        with built.lock:
+            assert built.epochs.resume("sp-1") == [handle.job_id]
+        back = built.jobs.record(handle.job_id).handle
+        assert back.suspects == () and back.epoch == now.epoch + 1
+        assert next(s.weight for s in back.servers if s.node_id == "sp-1") == weight
+        assert built.epochs.unconfirmed() == {}
+        assert JobHandle.from_json(back.to_json()) == back

@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from control_roles import start_node
+from control_roles import sigstop, start_node
 
 from pocketflow.control.admin import AdminTokens
 from pocketflow.control.failure_detector import FailureDetector
@@ -34,7 +34,7 @@ def test_silent_servers_are_alive_suspect_or_gone_by_what_they_do(
             members.add(info, node)
         (_, ok), (_, stopped), (_, killed) = started
         time.sleep(DEAD_AFTER_S * 2)  # no heartbeats outside Ray: every server is silent
-        os.kill(stopped.server_pid, signal.SIGSTOP)
+        sigstop(stopped.server_pid)
         os.kill(killed.server_pid, signal.SIGKILL)
         assert not wait_gone([killed.server_process()], timeout_s=10)
         assert set(detector.silent()) == {"fd-ok", "fd-stopped", "fd-killed"}

@@ -93,11 +93,16 @@ def test_registrations_are_logged_by_the_metadata_actor(local_cluster: LocalClus
         record = ray.get(metadata.get_job.remote(job.job_id))
         assert record["hints"]["data_size_bytes"] == 1024 * 1024
         assert record["weight_map"] == job.handle.weight_map()
-        # The lease the driver started is logged too, for a restarted controller.
-        assert wait_for(lambda: "lease_ms" in ray.get(metadata.get_job.remote(job.job_id)))
+        # The lease the registration started is logged with the job, for a restarted
+        # controller (issue 29 item 7), and the driver's renewals do not log it again.
+        assert record["lease_ms"] == LEASE_MS_DEFAULT
     ops = [op for op in ray.get(metadata.ops.remote()) if op["job_id"] == job.job_id]
-    assert [op["op"] for op in ops] == ["register_job", "update_job", "deregister_job"]
-    assert ops[1]["fields"] == {"lease_ms": LEASE_MS_DEFAULT}
+    # The deregistration logs the servers that must confirm the job's end, and the end once
+    # they all did (issue 29 item 3).
+    assert [op["op"] for op in ops] == ["register_job", "deregister_job", "job_ending"]
+    assert ops[0]["record"]["lease_ms"] == LEASE_MS_DEFAULT
+    assert ops[1]["ending"] == sorted(s["node_id"] for s in local_cluster.status()["servers"])
+    assert ops[2]["ending"] == []
 
 
 def test_job_ids_are_unique(local_cluster: LocalCluster) -> None:

@@ -80,11 +80,17 @@ def test_lease_lengths_are_logged_once_and_a_run_out_lease_is_due(tmp_path: Path
         assert leases.due(now_s=now + 0.3) == ["a-000001"]
         leases.release("a-000001")
         assert leases.due(now_s=now + 0.3) == [] and leases.get("a-000001") is None
-        # A restored lease runs from the restore, and counts as logged.
-        leases.restore("a-000001", lease_ms=200, now_s=now + 1)
+        # A lease started with its registration (or taken back after a restart) runs from then,
+        # and counts as logged; one taken back lasts its grace at least.
+        leases.start("a-000001", lease_ms=200, now_s=now + 1)
         assert leases.due(now_s=now + 1.1) == [] and leases.due(now_s=now + 1.3) == ["a-000001"]
+        leases.start("a-000001", lease_ms=200, now_s=now + 1, at_least_s=5.0)
+        assert leases.due(now_s=now + 5.9) == [] and leases.due(now_s=now + 6.1) == ["a-000001"]
+        time.sleep(0.1)
+        assert len(metadata.ops()) == logged, "a started lease was logged again"
+        leases.release("a-000001")
         for index in range(LEASE_EXPIRIES_PER_PASS_MAX + 2):
-            leases.restore(f"b-{index:06d}", lease_ms=100, now_s=now)
+            leases.start(f"b-{index:06d}", lease_ms=100, now_s=now)
         assert len(leases.due(now_s=now + 5)) == LEASE_EXPIRIES_PER_PASS_MAX
     finally:
         leases.close()

@@ -157,6 +157,26 @@ def test_the_log_is_compacted_past_its_bound(tmp_path: Path) -> None:
     assert again.put_job(_record("z-000099")) == last_seq + 1
 
 
+def test_pending_job_ends_are_logged_replayed_and_compacted(tmp_path: Path) -> None:
+    """A job removed with the servers that must still confirm its end keeps them in the log
+    until they do, across a restart and a compaction."""
+    path = tmp_path / "metadata.log"
+    metadata = Metadata(path, compact_records_max=5)
+    metadata.put_job(_record("a-000001"))
+    metadata.put_job(_record("b-000002"))
+    metadata.remove_job("a-000001", False, ["dram-1", "dram-0"])
+    metadata.remove_job("b-000002", False, [])
+    assert metadata.endings() == {"a-000001": ["dram-0", "dram-1"]}
+    metadata.update_ending("a-000001", ["dram-1"])  # the fifth record: compacted
+    assert metadata.log_info()["records"] == 1
+    metadata.close()
+    again = Metadata(path)
+    assert again.endings() == {"a-000001": ["dram-1"]} and again.jobs() == []
+    again.update_ending("a-000001", [])
+    again.close()
+    assert Metadata(path).endings() == {}
+
+
 def test_remove_job_with_missing_ok_is_idempotent(tmp_path: Path) -> None:
     metadata = Metadata(tmp_path / "metadata.log")
     metadata.put_job(_record("a-000001"))

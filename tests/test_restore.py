@@ -38,7 +38,8 @@ def test_fresh_roles_take_back_jobs_leases_and_servers_and_move_jobs_off_the_gon
             with after.lock:
                 restored = restore(
                     init, membership=after.membership, jobs=after.jobs, leases=after.leases,
-                    routes=after.routes, epochs=after.epochs, add_server=after.membership.add,
+                    routes=after.routes, epochs=after.epochs, ends=after.ends,
+                    add_server=after.membership.add,
                 )
             assert restored == {"servers": ["rs-0"], "jobs": [handle.job_id],
                                 "leases": {handle.job_id: LEASE_MS}, "grants": 0}

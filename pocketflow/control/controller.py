@@ -29,14 +29,17 @@ from pocketflow.control.failure_detector import (
     FailureDetector,
 )
 from pocketflow.control.hints import demand_from_hints
+from pocketflow.control.job_ends import JobEnds
 from pocketflow.control.job_leases import JobLeases
 from pocketflow.control.job_table import (
     TOKEN_TTL_S_DEFAULT,
     JobRecord,
     JobTable,
     validate_job_name,
+    validate_request_id,
 )
 from pocketflow.control.launcher import Launcher, LaunchSpec
+from pocketflow.control.leases import check_lease_ms
 from pocketflow.control.membership import Membership
 from pocketflow.control.metadata_calls import MetadataCalls
 from pocketflow.control.nodes import RayNodes
@@ -175,7 +178,16 @@ class Controller:
             add_server=self.add_server,
         )
         self._epochs = Epochs(
-            self._jobs, self._allocator, grants, admin=self._admin, call_metadata=self._metadata
+            self._jobs, self._allocator, grants, self._membership,
+            admin=self._admin, call_metadata=self._metadata,
+        )
+        # Used only by the monitor thread: the retries of set_epoch and of job ends.
+        self._monitor_admin = AdminTokens(
+            Path(secret_file), timeout_s=ADMIN_CALL_TIMEOUT_S, tls_dir=tls_dir
+        )
+        self._ends = JobEnds(
+            self._membership, admin=self._admin, retry_admin=self._monitor_admin,
+            call_metadata=self._metadata,
         )
         self._routes = PrefixRoutes(
             grants, self._jobs, self._membership, self._allocator, self._epochs,
@@ -206,7 +218,8 @@ class Controller:
             with self._lock:
                 self._restored = restore(
                     init, membership=self._membership, jobs=self._jobs, leases=self._leases,
-                    routes=self._routes, epochs=self._epochs, add_server=self.add_server,
+                    routes=self._routes, epochs=self._epochs, ends=self._ends,
+                    add_server=self.add_server,
                     launched=self._allocator.launched, end_node=self._nodes.stop_and_kill,
                 )
                 if self._scaler is not None:
@@ -231,6 +244,9 @@ class Controller:
         """
         with self._lock:
             self._membership.add(info, node)
+            # A server that joins (or is back under its node id) learns every live job's map
+            # that names it.
+            self._epochs.resync(info.node_id)
         self._nodes.start_heartbeats(node, self._heartbeat_interval_ms)
 
     def knows_server(self, node_id: str) -> bool:
@@ -327,28 +343,91 @@ class Controller:
             self._nodes.stop(node, node_id)
         return moved
 
+    def reroute_suspects(self) -> dict[str, list[str]]:
+        """Move the jobs of every suspect server (hung: silent, not answering, its process
+        running) to a new epoch where it has weight 0 and is listed in ``suspects``, and those
+        of a suspect that answers again (or whose jobs' maps name it from before a restart) to
+        one that gives its weight back. Runs in the monitor loop; returns ``{"suspended":
+        [job ids], "resumed": [job ids]}``."""
+        suspended: list[str] = []
+        resumed: list[str] = []
+        with self._lock:
+            suspects = set(self._membership.suspects())
+            listed = {n for record in self._jobs.records() for n in record.handle.suspects}
+            for node_id in sorted(suspects):
+                if node_id in self._membership:
+                    suspended += self._epochs.suspend(node_id)
+            for node_id in sorted(listed - suspects):
+                if node_id in self._membership:
+                    resumed += self._epochs.resume(node_id)
+        return {"suspended": suspended, "resumed": resumed}
+
+    def confirm_epochs(self) -> int:
+        """Retry the ``set_epoch`` calls that servers have not confirmed (each server on its
+        own deadline, without the lock); returns how many were confirmed now."""
+        with self._lock:
+            due = self._epochs.due()
+        if not due:
+            return 0
+        confirmed, failed = Epochs.send(due, self._monitor_admin)
+        with self._lock:
+            self._epochs.settle(confirmed, failed)
+        return len(confirmed)
+
     # -- jobs -------------------------------------------------------------------------------
 
-    def register_job(self, name: str, hints: dict[str, Any]) -> JobHandle:
-        """Register a job: allocate its servers, tell them its epoch, return its handle.
+    def register_job(
+        self,
+        name: str,
+        hints: dict[str, Any],
+        request_id: str | None = None,
+        lease_ms: int | None = None,
+    ) -> JobHandle:
+        """Register a job: allocate its servers, log it, tell them its epoch, return its handle.
 
-        ``hints`` is :meth:`pocketflow.Hints.to_dict` output.
+        ``hints`` is :meth:`pocketflow.Hints.to_dict` output. ``request_id`` names the
+        request: a registered job registered by the same request id is returned as it is (the
+        driver retries a registration whose answer it did not get, e.g. when this actor crashed
+        after logging it and a restarted instance took it back). With ``lease_ms`` the job's
+        lease starts now and is logged with the job, so a job whose driver never got its handle
+        (or died before its first renewal) ends when the lease runs out, also after a restart.
         """
         validate_job_name(name)
+        validate_request_id(request_id)
+        if lease_ms is not None:
+            check_lease_ms(lease_ms)
         with self._lock:
+            if request_id is not None:
+                found = self._jobs.by_request(request_id)
+                if found is not None:
+                    log.info("registration %s was answered already: job %s", request_id,
+                             found.handle.job_id)
+                    return found.handle
             job_id = self._jobs.new_job_id(name)
             demand = demand_from_hints(hints, self._allocator.spec())
             servers = self._allocator.server_infos(self._allocator.pack_new(demand))
             handle = self._jobs.new_handle(job_id, name, servers)
-            self._epochs.announce(handle)
             record = JobRecord(
                 handle=handle,
                 hints=dict(hints),
                 registered_at_unix_s=time.time(),
                 demand=demand.to_dict(),
+                request_id=request_id,
             )
-            self._metadata("put_job", record.to_metadata())
+            # Logged first, with its lease: a crash from here on leaves a job that a restarted
+            # instance takes back, with a lease that ends it unless its driver renews it.
+            logged = record.to_metadata()
+            if lease_ms is not None:
+                logged["lease_ms"] = lease_ms
+            self._metadata("put_job", logged)
+            try:
+                self._epochs.announce(handle)
+            except PocketflowError:
+                self._metadata("remove_job", job_id, True)
+                raise
             self._jobs.put(record)
+            if lease_ms is not None:
+                self._leases.start(job_id, lease_ms=lease_ms, now_s=time.monotonic())
             log.info("registered job %s on %s", job_id, ", ".join(s.node_id for s in servers))
         self._metrics.count("registrations")
         return handle
@@ -385,7 +464,10 @@ class Controller:
     def deregister_job(self, job_id: str) -> dict[str, Any]:
         """Forget a job and free all its non-PERSIST data on every server.
 
-        Returns ``{"job_id", "deleted", "freed_bytes", "unreachable": [node ids]}``. Raises
+        The job's end (``delete_job``) goes to every live server; the servers that do not
+        confirm it are logged with the job's removal and retried until they do (see
+        :class:`~pocketflow.control.job_ends.JobEnds`). Returns ``{"job_id", "deleted",
+        "freed_bytes", "unreachable": [node ids]}`` (``unreachable``: not confirmed yet). Raises
         ``JobNotRegistered`` for a job that is not registered.
         """
         with self._lock:
@@ -393,16 +475,19 @@ class Controller:
                 raise JobNotRegistered(f"job {job_id!r} is not registered")
             self._leases.release(job_id)
             self._routes.release_job(job_id)
-            self._metadata("remove_job", job_id, True)
+            targets = sorted(self._membership.ids())
+            # Logged with the servers that must confirm the end, so that a restarted
+            # controller goes on ending it where it did not.
+            self._metadata("remove_job", job_id, True, targets)
         self._metrics.count("deregistrations")
-        results, unreachable = self._admin.on_every_server(
-            self.servers(), f"delete_job {job_id}", lambda admin: admin.delete_job(job_id)
-        )
+        results, unreachable = self._ends.end(job_id, targets)
         deleted = freed_bytes = 0
-        for info, result in results:
+        for node_id, result in results:
             deleted += int(result.get("deleted", 0))
             freed_bytes += int(result.get("freed_bytes", 0))
-            self._refresh_stats(info)
+            info = self._membership.get(node_id)
+            if info is not None:
+                self._refresh_stats(info)
         log.info("deregistered job %s: freed %d bytes", job_id, freed_bytes)
         return {
             "job_id": job_id,
@@ -662,11 +747,23 @@ class Controller:
             "dead_servers": self.dead_servers(),
             "draining": sorted(list(self._membership.draining)),
             "suspect": self.suspect_servers(),
+            "epochs_unconfirmed": self._epochs_unconfirmed_now(),
+            "job_ends_pending": self._ends.pending(),
             "sizing_actions": self.sizing_actions(),
             "prefix_grants": self._prefix_grants_now(),
             "cluster_metrics": dict(self._metrics.values),
             "resource_requests": self._allocator.resource_requests(),
         }
+
+    def _epochs_unconfirmed_now(self) -> dict[str, list[str]]:
+        """Which servers have not confirmed which job's epoch, without waiting for the lock
+        (empty while a registration holds it)."""
+        if not self._lock.acquire(blocking=False):
+            return {}
+        try:
+            return self._epochs.unconfirmed()
+        finally:
+            self._lock.release()
 
     def cluster_metrics(self) -> dict[str, Any]:
         """The numbers last published as cluster metrics."""
@@ -689,6 +786,19 @@ class Controller:
                 self.check_failures()
             except Exception:
                 log.exception("failure detector")
+            try:
+                self.reroute_suspects()
+            except Exception:
+                log.exception("rerouting around suspects")
+            try:
+                self.confirm_epochs()
+            except Exception:
+                log.exception("set_epoch retries")
+            try:
+                self._ends.retry()
+            except Exception:
+                log.exception("job end retries")
+
             try:
                 self._publish_metrics()
             except Exception:
@@ -731,6 +841,7 @@ class Controller:
         if monitor is not None and monitor is not threading.current_thread():
             monitor.join(timeout=ADMIN_CALL_TIMEOUT_S * 2)
         self._detector.close()
+        self._monitor_admin.close()
         with self._lock:
             self._admin.close()
             launched, self._allocator.launched = dict(self._allocator.launched), {}

@@ -1,28 +1,69 @@
 """Epochs: moving a job to a new weight map (``set_epoch`` on its servers, then the record and
-its ``Metadata`` log), and moving jobs off a server that left."""
+its ``Metadata`` log), making sure every server of the map learns it (retried per server until
+it confirms), and moving jobs off a server that left or around one that hangs."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pocketflow.control.admin import AdminTokens
 from pocketflow.control.allocator import Allocator
-from pocketflow.control.job_table import JobTable
+from pocketflow.control.hints import demand_from_hints
+from pocketflow.control.job_table import JobRecord, JobTable
+from pocketflow.control.membership import Membership
 from pocketflow.control.prefix_grants import PrefixGrants, grants_record
-from pocketflow.errors import PocketflowError
+from pocketflow.errors import JobNotRegistered, PocketflowError, StaleEpoch
 from pocketflow.handle import JobHandle, LostServer, Routes, ServerInfo
 
 log = logging.getLogger(__name__)
 
+SET_EPOCH_RETRY_FIRST_S = 0.5
+"""Pause before the first retry of a ``set_epoch`` that a server did not confirm."""
+
+SET_EPOCH_RETRY_MAX_S = 5.0
+"""Longest pause between two retries of a ``set_epoch`` on one server."""
+
+
+@dataclass
+class _Unconfirmed:
+    """A server that has not confirmed a job's epoch ``epoch``: when to try it again."""
+
+    epoch: int
+    next_try_s: float
+    pause_s: float
+
+
+@dataclass(frozen=True)
+class EpochCall:
+    """One ``set_epoch`` to retry: the job's current epoch and map for one server."""
+
+    job_id: str
+    node_id: str
+    address: str
+    epoch: int
+    weight_map: dict[str, Any]
+
 
 class Epochs:
-    """Gives jobs new epochs. Every method is called under the controller's lock.
+    """Gives jobs new epochs. Every method is called under the controller's lock, except
+    :meth:`send` (the monitor loop's retries, which wait on servers).
+
+    A new map is sent to each server of it at once (``admin``, one call each); a server that does
+    not confirm it in time, or that is suspect (hung: the call would only wait), stays
+    *unconfirmed*, and the monitor loop retries it (:meth:`due`, :meth:`send`, :meth:`settle`)
+    on its own deadline, with backoff, until it confirms or leaves the map or the cluster. A
+    server that joins (or comes back after a restart of the controller) is sent every live job's
+    map that names it (:meth:`resync`). The unconfirmed table holds at most one entry per server
+    of each registered job's map (as bounded as the job table and the maps).
 
     ``call_metadata(method, *args)`` writes the job's new map (and its prefix grants, which go
-    with its routes) to its ``Metadata`` record, so a restarted controller finds it.
+    with its routes, and the weights held back from suspects) to its ``Metadata`` record, so a
+    restarted controller finds it.
     """
 
     def __init__(
@@ -30,6 +71,7 @@ class Epochs:
         jobs: JobTable,
         allocator: Allocator,
         grants: PrefixGrants,
+        membership: Membership,
         *,
         admin: AdminTokens,
         call_metadata: Callable[..., Any],
@@ -37,50 +79,231 @@ class Epochs:
         self._jobs = jobs
         self._allocator = allocator
         self._grants = grants
+        self._membership = membership
         self._admin = admin
         self._call_metadata = call_metadata
+        self._unconfirmed: dict[tuple[str, str], _Unconfirmed] = {}
 
     def announce(self, handle: JobHandle) -> None:
-        """Tell each server of a new job's first map its epoch (a failure is raised)."""
+        """Tell each server of a new job's first map its epoch (a failure is raised: the
+        registration fails and is undone)."""
         weight_map = handle.weight_map()
         for server in handle.servers:
             self._admin.client(server.address).set_epoch(handle.job_id, handle.epoch, weight_map)
 
     def move(
-        self, job_id: str, servers: tuple[ServerInfo, ...], routes: Routes | None = None
+        self,
+        job_id: str,
+        servers: tuple[ServerInfo, ...],
+        routes: Routes | None = None,
+        *,
+        suspects: tuple[str, ...] | None = None,
+        held_weights: dict[str, list[Any]] | None = None,
     ) -> JobHandle:
-        """Give a job the next epoch with ``servers`` (and ``routes``, else its routes stay):
-        tell the servers, then record it.
-
-        A server that does not answer ``set_epoch`` in time is logged and left to the failure
-        detector.
-        """
+        """Give a job the next epoch with ``servers`` (and ``routes``, ``suspects`` and the
+        weights held back from them, else those of its current map): tell the servers, then
+        record it. Suspects and held weights of servers the map no longer names are dropped."""
         record = self._jobs.record(job_id)
+        named = {s.node_id for s in servers}
+        suspects = record.handle.suspects if suspects is None else suspects
+        held = record.held_weights if held_weights is None else held_weights
         handle = dataclasses.replace(
             record.handle, epoch=record.handle.epoch + 1, servers=servers,
             routes=record.handle.routes if routes is None else routes,
+            suspects=tuple(n for n in suspects if n in named),
         )
-        weight_map = handle.weight_map()
-        for server in servers:
-            try:
-                self._admin.client(server.address).set_epoch(job_id, handle.epoch, weight_map)
-            except PocketflowError as exc:
-                log.warning(
-                    "set_epoch %s/%d on %s failed: %s", job_id, handle.epoch, server.node_id, exc
-                )
-                self._admin.forget(server.address)
-        record = dataclasses.replace(record, handle=handle)
+        record = dataclasses.replace(
+            record, handle=handle,
+            held_weights={n: w for n, w in held.items() if n in handle.suspects},
+        )
+        self._publish(handle)
         self._jobs.put(record)
         changed = record.to_metadata()
-        fields = {k: changed[k] for k in ("epoch", "weight_map", "hints", "demand")}
+        fields = {k: changed[k] for k in ("epoch", "weight_map", "hints", "demand",
+                                           "held_weights")}
         # The job's prefix grants go with its routes, so a restarted controller keeps them.
         fields["grants"] = grants_record(self._grants.granted(job_id))
         self._call_metadata("update_job", job_id, fields)
         log.info(
-            "job %s moved to epoch %d on %s",
+            "job %s moved to epoch %d on %s%s",
             job_id, handle.epoch, ", ".join(s.node_id for s in servers),
+            f" (suspect: {', '.join(handle.suspects)})" if handle.suspects else "",
         )
         return handle
+
+    def _publish(self, handle: JobHandle) -> None:
+        """Send a job's new map to each server of it; those that do not confirm (suspects are
+        not even asked) stay unconfirmed, retried by the monitor loop."""
+        weight_map = handle.weight_map()
+        now_s = time.monotonic()
+        for server in handle.servers:
+            key = (handle.job_id, server.node_id)
+            if self._membership.is_suspect(server.node_id):
+                self._unconfirmed[key] = _Unconfirmed(handle.epoch, now_s, SET_EPOCH_RETRY_FIRST_S)
+                continue
+            try:
+                self._admin.client(server.address).set_epoch(
+                    handle.job_id, handle.epoch, weight_map
+                )
+            except StaleEpoch:
+                pass  # it holds a newer map already
+            except PocketflowError as exc:
+                log.warning("set_epoch %s/%d on %s failed: %s; retrying", handle.job_id,
+                            handle.epoch, server.node_id, exc)
+                self._admin.forget(server.address)
+                self._unconfirmed[key] = _Unconfirmed(
+                    handle.epoch, time.monotonic() + SET_EPOCH_RETRY_FIRST_S,
+                    SET_EPOCH_RETRY_FIRST_S,
+                )
+                continue
+            self._unconfirmed.pop(key, None)
+
+    def resync(self, node_id: str | None = None) -> int:
+        """Mark the current map of every job that names ``node_id`` (every server, without
+        one) unconfirmed there, due now: a server that joins, or every server after the
+        controller restarted, is told every live job's epoch. Returns how many were marked."""
+        now_s = time.monotonic()
+        marked = 0
+        for job_id, record in self._jobs.items():
+            for server in record.handle.servers:
+                if node_id is None or server.node_id == node_id:
+                    self._unconfirmed[(job_id, server.node_id)] = _Unconfirmed(
+                        record.handle.epoch, now_s, SET_EPOCH_RETRY_FIRST_S
+                    )
+                    marked += 1
+        return marked
+
+    def unconfirmed(self) -> dict[str, list[str]]:
+        """``job_id -> node ids`` that have not confirmed the job's current epoch."""
+        found: dict[str, list[str]] = {}
+        for job_id, node_id in sorted(self._unconfirmed):
+            found.setdefault(job_id, []).append(node_id)
+        return found
+
+    def due(self) -> list[EpochCall]:
+        """The ``set_epoch`` calls to retry now (suspects wait until they answer again);
+        entries of jobs or servers that are gone, or that the map no longer names, are
+        dropped."""
+        now_s = time.monotonic()
+        calls = []
+        for key, entry in list(self._unconfirmed.items()):
+            job_id, node_id = key
+            record = self._jobs.get(job_id)
+            info = self._membership.get(node_id)
+            if record is None or info is None or not record.holds(node_id):
+                del self._unconfirmed[key]
+                continue
+            if entry.next_try_s > now_s or self._membership.is_suspect(node_id):
+                continue
+            calls.append(EpochCall(job_id, node_id, info.address, record.handle.epoch,
+                                   record.handle.weight_map()))
+        return calls
+
+    @staticmethod
+    def send(calls: list[EpochCall], admin: AdminTokens) -> tuple[list[EpochCall], list[str]]:
+        """Make the ``set_epoch`` calls with ``admin`` (the monitor thread's connections), a
+        server that fails skipped for the rest of them; returns the calls that were confirmed
+        and the node ids that failed. Takes no lock."""
+        confirmed: list[EpochCall] = []
+        failed: set[str] = set()
+        for call in sorted(calls, key=lambda c: c.node_id):
+            if call.node_id in failed:
+                continue
+            try:
+                admin.client(call.address).set_epoch(call.job_id, call.epoch, call.weight_map)
+            except StaleEpoch:
+                pass  # it holds a newer map already
+            except JobNotRegistered as exc:
+                log.warning("set_epoch %s/%d on %s: %s", call.job_id, call.epoch, call.node_id,
+                            exc)
+            except PocketflowError as exc:
+                log.info("set_epoch %s/%d on %s failed again: %s", call.job_id, call.epoch,
+                         call.node_id, exc)
+                admin.forget(call.address)
+                failed.add(call.node_id)
+                continue
+            confirmed.append(call)
+        return confirmed, sorted(failed)
+
+    def settle(self, confirmed: list[EpochCall], failed: list[str]) -> None:
+        """Take what :meth:`send` did: confirmed epochs leave the table (unless a newer one is
+        waiting), failed servers' entries wait longer."""
+        for call in confirmed:
+            entry = self._unconfirmed.get((call.job_id, call.node_id))
+            if entry is not None and entry.epoch <= call.epoch:
+                del self._unconfirmed[(call.job_id, call.node_id)]
+                log.info("job %s: %s confirmed epoch %d", call.job_id, call.node_id, call.epoch)
+        now_s = time.monotonic()
+        down = set(failed)
+        for (_job_id, node_id), entry in self._unconfirmed.items():
+            if node_id in down and entry.next_try_s <= now_s:
+                entry.pause_s = min(entry.pause_s * 2, SET_EPOCH_RETRY_MAX_S)
+                entry.next_try_s = now_s + entry.pause_s
+
+    def suspend(self, node_id: str) -> list[str]:
+        """Move every job whose map names ``node_id`` (a suspect: hung) to a new epoch in which
+        it has weight 0 and is listed in ``suspects``, so new keys go elsewhere; its weight is
+        held back for :meth:`resume`. A job left with no weighted server gets fresh ones. Returns
+        the ids of the jobs moved."""
+        moved = []
+        for job_id in self._jobs.holding(node_id):
+            record = self._jobs.record(job_id)
+            if node_id in record.handle.suspects:
+                continue
+            entry = next(s for s in record.handle.servers if s.node_id == node_id)
+            servers = [
+                dataclasses.replace(s, weight=0.0, persist=False) if s.node_id == node_id else s
+                for s in record.handle.servers
+            ]
+            if not any(s.weight > 0 for s in servers):
+                servers = self._with_fresh_servers(record, servers, node_id)
+            self.move(
+                job_id, tuple(sorted(servers, key=lambda s: s.node_id)),
+                suspects=(*record.handle.suspects, node_id),
+                held_weights={**record.held_weights, node_id: [entry.weight, entry.persist]},
+            )
+            moved.append(job_id)
+        return moved
+
+    def resume(self, node_id: str) -> list[str]:
+        """Move every job that lists ``node_id`` as a suspect (it answers again) to a new epoch
+        that gives it back the weight held for it and no longer lists it. Returns the ids of the
+        jobs moved."""
+        moved = []
+        for job_id, record in self._jobs.items():
+            if node_id not in record.handle.suspects:
+                continue
+            weight, persist = record.held_weights.get(node_id, [0.0, False])
+            servers = tuple(
+                dataclasses.replace(s, weight=float(weight), persist=bool(persist))
+                if s.node_id == node_id else s
+                for s in record.handle.servers
+            )
+            self.move(
+                job_id, servers,
+                suspects=tuple(n for n in record.handle.suspects if n != node_id),
+                held_weights={n: w for n, w in record.held_weights.items() if n != node_id},
+            )
+            moved.append(job_id)
+        return moved
+
+    def _with_fresh_servers(
+        self, record: JobRecord, kept: list[ServerInfo], node_id: str
+    ) -> list[ServerInfo]:
+        """``kept`` (no server of which has weight) plus servers packed afresh for the job on
+        the live, active servers; ``kept`` alone if none can be had (logged)."""
+        try:
+            demand = record.job_demand() if record.demand else demand_from_hints(
+                record.hints, self._allocator.spec()
+            )
+            fresh = self._allocator.server_infos(self._allocator.pack_new(demand))
+        except PocketflowError as exc:
+            log.error("job %s lost its last data server %s: %s", record.handle.job_id, node_id,
+                      exc)
+            fresh = ()
+        known = {s.node_id for s in kept}
+        kept = [s for s in kept if s.node_id not in {f.node_id for f in fresh}]
+        return kept + [f for f in fresh if f.node_id not in known or f.weight > 0]
 
     def move_off_lost(self, lost: LostServer) -> list[str]:
         """Move every job whose map holds ``lost`` to a new epoch without it; returns their ids.

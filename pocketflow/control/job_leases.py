@@ -48,10 +48,13 @@ class JobLeases:
         if log_it:
             self._logger.submit(self._log_lease, job_id, lease_ms)
 
-    def restore(self, job_id: str, *, lease_ms: int, now_s: float) -> None:
-        """Give a job taken back from the log its lease again (logged already)."""
+    def start(self, job_id: str, *, lease_ms: int, now_s: float, at_least_s: float = 0.0) -> None:
+        """Start the lease of a job whose record holds its length already (one registered with
+        its lease, or taken back from the log after a restart: then it lasts ``at_least_s``
+        at least, so that its driver's renewals, which failed while the controller came up,
+        reach it in time)."""
         with self._lock:
-            self._leases.renew(job_id, lease_ms=lease_ms, now_s=now_s)
+            self._leases.renew(job_id, lease_ms=lease_ms, now_s=now_s, at_least_s=at_least_s)
             self._logged[job_id] = lease_ms
 
     def release(self, job_id: str) -> None:

@@ -30,7 +30,11 @@ TOKEN_TTL_S_DEFAULT = 24 * 3600.0
 
 FIRST_EPOCH = 1
 
+REQUEST_ID_MAX_BYTES = 64
+"""Longest registration request id."""
+
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,11 @@ class JobRecord:
     hints: dict[str, Any]
     registered_at_unix_s: float
     demand: dict[str, Any] = field(default_factory=dict)
+    request_id: str | None = None
+    """The id of the registration request (a driver's retry with it finds this job)."""
+    held_weights: dict[str, list[Any]] = field(default_factory=dict)
+    """``node_id -> [weight, persist]`` of each suspect of the map: what it gets back when it
+    answers again."""
 
     def job_demand(self) -> JobDemand:
         """The demand the job was packed with (:class:`JobDemand`)."""
@@ -84,6 +93,10 @@ class JobRecord:
             hints=dict(record.get("hints", {})),
             registered_at_unix_s=float(record["registered_at_unix_s"]),
             demand=dict(record.get("demand", {})),
+            request_id=record.get("request_id"),
+            held_weights={
+                str(n): list(w) for n, w in dict(record.get("held_weights") or {}).items()
+            },
         )
 
     def to_metadata(self) -> dict[str, Any]:
@@ -96,6 +109,8 @@ class JobRecord:
             "hints": self.hints,
             "demand": self.demand,
             "registered_at_unix_s": self.registered_at_unix_s,
+            "request_id": self.request_id,
+            "held_weights": self.held_weights,
         }
 
 
@@ -109,6 +124,19 @@ def validate_job_name(name: str) -> str:
     if len(name.encode()) > JOB_NAME_MAX_BYTES:
         raise InvalidRequest(f"job name longer than {JOB_NAME_MAX_BYTES} bytes: {name!r}")
     return name
+
+
+def validate_request_id(request_id: str | None) -> str | None:
+    """Check a registration request id: ``None``, or 1-64 letters, digits, ``_`` and ``-``."""
+    if request_id is None:
+        return None
+    if (not isinstance(request_id, str) or not _REQUEST_ID.match(request_id)
+            or len(request_id) > REQUEST_ID_MAX_BYTES):
+        raise InvalidRequest(
+            f"a request id is 1-{REQUEST_ID_MAX_BYTES} letters, digits, '_' and '-', "
+            f"got {request_id!r:.100}"
+        )
+    return request_id
 
 
 class JobTable:
@@ -130,6 +158,8 @@ class JobTable:
         self._block_size_bytes = block_size_bytes
         self._tls_ca = tls_ca
         self._records: dict[str, JobRecord] = {}
+        # Registration request id -> job id, for the jobs registered with one.
+        self._requests: dict[str, str] = {}
 
     def __contains__(self, job_id: object) -> bool:
         return job_id in self._records
@@ -159,9 +189,19 @@ class JobTable:
 
     def put(self, record: JobRecord) -> None:
         self._records[record.handle.job_id] = record
+        if record.request_id is not None:
+            self._requests[record.request_id] = record.handle.job_id
 
     def remove(self, job_id: str) -> JobRecord | None:
-        return self._records.pop(job_id, None)
+        record = self._records.pop(job_id, None)
+        if record is not None and record.request_id is not None:
+            self._requests.pop(record.request_id, None)
+        return record
+
+    def by_request(self, request_id: str) -> JobRecord | None:
+        """The job registered by the request ``request_id``, if it is registered."""
+        job_id = self._requests.get(request_id)
+        return None if job_id is None else self._records.get(job_id)
 
     def holding(self, node_id: str) -> list[str]:
         """Ids of the jobs whose map names ``node_id``."""

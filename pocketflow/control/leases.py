@@ -47,12 +47,15 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._leases_max = leases_max
 
-    def renew(self, job_id: str, *, lease_ms: int, now_s: float) -> Lease:
-        """Start or extend ``job_id``'s lease to ``lease_ms`` from ``now_s``."""
+    def renew(
+        self, job_id: str, *, lease_ms: int, now_s: float, at_least_s: float = 0.0
+    ) -> Lease:
+        """Start or extend ``job_id``'s lease to ``lease_ms`` from ``now_s`` (to ``at_least_s``
+        from ``now_s`` if that is longer: a lease taken back after a restart)."""
         check_lease_ms(lease_ms)
         if job_id not in self._leases and len(self._leases) >= self._leases_max:
             raise ConfigError(f"too many leases (at most {self._leases_max})")
-        lease = Lease(job_id, lease_ms, now_s + lease_ms / 1000.0)
+        lease = Lease(job_id, lease_ms, now_s + max(lease_ms / 1000.0, at_least_s))
         self._leases[job_id] = lease
         return lease
 

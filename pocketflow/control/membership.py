@@ -62,6 +62,7 @@ class Membership:
         with self.heartbeat_lock:
             self._last_heartbeat.pop(node_id, None)
             self._stats.pop(node_id, None)
+            self._suspects.pop(node_id, None)
         return info, node
 
     def get(self, node_id: str) -> StorageNodeInfo | None:

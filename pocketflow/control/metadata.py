@@ -17,6 +17,9 @@ log = logging.getLogger(__name__)
 JOBS_MAX = 4096
 """Most jobs registered at once; registering one more is refused."""
 
+ENDINGS_MAX = 4096
+"""Most ended jobs whose end some server has not confirmed; past it the oldest is forgotten."""
+
 OP_LOG_ENTRIES_MAX = 100_000
 """Most op-log entries kept in memory; the oldest are dropped past it (see ``ops``)."""
 
@@ -104,6 +107,7 @@ class Metadata:
             raise ValueError("compaction bounds must be positive")
         self._jobs: dict[str, dict[str, Any]] = {}
         self._sizing: list[dict[str, Any]] = []
+        self._endings: dict[str, list[str]] = {}
         self._ops: list[dict[str, Any]] = []
         self._next_seq = 1
         self._path = None if log_path is None else Path(log_path)
@@ -137,8 +141,11 @@ class Metadata:
             raise JobNotRegistered(f"job {job_id!r} is not registered")
         return self._commit({"op": "update_job", "job_id": job_id, "fields": dict(fields)})
 
-    def remove_job(self, job_id: str, missing_ok: bool = False) -> dict[str, Any] | None:
-        """Forget a job; returns its record.
+    def remove_job(
+        self, job_id: str, missing_ok: bool = False, ending: list[str] | None = None
+    ) -> dict[str, Any] | None:
+        """Forget a job; returns its record. With ``ending``, the servers (node ids) that must
+        still confirm the job's end are logged in the same record (see :meth:`update_ending`).
 
         Raises ``JobNotRegistered`` if it is unknown, or returns ``None`` with ``missing_ok``
         (a retried call whose first attempt went through).
@@ -148,7 +155,10 @@ class Metadata:
                 return None
             raise JobNotRegistered(f"job {job_id!r} is not registered")
         record = self._jobs[job_id]
-        self._commit({"op": "deregister_job", "job_id": job_id})
+        change: dict[str, Any] = {"op": "deregister_job", "job_id": job_id}
+        if ending:
+            change["ending"] = sorted(ending)
+        self._commit(change)
         return record
 
     def record_sizing(self, action: dict[str, Any]) -> int:
@@ -156,6 +166,11 @@ class Metadata:
         ``at_unix_s``); the latest ``SIZING_ACTIONS_KEPT_MAX`` are kept. Returns the op's
         sequence number."""
         return self._commit({"op": "sizing_action", "action": dict(action)})
+
+    def update_ending(self, job_id: str, remaining: list[str]) -> int:
+        """Log which servers must still confirm an ended job's end (none: the end is complete
+        and forgotten). Returns the op's sequence number."""
+        return self._commit({"op": "job_ending", "job_id": job_id, "ending": sorted(remaining)})
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -173,6 +188,10 @@ class Metadata:
     def jobs(self) -> list[dict[str, Any]]:
         """Records of every registered job, oldest first."""
         return list(self._jobs.values())
+
+    def endings(self) -> dict[str, list[str]]:
+        """``job_id -> node ids`` of ended jobs whose end some server has not confirmed."""
+        return {job_id: list(nodes) for job_id, nodes in self._endings.items()}
 
     def ops(self, since_seq: int = 0) -> list[dict[str, Any]]:
         """Op-log entries with a sequence number greater than ``since_seq``, oldest first.
@@ -220,6 +239,7 @@ class Metadata:
         if kind == _SNAPSHOT:
             self._jobs = {r["job_id"]: r for r in entry["jobs"]}
             self._sizing = list(entry.get("sizing", []))[-SIZING_ACTIONS_KEPT_MAX:]
+            self._endings = {str(j): list(n) for j, n in entry.get("endings", {}).items()}
             self._next_seq = max(self._next_seq, int(entry["next_seq"]))
             return
         job_id = entry.get("job_id", "")
@@ -231,8 +251,14 @@ class Metadata:
         elif kind == "update_job":
             if job_id in self._jobs:
                 self._jobs[job_id] = {**self._jobs[job_id], **entry["fields"]}
-        elif kind == "deregister_job":
-            self._jobs.pop(job_id, None)
+        elif kind in ("deregister_job", "job_ending"):
+            if kind == "deregister_job":
+                self._jobs.pop(job_id, None)
+            self._endings.pop(job_id, None)
+            if entry.get("ending"):
+                self._endings[job_id] = list(entry["ending"])
+                while len(self._endings) > ENDINGS_MAX:
+                    del self._endings[next(iter(self._endings))]
         else:
             raise ClusterError(f"unknown metadata log record {kind!r}")
         self._next_seq = max(self._next_seq, int(entry["seq"]) + 1)
@@ -278,6 +304,7 @@ class Metadata:
             "next_seq": self._next_seq,
             "jobs": list(self._jobs.values()),
             "sizing": list(self._sizing),
+            "endings": dict(self._endings),
         }
         tmp = self._path.with_name(self._path.name + ".compact")
         try:

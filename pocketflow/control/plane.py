@@ -75,13 +75,20 @@ class ControlPlane:
     def __init__(self, controller: Any) -> None:
         self._controller = controller
 
-    def register(self, name: str, hints: Any) -> JobHandle:
+    def register(
+        self, name: str, hints: Any, *, request_id: str | None = None, lease_ms: int | None = None
+    ) -> JobHandle:
         """Register a job; returns its handle.
 
         ``hints`` is a :class:`pocketflow.Hints` or a mapping of its fields (sizes as numbers
         or strings such as ``"8MiB"``), checked here as :func:`pocketflow.register_job` does.
+        ``request_id`` names this registration: a retry with the same id (after a
+        ``ClusterError``) gets the job the first attempt registered, if it did. With ``lease_ms``
+        the job's lease starts now (see ``Controller.register_job``).
         """
-        return self._call("register_job", name, Hints.coerce(hints).to_dict())
+        return self._call(
+            "register_job", name, Hints.coerce(hints).to_dict(), request_id, lease_ms
+        )
 
     def grow_job(self, job_id: str, hints: Any) -> JobHandle:
         """Give a running job more room (new hints): a new epoch with added servers.

@@ -12,6 +12,7 @@ from typing import Any
 
 from pocketflow.control import NAMESPACE, STORAGE_NODE_ACTOR_PREFIX
 from pocketflow.control.epochs import Epochs
+from pocketflow.control.job_ends import JobEnds
 from pocketflow.control.job_leases import JobLeases
 from pocketflow.control.job_table import JobTable
 from pocketflow.control.membership import Membership
@@ -26,6 +27,11 @@ RESTORE_SERVERS_MAX = 4096
 
 RESTORE_CALL_TIMEOUT_S = 5.0
 """Deadline of each call to a ``StorageNode`` actor while restoring."""
+
+RESTORED_LEASE_GRACE_S = 10.0
+"""Shortest life of a job lease taken back from the log: the driver's renewals failed while the
+controller came up and back off (``pocketflow.job.RENEW_BACKOFF_MAX_S``, or a third of the lease);
+the first one that reaches the new instance must find the job still there."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,8 @@ class InitData:
     jobs: list[dict[str, Any]] = field(default_factory=list)
     sizing: list[dict[str, Any]] = field(default_factory=list)
     """The sizing actions the crashed instance logged, oldest first."""
+    endings: dict[str, list[str]] = field(default_factory=dict)
+    """Ended jobs whose end some server had not confirmed: ``job_id -> node ids``."""
 
 
 def restarted_by_ray() -> bool:
@@ -94,7 +102,10 @@ def load_init_data(call_metadata: Callable[..., Any]) -> InitData:
                 log.warning("restart: stats of %s failed: %s", info.node_id, exc)
         nodes.append(RestoredNode(info, node, bool(alive), stats))
     return InitData(
-        nodes=nodes, jobs=list(call_metadata("jobs")), sizing=list(call_metadata("sizing_actions"))
+        nodes=nodes,
+        jobs=list(call_metadata("jobs")),
+        sizing=list(call_metadata("sizing_actions")),
+        endings=dict(call_metadata("endings")),
     )
 
 
@@ -106,6 +117,7 @@ def restore(
     leases: JobLeases,
     routes: PrefixRoutes,
     epochs: Epochs,
+    ends: JobEnds,
     add_server: Callable[[StorageNodeInfo, Any], None],
     launched: dict[str, Any] | None = None,
     end_node: Callable[[Any, str], None] | None = None,
@@ -113,9 +125,11 @@ def restore(
     """Rebuild the roles' tables from ``init``, under the controller's lock: the live servers
     (``add_server``, which starts their heartbeats), dead ones from nodes whose process is gone
     and from the jobs' ``lost`` lists, draining marks from the servers' own stats, the jobs with
-    a new token each and a new lease for each job that had one, and the prefix grants from the
-    jobs' records. Jobs whose map names a server that is not back move to a new epoch without
-    it. Tasks notice nothing: they talk to the servers.
+    a new token each and a new lease for each job that had one (at least
+    ``RESTORED_LEASE_GRACE_S``), and the prefix grants from the jobs' records. Jobs whose map
+    names a server that is not back move to a new epoch without it; every server is then sent
+    every live job's map again (retried until it confirms), and the job ends the crashed
+    instance had not finished go on. Tasks notice nothing: they talk to the servers.
 
     Servers the crashed instance launched (detached ``StorageNode`` actors, ``info.launched``)
     go back into ``launched``, the controller's table of the nodes it stops when it closes; the
@@ -152,7 +166,8 @@ def restore(
         job_id = str(record["job_id"])
         jobs.put(jobs.from_metadata(record))
         if record.get("lease_ms"):
-            leases.restore(job_id, lease_ms=int(record["lease_ms"]), now_s=now_s)
+            leases.start(job_id, lease_ms=int(record["lease_ms"]), now_s=now_s,
+                         at_least_s=RESTORED_LEASE_GRACE_S)
             restored_leases[job_id] = int(record["lease_ms"])
         if record.get("grants"):
             logged_grants[job_id] = record["grants"]
@@ -168,6 +183,10 @@ def restore(
     for lost in gone.values():
         moved = epochs.move_off_lost(lost)
         log.warning("restart: %s is gone; moved jobs %s off it", lost.node_id, moved)
+    # Every server is told every live job's current map (the crash may have cut a registration
+    # or an epoch move short), and the ends the crashed instance had not finished go on.
+    epochs.resync()
+    ends.restore(init.endings)
     for job_id, record in jobs.items():
         for lost in record.handle.lost:
             membership.remember_dead(

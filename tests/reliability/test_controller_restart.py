@@ -207,3 +207,111 @@ def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
     assert wait_for(lambda: used_bytes(local_cluster) == baseline), (
         used_bytes(local_cluster), baseline
     )
+
+
+# -- crash windows: a restart slower than a lease, a registration cut by the crash -----------------
+
+SHORT_LEASE_MS = 1000
+"""A lease much shorter than the slow restart below."""
+METADATA_STOP_S = 3.0
+"""How long the Metadata actor is stopped (SIGSTOP), so that a restarted controller waits for
+it: three short leases, well inside the restore's Metadata deadline (30 s)."""
+REGISTRATION_WAIT_S = 30.0
+"""How long the test waits for the registration cut by the crash (the driver retries it)."""
+
+
+def _metadata_pid() -> int:
+    import ray
+
+    metadata = ray.get_actor(METADATA_ACTOR_NAME, namespace=NAMESPACE)
+    return int(ray.get(metadata.log_info.remote(), timeout=30)["pid"])
+
+
+def _jobs_named(cluster: LocalCluster, name: str) -> list[str]:
+    return [j["job_id"] for j in cluster.control.status()["jobs"] if j["job_id"].startswith(
+        name + "-")]
+
+
+def _controller_lock_held(timeout_s: float) -> bool:
+    """Whether a call that takes the controller's lock (``jobs``) waits past ``timeout_s``."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        ray.get(controller_actor().jobs.remote(), timeout=timeout_s)
+    except GetTimeoutError:
+        return True
+    return False
+
+
+def test_a_driver_keeps_its_job_through_a_restart_longer_than_its_lease(
+    local_cluster: LocalCluster,
+) -> None:
+    """Item 4 of issue 29: the restarted controller waits for a stopped Metadata actor for three
+    leases, while the driver's renewals fail; its renewal thread goes on, the new instance gives
+    the job its lease back with time to renew it, and the job stays registered."""
+    from pocketflow.control.restore import RESTORED_LEASE_GRACE_S
+
+    metadata_pid = _metadata_pid()
+    with local_cluster.register_job("slow-restart", lease_ms=SHORT_LEASE_MS) as job:
+        first_pid = _controller_pid()
+        os.kill(metadata_pid, signal.SIGSTOP)
+        try:
+            os.kill(first_pid, signal.SIGKILL)
+            time.sleep(METADATA_STOP_S)
+        finally:
+            os.kill(metadata_pid, signal.SIGCONT)
+        assert wait_for(lambda: _status_or_none(local_cluster) is not None,
+                        timeout_s=RESTART_BOUND_S), "the controller did not come back"
+        import ray
+
+        restored = ray.get(controller_actor().restored.remote(), timeout=30)
+        assert restored is not None and job.job_id in restored["jobs"]
+        # Past the restored lease's grace and a few more leases: the driver's renewals reach
+        # the new instance, so the job is still registered.
+        time.sleep(RESTORED_LEASE_GRACE_S + 3 * SHORT_LEASE_MS / 1000.0)
+        assert job.job_id in _jobs_named(local_cluster, "slow-restart"), (
+            "the job of a live driver was deregistered after the restart")
+    assert _jobs_named(local_cluster, "slow-restart") == []
+
+
+def test_a_registration_cut_by_a_crash_registers_one_job(local_cluster: LocalCluster) -> None:
+    """Item 7 of issue 29: the controller is killed while a registration waits for the Metadata
+    actor (stopped); whether or not the Metadata actor then logs the job, the driver's
+    registration ends with one job, the one its retry finds or makes, and nothing else."""
+    import threading
+
+    name = f"cut-{uuid.uuid4().hex[:6]}"
+    metadata_pid = _metadata_pid()
+    first_pid = _controller_pid()
+    outcome: dict[str, Any] = {}
+
+    def driver() -> None:
+        try:
+            outcome["job"] = local_cluster.register_job(name, lease_ms=SHORT_LEASE_MS * 2)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcome["error"] = exc
+
+    os.kill(metadata_pid, signal.SIGSTOP)
+    try:
+        thread = threading.Thread(target=driver, daemon=True)
+        thread.start()
+        # The registration holds the controller's lock while it waits for the Metadata actor.
+        assert wait_for(lambda: _controller_lock_held(1.0), timeout_s=30), (
+            "the registration did not reach the controller")
+        os.kill(first_pid, signal.SIGKILL)
+        time.sleep(1.0)
+    finally:
+        os.kill(metadata_pid, signal.SIGCONT)
+    thread.join(REGISTRATION_WAIT_S + RESTART_BOUND_S)
+    assert not thread.is_alive(), "the registration did not end"
+    assert "error" not in outcome, outcome.get("error")
+    job = outcome["job"]
+    try:
+        assert _jobs_named(local_cluster, name) == [job.job_id]
+        with job.connect() as client:
+            client.create_bucket("b")
+            client.put("b", "k", b"v")
+    finally:
+        job.deregister()
+    assert _jobs_named(local_cluster, name) == []

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import pytest
+from control_roles import sigstop
 from fixtures_cluster import (
     DEAD_AFTER_S,
     DETECTION_SLACK_S,
@@ -21,10 +22,13 @@ from fixtures_cluster import (
     wait_for,
 )
 
+from pocketflow.auth import admin_token, read_secret_file
+from pocketflow.client import connect
 from pocketflow.cluster import LocalCluster
 from pocketflow.config import ClientConfig
 from pocketflow.control.storage_node import StorageNodeInfo
-from pocketflow.errors import DataUnavailable
+from pocketflow.errors import DataUnavailable, JobNotRegistered
+from pocketflow.transport import AdminClient
 
 
 def test_hung_server_gives_data_unavailable_within_the_failure_bound_and_is_not_dead(
@@ -84,3 +88,75 @@ def test_hung_server_gives_data_unavailable_within_the_failure_bound_and_is_not_
             finally:
                 if info.server_process().alive():
                     os.kill(info.server_pid, signal.SIGKILL)
+
+
+REROUTE_BOUND_S = 2 * DEAD_AFTER_S + DETECTION_SLACK_S + 5
+"""Silent for dead_after, a probe of dead_after, then one monitor pass, with slack."""
+
+
+def _handle_of(job_id: str) -> Any:
+    import ray
+
+    return ray.get(controller_actor().job_handle.remote(job_id), timeout=30)
+
+
+def test_a_hung_servers_jobs_move_around_it_and_get_it_back(
+    local_cluster: LocalCluster, added_server: tuple[StorageNodeInfo, Any]
+) -> None:
+    """Issue 29 item 1 (contract D, controller half): once a SIGSTOPped server is suspect, every
+    job whose map names it moves to a new epoch in which it has weight 0 and is listed in
+    ``suspects`` (so new keys go to the other servers); when it runs again, a later epoch gives
+    its weight back and drops it from ``suspects``."""
+    info, _ = added_server
+    with local_cluster.register_job("around") as job:
+        first = job.handle
+        weight = next(s.weight for s in first.servers if s.node_id == info.node_id)
+        assert weight > 0
+        sigstop(info.server_pid)
+        try:
+            assert wait_for(lambda: info.node_id in _handle_of(job.job_id).suspects,
+                            timeout_s=REROUTE_BOUND_S), "the job never moved off the hung server"
+            moved = _handle_of(job.job_id)
+            assert moved.epoch > first.epoch
+            entry = next(s for s in moved.servers if s.node_id == info.node_id)
+            assert entry.weight == 0 and not entry.persist
+            on, off = keys_on(moved, info.node_id, on_min=0)
+            assert on == [] and off, "new keys of the moved map still go to the hung server"
+        finally:
+            os.kill(info.server_pid, signal.SIGCONT)
+        assert wait_for(lambda: info.node_id not in _handle_of(job.job_id).suspects,
+                        timeout_s=REROUTE_BOUND_S), "the server never got its weight back"
+        back = _handle_of(job.job_id)
+        assert back.epoch > moved.epoch
+        assert next(s.weight for s in back.servers if s.node_id == info.node_id) == weight
+
+
+def test_a_job_ended_while_a_server_hung_ends_there_once_it_runs(
+    local_cluster: LocalCluster, added_server: tuple[StorageNodeInfo, Any]
+) -> None:
+    """Issue 29 item 3 (contract A, controller half): a deregistration that a SIGSTOPped server
+    cannot confirm is retried until it does: once the server runs again the job's data there is
+    freed and its old token can no longer write there."""
+    info, _ = added_server
+    job = local_cluster.register_job("ended-late")
+    on, _ = keys_on(job.handle, info.node_id, on_min=3)
+    with job.connect() as pf:
+        pf.create_bucket("b")
+        for key in on[:-1]:
+            pf.put("b", key, b"v" * 1000)
+    handle = job.handle
+    sigstop(info.server_pid)
+    try:
+        result = job.deregister()
+        assert info.node_id in result["unreachable"]
+        assert info.node_id in local_cluster.status()["job_ends_pending"].get(handle.job_id, [])
+    finally:
+        os.kill(info.server_pid, signal.SIGCONT)
+    assert wait_for(lambda: handle.job_id not in local_cluster.status()["job_ends_pending"],
+                    timeout_s=REROUTE_BOUND_S), "the job's end never reached the server"
+    with AdminClient(info.address, admin_token(read_secret_file(local_cluster.secret_file),
+                                               ttl_s=60)) as admin:
+        assert handle.job_id not in admin.stats().get("jobs", {})
+    with connect(handle, op_timeout_s="5s") as pf:
+        with pytest.raises(JobNotRegistered):
+            pf.put("b", on[-1], b"x")

@@ -85,3 +85,39 @@ def test_a_drained_servers_share_of_a_reservation_moves_to_a_server_with_room(
         reserved = {load.node_id: load.allocated_capacity_bytes
                     for load in built.allocator.server_loads() if load.active}
         assert reserved["rs-2"] >= 16 * mib - 2048, reserved
+
+
+def test_a_job_with_channels_on_a_drained_server_keeps_its_map_until_they_are_gone(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """Issue 29 item 2, without Ray: a job whose queue lives on the drained server keeps its map
+    (so the queue is found), the server is not told to drain; once the queue is deleted the job
+    moves off and the server, empty, is retired."""
+    _, secret_file = cluster_secret_file
+    with roles(secret_file) as built:
+        held = built.start("dc-0")
+        built.start("dc-1")
+        handle = register(built, "channels")
+        on, _ = keys_on(handle, "dc-0", on_min=1)
+        with connect(handle, op_timeout_s="5s") as pf:
+            pf.create_bucket("b")
+            queue = pf.queue("b", on[0], max_items=8)
+            for index in range(5):
+                queue.enqueue(f"i{index}".encode())
+            with built.lock:
+                result = built.drainer.drain("dc-0")
+            assert result["retired"] is False and result["holding_channels"] == [handle.job_id]
+            assert built.jobs.record(handle.job_id).handle == handle  # the map stays
+            assert built.admin.client(held.address).stats()["draining"] is False
+            assert [queue.dequeue() for _ in range(5)] == [f"i{i}".encode() for i in range(5)]
+            # An empty queue is still a segment there: the job stays held.
+            built.membership.take_stats("dc-0", built.admin.sampled_stats(held.address))
+            with built.lock:
+                assert built.drainer.go_on() == []
+            pf.delete_bucket("b")
+        built.membership.take_stats("dc-0", built.admin.sampled_stats(held.address))
+        with built.lock:
+            assert built.drainer.go_on() == ["dc-0"]
+        assert "dc-0" not in built.membership
+        assert not wait_gone([held.server_process()], timeout_s=EXIT_TIMEOUT_S)
+        assert all(s.node_id != "dc-0" for s in built.jobs.record(handle.job_id).handle.servers)

@@ -748,6 +748,7 @@ class Controller:
             "draining": sorted(list(self._membership.draining)),
             "suspect": self.suspect_servers(),
             "epochs_unconfirmed": self._epochs_unconfirmed_now(),
+            "drains_holding": self._drainer.holding(),
             "job_ends_pending": self._ends.pending(),
             "sizing_actions": self.sizing_actions(),
             "prefix_grants": self._prefix_grants_now(),
@@ -798,7 +799,11 @@ class Controller:
                 self._ends.retry()
             except Exception:
                 log.exception("job end retries")
-
+            try:
+                with self._lock:
+                    self._drainer.go_on()
+            except Exception:
+                log.exception("drains")
             try:
                 self._publish_metrics()
             except Exception:

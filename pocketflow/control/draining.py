@@ -1,5 +1,5 @@
-"""Draining: taking a storage server out of service without losing live data, and retiring it
-once it has left."""
+"""Draining: taking a storage server out of service without losing live data (objects and
+channels), and retiring it once it has left."""
 
 from __future__ import annotations
 
@@ -26,7 +26,18 @@ LONG_RUNNING_MIN_DEFAULT = 2
 
 
 class Drainer:
-    """Drains and retires servers. Every method is called under the controller's lock."""
+    """Drains and retires servers. Every method is called under the controller's lock.
+
+    Objects of a drained server stay readable from a map that gives it weight 0 (reads fall back
+    over every server of the map). Channels do not: a queue's or an append file's segment is
+    found where the job's current map places it, so a map that gives the server weight 0 would
+    send a fresh client elsewhere and leave the segments there unreachable. A job with channel
+    data on the server (its ``channel_entries`` in the server's stats: segments, items,
+    records) therefore keeps its map until that data is gone (its channels deleted, or the job
+    ended); only then is it moved off, and only once no job holds channels there is the server
+    told to drain (refuse writes, exit when empty). It is retired when it holds nothing: no
+    object and no channel entry.
+    """
 
     def __init__(
         self,
@@ -46,14 +57,19 @@ class Drainer:
         self._admin = admin
         self._nodes = nodes
         self._long_running_min = long_running_min
+        # Draining servers not told to drain yet: node id -> the jobs whose channels are there.
+        self._holding: dict[str, set[str]] = {}
 
     def drain(self, node_id: str) -> dict[str, Any]:
         """Take a server out of service without losing live data.
 
-        It gets weight 0 for new jobs, every job that writes to it moves to a new epoch where
-        its weight is 0 (it stays in the map, so its data stays readable), and the server is told
-        to refuse writes and exit once it holds no data; the failure detector then retires it
-        quietly. The last ``long_running_min`` long-running servers are never drained.
+        It gets weight 0 for new jobs, and every job that writes to it moves to a new epoch where
+        its weight is 0 (it stays in the map, so its objects stay readable), except the jobs that
+        hold channel data there (see the class doc), which keep their map until it is gone. Once
+        none does, the server is told to refuse writes and exit once it holds no data; the
+        failure detector then retires it quietly. The last ``long_running_min`` long-running
+        servers are never drained. Returns ``{"node_id", "draining", "retired",
+        "holding_channels": [job ids]}``.
         """
         info = self._membership.get(node_id)
         if info is None:
@@ -69,22 +85,86 @@ class Drainer:
                     f"{node_id} is one of the last {floor} long-running servers"
                 )
         self._membership.draining.add(node_id)
+        try:
+            stats = self._admin.client(info.address).stats()
+        except PocketflowError as exc:
+            # Gone already (an empty drained server exits), or not answering: nothing of it can
+            # be read now, so no job is held for it.
+            log.info("stats of %s before its drain: %s", node_id, exc)
+            stats = {}
+        with_channels = {
+            job_id for job_id, usage in dict(stats.get("jobs", {})).items()
+            if int(usage.get("channel_entries", 0)) > 0
+        }
+        held = set()
         # New epochs first, so that a client still writing to the server is told the new
         # map (stale_epoch) rather than refused (draining).
-        # Its share of each job moves to servers with room (packed afresh, as a new job's is),
-        # so that the job's reservation keeps counting where its new data goes.
         for job_id, record in self._jobs.items():
             entry = next((s for s in record.handle.servers if s.node_id == node_id), None)
             if entry is None or (entry.weight <= 0.0 and not entry.persist):
                 continue
-            kept = self._allocator.refilled(record, leaving=(node_id,))
-            if not any(s.weight > 0 for s in kept):
-                self._epochs.exclude(job_id, node_id, keep_readable=True)
-            else:
-                self._epochs.move(job_id, kept)
+            if job_id in with_channels:
+                held.add(job_id)
+                continue
+            self._move_off(job_id, node_id)
+        if held:
+            self._holding[node_id] = held
+            log.info("draining storage server %s: jobs %s hold channels there", node_id,
+                     sorted(held))
+            return {"node_id": node_id, "draining": True, "retired": False,
+                    "holding_channels": sorted(held)}
+        return self._finish(node_id)
+
+    def holding(self) -> dict[str, list[str]]:
+        """Draining servers not told to drain yet, with the jobs whose channels are there."""
+        return {node_id: sorted(jobs) for node_id, jobs in self._holding.items()}
+
+    def go_on(self) -> list[str]:
+        """Move the held jobs whose channel data left a draining server (by its latest
+        heartbeat) off it, and tell each server no job holds any more to drain. Runs in the
+        monitor loop; returns the node ids told to drain."""
+        told = []
+        for node_id, held in list(self._holding.items()):
+            if node_id not in self._membership:
+                del self._holding[node_id]
+                continue
+            stats = self._membership.latest_stats(node_id) or {}
+            usage = dict(stats.get("jobs", {}))
+            for job_id in sorted(held):
+                channels = int(dict(usage.get(job_id, {})).get("channel_entries", 0))
+                if job_id in self._jobs and channels > 0:
+                    continue
+                held.discard(job_id)
+                if job_id in self._jobs:
+                    self._move_off(job_id, node_id)
+            if not held:
+                del self._holding[node_id]
+                self._finish(node_id)
+                told.append(node_id)
+        return told
+
+    def _move_off(self, job_id: str, node_id: str) -> None:
+        """Give ``node_id`` weight 0 (and no PERSIST placement) in the job's next epoch, its
+        share placed afresh on servers with room."""
+        # Its share of the job moves to servers with room (packed afresh, as a new job's is),
+        # so that the job's reservation keeps counting where its new data goes.
+        kept = self._allocator.refilled(self._jobs.record(job_id), leaving=(node_id,))
+        if not any(s.weight > 0 for s in kept):
+            self._epochs.exclude(job_id, node_id, keep_readable=True)
+        else:
+            self._epochs.move(job_id, kept)
+
+    def _finish(self, node_id: str) -> dict[str, Any]:
+        """Tell the server to drain (refuse writes, exit once empty); retire it at once if it
+        holds nothing (no object, no channel entry)."""
+        info = self._membership.get(node_id)
+        if info is None:
+            return {"node_id": node_id, "draining": True, "retired": True}
         try:
             result = self._admin.client(info.address).drain(exit_when_empty=True)
-            empty = int(self._admin.client(info.address).stats().get("objects", 1)) == 0
+            stats = self._admin.client(info.address).stats()
+            empty = (int(stats.get("objects", 1)) == 0
+                     and int(stats.get("channel_entries", 0)) == 0)
         except PocketflowError as exc:
             # Gone already: an empty server exits as soon as it is told to drain.
             log.info("%s after drain: %s", node_id, exc)
@@ -102,6 +182,7 @@ class Drainer:
             return
         info, node = forgotten
         self._membership.draining.discard(node_id)
+        self._holding.pop(node_id, None)
         self._allocator.launched.pop(node_id, None)
         self._admin.forget(info.address)
         self._epochs.drop(node_id)

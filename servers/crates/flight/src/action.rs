@@ -282,6 +282,7 @@ pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
         capacity_bytes: usage.capacity_bytes,
         used_bytes: usage.used_bytes,
         objects: usage.objects,
+        channel_entries: usage.channel_entries,
         jobs: usage
             .per_job
             .into_iter()
@@ -291,6 +292,7 @@ pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
                     JobUsageJson {
                         used_bytes: u.used_bytes,
                         objects: u.objects,
+                        channel_entries: u.channel_entries,
                     },
                 )
             })

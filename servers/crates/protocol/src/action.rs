@@ -744,6 +744,10 @@ pub struct JobUsageJson {
     pub used_bytes: u64,
     /// Records held for the job.
     pub objects: u64,
+    /// Channel entries held for the job: queue and append-file segments, queue items and append
+    /// records.
+    #[serde(default)]
+    pub channel_entries: u64,
 }
 
 /// `stats` result.
@@ -779,6 +783,10 @@ pub struct StatsReport {
     pub used_bytes: u64,
     /// Records held.
     pub objects: u64,
+    /// Channel entries held (queue and append-file segments, queue items, append records); their
+    /// bytes are in `used_bytes`.
+    #[serde(default)]
+    pub channel_entries: u64,
     /// Usage per job.
     pub jobs: BTreeMap<String, JobUsageJson>,
     /// CPU cores the server runs on now (see `set_cores`).

@@ -31,6 +31,8 @@ pub(crate) struct JobAccount {
     pub objects: AtomicU64,
     /// Records and data blocks in the index.
     pub entries: AtomicU64,
+    /// Of `entries`, the channels': queue and append-file segments, queue items and records.
+    pub channel_entries: AtomicU64,
 }
 
 /// Bytes held against the budget and a job's usage; released on drop.

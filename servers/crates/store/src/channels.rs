@@ -130,6 +130,7 @@ pub(crate) fn forget_channels<'a>(
                 .sum::<u64>();
     }
     account.entries.fetch_sub(entries, Ordering::AcqRel);
+    account.channel_entries.fetch_sub(entries, Ordering::AcqRel);
     bytes
 }
 
@@ -176,6 +177,7 @@ impl Store {
             .budget()
             .charge(account, INDEX_ENTRY_OVERHEAD_BYTES + name.len() as u64)?;
         account.entries.fetch_add(1, Ordering::AcqRel);
+        account.channel_entries.fetch_add(1, Ordering::AcqRel);
         Ok(charge)
     }
 
@@ -256,6 +258,7 @@ impl Store {
                 }
                 queue.items.push_back(Arc::clone(&stored));
                 account.entries.fetch_add(1, Ordering::AcqRel);
+                account.channel_entries.fetch_add(1, Ordering::AcqRel);
                 let state = queue.state();
                 self.events().emit(job, bucket, name, EventOp::Enqueue);
                 Ok(Some(state))
@@ -326,6 +329,7 @@ impl Store {
                 let state = queue.state();
                 if item.is_some() {
                     account.entries.fetch_sub(1, Ordering::AcqRel);
+                    account.channel_entries.fetch_sub(1, Ordering::AcqRel);
                     self.events().emit(job, bucket, name, EventOp::Dequeue);
                 }
                 Ok((item, state))
@@ -461,6 +465,7 @@ impl Store {
             file.records.push((offset, stored));
             file.len_bytes += len;
             account.entries.fetch_add(1, Ordering::AcqRel);
+            account.channel_entries.fetch_add(1, Ordering::AcqRel);
             Ok((offset, file.records.len() as u64 - 1))
         })
     }
@@ -646,10 +651,17 @@ mod tests {
         drop(item);
         assert_eq!(state.items, 2);
         assert!(s.used_bytes() > 0);
+        // The segment and its two items are channel entries: a server holding them is not
+        // empty, though it holds no object.
+        let usage = s.usage();
+        assert_eq!((usage.objects, usage.channel_entries), (0, 3));
+        assert_eq!(usage.per_job["j"].channel_entries, 3);
+        assert!(!s.is_empty());
         let (deleted, freed) = s.delete_prefix("j", "b", "q/").unwrap();
         assert_eq!(deleted, 0, "queues are not objects");
         assert!(freed > 0);
         assert_eq!(s.used_bytes(), 0);
+        assert_eq!(s.usage().channel_entries, 0);
         assert!(s.is_empty());
         let (none, state) = s.dequeue("j", "b", "q/1", 0, 0).await.unwrap();
         assert!(none.is_none() && !state.exists);
@@ -793,7 +805,13 @@ mod tests {
         let (records, count, _) = s.read_records("j", "b", "f", 0, 1, 1024).await.unwrap();
         assert_eq!(count, 1);
         assert_eq!(&records[..], b"\x04\x00\x00\x00efgh");
+        assert_eq!(
+            s.usage().channel_entries,
+            3,
+            "the segment and its two records"
+        );
         s.delete_bucket("j", "b").unwrap();
         assert_eq!(s.used_bytes(), 0);
+        assert_eq!(s.usage().channel_entries, 0);
     }
 }

@@ -144,7 +144,8 @@ async fn small_objects_round_trip(tier: Tier) {
         store.usage().per_job[JOB],
         JobUsage {
             used_bytes: expected_used,
-            objects: 2
+            objects: 2,
+            channel_entries: 0,
         }
     );
     // A delete of another version leaves the record; of its own version removes it.

@@ -18,6 +18,9 @@ pub struct Usage {
     pub used_bytes: u64,
     /// Block-0 records (objects) in the index.
     pub objects: u64,
+    /// Channel entries in the index: queue and append-file segments, queue items and append
+    /// records (their bytes are in `used_bytes`). A server holding any holds channel data.
+    pub channel_entries: u64,
     /// The same per job, for every job with buckets on this server.
     pub per_job: BTreeMap<String, JobUsage>,
 }
@@ -29,6 +32,8 @@ pub struct JobUsage {
     pub used_bytes: u64,
     /// Block-0 records of the job.
     pub objects: u64,
+    /// Channel entries of the job (see [`Usage::channel_entries`]).
+    pub channel_entries: u64,
 }
 
 impl Store {
@@ -63,6 +68,7 @@ impl Store {
                 let usage = JobUsage {
                     used_bytes: job.account.used_bytes.load(Ordering::Acquire),
                     objects: job.account.objects.load(Ordering::Acquire),
+                    channel_entries: job.account.channel_entries.load(Ordering::Acquire),
                 };
                 (name.clone(), usage)
             })
@@ -71,6 +77,7 @@ impl Store {
             capacity_bytes: self.capacity_bytes(),
             used_bytes: self.used_bytes(),
             objects: per_job.values().map(|j| j.objects).sum(),
+            channel_entries: per_job.values().map(|j| j.channel_entries).sum(),
             per_job,
         }
     }

@@ -11,8 +11,9 @@ what it put and an untimed cleanup, the order rotating from round to round. The 
 every cell are warm-ups, discarded; each figure is the median of the measured rounds, reported
 with its spread (:mod:`benchmarks.spread`), and pocketflow/peer ratios are taken round by round.
 Pipelined cells send batches (``put_many``/``get_many``, a Redis pipeline, concurrent S3
-requests, one TCP send). Results go to ``<out>/<date>-<mode>.json``, ``.md`` and ``-*.png``; a
-full run also copies its summary to ``<out>/LATEST.md``.
+requests, one TCP send). ``tcp-native`` (:mod:`benchmarks.tcp_native`) is the loopback limit:
+every peer is also reported as a fraction of it. Results go to ``<out>/<date>-<mode>.json``,
+``.md`` and ``-*.png``; a full run also copies its summary to ``<out>/LATEST.md``.
 
 The exit status is 0 when every planned figure was measured, 1 otherwise.
 """
@@ -47,6 +48,7 @@ from benchmarks.peers import (
 from benchmarks.pool import ClientPool, PhaseError
 from benchmarks.schedule import RoundBounds, interleave
 from benchmarks.spread import spread
+from benchmarks.tcp_native import NativeTcpPeer
 from benchmarks.workloads import (
     DELETE,
     GET,
@@ -304,6 +306,7 @@ def _make_peers(
     object_max_bytes = max(plan.sizes_bytes)
     factories: dict[str, Callable[[], Peer]] = {
         "tcp": lambda: TcpPeer(object_max_bytes=object_max_bytes),
+        "tcp-native": lambda: NativeTcpPeer(object_max_bytes=object_max_bytes),
         "redis": RedisPeer,
         "s3": S3Peer,
         "pocketflow-dram": lambda: PocketflowPeer(pocketflow_cluster(), tier="dram"),

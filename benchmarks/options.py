@@ -11,7 +11,9 @@ import argparse
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PEER_NAMES = ("tcp", "redis", "s3", "pocketflow-dram", "pocketflow-nvme")
+PEER_NAMES = ("tcp", "tcp-native", "redis", "s3", "pocketflow-dram", "pocketflow-nvme")
+"""``tcp-native`` is the loopback limit (a Rust client and server, built by ``make install``);
+``tcp`` the same framing with a Python client and server."""
 TLS_PEER_NAMES = ("pocketflow-dram-plain", "pocketflow-dram-tls")
 """Added by ``--tls``: one standalone DRAM server each, plaintext and TLS, otherwise equal."""
 

@@ -88,7 +88,9 @@ def run_phase(
 ) -> PhaseResult:
     """Run one phase of ``keys`` on ``client`` (a :class:`benchmarks.peers.PeerClient`).
 
-    Waits until ``start_at_ns`` first (so concurrent clients start together). Every GET checks
+    A client with a ``timed_phase`` method (the native TCP client) runs PUT and GET phases
+    itself and returns their :class:`PhaseResult`. Otherwise: waits until ``start_at_ns``
+    first (so concurrent clients start together). Every GET checks
     the length of what it received, and the first GET of the phase its bytes too (unless the
     peer stores nothing, like the TCP peer). Batched phases send ``batch_ops`` keys per call.
     With ``seconds_max`` no new operation (or batch) starts after that long, so ``ops`` of the
@@ -98,6 +100,14 @@ def run_phase(
         raise ValueError(f"unknown phase {phase!r}")
     if batch_ops < 1:
         raise ValueError("batch_ops must be at least 1")
+    timed_phase = getattr(client, "timed_phase", None)
+    if timed_phase is not None and phase != DELETE:
+        # A native client times the phase in its own loop, on the same clock.
+        result: PhaseResult = timed_phase(
+            phase, keys=keys, size_bytes=size_bytes, batch_ops=batch_ops,
+            start_at_ns=start_at_ns, seconds_max=seconds_max,
+        )
+        return result
     data = payload(size_bytes)
     if start_at_ns is not None:
         delay_ns = start_at_ns - clock_ns()

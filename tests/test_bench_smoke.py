@@ -225,13 +225,18 @@ def test_quick_compare_measures_every_figure(local_cluster: Any, tmp_path: Path)
         if peer in compare.PEER_NAMES
     }
     assert all(r["pairs"] == plan.rounds_min for r in result["ratios"])
+    # Every other peer is reported as a fraction of the native loopback limit.
+    limited = {f["peer"] for f in result["loopback_limit"]}
+    assert limited == set(compare.PEER_NAMES) - {report.LOOPBACK_PEER}
     assert any(c.get("cdf_us") for c in result["cells"])
 
     on_disk = json.loads(paths[0].read_text())
     assert len(on_disk["cells"]) == result["plan"]["cells_planned"]
     summary = paths[1].read_text()
     assert "| 1 KiB | put | pocketflow-dram |" in summary
+    assert "## Against the loopback limit (tcp-native), one client" in summary
     assert "warm-up rounds" in summary
     pngs = [p for p in paths if p.suffix == ".png"]
-    assert len(pngs) == 3 and all(p.stat().st_size > 0 for p in pngs)
+    assert len(pngs) == 4 and all(p.stat().st_size > 0 for p in pngs)
+    assert any(p.name.endswith("-loopback-fraction.png") for p in pngs)
     assert not (tmp_path / "LATEST.md").exists()  # only a full run refreshes LATEST.md

@@ -406,8 +406,14 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _run_demo(runner: Any, cluster: Any, config: Any, args: argparse.Namespace,
               out: TextIO) -> int:
     # The runner's shuffle registers the job itself, with the hints it knows (tasks, input size).
-    report = runner.run(cluster, config, progress=not args.no_progress,
-                        options={"lithops_storage": args.lithops_storage})
+    try:
+        report = runner.run(cluster, config, progress=not args.no_progress,
+                            options={"lithops_storage": args.lithops_storage})
+    except PocketflowError as exc:
+        # Said now, before the local cluster stops: what failed is what the user needs, and
+        # stopping a cluster that is gone is best effort.
+        print(f"pocketflow demo: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
     for line in report.summary_lines():
         print(line, file=out)
     out.flush()

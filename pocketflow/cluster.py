@@ -6,6 +6,7 @@ import atexit
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import weakref
@@ -51,6 +52,9 @@ START_TIMEOUT_S = 120.0
 
 STOP_TIMEOUT_S = 15.0
 """How long each stop step waits before escalating (actor call, then SIGTERM, then SIGKILL)."""
+
+GCS_PROBE_TIMEOUT_S = 1.0
+"""How long stopping waits for a TCP connection to Ray's GCS to learn whether it is there."""
 
 METADATA_RESTARTS_MAX = 100
 """How many times Ray restarts a dead ``Metadata`` actor (it replays its log on each start)."""
@@ -554,6 +558,14 @@ class LocalCluster:
 
         if not ray.is_initialized():
             return
+        if self._gcs_gone():
+            # Killed under us (another user's `ray stop`): every call through Ray would wait
+            # out Ray's own bound on reaching the GCS (60 s) and then end this process. The
+            # actors died with it; their servers are ended by pid after this.
+            log.warning("Ray's GCS at %s is gone: not stopping the actors through it",
+                        self._ray_address)
+            self._control = None
+            return
         if self._nodes:
             refs = [node.stop.remote() for node in self._nodes.values()]
             try:
@@ -583,6 +595,20 @@ class LocalCluster:
         self._end_launched_nodes()
         if self._autoscale and self._storage_resources:
             _withdraw_resource_request()
+
+    def _gcs_gone(self) -> bool:
+        """Whether Ray's GCS of this cluster refuses connections (it is not running)."""
+        if self._ray_address is None:
+            return False
+        host, _, port = self._ray_address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)),
+                                     timeout=GCS_PROBE_TIMEOUT_S).close()
+        except ConnectionRefusedError:
+            return True
+        except (OSError, ValueError):  # slow or unknown: not known to be gone
+            return False
+        return False
 
     def _end_launched_nodes(self) -> None:
         """End every ``StorageNode`` actor of pocketflow's namespace still alive: the nodes the

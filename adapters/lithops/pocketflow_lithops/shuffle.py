@@ -82,7 +82,6 @@ from typing import TYPE_CHECKING, Any
 from pocketflow.errors import (
     BucketExists,
     CapacityExhausted,
-    DataUnavailable,
     PocketflowError,
     ShuffleFailed,
 )
@@ -90,6 +89,8 @@ from pocketflow_lithops.append_shuffle import run_append_layout
 from pocketflow_lithops.runtime import RUNTIME_PACKAGES
 from pocketflow_lithops.shuffle_result import ShuffleResult
 from pocketflow_lithops.shuffle_tasks import (
+    CLUSTER_GONE,
+    CLUSTER_GONE_SETTLE_S,
     CONSUMING_PREFIX,
     FINISHED_PREFIX,
     OUTPUT_BUCKET,
@@ -101,6 +102,7 @@ from pocketflow_lithops.shuffle_tasks import (
     _ReduceOutcome,
     _shuffle_task,
     _Spec,
+    cluster_gone,
     consuming_key,
     finished_key,
     output_key,
@@ -336,13 +338,20 @@ def _run_stages(
                 )
                 done.update({o.reducer: o for o in outcomes if not o.lost_mappers})
                 failed = [o for o in outcomes if o.lost_mappers]
-        except BaseException:
+        except BaseException as failure:
             # Deleting the bucket wakes reducers still parked on it; they fail at once instead
             # of holding their workers until their wait bound.
             try:
                 pf.delete_bucket(SHUFFLE_BUCKET)
             except PocketflowError as exc:
                 log.warning("shuffle %s: could not delete its bucket: %s", job.job_id, exc)
+            # Whatever failed first (a task's lost connection, a mapper's error, a wait), a
+            # shuffle whose cluster is gone says so.
+            if (isinstance(failure, Exception) and CLUSTER_GONE not in str(failure)
+                    and not isinstance(failure, CapacityExhausted)):
+                gone = cluster_gone(pf, settle_s=CLUSTER_GONE_SETTLE_S)
+                if gone is not None:
+                    raise gone from failure
             raise
         # Every reducer has committed: the markers of its attempts are no longer needed.
         pf.delete_prefix(SHUFFLE_BUCKET, CONSUMING_PREFIX)
@@ -452,8 +461,10 @@ def _collect(
                 raise CapacityExhausted(f"{_task_name(call)}: {exc.message or exc}",
                                         server=exc.server) from exc
             except Exception as exc:
-                if isinstance(exc, DataUnavailable) and pf is not None:
-                    raise_if_cluster_gone(pf)
+                if pf is not None:
+                    # Any failure may be the cluster's end (a task's process may die with it):
+                    # no retry then.
+                    raise_if_cluster_gone(pf, settle_s=CLUSTER_GONE_SETTLE_S)
                 if not isinstance(call, _ReduceCall) or retries_left[call.reducer] <= 0:
                     raise
                 retries_left[call.reducer] -= 1

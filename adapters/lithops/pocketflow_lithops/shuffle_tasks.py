@@ -36,6 +36,9 @@ __all__ = [
     "OUTPUT_BUCKET",
     "SHUFFLE_BUCKET",
     "OutputInfo",
+    "CLUSTER_GONE",
+    "CLUSTER_GONE_SETTLE_S",
+    "cluster_gone",
     "consuming_key",
     "finished_key",
     "output_key",
@@ -60,6 +63,14 @@ MAP_REFRESH_TIMEOUT_S = 30.0
 """How long a task waits for the control plane to move the job off an unreachable server."""
 MAP_REFRESH_BACKOFF_S = (0.05, 1.0)
 """First and largest pause between checks for a new weight map (failure path only)."""
+CLUSTER_GONE = "its cluster is gone"
+"""How the error of :func:`cluster_gone` ends."""
+CLUSTER_GONE_SETTLE_S = 1.0
+"""How long the driver's :func:`cluster_gone` keeps asking, after a task failed, while only some
+of the job's servers answer: a cluster killed as a whole (another user's ``ray stop``) loses its
+servers one after another, and the failure may come from the first of them to go."""
+CLUSTER_GONE_PROBE_PAUSE_S = 0.2
+"""Pause between those questions."""
 WRITE_ATTEMPTS_MAX = 3
 """Most times a mapper (or a reducer putting inputs back) writes again after an unreachable
 server."""
@@ -258,18 +269,36 @@ def refresh_map(pf: Client, unreachable: set[str], *, bucket: str,
         pause_s = min(pause_s * 2, pause_max_s)
 
 
-def raise_if_cluster_gone(pf: Client) -> None:
+def raise_if_cluster_gone(pf: Client, *, settle_s: float = 0.0) -> None:
     """Raise :class:`DataUnavailable` when no server of the job's map answers: the job's
     cluster is gone (or cut off from this process), so no newer map can arrive and nothing it
-    held can be read; whoever waits for one would wait out its whole bound for nothing."""
-    unreachable = pf.unreachable_servers()
+    held can be read; whoever waits for one would wait out its whole bound for nothing
+    (``settle_s``: see :func:`cluster_gone`)."""
+    gone = cluster_gone(pf, settle_s=settle_s)
+    if gone is not None:
+        raise gone
+
+
+def cluster_gone(pf: Client, *, settle_s: float = 0.0) -> DataUnavailable | None:
+    """The error that says the job's cluster is gone when no server of its map answers, else
+    ``None``. Asked after a failure only: while some servers answer and others do not, it asks
+    again for up to ``settle_s`` (the driver: ``CLUSTER_GONE_SETTLE_S``), so that a cluster
+    dying as a whole is called gone even when the failure came from its first server to go."""
     servers = {s.address for s in pf.handle.servers}
-    if unreachable and {s.address for s in unreachable} >= servers:
-        names = ", ".join(f"{s.node_id} at {s.address}" for s in unreachable)
-        raise DataUnavailable(
-            f"unavailable: no storage server of job {pf.handle.job_id} answers ({names}): "
-            "its cluster is gone", server=unreachable[0].address,
-        )
+    settle_until = time.monotonic() + settle_s
+    while True:
+        unreachable = pf.unreachable_servers()
+        if not unreachable:
+            return None
+        if {s.address for s in unreachable} >= servers:
+            names = ", ".join(f"{s.node_id} at {s.address}" for s in unreachable)
+            return DataUnavailable(
+                f"unavailable: no storage server of job {pf.handle.job_id} answers ({names}): "
+                f"{CLUSTER_GONE}", server=unreachable[0].address,
+            )
+        if time.monotonic() + CLUSTER_GONE_PROBE_PAUSE_S > settle_until:
+            return None
+        time.sleep(CLUSTER_GONE_PROBE_PAUSE_S)
 
 
 def _write_all(pf: Client, spec: _Spec, items: list[tuple[str, memoryview]]) -> int:

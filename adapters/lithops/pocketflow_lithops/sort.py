@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import pocketflow
 from pocketflow.demo import (
     LITHOPS_POCKET_STORAGE,
     SORT_TIMEOUT_DEFAULT_S,
@@ -40,8 +41,10 @@ from pocketflow.demo import (
     map_records,
     reduce_records,
 )
+from pocketflow.errors import PocketflowError
 from pocketflow_lithops.runtime import runtime_path
 from pocketflow_lithops.shuffle import shuffle
+from pocketflow_lithops.shuffle_tasks import CLUSTER_GONE_SETTLE_S, OutputInfo, cluster_gone
 
 __all__ = ["RUNNER", "LithopsSortRunner", "run_sort"]
 
@@ -63,6 +66,24 @@ def _shuffle_runtime() -> str | None:
     except FileNotFoundError as exc:
         log.warning("%s; every task imports the client itself", exc)
         return None
+
+
+def _validate(fexec: Any, handle_json: str, outputs: list[OutputInfo],
+              timeout_s: float | None) -> list[PartitionCheck]:
+    """The validation stage: one Lithops call per output reads it back and describes it. A
+    failure of a call whose cluster is gone meanwhile says so, as the shuffle's do."""
+    try:
+        checks: list[PartitionCheck] = fexec.get_result(fexec.map(
+            check_partition,
+            [(handle_json, o.bucket, o.key, r) for r, o in enumerate(outputs)],
+        ), timeout=timeout_s)
+    except PocketflowError as failure:
+        with pocketflow.connect(handle_json) as pf:
+            gone = cluster_gone(pf, settle_s=CLUSTER_GONE_SETTLE_S)
+        if gone is not None:
+            raise gone from failure
+        raise
+    return checks
 
 
 def run_sort(
@@ -133,10 +154,7 @@ def run_sort(
             phase_s["shuffle+reduce"] = result.elapsed_s - result.map_s
             _say(progress, "validate: reading the sorted output back")
             phase_started = time.perf_counter()
-            checks: list[PartitionCheck] = fexec.get_result(fexec.map(
-                check_partition,
-                [(result.handle_json, o.bucket, o.key, r) for r, o in enumerate(result.outputs)],
-            ), timeout=timeout_s)
+            checks = _validate(fexec, result.handle_json, result.outputs, timeout_s)
             phase_s["validate"] = time.perf_counter() - phase_started
         elapsed_s = time.perf_counter() - started
         maps: list[MapResult] = result.map_values
@@ -145,8 +163,6 @@ def run_sort(
         if sum(m.records for m in maps) != cfg.records:
             problems.append(f"mappers generated {sum(m.records for m in maps):,} records")
         if not cfg.keep_output:
-            import pocketflow
-
             with pocketflow.connect(result.handle_json) as pf:
                 for output in result.outputs:
                     pf.delete(output.bucket, output.key)

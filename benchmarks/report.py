@@ -310,7 +310,7 @@ def _loopback_table(result: dict[str, Any]) -> list[str]:
         "move the same request and response shapes over 127.0.0.1 and store nothing), median "
         "[range] of the round pairs. `tcp` is the same framing with a Python client and server: "
         "its fraction is what the client's language costs. A fraction above 1 is a peer that "
-        "beat the native client in that cell (at 1 MiB GET it can: benchmarks/README.md).",
+        "beat the native client in that cell (around 1 MiB it can: benchmarks/README.md).",
         "",
         *_table(["object", "op", *peers], rows),
         "",

@@ -12,6 +12,7 @@ use std::io::{self, BufRead, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
+use crate::buffer::PageAligned;
 use crate::clock::{monotonic_ns, sleep_until};
 use crate::error::Error;
 use crate::server::closed_or_io;
@@ -145,10 +146,11 @@ impl PhaseResult {
 pub struct Client {
     stream: TcpStream,
     object_max_bytes: usize,
-    /// What PUTs send: filled once, grown to the largest object put.
-    payload: Vec<u8>,
+    /// What PUTs send: filled once, grown to the largest object put (page-aligned, as every
+    /// buffer the kernel copies to or from here: see `buffer`).
+    payload: PageAligned,
     /// Where GETs land: touched once, grown to the largest batch read, reused.
-    received: Vec<u8>,
+    received: PageAligned,
 }
 
 impl Client {
@@ -162,8 +164,8 @@ impl Client {
         Ok(Client {
             stream,
             object_max_bytes,
-            payload: Vec::new(),
-            received: Vec::new(),
+            payload: PageAligned::default(),
+            received: PageAligned::default(),
         })
     }
 
@@ -182,8 +184,8 @@ impl Client {
                 max_bytes: BATCH_BYTES_MAX as u64,
             });
         }
-        if self.payload.len() < phase.size_bytes {
-            self.payload = wire::filler(phase.size_bytes);
+        if self.payload.as_slice().len() < phase.size_bytes {
+            self.payload = PageAligned::copy_of(&wire::filler(phase.size_bytes));
         }
         let put_header = wire::encode(Op::Put, phase.size_bytes as u64);
         let get_header = wire::encode(Op::Get, phase.size_bytes as u64);
@@ -195,7 +197,7 @@ impl Client {
             Shape::PutMany => {
                 for _ in 0..phase.batch_ops {
                     requests.extend_from_slice(&put_header);
-                    requests.extend_from_slice(&self.payload[..phase.size_bytes]);
+                    requests.extend_from_slice(&self.payload.as_slice()[..phase.size_bytes]);
                 }
                 self.grow_received(phase.batch_ops);
             }
@@ -222,7 +224,7 @@ impl Client {
             let count = phase.batch_ops.min(phase.ops - result.ops);
             match phase.shape {
                 Shape::Put => {
-                    let payload = &self.payload[..phase.size_bytes];
+                    let payload = &self.payload.as_slice()[..phase.size_bytes];
                     write_all_vectored(
                         &mut self.stream,
                         &mut [IoSlice::new(&put_header), IoSlice::new(payload)],
@@ -253,22 +255,21 @@ impl Client {
 
     /// Make the receive buffer at least `length` bytes, every page written once.
     fn grow_received(&mut self, length: usize) {
-        if self.received.len() < length {
-            // `resize` writes the zeros (a zeroed allocation would leave pages untouched).
-            self.received.reserve_exact(length - self.received.len());
-            self.received.resize(length, 0);
-        }
+        self.received.grow(length);
     }
 
     fn receive(&mut self, length: usize) -> Result<(), Error> {
         self.stream
-            .read_exact(&mut self.received[..length])
+            .read_exact(&mut self.received.as_mut_slice()[..length])
             .map_err(closed_or_io)
     }
 
     fn receive_acks(&mut self, count: usize) -> Result<(), Error> {
         self.receive(count)?;
-        match self.received[..count].iter().find(|&&b| b != ACK) {
+        match self.received.as_slice()[..count]
+            .iter()
+            .find(|&&b| b != ACK)
+        {
             Some(&bad) => Err(Error::BadAck(bad)),
             None => Ok(()),
         }

@@ -5,6 +5,7 @@
 //! pays at least for the same shapes. The framing is `benchmarks/tcp.py`'s (see `wire`).
 
 mod args;
+mod buffer;
 mod client;
 mod clock;
 mod error;

@@ -1,6 +1,6 @@
 //! The sink/source server: one thread per connection, blocking sockets, nothing stored. PUT
 //! bytes are read into a scratch buffer and dropped; GET bytes come from one buffer filled at
-//! start. Every request whose bytes one receive brought is answered before the replies are
+//! start (both page-aligned: see `buffer`). Every request whose bytes one receive brought is answered before the replies are
 //! flushed together, so pipelined batches cost one send per receive, as in `benchmarks/tcp.py`.
 
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
@@ -8,6 +8,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use crate::buffer::PageAligned;
 use crate::clock::monotonic_ns;
 use crate::error::Error;
 use crate::wire::{self, Op, ACK, HEADER_BYTES};
@@ -62,7 +63,9 @@ impl Slots {
 /// Listen on 127.0.0.1 (a free port), print the ready line, serve until the process ends.
 pub fn serve(options: &ServeOptions) -> Result<(), Error> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
-    let source: Arc<[u8]> = wire::filler(options.object_max_bytes).into();
+    let source = Arc::new(PageAligned::copy_of(&wire::filler(
+        options.object_max_bytes,
+    )));
     let mut stdout = io::stdout();
     writeln!(stdout, "{READY_PREFIX}{}", listener.local_addr()?)?;
     stdout.flush()?;
@@ -84,7 +87,7 @@ pub fn serve(options: &ServeOptions) -> Result<(), Error> {
         let source = Arc::clone(&source);
         let slots = Arc::clone(&slots);
         std::thread::spawn(move || {
-            if let Err(e) = serve_connection(&stream, &source) {
+            if let Err(e) = serve_connection(&stream, source.as_slice()) {
                 eprintln!("pocketflow-loopback: connection ended: {e}");
             }
             slots.release();
@@ -111,12 +114,12 @@ fn serve_connection(stream: &TcpStream, source: &[u8]) -> Result<(), Error> {
     stream.set_write_timeout(Some(Duration::from_millis(SOCKET_TIMEOUT_MS)))?;
     let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
     let mut writer = BufWriter::with_capacity(WRITE_BUFFER_BYTES, stream);
-    let mut scratch = vec![0u8; SCRATCH_BYTES];
+    let mut scratch = PageAligned::zeroed(SCRATCH_BYTES);
     let mut header = [0u8; HEADER_BYTES];
     while read_header(&mut reader, &mut header)? {
         match wire::decode(&header)? {
             (Op::Put, length) => {
-                drop_bytes(&mut reader, length, &mut scratch)?;
+                drop_bytes(&mut reader, length, scratch.as_mut_slice())?;
                 writer.write_all(&[ACK])?;
             }
             (Op::Get, length) => {

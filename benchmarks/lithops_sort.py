@@ -279,7 +279,7 @@ def _noop(x: int) -> int:
 def _pocketflow_used(cluster: Any) -> Callable[[], int]:
     from pocketflow.control.admin import AdminTokens
 
-    tokens = AdminTokens(cluster.secret_file)
+    tokens = AdminTokens(cluster.secret, tls_ca=cluster.tls_ca)
     addresses = [s.address for s in cluster.servers]
 
     def sample() -> int:

@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--tls", action="store_true",
                     help="make a cluster CA and serve TLS only (always on with --address)")
     up.add_argument("--work-dir", default=None,
-                    help="where the cluster secret, CA and NVMe files go (default a new "
-                    "directory under /tmp); with --address, a path every node sees")
+                    help="where the metadata log, the CA certificate and NVMe files go (default "
+                    "a new directory under /tmp); with --address, a path every node sees")
     _add_cluster_shape(up)
     up.set_defaults(func=cmd_up)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from pocketflow.auth import write_secret_file
+from pocketflow.auth import new_secret
 from pocketflow.config import parse_duration, parse_size
 from pocketflow.control import (
     CONTROLLER_ACTOR_NAME,
@@ -33,7 +33,7 @@ from pocketflow.hints import Hints
 from pocketflow.job import Job, register_job
 from pocketflow.processes import ProcessRef, children, descendants, terminate, wait_gone
 from pocketflow.protocol import BLOCK_SIZE_MAX_BYTES
-from pocketflow.tls import cluster_ca_name, make_cluster_ca, read_ca
+from pocketflow.tls import ClusterCA, cluster_ca_name, new_cluster_ca, write_ca_cert
 
 if TYPE_CHECKING:
     from pocketflow.control.launcher import LaunchSpec
@@ -77,9 +77,9 @@ class _NodePlan:
 class LocalCluster:
     """A pocketflow cluster on this machine, started and stopped by this process.
 
-    Starts Ray (unless this process is already connected to Ray), writes a fresh cluster secret to a
-    0600 file in the cluster's own temporary directory, and starts the ``Metadata``,
-    ``StorageNode`` (one per storage server) and ``Controller`` actors. DRAM servers are
+    Starts Ray (unless this process is already connected to Ray), makes a fresh cluster secret (in
+    memory: see :attr:`secret`), and starts the ``Metadata``, ``StorageNode`` (one per storage
+    server) and ``Controller`` actors. DRAM servers are
     long-running (they hold PERSIST data); NVMe servers keep their data in a file of the temporary
     directory, which must support O_DIRECT (``/tmp`` on ext4 does, tmpfs does not). Every server
     listens on 127.0.0.1 on a random port. PERSIST objects expire ``persist_ttl`` after they are
@@ -109,11 +109,13 @@ class LocalCluster:
 
     Every server listens on the address of the Ray node it runs on (127.0.0.1 here, since the
     embedded Ray stays on loopback; a node's own address on a multi-node cluster). With
-    ``tls=True`` the cluster makes a CA in its temporary directory (``tls/``, files 0600), each
-    server gets a certificate naming its address and accepts TLS connections only, and every job
-    handle carries the CA certificate (``JobHandle.tls_ca``). A server on a non-loopback address
-    refuses to start without TLS. Each server also serves Prometheus metrics on a port of its own
-    (``status()["servers"][i]["metrics_url"]``).
+    ``tls=True`` the cluster makes a CA named after it, in memory (only its certificate is written,
+    to ``tls/ca.pem`` in its temporary directory); each server gets a certificate the CA signs for
+    its address (its key made by its node, and handed to it over stdin) and accepts TLS
+    connections only, and every job handle carries the CA certificate (``JobHandle.tls_ca``).
+    The controller holds the CA too, and signs the certificates of the servers it launches. A
+    server on a non-loopback address refuses to start without TLS. Each server also serves
+    Prometheus metrics on a port of its own (``status()["servers"][i]["metrics_url"]``).
     """
 
     def __init__(
@@ -192,6 +194,10 @@ class LocalCluster:
             for i in range(nvme_servers)
         ]
 
+        # The cluster secret and CA live in this process's memory (and the control plane's),
+        # never in a file: see `secret`.
+        self._secret = new_secret()
+        self._ca: ClusterCA | None = None
         self._lock = threading.Lock()
         self._state = "new"
         self._work_dir: Path | None = None
@@ -223,9 +229,10 @@ class LocalCluster:
             self._work_dir = Path(
                 tempfile.mkdtemp(prefix="pocketflow-", dir=self._tmp_dir)
             )
-            write_secret_file(self.secret_file)
             if self._tls:
-                make_cluster_ca(self.work_dir / "tls", name=cluster_ca_name(self.work_dir.name))
+                self._ca = new_cluster_ca(cluster_ca_name(self.work_dir.name))
+                # Only the CA's certificate (public) is written, for clients and operators.
+                write_ca_cert(self.work_dir / "tls", self._ca.cert_pem)
             self._start_ray()
             self._start_actors()
         except BaseException:
@@ -303,7 +310,7 @@ class LocalCluster:
 
     @property
     def work_dir(self) -> Path:
-        """The cluster's own temporary directory (secret file, NVMe data files)."""
+        """The cluster's own temporary directory (metadata log, NVMe data files, CA certificate)."""
         if self._work_dir is None:
             raise ClusterError("the local cluster is not started")
         return self._work_dir
@@ -314,19 +321,21 @@ class LocalCluster:
         return self._metadata_log or self.work_dir / "metadata.log"
 
     @property
-    def secret_file(self) -> Path:
-        """The 0600 file holding the cluster secret that keys every capability token."""
-        return self.work_dir / "cluster.secret"
+    def secret(self) -> bytes:
+        """The cluster secret that keys every capability token. It lives in the memory of this
+        process, the controller, the storage nodes and the servers only (never in a file or on a
+        command line): pass it to nothing a task can read."""
+        return self._secret
 
     @property
     def tls_dir(self) -> Path | None:
-        """The cluster's TLS directory (CA and server certificates), ``None`` without TLS."""
+        """The cluster's TLS directory (the CA certificate, ``ca.pem``), ``None`` without TLS."""
         return self.work_dir / "tls" if self._tls else None
 
     @property
     def tls_ca(self) -> str | None:
         """The cluster CA certificate (PEM) clients trust, ``None`` without TLS."""
-        return read_ca(self.tls_dir)
+        return self._ca.cert_pem if self._ca is not None else None
 
     @property
     def block_size_bytes(self) -> int:
@@ -468,15 +477,18 @@ class LocalCluster:
                     node_id=plan.node_id,
                     tier=plan.tier,
                     capacity_bytes=plan.capacity_bytes,
-                    secret_file=str(self.secret_file),
+                    secret=self._secret,
                     long_running=plan.long_running,
                     nvme_path=nvme_path,
                     threads=self._server_threads,
                     persist_ttl_ms=self._persist_ttl_ms if plan.long_running else None,
-                    tls_dir=self._tls_dir_arg(),
+                    tls_ca=self.tls_ca,
                 )
             )
-        starts = {node_id: node.start.remote() for node_id, node in self._nodes.items()}
+        starts = {
+            node_id: node.start.remote(self._sign(node_id, node))
+            for node_id, node in self._nodes.items()
+        }
         first_error: BaseException | None = None
         for node_id, ref in starts.items():
             try:
@@ -496,7 +508,7 @@ class LocalCluster:
                 **{**control_options, "max_restarts": CONTROLLER_RESTARTS_MAX},
             )
             .remote(
-                secret_file=str(self.secret_file),
+                secret=self._secret,
                 metadata=self._metadata,
                 block_size_bytes=self._block_size_bytes,
                 token_ttl_s=self._token_ttl_s,
@@ -516,7 +528,7 @@ class LocalCluster:
                     servers_max=self._servers_max,
                 ),
                 sizing_interval_ms=self._sizing_interval_ms or SIZING_INTERVAL_MS_DEFAULT,
-                tls_dir=self._tls_dir_arg(),
+                ca=self._ca,
             )
         )
         try:
@@ -536,7 +548,6 @@ class LocalCluster:
         from pocketflow.control.launcher import LaunchSpec
 
         return LaunchSpec(
-            secret_file=str(self.secret_file),
             data_dir=str(self.work_dir),
             capacity_bytes_by_tier={
                 TIER_DRAM: self._dram_capacity_bytes,
@@ -546,12 +557,20 @@ class LocalCluster:
             persist_ttl_ms=self._persist_ttl_ms,
             use_resources=self._storage_resources,
             servers_max=self._servers_max,
-            tls_dir=self._tls_dir_arg(),
         )
 
-    def _tls_dir_arg(self) -> str | None:
-        tls_dir = self.tls_dir
-        return None if tls_dir is None else str(tls_dir)
+    def _sign(self, node_id: str, node: Any) -> str | None:
+        """The certificate this cluster's CA signs for ``node``'s request (``None`` without
+        TLS)."""
+        import ray
+
+        if self._ca is None:
+            return None
+        try:
+            request = ray.get(node.certificate_request.remote(), timeout=START_TIMEOUT_S)
+        except Exception as exc:
+            raise _unwrap(exc, f"starting storage node {node_id}") from exc
+        return self._ca.sign(request, node_id)
 
     def _stop_actors(self) -> None:
         import ray

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pocketflow.errors import ServerStartError
 from pocketflow.tls import ServerCert
+
+log = logging.getLogger(__name__)
 
 READY_PREFIX = "POCKETFLOW_SERVER_READY "
 SERVER_BINARY_NAME = "pocketflow-server"
@@ -55,13 +59,34 @@ def find_server_binary() -> Path:
 
 
 @dataclass(frozen=True)
+class ServerKeys:
+    """A server's key material, handed to it over stdin (``--keys-from-stdin``): the cluster
+    secret and, with TLS, its certificate chain and key (PEM). Never on its command line or in a
+    file, so a task on the machine finds it neither by listing processes nor by looking in the
+    cluster's directories."""
+
+    secret: bytes = field(repr=False)
+    tls_cert_pem: str | None = None
+    tls_key_pem: str | None = field(default=None, repr=False)
+
+    def document(self) -> bytes:
+        """The JSON document the server reads from stdin (docs/PROTOCOL.md)."""
+        doc: dict[str, str] = {"secret_hex": self.secret.hex()}
+        if self.tls_cert_pem is not None and self.tls_key_pem is not None:
+            doc["tls_cert_pem"] = self.tls_cert_pem
+            doc["tls_key_pem"] = self.tls_key_pem
+        return json.dumps(doc).encode()
+
+
+@dataclass(frozen=True)
 class ServerSpec:
-    """How to start one storage server."""
+    """How to start one storage server. Its keys come from ``keys`` (over stdin), else from
+    ``secret_file`` and ``tls`` (files, for manual use and tests)."""
 
     node_id: str
     tier: str
     capacity_bytes: int
-    secret_file: Path
+    secret_file: Path | None = None
     long_running: bool = False
     nvme_path: Path | None = None
     threads: int | None = None
@@ -71,9 +96,23 @@ class ServerSpec:
     listen_host: str = "127.0.0.1"
     """The address to listen on (the node's address); not loopback only with ``tls``."""
     tls: ServerCert | None = None
-    """Certificate and key: every connection must then use TLS."""
+    """Certificate and key files: every connection must then use TLS."""
+    keys: ServerKeys | None = None
+    """The secret (and TLS identity) over stdin instead of ``secret_file`` and ``tls``."""
     metrics: bool = True
-    """Serve Prometheus metrics at ``http://<listen_host>:<port>/metrics``."""
+    """Serve Prometheus metrics at ``<listen_host>:<port>/metrics``: over HTTPS with the server's
+    certificate when it uses TLS, else over plain HTTP (which a non-loopback address allows only
+    with ``metrics_plaintext``)."""
+    metrics_plaintext: bool = False
+    """Serve the metrics over plain HTTP even with TLS or on a node address (an explicit opt-in,
+    ``--metrics-plaintext``)."""
+
+    @property
+    def uses_tls(self) -> bool:
+        """Whether every connection to the server must use TLS."""
+        return self.tls is not None or (
+            self.keys is not None and self.keys.tls_cert_pem is not None
+        )
 
 
 def _bracketed(host: str) -> str:
@@ -89,6 +128,7 @@ class StorageServerProcess:
         self._proc: subprocess.Popen[str] | None = None
         self._address: str | None = None
         self._metrics_address: str | None = None
+        self._metrics_tls = False
         self._stderr_tail: list[str] = []
         self._stderr_lock = threading.Lock()
         self._pipe_threads: list[threading.Thread] = []
@@ -102,10 +142,13 @@ class StorageServerProcess:
 
     @property
     def metrics_url(self) -> str | None:
-        """``http://host:port/metrics``, or ``None`` when the server serves no metrics."""
+        """``https://host:port/metrics`` (a server with TLS serves its metrics over HTTPS, with
+        its own certificate), ``http://...`` otherwise, or ``None`` when the server serves no
+        metrics."""
         if self._metrics_address is None:
             return None
-        return f"http://{self._metrics_address}/metrics"
+        scheme = "https" if self._metrics_tls else "http"
+        return f"{scheme}://{self._metrics_address}/metrics"
 
     @property
     def pid(self) -> int:
@@ -123,14 +166,21 @@ class StorageServerProcess:
             "--node-id", spec.node_id,
             "--tier", spec.tier,
             "--capacity", str(spec.capacity_bytes),
-            "--secret-file", str(spec.secret_file),
         ]
+        if spec.keys is not None:
+            args.append("--keys-from-stdin")
+        else:
+            if spec.secret_file is None:
+                raise ServerStartError(f"server {spec.node_id}: no keys and no secret file")
+            args += ["--secret-file", str(spec.secret_file)]
+            if spec.tls is not None:
+                args += ["--tls-cert", str(spec.tls.cert), "--tls-key", str(spec.tls.key)]
         if spec.long_running:
             args.append("--long-running")
-        if spec.tls is not None:
-            args += ["--tls-cert", str(spec.tls.cert), "--tls-key", str(spec.tls.key)]
         if spec.metrics:
             args += ["--metrics-listen", f"{_bracketed(spec.listen_host)}:0"]
+            if spec.metrics_plaintext:
+                args.append("--metrics-plaintext")
         if spec.nvme_path is not None:
             args += ["--nvme-path", str(spec.nvme_path)]
         if spec.threads is not None:
@@ -145,10 +195,11 @@ class StorageServerProcess:
         if self._proc is not None:
             raise ServerStartError(f"server {self.spec.node_id} already started")
         command = self.command()
+        keys = self.spec.keys
         try:
             self._proc = subprocess.Popen(
                 command,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if keys is None else subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -158,6 +209,14 @@ class StorageServerProcess:
             raise ServerStartError(
                 f"server {self.spec.node_id}: cannot run {command[0]}: {exc}"
             ) from exc
+        if keys is not None:
+            # One document, then end of input: the server reads its keys at start only.
+            assert self._proc.stdin is not None
+            try:
+                self._proc.stdin.write(keys.document().decode())
+                self._proc.stdin.close()
+            except OSError as exc:  # it died at once; the ready wait below reports why
+                log.warning("server %s: its keys could not be sent: %s", self.spec.node_id, exc)
         ready: list[str] = []
         ready_event = threading.Event()
         self._pipe_threads = [
@@ -175,12 +234,14 @@ class StorageServerProcess:
                 f"server {self.spec.node_id} did not become ready within {timeout_s:.0f}s: "
                 + self.stderr_tail()
             )
-        # `host:port [metrics=host:port] [tls]`
+        # `host:port [metrics=host:port [metrics_tls]] [tls]`
         fields = ready[0].split()
         self._address = fields[0]
-        for field in fields[1:]:
-            if field.startswith("metrics="):
-                self._metrics_address = field[len("metrics="):]
+        for word in fields[1:]:
+            if word.startswith("metrics="):
+                self._metrics_address = word[len("metrics="):]
+            elif word == "metrics_tls":
+                self._metrics_tls = True
         return self._address
 
     def _read_ready_line(self, out: list[str], ready_event: threading.Event) -> None:

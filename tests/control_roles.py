@@ -50,7 +50,7 @@ def start_node(
     nvme_path = str(data_dir / f"{node_id}.img") if tier == "nvme" and data_dir else None
     node = StorageNode(
         node_id=node_id, tier=tier, capacity_bytes=capacity_bytes,
-        secret_file=str(secret_file), long_running=long_running, nvme_path=nvme_path,
+        secret=read_secret_file(secret_file), long_running=long_running, nvme_path=nvme_path,
         threads=1,
     )
     return node, node.start()
@@ -103,7 +103,7 @@ def roles(
         block_size_bytes=BLOCK_SIZE_BYTES, tls_ca=None,
     )
     grants = PrefixGrants()
-    admin = AdminTokens(secret_file, timeout_s=ADMIN_TIMEOUT_S)
+    admin = AdminTokens(read_secret_file(secret_file), timeout_s=ADMIN_TIMEOUT_S)
     nodes = DirectNodes()
     lock = threading.RLock()
     changed = threading.Condition(lock)
@@ -113,7 +113,7 @@ def roles(
         register_timeout_s=10.0, add_server=membership.add,
     )
     epochs = Epochs(jobs, allocator, grants, membership, admin=admin, call_metadata=calls)
-    retry_admin = AdminTokens(secret_file, timeout_s=ADMIN_TIMEOUT_S)
+    retry_admin = AdminTokens(read_secret_file(secret_file), timeout_s=ADMIN_TIMEOUT_S)
     ends = JobEnds(membership, admin=admin, retry_admin=retry_admin, call_metadata=calls)
     routes = PrefixRoutes(grants, jobs, membership, allocator, epochs, wake=changed.notify_all)
     drainer = Drainer(membership, jobs, epochs, allocator, admin=admin, nodes=nodes)

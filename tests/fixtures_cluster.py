@@ -96,7 +96,7 @@ def extra_server(
         node_id=node_id,
         tier="dram",
         capacity_bytes=capacity_bytes,
-        secret_file=str(cluster.secret_file),
+        secret=cluster.secret,
     )
     info = ray.get(node.start.remote(), timeout=60)
     controller = ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE)

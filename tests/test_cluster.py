@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import stat
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -19,6 +20,9 @@ from pocketflow.control.storage_node import StorageNode
 from pocketflow.errors import ClusterError, ConfigError, ServerStartError
 from pocketflow.processes import ProcessRef, descendants
 
+SCANNED_FILE_MAX_BYTES = 16 * 1024 * 1024
+"""Largest file of the cluster's directory searched for the secret (the NVMe data files are
+larger, and hold only data)."""
 UP_READY_TIMEOUT_S = 120.0
 UP_EXIT_TIMEOUT_S = 90.0
 PROCESS_GONE_TIMEOUT_S = 30.0
@@ -63,10 +67,71 @@ def test_everything_listens_on_loopback_only(local_cluster: LocalCluster) -> Non
     assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for ip in listening), listening
 
 
-def test_secret_file_is_private(local_cluster: LocalCluster) -> None:
-    mode = stat.S_IMODE(local_cluster.secret_file.stat().st_mode)
-    assert mode == 0o600
-    assert len(local_cluster.secret_file.read_bytes()) >= 32
+_HOSTILE_TASK = textwrap.dedent("""
+    # A task of another job (as a Lithops function or any process of the cluster's user runs)
+    # that looks for key material where a task finds it by looking: the cluster's storage
+    # servers' command lines (/proc/<pid>/cmdline; given by pid, since other clusters may run on
+    # this machine) and the cluster's files. With a secret it would mint an admin token and
+    # delete the victim job's data.
+    import json, os, sys
+    from pathlib import Path
+    from pocketflow.auth import admin_token
+    from pocketflow.transport import AdminClient
+
+    victim, address, work_dir, pids = sys.argv[1:5]
+    found = []
+    for pid in pids.split(","):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"pocketflow-server"):
+            for flag in (b"--secret-file", b"--tls-key"):
+                if flag in argv:
+                    found.append(argv[argv.index(flag) + 1].decode())
+    for path in Path(work_dir).rglob("*"):
+        if path.is_file() and ("secret" in path.name or path.suffix == ".key"):
+            found.append(str(path))
+    deleted = None
+    for path in found:
+        try:
+            with AdminClient(address, admin_token(Path(path).read_bytes(), ttl_s=60)) as admin:
+                deleted = admin.delete_job(victim)
+        except Exception:
+            pass
+    print(json.dumps({"found": found, "deleted": deleted}))
+""")
+
+
+def test_a_task_finds_no_key_material_by_looking(local_cluster: LocalCluster) -> None:
+    """Issue 29 item 5: the cluster secret is in no file of the cluster and on no server's
+    command line (servers get it over stdin), so a task that tries the old path (the secret
+    file named by a server's --secret-file, an admin token minted from it, delete_job of
+    another job) finds nothing and deletes nothing."""
+    with local_cluster.register_job("victim") as victim:
+        with victim.connect() as pf:
+            pf.create_bucket("b")
+            pf.put("b", "k", b"precious")
+        address = victim.handle.servers[0].address
+        server_pids = local_cluster.process_ids()["servers"]
+        assert server_pids
+        result = subprocess.run(
+            [sys.executable, "-c", _HOSTILE_TASK, victim.job_id, address,
+             str(local_cluster.work_dir), ",".join(str(pid) for pid in server_pids)],
+            capture_output=True, text=True, timeout=60, check=True,
+        )
+        outcome = json.loads(result.stdout)
+        assert outcome == {"found": [], "deleted": None}, outcome
+        with victim.connect() as pf:
+            assert pf.get("b", "k") == b"precious"
+    secret = local_cluster.secret
+    for pid in local_cluster.process_ids()["servers"]:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            text = cmdline.read()
+        assert b"--keys-from-stdin" in text and secret not in text
+    for path in local_cluster.work_dir.rglob("*"):
+        if path.is_file() and path.stat().st_size <= SCANNED_FILE_MAX_BYTES:
+            assert secret not in path.read_bytes(), path
 
 
 def test_controller_is_found_by_name(local_cluster: LocalCluster) -> None:
@@ -94,7 +159,7 @@ def test_server_exits_when_its_storage_node_actor_dies(local_cluster: LocalClust
         node_id="orphan-0",
         tier="dram",
         capacity_bytes=16 * 1024 * 1024,
-        secret_file=str(local_cluster.secret_file),
+        secret=local_cluster.secret,
     )
     info = ray.get(actor.start.remote(), timeout=60)
     server = info.server_process()

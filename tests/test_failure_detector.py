@@ -23,9 +23,9 @@ PROBE_TIMEOUT_S = 1.0
 def test_silent_servers_are_alive_suspect_or_gone_by_what_they_do(
     cluster_secret_file: tuple[bytes, Path],
 ) -> None:
-    _, secret_file = cluster_secret_file
+    secret, secret_file = cluster_secret_file
     members = Membership()
-    probe = AdminTokens(secret_file, timeout_s=PROBE_TIMEOUT_S)
+    probe = AdminTokens(secret, timeout_s=PROBE_TIMEOUT_S)
     detector = FailureDetector(members, probe=probe, nodes=DirectNodes(),
                                dead_after_s=DEAD_AFTER_S)
     started = [start_node(secret_file, f"fd-{name}") for name in ("ok", "stopped", "killed")]

@@ -38,7 +38,7 @@ def test_a_launched_node_no_controller_knows_stops_its_server_and_itself(
         lifetime="detached",
     ).remote(
         node_id=node_id, tier="dram", capacity_bytes=8 * MIB,
-        secret_file=str(local_cluster.secret_file), launched=True,
+        secret=local_cluster.secret, launched=True,
     )
     try:
         info = ray.get(node.start.remote(), timeout=60)
@@ -81,9 +81,8 @@ def test_several_servers_are_launched_at_once_and_one_that_cannot_be_fails_alone
 
     suffix = uuid.uuid4().hex[:6]
     launcher = Launcher(LaunchSpec(
-        secret_file=str(local_cluster.secret_file), data_dir=str(local_cluster.work_dir),
-        capacity_bytes_by_tier={"dram": 8 * MIB},
-    ))
+        data_dir=str(local_cluster.work_dir), capacity_bytes_by_tier={"dram": 8 * MIB},
+    ), secret=local_cluster.secret)
     requests = [LaunchRequest(f"many-{i}-{suffix}", "dram") for i in range(2)]
     requests.append(LaunchRequest(f"many-nvme-{suffix}", "nvme"))
     outcomes = launcher.launch_many(requests, deadline_s=time.monotonic() + 60.0)
@@ -99,3 +98,41 @@ def test_several_servers_are_launched_at_once_and_one_that_cannot_be_fails_alone
             if isinstance(outcome, tuple):
                 ray.get(outcome[1].stop.remote(), timeout=30)
                 ray.kill(outcome[1], no_restart=True)
+
+
+def test_a_launched_server_gets_a_certificate_the_controllers_ca_signed(
+    local_cluster: LocalCluster,
+) -> None:
+    """Issue 29 item 5: with a CA (held in memory by the controller) the launcher signs the
+    node's certificate request and the node hands key and certificate to its server over stdin:
+    the server speaks TLS, a client trusting that CA is served, and its command line names no
+    key."""
+    import time
+
+    import ray
+
+    from pocketflow.auth import admin_token
+    from pocketflow.control.launcher import Launcher, LaunchSpec
+    from pocketflow.tls import new_cluster_ca
+    from pocketflow.transport import AdminClient
+
+    ca = new_cluster_ca()
+    launcher = Launcher(LaunchSpec(
+        data_dir=str(local_cluster.work_dir), capacity_bytes_by_tier={"dram": 8 * MIB},
+    ), secret=local_cluster.secret, ca=ca)
+    node_id = f"signed-{uuid.uuid4().hex[:6]}"
+    info, node = launcher.launch(node_id=node_id, tier="dram", long_running=False,
+                                 deadline_s=time.monotonic() + 60.0)
+    try:
+        assert info.tls
+        with open(f"/proc/{info.server_pid}/cmdline", "rb") as cmdline:
+            argv = cmdline.read().split(b"\0")
+        assert b"--keys-from-stdin" in argv
+        assert not {b"--secret-file", b"--tls-cert", b"--tls-key"} & set(argv)
+        with AdminClient(info.address, admin_token(local_cluster.secret, ttl_s=60),
+                         tls_ca=ca.cert_pem) as admin:
+            assert admin.stats()["node_id"] == node_id
+        assert info.metrics_url.startswith("https://")
+    finally:
+        ray.get(node.stop.remote(), timeout=30)
+        ray.kill(node, no_restart=True)

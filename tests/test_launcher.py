@@ -23,8 +23,9 @@ def launcher(live: dict[str, int], sent: list[list[dict[str, float]]], *,
         sent.append(bundles)
 
     return Launcher(
-        LaunchSpec(secret_file="/nonexistent", data_dir="/nonexistent",
+        LaunchSpec(data_dir="/nonexistent",
                    capacity_bytes_by_tier={"dram": 1, "nvme": 1}, use_resources=use_resources),
+        secret=b"s" * 32,
         live_slots=lambda: dict(live),
         request_resources=request,
     )

@@ -134,7 +134,7 @@ def test_the_renewal_thread_keeps_trying_while_the_controller_is_gone(
     from pocketflow.job import RENEW_BACKOFF_MAX_S, _renew_lease
 
     controller = ray.remote(Controller).options(num_cpus=0).remote(
-        secret_file=str(local_cluster.secret_file), metadata=Metadata(),
+        secret=local_cluster.secret, metadata=Metadata(),
         block_size_bytes=local_cluster.block_size_bytes, failure_detection=False,
     )
     control = ControlPlane(controller)

@@ -11,7 +11,7 @@ import pytest
 from fixtures_cluster import used_bytes, wait_for
 from fixtures_servers import CLIENT_OPTIONS, ServerSet
 
-from pocketflow.auth import admin_token, read_secret_file
+from pocketflow.auth import admin_token
 from pocketflow.client import connect
 from pocketflow.cluster import LocalCluster
 from pocketflow.errors import BucketNotFound, InvalidRequest, JobNotRegistered, ObjectNotFound
@@ -133,7 +133,7 @@ def test_the_cluster_gives_long_running_servers_a_persist_ttl(local_cluster: Loc
 
 
 def _admin_token(cluster: LocalCluster) -> str:
-    return admin_token(read_secret_file(cluster.secret_file), ttl_s=600)
+    return admin_token(cluster.secret, ttl_s=600)
 
 
 def test_a_straggler_of_a_deregistered_job_cannot_write_and_still_reads_its_persist_data(

@@ -50,6 +50,14 @@ def test_launched_long_running_servers_get_the_persist_ttl(scaling: dict[str, An
     assert scaling["launched_persist_ttl_ms"] == {"long_running": 90 * 60 * 1000, "ephemeral": 0}
 
 
+def test_launched_servers_serve_tls_with_certificates_the_controller_signs(
+    scaling: dict[str, Any],
+) -> None:
+    """Issue 29 item 5: the controller holds the cluster CA (in memory) and signs the
+    certificate of each server it launches; the scenario reads their stats over TLS."""
+    assert scaling["launched_tls"] == [True, True]
+
+
 def test_a_full_tier_gets_another_server(scaling: dict[str, Any]) -> None:
     assert scaling["scaled_up"]
     assert len(scaling["after_fill"]) > 2
@@ -67,9 +75,9 @@ def test_a_busy_server_gets_more_cores_before_more_servers(
     from pocketflow.control.storage_node import StorageNodeInfo
     from pocketflow.processes import ProcessRef
 
-    _, secret_file = cluster_secret_file
+    secret, _ = cluster_secret_file
     controller = Controller(
-        secret_file=str(secret_file),
+        secret=secret,
         metadata=Metadata(),
         block_size_bytes=1024 * 1024,
         failure_detection=False,
@@ -125,9 +133,9 @@ def test_idle_launched_servers_are_drained_together_in_one_sizing_action(
     from pocketflow.control.storage_node import StorageNodeInfo
     from pocketflow.processes import ProcessRef, wait_gone
 
-    _, secret_file = cluster_secret_file
+    secret, _ = cluster_secret_file
     controller = Controller(
-        secret_file=str(secret_file),
+        secret=secret,
         metadata=Metadata(),
         block_size_bytes=1024 * 1024,
         failure_detection=False,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ssl
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,55 @@ def test_stop_closes_the_output_pipes(tmp_path: Path) -> None:
     finally:
         assert process.stop() == 0
     assert proc.stdout.closed and proc.stderr.closed
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_keys_reach_the_server_over_stdin_and_nowhere_else(tls: bool) -> None:
+    """Issue 29 item 5 (contract C): a server started with ``ServerKeys`` reads its secret (and
+    TLS identity) from stdin: its command line names no key and holds no secret, and a job's
+    token made with that secret is accepted."""
+    from pocketflow.auth import make_token, new_secret
+    from pocketflow.client import connect
+    from pocketflow.handle import JobHandle, ServerInfo
+    from pocketflow.server_process import ServerKeys
+    from pocketflow.tls import new_cluster_ca, server_key_and_request
+    from pocketflow.transport import AdminClient
+
+    secret = new_secret()
+    ca = new_cluster_ca() if tls else None
+    cert = key = None
+    if ca is not None:
+        key, request = server_key_and_request("keys-0", "127.0.0.1")
+        cert = ca.sign(request, "keys-0")
+    process = StorageServerProcess(ServerSpec(
+        node_id="keys-0", tier="dram", capacity_bytes=1 << 20, threads=1,
+        keys=ServerKeys(secret=secret, tls_cert_pem=cert, tls_key_pem=key),
+    ))
+    address = process.start()
+    try:
+        with open(f"/proc/{process.pid}/cmdline", "rb") as cmdline:
+            argv = cmdline.read().split(b"\0")
+        assert b"--keys-from-stdin" in argv and secret not in b" ".join(argv)
+        assert not {b"--secret-file", b"--tls-cert", b"--tls-key"} & set(argv)
+        tls_ca = ca.cert_pem if ca is not None else None
+        handle = JobHandle(job_id="keys-job", name="keys", epoch=1,
+                           servers=(ServerInfo("keys-0", address, "dram", 1.0),),
+                           token=make_token(secret, "keys-job", ttl_s=60), tls_ca=tls_ca)
+        with AdminClient(address, make_token(secret, "__admin__", ttl_s=60),
+                         tls_ca=tls_ca) as admin:
+            admin.set_epoch(handle.job_id, handle.epoch, handle.weight_map())
+        with connect(handle, op_timeout_s="5s") as pf:
+            pf.create_bucket("b")
+            pf.put("b", "k", b"v")
+            assert pf.get("b", "k") == b"v"
+        # Issue 29 item 6 (contract B): a TLS server's metrics are served over HTTPS with its
+        # certificate, and its metrics URL says so; a scraper trusting the cluster CA reads them.
+        url = process.metrics_url
+        assert url is not None and url.startswith("https://" if tls else "http://"), url
+        context = None
+        if ca is not None:
+            context = ssl.create_default_context(cadata=ca.cert_pem)
+        with urllib.request.urlopen(url, timeout=10, context=context) as reply:
+            assert b"pocketflow_requests_total" in reply.read()
+    finally:
+        assert process.stop() == 0

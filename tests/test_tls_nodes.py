@@ -24,6 +24,8 @@ def tls_nodes() -> dict[str, Any]:
 def test_servers_listen_on_their_nodes_addresses_with_tls(tls_nodes: dict[str, Any]) -> None:
     assert tls_nodes["server_hosts"] == ["127.0.0.1", "127.0.0.2"]
     assert tls_nodes["metrics_hosts"] == ["127.0.0.1", "127.0.0.2"]
+    # Issue 29 item 6: the metrics of a server on a node address are served over HTTPS.
+    assert tls_nodes["metrics_schemes"] == ["https"] and tls_nodes["metrics_scraped"]
     assert tls_nodes["all_tls"]
     assert tls_nodes["handle_has_ca"]
 

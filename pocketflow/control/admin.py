@@ -5,12 +5,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from pocketflow.auth import admin_token, read_secret_file
+from pocketflow.auth import admin_token
 from pocketflow.errors import PocketflowError
-from pocketflow.tls import read_ca
 from pocketflow.transport import ADMIN_TIMEOUT_DEFAULT_S, AdminClient
 
 log = logging.getLogger(__name__)
@@ -34,21 +32,23 @@ ADMIN_TOKEN_TTL_S = 3600.0
 class AdminTokens:
     """One ``AdminClient`` per server address, all using an admin token that is renewed in time.
 
-    ``timeout_s`` bounds every admin call, so a hung server costs at most that long.
+    ``secret`` is the cluster secret (held in memory by the control plane's processes only),
+    ``tls_ca`` the cluster CA certificate (PEM) that servers' certificates are checked against
+    (``None``: plaintext). ``timeout_s`` bounds every admin call, so a hung server costs at most
+    that long.
     """
 
     def __init__(
         self,
-        secret_file: Path,
+        secret: bytes,
         *,
         ttl_s: float = ADMIN_TOKEN_TTL_S,
         timeout_s: float = ADMIN_TIMEOUT_DEFAULT_S,
-        tls_dir: str | Path | None = None,
+        tls_ca: str | None = None,
     ) -> None:
-        self._secret_file = secret_file
-        self._tls_ca = read_ca(tls_dir)
+        self._secret = secret
+        self._tls_ca = tls_ca
         self._timeout_s = timeout_s
-        self._secret: bytes | None = None
         self._ttl_s = ttl_s
         self._token: str | None = None
         self._renew_at = 0.0
@@ -58,8 +58,6 @@ class AdminTokens:
         """The admin connection to ``address``, opened on first use."""
         now = time.monotonic()
         if self._token is None or now >= self._renew_at:
-            if self._secret is None:
-                self._secret = read_secret_file(self._secret_file)
             self._token = admin_token(self._secret, ttl_s=self._ttl_s)
             self._renew_at = now + self._ttl_s / 2
             self.close()

@@ -8,10 +8,9 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-from pocketflow.auth import read_secret_file
+from pocketflow.auth import SECRET_MIN_BYTES
 from pocketflow.control.admin import AdminTokens
 from pocketflow.control.allocator import (
     REGISTER_TIMEOUT_S_DEFAULT,
@@ -56,7 +55,7 @@ from pocketflow.control.storage_node import HEARTBEAT_INTERVAL_MS_DEFAULT, Stora
 from pocketflow.control.tiers import ClusterSpec
 from pocketflow.errors import ClusterError, ConfigError, JobNotRegistered, PocketflowError
 from pocketflow.handle import JobHandle, LostServer
-from pocketflow.tls import read_ca
+from pocketflow.tls import ClusterCA
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +105,17 @@ class Controller:
     probe and whose process is gone is declared dead, and every job whose map holds it moves to a
     new epoch without it (clients get ``stale_epoch`` and the new map from any live server).
 
-    ``metadata`` is the ``Metadata`` actor's handle, or a plain
-    :class:`~pocketflow.control.metadata.Metadata` object when the controller runs outside Ray.
+    ``secret`` is the cluster secret and ``ca`` the cluster CA (``None`` without TLS), both in
+    memory: the controller mints tokens with the one and signs the certificates of the servers
+    it launches with the other; neither is ever written to a file. ``metadata`` is the
+    ``Metadata`` actor's handle, or a plain :class:`~pocketflow.control.metadata.Metadata` object
+    when the controller runs outside Ray.
     """
 
     def __init__(
         self,
         *,
-        secret_file: str,
+        secret: bytes,
         metadata: Any,
         block_size_bytes: int,
         token_ttl_s: float = TOKEN_TTL_S_DEFAULT,
@@ -125,7 +127,7 @@ class Controller:
         register_timeout_s: float = REGISTER_TIMEOUT_S_DEFAULT,
         sizing: SizingBounds | None = None,
         sizing_interval_ms: int = SIZING_INTERVAL_MS_DEFAULT,
-        tls_dir: str | None = None,
+        ca: ClusterCA | None = None,
         nodes: Any = None,
     ) -> None:
         if heartbeat_interval_ms < HEARTBEAT_INTERVAL_MS_MIN:
@@ -144,9 +146,10 @@ class Controller:
         self._grants_changed = threading.Condition(self._lock)
         self._stopping = threading.Event()
         self._nodes = RayNodes() if nodes is None else nodes
-        self._admin = AdminTokens(
-            Path(secret_file), timeout_s=ADMIN_CALL_TIMEOUT_S, tls_dir=tls_dir
-        )
+        if len(secret) < SECRET_MIN_BYTES:
+            raise ConfigError(f"the cluster secret must be at least {SECRET_MIN_BYTES} bytes")
+        tls_ca = ca.cert_pem if ca is not None else None
+        self._admin = AdminTokens(secret, timeout_s=ADMIN_CALL_TIMEOUT_S, tls_ca=tls_ca)
         self._metadata = MetadataCalls(metadata)
         self._metrics = ClusterMetrics()
         self._membership = Membership()
@@ -154,26 +157,25 @@ class Controller:
             self._membership,
             # Used only by the monitor thread (AdminTokens is not shared between threads).
             probe=AdminTokens(
-                Path(secret_file),
-                timeout_s=max(PROBE_TIMEOUT_S_MIN, dead_after_ms / 1000.0),
-                tls_dir=tls_dir,
+                secret, timeout_s=max(PROBE_TIMEOUT_S_MIN, dead_after_ms / 1000.0), tls_ca=tls_ca
             ),
             nodes=self._nodes,
             dead_after_s=dead_after_ms / 1000.0,
         )
         self._jobs = JobTable(
-            secret=read_secret_file(secret_file),
+            secret=secret,
             token_ttl_s=token_ttl_s,
             block_size_bytes=block_size_bytes,
-            tls_ca=read_ca(tls_dir),
+            tls_ca=tls_ca,
         )
         self._leases = JobLeases(self._metadata)
         grants = PrefixGrants()
         self._allocator = Allocator(
             self._membership, self._jobs, grants,
             cluster_spec=cluster_spec,
-            launcher=Launcher(launch, live_slots=self._membership.count_by_tier)
-            if launch is not None else None,
+            launcher=Launcher(
+                launch, live_slots=self._membership.count_by_tier, secret=secret, ca=ca
+            ) if launch is not None else None,
             register_timeout_s=register_timeout_s,
             add_server=self.add_server,
         )
@@ -182,9 +184,7 @@ class Controller:
             admin=self._admin, call_metadata=self._metadata,
         )
         # Used only by the monitor thread: the retries of set_epoch and of job ends.
-        self._monitor_admin = AdminTokens(
-            Path(secret_file), timeout_s=ADMIN_CALL_TIMEOUT_S, tls_dir=tls_dir
-        )
+        self._monitor_admin = AdminTokens(secret, timeout_s=ADMIN_CALL_TIMEOUT_S, tls_ca=tls_ca)
         self._ends = JobEnds(
             self._membership, admin=self._admin, retry_admin=self._monitor_admin,
             call_metadata=self._metadata,

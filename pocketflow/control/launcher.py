@@ -15,6 +15,7 @@ from typing import Any
 from pocketflow.control import NAMESPACE, STORAGE_NODE_ACTOR_PREFIX
 from pocketflow.control.storage_node import StorageNode, StorageNodeInfo
 from pocketflow.errors import CapacityExhausted, ClusterError, PocketflowError
+from pocketflow.tls import ClusterCA
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +52,11 @@ class LaunchSpec:
     NVMe servers keep their data in a file of ``data_dir``. With ``use_resources``, each
     ``StorageNode`` actor requests one unit of :func:`tier_resource` so that Ray places it on a
     node that advertises storage slots of that tier; without it the actor runs anywhere (a local
-    cluster). ``persist_ttl_ms`` is given to long-running servers (their PERSIST lifetime).
-    With ``tls_dir`` (the cluster's TLS directory, see :mod:`pocketflow.tls`) every server gets
-    a certificate for its node address and accepts TLS connections only.
+    cluster). ``persist_ttl_ms`` is given to long-running servers (their PERSIST lifetime). The
+    cluster secret and CA are not part of it: the launcher gets them from the controller, in
+    memory.
     """
 
-    secret_file: str
     data_dir: str
     capacity_bytes_by_tier: dict[str, int]
     threads: int | None = None
@@ -64,7 +64,6 @@ class LaunchSpec:
     use_resources: bool = False
     servers_max: int = 64
     extra_options: dict[str, Any] = field(default_factory=dict)
-    tls_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,10 @@ class LaunchRequest:
 class Launcher:
     """Starts ``StorageNode`` actors and their servers, each start bounded by a deadline, and keeps
     Ray's autoscaler asked for the storage slots the cluster needs.
+
+    Each node gets the cluster ``secret`` and, with ``ca`` (the cluster CA, held in memory by
+    the controller), a certificate the CA signs for the node's request (the node makes its
+    server's key, which never leaves it): a launched server uses TLS whenever the cluster does.
 
     Launched nodes are detached actors (``lifetime="detached"``), so they outlive a crash of the
     controller that launched them and a restarted controller takes them back
@@ -99,10 +102,14 @@ class Launcher:
         self,
         spec: LaunchSpec,
         *,
+        secret: bytes,
+        ca: ClusterCA | None = None,
         live_slots: Callable[[], Mapping[str, int]] = dict,
         request_resources: RequestResources | None = None,
     ) -> None:
         self.spec = spec
+        self._secret = secret
+        self._ca = ca
         self.resource_requests: list[dict[str, Any]] = []
         self._live_slots = live_slots
         self._request = request_resources or _ray_request_resources
@@ -223,8 +230,9 @@ class Launcher:
         outcomes: list[tuple[StorageNodeInfo, Any] | PocketflowError | None] = (
             [None] * len(requests)
         )
-        # Starting actors: their start call -> (request index, actor, attempt).
-        starting: dict[Any, tuple[int, Any, int]] = {}
+        # Starting actors: their pending call -> (request index, actor, attempt, whether the
+        # call is the start; with TLS the node's certificate request comes first).
+        starting: dict[Any, tuple[int, Any, int, bool]] = {}
         for index, request in enumerate(requests):
             if not self.can_launch(request.tier):
                 outcomes[index] = ClusterError(
@@ -232,12 +240,12 @@ class Launcher:
                 )
                 continue
             node = self._create(request)
-            starting[node.start.remote()] = (index, node, 1)
+            starting[self._first_call(node)] = (index, node, 1, self._ca is None)
         while starting:
             remaining = deadline_s - time.monotonic()
             if remaining <= 0:
                 waited_for_slot = self.spec.use_resources and bool(self.requested_slots())
-                for index, node, _ in starting.values():
+                for index, node, _, _ in starting.values():
                     _kill_quietly(node)
                     request = requests[index]
                     outcomes[index] = CapacityExhausted(
@@ -248,10 +256,18 @@ class Launcher:
                 break
             ready, _ = ray.wait(list(starting), num_returns=1, timeout=min(remaining, 1.0))
             for ref in ready:
-                index, node, attempt = starting.pop(ref)
+                index, node, attempt, is_start = starting.pop(ref)
                 request = requests[index]
                 try:
-                    info = ray.get(ref)
+                    answer = ray.get(ref)
+                    if not is_start:
+                        # The node's certificate request: the CA (here, never on the node)
+                        # signs it, and the node starts its server with it.
+                        assert self._ca is not None
+                        cert = self._ca.sign(answer, request.node_id)
+                        starting[node.start.remote(cert)] = (index, node, attempt, True)
+                        continue
+                    info: StorageNodeInfo = answer
                 except RayActorError as exc:
                     _kill_quietly(node)
                     # A system-level death before the server was up: its node (or the actor's
@@ -261,7 +277,9 @@ class Launcher:
                                     "started; launching it again (%s)", request.node_id,
                                     str(exc).splitlines()[-1])
                         again = self._create(request)
-                        starting[again.start.remote()] = (index, again, attempt + 1)
+                        starting[self._first_call(again)] = (
+                            index, again, attempt + 1, self._ca is None
+                        )
                         continue
                     outcomes[index] = ClusterError(
                         f"storage server {request.node_id} ({request.tier}) did not start: "
@@ -281,6 +299,12 @@ class Launcher:
                              request.tier, info.address)
                     outcomes[index] = (info, node)
         return [o if o is not None else ClusterError("not launched") for o in outcomes]
+
+    def _first_call(self, node: Any) -> Any:
+        """The first call to a new node: its certificate request with TLS, else its start."""
+        if self._ca is not None:
+            return node.certificate_request.remote()
+        return node.start.remote()
 
     def _create(self, request: LaunchRequest) -> Any:
         """Create one detached ``StorageNode`` actor (its server is not started yet)."""
@@ -305,12 +329,12 @@ class Launcher:
             node_id=request.node_id,
             tier=request.tier,
             capacity_bytes=self.spec.capacity_bytes_by_tier[request.tier],
-            secret_file=self.spec.secret_file,
+            secret=self._secret,
             long_running=request.long_running,
             nvme_path=nvme_path,
             threads=self.spec.threads,
             persist_ttl_ms=self.spec.persist_ttl_ms if request.long_running else None,
-            tls_dir=self.spec.tls_dir,
+            tls_ca=self._ca.cert_pem if self._ca is not None else None,
             launched=True,
         )
 

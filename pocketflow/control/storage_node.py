@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -12,8 +13,8 @@ from typing import Any
 from pocketflow.control.admin import AdminTokens
 from pocketflow.errors import PocketflowError, ServerStartError
 from pocketflow.processes import ProcessRef
-from pocketflow.server_process import ServerSpec, StorageServerProcess
-from pocketflow.tls import issue_server_cert
+from pocketflow.server_process import ServerKeys, ServerSpec, StorageServerProcess
+from pocketflow.tls import server_key_and_request
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +73,18 @@ class StorageNode:
     """Supervises one ``pocketflow-server`` process.
 
     The server is started with ``--parent-pid`` set to this actor's process, so it exits by itself
-    if the actor dies. The actor is thin glue: it starts, describes, queries and stops its server,
-    and, once :meth:`start_heartbeats` is called, a background thread pushes the server's
-    statistics to the controller every heartbeat interval (fire and forget, at most
-    ``HEARTBEATS_IN_FLIGHT_MAX`` undelivered). A server that does not answer ``stats`` within
-    ``HEARTBEAT_STATS_TIMEOUT_S`` or has exited sends no heartbeat; the controller's failure
-    detector notices the silence.
+    if the actor dies. Its keys (the cluster ``secret`` and, with TLS, its certificate and key)
+    reach it over stdin (``--keys-from-stdin``): never on its command line or in a file. With
+    ``tls_ca`` (the cluster CA certificate) the node makes its server's key itself, sends a
+    certificate request for the node's address (:meth:`certificate_request`) to whoever holds the
+    CA (the process that started the cluster, or the controller), and :meth:`start` takes the
+    signed certificate; the key never leaves the node.
+
+    The actor is thin glue: it starts, describes, queries and stops its server, and, once
+    :meth:`start_heartbeats` is called, a background thread pushes the server's statistics to the
+    controller every heartbeat interval (fire and forget, at most ``HEARTBEATS_IN_FLIGHT_MAX``
+    undelivered). A server that does not answer ``stats`` within ``HEARTBEAT_STATS_TIMEOUT_S``
+    or has exited sends no heartbeat; the controller's failure detector notices the silence.
 
     A node the controller ``launched`` is a detached actor (it outlives a crash of the controller,
     which takes it back when Ray restarts it); once started it asks the controller every
@@ -93,34 +100,36 @@ class StorageNode:
         node_id: str,
         tier: str,
         capacity_bytes: int,
-        secret_file: str,
+        secret: bytes,
         long_running: bool = False,
         nvme_path: str | None = None,
         threads: int | None = None,
         persist_ttl_ms: int | None = None,
-        tls_dir: str | None = None,
+        tls_ca: str | None = None,
         launched: bool = False,
     ) -> None:
         # The server listens on the address Ray knows this node by (127.0.0.1 on an embedded
-        # cluster); with TLS it gets a certificate naming that address, signed by the cluster CA.
+        # cluster); with TLS its certificate names that address.
         host = node_address()
-        tls = issue_server_cert(Path(tls_dir), node_id, host) if tls_dir else None
+        self._secret = secret
+        self._tls_ca = tls_ca
+        self._tls_key_pem: str | None = None
+        self._tls_request_pem: str | None = None
+        if tls_ca is not None:
+            self._tls_key_pem, self._tls_request_pem = server_key_and_request(node_id, host)
         self._spec = ServerSpec(
             node_id=node_id,
             tier=tier,
             capacity_bytes=capacity_bytes,
-            secret_file=Path(secret_file),
             long_running=long_running,
             nvme_path=Path(nvme_path) if nvme_path else None,
             threads=threads,
             parent_pid=os.getpid(),
             persist_ttl_ms=persist_ttl_ms,
             listen_host=host,
-            tls=tls,
         )
-        self._tls_dir = tls_dir
-        self._process = StorageServerProcess(self._spec)
-        self._admin = AdminTokens(Path(secret_file), tls_dir=tls_dir)
+        self._process: StorageServerProcess | None = None
+        self._admin = AdminTokens(secret, tls_ca=tls_ca)
         self._info: StorageNodeInfo | None = None
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -128,8 +137,26 @@ class StorageNode:
         self._launched = launched
         self._orphan_thread: threading.Thread | None = None
 
-    def start(self) -> StorageNodeInfo:
-        """Start the server and wait until it listens; returns where it runs."""
+    def certificate_request(self) -> str | None:
+        """The certificate request (PEM) for this node's server, ``None`` without TLS."""
+        return self._tls_request_pem
+
+    def start(self, tls_cert_pem: str | None = None) -> StorageNodeInfo:
+        """Start the server and wait until it listens; returns where it runs. With TLS,
+        ``tls_cert_pem`` is the certificate the cluster CA signed for :meth:`certificate_request`
+        (``ServerStartError`` without it)."""
+        if self._process is not None:
+            raise ServerStartError(f"server {self._spec.node_id} already started")
+        if self._tls_ca is not None and tls_cert_pem is None:
+            raise ServerStartError(
+                f"server {self._spec.node_id} uses TLS: start it with its signed certificate"
+            )
+        keys = ServerKeys(
+            secret=self._secret,
+            tls_cert_pem=tls_cert_pem if self._tls_ca is not None else None,
+            tls_key_pem=self._tls_key_pem,
+        )
+        self._process = StorageServerProcess(dataclasses.replace(self._spec, keys=keys))
         address = self._process.start()
         ref = ProcessRef.of(self._process.pid)
         if ref is None:
@@ -148,7 +175,7 @@ class StorageNode:
             actor_pid=os.getpid(),
             ray_node_id=_ray_node_id(),
             metrics_url=self._process.metrics_url or "",
-            tls=self._spec.tls is not None,
+            tls=self._tls_ca is not None,
             launched=self._launched,
         )
         if self._launched and _running_ray() is not None:
@@ -167,7 +194,7 @@ class StorageNode:
 
     def alive(self) -> bool:
         """Whether the server process is running."""
-        return self._process.alive()
+        return self._process is not None and self._process.alive()
 
     def stats(self) -> dict[str, Any]:
         """The server's last statistics sample (see docs/PROTOCOL.md, Statistics)."""
@@ -175,7 +202,7 @@ class StorageNode:
 
     def stderr_tail(self) -> str:
         """The last lines the server wrote to stderr, for diagnosing failures."""
-        return self._process.stderr_tail()
+        return self._process.stderr_tail() if self._process is not None else ""
 
     def start_heartbeats(self, controller: Any, interval_ms: int) -> None:
         """Push the server's statistics to ``controller.heartbeat`` every ``interval_ms``.
@@ -211,7 +238,7 @@ class StorageNode:
         """
         self.stop_heartbeats()
         self._admin.close()
-        return self._process.stop()
+        return self._process.stop() if self._process is not None else None
 
     def _orphan_watch(self) -> None:
         """Stop the server and end this actor once no live controller knows it (class doc)."""
@@ -252,13 +279,13 @@ class StorageNode:
         import ray
 
         admin = AdminTokens(
-            self._spec.secret_file, timeout_s=HEARTBEAT_STATS_TIMEOUT_S, tls_dir=self._tls_dir
+            self._secret, timeout_s=HEARTBEAT_STATS_TIMEOUT_S, tls_ca=self._tls_ca
         )
         in_flight: list[Any] = []
         node_id = self._spec.node_id
         try:
             while not self._heartbeat_stop.wait(interval_s):
-                if not self._process.alive():
+                if not self.alive():
                     log.warning("server %s exited; heartbeats stop", node_id)
                     return
                 try:

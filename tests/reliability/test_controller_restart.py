@@ -73,7 +73,7 @@ def dead_named_server(local_cluster: LocalCluster) -> Iterator[str]:
     node = ray.remote(StorageNode).options(
         name=STORAGE_NODE_ACTOR_PREFIX + node_id, namespace=NAMESPACE, num_cpus=0
     ).remote(node_id=node_id, tier="dram", capacity_bytes=16 * 1024 * 1024,
-             secret_file=str(local_cluster.secret_file))
+             secret=local_cluster.secret)
     try:
         info = ray.get(node.start.remote(), timeout=60)
         ray.get(controller_actor().add_server.remote(info, node), timeout=30)
@@ -211,9 +211,10 @@ def test_a_killed_controller_comes_back_with_its_jobs_and_tasks_never_notice(
 
 # -- crash windows: a restart slower than a lease, a registration cut by the crash -----------------
 
-SHORT_LEASE_MS = 1000
-"""A lease much shorter than the slow restart below."""
-METADATA_STOP_S = 3.0
+SHORT_LEASE_MS = 2000
+"""A lease much shorter than the slow restart below, and long enough that renewals every third
+of it keep it on a loaded machine (a 1 s lease ran out at load 25)."""
+METADATA_STOP_S = 6.0
 """How long the Metadata actor is stopped (SIGSTOP), so that a restarted controller waits for
 it: three short leases, well inside the restore's Metadata deadline (30 s)."""
 REGISTRATION_WAIT_S = 30.0

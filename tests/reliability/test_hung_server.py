@@ -22,7 +22,7 @@ from fixtures_cluster import (
     wait_for,
 )
 
-from pocketflow.auth import admin_token, read_secret_file
+from pocketflow.auth import admin_token
 from pocketflow.client import connect
 from pocketflow.cluster import LocalCluster
 from pocketflow.config import ClientConfig
@@ -154,8 +154,7 @@ def test_a_job_ended_while_a_server_hung_ends_there_once_it_runs(
         os.kill(info.server_pid, signal.SIGCONT)
     assert wait_for(lambda: handle.job_id not in local_cluster.status()["job_ends_pending"],
                     timeout_s=REROUTE_BOUND_S), "the job's end never reached the server"
-    with AdminClient(info.address, admin_token(read_secret_file(local_cluster.secret_file),
-                                               ttl_s=60)) as admin:
+    with AdminClient(info.address, admin_token(local_cluster.secret, ttl_s=60)) as admin:
         assert handle.job_id not in admin.stats().get("jobs", {})
     with connect(handle, op_timeout_s="5s") as pf:
         with pytest.raises(JobNotRegistered):

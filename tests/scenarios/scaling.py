@@ -1,7 +1,8 @@
 """Scenario run by tests/test_scaling.py in its own process (its own Ray): an elastic cluster
-launches a server for a job that does not fit, drains launched servers once idle, and adds a
-server when its DRAM tier fills up; a long-running server the controller launches gets the
-cluster's PERSIST TTL. Prints one JSON line of observations."""
+(with TLS) launches a server for a job that does not fit, drains launched servers once idle, and
+adds a server when its DRAM tier fills up; a long-running server the controller launches gets
+the cluster's PERSIST TTL, and every launched server a certificate the controller signs. Prints
+one JSON line of observations."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 
 from polling import wait
 
-from pocketflow.auth import admin_token, read_secret_file
+from pocketflow.auth import admin_token
 from pocketflow.cluster import LocalCluster
 from pocketflow.control import CONTROLLER_ACTOR_NAME, NAMESPACE
 from pocketflow.errors import CapacityExhausted
@@ -23,19 +24,24 @@ def server_ids(cluster: LocalCluster) -> set[str]:
     return {s["node_id"] for s in cluster.status()["servers"]}
 
 
-def launched_persist_ttl_ms(cluster: LocalCluster) -> dict[str, int]:
-    """``persist_ttl_ms`` of a long-running and of an ephemeral server the controller launches."""
+def launched_persist_ttl_ms(cluster: LocalCluster, out: dict[str, object]) -> dict[str, int]:
+    """``persist_ttl_ms`` of a long-running and of an ephemeral server the controller launches;
+    whether each serves TLS goes to ``out["launched_tls"]`` (its stats are read over TLS,
+    checked against the cluster's CA)."""
     import ray
 
     controller = ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE)
-    token = admin_token(read_secret_file(cluster.secret_file), ttl_s=600)
+    token = admin_token(cluster.secret, ttl_s=600)
     ttl: dict[str, int] = {}
+    tls: list[bool] = []
     for long_running in (True, False):
         info = ray.get(controller.launch_server.remote("dram", long_running=long_running),
                        timeout=60)
-        with AdminClient(info.address, token) as admin:
+        with AdminClient(info.address, token, tls_ca=cluster.tls_ca) as admin:
             stats = admin.stats()
         ttl["long_running" if stats["long_running"] else "ephemeral"] = stats["persist_ttl_ms"]
+        tls.append(info.tls)
+    out["launched_tls"] = tls
     return ttl
 
 
@@ -54,6 +60,7 @@ def main() -> None:
         num_cpus=1,
         object_store_memory="80MiB",
         tmp_dir="/var/tmp",
+        tls=True,
     ) as cluster:
         initial = server_ids(cluster)
         out["initial"] = sorted(initial)
@@ -104,7 +111,7 @@ def main() -> None:
             out["actions"] = [
                 (a["action"], a.get("node_id")) for a in cluster.status()["sizing_actions"]
             ]
-        out["launched_persist_ttl_ms"] = launched_persist_ttl_ms(cluster)
+        out["launched_persist_ttl_ms"] = launched_persist_ttl_ms(cluster, out)
     print(json.dumps(out))
 
 

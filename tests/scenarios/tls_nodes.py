@@ -1,8 +1,9 @@
 """Scenario run by tests/test_tls_nodes.py in its own process: a two-node Ray cluster on one
 machine whose nodes have distinct addresses (head 127.0.0.1, node B 127.0.0.2), one TLS storage
-server per node placed by custom resources. A task pinned to node B writes; a task pinned to the
-head reads every byte back over TLS; node B's server is killed and a read of its data from the
-head fails with ``DataUnavailable``, timed. Prints one JSON line of observations."""
+server per node placed by custom resources, its metrics over HTTPS. A task pinned to node B
+writes; a task pinned to the head reads every byte back over TLS; node B's server is killed and
+a read of its data from the head fails with ``DataUnavailable``, timed. Prints one JSON line of
+observations."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import hashlib
 import json
 import os
 import signal
+import ssl
 import sys
 import time
+import urllib.request
 
 import ray
 import ray_nodes
@@ -84,6 +87,14 @@ def main() -> None:
                 s["metrics_url"].split("//")[1].rsplit(":", 1)[0] for s in servers
             )
             out["all_tls"] = all(s["tls"] for s in servers)
+            # Metrics on a node address follow the TLS rule: HTTPS with the server's
+            # certificate, which a scraper trusting the cluster CA reads.
+            out["metrics_schemes"] = sorted({s["metrics_url"].split("://")[0] for s in servers})
+            with urllib.request.urlopen(
+                servers[-1]["metrics_url"], timeout=10,
+                context=ssl.create_default_context(cadata=cluster.tls_ca),
+            ) as reply:
+                out["metrics_scraped"] = b"pocketflow_capacity_bytes" in reply.read()
             on_b = next(s for s in servers if s["address"].startswith(NODE_B_ADDRESS + ":"))
             with cluster.register_job("xnode", Hints(data_size_bytes="64MiB")) as job:
                 handle = job.handle

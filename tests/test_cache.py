@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fixtures_cluster import used_bytes, wait_for
 from fixtures_s3 import boto3_client
 
 from pocketflow.cache import open_cache
@@ -217,3 +218,31 @@ def test_prewarm_plan_takes_benefit_per_byte_within_capacity() -> None:
     plan = plan_prewarm(uses, 2 * MiB)
     assert [u.key for u in plan] == ["small-often", "mid"]
     assert [u.key for u in plan_prewarm(uses, 64 * MiB)] == ["small-often", "big-once", "mid"]
+
+
+def test_a_cache_larger_than_dram_keeps_entries_on_nvme(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    """A cache whose capacity is more than the cluster's DRAM (2 x 128 MiB here) is reserved on
+    DRAM first and the rest on NVMe, as any latency-sensitive job: its entries land on both and
+    are read back as hits from either."""
+    sizes = {f"n/{i:02d}": MiB for i in range(32)}
+    _upload(s3, s3_bucket, sizes)
+    keys = sorted(sizes)
+    with open_cache("t-spill", s3_server, capacity="320MiB", idle="1s", lease_ms=600_000,
+                    cluster=local_cluster) as cache:
+        servers = {s.node_id: s for s in cache.spec.handle.servers if s.weight > 0}
+        tiers = {s.tier for s in servers.values()}
+        assert tiers == {"dram", "nvme"}, servers
+        assert cache.client.get_many(s3_bucket, keys) == [
+            k.encode().ljust(MiB, b".") for k in keys]
+        cache.client.flush()
+        before = cache.client.stats.fresh
+        assert cache.client.get_many(s3_bucket, keys) == [
+            k.encode().ljust(MiB, b".") for k in keys]
+        assert cache.client.stats.fresh - before == len(keys), "every entry a hit"
+        nvme = [node for node, s in servers.items() if s.tier == "nvme"]
+        assert wait_for(lambda: sum(used_bytes(local_cluster).get(n, 0) for n in nvme)
+                        >= 4 * MiB), "some entries are held on NVMe"
+        job_id = cache.job_id
+    _wait_ended(local_cluster, job_id)

@@ -4,6 +4,7 @@ a shrunk reservation, and finding a cache again after a controller restart."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +104,48 @@ def test_a_restarted_controller_finds_caches_by_their_jobs(
         restarted = _caches(built)  # a new role over the restored job table
         found = restarted.open("kept", {}, idle_ms=60_000)
         assert not found["created"] and found["handle"].job_id == handle.job_id
+
+
+def test_runs_keep_their_cache_and_the_last_one_ending_starts_its_idle_time(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """A run's lease, not ``idle``, keeps the cache while the run lasts: a driver renewing less
+    often than ``idle`` (late on a loaded machine) no longer loses its cache mid-run (the cache
+    test with ``idle="1s"`` saw its job deregistered under a live run: every renewal set the
+    job's lease to ``idle``). One run ending leaves the cache to the others; the last one
+    ending starts the idle time; a run whose lease lapsed (its driver died) holds nothing."""
+    _, secret_file = cluster_secret_file
+    with roles(secret_file) as built:
+        built.start("dram-0", long_running=True)
+        caches = _caches(built)
+        idle_ms = 200
+        first = caches.open("runs", {}, idle_ms=idle_ms, run_id="r1", run_lease_ms=60_000)
+        job_id = first["handle"].job_id
+        assert caches.open("runs", {}, idle_ms=idle_ms, run_id="r2",
+                           run_lease_ms=60_000)["handle"].job_id == job_id
+        assert built.leases.get(job_id).lease_ms == 60_000 + idle_ms
+        time.sleep(3 * idle_ms / 1000)
+        assert job_id not in built.leases.due(now_s=time.monotonic()), "held by its runs"
+
+        assert caches.end_run(job_id, "r1", idle_ms=idle_ms), "r2 still holds it"
+        assert built.leases.get(job_id).lease_ms == 60_000 + idle_ms
+        assert not caches.end_run(job_id, "r2", idle_ms=idle_ms)
+        assert built.leases.get(job_id).lease_ms == idle_ms
+        time.sleep(3 * idle_ms / 1000)
+        assert job_id in built.leases.due(now_s=time.monotonic()), "idle after the last run"
+
+        caches.renew_run(job_id, "dead", run_lease_ms=100, idle_ms=idle_ms)
+        time.sleep(0.3)
+        assert not caches.end_run(job_id, "other", idle_ms=idle_ms), "a lapsed run holds nothing"
+
+        with pytest.raises(JobNotRegistered):
+            caches.renew_run("no-such-job", "r", run_lease_ms=1000, idle_ms=idle_ms)
+        with pytest.raises(JobNotRegistered):
+            caches.end_run("no-such-job", "r", idle_ms=idle_ms)
+        plain = register(built, "plain", {})
+        with pytest.raises(InvalidRequest):
+            caches.renew_run(plain.job_id, "r", run_lease_ms=1000, idle_ms=idle_ms)
+        with pytest.raises(ConfigError):
+            caches.renew_run(job_id, "r", run_lease_ms=10, idle_ms=idle_ms)
+        with pytest.raises(InvalidRequest):
+            caches.renew_run(job_id, "", run_lease_ms=1000, idle_ms=idle_ms)

@@ -69,9 +69,13 @@ PREWARM_STREAMS = 2
 and then writes its entries: two keep S3 busy while the other writes)."""
 STOP_TIMEOUT_S = 30.0
 """How long closing waits for the prewarm and maintainer threads."""
+RUN_LEASE_MS = 30_000
+"""A run's lease on its cache (``Caches.renew_run``): a driver that stops renewing (killed,
+stopped, starved on a loaded machine) keeps the cache in use this long, and the cache's idle time
+starts after it; a live driver renews it every ``RUN_LEASE_MS / LEASE_RENEW_DIVISOR``, whatever
+``idle`` is."""
 LEASE_RENEW_DIVISOR = 3
-"""The cache's lease is renewed every ``idle / LEASE_RENEW_DIVISOR`` (at most every 10 s)."""
-LEASE_RENEW_MAX_S = 10.0
+"""Renewals per run lease (two may be lost or late before the lease runs out)."""
 
 
 def _batches(plan: list[Any]) -> list[list[Any]]:
@@ -124,7 +128,7 @@ class Cache:
         self, name: str, control: ControlPlane, opened: dict[str, Any], *, source: S3Source,
         app: str | None, lease_ms: int, idle_ms: int, capacity_bytes: int, autosize: bool,
         capacity_max_bytes: int | None, working_set_url: str | None, claim_ms: int,
-        fill_wait_s: float,
+        fill_wait_s: float, run_id: str,
     ) -> None:
         self.name = name
         self.app = app
@@ -140,7 +144,7 @@ class Cache:
         self._stop = threading.Event()
         self._started_s = time.monotonic()
         self._token_received_ms = int(time.time() * 1000)
-        self.run_id = secrets.token_hex(6)
+        self.run_id = run_id
         self.spec = CacheSpec(name=name, handle=self._handle, source=source, lease_ms=lease_ms,
                               run_id=self.run_id, claim_ms=claim_ms, fill_wait_s=fill_wait_s)
         self._client = CacheClient(self.spec)
@@ -378,12 +382,13 @@ class Cache:
         self._client.update_spec(self.spec)
 
     def _lease_loop(self) -> None:
-        """Renew the cache's lease while the run lasts (the cache ends ``idle`` after the last
-        renewal of every driver), and its token once half of its life is gone."""
-        period_s = min(self._idle_ms / 1000 / LEASE_RENEW_DIVISOR, LEASE_RENEW_MAX_S)
+        """Renew the run's lease while the run lasts (the cache ends ``idle`` after its last
+        run ended or stopped renewing), and the cache's token once half of its life is gone."""
+        period_s = RUN_LEASE_MS / 1000 / LEASE_RENEW_DIVISOR
         while not self._stop.wait(period_s):
             try:
-                self._control.renew_lease(self.job_id, self._idle_ms)
+                self._control.renew_cache_run(self.job_id, self.run_id, RUN_LEASE_MS,
+                                              self._idle_ms)
                 self._renew_token_if_due()
             except PocketflowError as exc:
                 log.warning("cache %s: renewing its lease failed: %s", self.name, exc)
@@ -421,10 +426,10 @@ class Cache:
             except PocketflowError as exc:
                 log.debug("cache %s: the run's access queue stays: %s", self.name, exc)
             try:
-                # The cache's idle time starts now.
-                self._control.renew_lease(self.job_id, self._idle_ms)
+                # The cache's idle time starts now, unless another run still uses it.
+                self._control.end_cache_run(self.job_id, self.run_id, self._idle_ms)
             except PocketflowError as exc:
-                log.warning("cache %s: its last lease renewal failed: %s", self.name, exc)
+                log.warning("cache %s: ending its run's lease failed: %s", self.name, exc)
         finally:
             self._client.close()
         return self.status()
@@ -491,8 +496,9 @@ def open_cache(
       ends and, with ``prewarm=True``, the last run's is fetched as this one starts (in the
       background: tasks may start at once; one asking for a key being fetched waits for it).
     - ``lease_ms``: the validation lease (0: every read asks S3).
-    - ``idle``: the cache lives this long after its last driver closed it (then its entries are
-      freed; the recorded working sets stay, with PERSIST).
+    - ``idle``: the cache lives this long after its last run closed it, or after a dead
+      driver's run lease (``RUN_LEASE_MS``) lapsed (then its entries are freed; the recorded
+      working sets stay, with PERSIST).
     - ``capacity``: fixed capacity; by default it follows the working set (the last run's when
       one is recorded, else ``CAPACITY_DEFAULT_BYTES``), grown during a run up to
       ``capacity_max`` and fitted to the run's working set at its end.
@@ -521,12 +527,15 @@ def open_cache(
     if capacity_bytes < (CAPACITY_MIN_BYTES if autosize else 1):
         raise ConfigError(f"capacity must be at least {CAPACITY_MIN_BYTES} bytes")
     control = _control(cluster)
+    run_id = secrets.token_hex(6)
     opened = control.open_cache(
-        name, {"data_size_bytes": capacity_bytes, "latency_sensitive": True}, idle_ms)
+        name, {"data_size_bytes": capacity_bytes, "latency_sensitive": True}, idle_ms,
+        run_id, RUN_LEASE_MS)
     cache = Cache(
         name, control, opened, source=source, app=app, lease_ms=lease_ms, idle_ms=idle_ms,
         capacity_bytes=capacity_bytes, autosize=autosize, capacity_max_bytes=capacity_max_bytes,
         working_set_url=working_set_url, claim_ms=claim_ms, fill_wait_s=fill_wait_s,
+        run_id=run_id,
     )
     try:
         cache._start(prewarm=prewarm)

@@ -536,11 +536,22 @@ class Controller:
 
     # -- named caches (pocketflow.cache; control/caches.py) -----------------------------------
 
-    def open_cache(self, name: str, hints: dict[str, Any], idle_ms: int) -> dict[str, Any]:
-        """Find or register the job of cache ``name`` and (re)start its lease at ``idle_ms``;
-        returns ``{"handle", "created", "predecessor", "capacity_bytes"}`` (``Caches.open``)."""
+    def open_cache(self, name: str, hints: dict[str, Any], idle_ms: int,
+                   run_id: str | None = None, run_lease_ms: int | None = None) -> dict[str, Any]:
+        """Find or register the job of cache ``name`` and (re)start its lease at ``idle_ms``, or
+        start run ``run_id``'s lease; returns ``{"handle", "created", "predecessor",
+        "capacity_bytes"}`` (``Caches.open``)."""
         with self._lock:
-            return self._caches.open(name, hints, idle_ms=idle_ms)
+            return self._caches.open(name, hints, idle_ms=idle_ms, run_id=run_id,
+                                     run_lease_ms=run_lease_ms)
+
+    def renew_cache_run(self, job_id: str, run_id: str, run_lease_ms: int, idle_ms: int) -> None:
+        """Renew a cache run's lease (``Caches.renew_run``); no ``_lock``, as ``renew_lease``."""
+        self._caches.renew_run(job_id, run_id, run_lease_ms=run_lease_ms, idle_ms=idle_ms)
+
+    def end_cache_run(self, job_id: str, run_id: str, idle_ms: int) -> bool:
+        """A cache run ended; the cache idles when it was the last (``Caches.end_run``)."""
+        return self._caches.end_run(job_id, run_id, idle_ms=idle_ms)
 
     def resize_cache(self, job_id: str, hints: dict[str, Any]) -> JobHandle:
         """Grow or shrink a cache's reservation to ``hints`` (see ``Caches.resize``)."""

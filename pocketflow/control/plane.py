@@ -97,10 +97,21 @@ class ControlPlane:
         """
         return self._call("grow_job", job_id, Hints.coerce(hints).to_dict())
 
-    def open_cache(self, name: str, hints: Any, idle_ms: int) -> dict[str, Any]:
-        """Find or register the job of cache ``name``, (re)starting its lease at ``idle_ms``:
-        ``{"handle", "created", "predecessor", "capacity_bytes"}`` (``Controller.open_cache``)."""
-        return self._call("open_cache", name, Hints.coerce(hints).to_dict(), idle_ms)
+    def open_cache(self, name: str, hints: Any, idle_ms: int, run_id: str | None = None,
+                   run_lease_ms: int | None = None) -> dict[str, Any]:
+        """Find or register the job of cache ``name``, (re)starting its lease at ``idle_ms`` or
+        starting run ``run_id``'s lease: ``{"handle", "created", "predecessor",
+        "capacity_bytes"}`` (``Controller.open_cache``)."""
+        return self._call("open_cache", name, Hints.coerce(hints).to_dict(), idle_ms, run_id,
+                          run_lease_ms)
+
+    def renew_cache_run(self, job_id: str, run_id: str, run_lease_ms: int, idle_ms: int) -> None:
+        """Renew a cache run's lease (``Controller.renew_cache_run``)."""
+        self._call("renew_cache_run", job_id, run_id, run_lease_ms, idle_ms)
+
+    def end_cache_run(self, job_id: str, run_id: str, idle_ms: int) -> bool:
+        """A cache run ended (``Controller.end_cache_run``); whether other runs keep it."""
+        return bool(self._call("end_cache_run", job_id, run_id, idle_ms))
 
     def resize_cache(self, job_id: str, hints: Any) -> JobHandle:
         """Grow or shrink a cache's reservation (``Controller.resize_cache``)."""

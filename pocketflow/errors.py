@@ -36,6 +36,8 @@ __all__ = [
     "InvalidRequest",
     "Unavailable",
     "ServerDraining",
+    "ServerSuspect",
+    "ClientBusy",
     "DataUnavailable",
     "PermissionDenied",
     "TlsError",
@@ -171,6 +173,22 @@ class ServerDraining(Unavailable):
     """The server is draining: it refuses writes but still serves reads and deletes."""
 
     kind = "draining"
+
+
+class ServerSuspect(Unavailable):
+    """The operation needs a server that the control plane suspects (running, not answering):
+    a write-once check of a key it may hold, or a read of a key found nowhere else. Refused at
+    once instead of waiting on it; the server keeps its data and may answer again."""
+
+    kind = "suspect_server"
+
+
+class ClientBusy(Unavailable):
+    """Every session this client may open to a server stayed busy with its own other calls for
+    the whole wait: the client is overloaded, the server is not at fault (nothing was sent).
+    Raise ``sessions_per_server`` or run fewer calls at once."""
+
+    kind = "client_busy"
 
 
 class DataUnavailable(Unavailable):
@@ -361,6 +379,8 @@ _KIND_TO_CLASS: dict[str, type[PocketflowError]] = {
         CapacityExhausted,
         InvalidRequest,
         ServerDraining,
+        ServerSuspect,
+        ClientBusy,
         PermissionDenied,
         StaleEpoch,
         PersistNotSupported,
@@ -385,6 +405,9 @@ _CODE_TO_CLASS: dict[int, type[PocketflowError]] = {
     GRPC_CODE_UNAVAILABLE: DataUnavailable,
     GRPC_CODE_UNAUTHENTICATED: PermissionDenied,
 }
+
+# The kinds that travel with UNAVAILABLE but are not a transport failure.
+_UNAVAILABLE_KINDS = frozenset({ServerDraining.kind, ServerSuspect.kind, ClientBusy.kind})
 
 # Longest kinds first so that "bucket_not_found" is not read as "not_found".
 _KIND_PATTERN = re.compile(
@@ -489,14 +512,14 @@ def error_from_grpc(code: int, message: str, *, server: str | None = None) -> Po
 
     The kind is read from the message, which the server opens with ``"<kind>: "``; the code only
     decides when no known kind appears. Transport codes (unavailable, deadline, cancelled,
-    unknown) are :class:`DataUnavailable` unless the server said it is draining.
+    unknown) are :class:`DataUnavailable` unless the message opens with a kind of their own:
+    the server is draining, a check refused for a suspect server, or the client is busy.
     """
     if code in (GRPC_CODE_UNAVAILABLE, GRPC_CODE_DEADLINE_EXCEEDED, GRPC_CODE_CANCELLED,
                 GRPC_CODE_UNKNOWN):
-        # A draining server answers UNAVAILABLE with its kind; anything else with these codes is
-        # the transport failing, whatever words the message happens to contain.
+        # Anything else with these codes is the transport failing.
         match = _KIND_PATTERN.search(message)
-        if match is not None and match.group(1) == ServerDraining.kind:
+        if match is not None and match.group(1) in _UNAVAILABLE_KINDS:
             return error_from_kind(match.group(1), message[match.end():], server=server)
         if message.startswith("unavailable: "):
             return DataUnavailable(message, server=server)

@@ -106,6 +106,9 @@ REPLY_FLAG_HEADER = 1
 
 HEADER_LEN_BYTES = 32
 HEADER_FLAG_PERSIST = 1
+HEADER_FLAG_FENCE = 2
+"""A write-once fence, not an object: a record of no bytes on a key's ephemeral home that
+stands for its PERSIST record (docs/PROTOCOL.md, Write-once)."""
 
 # -- actions ---------------------------------------------------------------------------------------
 
@@ -168,6 +171,11 @@ class ObjectHeader(NamedTuple):
     def persist(self) -> bool:
         """Whether the object is PERSIST."""
         return bool(self.flags & HEADER_FLAG_PERSIST)
+
+    @property
+    def fence(self) -> bool:
+        """Whether the record is a write-once fence, not an object."""
+        return bool(self.flags & HEADER_FLAG_FENCE)
 
     @property
     def is_small(self) -> bool:

@@ -18,7 +18,7 @@ import pytest
 from fixtures_servers import CLIENT_OPTIONS
 
 from pocketflow.client import connect
-from pocketflow.errors import CapacityExhausted
+from pocketflow.errors import CapacityExhausted, PocketflowError
 
 EXCHANGE_SESSIONS_MAX = 256  # servers/crates/flight/src/bounds.rs
 SESSIONS_PER_HOLDER_MAX = 64  # the most sessions_per_server a client takes
@@ -154,3 +154,54 @@ def test_a_pool_refused_by_the_server_shares_the_sessions_it_has(server_factory)
             with pytest.raises(CapacityExhausted):
                 starved.lookup("b", "t0-0-0")
             assert starved.get("b", "t0-0-0") == b"x" * 1024
+
+
+def test_a_client_whose_own_calls_hold_every_session_is_busy_not_the_server(
+    server_factory,  # noqa: ANN001
+) -> None:
+    """One session per server, held by a long pipelined batch on one thread: a put on another
+    thread waits for it, then fails as ClientBusy (the client is overloaded), never as
+    DataUnavailable, which would say the server is gone (issue 28, item 7)."""
+    from pocketflow.errors import ClientBusy, DataUnavailable
+
+    servers, _ = server_factory("busy-0", capacity_bytes=64 * 1024 * 1024)
+    handle = servers.handle()
+    options = dict(CLIENT_OPTIONS, op_timeout_s="0.3s", rpc_timeout_s="0.3s",
+                   connect_timeout_s="0.3s")
+    with connect(handle, sessions_per_server=1, exchange_window=1, **options) as pf:
+        pf.create_bucket("b")
+        holding = threading.Event()
+        done = threading.Event()
+
+        def hold() -> None:
+            # One op in flight at a time over the only session: 20,000 round trips, far longer
+            # than the 0.3 s another call waits for the session.
+            items = [(f"hold-{i}", b"x") for i in range(20_000)]
+            holding.set()
+            while not done.is_set():
+                try:
+                    pf.put_many("b", items, overwrite=True)
+                except PocketflowError:
+                    pass  # a slow reply on a loaded machine; hold on
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            holding.wait(10)
+            raised: list[BaseException] = []
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+                try:
+                    pf.lookup("b", "hold-0")
+                except ClientBusy as exc:
+                    raised.append(exc)
+                    break
+                except DataUnavailable as exc:
+                    pytest.fail(f"a busy client reported its server unavailable: {exc}")
+                except PocketflowError:
+                    pass
+            assert raised, "the holder never kept the session past a whole wait"
+        finally:
+            done.set()
+            holder.join(timeout=120)

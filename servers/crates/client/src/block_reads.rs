@@ -281,8 +281,14 @@ impl ReadOf<'_> {
             }
             let mut found = false;
             let placed = placed_block(range.block, self.block_count);
+            let mut suspect_skipped = None;
             for server in view.ranked(self.key.as_bytes(), placed) {
                 if server.address == tried {
+                    continue;
+                }
+                if view.is_suspect(&server.node_id) {
+                    // It may hang: never wait on it; say so if the block is nowhere else.
+                    suspect_skipped.get_or_insert(server);
                     continue;
                 }
                 match self.ranges_current(&server.address, std::slice::from_ref(range)) {
@@ -301,6 +307,17 @@ impl ReadOf<'_> {
             }
             if !found {
                 let what = format!("block {} of {}/{}", range.block, self.bucket, self.key);
+                if let Some(suspect) = suspect_skipped {
+                    let error = server_error(
+                        Code::Unavailable as i32,
+                        "suspect_server",
+                        format!(
+                            "{what} may be on {}, which does not answer (a suspect of epoch {})",
+                            suspect.node_id, view.epoch
+                        ),
+                    );
+                    return Err(Failure::at(error, &suspect.address));
+                }
                 if let Some((error, server)) = view.lost_error(&what) {
                     return Err(Failure { error, server });
                 }

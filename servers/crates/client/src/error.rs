@@ -23,6 +23,11 @@ pub enum ClientError {
     /// The caller's request cannot be sent as given (sizes, a closed connection, another process).
     #[error("invalid_argument: {0}")]
     InvalidArgument(String),
+    /// Every session this client may open to the server stayed busy with the client's own
+    /// other calls for the whole wait: the client is overloaded, not the server (nothing was
+    /// sent, so nothing happened).
+    #[error("client_busy: {0}")]
+    Busy(String),
 }
 
 impl ClientError {
@@ -33,6 +38,7 @@ impl ClientError {
             ClientError::Unavailable(_) => Code::Unavailable as i32,
             ClientError::Protocol(_) => Code::Internal as i32,
             ClientError::InvalidArgument(_) => Code::InvalidArgument as i32,
+            ClientError::Busy(_) => Code::Unavailable as i32,
         }
     }
 
@@ -46,8 +52,11 @@ impl ClientError {
     pub fn is_unavailable(&self) -> bool {
         match self {
             ClientError::Unavailable(_) => true,
+            // A draining server and a check refused for a suspect answered: nothing happened.
             ClientError::Server { code, message } => {
-                transport_code(*code) && !message.starts_with("draining: ")
+                transport_code(*code)
+                    && !message.starts_with("draining: ")
+                    && !message.starts_with("suspect_server: ")
             }
             _ => false,
         }
@@ -61,6 +70,11 @@ impl ClientError {
     /// Whether the server said a block or record is not there.
     pub fn is_not_found(&self) -> bool {
         matches!(self, ClientError::Server { code, .. } if *code == Code::NotFound as i32)
+    }
+
+    /// Whether the server (or a write-once check) said the key already holds an object.
+    pub fn is_already_exists(&self) -> bool {
+        matches!(self, ClientError::Server { code, .. } if *code == Code::AlreadyExists as i32)
     }
 }
 

@@ -32,6 +32,7 @@ pub mod tls;
 pub mod upload;
 pub mod view;
 pub mod waits;
+pub mod write_once;
 pub mod writes;
 
 pub use blocks::{BlockSlice, ObjectRead, RangeTarget, ReadOutcome};

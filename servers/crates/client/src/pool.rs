@@ -91,9 +91,10 @@ impl<S: Pooled> PoolState<S> {
     }
 }
 
-/// The error of a caller that waited `patience` for a free session in vain.
+/// The error of a caller that waited `patience` for a free session in vain: its own client is
+/// busy, which says nothing of the server (never "unavailable").
 pub(crate) fn no_free_session(patience: Duration) -> ClientError {
-    ClientError::Unavailable(format!(
+    ClientError::Busy(format!(
         "no free session of this client within {:.1}s",
         patience.as_secs_f64()
     ))

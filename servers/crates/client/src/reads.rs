@@ -123,6 +123,8 @@ impl Objects {
             return Err(Failure::at(error, &server.address));
         }
         let whole = match read.reply.header {
+            // A fence: the caller reads through it.
+            Some(header) if header.fence() => None,
             Some(header) if read.reply.status == 0 && read.received > 0 => {
                 if read.received != header.size {
                     return Err(Failure::at(

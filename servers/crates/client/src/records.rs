@@ -83,14 +83,23 @@ impl Objects {
             let view = self.view();
             let primary = home(&view, key_raw, 0, false)?;
             let reply = at_home(&view, primary)?;
-            if reply.status == 0 {
+            // A fence is "not here": the record it stands for is on the PERSIST home.
+            let fence = reply.header.filter(|h| reply.status == 0 && h.fence());
+            if reply.status == 0 && fence.is_none() {
                 return Ok(Record {
                     server: primary.address.clone(),
                     header: reply.header,
                     body: reply.body,
                 });
             }
-            let error = reply_error(&reply);
+            let error = match fence {
+                Some(_) => server_error(
+                    Code::NotFound as i32,
+                    "not_found",
+                    format!("{bucket}/{key}"),
+                ),
+                None => reply_error(&reply),
+            };
             if error.is_stale_epoch() {
                 self.adopt_or_fail(Failure::at(error, &primary.address), attempt)?;
                 continue;
@@ -98,13 +107,31 @@ impl Objects {
             if !error.is_not_found() {
                 return Err(Failure::at(error, &primary.address));
             }
-            match self.probe_fallbacks(&view, primary, key_raw, request)? {
+            // A read with DELETE took the fence: put it back unless the record it stood for
+            // turns out gone, or taken by this read.
+            let taken = fence.filter(|_| takes(request));
+            let probed = self
+                .probe_fallbacks(&view, primary, key_raw, request)
+                .inspect_err(|_| {
+                    if let Some(fence) = taken {
+                        self.restore_fence(&view, request, &primary.address, fence);
+                    }
+                })?;
+            match probed {
                 Probe::Found(record) => return Ok(record),
                 Probe::Stale(stale) => {
+                    if let Some(fence) = taken {
+                        self.restore_fence(&view, request, &primary.address, fence);
+                    }
                     self.adopt_or_fail(stale, attempt)?;
                     continue;
                 }
                 Probe::Missing { bucket_seen } => {
+                    if let Some((error, server)) =
+                        view.suspect_error(key_raw, &format!("{bucket}/{key}"))
+                    {
+                        return Err(Failure { error, server });
+                    }
                     let mut error = error;
                     if kind_of(&error) == "bucket_not_found" && bucket_seen {
                         error = server_error(
@@ -128,7 +155,27 @@ impl Objects {
         unreachable!("the last attempt returns")
     }
 
-    /// Try block 0 on the PERSIST placement, then (epoch > 1) every other server.
+    /// Put back the fence `fence` a read with DELETE took from `address` (best effort).
+    fn restore_fence(
+        &self,
+        view: &View,
+        request: &ExchangeRequest,
+        address: &str,
+        fence: ObjectHeader,
+    ) {
+        let put = ExchangeRequest {
+            op: OpCode::Put,
+            flags: 0,
+            bucket: request.bucket.clone(),
+            key: request.key.clone(),
+            header: fence,
+            value: Bytes::new(),
+        };
+        let _ = self.call(view, address, put);
+    }
+
+    /// Try block 0 on the PERSIST placement, then (epoch > 1) every other server but the
+    /// suspects (which may hang; the caller says if one may hold the key).
     fn probe_fallbacks(
         &self,
         view: &View,
@@ -151,6 +198,7 @@ impl Objects {
                     s.node_id != primary.node_id && Some(&s.node_id) != first.as_ref()
                 }));
         }
+        candidates.retain(|s| !view.is_suspect(&s.node_id));
         let mut bucket_seen = false;
         for server in candidates {
             let reply = match self.call(view, &server.address, request.clone()) {
@@ -160,12 +208,16 @@ impl Objects {
                 }
                 Err(error) => return Err(Failure::at(error, &server.address)),
             };
-            if reply.status == 0 {
+            if reply.status == 0 && !reply.header.is_some_and(|h| h.fence()) {
                 return Ok(Probe::Found(Record {
                     server: server.address.clone(),
                     header: reply.header,
                     body: reply.body,
                 }));
+            }
+            if reply.status == 0 {
+                bucket_seen = true; // a fence of an earlier map: the record is elsewhere
+                continue;
             }
             let error = reply_error(&reply);
             if error.is_stale_epoch() {
@@ -311,9 +363,11 @@ impl Objects {
             0
         };
         let mut results = self.on_homes(bucket, keys, OpCode::Get, flags);
-        // Fallback placements (PERSIST, earlier maps) are probed one key at a time.
+        // Fallback placements (PERSIST, earlier maps) are probed one key at a time, and so are
+        // the records behind the fences found at the homes.
         for (index, result) in results.iter_mut().enumerate() {
-            if matches!(result, Err(failure) if failure.error.is_not_found()) {
+            let fenced = matches!(result, Ok(record) if record.header.is_some_and(|h| h.fence()));
+            if fenced || matches!(result, Err(failure) if failure.error.is_not_found()) {
                 *result = self.fetch_record(bucket, keys[index], OpCode::Get, flags, true);
             }
         }
@@ -341,4 +395,11 @@ pub(crate) fn record_request(bucket: &str, key: &str, op: OpCode, flags: u8) -> 
         header: ObjectHeader::default(),
         value: Bytes::new(),
     }
+}
+
+/// Whether `request` takes the record it finds (a DELETE, or a GET with DELETE).
+fn takes(request: &ExchangeRequest) -> bool {
+    request.op == OpCode::Delete
+        || (request.op == OpCode::Get
+            && request.flags & pocketflow_protocol::frame::OP_FLAG_DELETE != 0)
 }

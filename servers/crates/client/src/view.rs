@@ -19,7 +19,15 @@ const WEIGHT_SIGNIFICANT_DIGITS: usize = 6;
 const LOST_SERVERS_MAX: usize = 16;
 /// The fields of a weight map a view takes from a `stale_epoch` answer or a `set_epoch`; the
 /// optional ones (all but `epoch` and `servers`) are dropped when the new map has none.
-const WEIGHT_MAP_FIELDS: [&str; 5] = ["epoch", "servers", "lost", "pools", "routes"];
+const WEIGHT_MAP_FIELDS: [&str; 7] = [
+    "epoch",
+    "servers",
+    "lost",
+    "pools",
+    "routes",
+    "suspects",
+    "held_weights",
+];
 
 /// One storage server of a weight map.
 #[derive(Debug, Clone, PartialEq)]
@@ -60,8 +68,16 @@ pub struct View {
     pub lost: Vec<LostServer>,
     /// Bytes per data block of new large objects.
     pub block_size: u32,
-    /// Placement over `servers`, with the map's prefix routes.
+    /// Placement over `servers`, with the map's prefix routes (suspects take no new data).
     pub placement: Placement,
+    /// Node ids of the servers the control plane suspects (hung: running, not answering).
+    pub suspects: Vec<String>,
+    /// The placement of the map with each suspect's weight given back (from the map's
+    /// `held_weights`, or the suspect's own row when it kept its weight), where records written
+    /// before the suspicion are; `None` when the map has no suspects.
+    held_placement: Option<Placement>,
+    /// Suspects whose weight before the suspicion the map does not say: they may hold any key.
+    suspects_unweighed: Vec<String>,
     /// The DoExchange descriptor command (`{"ctx": ...}`).
     pub exchange_command: Bytes,
 }
@@ -172,6 +188,49 @@ fn routes_of(map: &Map<String, Value>) -> Result<Routes, ClientError> {
     Routes::new(pools, routes)
 }
 
+/// The node ids of a weight map's `"suspects"` (optional).
+fn suspects_of(map: &Map<String, Value>) -> Result<Vec<String>, ClientError> {
+    match map.get("suspects") {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(ids)) if ids.len() <= SERVERS_MAX => ids
+            .iter()
+            .map(|id| text_of(id, "suspect node id"))
+            .collect(),
+        Some(other) => Err(malformed("weight map", format!("suspects {other:.200}"))),
+    }
+}
+
+/// A weight map's `"held_weights"` (optional): `{node_id: [weight, persist]}`, the weight each
+/// suspect had before it was suspected.
+fn held_weights_of(map: &Map<String, Value>) -> Result<BTreeMap<String, (f64, bool)>, ClientError> {
+    let rows = match map.get("held_weights") {
+        None | Some(Value::Null) => return Ok(BTreeMap::new()),
+        Some(Value::Object(rows)) if rows.len() <= SERVERS_MAX => rows,
+        Some(other) => {
+            return Err(malformed(
+                "weight map",
+                format!("held_weights {other:.200}"),
+            ))
+        }
+    };
+    rows.iter()
+        .map(|(node_id, row)| {
+            let held = match row.as_array().map(Vec::as_slice) {
+                Some([weight, persist]) => {
+                    weight.as_f64().filter(|w| w.is_finite() && *w >= 0.0).zip(
+                        persist
+                            .as_bool()
+                            .or_else(|| persist.as_u64().map(|p| p != 0)),
+                    )
+                }
+                _ => None,
+            };
+            held.map(|(weight, persist)| (node_id.clone(), (rounded_weight(weight), persist)))
+                .ok_or_else(|| malformed("weight map", format!("held weight {row:.200}")))
+        })
+        .collect()
+}
+
 /// `(epoch, servers, lost)` of a weight map `{"epoch", "servers", "lost"?, ...}`.
 fn map_parts(map: &Map<String, Value>) -> Result<(u64, Vec<Server>, Vec<LostServer>), ClientError> {
     let epoch = map
@@ -232,19 +291,50 @@ impl View {
         let exchange_command = Bytes::from(
             serde_json::to_vec(&serde_json::json!({ "ctx": &ctx })).expect("a context serializes"),
         );
+        let suspects = suspects_of(&handle)?;
+        let held_weights = held_weights_of(&handle)?;
         let placed: Vec<PlacedServer> = servers
             .iter()
-            .map(|s| PlacedServer {
-                node_id: s.node_id.clone(),
-                weight: s.weight,
-                persist: s.persist,
+            .map(|s| {
+                let suspect = suspects.contains(&s.node_id);
+                PlacedServer {
+                    node_id: s.node_id.clone(),
+                    weight: if suspect { 0.0 } else { s.weight },
+                    persist: s.persist && !suspect,
+                }
             })
             .collect();
+        let mut suspects_unweighed = Vec::new();
+        let held_placement = (!suspects.is_empty()).then(|| {
+            let held: Vec<PlacedServer> = servers
+                .iter()
+                .map(|s| {
+                    let (weight, persist) = match held_weights.get(&s.node_id) {
+                        Some(&held) => held,
+                        None => {
+                            if suspects.contains(&s.node_id) && s.weight == 0.0 {
+                                suspects_unweighed.push(s.node_id.clone());
+                            }
+                            (s.weight, s.persist)
+                        }
+                    };
+                    PlacedServer {
+                        node_id: s.node_id.clone(),
+                        weight,
+                        persist,
+                    }
+                })
+                .collect();
+            Placement::with_routes(&held, routes.clone())
+        });
         Ok(View {
             handle,
             ctx,
             epoch,
             placement: Placement::with_routes(&placed, routes),
+            suspects,
+            held_placement,
+            suspects_unweighed,
             servers,
             lost,
             block_size,
@@ -305,6 +395,47 @@ impl View {
             .ranked(key, block)
             .into_iter()
             .map(|i| &self.servers[i])
+    }
+
+    /// Whether the control plane suspects the server `node_id` (it may hang: never wait on it).
+    pub fn is_suspect(&self, node_id: &str) -> bool {
+        self.suspects.iter().any(|s| s == node_id)
+    }
+
+    /// Whether the suspect `node_id` may hold block 0 of `key`: the map with the suspects'
+    /// held weights given back places it there (ephemeral or PERSIST), or the map does not say
+    /// what the suspect weighed.
+    pub fn suspect_may_hold(&self, key: &[u8], node_id: &str) -> bool {
+        if self.suspects_unweighed.iter().any(|s| s == node_id) {
+            return true;
+        }
+        let Some(held) = &self.held_placement else {
+            return false;
+        };
+        [false, true].into_iter().any(|persist| {
+            held.server_for(key, 0, persist)
+                .is_some_and(|i| self.servers[i].node_id == node_id)
+        })
+    }
+
+    /// The error of a read that found `what` on no server it could ask, when a suspect that
+    /// may hold it was not asked; `None` when no suspect may hold it.
+    pub fn suspect_error(&self, key: &[u8], what: &str) -> Option<(ClientError, String)> {
+        let suspect = self
+            .servers
+            .iter()
+            .find(|s| self.is_suspect(&s.node_id) && self.suspect_may_hold(key, &s.node_id))?;
+        Some((
+            ClientError::Server {
+                code: tonic::Code::Unavailable as i32,
+                message: format!(
+                    "suspect_server: {what} may be on {}, which does not answer (a suspect of \
+                     epoch {})",
+                    suspect.node_id, self.epoch
+                ),
+            },
+            suspect.address.clone(),
+        ))
     }
 
     /// The error for `what` being on no live server of a job that lost servers; `None` when the

@@ -3,16 +3,15 @@
 //! placements, and the data blocks of large objects striped over the job's servers (the one data
 //! block of a one-block object on its manifest's home, so that its put is one round trip).
 //!
-//! Write-once holds per key, not per server: after storing a record a non-overwrite put looks
-//! for the key on its "rivals" (the home of the other placement, PERSIST or ephemeral, and, once
-//! the job's map changed, every server of the map) and withdraws its own record if another
-//! server holds the key. An overwrite frees the data blocks of the version it replaced.
+//! Write-once holds per key, not per server, with exactly one winner: one server decides each
+//! key, and a put claims it there before (or by) storing its record; an overwrite replaces every
+//! version of the key (`write_once.rs`).
 
 use std::collections::{BTreeSet, HashMap};
 
 use bytes::Bytes;
 use pocketflow_protocol::action::{
-    ActionName, BucketRequest, DeleteBlocksRequest, EnumerateRequest, ObjectRequest,
+    ActionName, BucketRequest, DeleteBlocksRequest, EnumerateRequest,
 };
 use pocketflow_protocol::descriptor::{PutCommit, PutDescriptor, PutStored};
 use pocketflow_protocol::frame::{OpCode, OP_FLAG_OVERWRITE, OP_FLAG_PERSIST};
@@ -29,6 +28,7 @@ use crate::homes::{block_home, home};
 use crate::objects::{Objects, STALE_EPOCH_RETRIES_MAX};
 use crate::parallel::{push_grouped, run_parallel};
 use crate::view::{Server, View};
+use crate::write_once::{held_on, plan, Claimed, KeyPlan};
 
 /// `put_many` sends at most this many small objects per round of pipelined sessions.
 pub const PUT_MANY_CHUNK_OPS: usize = 4096;
@@ -103,8 +103,10 @@ impl Objects {
 
     /// Store block-0 records, pipelined over one session per server, all servers at once;
     /// stale maps are adopted and the refused records sent again, a bucket missing on a server
-    /// that joined the job later is created there. Then an overwrite frees what each record
-    /// replaced, and a non-overwrite checks each key's rivals (see the module doc).
+    /// that joined the job later is created there. A non-overwrite put first claims each key
+    /// where write-once needs it (a fence on the arbiter, lookups on the rivals: see
+    /// `write_once.rs`) and stores only what it won; an overwrite removes the key's other
+    /// versions after storing.
     ///
     /// Every record is tried; the first failure (in the order of `records`) is returned.
     pub fn put_records(
@@ -117,76 +119,99 @@ impl Objects {
         let flags = (if persist { OP_FLAG_PERSIST } else { 0 })
             | (if overwrite { OP_FLAG_OVERWRITE } else { 0 });
         let mut errors: Vec<Option<Failure>> = vec![None; records.len()];
-        let mut stored: Vec<(usize, Server, Option<ObjectHeader>)> = Vec::new();
+        // Where each record's fence is (possibly) placed, and whether its record may be stored.
+        let mut fenced: Vec<Option<String>> = vec![None; records.len()];
+        let mut maybe_stored = vec![false; records.len()];
         let mut repaired: BTreeSet<String> = BTreeSet::new();
         let mut pending: Vec<usize> = (0..records.len()).collect();
         for attempt in 0..=STALE_EPOCH_RETRIES_MAX {
             let view = self.view();
-            let mut groups: Vec<(&Server, Vec<usize>)> = Vec::new();
+            let last = attempt == STALE_EPOCH_RETRIES_MAX;
+            let mut plans: Vec<(usize, KeyPlan<'_>)> = Vec::with_capacity(pending.len());
             for &index in &pending {
-                match home(&view, records[index].key.as_bytes(), 0, persist) {
-                    Ok(server) => {
-                        match groups.iter_mut().find(|(s, _)| s.address == server.address) {
-                            Some((_, group)) => group.push(index),
-                            None => groups.push((server, vec![index])),
-                        }
-                    }
+                match plan(&view, records[index].key, persist) {
+                    Ok(plan) => plans.push((index, plan)),
                     Err(failure) => errors[index] = Some(failure),
                 }
             }
-            let outcomes = run_parallel(
-                &groups.iter().collect::<Vec<_>>(),
-                groups.len(),
-                |(server, group)| {
-                    let requests: Vec<ExchangeRequest> = group
-                        .iter()
-                        .map(|&index| ExchangeRequest {
-                            op: OpCode::Put,
-                            flags,
-                            bucket: bucket.to_string(),
-                            key: records[index].key.to_string(),
-                            header: records[index].header,
-                            value: Bytes::copy_from_slice(records[index].value),
-                        })
-                        .collect();
-                    self.exchange(&view, &server.address, &requests)
-                },
-            );
-            let mut retry = Vec::new();
-            let mut stale: Option<Failure> = None;
-            for ((server, group), outcome) in groups.iter().zip(outcomes) {
-                let replies = match outcome {
-                    Ok(replies) => replies,
-                    Err(error) => vec![failure_reply(&error); group.len()],
-                };
-                let mut missing_bucket: Vec<(usize, ClientError)> = Vec::new();
-                for (&index, reply) in group.iter().zip(replies) {
-                    if reply.status == 0 {
-                        stored.push((index, (*server).clone(), reply.header));
-                        continue;
-                    }
-                    let error = reply_error(&reply);
-                    if error.is_stale_epoch() && attempt < STALE_EPOCH_RETRIES_MAX {
-                        stale = Some(Failure::at(error, &server.address));
-                        retry.push(index);
-                    } else if kind_is(&error, "bucket_not_found")
-                        && !repaired.contains(&server.address)
-                        && attempt < STALE_EPOCH_RETRIES_MAX
-                    {
-                        missing_bucket.push((index, error));
+            // A fence placed under an earlier map on another server than this map's arbiter
+            // is taken back; the claim places one where this map decides.
+            for (index, plan) in &plans {
+                let wanted = plan.arbiter.filter(|_| persist && plan.fences());
+                if let Some(address) = fenced[*index].take() {
+                    if wanted.is_some_and(|a| a.address == address) {
+                        fenced[*index] = Some(address);
                     } else {
-                        errors[index] = Some(Failure::at(error, &server.address));
+                        let record = &records[*index];
+                        self.remove_fence(
+                            &view,
+                            bucket,
+                            record.key,
+                            &address,
+                            record.header.version,
+                        );
                     }
                 }
-                if !missing_bucket.is_empty() {
-                    repaired.insert(server.address.clone());
-                    if self.repair_bucket(&view, bucket, &server.address)? {
-                        retry.extend(missing_bucket.into_iter().map(|(index, _)| index));
-                    } else {
-                        for (index, error) in missing_bucket {
-                            errors[index] = Some(Failure::at(error, &server.address));
-                        }
+            }
+            let mut retry: Vec<usize> = Vec::new();
+            let mut stale: Option<Failure> = None;
+            if !overwrite && plans.iter().any(|(_, p)| p.claims(persist)) {
+                let claimed = self.claim(&view, bucket, records, &plans, persist, &mut fenced);
+                let mut missing: BTreeSet<&str> = BTreeSet::new();
+                plans.retain(|(index, plan)| match &claimed[index] {
+                    Claimed::Won => true,
+                    Claimed::Stale(failure) if !last => {
+                        stale = Some(failure.clone());
+                        retry.push(*index);
+                        false
                     }
+                    Claimed::MissingBucket if !last => {
+                        missing.insert(plan.arbiter.map_or("", |a| a.address.as_str()));
+                        retry.push(*index);
+                        false
+                    }
+                    Claimed::Stale(failure) | Claimed::Failed(failure) => {
+                        errors[*index] = Some(failure.clone());
+                        false
+                    }
+                    Claimed::MissingBucket => {
+                        errors[*index] = Some(Failure::at(
+                            ClientError::Server {
+                                code: Code::NotFound as i32,
+                                message: format!("bucket_not_found: {bucket}"),
+                            },
+                            plan.arbiter.map_or("", |a| a.address.as_str()),
+                        ));
+                        false
+                    }
+                });
+                for address in missing {
+                    if repaired.insert(address.to_string()) {
+                        self.repair_bucket(&view, bucket, address)?;
+                    }
+                }
+            }
+            let stored = self.store_round(
+                &view,
+                bucket,
+                records,
+                &plans,
+                flags,
+                last,
+                &mut repaired,
+                &mut errors,
+                &mut retry,
+                &mut stale,
+            )?;
+            for (index, _) in &plans {
+                // Sent, and stored or with an unknown outcome: the record may be there.
+                maybe_stored[*index] |= errors[*index].as_ref().is_some_and(|f| !refused(&f.error));
+            }
+            for (index, plan, replaced) in &stored {
+                maybe_stored[*index] = true;
+                if overwrite {
+                    let record = &records[*index];
+                    self.after_overwrite(&view, bucket, record, plan, *replaced, persist);
                 }
             }
             if let Some(stale) = stale {
@@ -202,202 +227,112 @@ impl Objects {
                 break;
             }
         }
-        self.settle_records(bucket, records, &stored, persist, overwrite, &mut errors);
+        // A fence of a put that stored nothing is taken back (one whose record may be stored
+        // stays: it is what keeps that record the only one).
+        let view = self.view();
+        for (index, fence) in fenced.iter().enumerate() {
+            if let (Some(address), Some(_)) = (fence, &errors[index]) {
+                if !maybe_stored[index] {
+                    let record = &records[index];
+                    self.remove_fence(&view, bucket, record.key, address, record.header.version);
+                }
+            }
+        }
         match errors.into_iter().flatten().next() {
             Some(failure) => Err(failure),
             None => Ok(()),
         }
     }
 
-    /// After records were stored (each with the header it replaced): an overwrite frees what
-    /// each replaced, a non-overwrite checks each key's rivals (see the module doc).
-    fn settle_records(
-        &self,
-        bucket: &str,
-        records: &[NewRecord<'_>],
-        stored: &[(usize, Server, Option<ObjectHeader>)],
-        persist: bool,
-        overwrite: bool,
-        errors: &mut [Option<Failure>],
-    ) {
-        let view = self.view();
-        if overwrite {
-            for (index, server, replaced) in stored {
-                self.after_overwrite(
-                    &view,
-                    bucket,
-                    records[*index].key,
-                    server,
-                    *replaced,
-                    persist,
-                );
-            }
-        } else {
-            self.check_rivals(&view, bucket, records, stored, persist, errors);
-        }
-    }
-
-    /// The other servers where a read would find block 0 of `key`: the home of the other
-    /// placement (PERSIST or ephemeral) and, once the job changed maps, every server of the map.
-    fn rivals<'v>(
+    /// Store the records of `plans` on their homes, pipelined per server, all servers at once.
+    /// Returns each stored record with its plan and the header it replaced; a refused record
+    /// gets its error, or joins `retry` (a stale map, noted in `stale`, or a bucket the server
+    /// lacked, created there now).
+    #[allow(clippy::too_many_arguments)]
+    fn store_round<'v>(
         &self,
         view: &'v View,
-        key: &[u8],
-        written: &Server,
-        persist: bool,
-    ) -> Vec<&'v Server> {
-        let mut rivals: Vec<&Server> = Vec::new();
-        if view.placement.has_persist() {
-            if let Some(other) = view.server_for(key, 0, !persist) {
-                rivals.push(other);
-            }
-        }
-        if view.epoch > 1 {
-            rivals.extend(view.ranked(key, 0));
-        }
-        let mut seen: BTreeSet<&str> = BTreeSet::from([written.node_id.as_str()]);
-        rivals.retain(|s| seen.insert(s.node_id.as_str()));
-        rivals
-    }
-
-    /// Write-once per key for stored records: withdraw each one whose key a rival server holds.
-    fn check_rivals(
-        &self,
-        view: &View,
         bucket: &str,
         records: &[NewRecord<'_>],
-        stored: &[(usize, Server, Option<ObjectHeader>)],
-        persist: bool,
+        plans: &[(usize, KeyPlan<'v>)],
+        flags: u8,
+        last: bool,
+        repaired: &mut BTreeSet<String>,
         errors: &mut [Option<Failure>],
-    ) {
-        let mut lookups: Vec<(&Server, Vec<usize>)> = Vec::new();
-        for (index, server, _) in stored {
-            for rival in self.rivals(view, records[*index].key.as_bytes(), server, persist) {
-                match lookups.iter_mut().find(|(s, _)| s.address == rival.address) {
-                    Some((_, group)) => group.push(*index),
-                    None => lookups.push((rival, vec![*index])),
-                }
+        retry: &mut Vec<usize>,
+        stale: &mut Option<Failure>,
+    ) -> Result<Vec<(usize, KeyPlan<'v>, Option<ObjectHeader>)>, Failure> {
+        let mut groups: Vec<(&Server, Vec<usize>)> = Vec::new();
+        for (at, (_, plan)) in plans.iter().enumerate() {
+            match groups
+                .iter_mut()
+                .find(|(s, _)| s.address == plan.home.address)
+            {
+                Some((_, group)) => group.push(at),
+                None => groups.push((plan.home, vec![at])),
             }
-        }
-        if lookups.is_empty() {
-            return;
         }
         let outcomes = run_parallel(
-            &lookups.iter().collect::<Vec<_>>(),
-            lookups.len(),
-            |(rival, group)| {
+            &groups.iter().collect::<Vec<_>>(),
+            groups.len(),
+            |(server, group)| {
                 let requests: Vec<ExchangeRequest> = group
                     .iter()
-                    .map(|&index| ExchangeRequest {
-                        op: OpCode::Lookup,
-                        flags: 0,
-                        bucket: bucket.to_string(),
-                        key: records[index].key.to_string(),
-                        header: ObjectHeader::default(),
-                        value: Bytes::new(),
+                    .map(|&at| {
+                        let record = &records[plans[at].0];
+                        ExchangeRequest {
+                            op: OpCode::Put,
+                            flags,
+                            bucket: bucket.to_string(),
+                            key: record.key.to_string(),
+                            header: record.header,
+                            value: Bytes::copy_from_slice(record.value),
+                        }
                     })
                     .collect();
-                self.exchange(view, &rival.address, &requests)
+                self.exchange(view, &server.address, &requests)
             },
         );
-        let mut found: HashMap<usize, &Server> = HashMap::new();
-        for ((rival, group), outcome) in lookups.iter().zip(outcomes) {
-            // A rival that cannot answer is skipped: reads of it fail too.
-            let Ok(replies) = outcome else { continue };
-            for (&index, reply) in group.iter().zip(replies) {
+        let mut stored = Vec::new();
+        for ((server, group), outcome) in groups.iter().zip(outcomes) {
+            let replies = match outcome {
+                Ok(replies) => replies,
+                Err(error) => vec![failure_reply(&error); group.len()],
+            };
+            let mut missing_bucket: Vec<(usize, ClientError)> = Vec::new();
+            for (&at, reply) in group.iter().zip(replies) {
+                let (index, plan) = &plans[at];
                 if reply.status == 0 {
-                    found.entry(index).or_insert(rival);
+                    stored.push((*index, plan.clone(), reply.header));
+                    continue;
+                }
+                let error = reply_error(&reply);
+                if error.is_stale_epoch() && !last {
+                    *stale = Some(Failure::at(error, &server.address));
+                    retry.push(*index);
+                } else if kind_is(&error, "bucket_not_found")
+                    && !repaired.contains(&server.address)
+                    && !last
+                {
+                    missing_bucket.push((*index, error));
+                } else if error.is_already_exists() {
+                    errors[*index] = Some(held_on(bucket, records[*index].key, server));
+                } else {
+                    errors[*index] = Some(Failure::at(error, &server.address));
+                }
+            }
+            if !missing_bucket.is_empty() {
+                repaired.insert(server.address.clone());
+                if self.repair_bucket(view, bucket, &server.address)? {
+                    retry.extend(missing_bucket.into_iter().map(|(index, _)| index));
+                } else {
+                    for (index, error) in missing_bucket {
+                        errors[index] = Some(Failure::at(error, &server.address));
+                    }
                 }
             }
         }
-        for (index, server, _) in stored {
-            if let Some(rival) = found.get(index) {
-                let record = &records[*index];
-                let lost = self.withdraw(view, bucket, record.key, server, &record.header, rival);
-                if errors[*index].is_none() {
-                    errors[*index] = Some(lost);
-                }
-            }
-        }
-    }
-
-    /// Take back a put that found the key already held on `rival`: remove its record (only that
-    /// version: an overwrite that replaced it stays) and say why it lost.
-    fn withdraw(
-        &self,
-        view: &View,
-        bucket: &str,
-        key: &str,
-        written: &Server,
-        header: &ObjectHeader,
-        rival: &Server,
-    ) -> Failure {
-        let request = ObjectRequest {
-            ctx: view.ctx.clone(),
-            bucket: bucket.to_string(),
-            key: key.to_string(),
-            version: Some(header.version),
-        };
-        // Already gone (read with DELETE, or replaced by an overwrite) is fine; any other
-        // failure leaves a record that a later overwrite or the job's end frees.
-        let _ = self.action(&written.address, ActionName::Delete, body(&request));
-        Failure::at(
-            ClientError::Server {
-                code: Code::AlreadyExists as i32,
-                message: format!(
-                    "already_exists: {bucket}/{key} is held on {}",
-                    rival.node_id
-                ),
-            },
-            &rival.address,
-        )
-    }
-
-    /// Free the replaced version's blocks; a PERSIST overwrite also removes an ephemeral
-    /// version, which readers would otherwise find first.
-    ///
-    /// (An ephemeral overwrite of a PERSIST object leaves the PERSIST version on its
-    /// long-running server, where reads no longer reach it until the ephemeral one is deleted;
-    /// checking for it would cost every overwrite a round trip.)
-    fn after_overwrite(
-        &self,
-        view: &View,
-        bucket: &str,
-        key: &str,
-        written: &Server,
-        replaced: Option<ObjectHeader>,
-        persist: bool,
-    ) {
-        if let Some(replaced) = replaced.filter(|h| h.block_count > 0) {
-            self.delete_blocks(bucket, key, &replaced);
-        }
-        if !persist {
-            return;
-        }
-        let Some(other) = view.server_for(key.as_bytes(), 0, false) else {
-            return;
-        };
-        if other.node_id == written.node_id {
-            return;
-        }
-        let request = ExchangeRequest {
-            op: OpCode::Delete,
-            flags: 0,
-            bucket: bucket.to_string(),
-            key: key.to_string(),
-            header: ObjectHeader::default(),
-            value: Bytes::new(),
-        };
-        if let Ok(mut replies) = self.exchange(view, &other.address, std::slice::from_ref(&request))
-        {
-            let reply = replies.pop().expect("one reply per request");
-            if let Some(header) = reply
-                .header
-                .filter(|h| reply.status == 0 && h.block_count > 0)
-            {
-                self.delete_blocks(bucket, key, &header);
-            }
-        }
+        Ok(stored)
     }
 
     /// Create `bucket` on the server at `address` if another server of the job has it (a server
@@ -644,6 +579,10 @@ impl Objects {
         let persist = header.persist();
         let key = record.key.as_bytes();
         let server = home(&view, key, 0, persist).ok()?;
+        if !overwrite && plan(&view, record.key, persist).ok()?.claims(persist) {
+            // Write-once needs its claim before the store: the two-step path makes it.
+            return None;
+        }
         for index in 1..=header.block_count {
             let block_server = block_home(&view, key, index, header.block_count, persist).ok()?;
             if block_server.address != server.address {
@@ -697,18 +636,12 @@ impl Objects {
                     }),
             );
         }
-        let mut errors = [None];
-        let placed = [(0, server.clone(), stored.replaced)];
-        let records = std::slice::from_ref(record);
-        self.settle_records(bucket, records, &placed, persist, overwrite, &mut errors);
-        match errors.into_iter().flatten().next() {
-            // Withdrawn for a rival: its blocks go too.
-            Some(failure) => {
-                self.delete_blocks(bucket, record.key, &header);
-                Some(Err(failure))
+        if overwrite {
+            if let Ok(plan) = plan(&view, record.key, persist) {
+                self.after_overwrite(&view, bucket, record, &plan, stored.replaced, persist);
             }
-            None => Some(Ok(())),
         }
+        Some(Ok(()))
     }
 
     /// Store many objects; returns how many were stored. Small objects go as records,

@@ -6,6 +6,12 @@ use crate::limits::{BLOCK_SIZE_MAX_BYTES, SMALL_OBJECT_MAX_BYTES};
 pub const HEADER_LEN_BYTES: usize = 32;
 /// Header flag: the object is PERSIST and lives on long-running servers only.
 pub const HEADER_FLAG_PERSIST: u32 = 1;
+/// Header flag: the record is a write-once fence, not an object: a record of no bytes that a
+/// PERSIST put places on the key's ephemeral home, so that one server decides between writers of
+/// both placements. Listings and notifications leave fences out; clients read through them.
+pub const HEADER_FLAG_FENCE: u32 = 2;
+/// Every header flag this version knows.
+const HEADER_FLAGS_KNOWN: u32 = HEADER_FLAG_PERSIST | HEADER_FLAG_FENCE;
 
 /// Size, layout and flags of one object, as stored with its block-0 record.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -57,6 +63,11 @@ impl ObjectHeader {
         self.flags & HEADER_FLAG_PERSIST != 0
     }
 
+    /// Whether the record is a write-once fence (see [`HEADER_FLAG_FENCE`]).
+    pub fn fence(&self) -> bool {
+        self.flags & HEADER_FLAG_FENCE != 0
+    }
+
     /// Whether the object's bytes are inline in block 0.
     pub fn is_small(&self) -> bool {
         self.block_count == 0
@@ -76,7 +87,7 @@ impl ObjectHeader {
         if self.version == 0 {
             return Err(HeaderError::ZeroVersion);
         }
-        if self.flags & !HEADER_FLAG_PERSIST != 0 {
+        if self.flags & !HEADER_FLAGS_KNOWN != 0 {
             return Err(HeaderError::UnknownFlags(self.flags));
         }
         let geometry = HeaderError::Geometry {
@@ -84,6 +95,10 @@ impl ObjectHeader {
             block_count: self.block_count,
             block_size: self.block_size,
         };
+        if self.fence() && (self.size != 0 || self.block_count != 0 || self.persist()) {
+            // A fence holds no bytes and lives with ephemeral records.
+            return Err(geometry);
+        }
         if self.block_count == 0 {
             if self.size > SMALL_OBJECT_MAX_BYTES || self.block_size != 0 {
                 return Err(geometry);
@@ -193,5 +208,26 @@ mod tests {
             ObjectHeader::decode(&[0u8; 5]),
             Err(HeaderError::Truncated(5))
         );
+    }
+
+    #[test]
+    fn a_fence_holds_no_bytes_and_is_never_persist() {
+        let fence = ObjectHeader {
+            version: 9,
+            flags: HEADER_FLAG_FENCE,
+            ..Default::default()
+        };
+        assert!(fence.validate().is_ok() && fence.fence() && !fence.persist());
+        for bad in [
+            ObjectHeader { size: 1, ..fence },
+            ObjectHeader {
+                flags: HEADER_FLAG_FENCE | HEADER_FLAG_PERSIST,
+                ..fence
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+        let unknown = ObjectHeader { flags: 4, ..fence };
+        assert_eq!(unknown.validate(), Err(HeaderError::UnknownFlags(4)));
     }
 }

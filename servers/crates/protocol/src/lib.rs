@@ -19,4 +19,6 @@ pub mod token;
 
 pub use context::Context;
 pub use error::{ErrorKind, ProtocolError, TokenError};
-pub use header::{HeaderError, ObjectHeader, HEADER_FLAG_PERSIST, HEADER_LEN_BYTES};
+pub use header::{
+    HeaderError, ObjectHeader, HEADER_FLAG_FENCE, HEADER_FLAG_PERSIST, HEADER_LEN_BYTES,
+};

@@ -81,8 +81,11 @@ impl Store {
                     None
                 }
             };
-            // Under the bucket lock, so a key's events keep the order of its operations.
-            self.shared.events.emit(job, bucket, key, EventOp::Put);
+            // Under the bucket lock, so a key's events keep the order of its operations. A
+            // fence is no object: nobody is told of it.
+            if !header.fence() {
+                self.shared.events.emit(job, bucket, key, EventOp::Put);
+            }
             replaced
         };
         self.shared.waiters.inserted(job, bucket, key);
@@ -112,7 +115,9 @@ impl Store {
                 account.objects.fetch_sub(1, Ordering::AcqRel);
                 account.entries.fetch_sub(1, Ordering::AcqRel);
                 // Under the bucket lock, so a key's events keep the order of its operations.
-                self.shared.events.emit(job, bucket, key, EventOp::Delete);
+                if !record.header.fence() {
+                    self.shared.events.emit(job, bucket, key, EventOp::Delete);
+                }
                 Ok((record.header, record.stored))
             } else {
                 let record = b.records.get(key).ok_or_else(|| not_found(bucket, key))?;
@@ -222,7 +227,9 @@ impl Store {
                 .ok_or_else(|| not_found(bucket, key))?;
             account.objects.fetch_sub(1, Ordering::AcqRel);
             account.entries.fetch_sub(1, Ordering::AcqRel);
-            self.shared.events.emit(job, bucket, key, EventOp::Delete);
+            if !record.header.fence() {
+                self.shared.events.emit(job, bucket, key, EventOp::Delete);
+            }
             Ok(record)
         })?;
         let header = record.header;
@@ -265,6 +272,7 @@ impl Store {
             };
             let mut keys: Vec<(String, u64)> = range
                 .take_while(|(key, _)| key.starts_with(prefix))
+                .filter(|(_, record)| !record.header.fence())
                 .take(limit as usize + 1)
                 .map(|(key, record)| (key.clone(), record.header.size))
                 .collect();

@@ -3,7 +3,9 @@
 use std::time::Instant;
 
 use pocketflow_protocol::limits::{BLOCK_SIZE_MAX_BYTES, ENUMERATE_LIMIT_MAX};
-use pocketflow_protocol::{ObjectHeader, HEADER_FLAG_PERSIST};
+use pocketflow_protocol::{ObjectHeader, HEADER_FLAG_FENCE, HEADER_FLAG_PERSIST};
+
+use crate::events::EventOp;
 
 use super::*;
 
@@ -809,6 +811,74 @@ async fn ended_leases_free_their_prefixes_now(tier: Tier) {
     assert!(store.get_record(JOB, "b", "s1/t0x", false).await.is_ok());
 }
 
+/// A write-once fence is a record of no bytes with its flag: write-once against objects and
+/// other fences, replaced by an overwrite, readable and deletable as a record (clients read
+/// through it), but left out of listings and notifications.
+async fn fences_hold_a_key_without_being_an_object(tier: Tier) {
+    let (store, _dir) = open(tier, 1 << 20, false);
+    store.create_bucket(JOB, "b").unwrap();
+    let id = store
+        .events()
+        .subscribe(JOB, "b", "", &[EventOp::Put, EventOp::Delete], 16)
+        .unwrap();
+    let fence = ObjectHeader {
+        version: 7,
+        flags: HEADER_FLAG_FENCE,
+        ..Default::default()
+    };
+    let put_fence = |key: &'static str| store.put_record(JOB, "b", key, fence, Bytes::new(), false);
+    put_fence("f").await.unwrap();
+    assert!(matches!(
+        put(&store, "b", "f", b"late").await,
+        Err(StoreError::AlreadyExists { .. })
+    ));
+    put(&store, "b", "o", b"first").await.unwrap();
+    assert!(matches!(
+        put_fence("o").await,
+        Err(StoreError::AlreadyExists { .. })
+    ));
+    let (header, bytes) = store.get_record(JOB, "b", "f", false).await.unwrap();
+    assert!(header.fence() && header.version == 7 && bytes.is_empty());
+    let (page, _) = store.enumerate(JOB, "b", "", None, 10).unwrap();
+    assert_eq!(
+        page,
+        vec![("o".to_string(), 5)],
+        "a fence is listed as no object"
+    );
+    // An overwrite replaces a fence, and says it did.
+    let replaced = store
+        .put_record(
+            JOB,
+            "b",
+            "f",
+            small(8, b"over"),
+            Bytes::from_static(b"over"),
+            true,
+        )
+        .await
+        .unwrap();
+    assert!(replaced.is_some_and(|h| h.fence()));
+    put_fence("g").await.unwrap();
+    assert!(store
+        .delete_record_version(JOB, "b", "g", Some(7))
+        .unwrap()
+        .fence());
+    put_fence("h").await.unwrap();
+    assert!(store
+        .get_record(JOB, "b", "h", true)
+        .await
+        .unwrap()
+        .0
+        .fence());
+    let (events, _) = store
+        .events()
+        .poll(JOB, id, 16, Duration::ZERO)
+        .await
+        .unwrap();
+    let seen: Vec<(EventOp, &str)> = events.iter().map(|e| (e.op, e.key.as_str())).collect();
+    assert_eq!(seen, [(EventOp::Put, "o"), (EventOp::Put, "f")]);
+}
+
 macro_rules! per_tier {
     ($($name:ident),* $(,)?) => {
         mod dram {
@@ -839,4 +909,5 @@ per_tier!(
     without_a_ttl_persist_never_expires,
     inserts_wake_the_waiters_of_their_keys,
     ended_leases_free_their_prefixes_now,
+    fences_hold_a_key_without_being_an_object,
 );

@@ -169,6 +169,9 @@ class Client:
         self._lock = threading.Lock()
         self._core = self._make_core(handle)
         self._view_cached: tuple[int, View] = (self._core.generation(), view_of(handle))
+        # The newest handle given to this client (a renewed token): what a forked child starts
+        # from, since it cannot ask its parent's native core (whose locks a fork may have held).
+        self._handle_given = handle
         self._connections: dict[str, ServerConnection] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
@@ -206,11 +209,14 @@ class Client:
         are made on first use, on the child's own native runtime. The parent's native core is
         left untouched (its locks may have been held at the fork): the child makes its own."""
         self._lock = threading.Lock()
-        handle = self._view_cached[1].handle
+        handle = self._view_cached[1].handle.updated_by(self._handle_given)
         self._core = self._make_core(handle)
         self._view_cached = (self._core.generation(), view_of(handle))
         self._connections = {}
         self._executor = None
+        if self._closed:
+            # Closed in the parent, closed here too.
+            self._core.close(reopen=False)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -255,7 +261,9 @@ class Client:
                 raise InvalidRequest(
                     f"handle of job {handle.job_id!r}, not of this client's job {current.job_id!r}"
                 )
-            self._core.set_handle(current.updated_by(handle).to_json())
+            updated = current.updated_by(handle)
+            self._handle_given = updated
+            self._core.set_handle(updated.to_json())
 
     def disconnect(self) -> None:
         """Close every connection but keep the client usable: the next call reconnects.

@@ -7,6 +7,8 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -1096,3 +1098,68 @@ def test_wait_for_on_a_dead_server_is_data_unavailable(server_factory) -> None: 
             pf.wait_for("b", ["k"], timeout_s=20)
         assert time.monotonic() - started < 5.0
         assert caught.value.server == info.address
+
+
+_FORK_AFTER_RENEWAL_SCRIPT = """
+import dataclasses, os, sys, time
+from pocketflow.auth import make_token
+from pocketflow.client import connect
+from pocketflow.handle import JobHandle
+
+lines = sys.stdin.read().split("\\n")
+renewed, secret, ttl_s = JobHandle.from_json(lines[0]), bytes.fromhex(lines[1]), float(lines[2])
+# A token that expires soon, minted here so that a slow start does not use it up.
+short = dataclasses.replace(renewed, token=make_token(secret, renewed.job_id, ttl_s=ttl_s))
+client = connect(short)
+client.create_bucket("b")
+client.put("b", "before", b"p")
+client.update_handle(renewed)      # the token a driver renewed, before the first token expires
+pid = os.fork()
+if pid == 0:
+    time.sleep(ttl_s + 1.0)        # the first token has expired by now
+    try:
+        client.put("b", "from-child", b"c")
+    except BaseException as exc:
+        print(repr(exc), file=sys.stderr, flush=True)
+        os._exit(3)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+print("stored", client.get("b", "from-child").decode() if client.exists("b", "from-child") else "-")
+closed = connect(renewed)         # a token that stays valid: only the close may refuse
+closed.put("b", "closed-parent", b"p")
+closed.close()
+pid = os.fork()
+if pid == 0:
+    try:
+        closed.put("b", "closed-child", b"c")
+    except BaseException:
+        os._exit(0)                # refused: the client was closed before the fork
+    os._exit(4)
+_, status = os.waitpid(pid, 0)
+print("closed-child", os.waitstatus_to_exitcode(status))
+print("closed-stored", int(client.exists("b", "closed-child")))
+client.close()
+"""
+
+
+def test_a_child_forked_after_a_renewal_uses_the_renewed_token_and_a_closed_client_stays_closed(
+    storage_servers: ServerSet,
+) -> None:
+    """Issue 28, item 5: a child forked after ``update_handle`` starts with the renewed token
+    (before: the handle its parent cached, whose token had expired by the child's put), and a
+    client closed in the parent is closed in a child too (before: its put was stored)."""
+    short_ttl_s = 4.0
+    handle = storage_servers.handle()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _FORK_AFTER_RENEWAL_SCRIPT],
+            input=f"{handle.to_json()}\n{storage_servers.secret.hex()}\n{short_ttl_s}",
+            capture_output=True, text=True, timeout=90, check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["child", "0", "stored", "c", "closed-child", "0",
+                                     "closed-stored", "0"], (
+            out.stdout, out.stderr)
+    finally:
+        storage_servers.delete_job(handle)

@@ -3,7 +3,7 @@
 
 use pocketflow_client::{ClientError, Destination};
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -45,24 +45,23 @@ pub(crate) fn readable(buffer: &PyBuffer<u8>) -> PyResult<Lent> {
     })
 }
 
-/// A destination to fill: a writable C-contiguous buffer, or a fresh `bytes` object.
-pub(crate) fn writable(dest: &Bound<'_, PyAny>) -> PyResult<(Lent, Option<PyBuffer<u8>>)> {
-    if let Ok(bytes) = dest.cast::<PyBytes>() {
-        let data = bytes.as_bytes();
-        return Ok((
-            Lent {
-                ptr: data.as_ptr() as *mut u8,
-                len: data.len(),
-            },
-            None,
+/// A destination to fill: a writable C-contiguous buffer (`bytearray`, a writable
+/// `memoryview`, an `mmap`, ...). Never a `bytes`: it is immutable and may be shared (CPython
+/// keeps one object per one-byte value), so writing into it would change other values too.
+pub(crate) fn writable(dest: &Bound<'_, PyAny>) -> PyResult<(Lent, PyBuffer<u8>)> {
+    if dest.is_instance_of::<PyBytes>() {
+        return Err(PyTypeError::new_err(
+            "the destination must be writable (a bytearray or a writable buffer), not bytes",
         ));
     }
     let buffer = PyBuffer::<u8>::get(dest)?;
     if buffer.readonly() {
-        return Err(PyValueError::new_err("the destination buffer is read-only"));
+        return Err(PyTypeError::new_err(
+            "the destination buffer is read-only: pass a bytearray or a writable buffer",
+        ));
     }
     let lent = readable(&buffer)?;
-    Ok((lent, Some(buffer)))
+    Ok((lent, buffer))
 }
 
 /// A fresh `bytes` object of `size` bytes whose contents are not initialised: only for a

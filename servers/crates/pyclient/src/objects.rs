@@ -241,14 +241,12 @@ impl PyObjects {
     /// A streamed upload of `bucket/key`: add its data blocks as they come, then commit.
     #[pyo3(signature = (bucket, key, *, persist))]
     fn upload(&self, bucket: &str, key: &str, persist: bool) -> PyUpload {
-        PyUpload {
-            upload: std::sync::Mutex::new(StreamUpload::new(
-                self.objects.clone(),
-                bucket,
-                key,
-                persist,
-            )),
-        }
+        PyUpload::new(StreamUpload::new(
+            self.objects.clone(),
+            bucket,
+            key,
+            persist,
+        ))
     }
 
     /// A listing of `bucket` under `prefix`: an iterator of pages of `(key, size)`, merged from

@@ -22,12 +22,25 @@ fn upload_failure(py: Python<'_>, failure: &Failure) -> PyErr {
 }
 
 /// A streamed upload (`pocketflow_client::StreamUpload`).
+///
+/// Lock order: the interpreter lock is never held while waiting for `upload`'s mutex (every
+/// method that locks it releases the GIL first), because a call holding the mutex may need the
+/// GIL to release a caller's buffer.
 #[pyclass(name = "Upload", module = "pocketflow._core", frozen)]
 pub(crate) struct PyUpload {
     pub(crate) upload: std::sync::Mutex<StreamUpload<HeldBlock>>,
+    /// The upload's version, fixed at its start (read without the mutex).
+    pub(crate) version: u64,
 }
 
 impl PyUpload {
+    pub(crate) fn new(upload: StreamUpload<HeldBlock>) -> Self {
+        PyUpload {
+            version: upload.version(),
+            upload: std::sync::Mutex::new(upload),
+        }
+    }
+
     fn locked(&self) -> std::sync::MutexGuard<'_, StreamUpload<HeldBlock>> {
         // A panic while locked leaves an upload whose state is still consistent to abort.
         self.upload.lock().unwrap_or_else(|p| p.into_inner())
@@ -39,7 +52,7 @@ impl PyUpload {
     /// The version the object gets.
     #[getter]
     fn version(&self) -> u64 {
-        self.locked().version()
+        self.version
     }
 
     /// Queue data block `index` (1-based; any C-contiguous buffer, held until sent); may wait
@@ -61,5 +74,14 @@ impl PyUpload {
     /// Discard the upload, freeing every block sent (nothing after a commit was attempted).
     fn abort(&self, py: Python<'_>) {
         py.detach(|| self.locked().abort());
+    }
+}
+
+impl Drop for PyUpload {
+    /// An upload the garbage collector drops before its commit frees what it sent: that joins
+    /// its sends and calls servers, so it runs with the interpreter lock released.
+    fn drop(&mut self) {
+        let upload = self.upload.get_mut().unwrap_or_else(|p| p.into_inner());
+        Python::attach(|py| py.detach(|| upload.abort()));
     }
 }

@@ -237,6 +237,20 @@ def _suspects_from_map(weight_map: Any) -> tuple[str, ...]:
     return tuple(suspects)
 
 
+def _held_weights_from_map(weight_map: Any) -> tuple[tuple[str, float, bool], ...]:
+    """The ``"held_weights"`` of a weight map (``{node_id: [weight, persist]}``), checked."""
+    held = weight_map.get("held_weights", {}) if isinstance(weight_map, dict) else {}
+    if not isinstance(held, dict) or len(held) > SERVERS_MAX:
+        raise InvalidRequest(f"malformed weight map: held_weights {held!r:.200}")
+    rows = []
+    for node_id, row in sorted(held.items()):
+        if (not isinstance(row, (list, tuple)) or len(row) != 2
+                or not isinstance(row[0], (int, float)) or not row[0] >= 0):
+            raise InvalidRequest(f"malformed weight map: held weight {row!r:.200}")
+        rows.append((str(node_id), float(row[0]), bool(row[1])))
+    return tuple(rows)
+
+
 def _servers_from_map(
     weight_map: Any,
 ) -> tuple[int, tuple[ServerInfo, ...], tuple[LostServer, ...], Routes]:
@@ -274,6 +288,9 @@ class JobHandle:
     suspects: tuple[str, ...] = ()
     """Servers of the map that are hung (running but not answering): the controller gave them
     weight 0, so new keys go elsewhere; they keep what they hold (see docs/ARCHITECTURE.md)."""
+    held_weights: tuple[tuple[str, float, bool], ...] = ()
+    """``(node_id, weight, persist)`` of each suspect before it was suspected: where the keys
+    written before are, so that only the keys it may hold need it (docs/ARCHITECTURE.md)."""
 
     def __post_init__(self) -> None:
         if not self.job_id or len(self.job_id.encode()) > JOB_ID_MAX_BYTES:
@@ -300,14 +317,20 @@ class JobHandle:
             weight_map["lost"] = [s.to_row() for s in self.lost]
         if self.suspects:
             weight_map["suspects"] = list(self.suspects)
+        if self.held_weights:
+            weight_map["held_weights"] = self._held_weights_doc()
         return self.routes.add_to(weight_map)
+
+    def _held_weights_doc(self) -> dict[str, list[Any]]:
+        return {node_id: [weight, int(persist)] for node_id, weight, persist in self.held_weights}
 
     def with_weight_map(self, weight_map: dict[str, Any]) -> JobHandle:
         """This handle with another epoch, servers and routes (from ``set_epoch`` or
         ``stale_epoch``)."""
         epoch, servers, lost, routes = _servers_from_map(weight_map)
         return dataclasses.replace(self, epoch=epoch, servers=servers, lost=lost, routes=routes,
-                                   suspects=_suspects_from_map(weight_map))
+                                   suspects=_suspects_from_map(weight_map),
+                                   held_weights=_held_weights_from_map(weight_map))
 
     def updated_by(self, newer: JobHandle) -> JobHandle:
         """This handle after ``newer``, a later handle of the same job (a renewed token, a newer
@@ -340,6 +363,8 @@ class JobHandle:
             doc["lost"] = [s.to_row() for s in self.lost]
         if self.suspects:
             doc["suspects"] = list(self.suspects)
+        if self.held_weights:
+            doc["held_weights"] = self._held_weights_doc()
         if self.tls_ca is not None:
             doc["tls_ca"] = self.tls_ca
         return _dumps(self.routes.add_to(doc))
@@ -361,6 +386,7 @@ class JobHandle:
                 tls_ca=str(doc["tls_ca"]) if doc.get("tls_ca") is not None else None,
                 routes=routes,
                 suspects=_suspects_from_map(doc),
+                held_weights=_held_weights_from_map(doc),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, InvalidRequest):

@@ -11,12 +11,14 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from control_roles import register, roles, sigstop
 from fixtures_servers import ServerSet
 
 from pocketflow.client import connect
-from pocketflow.errors import ObjectNotFound, ServerSuspect
+from pocketflow.errors import ObjectExists, ObjectNotFound, ServerSuspect
 from pocketflow.handle import JobHandle, ServerInfo
 from pocketflow.placement import Placement
 
@@ -99,3 +101,56 @@ def test_a_suspect_server_refuses_fast_only_the_keys_that_need_it(
             assert pf.get("b", key) == key.encode()
         with pytest.raises(ObjectNotFound):
             pf.get("b", refused[0])
+
+
+def test_the_controllers_suspect_map_keeps_new_keys_written(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """Both halves of contract D: the controller's Epochs role moves the job off a SIGSTOPped
+    server (weight 0, listed in ``suspects``, its weight in ``held_weights``); a client of the
+    job keeps writing new keys within its op timeout, is refused fast only the keys the server
+    may hold, and nothing is written twice."""
+    _, secret_file = cluster_secret_file
+    with roles(secret_file) as built:
+        for node in ("cs-0", "cs-1"):
+            built.start(node)
+        hung = built.start("cs-2")
+        handle = register(built, "suspect-map")
+        before = Placement.of_handle(handle)
+        with connect(handle, **OPTIONS) as pf:
+            pf.create_bucket("b")
+            old_keys = [f"old-{i}" for i in range(KEYS)]
+            pf.put_many("b", [(key, key.encode()) for key in old_keys])
+            sigstop(hung.server_pid)
+            try:
+                built.membership.mark_suspect("cs-2")
+                with built.lock:
+                    assert built.epochs.suspend("cs-2") == [handle.job_id]
+                moved = built.jobs.record(handle.job_id).handle
+                assert [n for n, _, _ in moved.held_weights] == ["cs-2"]
+                pf.update_handle(moved)
+                refused = []
+                for i in range(KEYS):
+                    key = f"new-{i}"
+                    started = time.monotonic()
+                    try:
+                        pf.put("b", key, key.encode())
+                    except ServerSuspect:
+                        refused.append(key)
+                    assert time.monotonic() - started < CALL_BOUND_S, key
+                assert refused == [f"new-{i}" for i in range(KEYS)
+                                   if before.server_for(f"new-{i}".encode()).node_id == "cs-2"]
+                assert len(refused) < KEYS // 2
+            finally:
+                os.kill(hung.server_pid, signal.SIGCONT)
+            built.membership.heartbeat("cs-2", {})
+            with built.lock:
+                assert built.epochs.resume("cs-2") == [handle.job_id]
+            pf.update_handle(built.jobs.record(handle.job_id).handle)
+            # Answering again: the refused keys are free, every old key is there once.
+            for key in refused:
+                pf.put("b", key, key.encode())
+            for key in old_keys:
+                assert pf.get("b", key) == key.encode()
+            with pytest.raises(ObjectExists):
+                pf.put("b", old_keys[0], b"twice")

@@ -107,10 +107,15 @@ class Epochs:
         named = {s.node_id for s in servers}
         suspects = record.handle.suspects if suspects is None else suspects
         held = record.held_weights if held_weights is None else held_weights
+        kept = tuple(n for n in suspects if n in named)
+        # The map carries the held weights too: clients place the keys a suspect may hold by
+        # them, and refuse only those (docs/ARCHITECTURE.md, "A hung server").
         handle = dataclasses.replace(
             record.handle, epoch=record.handle.epoch + 1, servers=servers,
             routes=record.handle.routes if routes is None else routes,
-            suspects=tuple(n for n in suspects if n in named),
+            suspects=kept,
+            held_weights=tuple(sorted((n, float(w[0]), bool(w[1]))
+                                      for n, w in held.items() if n in kept)),
         )
         record = dataclasses.replace(
             record, handle=handle,

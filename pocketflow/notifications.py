@@ -16,6 +16,13 @@ same bound. Events of one server come out in that server's order; events of diff
 are not ordered with each other. Lost events surface as one ``Event(op="gap", dropped=n)`` in
 their place, so a subscriber sees every event of a burst or an explicit count of what it missed.
 
+The listener follows the job's map: a server that joins it after the subscription (a grown job,
+a grant's new epoch) is subscribed as soon as the client sees the new map, and a server whose
+subscription ended (it restarted, or dropped it) is subscribed again. Either way the events of
+that server in between are not known, and a gap with ``dropped == DROPPED_UNKNOWN`` (-1) says
+so, naming the server. A server that cannot be reached is retried with a jittered backoff; only
+one that stays unreachable for ``PUMP_RETRY_WINDOW_S`` ends its events, raised from ``get``.
+
 Operations: ``put`` (an object was written), ``delete`` (deleted, or read with DELETE),
 ``enqueue``, ``dequeue`` (queues: the key is the queue's name), ``lease_expired`` (a prefix lease
 lapsed and its data was freed; the key is the prefix, the bucket empty). Bulk deletions
@@ -29,7 +36,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pocketflow.errors import InvalidRequest, ObjectNotFound, PocketflowError
+from pocketflow.errors import (
+    InvalidRequest,
+    JobNotRegistered,
+    ObjectNotFound,
+    PocketflowError,
+    StaleEpoch,
+    Unavailable,
+)
 from pocketflow.protocol import (
     ACTION_EVENTS,
     ACTION_SUBSCRIBE,
@@ -40,11 +54,12 @@ from pocketflow.protocol import (
     action_body,
     check_bucket,
 )
+from pocketflow.retry import backoff_s
 
 if TYPE_CHECKING:
     from pocketflow.client import Client
 
-__all__ = ["Event", "Listener", "EVENT_OPS", "SUBSCRIBER_EVENTS_DEFAULT"]
+__all__ = ["Event", "Listener", "EVENT_OPS", "SUBSCRIBER_EVENTS_DEFAULT", "DROPPED_UNKNOWN"]
 
 EVENT_OPS = ("put", "delete", "enqueue", "dequeue", "lease_expired")
 """Operations a subscription can ask for."""
@@ -52,6 +67,14 @@ POLL_TIMEOUT_MS = 2000
 """Longest one parked ``events`` call waits before the listener's thread calls again."""
 CLOSE_TIMEOUT_S = 10.0
 """How long :meth:`Listener.close` waits for its threads."""
+DROPPED_UNKNOWN = -1
+"""``Event.dropped`` of a gap whose size is not known (see the module doc)."""
+PUMP_RETRY_WINDOW_S = 30.0
+"""How long a server's events are retried while it cannot be reached (or does not know the
+job yet: a restarted server until the control plane tells it) before the error is raised."""
+PUMP_BACKOFF_BASE_S = 0.05
+PUMP_BACKOFF_CAP_S = 2.0
+"""The jittered backoff between those retries."""
 
 
 class Event(NamedTuple):
@@ -89,24 +112,48 @@ class Listener:
         self._lost_here = 0
         self._errors: list[PocketflowError] = []
         self._closed = threading.Event()
-        view = client._view
-        addresses = sorted({s.address for s in view.handle.servers})
+        # Subscriptions and pump threads, one per server of the map (bounded by its size).
+        self._members = threading.Lock()
         self._subscriptions: dict[str, int] = {}
+        self._threads: list[threading.Thread] = []
+        view = client._view
         try:
-            for address in addresses:
-                result = client._connection(address).action(ACTION_SUBSCRIBE, action_body(
-                    view.ctx, bucket=bucket, prefix=prefix, ops=list(ops), capacity=capacity))
-                self._subscriptions[address] = int(result["subscription"])
+            for address in sorted({s.address for s in view.handle.servers}):
+                self._subscriptions[address] = self._subscribe(address)
         except BaseException:
             self.close()
             raise
-        self._threads = [
-            threading.Thread(target=self._pump, args=(address, sid), daemon=True,
-                             name=f"pocketflow-events-{address}")
-            for address, sid in self._subscriptions.items()
-        ]
-        for thread in self._threads:
-            thread.start()
+        for address in list(self._subscriptions):
+            self._start_pump(address)
+
+    def _subscribe(self, address: str) -> int:
+        view = self._client._view
+        result = self._client._connection(address).action(ACTION_SUBSCRIBE, action_body(
+            view.ctx, bucket=self.bucket, prefix=self.prefix, ops=list(self.ops),
+            capacity=self.capacity))
+        return int(result["subscription"])
+
+    def _start_pump(self, address: str) -> None:
+        thread = threading.Thread(target=self._pump, args=(address,), daemon=True,
+                                  name=f"pocketflow-events-{address}")
+        self._threads.append(thread)
+        thread.start()
+
+    def _follow_map(self) -> None:
+        """Subscribe on the servers of the client's current map that have no subscription yet
+        (they joined the map after this listener began): their events until now are unknown."""
+        addresses = {s.address for s in self._client._view.handle.servers}
+        with self._members:
+            joined = sorted(addresses - set(self._subscriptions))
+            for address in joined:
+                if self._closed.is_set():
+                    return
+                try:
+                    self._subscriptions[address] = self._subscribe(address)
+                except PocketflowError:
+                    continue  # tried again on the next pass of any pump
+                self._push([Event("gap", self.bucket, "", address, -1, DROPPED_UNKNOWN)])
+                self._start_pump(address)
 
     def _push(self, events: list[Event]) -> None:
         with self._cond:
@@ -117,20 +164,58 @@ class Listener:
                 self._buffer.append(event)
             self._cond.notify_all()
 
-    def _pump(self, address: str, subscription: int) -> None:
-        """Park ``events`` calls on one server until the listener closes."""
+    def _fail(self, exc: PocketflowError) -> None:
+        if not self._closed.is_set():
+            with self._cond:
+                self._errors.append(exc)
+                self._cond.notify_all()
+
+    def _pump(self, address: str) -> None:
+        """Park ``events`` calls on one server until the listener closes; follow the map, and
+        ride out a server that cannot be reached for up to ``PUMP_RETRY_WINDOW_S``."""
+        failing_since: float | None = None
+        attempt = 0
         while not self._closed.is_set():
+            self._follow_map()
             view = self._client._view
+            with self._members:
+                subscription = self._subscriptions.get(address)
             try:
+                if subscription is None:
+                    # The server lost the subscription: make it again; what came in between
+                    # is unknown.
+                    subscription = self._subscribe(address)
+                    with self._members:
+                        self._subscriptions[address] = subscription
+                    self._push([Event("gap", self.bucket, "", address, -1, DROPPED_UNKNOWN)])
                 result: dict[str, Any] = self._client._connection(address).action(
                     ACTION_EVENTS, action_body(view.ctx, subscription=subscription,
                                                timeout_ms=POLL_TIMEOUT_MS))
+            except StaleEpoch as exc:
+                try:
+                    self._client._adopt(exc)  # the next pass follows the new map
+                except PocketflowError as failed:
+                    self._fail(failed)
+                    return
+                continue
+            except ObjectNotFound:
+                with self._members:
+                    self._subscriptions.pop(address, None)
+                continue
+            except (Unavailable, JobNotRegistered) as exc:
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since > PUMP_RETRY_WINDOW_S:
+                    self._fail(exc)
+                    return
+                self._closed.wait(backoff_s(attempt, base_s=PUMP_BACKOFF_BASE_S,
+                                            cap_s=PUMP_BACKOFF_CAP_S))
+                attempt += 1
+                continue
             except PocketflowError as exc:
-                if not self._closed.is_set():
-                    with self._cond:
-                        self._errors.append(exc)
-                        self._cond.notify_all()
+                self._fail(exc)
                 return
+            failing_since, attempt = None, 0
             batch: list[Event] = []
             dropped = int(result.get("dropped", 0))
             if dropped:
@@ -164,14 +249,19 @@ class Listener:
             return
         self._closed.set()
         view = self._client._view
-        for address, sid in getattr(self, "_subscriptions", {}).items():
+        with self._members:
+            subscriptions = dict(self._subscriptions)
+        for address, sid in subscriptions.items():
             try:
                 self._client._connection(address).action(
                     ACTION_UNSUBSCRIBE, action_body(view.ctx, subscription=sid))
             except (ObjectNotFound, PocketflowError):
                 pass
-        for thread in getattr(self, "_threads", ()):
-            thread.join(CLOSE_TIMEOUT_S)
+        with self._members:
+            threads = list(self._threads)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(CLOSE_TIMEOUT_S)
         with self._cond:
             self._cond.notify_all()
 

@@ -3,11 +3,19 @@ explicit gap count for a slow subscriber, queue events, and typed errors."""
 
 from __future__ import annotations
 
-import pytest
+import os
+import signal
+import time
+from collections.abc import Callable
 
-from pocketflow.client import Client
+import pytest
+from fixtures_servers import CLIENT_OPTIONS, ServerSet
+
+from pocketflow.client import Client, connect
 from pocketflow.errors import InvalidRequest
-from pocketflow.notifications import Event
+from pocketflow.handle import ServerInfo
+from pocketflow.notifications import DROPPED_UNKNOWN, Event
+from pocketflow.placement import Placement
 
 BURST = 300
 
@@ -77,3 +85,68 @@ def test_queue_operations_are_events_and_bad_subscriptions_are_refused(client: C
         client.subscribe("n", "", ops=("rename",))
     with pytest.raises(InvalidRequest):
         client.subscribe("n", "", ops=("put",), capacity=0)
+
+
+def _events_until(listener, done, timeout_s: float = 20.0) -> list[Event]:  # noqa: ANN001
+    """Events until ``done(events)`` holds, or ``timeout_s`` passed."""
+    got: list[Event] = []
+    deadline = time.monotonic() + timeout_s
+    while not done(got) and time.monotonic() < deadline:
+        event = listener.get(timeout_s=0.5)
+        if event is not None:
+            got.append(event)
+    return got
+
+
+def test_a_listener_follows_a_server_that_joined_the_map_and_says_what_it_missed(
+    server_factory: Callable[..., tuple[ServerSet, ServerInfo]],
+) -> None:
+    """Issue 28, item 4: a server added to the job's map after ``subscribe`` is subscribed once
+    the client sees the map, with a gap of unknown size naming it; its events then come (before:
+    none, and no gap)."""
+    for node in ("join-0", "join-1", "join-2"):
+        servers, _ = server_factory(node, capacity_bytes=16 * 1024 * 1024)
+    first, joined = servers.infos[:2], servers.infos[2]
+    handle = servers.handle(servers=first)
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        pf.create_bucket("n")
+        with pf.subscribe("n", "", ops=("put",)) as listener:
+            grown = handle.with_weight_map({"epoch": 2,
+                                            "servers": [s.to_row() for s in servers.infos]})
+            servers.set_epoch(grown)
+            pf.update_handle(grown)
+            placement = Placement.of_handle(grown)
+            keys = [k for k in (f"j{i}" for i in range(200))
+                    if placement.server_for(k.encode()).node_id == joined.node_id][:10]
+            got = _events_until(listener, lambda ev: any(
+                e.op == "gap" and e.server == joined.address for e in ev))
+            assert any(e.op == "gap" and e.dropped == DROPPED_UNKNOWN
+                       and e.server == joined.address for e in got), got
+            pf.put_many("n", [(key, b"v") for key in keys])
+            got = _events_until(listener, lambda ev: len(
+                {e.key for e in ev if e.op == "put" and e.server == joined.address}) == len(keys))
+            assert {e.key for e in got if e.server == joined.address} == set(keys)
+
+
+def test_a_server_that_stops_answering_for_a_while_does_not_end_its_events(
+    server_factory: Callable[..., tuple[ServerSet, ServerInfo]],
+) -> None:
+    """Issue 28, item 4: a transient failure of one server's event stream (SIGSTOPped past the
+    client's timeouts) is retried; once it answers its events come again, and ``get`` raises
+    nothing (before: the stream ended for good with DataUnavailable)."""
+    servers, info = server_factory("pause-0", capacity_bytes=16 * 1024 * 1024)
+    handle = servers.handle()
+    options = {"op_timeout_s": "3s", "rpc_timeout_s": "3s", "connect_timeout_s": "3s"}
+    with connect(handle, **options) as pf:
+        pf.create_bucket("n")
+        with pf.subscribe("n", "", ops=("put",)) as listener:
+            pid = servers.process(info.node_id).pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                # Past one rpc timeout of a parked events call, without raising.
+                assert _events_until(listener, lambda ev: False, timeout_s=5.0) == []
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            pf.put_many("n", [(f"p{i}", b"v") for i in range(5)])
+            got = _events_until(listener, lambda ev: len(ev) == 5)
+            assert sorted(e.key for e in got) == [f"p{i}" for i in range(5)]

@@ -425,9 +425,16 @@ class Client:
         """Store ``data`` under ``key``; write-once unless ``overwrite``.
 
         ``data`` is any bytes-like object (not copied) or a binary stream (read block by block).
+        A bytes-like ``data`` is read in place without the interpreter lock while the put runs:
+        do not change it until ``put`` returns (other threads run meanwhile). A small object's
+        bytes are read once, so a retry (a newer map, a bucket made on a new server) sends what
+        the first attempt sent; a large object's blocks are read as they are sent, so changing
+        them meanwhile stores a mix of old and new bytes.
         Raises :class:`ObjectExists` if the key holds an object and ``overwrite`` is false,
         :class:`CapacityExhausted` if a server is full (nothing of the object remains),
-        :class:`BucketNotFound`, :class:`PersistNotSupported`, :class:`DataUnavailable`.
+        :class:`BucketNotFound`, :class:`PersistNotSupported`, :class:`DataUnavailable`,
+        :class:`ServerSuspect` (the key's write-once check needs a hung server),
+        :class:`ClientBusy` (every session of this client to a server stayed busy).
         """
         check_bucket(bucket)
         check_key(key)

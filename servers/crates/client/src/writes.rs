@@ -124,6 +124,12 @@ impl Objects {
         let mut maybe_stored = vec![false; records.len()];
         let mut repaired: BTreeSet<String> = BTreeSet::new();
         let mut pending: Vec<usize> = (0..records.len()).collect();
+        // Each value is read from the caller's memory once: a retry (a stale map, a bucket
+        // repaired) sends the bytes the first attempt sent, even if the caller's buffer changed.
+        let values: Vec<Bytes> = records
+            .iter()
+            .map(|record| Bytes::copy_from_slice(record.value))
+            .collect();
         for attempt in 0..=STALE_EPOCH_RETRIES_MAX {
             let view = self.view();
             let last = attempt == STALE_EPOCH_RETRIES_MAX;
@@ -195,6 +201,7 @@ impl Objects {
                 &view,
                 bucket,
                 records,
+                &values,
                 &plans,
                 flags,
                 last,
@@ -254,6 +261,7 @@ impl Objects {
         view: &'v View,
         bucket: &str,
         records: &[NewRecord<'_>],
+        values: &[Bytes],
         plans: &[(usize, KeyPlan<'v>)],
         flags: u8,
         last: bool,
@@ -279,14 +287,14 @@ impl Objects {
                 let requests: Vec<ExchangeRequest> = group
                     .iter()
                     .map(|&at| {
-                        let record = &records[plans[at].0];
+                        let index = plans[at].0;
                         ExchangeRequest {
                             op: OpCode::Put,
                             flags,
                             bucket: bucket.to_string(),
-                            key: record.key.to_string(),
-                            header: record.header,
-                            value: Bytes::copy_from_slice(record.value),
+                            key: records[index].key.to_string(),
+                            header: records[index].header,
+                            value: values[index].clone(),
                         }
                     })
                     .collect();

@@ -140,7 +140,8 @@ fn main() {
         .unwrap_or(300);
     for _ in 0..rounds {
         let started = Instant::now();
-        let outcome = block_on(conn.get_ranges(ticket.clone(), &ranges, &mut dest)).unwrap();
+        let outcome =
+            block_on(conn.get_ranges(ticket.clone(), &ranges, &mut [&mut dest[..]])).unwrap();
         assert!(outcome.error.is_none());
         samples.push(started.elapsed());
     }

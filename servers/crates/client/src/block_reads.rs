@@ -10,7 +10,7 @@ use pocketflow_protocol::limits::TICKET_RANGES_MAX;
 use pocketflow_protocol::ticket::{BlockRange, GetTicket};
 use tonic::Code;
 
-use crate::blocks::RangeTarget;
+use crate::blocks::{split_dest, RangeTarget};
 use crate::error::ClientError;
 use crate::failure::{body, server_error, Failure};
 use crate::homes::block_home;
@@ -27,25 +27,8 @@ pub const READ_TICKET_BLOCKS_MIN: usize = 4;
 /// `io_threads` is smaller); each one already spreads its blocks over the I/O threads.
 pub const LARGE_OBJECTS_IN_FLIGHT_MAX: usize = 4;
 
-/// The destination memory of a read shared by the threads that fill it, each its own ranges.
-#[derive(Clone, Copy)]
-struct SharedDest {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the threads of one read write disjoint ranges of the destination (every range of the
-// object appears in exactly one ticket), and the read waits for all of them before returning.
-unsafe impl Send for SharedDest {}
-unsafe impl Sync for SharedDest {}
-
-impl SharedDest {
-    /// The whole destination. SAFETY: the caller writes only its own ranges of it.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self) -> &mut [u8] {
-        std::slice::from_raw_parts_mut(self.ptr, self.len)
-    }
-}
+/// One object of `read_objects`: its key, manifest and destination.
+type ObjectDest<'a> = (&'a str, ObjectHeader, &'a mut [u8]);
 
 /// What one read has received so far, per data block.
 type Received = Mutex<HashMap<u32, u64>>;
@@ -60,22 +43,15 @@ impl Objects {
         delete: bool,
     ) -> Vec<Result<(), Failure>> {
         let objects_at_once = LARGE_OBJECTS_IN_FLIGHT_MAX.min(self.io_threads).max(1);
-        let shared: Vec<(&str, ObjectHeader, SharedDest)> = reads
+        // Each read's destination goes to the one task that fills it (taken out of its slot).
+        let slots: Vec<Mutex<Option<ObjectDest<'_>>>> = reads
             .iter_mut()
-            .map(|(key, header, dest)| {
-                (
-                    *key,
-                    *header,
-                    SharedDest {
-                        ptr: dest.as_mut_ptr(),
-                        len: dest.len(),
-                    },
-                )
-            })
+            .map(|(key, header, dest)| Mutex::new(Some((*key, *header, &mut **dest))))
             .collect();
-        run_parallel(&shared, objects_at_once, |(key, header, dest)| {
-            // SAFETY: each read has a destination of its own, written by this task only.
-            let dest = unsafe { dest.slice() };
+        let tasks: Vec<usize> = (0..slots.len()).collect();
+        run_parallel(&tasks, objects_at_once, |task| {
+            let taken = slots[task].lock().expect("never poisoned").take();
+            let (key, header, dest) = taken.expect("each read is one task's");
             self.read_blocks(bucket, key, &header, 0, header.size, delete, dest)
         })
     }
@@ -165,12 +141,31 @@ impl Objects {
                     .map(move |chunk| (*address, chunk))
             })
             .collect();
+        // The ranges tile the destination in block order: split it into one slice per range,
+        // so that every ticket writes only slices of its own (no two `&mut` overlap).
+        let mut ordered: Vec<&RangeTarget> = groups.iter().flat_map(|(_, r)| r.iter()).collect();
+        ordered.sort_by_key(|range| range.dest_at);
+        let mut pieces: HashMap<u32, &mut [u8]> = ordered
+            .iter()
+            .map(|range| range.block)
+            .zip(split_dest(dest, &ordered).map_err(Failure::local)?)
+            .collect();
+        let slots: Vec<Mutex<Vec<&mut [u8]>>> = tasks
+            .iter()
+            .map(|(_, chunk)| {
+                let mine = chunk
+                    .iter()
+                    .map(|range| pieces.remove(&range.block).expect("one piece per range"))
+                    .collect();
+                Mutex::new(mine)
+            })
+            .collect();
         let received: Received = Mutex::new(HashMap::new());
-        let shared = SharedDest {
-            ptr: dest.as_mut_ptr(),
-            len: dest.len(),
-        };
-        let fetch = |(address, chunk): (&str, &[RangeTarget])| -> Result<(), Failure> {
+        let indexes: Vec<usize> = (0..tasks.len()).collect();
+        let fetch = |task: usize| -> Result<(), Failure> {
+            let (address, chunk) = tasks[task];
+            // Only this task takes this slot's lock: it never waits.
+            let mut dests = slots[task].lock().expect("never poisoned");
             let read = ReadOf {
                 objects: self,
                 bucket,
@@ -178,17 +173,16 @@ impl Objects {
                 version: header.version,
                 block_count: header.block_count,
                 delete,
-                shared,
                 received: &received,
             };
-            match read.ranges_current(address, chunk) {
+            match read.ranges_current(address, chunk, &mut dests) {
                 Err(failure) if failure.error.is_not_found() && view.epoch > 1 => {
-                    read.moved_blocks(&view, address, chunk)
+                    read.moved_blocks(&view, address, chunk, &mut dests)
                 }
                 other => other,
             }
         };
-        let outcomes = run_parallel(&tasks, self.io_threads, fetch);
+        let outcomes = run_parallel(&indexes, self.io_threads, fetch);
         if let Some(failure) = outcomes.into_iter().find_map(Result::err) {
             return Err(failure);
         }
@@ -211,7 +205,6 @@ struct ReadOf<'a> {
     /// The object's data blocks (where each lives depends on it).
     block_count: u32,
     delete: bool,
-    shared: SharedDest,
     received: &'a Received,
 }
 
@@ -219,7 +212,12 @@ impl ReadOf<'_> {
     /// One DoGet of `ranges` from `address` with the newest context, counting what arrived per
     /// block; a stale epoch (refused before any byte was sent) is adopted and the ticket sent
     /// again.
-    fn ranges_current(&self, address: &str, ranges: &[RangeTarget]) -> Result<(), Failure> {
+    fn ranges_current(
+        &self,
+        address: &str,
+        ranges: &[RangeTarget],
+        dests: &mut [&mut [u8]],
+    ) -> Result<(), Failure> {
         let connection = self
             .objects
             .connection(address)
@@ -238,9 +236,7 @@ impl ReadOf<'_> {
                 delete: self.delete,
             };
             let ticket = body(&ticket);
-            // SAFETY: see `SharedDest`; this ticket's ranges are written by this call only.
-            let dest = unsafe { self.shared.slice() };
-            match connection.get_ranges_blocking(ticket, ranges, dest) {
+            match connection.get_ranges_blocking(ticket, ranges, dests) {
                 Err(error) if error.is_stale_epoch() => {
                     self.objects
                         .adopt_or_fail(Failure::at(error, address), attempt)?;
@@ -270,8 +266,9 @@ impl ReadOf<'_> {
         view: &View,
         tried: &str,
         ranges: &[RangeTarget],
+        dests: &mut [&mut [u8]],
     ) -> Result<(), Failure> {
-        for range in ranges {
+        for (range, dest) in ranges.iter().zip(dests.iter_mut()) {
             {
                 let mut received = self.received.lock().expect("never poisoned");
                 if received.get(&range.block) == Some(&range.len) {
@@ -291,7 +288,8 @@ impl ReadOf<'_> {
                     suspect_skipped.get_or_insert(server);
                     continue;
                 }
-                match self.ranges_current(&server.address, std::slice::from_ref(range)) {
+                let dest = std::slice::from_mut(dest);
+                match self.ranges_current(&server.address, std::slice::from_ref(range), dest) {
                     Ok(()) => {
                         found = true;
                         break;

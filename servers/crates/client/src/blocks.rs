@@ -140,7 +140,8 @@ impl Connection {
         }
     }
 
-    /// Read the ranges of a DoGet `ticket` into `dest` at each range's `dest_at`.
+    /// Read the ranges of a DoGet `ticket`, each into its own destination (`dests[i]`, of
+    /// exactly `ranges[i].len` bytes: disjoint slices, so no two writers alias).
     ///
     /// Pieces arrive in ticket order; each is copied once, from the received message into
     /// `dest`. Every wait for a piece is bounded by the op timeout, the whole stream by the
@@ -149,10 +150,10 @@ impl Connection {
         &self,
         ticket: Bytes,
         ranges: &[RangeTarget],
-        dest: &mut [u8],
+        dests: &mut [&mut [u8]],
     ) -> Result<ReadOutcome, ClientError> {
         let inner = self.inner()?;
-        check_ranges(ranges, dest.len())?;
+        check_ranges(ranges, dests)?;
         let nbytes: u64 = ranges.iter().map(|r| r.len).sum();
         let deadline = tokio::time::Instant::now() + inner.config.stream_deadline(nbytes);
         let op_timeout = inner.config.op_timeout;
@@ -215,8 +216,8 @@ impl Connection {
                     meta.block_index, meta.offset
                 )));
             };
-            let at = range.dest_at + (meta.offset - range.offset) as usize;
-            dest[at..at + piece.len()].copy_from_slice(&piece);
+            let at = (meta.offset - range.offset) as usize;
+            dests[current][at..at + piece.len()].copy_from_slice(&piece);
             received[current] += meta.len;
         }
         Ok(ReadOutcome {
@@ -226,14 +227,52 @@ impl Connection {
     }
 }
 
-/// Refuse ranges that do not fit a destination of `dest_len` bytes.
-fn check_ranges(ranges: &[RangeTarget], dest_len: usize) -> Result<(), ClientError> {
+/// Split `dest` into one slice per range (`ranges` in `dest_at` order, not overlapping): the
+/// slice of each range starts at its `dest_at` and holds its `len` bytes. The slices are
+/// disjoint, so each can be written by a thread of its own.
+pub fn split_dest<'d>(
+    dest: &'d mut [u8],
+    ranges: &[&RangeTarget],
+) -> Result<Vec<&'d mut [u8]>, ClientError> {
+    let mut pieces = Vec::with_capacity(ranges.len());
+    let (mut rest, mut at) = (dest, 0usize);
     for range in ranges {
-        let end = range.dest_at.checked_add(range.len as usize);
-        if end.is_none_or(|end| end > dest_len) {
+        let len = usize::try_from(range.len).unwrap_or(usize::MAX);
+        let fits = range.dest_at >= at
+            && (range.dest_at - at)
+                .checked_add(len)
+                .is_some_and(|end| end <= rest.len());
+        if !fits {
             return Err(ClientError::InvalidArgument(format!(
-                "range of block {} ({} bytes at {}) does not fit a destination of {} bytes",
-                range.block, range.len, range.dest_at, dest_len
+                "range of block {} ({} bytes at {}) does not fit the destination",
+                range.block, range.len, range.dest_at
+            )));
+        }
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(range.dest_at - at);
+        let (piece, after) = tail.split_at_mut(len);
+        pieces.push(piece);
+        rest = after;
+        at = range.dest_at + len;
+    }
+    Ok(pieces)
+}
+
+/// Refuse ranges whose destinations are missing or not of their length.
+fn check_ranges(ranges: &[RangeTarget], dests: &[&mut [u8]]) -> Result<(), ClientError> {
+    if dests.len() != ranges.len() {
+        return Err(ClientError::InvalidArgument(format!(
+            "{} destinations for {} ranges",
+            dests.len(),
+            ranges.len()
+        )));
+    }
+    for (range, dest) in ranges.iter().zip(dests) {
+        if dest.len() as u64 != range.len {
+            return Err(ClientError::InvalidArgument(format!(
+                "range of block {} ({} bytes) has a destination of {} bytes",
+                range.block,
+                range.len,
+                dest.len()
             )));
         }
     }
@@ -248,17 +287,17 @@ impl Connection {
         &self,
         ticket: Bytes,
         ranges: &[RangeTarget],
-        dest: &mut [u8],
+        dests: &mut [&mut [u8]],
     ) -> Result<ReadOutcome, ClientError> {
         let inner = self.inner()?;
         if !inner.config.direct {
-            return crate::block_on(self.get_ranges(ticket, ranges, dest));
+            return crate::block_on(self.get_ranges(ticket, ranges, dests));
         }
-        check_ranges(ranges, dest.len())?;
+        check_ranges(ranges, dests)?;
         let nbytes: u64 = ranges.iter().map(|r| r.len).sum();
         let op_timeout = inner.config.op_timeout;
         self.on_block_connection(nbytes, |connection, deadline| {
-            connection.get_ranges(&ticket, ranges, dest, op_timeout, deadline)
+            connection.get_ranges(&ticket, ranges, dests, op_timeout, deadline)
         })
     }
 }

@@ -394,14 +394,14 @@ impl DirectSession {
         }))
     }
 
-    /// Read a DoGet ticket's ranges into `dest` (ranges already checked against it): send GET,
+    /// Read a DoGet ticket's ranges into `dests` (one per range, checked): send GET,
     /// then place each DATA piece where its range says, until END. A failure before any byte
     /// arrived is the `Err`; one after is the outcome's error (as over DoGet).
     pub(crate) fn get_ranges(
         &mut self,
         ticket: &[u8],
         ranges: &[RangeTarget],
-        dest: &mut [u8],
+        dests: &mut [&mut [u8]],
         op_timeout: Duration,
         deadline: Instant,
     ) -> Result<ReadOutcome, SessionFailure> {
@@ -438,8 +438,8 @@ impl DirectSession {
                     piece.block_index, piece.offset
                 )));
             };
-            let at = range.dest_at + (piece.offset - range.offset) as usize;
-            let target = &mut dest[at..at + piece.len as usize];
+            let at = (piece.offset - range.offset) as usize;
+            let target = &mut dests[current][at..at + piece.len as usize];
             if let Err(e) = self.reader.read_exact(target) {
                 self.broken = true;
                 return outcome(received, read_error(e, op_timeout));

@@ -35,7 +35,7 @@ pub mod waits;
 pub mod write_once;
 pub mod writes;
 
-pub use blocks::{BlockSlice, ObjectRead, RangeTarget, ReadOutcome};
+pub use blocks::{split_dest, BlockSlice, ObjectRead, RangeTarget, ReadOutcome};
 pub use config::ConnectionConfig;
 pub use connection::{Connection, ExchangeReply, ExchangeRequest};
 pub use error::ClientError;

@@ -191,7 +191,8 @@ fn holds_block(objects: &Objects, address: &str, key: &str, version: u64, block:
     };
     let mut dest = [0u8; 1];
     let connection = objects.connection(address).unwrap();
-    match connection.get_ranges_blocking(Bytes::from(ticket.to_string()), &[range], &mut dest) {
+    let ticket = Bytes::from(ticket.to_string());
+    match connection.get_ranges_blocking(ticket, &[range], &mut [&mut dest[..]]) {
         Ok(outcome) => match outcome.error {
             None => true,
             Some(error) if error.is_not_found() => false,

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use pocketflow_client::{
-    block_on, BlockSlice, ClientError, Connection, ConnectionConfig, ExchangeRequest, RangeTarget,
+    block_on, split_dest, BlockSlice, ClientError, Connection, ConnectionConfig, ExchangeRequest,
+    RangeTarget,
 };
 use pocketflow_flight::route::route;
 use pocketflow_flight::{ServiceConfig, StorageService};
@@ -238,10 +239,12 @@ fn blocks_round_trip(direct: bool) {
         "version": 9, "ranges": [[1, 0, block_size], [2, 0, block_size], [3, 0, 1234]],
         "delete": false});
     // Twice: the second read reuses the pooled connection.
+    let refs: Vec<&RangeTarget> = ranges.iter().collect();
     for _ in 0..2 {
         let mut dest = vec![0u8; data.len()];
+        let mut dests = split_dest(&mut dest, &refs).unwrap();
         let outcome = conn
-            .get_ranges_blocking(Bytes::from(ticket.to_string()), &ranges, &mut dest)
+            .get_ranges_blocking(Bytes::from(ticket.to_string()), &ranges, &mut dests)
             .unwrap();
         assert!(outcome.error.is_none());
         assert_eq!(
@@ -268,8 +271,10 @@ fn blocks_round_trip(direct: bool) {
             dest_at: 100,
         },
     ];
+    let refs: Vec<&RangeTarget> = ranges.iter().collect();
     let mut dest = vec![0u8; 110];
-    match conn.get_ranges_blocking(Bytes::from(ticket.to_string()), &ranges, &mut dest) {
+    let mut dests = split_dest(&mut dest, &refs).unwrap();
+    match conn.get_ranges_blocking(Bytes::from(ticket.to_string()), &ranges, &mut dests) {
         Ok(outcome) => {
             assert_eq!(outcome.received, vec![100, 0]);
             assert!(outcome.error.unwrap().is_not_found());
@@ -278,8 +283,13 @@ fn blocks_round_trip(direct: bool) {
     }
     assert_eq!(&dest[..100], &data[10..110]);
     // A range that does not fit the destination is refused before anything is sent.
+    let mut small = [0u8; 10];
+    assert!(matches!(
+        split_dest(&mut small, &refs),
+        Err(ClientError::InvalidArgument(_))
+    ));
     let err = conn
-        .get_ranges_blocking(Bytes::new(), &ranges, &mut [0u8; 10])
+        .get_ranges_blocking(Bytes::new(), &ranges, &mut [&mut small[..]])
         .unwrap_err();
     assert!(matches!(err, ClientError::InvalidArgument(_)));
     // A forged token: refused before any byte, typed.
@@ -289,7 +299,11 @@ fn blocks_round_trip(direct: bool) {
     let ticket = serde_json::json!({"ctx": ctx_json(&forged), "bucket": "b", "key": "big",
         "version": 9, "ranges": [[1, 10, 100]], "delete": false});
     let err = conn
-        .get_ranges_blocking(Bytes::from(ticket.to_string()), &ranges[..1], &mut dest)
+        .get_ranges_blocking(
+            Bytes::from(ticket.to_string()),
+            &ranges[..1],
+            &mut [&mut dest[..100]],
+        )
         .unwrap_err();
     assert_eq!(err.code(), 7, "{err}");
     // After failures, reads work again (a fresh connection replaces the closed one).
@@ -305,7 +319,7 @@ fn blocks_round_trip(direct: bool) {
                 len: 1234,
                 dest_at: 0,
             }],
-            &mut tail,
+            &mut [&mut tail[..]],
         )
         .unwrap();
     assert_eq!(outcome.received, vec![1234]);
@@ -319,7 +333,7 @@ fn blocks_round_trip(direct: bool) {
             len: 1234,
             dest_at: 0,
         }],
-        &mut tail,
+        &mut [&mut tail[..]],
     );
     assert!(again.unwrap_err().is_not_found());
 }

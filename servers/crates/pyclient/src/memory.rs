@@ -28,9 +28,9 @@ impl Lent {
         std::slice::from_raw_parts_mut(self.ptr, self.len)
     }
 
-    /// The bytes, writable; valid while the lender is held.
-    #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn slice_mut(&self) -> &mut [u8] {
+    /// The bytes, writable, borrowed from this lender (one writer at a time); valid while the
+    /// lender is held.
+    pub(crate) unsafe fn slice_mut(&mut self) -> &mut [u8] {
         std::slice::from_raw_parts_mut(self.ptr, self.len)
     }
 }

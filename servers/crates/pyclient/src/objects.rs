@@ -503,7 +503,7 @@ impl PyObjects {
         let objects = &self.objects;
         match dest {
             Some(dest) => {
-                let (memory, _held) = writable(dest)?;
+                let (mut memory, _held) = writable(dest)?;
                 if memory.len < count {
                     return Err(PyValueError::new_err(format!(
                         "destination of {} bytes for {count} bytes",
@@ -520,7 +520,7 @@ impl PyObjects {
             }
             None => {
                 let made = uninit_bytes(py, count)?;
-                let memory = Lent {
+                let mut memory = Lent {
                     ptr: made.as_bytes().as_ptr() as *mut u8,
                     len: count,
                 };

@@ -33,6 +33,7 @@ __all__ = [
     "BucketExists",
     "CapacityExhausted",
     "QueueFull",
+    "LeaseTableFull",
     "InvalidRequest",
     "Unavailable",
     "ServerDraining",
@@ -154,6 +155,14 @@ class QueueFull(CapacityExhausted):
     """A bounded queue stayed full (``max_items``) for the whole wait of an enqueue."""
 
     kind = "queue_full"
+
+
+class LeaseTableFull(CapacityExhausted):
+    """A prefix renewal named new prefixes past the job's share of a server's lease table (or
+    past the table's bound): those were refused, and every lease the job held was renewed."""
+
+    kind = "lease_table_full"
+    grpc_code = GRPC_CODE_RESOURCE_EXHAUSTED
 
 
 class InvalidRequest(PocketflowError, ValueError):
@@ -387,6 +396,7 @@ _KIND_TO_CLASS: dict[str, type[PocketflowError]] = {
         InternalError,
         QueueFull,
         SegmentSealed,
+        LeaseTableFull,
     )
     if cls.kind is not None
 }

@@ -35,6 +35,7 @@ from pocketflow.errors import (
     ConfigError,
     InvalidRequest,
     JobNotRegistered,
+    LeaseTableFull,
     PocketflowError,
     StaleEpoch,
 )
@@ -283,12 +284,20 @@ class PrefixLeases:
             if address not in {s.address for s in view.handle.servers}:
                 return
             try:
+                # A full lease table refuses only the new prefixes of a chunk (its leases were
+                # renewed): the later chunks are renewed all the same, then the refusal raised.
+                refused: LeaseTableFull | None = None
                 for i in range(0, len(covered), LEASE_PREFIXES_MAX):
-                    client._connection(address).action(
-                        ACTION_RENEW_LEASES,
-                        action_body(view.ctx, prefixes=covered[i:i + LEASE_PREFIXES_MAX],
-                                    lease_ms=self.lease_ms),
-                        timeout_s=deadline_s)
+                    try:
+                        client._connection(address).action(
+                            ACTION_RENEW_LEASES,
+                            action_body(view.ctx, prefixes=covered[i:i + LEASE_PREFIXES_MAX],
+                                        lease_ms=self.lease_ms),
+                            timeout_s=deadline_s)
+                    except LeaseTableFull as full:
+                        refused = refused or full
+                if refused is not None:
+                    raise refused
                 return
             except StaleEpoch as stale:
                 if attempt == STALE_EPOCH_RETRIES_MAX:

@@ -46,6 +46,7 @@ PROTOCOL_TABLE = [
     ("internal", 13, InternalError),
     ("queue_full", 8, QueueFull),
     ("sealed", 9, SegmentSealed),
+    ("lease_table_full", 8, errors.LeaseTableFull),
 ]
 
 

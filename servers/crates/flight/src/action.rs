@@ -182,6 +182,8 @@ pub(crate) async fn run(
         }
         ActionName::RenewLeases => {
             let req = RenewLeasesRequest::parse(body)?;
+            // An ended job renews nothing: its leases went with it.
+            state.auth.check_may_write(job)?;
             let leases = store.renew_leases(job, &req.prefixes, req.lease_ms)?;
             Ok(json(&RenewLeasesResult { leases }))
         }

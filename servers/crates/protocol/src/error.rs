@@ -36,6 +36,9 @@ pub enum ErrorKind {
     /// A queue or append-file segment is sealed (full, or its server ran out of room): the
     /// writer goes on in the next segment.
     Sealed,
+    /// A renewal named new prefixes past the job's share of the server's lease table, or past
+    /// the table's bound: those were refused, every lease the job held was renewed.
+    LeaseTableFull,
 }
 
 /// gRPC status code numbers used by [`ErrorKind::grpc_code`].
@@ -60,7 +63,7 @@ pub mod grpc_code {
 
 impl ErrorKind {
     /// Every kind, in the order of the table in docs/PROTOCOL.md.
-    pub const ALL: [ErrorKind; 14] = [
+    pub const ALL: [ErrorKind; 15] = [
         ErrorKind::NotFound,
         ErrorKind::BucketNotFound,
         ErrorKind::JobNotRegistered,
@@ -75,6 +78,7 @@ impl ErrorKind {
         ErrorKind::Internal,
         ErrorKind::QueueFull,
         ErrorKind::Sealed,
+        ErrorKind::LeaseTableFull,
     ];
 
     /// The kind's wire name, e.g. `"not_found"`.
@@ -94,6 +98,7 @@ impl ErrorKind {
             ErrorKind::Internal => "internal",
             ErrorKind::QueueFull => "queue_full",
             ErrorKind::Sealed => "sealed",
+            ErrorKind::LeaseTableFull => "lease_table_full",
         }
     }
 
@@ -111,7 +116,9 @@ impl ErrorKind {
                 grpc_code::NOT_FOUND
             }
             ErrorKind::AlreadyExists | ErrorKind::BucketExists => grpc_code::ALREADY_EXISTS,
-            ErrorKind::CapacityExhausted | ErrorKind::QueueFull => grpc_code::RESOURCE_EXHAUSTED,
+            ErrorKind::CapacityExhausted | ErrorKind::QueueFull | ErrorKind::LeaseTableFull => {
+                grpc_code::RESOURCE_EXHAUSTED
+            }
             ErrorKind::InvalidArgument => grpc_code::INVALID_ARGUMENT,
             ErrorKind::Draining => grpc_code::UNAVAILABLE,
             ErrorKind::PermissionDenied => grpc_code::PERMISSION_DENIED,

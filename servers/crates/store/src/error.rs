@@ -207,6 +207,24 @@ pub enum StoreError {
         /// Segment index.
         segment: u32,
     },
+    /// A lease renewal named new prefixes past the job's share of the lease table or past the
+    /// table's bound: those were refused; every lease the job already held was renewed.
+    #[error(
+        "{refused} new prefix lease(s) refused (the first: '{first}'): {why}; the {held} leases \
+         job '{job}' holds here were renewed"
+    )]
+    LeaseTableFull {
+        /// The job.
+        job: String,
+        /// New prefixes refused.
+        refused: usize,
+        /// The first prefix refused.
+        first: String,
+        /// Leases the job holds here after the renewal.
+        held: usize,
+        /// Which bound: the job's share or the table's.
+        why: String,
+    },
     /// A queue or append-file argument is outside its bound.
     #[error("{what} {value} is not within {min}..={max}")]
     InvalidChannelArgument {
@@ -255,6 +273,7 @@ impl StoreError {
             | Self::InvalidChannelArgument { .. } => "invalid_argument",
             Self::QueueFull { .. } => "queue_full",
             Self::Sealed { .. } => "sealed",
+            Self::LeaseTableFull { .. } => "lease_table_full",
             Self::PersistRefused => "persist_refused",
             Self::Io { .. } | Self::EngineStopped => "internal",
         }

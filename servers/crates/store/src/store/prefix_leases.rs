@@ -11,6 +11,9 @@ use crate::events::EventOp;
 
 impl Store {
     /// Renew (or start) leases of `prefixes` of `job` for `lease_ms`; see [`Leases::renew`].
+    /// Returns the job's live leases here. New prefixes past the job's share of the table (or
+    /// the table's bound) fail the call with `LeaseTableFull` after every lease the job held
+    /// was renewed and the others were started; ended leases retired to make room are freed now.
     pub fn renew_leases(
         &self,
         job: &str,
@@ -20,7 +23,20 @@ impl Store {
         for prefix in prefixes {
             check_name("prefix", prefix, KEY_MAX_BYTES - 1)?;
         }
-        self.shared.leases.renew(job, prefixes, lease_ms)
+        let renewal = self.shared.leases.renew(job, prefixes, lease_ms)?;
+        for retired in &renewal.retired {
+            self.free_prefix(job, retired, false);
+        }
+        match renewal.refused.first() {
+            None => Ok(renewal.leases),
+            Some(first) => Err(StoreError::LeaseTableFull {
+                job: job.to_string(),
+                refused: renewal.refused.len(),
+                first: first.clone(),
+                held: renewal.leases,
+                why: renewal.refused_why.unwrap_or_default(),
+            }),
+        }
     }
 
     /// Free every prefix whose lease lapsed by `now`: in every bucket of its job, the records,

@@ -159,3 +159,57 @@ def test_a_job_ended_while_a_server_hung_ends_there_once_it_runs(
     with connect(handle, op_timeout_s="5s") as pf:
         with pytest.raises(JobNotRegistered):
             pf.put("b", on[-1], b"x")
+
+
+def test_new_keys_are_written_while_a_server_of_the_job_hangs(
+    local_cluster: LocalCluster, added_server: tuple[StorageNodeInfo, Any]
+) -> None:
+    """Issue 29 item 1 end to end (contract D, both halves): once the controller lists a
+    SIGSTOPped server as a suspect, a client of the job writes new keys, each within its
+    ``op_timeout_s``; only keys the hung server may hold (the map before the suspicion placed
+    them there) are refused, at once, as ``ServerSuspect``; nothing is written twice, and once
+    the server runs again its keys are all there."""
+    from pocketflow.errors import ObjectExists, ServerSuspect
+    from pocketflow.placement import Placement
+
+    info, _ = added_server
+    op_timeout_s = 3.0
+    with local_cluster.register_job("writes-around") as job:
+        on, off = keys_on(job.handle, info.node_id, on_min=2)
+        with job.connect(op_timeout_s=f"{op_timeout_s}s") as pf:
+            pf.create_bucket("b")
+            for key in on + off:
+                pf.put("b", key, b"old")
+            sigstop(info.server_pid)
+            try:
+                assert wait_for(lambda: info.node_id in _handle_of(job.job_id).suspects,
+                                timeout_s=REROUTE_BOUND_S), "the job never moved off the server"
+                # A call to a live server brings the client the new map (stale_epoch).
+                assert pf.get("b", off[0]) == b"old"
+                written, refused = [], []
+                for i in range(40):
+                    key = f"new-{i}"
+                    started = time.monotonic()
+                    try:
+                        pf.put("b", key, b"new")
+                        written.append(key)
+                    except ServerSuspect:
+                        refused.append(key)
+                    assert time.monotonic() - started < op_timeout_s, key
+                before = Placement(job.handle.servers)
+                assert refused == [key for key in (f"new-{i}" for i in range(40))
+                                   if before.server_for(key.encode()).node_id == info.node_id]
+                assert written
+                for key in on:
+                    with pytest.raises(ServerSuspect):
+                        pf.put("b", key, b"twice")
+            finally:
+                os.kill(info.server_pid, signal.SIGCONT)
+            assert wait_for(lambda: info.node_id not in _handle_of(job.job_id).suspects,
+                            timeout_s=REROUTE_BOUND_S), "the server never got its weight back"
+            for key in on + off:
+                assert pf.get("b", key) == b"old"
+                with pytest.raises(ObjectExists):
+                    pf.put("b", key, b"twice")
+            for key in written:
+                assert pf.get("b", key) == b"new"

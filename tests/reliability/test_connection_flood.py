@@ -2,9 +2,11 @@
 lock real clients out nor stay open forever (issue 12, item 1, server side).
 
 The server looks at each new connection's first bytes before it counts as HTTP/2 or as a direct
-session (`servers/crates/flight/src/route.rs`); one that sends nothing within
-`DIRECT_OPEN_TIMEOUT` (10 s) is closed. The test opens its idle connections itself, bounded in
-count and time, and closes them at the end.
+session (`servers/crates/flight/src/route.rs`); one that has not finished its handshake within
+`HANDSHAKE_TIMEOUT` (10 s) is closed, and one peer address holds at most half of the
+`HANDSHAKES_MAX` (256) connections in their handshake (the rest are closed as they come). The
+silent connections come from 127.0.0.2, the real client from 127.0.0.1. The test opens its idle
+connections itself, bounded in count and time, and closes them at the end.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from pocketflow.transport import ServerConnection
 IDLE_CONNECTIONS = 200
 """Well over the 128 that locked a server out before."""
 OPEN_TIMEOUT_S = 10.0
-"""`DIRECT_OPEN_TIMEOUT` of the server."""
+"""`HANDSHAKE_TIMEOUT` of the server."""
+SILENT_SOURCE = "127.0.0.2"
+"""Another peer address than the real client's."""
 
 
 def test_silent_connections_neither_lock_clients_out_nor_stay_open(
@@ -32,7 +36,8 @@ def test_silent_connections_neither_lock_clients_out_nor_stay_open(
     idle: list[socket.socket] = []
     try:
         for _ in range(IDLE_CONNECTIONS):
-            idle.append(socket.create_connection((host, int(port)), timeout=5))
+            idle.append(socket.create_connection((host, int(port)), timeout=5,
+                                                 source_address=(SILENT_SOURCE, 0)))
         opened = time.monotonic()
 
         # A real client still gets in, over both protocols, while the flood holds its sockets.

@@ -6,11 +6,31 @@ use pocketflow_protocol::limits::{
     SMALL_OBJECT_MAX_BYTES,
 };
 
-/// Most client connections served at once, of both protocols; the listener stops accepting
-/// while at the bound. Room for every HTTP/2 connection and a direct connection per session.
-pub const CONNECTIONS_MAX: usize = HTTP2_CONNECTIONS_MAX + EXCHANGE_SESSIONS_MAX;
-/// Most HTTP/2 (Flight) connections served at once; further ones wait for a slot.
+/// Most client connections open at once, of both protocols; the listener stops accepting
+/// while at the bound. Room for every connection in its handshake, every HTTP/2 connection and
+/// a direct connection per session.
+pub const CONNECTIONS_MAX: usize = HANDSHAKES_MAX + HTTP2_CONNECTIONS_MAX + EXCHANGE_SESSIONS_MAX;
+/// Most connections in their handshake at once (first bytes, TLS, the HTTP/2 preface and
+/// SETTINGS, or the direct magic and first message); one more is closed at once. Connections in
+/// their handshake hold none of the places of served connections.
+pub const HANDSHAKES_MAX: usize = 256;
+/// A peer address's share of the handshake pool: once the pool is half full, a connection from
+/// a peer with this many in their handshake is closed at once (below half, a burst from one
+/// peer, such as the many workers of one node starting together, may take more). So one peer
+/// holds at most half the pool, and other peers always find room.
+pub const PEER_HANDSHAKES_MAX: usize = 32;
+/// How long a connection's whole handshake may take, from its accept until it is served (its
+/// wait for an HTTP/2 place included); a connection not done by then is closed.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// Most HTTP/2 (Flight) connections served at once; further ones wait for a place within their
+/// handshake's deadline.
 pub const HTTP2_CONNECTIONS_MAX: usize = 128;
+/// How long an HTTP/2 connection may carry no stream before it is closed, unless the server is
+/// told otherwise (`--connection-idle`). Keepalive pings answered do not count as streams.
+pub const CONNECTION_IDLE_DEFAULT: std::time::Duration = std::time::Duration::from_secs(120);
+/// Most HTTP/2 connections of one peer address served at once: an HTTP/2 connection needs no
+/// token, so one peer holds at most half of them.
+pub const PEER_HTTP2_CONNECTIONS_MAX: usize = HTTP2_CONNECTIONS_MAX / 2;
 /// Most concurrent HTTP/2 streams (RPCs) on one connection.
 pub const HTTP2_STREAMS_PER_CONNECTION_MAX: u32 = 128;
 /// HTTP/2 flow-control window of one stream: bytes a client may send ahead of the server.

@@ -15,12 +15,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, B
 use tonic::Status;
 
 use crate::exchange::{self, Incoming};
+use crate::handshake::Opening;
 use crate::service::StorageService;
 use crate::status::ServiceError;
 use crate::{doget, doput, read};
-
-/// How long a new direct connection may take to send its magic and its open message.
-pub const DIRECT_OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Reply bytes gathered before a write: a small reply frame goes out in one write with its head.
 const WRITE_BUFFER_BYTES: usize = 64 * 1024;
@@ -34,8 +32,10 @@ const DRAIN_BUFFER_BYTES: usize = 64 * 1024;
 
 impl StorageService {
     /// Serve one direct-exchange connection whose first bytes are [`DIRECT_MAGIC`] (not yet
-    /// read): open the session, then relay request and reply frames until either side ends.
-    pub async fn serve_direct<S>(&self, stream: S)
+    /// read): open the session, then relay request and reply frames until either side ends. The
+    /// magic and the first message must arrive by the deadline of `opening`, whose places in
+    /// the handshake pool are given back once they have.
+    pub async fn serve_direct<S>(&self, stream: S, opening: Opening)
     where
         S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     {
@@ -44,7 +44,8 @@ impl StorageService {
         // come out of one read; larger payloads are read past the buffer, straight into place.
         let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, reader);
         let mut writer = BufWriter::with_capacity(WRITE_BUFFER_BYTES, writer);
-        let opened = tokio::time::timeout(DIRECT_OPEN_TIMEOUT, read_first(&mut reader)).await;
+        let opened = tokio::time::timeout_at(opening.deadline(), read_first(&mut reader)).await;
+        drop(opening);
         let descriptor = match opened {
             Ok(Ok((Kind::Open, descriptor))) => descriptor,
             Ok(Ok((kind @ (Kind::Get | Kind::Put | Kind::Read), first))) => {

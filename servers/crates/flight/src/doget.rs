@@ -466,6 +466,7 @@ pub(crate) mod tests {
             sessions: Arc::new(Semaphore::new(1)),
             waits: Arc::new(Semaphore::new(1)),
             transfer_idle: std::time::Duration::from_secs(30),
+            connection_idle_ms: std::sync::atomic::AtomicU64::new(120_000),
         };
         (Arc::new(state), key)
     }

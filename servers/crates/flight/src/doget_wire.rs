@@ -31,6 +31,7 @@ use tonic::codegen::{BoxFuture, Service};
 use tonic::server::NamedService;
 use tonic::Status;
 
+use crate::activity::{CountedBody, Http2Info};
 use crate::doget::{self, Answer};
 use crate::service::{ServiceState, StorageService};
 
@@ -81,11 +82,23 @@ impl Service<http::Request<Body>> for FlightServer {
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        // The stream counts on its connection until its response body is done or dropped.
+        let stream = request
+            .extensions()
+            .get::<Http2Info>()
+            .map(|info| info.activity.begin());
         if request.uri().path() != DO_GET_PATH {
-            return self.generated.call(request);
+            let answer = self.generated.call(request);
+            return Box::pin(async move {
+                let response = answer.await?;
+                Ok(response.map(|body| Body::new(CountedBody::new(body, stream))))
+            });
         }
         let state = self.state.clone();
-        Box::pin(async move { Ok(answer_do_get(state, request.into_body()).await) })
+        Box::pin(async move {
+            let response = answer_do_get(state, request.into_body()).await;
+            Ok(response.map(|body| Body::new(CountedBody::new(body, stream))))
+        })
     }
 }
 

@@ -5,6 +5,7 @@
 #![warn(missing_docs)]
 
 mod action;
+pub mod activity;
 pub mod auth;
 pub mod bounds;
 pub mod cores;
@@ -14,7 +15,9 @@ mod doget_wire;
 mod doput;
 pub mod drain;
 mod exchange;
+pub mod handshake;
 pub mod metrics;
+pub mod peers;
 mod read;
 pub use pocketflow_protocol::ipc;
 mod refusal;

@@ -21,6 +21,7 @@ use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 
 use crate::bounds::{EXCHANGE_SESSIONS_MAX, TRANSFERS_MAX, WAITS_PARKED_MAX};
+use crate::peers::PeerCounts;
 use crate::service::{ServiceState, StorageService};
 
 /// Latency buckets of one operation, in seconds: 10 µs to 10 s.
@@ -31,6 +32,9 @@ const LATENCY_BUCKETS_S: &[f64] = &[
 
 /// Scrapes served at once; further connections wait in the listener's backlog.
 const SCRAPES_MAX: usize = 4;
+/// Scrapes of one peer address at once; one more is closed as it comes, so one peer cannot
+/// hold every place for the request bound.
+const PEER_SCRAPES_MAX: usize = SCRAPES_MAX / 2;
 /// A scrape's TLS handshake (if any) and request must arrive within this bound.
 const SCRAPE_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest request head read from a scraper.
@@ -263,21 +267,28 @@ pub fn metrics_tls_config(server: &rustls::ServerConfig) -> Arc<rustls::ServerCo
 
 /// Answer scrapes on `listener` forever, over TLS with `tls`: `GET /metrics` gets the text
 /// exposition, any other path 404, anything else 400. HTTP/1.x, one request per connection, at
-/// most `SCRAPES_MAX` at once, each TLS handshake and request within `SCRAPE_REQUEST_TIMEOUT`.
+/// most `SCRAPES_MAX` at once (`PEER_SCRAPES_MAX` per peer address), each TLS handshake and
+/// request within `SCRAPE_REQUEST_TIMEOUT`.
 pub async fn serve(listener: TcpListener, service: StorageService, tls: Option<TlsAcceptor>) {
     let slots = Arc::new(Semaphore::new(SCRAPES_MAX));
+    let peers = Arc::new(PeerCounts::default());
     loop {
         let Ok(slot) = slots.clone().acquire_owned().await else {
             return;
         };
-        let Ok((mut stream, _)) = listener.accept().await else {
+        let Ok((mut stream, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        // Past its peer's bound: dropped (closed) at once, its slot given back.
+        let Some(peer_place) = PeerCounts::enter(&peers, peer.ip(), PEER_SCRAPES_MAX) else {
             continue;
         };
         let service = service.clone();
         let tls = tls.clone();
         tokio::spawn(async move {
             let _slot = slot;
+            let _peer_place = peer_place;
             // One bound for the whole handshake: TLS, then the request head.
             let answered = tokio::time::timeout(SCRAPE_REQUEST_TIMEOUT, async {
                 match tls {

@@ -11,6 +11,9 @@ use std::io;
 use std::time::Duration;
 
 use pocketflow_protocol::direct::{encode_head, encode_status, Kind};
+use pocketflow_protocol::opening::{
+    CLIENT_PREFACE, FRAME_HEAD_BYTES, FRAME_PAYLOAD_MAX_BYTES, FRAME_SETTINGS,
+};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 
 use crate::route::Peekable;
@@ -34,20 +37,12 @@ const REFUSAL_DRAIN_MAX_BYTES: usize = 64 * 1024;
 
 /// How long a refused HTTP/2 client may take to send its first request; one that sends none
 /// gets the GOAWAY alone. Together with `REFUSAL_LINGER` well within the open bound
-/// (`DIRECT_OPEN_TIMEOUT`) that the caller holds the whole refusal to.
+/// (`HANDSHAKE_TIMEOUT`) that the caller holds the whole refusal to.
 const FIRST_REQUEST_WAIT: Duration = Duration::from_secs(5);
 /// Most bytes read from a refused HTTP/2 client while looking for its first HEADERS frame.
 const FIRST_REQUEST_MAX_BYTES: usize = 64 * 1024;
 
-/// The HTTP/2 client connection preface.
-const CLIENT_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-/// Bytes of an HTTP/2 frame header: length (24 bits), type, flags, stream id.
-const FRAME_HEAD_BYTES: usize = 9;
-/// Largest frame payload a client may send before it has seen other settings of ours
-/// (`SETTINGS_MAX_FRAME_SIZE`'s initial value).
-const FRAME_PAYLOAD_MAX_BYTES: usize = 16 * 1024;
 const FRAME_HEADERS: u8 = 0x1;
-const FRAME_SETTINGS: u8 = 0x4;
 const FRAME_GOAWAY: u8 = 0x7;
 const FLAG_ACK: u8 = 0x1;
 const FLAG_END_STREAM: u8 = 0x1;

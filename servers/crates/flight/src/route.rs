@@ -1,6 +1,9 @@
 //! One port, two protocols: every accepted connection is HTTP/2 (Arrow Flight, whose clients
 //! open with `PRI * HTTP/2.0`) or the direct exchange (which opens with `DIRECT_MAGIC`). Its
-//! first bytes decide; a connection that sends nothing within the open bound is closed.
+//! first bytes decide. Its whole handshake is bounded (`crate::handshake`): a connection that
+//! has not opened its protocol within `HANDSHAKE_TIMEOUT` is closed, and connections in their
+//! handshake take places of their own pool (bounded per peer address too), never those of
+//! connections being served.
 //!
 //! With TLS, every connection must open with a TLS handshake, and the protocol agreed by ALPN
 //! decides instead (`h2` or `pocketflow-direct`). A plaintext connection to a TLS listener is
@@ -10,6 +13,7 @@
 
 use std::future::Future;
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -17,6 +21,7 @@ use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use pocketflow_protocol::direct::{DIRECT_ALPN, DIRECT_MAGIC};
+use pocketflow_protocol::opening::{first_bytes, FirstBytes};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::server::TlsStream;
@@ -24,8 +29,12 @@ use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 
-use crate::bounds::HTTP2_CONNECTIONS_MAX;
-use crate::direct::DIRECT_OPEN_TIMEOUT;
+use crate::activity::{Activity, Http2Info, IdleWatch};
+use crate::bounds::{
+    HANDSHAKES_MAX, HTTP2_CONNECTIONS_MAX, PEER_HANDSHAKES_MAX, PEER_HTTP2_CONNECTIONS_MAX,
+};
+use crate::handshake::{read_http2_opening, Opening, Replayed};
+use crate::peers::{PeerCounts, PeerPlace};
 pub use crate::refusal::TLS_REQUIRED_MESSAGE;
 use crate::refusal::{refuse_plaintext_direct, refuse_plaintext_http2, refuse_tls};
 use crate::service::StorageService;
@@ -34,11 +43,18 @@ use crate::service::StorageService;
 pub trait Peekable: AsyncRead + AsyncWrite + Send + Sync + Unpin + 'static {
     /// Copy the bytes received so far (up to `buf.len()`) without consuming them.
     fn peek(&self, buf: &mut [u8]) -> impl Future<Output = io::Result<usize>> + Send;
+
+    /// The peer's address, for the per-peer bounds (`None`: unknown, not bounded per peer).
+    fn peer_ip(&self) -> Option<IpAddr>;
 }
 
 impl Peekable for tokio::net::TcpStream {
     fn peek(&self, buf: &mut [u8]) -> impl Future<Output = io::Result<usize>> + Send {
         tokio::net::TcpStream::peek(self, buf)
+    }
+
+    fn peer_ip(&self) -> Option<IpAddr> {
+        self.peer_addr().ok().map(|a| a.ip())
     }
 }
 
@@ -125,18 +141,27 @@ const PARTIAL_MAGIC_RETRY: Duration = Duration::from_millis(1);
 /// HTTP/2 connections handed to tonic that it has not taken yet.
 const HTTP2_QUEUED_MAX: usize = 64;
 
-/// An HTTP/2 connection for tonic, holding one of the `HTTP2_CONNECTIONS_MAX` slots while it
-/// lives (a direct connection holds a session slot instead).
+/// An HTTP/2 connection for tonic, holding one of the `HTTP2_CONNECTIONS_MAX` places (and one
+/// of its peer's `PEER_HTTP2_CONNECTIONS_MAX`) while it lives (a direct connection holds a
+/// session slot instead). Its preface and first SETTINGS frame, read during the handshake, are
+/// read again by hyper.
+///
+/// A connection with no stream in flight for the service's connection idle bound is closed
+/// (its reader fails, which ends hyper's connection): its streams are counted by the HTTP
+/// service through the connection's [`Http2Info`].
 pub struct Http2Connection<C> {
-    inner: Link<C>,
+    inner: Replayed<Link<C>>,
+    info: Http2Info,
+    idle: IdleWatch,
     _slot: OwnedSemaphorePermit,
+    _peer_place: Option<PeerPlace>,
 }
 
 impl<C: Connected> Connected for Http2Connection<C> {
-    type ConnectInfo = C::ConnectInfo;
+    type ConnectInfo = Http2Info;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
+        self.info.clone()
     }
 }
 
@@ -146,7 +171,13 @@ impl<C: Peekable> AsyncRead for Http2Connection<C> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
+        match Pin::new(&mut self.inner).poll_read(cx, buf) {
+            Poll::Pending if self.idle.poll_expired(cx) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no stream on the connection for its idle bound",
+            ))),
+            polled => polled,
+        }
     }
 }
 
@@ -187,20 +218,23 @@ enum Protocol {
     Tls,
 }
 
-/// First byte of a TLS record carrying a handshake message (a ClientHello opens every TLS
-/// connection); neither `PRI ` nor `DIRECT_MAGIC` starts with it.
-const TLS_HANDSHAKE_RECORD: u8 = 0x16;
-
 /// The HTTP/2 connections of `incoming`, for tonic, at most `HTTP2_CONNECTIONS_MAX` at once
-/// (further ones wait for a slot); direct-exchange connections are served by `service` on tasks
-/// of their own.
+/// (further ones wait for a place until their handshake's deadline); direct-exchange
+/// connections are served by `service` on tasks of their own. A connection past the handshake
+/// pool's bounds (`HANDSHAKES_MAX`; once it is half full, a peer's `PEER_HANDSHAKES_MAX`) is
+/// closed as it comes.
 pub fn route<C: Peekable + Connected>(
     incoming: impl Stream<Item = io::Result<C>> + Send + 'static,
     service: StorageService,
     tls: Option<TlsAcceptor>,
 ) -> impl Stream<Item = io::Result<Http2Connection<C>>> {
     let (tx, rx) = mpsc::channel(HTTP2_QUEUED_MAX);
-    let http2_slots = Arc::new(Semaphore::new(HTTP2_CONNECTIONS_MAX));
+    let pools = Pools {
+        handshakes: Arc::new(Semaphore::new(HANDSHAKES_MAX)),
+        peer_handshakes: Arc::new(PeerCounts::default()),
+        http2: Arc::new(Semaphore::new(HTTP2_CONNECTIONS_MAX)),
+        peer_http2: Arc::new(PeerCounts::default()),
+    };
     tokio::spawn(async move {
         let mut incoming = std::pin::pin!(incoming);
         while let Some(accepted) = incoming.next().await {
@@ -213,13 +247,19 @@ pub fn route<C: Peekable + Connected>(
                     continue;
                 }
             };
+            // Past the handshake pool's bounds: dropped, that is closed, before any work.
+            let Some(opening) = pools.opening(connection.peer_ip()) else {
+                continue;
+            };
             let tx = tx.clone();
             let service = service.clone();
-            let http2_slots = http2_slots.clone();
+            let pools = pools.clone();
             let tls = tls.clone();
             tokio::spawn(async move {
-                // The first bytes, then (with TLS) the handshake, within the open bound.
-                let opened = tokio::time::timeout(DIRECT_OPEN_TIMEOUT, async {
+                let deadline = opening.deadline();
+                let peer = connection.peer_ip();
+                // The first bytes, then (with TLS) the handshake, by the deadline.
+                let opened = tokio::time::timeout_at(deadline, async {
                     let protocol = protocol_of(&connection).await?;
                     Some(match (tls, protocol) {
                         (None, Protocol::Http2) => (Protocol::Http2, Link::Plain(connection)),
@@ -251,24 +291,88 @@ pub fn route<C: Peekable + Connected>(
                 })
                 .await;
                 match opened {
-                    Ok(Some((Protocol::Direct, link))) => service.serve_direct(link).await,
+                    Ok(Some((Protocol::Direct, link))) => service.serve_direct(link, opening).await,
                     Ok(Some((_, link))) => {
-                        let Ok(slot) = http2_slots.acquire_owned().await else {
-                            return;
-                        };
-                        let connection = Http2Connection {
-                            inner: link,
-                            _slot: slot,
-                        };
-                        let _ = tx.send(Ok(connection)).await;
+                        // The preface and SETTINGS, then a place, by the same deadline.
+                        let served = tokio::time::timeout_at(deadline, async {
+                            let mut link = link;
+                            let first = read_http2_opening(&mut link).await?;
+                            let peer_place = match peer {
+                                Some(ip) => Some(pools.http2_place(ip).await),
+                                None => None,
+                            };
+                            let slot = pools.http2.clone().acquire_owned().await.ok()?;
+                            let activity = Activity::new();
+                            Some(Http2Connection {
+                                inner: Replayed::new(first, link),
+                                info: Http2Info {
+                                    activity: activity.clone(),
+                                },
+                                idle: IdleWatch::new(activity, service.connection_idle()),
+                                _slot: slot,
+                                _peer_place: peer_place,
+                            })
+                        })
+                        .await;
+                        drop(opening);
+                        if let Ok(Some(connection)) = served {
+                            let _ = tx.send(Ok(connection)).await;
+                        }
                     }
-                    // Closed, failed, refused, or silent for the whole bound: dropping closes it.
+                    // Closed, failed, refused, or not opened in time: dropping closes it.
                     Ok(None) | Err(_) => {}
                 }
             });
         }
     });
     ReceiverStream::new(rx)
+}
+
+/// The pools a connection takes places in: the handshake pool while it opens, then (HTTP/2) a
+/// served connection's place.
+#[derive(Clone)]
+struct Pools {
+    handshakes: Arc<Semaphore>,
+    peer_handshakes: Arc<PeerCounts>,
+    http2: Arc<Semaphore>,
+    peer_http2: Arc<PeerCounts>,
+}
+
+/// How often an HTTP/2 connection whose peer holds all its places looks again for one.
+const PEER_PLACE_RETRY: Duration = Duration::from_millis(50);
+
+impl Pools {
+    /// Places in the handshake pool for a new connection from `peer`, or `None` past a bound:
+    /// the pool's, or (once the pool is half full) the peer's share.
+    fn opening(&self, peer: Option<IpAddr>) -> Option<Opening> {
+        let place = self.handshakes.clone().try_acquire_owned().ok()?;
+        let peer_place = match peer {
+            Some(ip) => {
+                // While the pool is at most half full any peer may take more than its share;
+                // past that each keeps to its share, so a flood from one address leaves half.
+                let bound = if self.handshakes.available_permits() >= HANDSHAKES_MAX / 2 {
+                    HANDSHAKES_MAX
+                } else {
+                    PEER_HANDSHAKES_MAX
+                };
+                Some(PeerCounts::enter(&self.peer_handshakes, ip, bound)?)
+            }
+            None => None,
+        };
+        Some(Opening::new(place, peer_place))
+    }
+
+    /// One of `peer`'s HTTP/2 places, once it has one free (the caller bounds the wait).
+    async fn http2_place(&self, peer: IpAddr) -> PeerPlace {
+        loop {
+            if let Some(place) =
+                PeerCounts::enter(&self.peer_http2, peer, PEER_HTTP2_CONNECTIONS_MAX)
+            {
+                return place;
+            }
+            tokio::time::sleep(PEER_PLACE_RETRY).await;
+        }
+    }
 }
 
 /// Which protocol the connection speaks, from its first bytes (`None`: it closed or failed).
@@ -279,15 +383,11 @@ async fn protocol_of<C: Peekable>(connection: &C) -> Option<Protocol> {
         if n == 0 {
             return None;
         }
-        if first[0] == TLS_HANDSHAKE_RECORD {
-            return Some(Protocol::Tls);
+        match first_bytes(&first[..n]) {
+            FirstBytes::Tls => return Some(Protocol::Tls),
+            FirstBytes::Http2 => return Some(Protocol::Http2),
+            FirstBytes::Direct => return Some(Protocol::Direct),
+            FirstBytes::NeedMore => tokio::time::sleep(PARTIAL_MAGIC_RETRY).await,
         }
-        if !DIRECT_MAGIC.starts_with(&first[..n]) {
-            return Some(Protocol::Http2);
-        }
-        if n == DIRECT_MAGIC.len() {
-            return Some(Protocol::Direct);
-        }
-        tokio::time::sleep(PARTIAL_MAGIC_RETRY).await;
     }
 }

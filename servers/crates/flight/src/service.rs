@@ -1,6 +1,7 @@
 //! The Flight service: shared server state and the `FlightService` implementation that routes
 //! each RPC to its handler and maps its error to a status once.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,7 +23,9 @@ use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::Authority;
-use crate::bounds::{EXCHANGE_SESSIONS_MAX, TRANSFERS_MAX, WAITS_PARKED_MAX};
+use crate::bounds::{
+    CONNECTION_IDLE_DEFAULT, EXCHANGE_SESSIONS_MAX, TRANSFERS_MAX, WAITS_PARKED_MAX,
+};
 use crate::doget_wire::FlightServer;
 use crate::drain::Drain;
 use crate::metrics::Metrics;
@@ -53,6 +56,9 @@ pub(crate) struct ServiceState {
     pub(crate) sessions: Arc<Semaphore>,
     pub(crate) waits: Arc<Semaphore>,
     pub(crate) transfer_idle: Duration,
+    /// How long an HTTP/2 connection may carry no stream, in milliseconds (see
+    /// [`StorageService::set_connection_idle`]).
+    pub(crate) connection_idle_ms: AtomicU64,
 }
 
 /// The pocketflow storage server's Flight service; clones share state.
@@ -76,6 +82,7 @@ impl StorageService {
             sessions: Arc::new(Semaphore::new(EXCHANGE_SESSIONS_MAX)),
             waits: Arc::new(Semaphore::new(WAITS_PARKED_MAX)),
             transfer_idle: config.transfer_idle,
+            connection_idle_ms: AtomicU64::new(CONNECTION_IDLE_DEFAULT.as_millis() as u64),
         };
         Self {
             state: Arc::new(state),
@@ -91,6 +98,19 @@ impl StorageService {
             .max_decoding_message_size(MESSAGE_MAX_BYTES)
             .max_encoding_message_size(MESSAGE_MAX_BYTES);
         FlightServer::new(generated, state)
+    }
+
+    /// Close HTTP/2 connections that carry no stream for `idle` (default
+    /// [`CONNECTION_IDLE_DEFAULT`]); applies to connections served from now on.
+    pub fn set_connection_idle(&self, idle: Duration) {
+        self.state
+            .connection_idle_ms
+            .store(idle.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// How long an HTTP/2 connection may carry no stream before it is closed.
+    pub fn connection_idle(&self) -> Duration {
+        Duration::from_millis(self.state.connection_idle_ms.load(Ordering::Relaxed))
     }
 
     /// Record the start-up self-test's figure (see [`crate::stats::Stats::set_measured_throughput`]).

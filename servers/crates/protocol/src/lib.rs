@@ -13,6 +13,7 @@ pub mod frame;
 pub mod header;
 pub mod ipc;
 pub mod limits;
+pub mod opening;
 pub mod ticket;
 pub mod tls;
 pub mod token;

@@ -1,6 +1,7 @@
 //! Property tests that fuzz every decoder of the wire protocol with arbitrary, boundary-sized and
 //! mutated input: exchange request and reply frames, object headers, batch metadata, IPC pieces,
-//! direct-exchange heads and statuses, DoGet tickets, DoPut and DoExchange descriptors, the body of
+//! direct-exchange heads and statuses, a connection's first bytes and HTTP/2 opening (preface
+//! and SETTINGS), DoGet tickets, DoPut and DoExchange descriptors, the body of
 //! every action, action names and capability tokens.
 //!
 //! Each decoder must return a value or its typed error, never panic; an error's message must stay
@@ -18,7 +19,7 @@ use pocketflow_protocol::batch::{GetPieceMeta, PutPieceMeta};
 use pocketflow_protocol::context::parse_json;
 use pocketflow_protocol::descriptor::{ExchangeDescriptor, PutDescriptor};
 use pocketflow_protocol::direct::{
-    decode_head, decode_status, encode_head, encode_message, encode_status, Kind,
+    decode_head, decode_status, encode_head, encode_message, encode_status, Kind, DIRECT_MAGIC,
     MESSAGE_HEAD_BYTES, PAYLOAD_MAX_BYTES,
 };
 use pocketflow_protocol::frame::{
@@ -32,6 +33,10 @@ use pocketflow_protocol::limits::{
     FRAME_MAX_BYTES, FRAME_OPS_MAX, JOB_ID_MAX_BYTES, KEY_MAX_BYTES, LEASE_MS_MAX, LEASE_MS_MIN,
     LEASE_PREFIXES_MAX, SMALL_OBJECT_MAX_BYTES, SUBSCRIBER_EVENTS_MAX, TICKET_RANGES_MAX,
     WAIT_KEYS_MAX, WAIT_TIMEOUT_MAX_MS,
+};
+use pocketflow_protocol::opening::{
+    first_bytes, http2_opening, FirstBytes, Http2Opening, CLIENT_PREFACE, FRAME_SETTINGS,
+    HTTP2_OPENING_MAX_BYTES, TLS_HANDSHAKE_RECORD,
 };
 use pocketflow_protocol::ticket::{GetTicket, ReadTicket};
 use pocketflow_protocol::token::TokenKey;
@@ -964,6 +969,83 @@ proptest! {
         prop_assert_eq!(decode_head(&head).unwrap(), (Kind::Status, payload.len()));
         let decoded = checked(decode_status(&input));
         prop_assert_eq!(decoded.is_some(), !input.is_empty());
+    }
+}
+
+// ---- A connection's opening: its first bytes, the HTTP/2 preface and SETTINGS ----
+
+fn http2_opening_bytes(settings: &[u8]) -> Vec<u8> {
+    let mut bytes = CLIENT_PREFACE.to_vec();
+    let len = (settings.len() as u32).to_be_bytes();
+    bytes.extend_from_slice(&[len[1], len[2], len[3], FRAME_SETTINGS, 0, 0, 0, 0, 0]);
+    bytes.extend_from_slice(settings);
+    bytes
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn first_bytes_tell_a_protocol_without_panic(
+        raw in prop_oneof![
+            vec(any::<u8>(), 1..16),
+            (0..=DIRECT_MAGIC.len(), vec(any::<u8>(), 0..8)).prop_map(|(cut, tail)| {
+                let mut bytes = DIRECT_MAGIC[..cut].to_vec();
+                bytes.extend(tail);
+                bytes
+            }),
+        ],
+    ) {
+        prop_assume!(!raw.is_empty());
+        let judged = first_bytes(&raw);
+        prop_assert_eq!(judged == FirstBytes::Tls, raw[0] == TLS_HANDSHAKE_RECORD);
+        if judged == FirstBytes::Direct {
+            prop_assert!(raw.starts_with(DIRECT_MAGIC));
+        }
+        if judged == FirstBytes::NeedMore {
+            prop_assert!(raw.len() < DIRECT_MAGIC.len() && DIRECT_MAGIC.starts_with(&raw));
+        }
+    }
+
+    #[test]
+    fn http2_openings_are_judged_without_panic(
+        settings in vec(any::<u8>(), 0..64),
+        changes in proptest::option::of(mutations()),
+        raw in vec(any::<u8>(), 0..96),
+        cut in 0usize..200,
+    ) {
+        let valid = http2_opening_bytes(&settings);
+        let mutated = match &changes {
+            Some(changes) => mutate(&valid, changes),
+            None => valid.clone(),
+        };
+        for bytes in [&valid, &mutated, &raw] {
+            let received = &bytes[..cut.min(bytes.len())];
+            match http2_opening(received) {
+                Http2Opening::Whole(end) => {
+                    prop_assert!(end <= received.len() && end <= HTTP2_OPENING_MAX_BYTES);
+                    prop_assert!(received.starts_with(CLIENT_PREFACE));
+                    prop_assert_eq!(received[CLIENT_PREFACE.len() + 3], FRAME_SETTINGS);
+                    // Every shorter prefix needs more, and no more than the whole.
+                    for shorter in [0, end / 2, end - 1] {
+                        match http2_opening(&received[..shorter]) {
+                            Http2Opening::NeedBytes(n) => prop_assert!(n > shorter && n <= end),
+                            other => prop_assert!(false, "{shorter}: {other:?}"),
+                        }
+                    }
+                }
+                Http2Opening::NeedBytes(n) => {
+                    prop_assert!(n > received.len() && n <= HTTP2_OPENING_MAX_BYTES);
+                }
+                Http2Opening::NotHttp2 => {}
+            }
+        }
+        let whole = http2_opening(&valid);
+        if settings.len() % 6 == 0 {
+            prop_assert_eq!(whole, Http2Opening::Whole(valid.len()));
+        } else {
+            prop_assert_eq!(whole, Http2Opening::NotHttp2);
+        }
     }
 }
 

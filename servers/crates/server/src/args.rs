@@ -39,6 +39,8 @@ pub struct Args {
     pub persist_ttl: Option<Duration>,
     /// How long a DoPut or DoGet may move nothing before it is ended.
     pub transfer_idle: Duration,
+    /// How long an HTTP/2 connection may carry no stream before it is closed.
+    pub connection_idle: Duration,
 }
 
 /// Where a server's key material comes from.
@@ -88,6 +90,12 @@ pub const TRANSFER_IDLE_DEFAULT: &str = "30s";
 pub const TRANSFER_IDLE_MIN: Duration = Duration::from_millis(100);
 /// Longest `--transfer-idle`.
 pub const TRANSFER_IDLE_MAX: Duration = Duration::from_secs(3600);
+/// `--connection-idle` when not given.
+pub const CONNECTION_IDLE_DEFAULT: &str = "120s";
+/// Shortest `--connection-idle`.
+pub const CONNECTION_IDLE_MIN: Duration = Duration::from_millis(100);
+/// Longest `--connection-idle`.
+pub const CONNECTION_IDLE_MAX: Duration = Duration::from_secs(3600);
 /// Longest `--persist-ttl`: 365 days.
 pub const PERSIST_TTL_MAX: Duration = Duration::from_secs(365 * 24 * 3600);
 /// Longest `--node-id`, in bytes.
@@ -175,6 +183,15 @@ struct Flags {
         value_parser = parse_transfer_idle
     )]
     transfer_idle: Duration,
+    /// An HTTP/2 connection that carries no stream (RPC) for this long is closed and gives
+    /// back its place; a DURATION of 100ms to 1h.
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = CONNECTION_IDLE_DEFAULT,
+        value_parser = parse_connection_idle
+    )]
+    connection_idle: Duration,
 }
 
 impl From<Flags> for Args {
@@ -206,6 +223,7 @@ impl From<Flags> for Args {
             threads: flags.threads.unwrap_or_else(default_threads),
             persist_ttl: flags.persist_ttl,
             transfer_idle: flags.transfer_idle,
+            connection_idle: flags.connection_idle,
         }
     }
 }
@@ -329,6 +347,17 @@ fn parse_transfer_idle(text: &str) -> Result<Duration, ArgsError> {
     let idle = parse_duration(text)?;
     if !(TRANSFER_IDLE_MIN..=TRANSFER_IDLE_MAX).contains(&idle) {
         return err(format!("transfer idle time {text:?} must be in 100ms..=1h"));
+    }
+    Ok(idle)
+}
+
+/// Parse a `--connection-idle` duration: 100 ms..=1 h.
+fn parse_connection_idle(text: &str) -> Result<Duration, ArgsError> {
+    let idle = parse_duration(text)?;
+    if !(CONNECTION_IDLE_MIN..=CONNECTION_IDLE_MAX).contains(&idle) {
+        return err(format!(
+            "connection idle time {text:?} must be in 100ms..=1h"
+        ));
     }
     Ok(idle)
 }
@@ -469,7 +498,7 @@ mod tests {
         let args = parse(argv(
             "--listen 127.0.0.1:0 --node-id n1 --tier nvme --capacity 268435456 --secret-file /s \
              --long-running --nvme-path /tmp/x --threads 2 --parent-pid 42 --persist-ttl 90s \
-             --transfer-idle 5s",
+             --transfer-idle 5s --connection-idle 2m",
         ))
         .unwrap();
         assert_eq!(args.tier, Tier::Nvme);
@@ -488,6 +517,7 @@ mod tests {
         assert_eq!(args.threads, 2);
         assert_eq!(args.persist_ttl, Some(Duration::from_secs(90)));
         assert_eq!(args.transfer_idle, Duration::from_secs(5));
+        assert_eq!(args.connection_idle, Duration::from_secs(120));
         assert_eq!(args.nvme_path, Some(PathBuf::from("/tmp/x")));
     }
 
@@ -665,6 +695,10 @@ mod tests {
                 "--tier dram --capacity 1MiB --secret-file /s --transfer-idle 2h",
                 "--transfer-idle",
             ),
+            (
+                "--tier dram --capacity 1MiB --secret-file /s --connection-idle 50ms",
+                "--connection-idle",
+            ),
             ("--tier dram --capacity", "--capacity"),
         ] {
             let error = parse(argv(bad)).expect_err(bad);
@@ -696,6 +730,8 @@ mod tests {
             "--threads <N>",
             "--persist-ttl <DURATION>",
             "--transfer-idle <DURATION>",
+            "--connection-idle <DURATION>",
+            "[default: 120s]",
             "[possible values: dram, nvme]",
             "[default: 127.0.0.1:0]",
             "[default: 30s]",

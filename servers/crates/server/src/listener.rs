@@ -1,5 +1,6 @@
-//! The loopback listener: accepts at most `CONNECTIONS_MAX` connections at once, each with
-//! TCP_NODELAY, and holds a slot for as long as a connection lives.
+//! The listener: accepts at most `CONNECTIONS_MAX` connections at once, each with TCP_NODELAY,
+//! and holds a slot for as long as a connection lives (the pools a connection takes places in
+//! after that are `pocketflow_flight::route`'s).
 
 use std::io;
 use std::pin::Pin;
@@ -27,6 +28,10 @@ pub struct Connection {
 impl Peekable for Connection {
     fn peek(&self, buf: &mut [u8]) -> impl std::future::Future<Output = io::Result<usize>> + Send {
         self.stream.peek(buf)
+    }
+
+    fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        self.stream.peer_addr().ok().map(|a| a.ip())
     }
 }
 

@@ -118,6 +118,7 @@ async fn serve(args: Args, keys: keys::Keys) -> Result<(), String> {
             transfer_idle: args.transfer_idle,
         },
     );
+    service.set_connection_idle(args.connection_idle);
     tokio::spawn(sweeper::run(store, service.clone()));
     let signals = lifecycle::StopSignals::install()
         .map_err(|e| format!("cannot install signal handlers: {e}"))?;

@@ -27,6 +27,12 @@ def test_a_job_that_needs_room_gets_a_server_on_an_added_node(multinode: dict[st
     assert multinode["job_uses_new_node"]
 
 
+def test_a_job_that_fits_does_not_wait_behind_a_launch(multinode: dict[str, Any]) -> None:
+    """A registration waiting for a node from the autoscaler does not hold the controller:
+    another that fits the servers there are registers meanwhile."""
+    assert multinode["fits_registered_while_launch_waits"]
+
+
 def test_a_node_is_drained_without_losing_live_data(multinode: dict[str, Any]) -> None:
     assert multinode["drain_waits_for_live_data"]
     assert multinode["data_readable_while_draining"]

@@ -49,7 +49,10 @@ class Allocator:
     """Turns demands into weight maps over the live servers.
 
     ``add_server(info, node)`` takes a launched server in (the controller's, which also starts
-    its heartbeats). Every method is called under the controller's lock.
+    its heartbeats). Every method is called under the controller's lock. A registration's or
+    the sizing loop's launch waits for its servers with that lock released (``unlocked``, the
+    controller's): a launch waits for a node from the autoscaler, seconds to minutes, and other
+    registrations, renewals and launches must not queue behind it.
     """
 
     def __init__(
@@ -72,6 +75,12 @@ class Allocator:
         self._add_server = add_server
         # StorageNode actors this controller launched (it stops them when it closes).
         self.launched: dict[str, Any] = {}
+        # Releases the controller's lock for a block (set by the controller; none: kept).
+        self.unlocked: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            contextlib.nullcontext
+        )
+        # Node ids of servers being launched (taken while their launch waits unlocked).
+        self._launching: set[str] = set()
 
     def deadline_s(self) -> float:
         """The monotonic instant by which servers launched from now must be up."""
@@ -144,15 +153,22 @@ class Allocator:
         }
 
     def pack_new(self, demand: JobDemand) -> Allocation:
-        """A fresh allocation of ``demand`` (launching servers if need be)."""
+        """A fresh allocation of ``demand`` (launching servers if need be, waiting for them with
+        the controller's lock released: the job is in no table yet)."""
         return self.pack_or_launch(
             lambda loads, d: pack(d, loads, self.spec()),
+            release_lock=True,
             demand=demand,
             deadline_s=self.deadline_s(),
         )
 
-    def pack_or_launch(self, solve: Solve, *, demand: JobDemand, deadline_s: float) -> Allocation:
+    def pack_or_launch(
+        self, solve: Solve, *, demand: JobDemand, deadline_s: float, release_lock: bool = False
+    ) -> Allocation:
         """Pack with ``solve(loads, demand)``; launch the shortfall and pack again until it fits.
+        With ``release_lock``, the launches wait with the controller's lock released (the caller
+        holds nothing that a concurrent call may change: a new job), and the job is packed again
+        on what the cluster holds once they are up.
 
         Without a launcher, a job whose throughput does not fit gets the free throughput of its
         first tier (spread over that tier's servers), failing that it is packed by capacity alone
@@ -185,7 +201,9 @@ class Allocator:
                 raise CapacityExhausted(
                     f"the job needs more servers ({result.shortfall}) and none can be launched"
                 )
-            self._launch_shortfall(result.shortfall, deadline_s=deadline_s)
+            self._launch_shortfall(
+                result.shortfall, deadline_s=deadline_s, release_lock=release_lock
+            )
         raise CapacityExhausted(
             f"the job still does not fit after {LAUNCH_ROUNDS_MAX} launch rounds "
             f"(short of {result.shortfall if result else {}})"
@@ -241,31 +259,39 @@ class Allocator:
             return record.job_demand()
         return demand_from_hints(record.hints, self.spec())
 
-    def _launch_shortfall(self, shortfall: dict[str, int], *, deadline_s: float) -> None:
+    def _launch_shortfall(
+        self, shortfall: dict[str, int], *, deadline_s: float, release_lock: bool = False
+    ) -> None:
         """Launch ``{tier: count}`` servers, all at once, and add those that came up; bounded by
-        ``servers_max`` (nothing is launched past it)."""
+        ``servers_max`` (nothing is launched past it, counting launches under way)."""
         assert self.launcher is not None
         limit = self.launcher.spec.servers_max
         tiers = [tier for tier, count in sorted(shortfall.items()) for _ in range(count)]
-        if len(self._membership) + len(tiers) > limit:
+        if len(self._membership) + len(self._launching) + len(tiers) > limit:
             raise CapacityExhausted(
                 f"the job needs {len(tiers)} more servers and the cluster is limited to {limit}"
+                + (f" ({len(self._launching)} being launched)" if self._launching else "")
             )
-        self.launch_servers(tiers, deadline_s=deadline_s)
+        self.launch_servers(tiers, deadline_s=deadline_s, release_lock=release_lock)
 
     def launch_server(
-        self, tier: str, *, long_running: bool = False, deadline_s: float | None = None
+        self, tier: str, *, long_running: bool = False, deadline_s: float | None = None,
+        release_lock: bool = False,
     ) -> StorageNodeInfo:
         """Start a new storage server of ``tier`` and add it."""
-        (info,) = self.launch_servers([tier], long_running=long_running, deadline_s=deadline_s)
+        (info,) = self.launch_servers(
+            [tier], long_running=long_running, deadline_s=deadline_s, release_lock=release_lock
+        )
         return info
 
     def launch_servers(
-        self, tiers: list[str], *, long_running: bool = False, deadline_s: float | None = None
+        self, tiers: list[str], *, long_running: bool = False, deadline_s: float | None = None,
+        release_lock: bool = False,
     ) -> list[StorageNodeInfo]:
         """Start one server of each of ``tiers`` at once and add each that comes up; raises the
         first launch's error after adding the others (they are of use, and the sizing loop
-        drains what stays idle)."""
+        drains what stays idle). With ``release_lock``, the wait for the servers runs with the
+        controller's lock released; their node ids stay taken meanwhile."""
         if self.launcher is None:
             raise ClusterError("this controller cannot launch storage servers")
         if deadline_s is None:
@@ -275,20 +301,27 @@ class Allocator:
             taken = {r.node_id for r in requests}
             requests.append(LaunchRequest(self._next_node_id(tier, taken=taken), tier,
                                           long_running))
+        ids = {r.node_id for r in requests}
         added: list[StorageNodeInfo] = []
         first_error: PocketflowError | None = None
-        # Each counts as starting (its slot asked of the autoscaler) until it is taken in.
-        with contextlib.ExitStack() as starting:
-            for request in requests:
-                starting.enter_context(self.launcher.starting(request.tier))
-            for outcome in self.launcher.launch_many(requests, deadline_s=deadline_s):
-                if isinstance(outcome, PocketflowError):
-                    first_error = first_error or outcome
-                    continue
-                info, node = outcome
-                self.launched[info.node_id] = node
-                self._add_server(info, node)
-                added.append(info)
+        self._launching |= ids
+        try:
+            # Each counts as starting (its slot asked of the autoscaler) until it is taken in.
+            with contextlib.ExitStack() as starting:
+                for request in requests:
+                    starting.enter_context(self.launcher.starting(request.tier))
+                with self.unlocked() if release_lock else contextlib.nullcontext():
+                    outcomes = self.launcher.launch_many(requests, deadline_s=deadline_s)
+                for outcome in outcomes:
+                    if isinstance(outcome, PocketflowError):
+                        first_error = first_error or outcome
+                        continue
+                    info, node = outcome
+                    self.launched[info.node_id] = node
+                    self._add_server(info, node)
+                    added.append(info)
+        finally:
+            self._launching -= ids
         if first_error is not None:
             raise first_error
         return added
@@ -296,7 +329,7 @@ class Allocator:
     def _next_node_id(self, tier: str, *, taken: set[str] | None = None) -> str:
         taken = (taken or set()) | self._membership.ids() | self._membership.dead_ids() | set(
             self.launched
-        )
+        ) | self._launching
         index = 0
         while f"{tier}-{index}" in taken:
             index += 1

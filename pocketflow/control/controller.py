@@ -3,11 +3,13 @@ and the monitor loop (registration, leases, prefix grants, failure detection, si
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from pocketflow.auth import SECRET_MIN_BYTES
@@ -179,6 +181,7 @@ class Controller:
             register_timeout_s=register_timeout_s,
             add_server=self.add_server,
         )
+        self._allocator.unlocked = self._unlocked
         self._epochs = Epochs(
             self._jobs, self._allocator, grants, self._membership,
             admin=self._admin, call_metadata=self._metadata,
@@ -672,11 +675,24 @@ class Controller:
     def launch_server(
         self, tier: str, *, long_running: bool = False, deadline_s: float | None = None
     ) -> StorageNodeInfo:
-        """Start a new storage server of ``tier`` and make it available for new jobs."""
+        """Start a new storage server of ``tier`` and make it available for new jobs (the wait
+        for it does not hold the lock)."""
         with self._lock:
             return self._allocator.launch_server(
-                tier, long_running=long_running, deadline_s=deadline_s
+                tier, long_running=long_running, deadline_s=deadline_s, release_lock=True
             )
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        """Release ``_lock`` entirely, however deep this thread holds it, for a wait that must
+        not hold up other calls (a launch waiting for a node), then take it back as it was.
+        ``RLock._release_save``/``_acquire_restore`` are what ``threading.Condition.wait`` uses
+        to do the same."""
+        saved = self._lock._release_save()  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            self._lock._acquire_restore(saved)  # type: ignore[attr-defined]
 
     def repair_jobs(self) -> list[str]:
         """Place the share that jobs' maps lack since a server of theirs died where no other

@@ -128,6 +128,11 @@ class Launcher:
         with self._lock:
             return dict(self._requested or {})
 
+    def starting_counts(self) -> dict[str, int]:
+        """Servers being launched now, per tier."""
+        with self._lock:
+            return dict(self._starting)
+
     @contextmanager
     def starting(self, tier: str) -> Iterator[None]:
         """Count a launch of ``tier`` as starting while the block runs (the caller launches the

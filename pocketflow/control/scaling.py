@@ -82,11 +82,15 @@ class Scaler:
         Vertical scaling (up and down) is the servers' ``set_cores`` action; a new server is
         launched only when the cluster may launch servers.
         """
+        launcher = self._allocator.launcher
         action = decide(
             self.utilizations(),
             self.bounds,
             now_s=time.monotonic(),
             last_action_s=self._last_action_s,
+            # A registration's launch waits without the controller's lock: while it does,
+            # nothing is removed and its tier gets no second server.
+            pending=launcher.starting_counts() if launcher is not None else {},
         )
         done: dict[str, Any] = {"action": type(action).__name__, "reason": action.reason}
         if isinstance(action, (AddThreads, RemoveThreads)):
@@ -104,7 +108,6 @@ class Scaler:
                 self._refresh_stats(info)
             self._last_action_s = time.monotonic()
         elif isinstance(action, AddServer):
-            launcher = self._allocator.launcher
             if launcher is None or not launcher.can_launch(action.tier):
                 done["skipped"] = True
             else:

@@ -19,6 +19,9 @@ from pocketflow.control.launcher import tier_resource
 
 MIB = 1024 * 1024
 SLOT = tier_resource("dram")
+FITS_WAIT_S = 20.0
+"""Bound on a registration that fits while another waits for a node (it takes well under a
+second; before, it waited for the other's node)."""
 
 
 def main() -> None:
@@ -50,8 +53,15 @@ def main() -> None:
                 timeout_s=30,
             )
             out["resource_requests"] = cluster.status()["resource_requests"]
+            # While "big" waits for a node, a job that fits registers: the launch waits with
+            # the controller's lock released (else it waits until "big" has its node).
+            small = controller.register_job.remote("small", {"data_size_bytes": 1 * MIB})
+            ready, _ = ray.wait([small], timeout=FITS_WAIT_S)
+            big_ready, _ = ray.wait([pending], timeout=0)
+            out["fits_registered_while_launch_waits"] = bool(ready) and not big_ready
             node = ray_nodes.add_node(ray_cluster, {SLOT: 1})
             handle = ray.get(pending, timeout=120)
+            cluster.control.deregister(ray.get(small, timeout=120).job_id)
             status = cluster.status()
             on_new = [s["node_id"] for s in status["servers"] if s["ray_node_id"] == node.node_id]
             out["servers_on_new_node"] = on_new

@@ -31,6 +31,7 @@ def test_a_job_that_fits_does_not_wait_behind_a_launch(multinode: dict[str, Any]
     """A registration waiting for a node from the autoscaler does not hold the controller:
     another that fits the servers there are registers meanwhile."""
     assert multinode["fits_registered_while_launch_waits"]
+    assert multinode["retry_answered_with_the_same_job"], "one job per registration request"
 
 
 def test_a_node_is_drained_without_losing_live_data(multinode: dict[str, Any]) -> None:

@@ -146,6 +146,10 @@ class Controller:
         self._lock = threading.RLock()
         # Wakes the prefix declarations waiting for DRAM (under ``_lock``).
         self._grants_changed = threading.Condition(self._lock)
+        # Request ids of registrations under way, and what wakes their retries (under
+        # ``_lock``): a registration's launch waits without the lock.
+        self._registering: set[str] = set()
+        self._registered = threading.Condition(self._lock)
         self._stopping = threading.Event()
         self._nodes = RayNodes() if nodes is None else nodes
         if len(secret) < SECRET_MIN_BYTES:
@@ -401,38 +405,69 @@ class Controller:
             check_lease_ms(lease_ms)
         with self._lock:
             if request_id is not None:
+                # A retry of a registration still under way (its launch waits for a node
+                # without the lock) waits for it, then answers with its job.
+                self._registered.wait_for(
+                    lambda: request_id not in self._registering,
+                    timeout=self._allocator.register_timeout_s,
+                )
                 found = self._jobs.by_request(request_id)
                 if found is not None:
                     log.info("registration %s was answered already: job %s", request_id,
                              found.handle.job_id)
                     return found.handle
-            job_id = self._jobs.new_job_id(name)
-            demand = demand_from_hints(hints, self._allocator.spec())
-            servers = self._allocator.server_infos(self._allocator.pack_new(demand))
-            handle = self._jobs.new_handle(job_id, name, servers)
-            record = JobRecord(
-                handle=handle,
-                hints=dict(hints),
-                registered_at_unix_s=time.time(),
-                demand=demand.to_dict(),
-                request_id=request_id,
-            )
-            # Logged first, with its lease: a crash from here on leaves a job that a restarted
-            # instance takes back, with a lease that ends it unless its driver renews it.
-            logged = record.to_metadata()
-            if lease_ms is not None:
-                logged["lease_ms"] = lease_ms
-            self._metadata("put_job", logged)
-            try:
-                self._epochs.announce(handle)
-            except PocketflowError:
-                self._metadata("remove_job", job_id, True)
-                raise
-            self._jobs.put(record)
-            if lease_ms is not None:
-                self._leases.start(job_id, lease_ms=lease_ms, now_s=time.monotonic())
-            log.info("registered job %s on %s", job_id, ", ".join(s.node_id for s in servers))
+                if request_id in self._registering:
+                    raise ClusterError(f"registration {request_id} is still under way")
+            with self._registering_request(request_id):
+                handle = self._register_locked(name, hints, request_id, lease_ms)
         self._metrics.count("registrations")
+        return handle
+
+    @contextlib.contextmanager
+    def _registering_request(self, request_id: str | None) -> Iterator[None]:
+        """Mark ``request_id`` as being registered for the block (under ``_lock``), and wake
+        its retries when it is done, registered or not. At most one entry per call in flight
+        (the actor's ``max_concurrency``)."""
+        if request_id is None:
+            yield
+            return
+        self._registering.add(request_id)
+        try:
+            yield
+        finally:
+            self._registering.discard(request_id)
+            self._registered.notify_all()
+
+    def _register_locked(
+        self, name: str, hints: dict[str, Any], request_id: str | None, lease_ms: int | None
+    ) -> JobHandle:
+        """:meth:`register_job` once its request is known to be new; called under ``_lock``."""
+        job_id = self._jobs.new_job_id(name)
+        demand = demand_from_hints(hints, self._allocator.spec())
+        servers = self._allocator.server_infos(self._allocator.pack_new(demand))
+        handle = self._jobs.new_handle(job_id, name, servers)
+        record = JobRecord(
+            handle=handle,
+            hints=dict(hints),
+            registered_at_unix_s=time.time(),
+            demand=demand.to_dict(),
+            request_id=request_id,
+        )
+        # Logged first, with its lease: a crash from here on leaves a job that a restarted
+        # instance takes back, with a lease that ends it unless its driver renews it.
+        logged = record.to_metadata()
+        if lease_ms is not None:
+            logged["lease_ms"] = lease_ms
+        self._metadata("put_job", logged)
+        try:
+            self._epochs.announce(handle)
+        except PocketflowError:
+            self._metadata("remove_job", job_id, True)
+            raise
+        self._jobs.put(record)
+        if lease_ms is not None:
+            self._leases.start(job_id, lease_ms=lease_ms, now_s=time.monotonic())
+        log.info("registered job %s on %s", job_id, ", ".join(s.node_id for s in servers))
         return handle
 
     def grow_job(self, job_id: str, hints: dict[str, Any]) -> JobHandle:

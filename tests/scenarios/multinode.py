@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import uuid
 
 import ray
 import ray_nodes
@@ -44,7 +45,10 @@ def main() -> None:
 
             # 20 MiB does not fit on two 8 MiB servers, and no node has a free slot yet.
             controller = ray.get_actor(CONTROLLER_ACTOR_NAME, namespace=NAMESPACE)
-            pending = controller.register_job.remote("big", {"data_size_bytes": 20 * MIB})
+            request_id = uuid.uuid4().hex
+            pending = controller.register_job.remote(
+                "big", {"data_size_bytes": 20 * MIB}, request_id
+            )
             # Asked, and the request went through (an "request failed: ..." outcome is no ask).
             out["autoscaler_asked"] = wait(
                 lambda: any(
@@ -59,8 +63,16 @@ def main() -> None:
             ready, _ = ray.wait([small], timeout=FITS_WAIT_S)
             big_ready, _ = ray.wait([pending], timeout=0)
             out["fits_registered_while_launch_waits"] = bool(ready) and not big_ready
+            # The driver's retry of "big" (its call timed out) while it still waits: answered
+            # with the same job once it is registered, not registered a second time.
+            retry = controller.register_job.remote(
+                "big", {"data_size_bytes": 20 * MIB}, request_id
+            )
             node = ray_nodes.add_node(ray_cluster, {SLOT: 1})
             handle = ray.get(pending, timeout=120)
+            out["retry_answered_with_the_same_job"] = (
+                ray.get(retry, timeout=120).job_id == handle.job_id
+            )
             cluster.control.deregister(ray.get(small, timeout=120).job_id)
             status = cluster.status()
             on_new = [s["node_id"] for s in status["servers"] if s["ray_node_id"] == node.node_id]

@@ -41,8 +41,8 @@ use pocketflow_protocol::opening::{
 use pocketflow_protocol::ticket::{GetTicket, ReadTicket};
 use pocketflow_protocol::token::TokenKey;
 use pocketflow_protocol::{
-    Context, ErrorKind, ObjectHeader, ProtocolError, TokenError, HEADER_FLAG_PERSIST,
-    HEADER_LEN_BYTES,
+    Context, ErrorKind, ObjectHeader, ProtocolError, TokenError, HEADER_FLAG_FENCE,
+    HEADER_FLAG_PERSIST, HEADER_LEN_BYTES,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -580,7 +580,14 @@ fn assert_put_descriptor(descriptor: &PutDescriptor) {
 /// A header that passes `validate` has consistent geometry, and its blocks add up to its size.
 fn assert_valid_header(header: &ObjectHeader) {
     assert_ne!(header.version, 0);
-    assert_eq!(header.flags & !HEADER_FLAG_PERSIST, 0);
+    assert_eq!(header.flags & !(HEADER_FLAG_PERSIST | HEADER_FLAG_FENCE), 0);
+    if header.fence() {
+        // A fence holds no bytes and lives with ephemeral records.
+        assert!(
+            header.size == 0 && header.block_count == 0 && !header.persist(),
+            "{header:?}"
+        );
+    }
     if header.is_small() {
         assert!(header.size <= SMALL_OBJECT_MAX_BYTES && header.block_size == 0);
         assert_eq!(header.data_block_len(1), None);
@@ -632,7 +639,13 @@ fn header() -> BoxedStrategy<ObjectHeader> {
         block_size,
         -1i64..=1,
         any::<u32>(),
-        select(vec![0u32, HEADER_FLAG_PERSIST, 2, u32::MAX]),
+        select(vec![
+            0u32,
+            HEADER_FLAG_PERSIST,
+            HEADER_FLAG_FENCE,
+            4,
+            u32::MAX,
+        ]),
     )
         .prop_map(|(version, size, block_size, skew, count, flags)| {
             // Mostly the block count that fits the size, off by one or arbitrary otherwise.

@@ -159,9 +159,11 @@ def test_a_pool_refused_by_the_server_shares_the_sessions_it_has(server_factory)
 def test_a_client_whose_own_calls_hold_every_session_is_busy_not_the_server(
     server_factory,  # noqa: ANN001
 ) -> None:
-    """One session per server, held by a long pipelined batch on one thread: a put on another
-    thread waits for it, then fails as ClientBusy (the client is overloaded), never as
-    DataUnavailable, which would say the server is gone (issue 28, item 7)."""
+    """One session per server, held by a dequeue parked on an empty queue on one thread: a
+    lookup on another thread waits for the session, then fails as ClientBusy (the client is
+    overloaded), never as DataUnavailable, which would say the server is gone (issue 28, item 7).
+    A parked dequeue holds its session for as long as it parks whatever the machine's speed (a
+    long batch of small ops did not: on a quiet machine it let the lookup in between its ops)."""
     from pocketflow.errors import ClientBusy, DataUnavailable
 
     servers, _ = server_factory("busy-0", capacity_bytes=64 * 1024 * 1024)
@@ -170,25 +172,30 @@ def test_a_client_whose_own_calls_hold_every_session_is_busy_not_the_server(
                    connect_timeout_s="0.3s")
     with connect(handle, sessions_per_server=1, exchange_window=1, **options) as pf:
         pf.create_bucket("b")
+        pf.put("b", "hold-0", b"x")
         holding = threading.Event()
         done = threading.Event()
+        held: list[str] = []
 
         def hold() -> None:
-            # One op in flight at a time over the only session: 20,000 round trips, far longer
-            # than the 0.3 s another call waits for the session.
-            items = [(f"hold-{i}", b"x") for i in range(20_000)]
+            # The only session parks on the server for HELD_WAIT_S at a time, far longer than
+            # the 0.3 s another call waits for it.
+            queue = pf.queue("b", "held")
             holding.set()
             while not done.is_set():
                 try:
-                    pf.put_many("b", items, overwrite=True)
-                except PocketflowError:
-                    pass  # a slow reply on a loaded machine; hold on
+                    queue.dequeue(timeout_s=HELD_WAIT_S)
+                except PocketflowError as exc:  # a holder waiting for the other may be busy
+                    held.append(f"{type(exc).__name__}: {exc}")
 
-        holder = threading.Thread(target=hold)
-        holder.start()
+        # Two holders, so that while one is between two dequeues the other is parked or waiting.
+        holders = [threading.Thread(target=hold) for _ in range(2)]
+        for holder in holders:
+            holder.start()
         try:
             holding.wait(10)
             raised: list[BaseException] = []
+            others: list[str] = []
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -199,9 +206,13 @@ def test_a_client_whose_own_calls_hold_every_session_is_busy_not_the_server(
                     break
                 except DataUnavailable as exc:
                     pytest.fail(f"a busy client reported its server unavailable: {exc}")
-                except PocketflowError:
-                    pass
-            assert raised, "the holder never kept the session past a whole wait"
+                except PocketflowError as exc:
+                    others.append(f"{type(exc).__name__}: {exc}")
+                else:
+                    others.append("answered")
+            assert raised, ("the holders never kept the session past a whole wait",
+                            others[-5:], held[-3:])
         finally:
             done.set()
-            holder.join(timeout=120)
+            for holder in holders:
+                holder.join(timeout=120)

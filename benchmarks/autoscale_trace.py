@@ -422,7 +422,9 @@ def simulate_trace(trace: Sequence[TraceJob], startup_delay_s: dict[str, int],
         duration_s=duration_s,
         sizing_interval_s=1,
     )
-    jobs = [SimJob(j.name, j.hints, arrive_s=int(round(j.arrive_s)), run_s=int(round(j.run_s)))
+    # Each job writes WRITE_FRACTION of its data size, paced over the first 80% of its run.
+    jobs = [SimJob(j.name, j.hints, arrive_s=int(round(j.arrive_s)), run_s=int(round(j.run_s)),
+                   written_fraction=WRITE_FRACTION, write_s=int(round(j.run_s * 0.8)))
             for j in trace]
     return simulate(jobs, config)
 

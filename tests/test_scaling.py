@@ -164,3 +164,56 @@ def test_idle_launched_servers_are_drained_together_in_one_sizing_action(
         assert not wait_gone([i.server_process() for i in infos[2:]], timeout_s=10.0)
     finally:
         controller.close()
+
+
+def test_a_reservation_that_is_met_but_not_written_launches_no_server(
+    server_factory: Any, cluster_secret_file: Any
+) -> None:
+    """A job whose registration got the room it reserves (87.5% of DRAM here) and that has
+    written little does not make the sizing loop add a server: the loop grows a tier on the
+    data its servers hold. On reservations alone it launched two DRAM nodes in the trace that
+    no job's key ever reached."""
+    from pocketflow.client import connect
+    from pocketflow.control.controller import Controller
+    from pocketflow.control.metadata import Metadata
+    from pocketflow.control.sizing import SizingBounds
+    from pocketflow.control.storage_node import StorageNodeInfo
+    from pocketflow.processes import ProcessRef
+
+    mib = 1024 * 1024
+    secret, _ = cluster_secret_file
+    controller = Controller(
+        secret=secret,
+        metadata=Metadata(),
+        block_size_bytes=1024 * 1024,
+        failure_detection=False,
+        sizing=SizingBounds(cooldown_s=0.0, vertical_cooldown_s=0.0),
+    )
+    try:
+        infos = []
+        for name in ("held-0", "held-1"):
+            servers, info = server_factory(name, capacity_bytes=8 * mib, long_running=True)
+            ref = ProcessRef.of(servers.process(name).pid)
+            assert ref is not None
+            infos.append(StorageNodeInfo(
+                node_id=name, tier="dram", address=info.address,
+                capacity_bytes=8 * mib, long_running=True,
+                server_pid=ref.pid, server_start_time=ref.start_time, actor_pid=os.getpid(),
+            ))
+        for info in infos:
+            controller.add_server(info)
+        handle = controller.register_job("reserved", {"data_size_bytes": 14 * mib})
+        assert {s.node_id for s in handle.servers if s.weight > 0} == {"held-0", "held-1"}
+        with connect(handle, op_timeout_s="10s") as pf:
+            pf.create_bucket("b")
+            pf.put("b", "k", b"x" * mib)
+        for info in infos:
+            with servers.admin(info.address) as admin:
+                controller.heartbeat(info.node_id, admin.stats())
+        actions = [controller.size_cluster() for _ in range(3)]
+        assert all(a["action"] != "AddServer" for a in actions), actions
+        # The reservation is held: neither server looks idle to the loop.
+        held = {u.node_id: u.held_bytes for u in controller._scaler.utilizations()}
+        assert sum(held.values()) >= 14 * mib - 1024, held
+    finally:
+        controller.close()

@@ -153,3 +153,37 @@ def test_the_sizing_policy_runs_every_sizing_interval() -> None:
     assert sized and all(t % 5 == 0 for t in sized), sized
     with pytest.raises(ValueError):
         SimConfig(sizing_interval_s=0)
+
+
+def test_a_reservation_met_at_registration_and_half_written_launches_no_more_nodes() -> None:
+    """The trace's jobs write half their data size: a job reserving 87.5% of DRAM gets the
+    servers it needs at registration and the sizing loop launches none for the unwritten
+    half (it launched two in the real trace); a job that writes all of it grows the tier."""
+    from pocketflow.control.tiers import local_spec
+
+    mib = 1024 * 1024
+    config = SimConfig(
+        spec=local_spec(dram_capacity_bytes=16 * mib),
+        bounds=SizingBounds(cooldown_s=2.0, vertical_cooldown_s=1.0),
+        startup_delay_s={"dram": 3},
+        duration_s=40,
+    )
+    hints = {"latency_sensitive": True, "data_size_bytes": 28 * mib,
+             "peak_throughput_bytes_per_s": 1_000_000}
+
+    def added(written_fraction: float) -> list[str]:
+        trace = [SimJob("half", hints, arrive_s=1, run_s=30,
+                        written_fraction=written_fraction, write_s=10)]
+        result = simulate(trace, config)
+        assert result.jobs[0].start_s == 1, "the job fits the two long-running servers"
+        return [s.action for s in result.samples if s.action.startswith("add")]
+
+    assert added(0.5) == []
+    assert added(1.0), "a tier filled by data grows"
+
+
+def test_written_fraction_is_validated() -> None:
+    with pytest.raises(ValueError):
+        SimJob("bad", {}, arrive_s=0, run_s=1, written_fraction=1.5)
+    with pytest.raises(ValueError):
+        SimJob("bad", {}, arrive_s=0, run_s=1, write_s=-1)

@@ -328,3 +328,33 @@ def test_servers_holding_data_go_together_when_demand_drops_but_not_below_what_j
     assert held <= BOUNDS.upper * sum(s.capacity_bytes for s in rest)
     # Holding data, they wait for the full cool-down.
     assert isinstance(decide(servers, BOUNDS, now_s=100.0, last_action_s=97.0), NoAction)
+
+
+def test_a_met_reservation_that_no_one_writes_grows_no_tier() -> None:
+    """A registration launches what its reservation needs; the sizing loop grows a tier on the
+    data its servers hold. A job reserving 90% of DRAM and writing 10% of it launches nothing
+    (it launched two DRAM servers that no key ever reached in the trace); the same job with 90%
+    written does grow the tier."""
+    reserved = int(0.9 * 10 * GIB)
+    unwritten = [server(s.node_id, long_running=s.long_running, used=0.1,
+                        reserved_bytes=reserved) for s in base()]
+    action = decide(unwritten, BOUNDS, now_s=100.0)
+    assert not isinstance(action, AddServer), action
+    # What the servers hold for sizing down is their reservation: none of them looks idle.
+    assert cluster_utilization(unwritten).capacity_by_tier == {"dram": pytest.approx(0.9)}
+    written = [server(s.node_id, long_running=s.long_running, used=0.9,
+                      reserved_bytes=reserved) for s in base()]
+    action = decide(written, BOUNDS, now_s=100.0)
+    assert isinstance(action, AddServer) and action.tier == "dram", action
+    assert "data" in action.reason
+
+
+def test_a_server_holding_only_a_reservation_is_not_empty() -> None:
+    """A launched server whose job has not written yet holds its reservation: it is not drained
+    at once as an empty server, and the others cannot take its reservation over the bound."""
+    servers = base(cpu=0.1, net=0.1, used=0.5)[:2] + [
+        server("dram-2", cpu=0.0, net=0.0, used=0.0, reserved_bytes=int(0.9 * 10 * GIB)),
+    ]
+    action = decide(servers, BOUNDS, now_s=100.0, last_action_s=97.0)
+    assert not isinstance(action, RemoveServers), action
+    assert not isinstance(decide(servers, BOUNDS, now_s=100.0), RemoveServers)

@@ -165,9 +165,6 @@ class Scaler:
         # tier's nominal one), its measured use and what registered jobs reserve on it.
         for load in self._allocator.server_loads():
             stats = self._membership.latest_stats(load.node_id) or {}
-            # A job's reservation counts as used: a server launched for a job that has not
-            # written yet must not look idle.
-            used = max(int(stats.get("used_bytes", 0)), load.allocated_capacity_bytes)
             cores = max(int(stats.get("cores", 1)), 1)
             rows.append(
                 ServerUtilization(
@@ -178,7 +175,10 @@ class Scaler:
                         stats.get("bytes_in_per_s", 0) + stats.get("bytes_out_per_s", 0)
                     ),
                     net_capacity_bytes_per_s=float(load.throughput_bytes_per_s),
-                    used_bytes=used,
+                    used_bytes=int(stats.get("used_bytes", 0)),
+                    # A server launched for a job that has not written yet must not look idle;
+                    # but a reservation alone grows no tier (sizing.py, rule 5).
+                    reserved_bytes=load.allocated_capacity_bytes,
                     capacity_bytes=load.capacity_bytes,
                     threads=cores,
                     threads_max=max(int(stats.get("cores_max", cores)), cores),

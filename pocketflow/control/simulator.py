@@ -17,8 +17,10 @@ The model: each step is one second. A storage node offers its tier's throughput 
 once its start-up delay has passed. A job asking to register is packed onto the ready, active
 nodes (:func:`pocketflow.control.packing.pack`); when it does not fit, the shortfall is launched
 and the job waits until those nodes are up (registration blocks), then it is packed again. A
-running job drives its peak throughput, spread by its weights, and its reservation (weight x
-capacity demand) counts as used from its registration on, as the controller counts it. Every
+running job drives its peak throughput, spread by its weights; its reservation (weight x
+capacity demand) is held from its registration on, and its data (``written_fraction`` of the
+reservation, written evenly over ``write_s``) fills it, as the controller counts them (a tier
+grows on data, and shrinks no lower than what jobs hold). Every
 ``sizing_interval_s`` steps the sizing policy (:func:`pocketflow.control.sizing.decide`) sees each
 node's utilization (CPU modelled as network use over the throughput its threads can drive, each
 of ``threads_max`` threads driving an equal part) and may add threads to a node, add a node, or
@@ -59,12 +61,29 @@ NODES_MAX = 1_000
 
 @dataclass(frozen=True)
 class SimJob:
-    """A job of the trace: it asks to register at ``arrive_s`` and runs for ``run_s``."""
+    """A job of the trace: it asks to register at ``arrive_s`` and runs for ``run_s``; it
+    writes ``written_fraction`` of its capacity demand, evenly over the first ``write_s`` of
+    its run (0: all at its registration)."""
 
     name: str
     hints: Mapping[str, Any]
     arrive_s: int
     run_s: int
+    written_fraction: float = 1.0
+    write_s: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.written_fraction <= 1.0 or self.write_s < 0:
+            raise ValueError(
+                f"need 0 <= written_fraction <= 1 and write_s >= 0, got "
+                f"{self.written_fraction}, {self.write_s}"
+            )
+
+    def written_share(self, running_s: int) -> float:
+        """The share of its capacity demand the job has written ``running_s`` into its run."""
+        if self.write_s <= 0:
+            return self.written_fraction
+        return self.written_fraction * min(max(running_s, 0) / self.write_s, 1.0)
 
 
 @dataclass(frozen=True)
@@ -266,14 +285,17 @@ class _Cluster:
         spec = self.config.spec
         net: dict[str, float] = {}
         used: dict[str, float] = {}
+        reserved: dict[str, float] = {}
         for job in self._running(t):
             assert job.allocation is not None and job.start_s is not None
             throughput, capacity = job.demand.throughput_bytes_per_s, job.demand.capacity_bytes
+            written = job.spec.written_share(t - job.start_s)
             for p in job.allocation.placements:
                 net[p.node_id] = net.get(p.node_id, 0.0) + p.weight * throughput
-                # A job's reservation counts as used from its registration on, as the
-                # controller's sizing loop counts it (a fresh job must not look idle).
-                used[p.node_id] = used.get(p.node_id, 0.0) + p.weight * capacity
+                # Its reservation is held from its registration on (a fresh job must not look
+                # idle); its data fills it as it writes.
+                reserved[p.node_id] = reserved.get(p.node_id, 0.0) + p.weight * capacity
+                used[p.node_id] = used.get(p.node_id, 0.0) + p.weight * capacity * written
         samples = []
         for node in self.nodes:
             if not node.up(t):
@@ -290,6 +312,7 @@ class _Cluster:
                     net_bytes_per_s=traffic,
                     net_capacity_bytes_per_s=tier.throughput_bytes_per_s,
                     used_bytes=int(used.get(node.node_id, 0.0)),
+                    reserved_bytes=int(reserved.get(node.node_id, 0.0)),
                     capacity_bytes=tier.capacity_bytes,
                     threads=node.threads,
                     threads_max=self.config.threads_max,

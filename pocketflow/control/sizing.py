@@ -25,18 +25,24 @@ The rules, checked in this order:
    Threads are cheap and local, so their cool-down is short.
 3. Scale-down, when no dimension is above the upper bound and no server is starting (removal
    goes first so that capacity follows demand down as fast as it follows it up): remove
-   servers that are not long-running, fewest used bytes first, several at once, as long as no
+   servers that are not long-running, fewest held bytes first, several at once, as long as no
    dimension would then rise above the upper bound (hysteresis: the removed servers' CPU,
-   network and bytes count against the servers that stay, so what registered jobs hold always
-   fits in what is left). An *empty* server (no bytes and no reservation: the caller counts a
-   job's reservation as used) goes at once, after the short vertical cool-down only, whatever
-   the other dimensions; a server holding data goes only when every dimension is below the
-   lower bound and the full cool-down has passed (its drain waits for the data to be freed).
+   network and held bytes count against the servers that stay, so what registered jobs hold
+   always fits in what is left). An *empty* server (no data and no reservation) goes at once,
+   after the short vertical cool-down only, whatever the other dimensions; a server holding
+   data goes only when every dimension is below the lower bound and the full cool-down has
+   passed (its drain waits for the data to be freed).
 4. Cool-down: within ``bounds.cooldown_s`` of the last action, do nothing more, so that the
    effect of an action shows in the samples before the next one (no flapping).
-5. A dimension above the upper bound (a tier's capacity, the mean CPU, the aggregate network):
+5. A dimension above the upper bound (a tier's data, the mean CPU, the aggregate network):
    add a server of that tier (for CPU or network: the tier of the busiest server), unless a
-   server of that tier is already starting or ``bounds.servers_max`` is reached.
+   server of that tier is already starting (counting the servers a registration is launching)
+   or ``bounds.servers_max`` is reached. A tier grows on the data its servers hold
+   (``used_bytes``, measured), not on what jobs reserve (``reserved_bytes``): a registration
+   launches the servers its reservation needs, so a reservation that is met but not yet written
+   must not launch another server, which no job's key would reach. Everywhere else (rule 3) a
+   server counts what it holds, its data or its reservation whichever is larger, so capacity
+   never drops below what registered jobs hold.
 6. Otherwise (and no server is starting), a server whose CPU is below the lower bound and that
    runs more than ``bounds.threads_min`` threads releases threads: as many as keep its CPU at or
    below the middle of the band (so rule 2 never adds them back), at least ``threads_min``. This
@@ -71,12 +77,21 @@ class ServerUtilization:
     net_bytes_per_s: float
     net_capacity_bytes_per_s: float
     used_bytes: int
+    """The bytes the server holds (measured)."""
     capacity_bytes: int
     threads: int = 1
     threads_max: int = 1
     long_running: bool = False
     draining: bool = False
     dead: bool = False
+    reserved_bytes: int = 0
+    """What registered jobs reserve on the server (their share of their capacity demand)."""
+
+    @property
+    def held_bytes(self) -> int:
+        """What the server holds for sizing down: its data or its reservation, the larger (a
+        server launched for a job that has not written yet must not look idle)."""
+        return max(self.used_bytes, self.reserved_bytes)
 
     @property
     def active(self) -> bool:
@@ -160,11 +175,16 @@ SizingAction = AddThreads | AddServer | RemoveServers | RemoveThreads | NoAction
 
 @dataclass(frozen=True)
 class ClusterUtilization:
-    """Aggregate utilization of the active servers (each value 0..1; 0 with no servers)."""
+    """Aggregate utilization of the active servers (each value 0..1; 0 with no servers).
+
+    ``capacity_by_tier`` is what each tier holds (:attr:`ServerUtilization.held_bytes`) over
+    its capacity; ``data_by_tier`` the data alone, which is what grows a tier (rule 5).
+    """
 
     cpu: float
     net: float
     capacity_by_tier: dict[str, float] = field(default_factory=dict)
+    data_by_tier: dict[str, float] = field(default_factory=dict)
 
     def highest(self) -> float:
         """The highest utilization of any dimension."""
@@ -180,11 +200,14 @@ def cluster_utilization(servers: Sequence[ServerUtilization]) -> ClusterUtilizat
     net_capacity = sum(s.net_capacity_bytes_per_s for s in active)
     net = sum(s.net_bytes_per_s for s in active) / net_capacity if net_capacity > 0 else 0.0
     capacity: dict[str, float] = {}
+    data: dict[str, float] = {}
     for tier in sorted({s.tier for s in active}):
         total = sum(s.capacity_bytes for s in active if s.tier == tier)
+        held = sum(s.held_bytes for s in active if s.tier == tier)
         used = sum(s.used_bytes for s in active if s.tier == tier)
-        capacity[tier] = used / total if total > 0 else 0.0
-    return ClusterUtilization(cpu=cpu, net=net, capacity_by_tier=capacity)
+        capacity[tier] = held / total if total > 0 else 0.0
+        data[tier] = used / total if total > 0 else 0.0
+    return ClusterUtilization(cpu=cpu, net=net, capacity_by_tier=capacity, data_by_tier=data)
 
 
 def decide(
@@ -271,8 +294,8 @@ def _removals(
     """
     candidates = sorted(
         (s for s in active
-         if not s.long_running and (s.used_bytes == 0 or holding_data)),
-        key=lambda s: (s.used_bytes, s.node_id),
+         if not s.long_running and (s.held_bytes == 0 or holding_data)),
+        key=lambda s: (s.held_bytes, s.node_id),
     )
     taken: list[ServerUtilization] = []
     for candidate in candidates:
@@ -282,7 +305,7 @@ def _removals(
             taken.append(candidate)
     if not taken:
         return None
-    empty = all(s.used_bytes == 0 for s in taken)
+    empty = all(s.held_bytes == 0 for s in taken)
     reason = (
         f"{len(taken)} empty server(s) not needed (highest {usage.highest():.0%})"
         if empty
@@ -315,9 +338,10 @@ def _hot_tier(
     active: list[ServerUtilization], usage: ClusterUtilization, bounds: SizingBounds
 ) -> tuple[str, str] | None:
     """The tier to grow and why, if any dimension is above the upper bound."""
-    for tier, used in sorted(usage.capacity_by_tier.items(), key=lambda kv: (-kv[1], kv[0])):
+    # The data, not the reservations (rule 5): a met reservation launches nothing.
+    for tier, used in sorted(usage.data_by_tier.items(), key=lambda kv: (-kv[1], kv[0])):
         if used > bounds.upper:
-            return tier, f"{tier} capacity {used:.0%} > {bounds.upper:.0%}"
+            return tier, f"{tier} data {used:.0%} of capacity > {bounds.upper:.0%}"
     if usage.cpu > bounds.upper:
         busiest = max(active, key=lambda s: (s.cpu_fraction, s.node_id))
         return busiest.tier, f"cpu {usage.cpu:.0%} > {bounds.upper:.0%}"
@@ -335,8 +359,8 @@ def _utilization_without(
 ) -> ClusterUtilization:
     """Utilization once ``removed`` are gone and their load has moved to ``rest``.
 
-    Their CPU and network load move to the remaining servers; their bytes stay counted against
-    their tiers (new data of those tiers lands on the remaining servers).
+    Their CPU and network load move to the remaining servers; what they hold stays counted
+    against their tiers (new data of those tiers lands on the remaining servers).
     """
     if not rest:
         return ClusterUtilization(cpu=1.0, net=1.0)
@@ -347,6 +371,6 @@ def _utilization_without(
     capacity: dict[str, float] = {}
     for tier in sorted({s.tier for s in rest} | {s.tier for s in removed}):
         total = sum(s.capacity_bytes for s in rest if s.tier == tier)
-        used = sum(s.used_bytes for s in [*rest, *removed] if s.tier == tier)
-        capacity[tier] = used / total if total > 0 else (1.0 if used else 0.0)
+        held = sum(s.held_bytes for s in [*rest, *removed] if s.tier == tier)
+        capacity[tier] = held / total if total > 0 else (1.0 if held else 0.0)
     return ClusterUtilization(cpu=cpu, net=net, capacity_by_tier=capacity)

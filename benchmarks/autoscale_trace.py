@@ -32,8 +32,9 @@ What it measures, against issue 31's goals:
   plane);
 - scale-down: for each launched server, from the last of its jobs deregistering to the server
   retired (its capacity released) and to its node removed;
-- nothing lost (every job's objects read back equal) and nothing left (worker nodes and
-  resource request 30 s after the control plane stops);
+- nothing lost (every job's objects read back equal), every drained server empty when it was
+  retired (by what the controller saw: its stats after the drain, or its exit), and nothing
+  left (worker nodes and resource request 30 s after the control plane stops);
 - the simulator (:mod:`pocketflow.control.simulator`) driven with the same trace, tier sizes,
   sizing bounds and the measured start-up delays: its allocated GB-seconds against the real run's.
 """
@@ -479,6 +480,7 @@ def plot(path: Path, real: Sequence[Sample], sim: Any, runs: dict[str, JobRun]) 
 def run_benchmark(out_dir: Path, trace_jobs: Sequence[TraceJob] = TRACE, *,
                   name: str = "autoscale-trace") -> dict[str, Any]:
     from pocketflow.cluster import LocalCluster
+    from pocketflow.control.draining import EMPTY, EXITED
     from pocketflow.control.launcher import tier_resource
 
     dram, nvme = tier_resource("dram"), tier_resource("nvme")
@@ -546,8 +548,12 @@ def run_benchmark(out_dir: Path, trace_jobs: Sequence[TraceJob] = TRACE, *,
     sim_demanded = sum(
         s.demand_capacity_bytes for s in sim.samples if start_s <= s.t_s < stopped_s
     ) / 1e9
-    # Each retired server as last sampled (a drained server exits only once it is empty).
+    # Each retired server as last sampled (its heartbeat, which may be seconds old: a sample of
+    # a server retired right after its job's end may still show that job's objects), and what
+    # showed the controller it was empty when it retired it (its stats after the drain, or its
+    # exit: a drained server exits only once it holds nothing).
     drained = {s: trace.server_last[s] for s in trace.server_gone_s if s in trace.server_last}
+    retired_how = {r["node_id"]: r["how"] for r in status.get("retired_servers", [])}
     result.update({
         "jobs": {name: asdict(run) for name, run in trace.runs.items()},
         "scale_up": ups,
@@ -567,7 +573,10 @@ def run_benchmark(out_dir: Path, trace_jobs: Sequence[TraceJob] = TRACE, *,
         "simulator_startup_delay_s": delays,
         "nothing_lost": all(r.verified and r.error is None for r in trace.runs.values()),
         "drained_servers_last_seen": drained,
-        "drained_servers_empty": all(s["objects"] == 0 for s in drained.values()),
+        "drained_servers_retired_how": {s: retired_how.get(s) for s in trace.server_gone_s},
+        "drained_servers_empty": all(
+            retired_how.get(s) in (EMPTY, EXITED) for s in trace.server_gone_s
+        ),
         "nothing_left": nothing_left,
         "sizing_actions": actions,
         "resource_requests": requests,

@@ -55,7 +55,9 @@ def test_the_trace_benchmark_runs_a_tiny_trace_end_to_end(tmp_path: Path) -> Non
         assert job["error"] is None and job["verified"], (name, job)
         assert job["objects"] >= 1 and job["deregistered_s"] is not None, (name, job)
     assert result["nothing_lost"]
-    assert result["drained_servers_empty"], result["drained_servers_last_seen"]
+    assert result["drained_servers_empty"], (
+        result["drained_servers_retired_how"], result["drained_servers_last_seen"]
+    )
     left = result["nothing_left"]
     assert left["ok"] and left["worker_nodes"] == 0 and left["request_after"] == [], left
 

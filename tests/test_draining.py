@@ -3,10 +3,12 @@ servers."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
-from control_roles import register, roles
+from control_roles import register, roles, sigstop
 from fixtures_cluster import keys_on
 
 from pocketflow.client import connect
@@ -43,6 +45,9 @@ def test_a_drained_server_keeps_its_data_readable_and_an_empty_one_retires_at_on
             with built.lock:
                 result = built.drainer.drain("dr-1")
             assert result["retired"] is True
+            assert built.drainer.retired()[-1]["node_id"] == "dr-1"
+            # Its stats after the drain said so, or it exited at once (an empty server does).
+            assert built.drainer.retired()[-1]["how"] in ("empty", "exited once empty")
             assert not wait_gone([empty.server_process()], timeout_s=EXIT_TIMEOUT_S)
             assert "dr-1" not in built.membership
             assert all(s.node_id != "dr-1"
@@ -52,6 +57,45 @@ def test_a_drained_server_keeps_its_data_readable_and_an_empty_one_retires_at_on
             with built.lock:
                 built.drainer.drain("dr-1")
 
+
+
+def test_a_server_that_does_not_answer_its_drain_keeps_its_data_and_is_told_again(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """A drain whose ``drain`` call gets no answer (the server stopped, as on a machine at load
+    20) must not take the silence for "gone, so empty": it was retired and its node stopped with
+    the job's objects on it. It stays draining, keeps its data, and the monitor loop tells it
+    again once it answers."""
+    _, secret_file = cluster_secret_file
+    with roles(secret_file) as built:
+        stopped = built.start("dn-0")
+        built.start("dn-1")
+        built.start("dn-2")
+        handle = register(built, "unanswered")
+        with connect(handle, op_timeout_s="10s") as pf:
+            pf.create_bucket("b")
+            keys, _ = keys_on(handle, "dn-0", on_min=3)
+            for key in keys:
+                pf.put("b", key, key.encode())
+            pid = stopped.server_process().pid
+            sigstop(pid)
+            try:
+                with built.lock:
+                    result = built.drainer.drain("dn-0")
+                assert result["retired"] is False, result
+                assert "dn-0" in built.membership and built.membership.is_draining("dn-0")
+                assert stopped.server_process().alive(), "a server holding data was stopped"
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            with built.lock:
+                assert built.drainer.go_on() == ["dn-0"], "told to drain once it answers"
+            assert "dn-0" in built.membership, "it holds data: it drains, it is not retired"
+            for key in keys:
+                assert pf.get("b", key) == key.encode()
+            assert built.admin.client(stopped.address).stats()["draining"] is True
+            with built.lock:
+                assert built.drainer.go_on() == [], "told once"
+            assert all(r["node_id"] != "dn-0" for r in built.drainer.retired())
 
 
 def test_a_drained_servers_share_of_a_reservation_moves_to_a_server_with_room(

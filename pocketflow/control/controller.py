@@ -811,6 +811,7 @@ class Controller:
             "suspect": self.suspect_servers(),
             "epochs_unconfirmed": self._epochs_unconfirmed_now(),
             "drains_holding": self._drainer.holding(),
+            "retired_servers": self._drainer.retired(),
             "job_ends_pending": self._ends.pending(),
             "sizing_actions": self.sizing_actions(),
             "prefix_grants": self._prefix_grants_now(),

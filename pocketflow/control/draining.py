@@ -4,6 +4,7 @@ channels), and retiring it once it has left."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from pocketflow.control.admin import AdminTokens
@@ -21,8 +22,25 @@ DRAIN_NODE_TIMEOUT_S = 30.0
 DRAIN_POLL_S = 0.2
 """How often ``drain_node`` looks whether the drained servers are gone."""
 
+EXIT_WAIT_S = 1.0
+"""How long a drain waits for a server that stopped answering right after ``drain`` to exit
+(an empty server exits as soon as it is told to drain) before leaving it to the failure
+detector."""
+
+RETIRED_KEPT_MAX = 64
+"""Most retirements remembered for ``status`` (``retired_servers``)."""
+
 LONG_RUNNING_MIN_DEFAULT = 2
 """Long-running servers never drained when the cluster has no sizing bounds."""
+
+
+EMPTY = "empty"
+"""A retired server's stats, right after it was told to drain, showed no object and no channel
+entry."""
+EXITED = "exited once empty"
+"""A retired server exited after it was told to drain (it exits only once it holds nothing)."""
+GONE = "gone"
+"""A retired server's process was gone before it was told to drain: what it held is lost."""
 
 
 class Drainer:
@@ -59,6 +77,12 @@ class Drainer:
         self._long_running_min = long_running_min
         # Draining servers not told to drain yet: node id -> the jobs whose channels are there.
         self._holding: dict[str, set[str]] = {}
+        # Draining servers whose ``drain`` call did not get through (hung or overloaded, their
+        # process running): told again by :meth:`go_on`. Bounded by the live servers (an entry
+        # goes with its server).
+        self._untold: set[str] = set()
+        # The latest retirements and what showed the server empty, for ``status``.
+        self._retired: list[dict[str, Any]] = []
 
     def drain(self, node_id: str) -> dict[str, Any]:
         """Take a server out of service without losing live data.
@@ -121,9 +145,17 @@ class Drainer:
 
     def go_on(self) -> list[str]:
         """Move the held jobs whose channel data left a draining server (by its latest
-        heartbeat) off it, and tell each server no job holds any more to drain. Runs in the
-        monitor loop; returns the node ids told to drain."""
+        heartbeat) off it, and tell each server no job holds any more to drain, as well as each
+        one an earlier ``drain`` did not reach. Runs in the monitor loop; returns the node ids
+        told to drain."""
         told = []
+        for node_id in sorted(self._untold):
+            if node_id not in self._membership:
+                self._untold.discard(node_id)
+                continue
+            self._finish(node_id)
+            if node_id not in self._untold:
+                told.append(node_id)
         for node_id, held in list(self._holding.items()):
             if node_id not in self._membership:
                 del self._holding[node_id]
@@ -160,29 +192,77 @@ class Drainer:
         info = self._membership.get(node_id)
         if info is None:
             return {"node_id": node_id, "draining": True, "retired": True}
+        client = self._admin.client(info.address)
         try:
-            result = self._admin.client(info.address).drain(exit_when_empty=True)
-            stats = self._admin.client(info.address).stats()
-            empty = (int(stats.get("objects", 1)) == 0
-                     and int(stats.get("channel_entries", 0)) == 0)
+            result = client.drain(exit_when_empty=True)
         except PocketflowError as exc:
-            # Gone already: an empty server exits as soon as it is told to drain.
-            log.info("%s after drain: %s", node_id, exc)
-            result, empty = {"draining": True}, True
+            if self._process_runs(node_id):
+                # Not answering (hung, stopped, overloaded) is no sign of being empty: it keeps
+                # its data and is told again from the monitor loop.
+                log.warning("drain of %s did not get through (%s); told again later",
+                            node_id, exc)
+                self._admin.forget(info.address)
+                self._untold.add(node_id)
+                return {"node_id": node_id, "draining": True, "retired": False}
+            # Its process is gone: nothing is left to drain (what it held is lost already).
+            log.info("%s is gone before its drain: %s", node_id, exc)
+            self.retire(node_id, how=GONE)
+            return {"node_id": node_id, "draining": True, "retired": True}
+        else:
+            self._untold.discard(node_id)
+            how = EMPTY
+            try:
+                stats = client.stats()
+                empty = (int(stats.get("objects", 1)) == 0
+                         and int(stats.get("channel_entries", 0)) == 0)
+            except PocketflowError as exc:
+                how = EXITED
+                # An empty server exits as soon as it is told to drain; one whose process still
+                # runs is slow or holds data, and exits (then is retired by the failure
+                # detector) only once it is empty.
+                log.info("%s after drain: %s", node_id, exc)
+                self._admin.forget(info.address)
+                empty = self._exited(node_id)
         if empty:
-            self.retire(node_id)
+            self.retire(node_id, how=how)
             return {"node_id": node_id, **result, "retired": True}
         log.info("draining storage server %s", node_id)
         return {"node_id": node_id, **result, "retired": False}
 
-    def retire(self, node_id: str) -> None:
-        """Forget a drained server that has exited; its jobs' maps drop it."""
+    def _process_runs(self, node_id: str) -> bool:
+        return bool(self._nodes.process_runs(self._membership.node(node_id), node_id))
+
+    def _exited(self, node_id: str) -> bool:
+        """Whether the server's process exits within ``EXIT_WAIT_S``."""
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while self._process_runs(node_id):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(DRAIN_POLL_S)
+        return True
+
+    def retired(self) -> list[dict[str, Any]]:
+        """The latest retirements, oldest first: ``{"node_id", "at_unix_s", "how"}`` where
+        ``how`` says what showed the server empty (:data:`EMPTY`, :data:`EXITED`) or that it
+        was gone without it (:data:`GONE`)."""
+        return [dict(r) for r in self._retired]
+
+    def retire(self, node_id: str, *, how: str | None = None) -> None:
+        """Forget a drained server that has exited; its jobs' maps drop it. ``how`` says what
+        showed it empty; without it, a server told to drain exited once empty (:data:`EXITED`:
+        it exits only then) and one never told (holding channels, or its drain unanswered)
+        is :data:`GONE`."""
+        if how is None:
+            how = GONE if node_id in self._holding or node_id in self._untold else EXITED
         forgotten = self._membership.forget(node_id)
         if forgotten is None:
             return
+        self._retired.append({"node_id": node_id, "at_unix_s": time.time(), "how": how})
+        del self._retired[:-RETIRED_KEPT_MAX]
         info, node = forgotten
         self._membership.draining.discard(node_id)
         self._holding.pop(node_id, None)
+        self._untold.discard(node_id)
         self._allocator.launched.pop(node_id, None)
         self._admin.forget(info.address)
         self._epochs.drop(node_id)

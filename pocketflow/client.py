@@ -35,14 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import logging
 import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, Literal, TypeVar, overload
 
 from pocketflow import _core
@@ -86,14 +83,25 @@ from pocketflow.protocol import (
 from pocketflow.transport import ServerConnection
 
 if TYPE_CHECKING:
+    import logging
     import mmap
+    from concurrent.futures import ThreadPoolExecutor
 
     from pocketflow.channels import AppendFile, Queue
     from pocketflow.notifications import Listener
 
 __all__ = ["Client", "ObjectInfo", "connect", "STALE_EPOCH_RETRIES_MAX"]
 
-log = logging.getLogger(__name__)
+
+def _log() -> logging.Logger:
+    """This module's logger, imported on first use like ``concurrent.futures`` (which imports
+    ``logging`` too) and ``pathlib``: each task process connects afresh, and these three cost a
+    fresh ``import pocketflow`` + ``connect`` a quarter of its time (benchmarks/import_connect.py)
+    though a task that puts and gets on one server uses none of them."""
+    import logging
+
+    return logging.getLogger(__name__)
+
 
 PUT_MANY_CHUNK_OPS = 4096
 """``put_many`` sends at most this many small objects per round of pipelined sessions."""
@@ -542,6 +550,8 @@ class Client:
             bucket, bucket_raw, key_raw, OP_GET, OP_FLAG_DELETE if delete else 0
         )
         header = reply.header
+        from pathlib import Path
+
         target = Path(path)
         try:
             if header is None or header.block_count == 0:
@@ -747,6 +757,8 @@ class Client:
                 raise InvalidRequest("the client is closed")
             executor = getattr(self, attribute)
             if executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+
                 executor = ThreadPoolExecutor(max_workers=workers,
                                               thread_name_prefix=thread_prefix)
                 setattr(self, attribute, executor)
@@ -786,7 +798,7 @@ class Client:
         except (InvalidRequest, ValueError):
             raise stale from None
         if adopted:
-            log.debug("job %s: adopted weight map epoch %s", self._view.handle.job_id,
+            _log().debug("job %s: adopted weight map epoch %s", self._view.handle.job_id,
                       weight_map.get("epoch"))
 
     # -- internals: block 0 ------------------------------------------------------------------
@@ -822,7 +834,8 @@ class Client:
             self._core.restore_record(server, bucket, key, header.encode(),
                                       body if header.block_count == 0 else b"")
         except PocketflowError as exc:
-            log.warning("could not restore %s/%s after a failed DELETE read: %s", bucket, key, exc)
+            _log().warning("could not restore %s/%s after a failed DELETE read: %s",
+                           bucket, key, exc)
 
     # -- internals: small and large puts -----------------------------------------------------
 

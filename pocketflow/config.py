@@ -53,11 +53,13 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pocketflow.errors import ConfigError
 from pocketflow.protocol import BLOCK_SIZE_DEFAULT_BYTES, BLOCK_SIZE_MAX_BYTES, SESSION_INFLIGHT_MAX
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 __all__ = [
     "ENV_PREFIX",
@@ -73,7 +75,8 @@ __all__ = [
 
 ENV_PREFIX = "POCKETFLOW_"
 CONFIG_PATH_ENV = "POCKETFLOW_CONFIG"
-DEFAULT_CONFIG_PATH = Path("~/.config/pocketflow/config.toml")
+DEFAULT_CONFIG_PATH = "~/.config/pocketflow/config.toml"
+"""The config file read when ``$POCKETFLOW_CONFIG`` is unset (``~`` is expanded at use)."""
 BLOCK_SIZE_MIN_BYTES = 4096
 IO_THREADS_MAX = 64
 """Most threads one object's data blocks move on (the client core's ``IO_THREADS_MAX``)."""
@@ -174,13 +177,16 @@ def config_file_path(environ: Mapping[str, str] | None = None) -> Path | None:
     """The config file in effect: ``$POCKETFLOW_CONFIG``, else the default path if it exists."""
     env = os.environ if environ is None else environ
     explicit = env.get(CONFIG_PATH_ENV)
-    if explicit:
-        path = Path(explicit).expanduser()
-        if not path.is_file():
+    path = os.path.expanduser(explicit or DEFAULT_CONFIG_PATH)
+    if not os.path.isfile(path):
+        if explicit:
             raise ConfigError(f"{CONFIG_PATH_ENV}={explicit} is not a file")
-        return path
-    default = DEFAULT_CONFIG_PATH.expanduser()
-    return default if default.is_file() else None
+        return None
+    # Imported only when there is a file: every process that connects resolves its settings,
+    # and most (each Lithops task) have no config file to pay pathlib's import for.
+    from pathlib import Path
+
+    return Path(path)
 
 
 def load_file_table(table: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -38,8 +38,10 @@ TOKEN_TTL_S = 600.0
 CHILD_TIMEOUT_S = 60.0
 """Bound on the connecting process (it starts in well under a second)."""
 TASK_RUNS = 5
-"""Fresh connecting processes per smoke run; the figures reported are their medians (the first
-one also pays for reading the native core from disk)."""
+"""Fresh connecting processes per smoke run (``--runs``); the figures reported are their medians
+(the first one also pays for reading the native core from disk)."""
+TASK_RUNS_MAX = 500
+"""Bound on ``--runs`` (each run is a fresh process of well under a second)."""
 DEMO_TIMEOUT_S = 600.0
 """Bound on the demo sort, cluster start included (about 30 s on a loaded 2-core machine)."""
 DEMO_ARGS = ("--records", "20000", "--mappers", "2", "--reducers", "2", "--processes", "2",
@@ -48,12 +50,15 @@ DEMO_ARGS = ("--records", "20000", "--mappers", "2", "--reducers", "2", "--proce
 # The connecting task: stdin carries the handle's JSON; prints one JSON line.
 TASK_SCRIPT = """
 import json, sys, time
+startup_cpu_ms = time.process_time() * 1000
 handle_json = sys.stdin.read()
+modules_before = len(sys.modules)
 started, started_cpu = time.perf_counter(), time.process_time()
 import pocketflow
 pf = pocketflow.connect(handle_json)
 connected_ms = (time.perf_counter() - started) * 1000
 connected_cpu_ms = (time.process_time() - started_cpu) * 1000
+modules_loaded = len(sys.modules) - modules_before
 with open("/proc/self/status") as status:
     rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
 heavy = sorted({name.split(".")[0] for name in sys.modules} & set(sys.argv[1].split(",")))
@@ -64,12 +69,13 @@ value = pf.get(bucket, "hello", delete=True)
 pf.close()
 print(json.dumps({"import_connect_ms": round(connected_ms, 2),
                   "import_connect_cpu_ms": round(connected_cpu_ms, 2),
+                  "startup_cpu_ms": round(startup_cpu_ms, 2), "modules_loaded": modules_loaded,
                   "rss_mib": round(rss_kib / 1024, 1), "heavy_modules": heavy,
                   "value": value.decode(), "pocketflow_file": pocketflow.__file__}))
 """
 
 
-def client_round_trip(binary_under: Path | None) -> dict[str, object]:
+def client_round_trip(binary_under: Path | None, runs: int) -> dict[str, object]:
     """Start one DRAM server, make a job on it, and run the connecting task against it."""
     from pocketflow.auth import make_token, write_secret_file
     from pocketflow.handle import JobHandle, ServerInfo
@@ -95,13 +101,13 @@ def client_round_trip(binary_under: Path | None) -> dict[str, object]:
             )
             with AdminClient(address, make_token(secret, "__admin__", ttl_s=TOKEN_TTL_S)) as admin:
                 admin.set_epoch(handle.job_id, handle.epoch, handle.weight_map())
-            runs = [run_task(handle.to_json(), f"smoke-{run}") for run in range(TASK_RUNS)]
+            reports = [run_task(handle.to_json(), f"smoke-{run}") for run in range(runs)]
         finally:
             server.stop()
-    report = dict(runs[-1])
-    for figure in ("import_connect_ms", "import_connect_cpu_ms", "rss_mib"):
-        report[figure] = statistics.median(run[figure] for run in runs)
-        report[f"{figure}_runs"] = [run[figure] for run in runs]
+    report = dict(reports[-1])
+    for figure in ("import_connect_ms", "import_connect_cpu_ms", "startup_cpu_ms", "rss_mib"):
+        report[figure] = statistics.median(run[figure] for run in reports)
+        report[f"{figure}_runs"] = [run[figure] for run in reports]
     report["server_binary"] = str(binary)
     return report
 
@@ -142,8 +148,13 @@ def main() -> int:
     parser.add_argument("what", choices=("client", "demo"))
     parser.add_argument("--binary-under", type=Path, default=None,
                         help="fail unless the server binary found lies under this directory")
+    parser.add_argument("--runs", type=int, default=TASK_RUNS,
+                        help="fresh connecting processes of `client` (medians reported)")
     args = parser.parse_args()
-    report = client_round_trip(args.binary_under) if args.what == "client" else demo_sort()
+    if not 1 <= args.runs <= TASK_RUNS_MAX:
+        parser.error(f"--runs must be 1..{TASK_RUNS_MAX}")
+    report = (client_round_trip(args.binary_under, args.runs) if args.what == "client"
+              else demo_sort())
     print(json.dumps(report))
     return 0
 

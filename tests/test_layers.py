@@ -192,3 +192,39 @@ def test_a_task_that_connects_with_a_handle_and_does_io_loads_no_extra(job_handl
         "print(','.join(loaded) or '-')\n"
     )
     assert run_with_handle(script, job_handle, timeout_s=60) == ["-"]
+
+
+DEFERRED_STDLIB = ("logging", "concurrent.futures", "pathlib")
+"""Standard-library modules a task that connects, puts and gets does not need: each costs a
+fresh process milliseconds it would pay for nothing (benchmarks/import_connect.py)."""
+
+
+def test_a_task_that_connects_puts_and_gets_leaves_logging_threads_and_paths_to_first_use(
+    job_handle,
+) -> None:
+    """Run without ``site`` (``-S``), as a fresh virtualenv with only the core wheel would: an
+    editable install's import finders, run from ``.pth`` files at startup, load ``pathlib``,
+    ``typing`` and ``re`` before any of our code, which hid these imports from a measurement in
+    a development environment."""
+    import subprocess
+    import sys
+
+    with pocketflow.connect(job_handle) as pf:
+        pf.create_bucket("b")
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(PACKAGE_DIR.parent)!r})\n"
+        f"deferred = {DEFERRED_STDLIB!r}\n"
+        "preloaded = [m for m in deferred if m in sys.modules]\n"
+        "import pocketflow\n"
+        "pf = pocketflow.connect(sys.stdin.read())\n"
+        "pf.put('b', 'k', b'v')\n"
+        "assert pf.get('b', 'k', delete=True) == b'v'\n"
+        "pf.close()\n"
+        "loaded = [m for m in deferred if m in sys.modules]\n"
+        "print(','.join(preloaded) or '-', ','.join(loaded) or '-')\n"
+    )
+    result = subprocess.run([sys.executable, "-S", "-c", script], input=job_handle.to_json(),
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["-", "-"], result.stdout

@@ -132,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="run a MapReduce sort through pocketflow and validate it",
         description="Sort generated 100-byte records with mappers and reducers on Lithops' "
-        "localhost executor that shuffle through pocketflow; validate the output; report time, "
-        "bytes moved and peak capacity. Starts its own local cluster unless --address is given.",
+        "localhost executor (or Ray tasks: --executor ray) that shuffle through pocketflow; "
+        "validate the output; report time, bytes moved and peak capacity. Starts its own local "
+        "cluster unless --address is given.",
     )
     demo.add_argument("--mappers", type=_positive, default=8, help="map tasks (default 8)")
     demo.add_argument("--reducers", type=_positive, default=4, help="reduce tasks (default 4)")
@@ -149,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where Lithops keeps its own data (payloads, results): its localhost "
                       "storage (default) or pocketflow's Lithops backend; the shuffle itself "
                       "always goes through pocketflow")
+    demo.add_argument("--executor", choices=("lithops", "ray"), default="lithops",
+                      help="what runs the mappers and reducers: Lithops' localhost executor "
+                      "(default) or Ray tasks on the cluster's Ray")
     demo.add_argument("--runner", default=None,
                       help="what runs the tasks: an installed demo runner (entry-point group "
                       "pocketflow.demo_runners; default: the only one, or lithops)")
@@ -408,7 +412,8 @@ def _run_demo(runner: Any, cluster: Any, config: Any, args: argparse.Namespace,
     # The runner's shuffle registers the job itself, with the hints it knows (tasks, input size).
     try:
         report = runner.run(cluster, config, progress=not args.no_progress,
-                            options={"lithops_storage": args.lithops_storage})
+                            options={"lithops_storage": args.lithops_storage,
+                                     "executor": args.executor})
     except PocketflowError as exc:
         # Said now, before the local cluster stops: what failed is what the user needs, and
         # stopping a cluster that is gone is best effort.

@@ -30,7 +30,7 @@ from typing import Any
 
 from pocketflow.errors import BucketExists, ShuffleFailed
 from pocketflow.protocol import SMALL_OBJECT_MAX_BYTES
-from pocketflow_lithops.runtime import RUNTIME_PACKAGES
+from pocketflow_lithops.shuffle_executors import ShuffleExecutor
 from pocketflow_lithops.shuffle_result import ShuffleResult
 from pocketflow_lithops.shuffle_tasks import (
     OutputInfo,
@@ -149,20 +149,18 @@ def _reduce(call: _AppendReduce) -> dict[str, Any]:
 
 
 def run_append_layout(
-    fexec: Any, pf: Any, job_id: str, map_function: Callable[..., Any],
+    executor: ShuffleExecutor, pf: Any, job_id: str, map_function: Callable[..., Any],
     reduce_function: Callable[[int, list[bytes]], Any], map_inputs: Sequence[Any],
     spec: _Spec, timeout_s: float | None,
 ) -> ShuffleResult:
-    """Run the mappers and then the reducers as one Lithops job; ``pf`` is the driver's client
-    of the shuffle's job, whose buckets exist."""
+    """Run the mappers and then the reducers as one stage of ``executor`` (one Lithops job);
+    ``pf`` is the driver's client of the shuffle's job, whose buckets exist."""
     started = time.perf_counter()
     started_unix_s = time.time()
     maps = [_AppendMap(spec, map_function, item, m) for m, item in enumerate(map_inputs)]
     reduces = [_AppendReduce(spec, reduce_function, r) for r in range(spec.reducers)]
     try:
-        futures = fexec.map(_append_task, [(c,) for c in maps + reduces],
-                            exclude_modules=list(RUNTIME_PACKAGES))
-        outcomes = fexec.get_result(futures, timeout=timeout_s, show_progressbar=False)
+        outcomes = executor.run_all(_append_task, maps + reduces, timeout_s)
     except BaseException:
         try:  # wakes reducers still parked on the bucket
             pf.delete_bucket(spec.bucket)

@@ -1,8 +1,9 @@
-"""A drop-in shuffle for Lithops: map and reduce tasks pass their partitions through pocketflow.
+"""A drop-in shuffle for Lithops and Ray: map and reduce tasks pass their partitions through
+pocketflow.
 
 ::
 
-    def mapper(item, emit):              # runs in a Lithops worker
+    def mapper(item, emit):              # runs in a Lithops worker or a Ray task
         for record in read(item):
             emit(partition_of(record), record)
         return len(item)                 # any picklable value, returned to the driver
@@ -13,8 +14,14 @@
     fexec = lithops.FunctionExecutor(config=...)
     result = shuffle(fexec, mapper, reducer, items, reducers=8, cluster=cluster,
                      input_size_bytes=total, persist_output=True)
+    result = shuffle("ray", mapper, reducer, items, reducers=8, cluster=cluster)  # Ray tasks
 
 What it does, in Pocket's terms:
+
+- **Executors.** The first argument says where the tasks run, per call: Lithops functions or
+  Ray tasks (:mod:`pocketflow_lithops.shuffle_executors`). The driver below is the same on both:
+  hints, flags, waiting, regeneration and retries do not depend on it. Only how the driver hears
+  of a finished task differs (Ray tells it; Lithops is polled, see the last point).
 
 - **Hints.** The shuffle registers its own pocketflow job with what it knows: mappers plus
   reducers as the most concurrent tasks (reducers start while mappers still run) and the input
@@ -26,9 +33,9 @@ What it does, in Pocket's terms:
 - **Final outputs.** With ``persist_output`` the reducer's bytes are written with PERSIST to
   ``output_bucket`` and outlive the job; the driver gets :class:`OutputInfo` (key and size) and
   reads them with :func:`pocketflow.connect` and :attr:`ShuffleResult.handle_json`. Without it
-  the reducer's return value comes back through Lithops.
-- **Reducers wait without spinning.** Mappers and then reducers are submitted as one Lithops
-  job, so reducers start as soon as workers free up, before all mappers finish. A reducer
+  the reducer's return value comes back through the executor.
+- **Reducers wait without spinning.** Mappers and then reducers are submitted as one stage (one
+  Lithops job), so reducers start as soon as workers free up, before all mappers finish. A reducer
   waits for its inputs with :meth:`pocketflow.Client.wait_for`: the storage server parks the
   call (the ``wait`` action) until the last awaited key is put, so no reducer polls with
   ``not_found`` and none sleeps longer than needed; each call is bounded
@@ -55,20 +62,26 @@ What it does, in Pocket's terms:
   way. Inputs missing with no marker naming them are awaited, and after ``input_wait_s`` fail
   the shuffle with :class:`ShuffleFailed`. The driver deletes the markers once every reducer is
   done. Why lineage, and not holding inputs until the reducer commits: the package's README.
-- **The driver hears of returning reducers from the servers.** Lithops reports a finished call
-  by a status its driver polls for (every 0.1 s with its localhost storage), which at the end of
-  a shuffle is time nobody works. Each reducer attempt therefore writes a small marker,
-  ``finished/r{r:05d}/<attempt>``, as it returns; once every mapper's result is in, the driver
-  parks on the servers for the markers of the reducers still pending (``wait_for``, in slices of
-  ``FINISHED_WAIT_SLICE_S``, between which it looks at Lithops' statuses for failed calls) and,
-  when all are there, looks at the statuses every ``FINISHED_POLL_INTERVAL_S`` until Lithops has
-  them, at most ``FINISHED_POLLS_MAX`` times per stage before it goes back to Lithops' own wait.
-  Every result still comes from Lithops; the markers only say when to look.
+- **A mapper whose process died runs again.** Its writes are write-once, so the rerun keeps
+  what the dead process wrote and writes the rest, at most ``map_retries`` times (the Ray
+  executor tells a dead process from a raise; a mapper that raised fails the shuffle).
+- **With Lithops, the driver hears of returning reducers from the servers.** Lithops reports
+  a finished call by a status its driver polls for (every 0.1 s with its localhost storage),
+  which at the end of a shuffle is time nobody works. Each reducer attempt therefore writes a
+  small marker, ``finished/r{r:05d}/<attempt>``, as it returns; once every mapper's result is
+  in, the driver parks on the servers for the markers of the reducers still pending
+  (``wait_for``, in slices of ``FINISHED_WAIT_SLICE_S``, between which it looks at Lithops'
+  statuses for failed calls) and, when all are there, looks at the statuses every
+  ``FINISHED_POLL_INTERVAL_S`` until Lithops has them, at most ``FINISHED_POLLS_MAX`` times per
+  stage before it goes back to Lithops' own wait (the constants are in
+  :mod:`pocketflow_lithops.shuffle_executors`). Every result still comes from Lithops; the
+  markers only say when to look.
 
 Task code (:mod:`pocketflow_lithops.shuffle_tasks`, kept apart so that the process Lithops
-forks for each task imports only it) runs in Lithops' worker processes, which import it from
-the installed ``pocketflow-lithops`` package (``adapters/lithops``). Workers talk straight to the
-storage servers with the job handle, never to Ray.
+forks for each task imports only it) runs in Lithops' worker processes or Ray's, which import it
+from the installed ``pocketflow-lithops`` package (``adapters/lithops``). Tasks talk straight to
+the storage servers with the job handle, never to the control plane. Neither this module nor
+the tasks import Lithops unless the Lithops executor runs them.
 """
 
 from __future__ import annotations
@@ -86,7 +99,11 @@ from pocketflow.errors import (
     ShuffleFailed,
 )
 from pocketflow_lithops.append_shuffle import run_append_layout
-from pocketflow_lithops.runtime import RUNTIME_PACKAGES
+from pocketflow_lithops.shuffle_executors import (
+    ShuffleExecutor,
+    TaskProcessDied,
+    shuffle_executor,
+)
 from pocketflow_lithops.shuffle_result import ShuffleResult
 from pocketflow_lithops.shuffle_tasks import (
     CLUSTER_GONE,
@@ -123,6 +140,7 @@ __all__ = [
     "shuffle_key",
     "output_key",
     "consuming_key",
+    "finished_key",
     "SHUFFLE_BUCKET",
     "OUTPUT_BUCKET",
 ]
@@ -141,17 +159,13 @@ LAYOUTS = ("objects", "append")
 """Shuffle layouts: one object per (mapper, reducer), or one append file per reducer."""
 REDUCE_RETRIES_DEFAULT = 2
 """Default bound on how many times the driver submits one reducer again after its task failed."""
-FINISHED_WAIT_SLICE_S = 0.25
-"""Longest the driver parks on the servers for reducers' finished markers before it looks at
-Lithops' statuses again (a call that failed writes none)."""
-FINISHED_POLL_INTERVAL_S = 0.005
-"""Pause between two looks at Lithops' statuses once the pending reducers said they returned."""
-FINISHED_POLLS_MAX = 40
-"""Most such looks per stage; after them the driver waits with Lithops' own polling."""
+MAP_RETRIES_DEFAULT = 2
+"""Default bound on how many times the driver submits one mapper again after its process died
+(:class:`TaskProcessDied`; a mapper that raised is never retried)."""
 
 
 def shuffle(
-    fexec: Any,
+    executor: Any,
     map_function: Callable[[Any, Callable[[int, Any], None]], Any],
     reduce_function: Callable[[int, list[bytes]], Any],
     map_inputs: Sequence[Any],
@@ -171,8 +185,14 @@ def shuffle(
     timeout_s: float | None = None,
     layout: str = "objects",
     prefix_lease_ms: int | None = None,
+    map_retries: int = MAP_RETRIES_DEFAULT,
 ) -> ShuffleResult:
-    """Run a map/shuffle/reduce on a ``lithops.FunctionExecutor``, shuffling through pocketflow.
+    """Run a map/shuffle/reduce on Lithops functions or Ray tasks, shuffling through pocketflow.
+
+    ``executor`` says where the tasks run (:mod:`pocketflow_lithops.shuffle_executors`): a
+    ``lithops.FunctionExecutor``, ``"ray"`` (Ray tasks on the Ray cluster this process is
+    connected to, or ``address="auto"``), or a :class:`~pocketflow_lithops.shuffle_executors.
+    RayShuffleExecutor` sized by the caller. Everything else is the same on both.
 
     ``map_function(item, emit)`` runs once per item of ``map_inputs`` and calls
     ``emit(partition, data)`` with ``0 <= partition < reducers`` and bytes-like ``data`` (several
@@ -183,11 +203,13 @@ def shuffle(
     shuffle in an already registered job (not deregistered here). ``client_options`` are
     :class:`~pocketflow.config.ClientConfig` settings for the tasks' clients.
     ``reduce_retries`` bounds how many times one reducer is submitted again after its task
-    failed (a mapper's failure is never retried: it fails the shuffle at once).
+    failed; ``map_retries`` how many times one mapper whose process died is submitted again
+    (:class:`~pocketflow_lithops.shuffle_executors.TaskProcessDied`, told apart from a raise by
+    the Ray executor; a mapper that raised is never retried: it fails the shuffle at once).
     ``delete_inputs=False`` reads the shuffle objects without DELETE (they then live until the
     job is deregistered); it exists to measure what DELETE saves. ``timeout_s`` bounds each wait
-    for a stage's Lithops results (Lithops raises ``TimeoutError``; it arms ``SIGALRM``, so pass
-    it only from the main thread). ``layout="append"`` shuffles through one shared append file
+    for a stage's results (``TimeoutError``; Lithops arms ``SIGALRM`` for it, so with Lithops
+    pass it only from the main thread). ``layout="append"`` shuffles through one shared append file
     per reducer instead of one object per (mapper, reducer)
     (:mod:`pocketflow_lithops.append_shuffle`: no regeneration, no reducer retries).
     ``prefix_lease_ms`` scopes the shuffle's data to prefix leases (:mod:`pocketflow.prefixes`):
@@ -212,13 +234,16 @@ def shuffle(
         raise ValueError("regenerate_rounds_max must be >= 0")
     if reduce_retries < 0:
         raise ValueError("reduce_retries must be >= 0")
+    if map_retries < 0:
+        raise ValueError("map_retries must be >= 0")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    tasks = shuffle_executor(executor)
     if job is not None:
-        return _run(fexec, job, map_function, reduce_function, map_inputs, reducers,
+        return _run(tasks, job, map_function, reduce_function, map_inputs, reducers,
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
                     reduce_retries, client_options, delete_inputs, timeout_s, layout,
-                    prefix_lease_ms is not None)
+                    prefix_lease_ms is not None, map_retries)
     hints = Hints(
         max_concurrent_tasks=min(mappers + reducers, 1_000_000),
         data_size_bytes=input_size_bytes,
@@ -226,38 +251,40 @@ def shuffle(
     # The context manager deregisters the job also when a task (or this driver) fails.
     leases = {} if prefix_lease_ms is None else {"prefix_lease_ms": prefix_lease_ms}
     with register_job(name, hints, cluster=cluster, **leases) as own_job:
-        return _run(fexec, own_job, map_function, reduce_function, map_inputs, reducers,
+        return _run(tasks, own_job, map_function, reduce_function, map_inputs, reducers,
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
                     reduce_retries, client_options, delete_inputs, timeout_s, layout,
-                    prefix_lease_ms is not None)
+                    prefix_lease_ms is not None, map_retries)
 
 
 def _run(
-    fexec: Any, job: Job, map_function: Callable[..., Any],
+    executor: ShuffleExecutor, job: Job, map_function: Callable[..., Any],
     reduce_function: Callable[[int, list[bytes]], Any], map_inputs: Sequence[Any],
     reducers: int, persist_output: bool, output_bucket: str, input_wait_s: float,
     regenerate_rounds_max: int, reduce_retries: int, client_options: dict[str, Any] | None,
     delete_inputs: bool, timeout_s: float | None, layout: str = "objects",
-    scoped: bool = False,
+    scoped: bool = False, map_retries: int = MAP_RETRIES_DEFAULT,
 ) -> ShuffleResult:
     if not scoped:
-        return _run_stages(fexec, job, map_function, reduce_function, map_inputs, reducers,
+        return _run_stages(executor, job, map_function, reduce_function, map_inputs, reducers,
                            persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
-                           reduce_retries, client_options, delete_inputs, timeout_s, layout)
+                           reduce_retries, client_options, delete_inputs, timeout_s, layout,
+                           map_retries)
     prefixes = [reducer_prefix(r) for r in range(reducers)] + [MARKERS_PREFIX]
     job.declare_many([(prefix, (), None) for prefix in prefixes])  # one renewal per server
     with job.keep(prefixes):
-        return _run_stages(fexec, job, map_function, reduce_function, map_inputs, reducers,
+        return _run_stages(executor, job, map_function, reduce_function, map_inputs, reducers,
                            persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
-                           reduce_retries, client_options, delete_inputs, timeout_s, layout)
+                           reduce_retries, client_options, delete_inputs, timeout_s, layout,
+                           map_retries)
 
 
 def _run_stages(
-    fexec: Any, job: Job, map_function: Callable[..., Any],
+    executor: ShuffleExecutor, job: Job, map_function: Callable[..., Any],
     reduce_function: Callable[[int, list[bytes]], Any], map_inputs: Sequence[Any],
     reducers: int, persist_output: bool, output_bucket: str, input_wait_s: float,
     regenerate_rounds_max: int, reduce_retries: int, client_options: dict[str, Any] | None,
-    delete_inputs: bool, timeout_s: float | None, layout: str,
+    delete_inputs: bool, timeout_s: float | None, layout: str, map_retries: int,
 ) -> ShuffleResult:
     started = time.perf_counter()
     started_unix_s = time.time()
@@ -280,21 +307,24 @@ def _run_stages(
             delete_inputs=delete_inputs,
         )
         if layout == "append":
-            return run_append_layout(fexec, pf, job.job_id, map_function, reduce_function,
+            return run_append_layout(executor, pf, job.job_id, map_function, reduce_function,
                                      map_inputs, spec, timeout_s)
         map_calls = [_MapCall(spec, map_function, item, m, None)
                      for m, item in enumerate(map_inputs)]
         reduce_calls = [_ReduceCall(spec, reduce_function, r) for r in range(reducers)]
         retries_left = dict.fromkeys(range(reducers), reduce_retries)
+        map_retries_left = dict.fromkeys(range(len(map_inputs)), map_retries)
         retried: list[int] = []
         try:
-            # One Lithops job holds every mapper and then every reducer: executors start calls
-            # in order as workers free up (Lithops' localhost v1 runs whole jobs one after
-            # another), so reducers start while the last mappers run and park on the servers
-            # until their inputs are written, instead of waiting for a barrier. All mappers come
-            # first, so a worker held by a parked reducer never keeps a mapper from running.
-            outcomes = _gather(fexec, map_calls + reduce_calls, retries_left=retries_left,
-                               retried=retried, timeout_s=timeout_s, pf=pf)
+            # One stage (one Lithops job) holds every mapper and then every reducer: executors
+            # start calls in order as workers free up (Lithops' localhost v1 runs whole jobs
+            # one after another; the Ray executor keeps its own queue), so reducers start while
+            # the last mappers run and park on the servers until their inputs are written,
+            # instead of waiting for a barrier. All mappers come first, so a worker held by a
+            # parked reducer never keeps a mapper from running.
+            outcomes = _gather(executor, map_calls + reduce_calls, retries_left=retries_left,
+                               map_retries_left=map_retries_left, retried=retried,
+                               timeout_s=timeout_s, pf=pf)
             map_outcomes: list[_MapOutcome] = outcomes[:len(map_calls)]
             reduce_outcomes: list[_ReduceOutcome] = outcomes[len(map_calls):]
             map_s = max(o.finished_unix_s for o in map_outcomes) - started_unix_s
@@ -329,12 +359,14 @@ def _run_stages(
                           for m, rs in sorted(lost_by_mapper.items())]
                 rewritten_bytes += sum(
                     o.bytes_written
-                    for o in _gather(fexec, reruns, retries_left=retries_left, retried=retried,
+                    for o in _gather(executor, reruns, retries_left=retries_left,
+                                     map_retries_left=map_retries_left, retried=retried,
                                      timeout_s=timeout_s, pf=pf)
                 )
                 outcomes = _gather(
-                    fexec, [_ReduceCall(spec, reduce_function, o.reducer) for o in failed],
-                    retries_left=retries_left, retried=retried, timeout_s=timeout_s, pf=pf,
+                    executor, [_ReduceCall(spec, reduce_function, o.reducer) for o in failed],
+                    retries_left=retries_left, map_retries_left=map_retries_left,
+                    retried=retried, timeout_s=timeout_s, pf=pf,
                 )
                 done.update({o.reducer: o for o in outcomes if not o.lost_mappers})
                 failed = [o for o in outcomes if o.lost_mappers]
@@ -377,84 +409,65 @@ def _run_stages(
 
 
 def _gather(
-    fexec: Any, calls: Sequence[_MapCall | _ReduceCall], *, retries_left: dict[int, int],
-    retried: list[int], timeout_s: float | None, pf: Client | None = None,
+    executor: ShuffleExecutor, calls: Sequence[_MapCall | _ReduceCall], *,
+    retries_left: dict[int, int], map_retries_left: dict[int, int], retried: list[int],
+    timeout_s: float | None, pf: Client | None = None,
 ) -> list[Any]:
-    """Run ``calls`` as one Lithops job and return their outcomes, in the order of ``calls``.
+    """Run ``calls`` as one stage of the executor and return their outcomes, in the order of
+    ``calls``.
 
-    A reducer whose task failed (it raised, or its process died: Lithops reports both as a
-    failed call) is submitted again while ``retries_left[reducer]`` allows, and the reducer is
-    appended to ``retried``; it recovers the inputs its failed attempt consumed through its
-    markers (see the module doc). Raised at once, without a retry: a mapper's failure, a
-    reducer's :class:`ShuffleFailed` (its inputs never arrived: a retry would only wait again),
-    a task's :class:`CapacityExhausted` (every tier of the job is full: a retry, or the
-    regeneration of the inputs a failed reducer consumed, would write into the same full
-    tiers, so a reducer that could not write its output is not a lost partition), a failure
-    once no storage server of the job answers (:func:`raise_if_cluster_gone`), and a reducer's
-    failure with no retries left. ``timeout_s`` bounds the whole wait (Lithops raises
-    ``TimeoutError``). With ``pf`` (the driver's client), once only reducers are pending the
-    driver learns that they returned from their finished markers (:func:`_wait_finished`)
-    instead of from Lithops' next poll alone.
+    A reducer whose task failed (it raised, or its process died) is submitted again while
+    ``retries_left[reducer]`` allows, and the reducer is appended to ``retried``; it recovers
+    the inputs its failed attempt consumed through its markers (see the module doc). A mapper
+    whose process died (:class:`TaskProcessDied`: the Ray executor tells it apart from a raise)
+    is submitted again while ``map_retries_left[mapper]`` allows: its writes are write-once, so a
+    rerun keeps what the dead one wrote and writes the rest. Raised at once, without a retry: a
+    mapper's exception, a reducer's :class:`ShuffleFailed` (its inputs never arrived: a retry
+    would only wait again), a task's :class:`CapacityExhausted` (every tier of the job is full:
+    a retry, or the regeneration of the inputs a failed reducer consumed, would write into the
+    same full tiers, so a reducer that could not write its output is not a lost partition), a
+    failure once no storage server of the job answers (:func:`raise_if_cluster_gone`), and a
+    task's failure with no retries left. ``timeout_s`` bounds the whole wait
+    (``TimeoutError``). With ``pf`` (the driver's client), an executor that learns of results by
+    polling (Lithops) learns that reducers returned from their finished markers.
 
-    Whatever it raises, the calls of this job still queued or running are stopped first
-    (:func:`_stop_calls`), so that no task of a failed shuffle goes on.
+    Whatever it raises, the calls of this stage still queued or running are stopped first
+    (:meth:`ShuffleExecutor.stop`), so that no task of a failed shuffle goes on.
     """
-    submitted = [_new_attempt(call) for call in calls]
-    futures = list(fexec.map(_shuffle_task, [(call,) for call in submitted],
-                           exclude_modules=list(RUNTIME_PACKAGES)))
-    every = list(futures)  # Kept alive, so that ids of futures stay unique.
+    submitted = [_new_attempt(executor, call) for call in calls]
+    tickets = executor.submit(_shuffle_task, submitted)
+    every = list(tickets)  # Kept alive, so that ids of tickets stay unique.
     try:
-        return _collect(fexec, submitted, futures, every, retries_left=retries_left,
-                        retried=retried, timeout_s=timeout_s, pf=pf)
+        return _collect(executor, submitted, tickets, every, retries_left=retries_left,
+                        map_retries_left=map_retries_left, retried=retried,
+                        timeout_s=timeout_s, pf=pf)
     except BaseException as exc:
-        _stop_calls(fexec, every, exc)
+        executor.stop(every, exc)
         raise
 
 
 def _collect(
-    fexec: Any, submitted: list[_MapCall | _ReduceCall], futures: list[Any], every: list[Any],
-    *, retries_left: dict[int, int], retried: list[int], timeout_s: float | None,
-    pf: Client | None,
+    executor: ShuffleExecutor, submitted: list[_MapCall | _ReduceCall], tickets: list[Any],
+    every: list[Any], *, retries_left: dict[int, int], map_retries_left: dict[int, int],
+    retried: list[int], timeout_s: float | None, pf: Client | None,
 ) -> list[Any]:
-    """The waiting of :func:`_gather`: outcomes of the ``futures`` of the ``submitted`` calls,
-    resubmitting failed reducers (each new future is appended to ``every``)."""
-    from lithops.wait import ANY_COMPLETED
-
+    """The waiting of :func:`_gather`: outcomes of the ``tickets`` of the ``submitted`` calls,
+    resubmitting failed tasks (each new ticket is appended to ``every``)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    slot = {id(f): i for i, f in enumerate(futures)}
+    slot = {id(t): i for i, t in enumerate(tickets)}
     outcomes: list[Any] = [None] * len(submitted)
-    pending = list(futures)
-    polls_left = FINISHED_POLLS_MAX if pf is not None else 0
+    pending = list(tickets)
+    executor.begin_stage()
     while pending:
         left_s = None if deadline is None else deadline - time.monotonic()
-        waiting_on = [submitted[slot[id(f)]] for f in pending]
-        if polls_left > 0 and all(isinstance(c, _ReduceCall) for c in waiting_on):
-            assert pf is not None
-            try:
-                finished, not_done, polls = _wait_finished(fexec, pf, pending, waiting_on,
-                                                            left_s=left_s, polls_max=polls_left)
-                polls_left -= polls
-            except PocketflowError as exc:
-                # The markers only say when to look: without them, Lithops' own wait does.
-                log.warning("shuffle: waiting for finished markers failed (%s); waiting for "
-                            "Lithops' statuses instead", exc)
-                polls_left = 0
-                continue
-        else:
-            # Any completed call, not all: a failure is seen (and a mapper's raised) as it
-            # happens.
-            finished, not_done = fexec.wait(pending, throw_except=False,
-                                            return_when=ANY_COMPLETED, download_results=True,
-                                            timeout=left_s, show_progressbar=False)
-        pending = list(not_done)
-        for future in finished:
-            i = slot[id(future)]
+        finished, pending = executor.wait(pending, [submitted[slot[id(t)]] for t in pending],
+                                          left_s=left_s, pf=pf)
+        for ticket in finished:
+            i = slot[id(ticket)]
             call = submitted[i]
-            if not future.error:
-                outcomes[i] = future.result()
-                continue
             try:
-                future.result()  # raises what the task raised
+                outcomes[i] = executor.result(ticket)
+                continue
             except ShuffleFailed:
                 raise
             except CapacityExhausted as exc:
@@ -465,22 +478,25 @@ def _collect(
                     # Any failure may be the cluster's end (a task's process may die with it):
                     # no retry then.
                     raise_if_cluster_gone(pf, settle_s=CLUSTER_GONE_SETTLE_S)
-                if not isinstance(call, _ReduceCall) or retries_left[call.reducer] <= 0:
+                if isinstance(call, _ReduceCall):
+                    left, index = retries_left, call.reducer
+                elif isinstance(exc, TaskProcessDied):
+                    left, index = map_retries_left, call.mapper
+                else:
                     raise
-                retries_left[call.reducer] -= 1
-                retried.append(call.reducer)
-                log.warning("reducer %d failed (%s: %s); submitting it again (%d retries left)",
-                            call.reducer, type(exc).__name__, exc, retries_left[call.reducer])
-                submitted[i] = _new_attempt(call)
-                (again,) = fexec.map(_shuffle_task, [(submitted[i],)],
-                                     exclude_modules=list(RUNTIME_PACKAGES))
+                if left[index] <= 0:
+                    raise
+                left[index] -= 1
+                if isinstance(call, _ReduceCall):
+                    retried.append(call.reducer)
+                log.warning("%s failed (%s: %s); submitting it again (%d retries left)",
+                            _task_name(call), type(exc).__name__, exc, left[index])
+                submitted[i] = _new_attempt(executor, call)
+                (again,) = executor.submit(_shuffle_task, [submitted[i]])
                 slot[id(again)] = i
                 every.append(again)
                 pending.append(again)
-                continue
-            raise ShuffleFailed(f"task {i} of the shuffle failed without an exception")
-    # Every call is done: this wait returns at once and lets Lithops clean the jobs' data.
-    fexec.wait(every, throw_except=False, show_progressbar=False)
+    executor.settle(every)
     return outcomes
 
 
@@ -490,60 +506,10 @@ def _task_name(call: _MapCall | _ReduceCall) -> str:
     return f"reducer {call.reducer}"
 
 
-def _stop_calls(fexec: Any, futures: list[Any], exc: BaseException) -> None:
-    """Stop the Lithops jobs of ``futures``: drop their calls not started yet and kill the
-    processes running the others, as Lithops' own ``wait`` does when it raises. A shuffle that
-    fails leaves no task running against its job (which is about to be deregistered) or its
-    cluster (which may be gone), and no runner of Lithops' starting the calls still queued.
-
-    Lithops has no public call for this (its executor's context manager stops every job of the
-    executor, which a caller's executor may not want), so this goes through the executor's own
-    cleanup; an executor without it is left as it is, with a warning.
-    """
-    try:
-        fexec.invoker.discard_pending({f.job_key for f in futures}, {f.job_id for f in futures})
-        fexec.job_monitor.remove(futures)
-        fexec._cleanup_jobs(futures, exception=exc, force=True)
-    except Exception as error:  # noqa: BLE001 - the shuffle's own error is the one to raise
-        log.warning("shuffle: could not stop its Lithops calls (%s: %s); they run to their end",
-                    type(error).__name__, error)
-
-
-def _new_attempt(call: _MapCall | _ReduceCall) -> _MapCall | _ReduceCall:
-    """``call`` as one new submission: a reducer gets a finished marker of its own."""
-    if isinstance(call, _MapCall):
+def _new_attempt(executor: ShuffleExecutor,
+                 call: _MapCall | _ReduceCall) -> _MapCall | _ReduceCall:
+    """``call`` as one new submission: a reducer gets a finished marker of its own where the
+    executor learns of results by polling."""
+    if isinstance(call, _MapCall) or not executor.names_attempts:
         return call
     return call.with_attempt(uuid.uuid4().hex[:16])
-
-
-def _wait_finished(
-    fexec: Any, pf: Client, pending: list[Any], calls: list[_ReduceCall], *,
-    left_s: float | None, polls_max: int,
-) -> tuple[list[Any], list[Any], int]:
-    """Wait for some of the ``pending`` reducer calls to be reported by Lithops: park on the
-    servers until every one of them wrote its finished marker (at most
-    ``FINISHED_WAIT_SLICE_S``), then look at Lithops' statuses once (which also shows calls
-    that failed without a marker) or, when every marker is there, every
-    ``FINISHED_POLL_INTERVAL_S`` until one is reported, at most ``polls_max`` times.
-
-    Returns Lithops' done and not-done futures and how many of the quick looks it took.
-    Raises ``TimeoutError`` once ``left_s`` is used up, as Lithops' own wait does.
-    """
-    from lithops.wait import ALWAYS
-
-    if left_s is not None and left_s <= 0:
-        raise TimeoutError("the shuffle's reducers did not finish within its timeout")
-    slice_s = FINISHED_WAIT_SLICE_S if left_s is None else min(FINISHED_WAIT_SLICE_S, left_s)
-    bucket = calls[0].spec.bucket
-    keys = [finished_key(reducer=c.reducer, attempt=c.attempt) for c in calls]
-    missing = pf.wait_for(bucket, keys, timeout_s=slice_s)
-    polls = 0
-    while True:
-        finished, not_done = fexec.wait(pending, throw_except=False, return_when=ALWAYS,
-                                        download_results=True, show_progressbar=False)
-        if finished or missing:
-            return finished, not_done, polls
-        polls += 1
-        if polls >= polls_max:
-            return finished, not_done, polls
-        time.sleep(FINISHED_POLL_INTERVAL_S)

@@ -1,14 +1,16 @@
-"""The demo sort on Lithops (``pocketflow demo``'s runner ``lithops``).
+"""The demo sort on Lithops or Ray (``pocketflow demo``'s runner ``lithops``, its option
+``executor``).
 
 Mappers and reducers are Lithops calls on the localhost executor (worker subprocesses of this
-interpreter, no Ray in the tasks), wired together by the drop-in shuffle of
-:mod:`pocketflow_lithops.shuffle`: the shuffle registers a job with hints, tasks receive only
-the job handle's JSON. Mapper ``i`` generates its share of records (:mod:`pocketflow.demo`) and
-range-partitions them into ``R`` partitions, one object per (mapper, reducer); reducer ``r``
-waits for and reads its ``M`` inputs with DELETE-on-read, sorts them and writes its output with
-PERSIST. A validation stage (more Lithops calls) reads every output back from the storage
-servers and checks it; the driver then compares record counts and an order-independent checksum
-with what the mappers generated, and checks that the partitions are globally ordered.
+interpreter, no Ray in the tasks) or Ray tasks on the cluster's Ray, wired together by the
+drop-in shuffle of :mod:`pocketflow_lithops.shuffle`: the shuffle registers a job with hints,
+tasks receive only the job handle's JSON. Mapper ``i`` generates its share of records
+(:mod:`pocketflow.demo`) and range-partitions them into ``R`` partitions, one object per
+(mapper, reducer); reducer ``r`` waits for and reads its ``M`` inputs with DELETE-on-read,
+sorts them and writes its output with PERSIST. A validation stage (more calls of the same
+executor) reads every output back from the storage servers and checks it; the driver then
+compares record counts and an order-independent checksum with what the mappers generated, and
+checks that the partitions are globally ordered.
 
 The core's ``pocketflow demo`` finds :data:`RUNNER` through the entry-point group
 ``pocketflow.demo_runners`` (this package's ``setup.cfg``), so the core imports no adapter.
@@ -44,6 +46,7 @@ from pocketflow.demo import (
 from pocketflow.errors import PocketflowError
 from pocketflow_lithops.runtime import runtime_path
 from pocketflow_lithops.shuffle import shuffle
+from pocketflow_lithops.shuffle_executors import EXECUTORS, RayShuffleExecutor
 from pocketflow_lithops.shuffle_tasks import CLUSTER_GONE_SETTLE_S, OutputInfo, cluster_gone
 
 __all__ = ["RUNNER", "LithopsSortRunner", "run_sort"]
@@ -68,15 +71,23 @@ def _shuffle_runtime() -> str | None:
         return None
 
 
+def _check_partition_call(args: tuple[str, str, str, int]) -> PartitionCheck:
+    """:func:`check_partition` as a task of one argument (a Ray task of the validation)."""
+    return check_partition(*args)
+
+
 def _validate(fexec: Any, handle_json: str, outputs: list[OutputInfo],
               timeout_s: float | None) -> list[PartitionCheck]:
-    """The validation stage: one Lithops call per output reads it back and describes it. A
-    failure of a call whose cluster is gone meanwhile says so, as the shuffle's do."""
+    """The validation stage: one call per output (a Lithops call, or a Ray task when ``fexec``
+    is a :class:`RayShuffleExecutor`) reads it back and describes it. A failure of a call whose
+    cluster is gone meanwhile says so, as the shuffle's do."""
+    calls = [(handle_json, o.bucket, o.key, r) for r, o in enumerate(outputs)]
     try:
-        checks: list[PartitionCheck] = fexec.get_result(fexec.map(
-            check_partition,
-            [(handle_json, o.bucket, o.key, r) for r, o in enumerate(outputs)],
-        ), timeout=timeout_s)
+        checks: list[PartitionCheck]
+        if isinstance(fexec, RayShuffleExecutor):
+            checks = fexec.run_all(_check_partition_call, calls, timeout_s)
+        else:
+            checks = fexec.get_result(fexec.map(check_partition, calls), timeout=timeout_s)
     except PocketflowError as failure:
         with pocketflow.connect(handle_json) as pf:
             gone = cluster_gone(pf, settle_s=CLUSTER_GONE_SETTLE_S)
@@ -95,8 +106,10 @@ def run_sort(
     lithops_storage: str = "localhost",
     client_options: dict[str, Any] | None = None,
     timeout_s: float | None = SORT_TIMEOUT_DEFAULT_S,
+    executor: str = "lithops",
 ) -> SortReport:
-    """Run the sort on Lithops' localhost executor, shuffling through pocketflow; the report.
+    """Run the sort on Lithops' localhost executor or on Ray tasks (``executor``: ``"lithops"``
+    or ``"ray"``), shuffling through pocketflow; the report.
 
     ``cluster`` is what :func:`pocketflow.register_job` takes (a LocalCluster, a control plane,
     or ``None`` for the running one). The shuffle registers its own job with hints (tasks, input
@@ -109,11 +122,15 @@ def run_sort(
     and the processes of its jobs killed, so no task outlives the sort. ``timeout_s`` bounds
     each wait for a stage's Lithops results (``TimeoutError``; only enforced on the main thread,
     where Lithops can arm its alarm). Raises whatever a task raised.
-    """
-    import lithops
 
+    With ``executor="ray"`` the tasks are Ray tasks on the Ray cluster this process is connected
+    to (the local cluster's), at most ``config.pool_size()`` at once; ``fexec`` and
+    ``lithops_storage`` are not used and Lithops is not imported.
+    """
     from pocketflow.job import _resolve_control_plane
 
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
     cfg = config or SortConfig()
     control = _resolve_control_plane(cluster)
     if threading.current_thread() is not threading.main_thread():
@@ -123,7 +140,11 @@ def run_sort(
         options.setdefault("block_size_bytes", cfg.block_size_bytes)
     phase_s: dict[str, float] = {}
     with contextlib.ExitStack() as own:
-        if fexec is None:
+        if executor == "ray":
+            fexec = RayShuffleExecutor(tasks_max=cfg.pool_size())
+        elif fexec is None:
+            import lithops
+
             extra: dict[str, Any] = {}
             if lithops_storage == LITHOPS_POCKET_STORAGE:
                 # Lithops' own data (payloads, results, status) in a pocketflow job of its own,
@@ -143,7 +164,8 @@ def run_sort(
             own.enter_context(fexec)
         started = time.perf_counter()
         with CapacityPoller(control.status) as poller:
-            _say(progress, f"shuffle: {cfg.mappers} mappers x {cfg.reducers} reducers on Lithops")
+            where = "Ray tasks" if executor == "ray" else "Lithops"
+            _say(progress, f"shuffle: {cfg.mappers} mappers x {cfg.reducers} reducers on {where}")
             result = shuffle(
                 fexec, functools.partial(map_records, cfg), reduce_records, range(cfg.mappers),
                 reducers=cfg.reducers, cluster=control, name="sort",
@@ -187,14 +209,14 @@ def run_sort(
         weights={s.node_id: s.weight for s in handle.servers if s.weight > 0},
         problems=problems,
         regenerated_partitions=sum(len(r) for r in result.regenerated),
-        executor="Lithops localhost executor",
+        executor="Ray tasks" if executor == "ray" else "Lithops localhost executor",
     )
 
 
 class LithopsSortRunner:
     """The demo runner ``lithops`` (see :class:`pocketflow.demo.DemoRunner`): the sort on
-    Lithops' localhost executor. Its option ``lithops_storage`` is where Lithops keeps its own
-    data (``"localhost"`` or ``"pocket"``)."""
+    Lithops' localhost executor, or on Ray tasks with the option ``executor="ray"``. Its option
+    ``lithops_storage`` is where Lithops keeps its own data (``"localhost"`` or ``"pocket"``)."""
 
     def prepare(self) -> None:
         """Start a Lithops session of this process's own before anything forks."""
@@ -205,7 +227,8 @@ class LithopsSortRunner:
     ) -> SortReport:
         """:func:`run_sort` with the command line's options."""
         return run_sort(cluster, config, progress=progress,
-                        lithops_storage=options.get("lithops_storage") or "localhost")
+                        lithops_storage=options.get("lithops_storage") or "localhost",
+                        executor=options.get("executor") or "lithops")
 
 
 RUNNER = LithopsSortRunner()

@@ -1,8 +1,13 @@
-"""Tests of the demo sort on Lithops (:mod:`pocketflow_lithops.sort`, ``pocketflow demo``'s
-runner ``lithops``): small runs end to end on the session cluster."""
+"""Tests of the demo sort on Lithops and on Ray tasks (:mod:`pocketflow_lithops.sort`,
+``pocketflow demo``'s runner ``lithops``): small runs end to end on the session cluster."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
 from fixtures_cluster import used_bytes, wait_for
 from pocketflow_lithops.sort import run_sort
 
@@ -41,3 +46,35 @@ def test_small_sort_with_lithops_own_data_in_pocketflow(local_cluster: LocalClus
     assert report.ok, report.problems
     # Both the shuffle's job and the job holding Lithops' data are deregistered.
     assert {j["job_id"] for j in local_cluster.status()["jobs"]} == jobs_before
+
+
+def test_small_sort_end_to_end_on_ray_tasks(local_cluster: LocalCluster) -> None:
+    baseline = used_bytes(local_cluster)
+    config = SortConfig(mappers=3, reducers=2, records=30_000, seed=7, processes=3)
+    report = run_sort(local_cluster, config, progress=False, timeout_s=SORT_TIMEOUT_S,
+                      executor="ray")
+    assert report.ok, report.problems
+    assert report.executor == "Ray tasks"
+    assert report.output_records == 30_000
+    assert report.output_checksum == report.input_checksum
+    assert report.bytes_written == 2 * config.input_bytes
+    assert report.bytes_read == 2 * config.input_bytes
+    assert report.job_id not in {j["job_id"] for j in local_cluster.status()["jobs"]}
+    assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)
+    with pytest.raises(ValueError, match="executor"):
+        run_sort(local_cluster, config, progress=False, executor="dask")
+
+
+def test_the_demo_command_runs_its_tasks_on_ray(local_cluster: LocalCluster) -> None:
+    # `pocketflow demo --executor ray` against the running session cluster: a driver process of
+    # its own whose mappers and reducers are Ray tasks of that cluster.
+    env = {k: v for k, v in os.environ.items()
+           if k != "RAY_ADDRESS" and not k.startswith("__LITHOPS_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "pocketflow", "demo", "--address", local_cluster.ray_address,
+         "--executor", "ray", "--records", "6000", "--mappers", "3", "--reducers", "2",
+         "--no-progress"],
+        capture_output=True, text=True, timeout=SORT_TIMEOUT_S, env=env,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Ray tasks" in done.stdout and "validation: OK" in done.stdout, done.stdout

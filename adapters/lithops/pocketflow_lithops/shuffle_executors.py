@@ -1,0 +1,360 @@
+"""Where a shuffle's tasks run: Lithops functions or Ray tasks, chosen per call of
+:func:`pocketflow_lithops.shuffle.shuffle`.
+
+The shuffle's driver (:mod:`pocketflow_lithops.shuffle`) is the same on both: it submits the
+calls of a stage, waits for some of them to finish, resubmits a failed reducer, and stops what
+is still running when the shuffle fails. An executor does only those four things, for the task
+function :func:`~pocketflow_lithops.shuffle_tasks._shuffle_task` (or the append layout's task).
+
+- :class:`LithopsShuffleExecutor` wraps a ``lithops.FunctionExecutor``. Lithops learns that a
+  call finished by polling its storage, so reducer attempts write a finished marker on the
+  storage servers and the driver parks on them (``names_attempts``; see the shuffle's doc).
+- :class:`RayShuffleExecutor` runs the calls as Ray tasks on the Ray cluster this process is
+  connected to. It keeps at most ``tasks_max`` of them running and starts the others in
+  submission order as slots free up, as Lithops' worker pool does: a stage submits every mapper
+  before any reducer, so a reducer parked on its inputs only ever holds a slot once every
+  mapper has one, and the shuffle cannot deadlock on its own slots. Ray reports a finished task
+  as it happens, so no marker is written. Ray does not retry a task itself (``max_retries=0``):
+  the shuffle's driver does, because a retry may need lost inputs regenerated first.
+
+Lithops is imported only by the Lithops executor and Ray only by the Ray executor: a Ray user
+runs the shuffle without importing Lithops.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pocketflow.errors import PocketflowError
+from pocketflow_lithops.runtime import RUNTIME_PACKAGES
+
+if TYPE_CHECKING:
+    from pocketflow.client import Client
+
+__all__ = [
+    "EXECUTORS",
+    "LithopsShuffleExecutor",
+    "RayShuffleExecutor",
+    "ShuffleExecutor",
+    "TaskProcessDied",
+    "shuffle_executor",
+]
+
+log = logging.getLogger(__name__)
+
+EXECUTORS = ("lithops", "ray")
+"""Names :func:`shuffle_executor` takes."""
+FINISHED_WAIT_SLICE_S = 0.25
+"""Longest the Lithops driver parks on the servers for reducers' finished markers before it
+looks at Lithops' statuses again (a call that failed writes none)."""
+FINISHED_POLL_INTERVAL_S = 0.005
+"""Pause between two looks at Lithops' statuses once the pending reducers said they returned."""
+FINISHED_POLLS_MAX = 40
+"""Most such looks per stage; after them the driver waits with Lithops' own polling."""
+RAY_TASKS_MAX = 4096
+"""Most Ray tasks one shuffle keeps running at once (each holds a Ray worker process)."""
+RAY_WAIT_SLICE_S = 1.0
+"""Longest one ``ray.wait`` of the driver, so that a timeout and a stop are seen in time."""
+
+
+class TaskProcessDied(PocketflowError):
+    """A task's process died under it (killed, out of memory) instead of the task raising: the
+    task may be run again, since its writes are write-once and a rerun keeps what it wrote."""
+
+
+class ShuffleExecutor(abc.ABC):
+    """Runs the calls of a shuffle; tickets are the executor's handles of submitted calls."""
+
+    name: str
+    names_attempts: bool
+    """Whether reducer attempts write finished markers that :meth:`wait` parks on."""
+
+    @abc.abstractmethod
+    def submit(self, task: Callable[[Any], Any], calls: Sequence[Any]) -> list[Any]:
+        """Start ``task(call)`` for every call, in order; one ticket per call."""
+
+    @abc.abstractmethod
+    def wait(self, pending: list[Any], calls: list[Any], *, left_s: float | None,
+             pf: Client | None) -> tuple[list[Any], list[Any]]:
+        """Wait until some of the ``pending`` tickets (of ``calls``) finished; returns the
+        finished and the other tickets. Raises ``TimeoutError`` once ``left_s`` is used up."""
+
+    @abc.abstractmethod
+    def result(self, ticket: Any) -> Any:
+        """The finished call's outcome; raises what the task raised, or
+        :class:`TaskProcessDied`."""
+
+    @abc.abstractmethod
+    def stop(self, tickets: list[Any], exc: BaseException) -> None:
+        """Drop the calls of ``tickets`` not started yet and kill those running."""
+
+    def begin_stage(self) -> None:
+        """A new stage starts (its own bound on quick polls)."""
+        return None
+
+    def settle(self, tickets: list[Any]) -> None:
+        """Every call of ``tickets`` is done: release what the executor keeps for them."""
+        return None
+
+    def run_all(self, task: Callable[[Any], Any], calls: Sequence[Any],
+                timeout_s: float | None) -> list[Any]:
+        """Run every call and return the outcomes in call order; the first failure is raised
+        once every call still running was stopped."""
+        tickets = self.submit(task, calls)
+        slot = {id(t): i for i, t in enumerate(tickets)}
+        outcomes: list[Any] = [None] * len(calls)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = list(tickets)
+        self.begin_stage()
+        try:
+            while pending:
+                left_s = None if deadline is None else deadline - time.monotonic()
+                finished, pending = self.wait(pending, [calls[slot[id(t)]] for t in pending],
+                                              left_s=left_s, pf=None)
+                for ticket in finished:
+                    outcomes[slot[id(ticket)]] = self.result(ticket)
+        except BaseException as exc:
+            self.stop(tickets, exc)
+            raise
+        self.settle(tickets)
+        return outcomes
+
+
+class LithopsShuffleExecutor(ShuffleExecutor):
+    """The calls as Lithops functions of the ``fexec`` given (its jobs, its workers)."""
+
+    name = "lithops"
+    names_attempts = True
+
+    def __init__(self, fexec: Any) -> None:
+        self.fexec = fexec
+        self._polls_left = FINISHED_POLLS_MAX
+
+    def submit(self, task: Callable[[Any], Any], calls: Sequence[Any]) -> list[Any]:
+        return list(self.fexec.map(task, [(call,) for call in calls],
+                                   exclude_modules=list(RUNTIME_PACKAGES)))
+
+    def begin_stage(self) -> None:
+        self._polls_left = FINISHED_POLLS_MAX
+
+    def wait(self, pending: list[Any], calls: list[Any], *, left_s: float | None,
+             pf: Client | None) -> tuple[list[Any], list[Any]]:
+        from lithops.wait import ANY_COMPLETED
+
+        from pocketflow_lithops.shuffle_tasks import _ReduceCall
+
+        if pf is not None and self._polls_left > 0 and all(
+                isinstance(c, _ReduceCall) and c.attempt for c in calls):
+            try:
+                finished, not_done, polls = self._wait_finished(
+                    pf, pending, calls, left_s=left_s, polls_max=self._polls_left)
+                self._polls_left -= polls
+                return finished, not_done
+            except PocketflowError as exc:
+                # The markers only say when to look: without them, Lithops' own wait does.
+                log.warning("shuffle: waiting for finished markers failed (%s); waiting for "
+                            "Lithops' statuses instead", exc)
+                self._polls_left = 0
+        # Any completed call, not all: a failure is seen (and a mapper's raised) as it happens.
+        finished, not_done = self.fexec.wait(pending, throw_except=False,
+                                             return_when=ANY_COMPLETED, download_results=True,
+                                             timeout=left_s, show_progressbar=False)
+        return list(finished), list(not_done)
+
+    def result(self, ticket: Any) -> Any:
+        return ticket.result()
+
+    def stop(self, tickets: list[Any], exc: BaseException) -> None:
+        """Stop the Lithops jobs of ``tickets``: drop their calls not started yet and kill the
+        processes running the others, as Lithops' own ``wait`` does when it raises.
+
+        Lithops has no public call for this (its executor's context manager stops every job of
+        the executor, which a caller's executor may not want), so this goes through the
+        executor's own cleanup; an executor without it is left as it is, with a warning.
+        """
+        fexec = self.fexec
+        try:
+            fexec.invoker.discard_pending({f.job_key for f in tickets},
+                                          {f.job_id for f in tickets})
+            fexec.job_monitor.remove(tickets)
+            fexec._cleanup_jobs(tickets, exception=exc, force=True)
+        except Exception as error:  # noqa: BLE001 - the shuffle's own error is the one to raise
+            log.warning("shuffle: could not stop its Lithops calls (%s: %s); they run to their "
+                        "end", type(error).__name__, error)
+
+    def settle(self, tickets: list[Any]) -> None:
+        # Every call is done: this wait returns at once and lets Lithops clean the jobs' data.
+        self.fexec.wait(tickets, throw_except=False, show_progressbar=False)
+
+    def run_all(self, task: Callable[[Any], Any], calls: Sequence[Any],
+                timeout_s: float | None) -> list[Any]:
+        futures = self.submit(task, calls)
+        return list(self.fexec.get_result(futures, timeout=timeout_s, show_progressbar=False))
+
+    def _wait_finished(
+        self, pf: Client, pending: list[Any], calls: list[Any], *, left_s: float | None,
+        polls_max: int,
+    ) -> tuple[list[Any], list[Any], int]:
+        """Wait for some of the ``pending`` reducer calls to be reported by Lithops: park on the
+        servers until every one of them wrote its finished marker (at most
+        ``FINISHED_WAIT_SLICE_S``), then look at Lithops' statuses once (which also shows calls
+        that failed without a marker) or, when every marker is there, every
+        ``FINISHED_POLL_INTERVAL_S`` until one is reported, at most ``polls_max`` times.
+
+        Returns Lithops' done and not-done futures and how many of the quick looks it took.
+        Raises ``TimeoutError`` once ``left_s`` is used up, as Lithops' own wait does.
+        """
+        from lithops.wait import ALWAYS
+
+        from pocketflow_lithops.shuffle_tasks import finished_key
+
+        if left_s is not None and left_s <= 0:
+            raise TimeoutError("the shuffle's reducers did not finish within its timeout")
+        slice_s = FINISHED_WAIT_SLICE_S if left_s is None else min(FINISHED_WAIT_SLICE_S,
+                                                                    left_s)
+        bucket = calls[0].spec.bucket
+        keys = [finished_key(reducer=c.reducer, attempt=c.attempt) for c in calls]
+        missing = pf.wait_for(bucket, keys, timeout_s=slice_s)
+        polls = 0
+        while True:
+            finished, not_done = self.fexec.wait(pending, throw_except=False,
+                                                 return_when=ALWAYS, download_results=True,
+                                                 show_progressbar=False)
+            if finished or missing:
+                return list(finished), list(not_done), polls
+            polls += 1
+            if polls >= polls_max:
+                return list(finished), list(not_done), polls
+            time.sleep(FINISHED_POLL_INTERVAL_S)
+
+
+class _RayTicket:
+    """One submitted call: queued until a slot frees up, then a running Ray task (``ref``)."""
+
+    __slots__ = ("task", "call", "ref")
+
+    def __init__(self, task: Callable[[Any], Any], call: Any) -> None:
+        self.task = task
+        self.call = call
+        self.ref: Any = None
+
+
+class RayShuffleExecutor(ShuffleExecutor):
+    """The calls as Ray tasks, at most ``tasks_max`` running at once (default: the Ray
+    cluster's CPUs, at least 2), each asking for an equal share of ``cpus`` (default: the
+    cluster's CPUs; at most one CPU per task) so that all of them fit at once. Connects to
+    the running Ray cluster (``address="auto"``) unless this process already is."""
+
+    name = "ray"
+    names_attempts = False
+
+    def __init__(self, *, tasks_max: int | None = None, cpus: float | None = None) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address="auto", log_to_driver=False)
+        total_cpus = float(ray.cluster_resources().get("CPU", 1.0))
+        cpus = total_cpus if cpus is None else cpus
+        if tasks_max is None:
+            tasks_max = max(2, int(total_cpus))
+        if not 1 <= tasks_max <= RAY_TASKS_MAX:
+            raise ValueError(f"tasks_max must be in 1..{RAY_TASKS_MAX}, got {tasks_max}")
+        if not 0 < cpus <= total_cpus:
+            raise ValueError(f"cpus must be in (0, {total_cpus}], got {cpus}")
+        self.tasks_max = tasks_max
+        # Ray takes fractions of a CPU below one, to four decimals, and whole CPUs above.
+        self.num_cpus = min(1.0, math.floor(cpus / tasks_max * 10_000) / 10_000)
+        self._remotes: dict[Callable[[Any], Any], Any] = {}
+        self._queued: deque[_RayTicket] = deque()
+        self._running: dict[Any, _RayTicket] = {}
+
+    def submit(self, task: Callable[[Any], Any], calls: Sequence[Any]) -> list[Any]:
+        tickets = [_RayTicket(task, call) for call in calls]
+        self._queued.extend(tickets)
+        self._start_queued()
+        return tickets
+
+    def _start_queued(self) -> None:
+        import ray
+
+        while self._queued and len(self._running) < self.tasks_max:
+            ticket = self._queued.popleft()
+            remote = self._remotes.get(ticket.task)
+            if remote is None:
+                remote = ray.remote(ticket.task).options(num_cpus=self.num_cpus, max_retries=0)
+                self._remotes[ticket.task] = remote
+            ticket.ref = remote.remote(ticket.call)
+            self._running[ticket.ref] = ticket
+
+    def wait(self, pending: list[Any], calls: list[Any], *, left_s: float | None,
+             pf: Client | None) -> tuple[list[Any], list[Any]]:
+        import ray
+
+        deadline = None if left_s is None else time.monotonic() + left_s
+        while True:
+            running = [t.ref for t in pending if t.ref is not None]
+            if not running:
+                raise RuntimeError("no call of the stage is running (tickets of a stopped "
+                                   "shuffle?)")
+            slice_s = RAY_WAIT_SLICE_S
+            if deadline is not None:
+                slice_s = min(slice_s, deadline - time.monotonic())
+                if slice_s <= 0:
+                    raise TimeoutError("the shuffle's tasks did not finish within its timeout")
+            ready, _ = ray.wait(running, num_returns=1, timeout=slice_s)
+            if ready:
+                ready, _ = ray.wait(running, num_returns=len(running), timeout=0)
+                done = set(ready)
+                for ref in ready:
+                    self._running.pop(ref, None)
+                self._start_queued()
+                finished = [t for t in pending if t.ref is not None and t.ref in done]
+                finished_ids = set(map(id, finished))
+                return finished, [t for t in pending if id(t) not in finished_ids]
+
+    def result(self, ticket: Any) -> Any:
+        import ray
+        from ray.exceptions import RayTaskError, WorkerCrashedError
+
+        try:
+            return ray.get(ticket.ref)
+        except RayTaskError as exc:
+            cause = exc.cause if exc.cause is not None else exc
+            raise cause from None
+        except WorkerCrashedError as exc:
+            raise TaskProcessDied(f"the process of {ticket.call!r} died: {exc}") from exc
+
+    def stop(self, tickets: list[Any], exc: BaseException) -> None:
+        import ray
+
+        stopping = set(map(id, tickets))
+        self._queued = deque(t for t in self._queued if id(t) not in stopping)
+        for ticket in tickets:
+            if ticket.ref is not None and self._running.pop(ticket.ref, None) is not None:
+                try:
+                    # force: the worker process is killed, so no task of a failed shuffle
+                    # goes on writing into (or parking on) its job.
+                    ray.cancel(ticket.ref, force=True)
+                except Exception as error:  # noqa: BLE001 - already finished, or Ray is gone
+                    log.debug("shuffle: could not cancel a Ray task: %s", error)
+
+
+def shuffle_executor(executor: Any) -> ShuffleExecutor:
+    """``executor`` as a :class:`ShuffleExecutor`: one already, ``"ray"`` (a
+    :class:`RayShuffleExecutor` with its defaults), or a ``lithops.FunctionExecutor``."""
+    if isinstance(executor, ShuffleExecutor):
+        return executor
+    if isinstance(executor, str):
+        if executor == "ray":
+            return RayShuffleExecutor()
+        raise ValueError(f"unknown executor {executor!r}: pass 'ray', a RayShuffleExecutor, or "
+                         f"a lithops.FunctionExecutor")
+    if hasattr(executor, "map") and hasattr(executor, "wait"):
+        return LithopsShuffleExecutor(executor)
+    raise TypeError(f"not an executor: {type(executor).__name__}")

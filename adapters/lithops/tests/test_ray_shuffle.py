@@ -1,0 +1,233 @@
+"""Tests of the shuffle on Ray tasks (:class:`pocketflow_lithops.shuffle_executors.
+RayShuffleExecutor`) on the session cluster's Ray: the same driver as on Lithops, with the same
+hints, DELETE-on-read, PERSIST outputs, lineage regeneration and retries.
+
+A mapper killed mid-run is a Ray worker process of the session cluster, SIGKILLed by pid by the
+test; a reducer that dies after its DELETE reads ends its own worker process (``os._exit``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import ray.cloudpickle
+from fixtures_cluster import used_bytes, wait_for
+from pocketflow_lithops.shuffle import shuffle
+from pocketflow_lithops.shuffle_executors import RayShuffleExecutor, shuffle_executor
+
+from pocketflow.cluster import LocalCluster
+from pocketflow.demo import (
+    SortConfig,
+    check_output,
+    describe_partition,
+    map_records,
+    reduce_records,
+)
+
+# Ray pickles the task functions with its own cloudpickle; the ones defined here travel by
+# value (Ray's workers cannot import this test module).
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+SHUFFLE_TIMEOUT_S = 120.0
+"""Bound on one shuffle in these tests."""
+KILL_WAIT_S = 60.0
+"""How long the doomed mapper waits to be killed (the test kills it as soon as it says where)."""
+TASKS_MAX = 4
+"""Ray tasks of one shuffle at once here (on the session cluster's 2 CPUs)."""
+
+
+def _ray() -> RayShuffleExecutor:
+    return RayShuffleExecutor(tasks_max=TASKS_MAX)
+
+
+def _emit_bytes(item: int, emit: Callable[[int, Any], None]) -> int:
+    for partition in range(3):
+        emit(partition, bytes([item]) * (10 * (partition + 1)))
+        emit(partition, b"|")
+    return item * 100
+
+
+def _join(partition: int, inputs: list[bytes]) -> bytes:
+    return f"{partition}:".encode() + b"".join(inputs)
+
+
+def _reduce_crashing_once(flag_dir: str, crashing: int, how: str, partition: int,
+                          inputs: list[bytes]) -> bytes:
+    """The sort's reducer; reducer ``crashing`` fails on its first attempt, after its inputs
+    were read with DELETE: it raises, or its process dies."""
+    flag = Path(flag_dir) / f"reducer-{partition}"
+    if partition == crashing and not flag.exists():
+        flag.write_text(str(sum(len(i) for i in inputs)))
+        if how == "exit":
+            os._exit(3)
+        raise RuntimeError(f"reducer {partition} crashes after its reads")
+    return reduce_records(partition, inputs)
+
+
+def _map_killed_once(flag_dir: str, config: SortConfig, mapper: int,
+                     emit: Callable[[int, Any], None]) -> Any:
+    """The sort's mapper; mapper 1's first run says its pid and waits to be killed."""
+    directory = Path(flag_dir)
+    (directory / f"mapper-{mapper}-{time.monotonic_ns()}").touch()
+    flag = directory / "doomed-pid"
+    if mapper == 1 and not flag.exists():
+        flag.write_text(str(os.getpid()))
+        deadline = time.monotonic() + KILL_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise TimeoutError("the test never killed mapper 1")
+    return map_records(config, mapper, emit)
+
+
+def _failing_map(item: int, emit: Callable[[int, Any], None]) -> None:
+    if item == 1:
+        raise RuntimeError("mapper 1 breaks")
+    emit(0, b"x")
+
+
+def test_a_shuffle_on_ray_tasks_delivers_every_partition_and_leaves_nothing(
+    local_cluster: LocalCluster,
+) -> None:
+    baseline = used_bytes(local_cluster)
+    jobs_before = {j["job_id"] for j in local_cluster.status()["jobs"]}
+    result = shuffle(_ray(), _emit_bytes, _join, [1, 2, 3], reducers=3, cluster=local_cluster,
+                     input_size_bytes=200, timeout_s=SHUFFLE_TIMEOUT_S)
+    assert result.map_values == [100, 200, 300]
+    assert result.outputs == [
+        f"{r}:".encode() + b"".join(bytes([m]) * (10 * (r + 1)) + b"|" for m in (1, 2, 3))
+        for r in range(3)
+    ]
+    assert result.bytes_shuffled == result.bytes_read == sum(3 * (10 * (r + 1) + 1)
+                                                             for r in range(3))
+    assert result.retried == [] and result.regenerated == []
+    # Its own job, registered with hints and deregistered at the end.
+    assert result.job_id not in jobs_before
+    assert {j["job_id"] for j in local_cluster.status()["jobs"]} == jobs_before
+    assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)
+
+
+def test_a_sort_on_ray_tasks_validates_with_delete_on_read_and_persist_outputs(
+    local_cluster: LocalCluster,
+) -> None:
+    config = SortConfig(mappers=4, reducers=3, records=12_000, seed=29)
+    with local_cluster.register_job("ray-sort") as job:
+        result = shuffle("ray", functools.partial(map_records, config), reduce_records,
+                         range(config.mappers), reducers=config.reducers, job=job,
+                         persist_output=True, timeout_s=SHUFFLE_TIMEOUT_S)
+        with job.connect() as pf:
+            # DELETE-on-read consumed every input; no reducer marker is left either.
+            assert pf.list("shuffle") == []
+            checks = [describe_partition(r, pf.get(o.bucket, o.key, delete=True))
+                      for r, o in enumerate(result.outputs)]
+            assert all(o.bucket == "output" and o.size > 0 for o in result.outputs)
+    assert result.bytes_shuffled == result.bytes_read == config.input_bytes
+    input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
+    assert check_output(config, input_checksum=input_checksum, checks=checks) == []
+
+
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_reducer_on_ray_retried_after_its_delete_reads_has_its_inputs_regenerated(
+    local_cluster: LocalCluster, tmp_path: Path, how: str,
+) -> None:
+    baseline = used_bytes(local_cluster)
+    config = SortConfig(mappers=3, reducers=3, records=6_000, seed=17)
+    with local_cluster.register_job("ray-reducer-retry") as job:
+        result = shuffle(_ray(), functools.partial(map_records, config),
+                         functools.partial(_reduce_crashing_once, str(tmp_path), 1, how),
+                         range(3), reducers=3, job=job, persist_output=True,
+                         timeout_s=SHUFFLE_TIMEOUT_S)
+        assert int((tmp_path / "reducer-1").read_text()) > 0
+        assert result.retried == [1]
+        # Its retry found them consumed; exactly its partitions were regenerated, once.
+        assert result.regenerated == [[(m, 1) for m in range(3)]]
+        with job.connect() as pf:
+            assert pf.list("shuffle") == []
+            checks = [describe_partition(r, pf.get(o.bucket, o.key, delete=True))
+                      for r, o in enumerate(result.outputs)]
+    input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
+    assert check_output(config, input_checksum=input_checksum, checks=checks) == []
+    assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)
+
+
+def test_a_mapper_whose_ray_worker_is_killed_runs_again(
+    local_cluster: LocalCluster, tmp_path: Path,
+) -> None:
+    config = SortConfig(mappers=3, reducers=2, records=6_000, seed=5)
+    killed: list[int] = []
+
+    def kill_the_doomed_mapper() -> None:
+        pid_file = tmp_path / "doomed-pid"
+        deadline = time.monotonic() + SHUFFLE_TIMEOUT_S
+        while not pid_file.exists() or not pid_file.read_text():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    killer = threading.Thread(target=kill_the_doomed_mapper, daemon=True)
+    killer.start()
+    with local_cluster.register_job("ray-mapper-killed") as job:
+        result = shuffle(_ray(), functools.partial(_map_killed_once, str(tmp_path), config),
+                         reduce_records, range(config.mappers), reducers=config.reducers,
+                         job=job, persist_output=True, timeout_s=SHUFFLE_TIMEOUT_S)
+        killer.join(SHUFFLE_TIMEOUT_S)
+        with job.connect() as pf:
+            assert pf.list("shuffle") == []
+            checks = [describe_partition(r, pf.get(o.bucket, o.key, delete=True))
+                      for r, o in enumerate(result.outputs)]
+    assert killed, "mapper 1 never said its pid"
+    runs = sorted(p.name.rsplit("-", 1)[0] for p in tmp_path.glob("mapper-*"))
+    assert runs == ["mapper-0", "mapper-1", "mapper-1", "mapper-2"]
+    input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
+    assert check_output(config, input_checksum=input_checksum, checks=checks) == []
+
+
+def test_a_mapper_that_raises_on_ray_fails_the_shuffle_without_a_retry(
+    local_cluster: LocalCluster,
+) -> None:
+    jobs_before = {j["job_id"] for j in local_cluster.status()["jobs"]}
+    with pytest.raises(RuntimeError, match="mapper 1 breaks"):
+        shuffle(_ray(), _failing_map, _join, [0, 1], reducers=1, cluster=local_cluster,
+                input_wait_s=60, timeout_s=SHUFFLE_TIMEOUT_S)
+    assert {j["job_id"] for j in local_cluster.status()["jobs"]} == jobs_before
+
+
+def test_the_executor_is_chosen_per_call_and_bad_ones_are_refused(
+    local_cluster: LocalCluster,
+) -> None:
+    own = _ray()
+    assert shuffle_executor(own) is own
+    assert isinstance(shuffle_executor("ray"), RayShuffleExecutor)
+    with pytest.raises(ValueError, match="unknown executor"):
+        shuffle_executor("dask")
+    with pytest.raises(TypeError, match="not an executor"):
+        shuffle_executor(42)
+    with pytest.raises(ValueError, match="tasks_max"):
+        RayShuffleExecutor(tasks_max=0)
+
+
+def test_the_ray_shuffle_imports_no_lithops() -> None:
+    # A Ray user runs the shuffle without Lithops: neither the driver's modules nor the tasks'
+    # import it (the Lithops executor imports it when it is used).
+    script = (
+        "import sys\n"
+        "import pocketflow_lithops.shuffle, pocketflow_lithops.shuffle_executors\n"
+        "import pocketflow_lithops.shuffle_tasks\n"
+        "print(sorted(m for m in sys.modules if m == 'lithops' or m.startswith('lithops.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.strip()
+    assert out == "[]", out

@@ -81,12 +81,14 @@ where
             return Ok(Err(e));
         }
     };
-    let reply = ok_reply(header);
     if header.block_count == 0 {
         state.stats.counters.add_out(value.len() as u64);
-        send_reply(writer, idle, &reply, &value).await?;
+        send_reply(writer, idle, &ok_reply(header, Bytes::new()), &value).await?;
         return Ok(Ok(()));
     }
+    // A manifest's value (an overflowed one names the servers its blocks skipped) is the
+    // reply's body, as in an exchange GET; object bytes come as DATA only.
+    let reply = ok_reply(header, value);
     if block_follows(&state, &job, &ticket, &header)? {
         let block = GetTicket {
             ctx: ticket.ctx,
@@ -124,12 +126,12 @@ fn block_follows(
     Ok(held == Some(header.size))
 }
 
-fn ok_reply(header: ObjectHeader) -> Reply {
+fn ok_reply(header: ObjectHeader, body: Bytes) -> Reply {
     Reply {
         request_id: 0,
         status: STATUS_OK,
         header: Some(header),
-        body: Bytes::new(),
+        body,
     }
 }
 
@@ -326,6 +328,35 @@ mod tests {
             state.store.lookup(JOB, "b", "k").is_err(),
             "the record was claimed"
         );
+    }
+
+    #[tokio::test]
+    async fn an_overflowed_manifest_comes_with_the_servers_its_blocks_skipped() {
+        let (state, key) = state().await;
+        let overflowed = ObjectHeader {
+            version: 9,
+            size: 10,
+            block_count: 1,
+            block_size: 10,
+            flags: pocketflow_protocol::HEADER_FLAG_OVERFLOW,
+        };
+        let skipped = Bytes::from_static(br#"["dram-0"]"#);
+        state
+            .store
+            .put_record(JOB, "b", "moved", overflowed, skipped.clone(), false)
+            .await
+            .unwrap();
+        // Its block is on another server: the manifest alone, its value in the reply's body.
+        let (reply, data) = read(&state, &ticket(&key, "moved", true, 1 << 20)).await;
+        assert_eq!(reply.status, STATUS_OK);
+        assert!(reply.header.unwrap().overflowed());
+        assert_eq!(reply.body, skipped);
+        assert!(data.is_empty());
+        // A plain manifest's body stays empty, and a small object's bytes come as DATA only.
+        let (reply, _) = read(&state, &ticket(&key, "two", false, 0)).await;
+        assert!(reply.body.is_empty());
+        let (reply, data) = read(&state, &ticket(&key, "small", false, 0)).await;
+        assert!(reply.body.is_empty() && data.len() == 1);
     }
 
     #[tokio::test]

@@ -197,6 +197,7 @@ mod tests {
         let e = ServiceError::Store(StoreError::CapacityExhausted {
             requested: 1,
             available: 0,
+            limit: pocketflow_store::CapacityLimit::Records { capacity_bytes: 8 },
         });
         assert_eq!(e.to_status().code(), Code::ResourceExhausted);
         let e = ServiceError::Protocol(ProtocolError::Token(

@@ -220,12 +220,7 @@ impl RequestOp {
         }
         self.header.validate()?;
         let value_len = self.value.len() as u64;
-        let consistent = if self.header.is_small() {
-            value_len == self.header.size
-        } else {
-            value_len == 0
-        };
-        if !consistent {
+        if !self.header.value_len_ok(value_len) {
             return Err(ProtocolError::ValueLength {
                 value_len,
                 size: self.header.size,

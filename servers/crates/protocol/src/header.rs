@@ -1,6 +1,6 @@
 //! The fixed 32-byte object header stored with block 0 and carried in DoExchange ops and replies.
 
-use crate::limits::{BLOCK_SIZE_MAX_BYTES, SMALL_OBJECT_MAX_BYTES};
+use crate::limits::{BLOCK_SIZE_MAX_BYTES, OVERFLOW_VALUE_MAX_BYTES, SMALL_OBJECT_MAX_BYTES};
 
 /// Encoded size of [`ObjectHeader`].
 pub const HEADER_LEN_BYTES: usize = 32;
@@ -10,8 +10,12 @@ pub const HEADER_FLAG_PERSIST: u32 = 1;
 /// PERSIST put places on the key's ephemeral home, so that one server decides between writers of
 /// both placements. Listings and notifications leave fences out; clients read through them.
 pub const HEADER_FLAG_FENCE: u32 = 2;
+/// Header flag of a manifest: its data blocks were placed without some of the job's servers,
+/// which were full when it was written; the record's value (1..=`OVERFLOW_VALUE_MAX_BYTES`)
+/// names them. Servers store the value and hand it back with the record; only clients read it.
+pub const HEADER_FLAG_OVERFLOW: u32 = 4;
 /// Every header flag this version knows.
-const HEADER_FLAGS_KNOWN: u32 = HEADER_FLAG_PERSIST | HEADER_FLAG_FENCE;
+pub const HEADER_FLAGS_KNOWN: u32 = HEADER_FLAG_PERSIST | HEADER_FLAG_FENCE | HEADER_FLAG_OVERFLOW;
 
 /// Size, layout and flags of one object, as stored with its block-0 record.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -73,6 +77,25 @@ impl ObjectHeader {
         self.block_count == 0
     }
 
+    /// Whether this is a manifest whose data blocks skipped full servers (its record's value
+    /// names them).
+    pub fn overflowed(&self) -> bool {
+        self.flags & HEADER_FLAG_OVERFLOW != 0
+    }
+
+    /// Whether a block-0 record of this header may carry a value of `len` bytes: a small
+    /// object's bytes (`size`), nothing for a manifest, 1..=`OVERFLOW_VALUE_MAX_BYTES` for an
+    /// overflowed manifest.
+    pub fn value_len_ok(&self, len: u64) -> bool {
+        if self.is_small() {
+            len == self.size
+        } else if self.overflowed() {
+            (1..=OVERFLOW_VALUE_MAX_BYTES).contains(&len)
+        } else {
+            len == 0
+        }
+    }
+
     /// Length of data block `index` (1-based) of a large object, or `None` if out of range.
     pub fn data_block_len(&self, index: u32) -> Option<u64> {
         if index == 0 || index > self.block_count {
@@ -100,7 +123,8 @@ impl ObjectHeader {
             return Err(geometry);
         }
         if self.block_count == 0 {
-            if self.size > SMALL_OBJECT_MAX_BYTES || self.block_size != 0 {
+            // Only a manifest has data blocks that could skip a server.
+            if self.size > SMALL_OBJECT_MAX_BYTES || self.block_size != 0 || self.overflowed() {
                 return Err(geometry);
             }
             return Ok(());
@@ -227,7 +251,42 @@ mod tests {
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }
-        let unknown = ObjectHeader { flags: 4, ..fence };
-        assert_eq!(unknown.validate(), Err(HeaderError::UnknownFlags(4)));
+        let unknown = ObjectHeader { flags: 8, ..fence };
+        assert_eq!(unknown.validate(), Err(HeaderError::UnknownFlags(8)));
+    }
+
+    #[test]
+    fn only_a_manifest_overflows_and_carries_a_bounded_value() {
+        let manifest = ObjectHeader {
+            version: 1,
+            size: 10,
+            block_count: 2,
+            block_size: 8,
+            flags: HEADER_FLAG_OVERFLOW | HEADER_FLAG_PERSIST,
+        };
+        assert!(manifest.validate().is_ok() && manifest.overflowed() && manifest.persist());
+        assert!(!manifest.value_len_ok(0));
+        assert!(manifest.value_len_ok(1) && manifest.value_len_ok(OVERFLOW_VALUE_MAX_BYTES));
+        assert!(!manifest.value_len_ok(OVERFLOW_VALUE_MAX_BYTES + 1));
+        let plain = ObjectHeader {
+            flags: 0,
+            ..manifest
+        };
+        assert!(plain.value_len_ok(0) && !plain.value_len_ok(1));
+        let small = ObjectHeader {
+            version: 1,
+            size: 3,
+            flags: HEADER_FLAG_OVERFLOW,
+            ..Default::default()
+        };
+        assert!(
+            small.validate().is_err(),
+            "a small object has no blocks to skip a server"
+        );
+        let unknown = ObjectHeader {
+            flags: 8,
+            ..manifest
+        };
+        assert_eq!(unknown.validate(), Err(HeaderError::UnknownFlags(8)));
     }
 }

@@ -21,5 +21,6 @@ pub mod token;
 pub use context::Context;
 pub use error::{ErrorKind, ProtocolError, TokenError};
 pub use header::{
-    HeaderError, ObjectHeader, HEADER_FLAG_FENCE, HEADER_FLAG_PERSIST, HEADER_LEN_BYTES,
+    HeaderError, ObjectHeader, HEADER_FLAGS_KNOWN, HEADER_FLAG_FENCE, HEADER_FLAG_OVERFLOW,
+    HEADER_FLAG_PERSIST, HEADER_LEN_BYTES,
 };

@@ -16,6 +16,9 @@ pub const FRAME_MAX_BYTES: usize = 8 * 1024 * 1024;
 pub const FRAME_OPS_MAX: u32 = 1024;
 /// Most operations of one DoExchange session the server runs at once.
 pub const SESSION_INFLIGHT_MAX: usize = 256;
+/// Largest value of an overflowed manifest (header flag `HEADER_FLAG_OVERFLOW`): the JSON list
+/// of the servers its data blocks skipped because they were full.
+pub const OVERFLOW_VALUE_MAX_BYTES: u64 = 4096;
 /// Longest key in bytes.
 pub const KEY_MAX_BYTES: usize = 1024;
 /// Longest bucket name in bytes.

@@ -41,8 +41,8 @@ use pocketflow_protocol::opening::{
 use pocketflow_protocol::ticket::{GetTicket, ReadTicket};
 use pocketflow_protocol::token::TokenKey;
 use pocketflow_protocol::{
-    Context, ErrorKind, ObjectHeader, ProtocolError, TokenError, HEADER_FLAG_FENCE,
-    HEADER_FLAG_PERSIST, HEADER_LEN_BYTES,
+    Context, ErrorKind, ObjectHeader, ProtocolError, TokenError, HEADER_FLAGS_KNOWN,
+    HEADER_FLAG_FENCE, HEADER_FLAG_OVERFLOW, HEADER_FLAG_PERSIST, HEADER_LEN_BYTES,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -577,10 +577,11 @@ fn assert_put_descriptor(descriptor: &PutDescriptor) {
     assert!((1..=BLOCK_SIZE_MAX_BYTES).contains(&descriptor.block_size));
 }
 
-/// A header that passes `validate` has consistent geometry, and its blocks add up to its size.
+/// A header that passes `validate` has known flags and consistent geometry (only a manifest
+/// overflows), and its blocks add up to its size.
 fn assert_valid_header(header: &ObjectHeader) {
     assert_ne!(header.version, 0);
-    assert_eq!(header.flags & !(HEADER_FLAG_PERSIST | HEADER_FLAG_FENCE), 0);
+    assert_eq!(header.flags & !HEADER_FLAGS_KNOWN, 0);
     if header.fence() {
         // A fence holds no bytes and lives with ephemeral records.
         assert!(
@@ -589,6 +590,7 @@ fn assert_valid_header(header: &ObjectHeader) {
         );
     }
     if header.is_small() {
+        assert!(!header.overflowed(), "{header:?}");
         assert!(header.size <= SMALL_OBJECT_MAX_BYTES && header.block_size == 0);
         assert_eq!(header.data_block_len(1), None);
     } else {
@@ -643,7 +645,8 @@ fn header() -> BoxedStrategy<ObjectHeader> {
             0u32,
             HEADER_FLAG_PERSIST,
             HEADER_FLAG_FENCE,
-            4,
+            HEADER_FLAG_OVERFLOW,
+            8,
             u32::MAX,
         ]),
     )
@@ -799,6 +802,7 @@ proptest! {
                 prop_assert!(op.value.len() as u64 <= SMALL_OBJECT_MAX_BYTES);
                 if checked(op.check()).is_some() && op.op == OpCode::Put {
                     assert_valid_header(&op.header);
+                    prop_assert!(op.header.value_len_ok(op.value.len() as u64));
                 }
             }
         }

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::error::StoreError;
+use crate::error::{CapacityLimit, StoreError};
 
 /// Allocates extents of one byte range; shared (behind `Arc`) by an engine and its extents.
 #[derive(Debug)]
@@ -136,6 +136,9 @@ impl ExtentAllocator {
             return Err(StoreError::CapacityExhausted {
                 requested: rounded,
                 available: free.free_bytes,
+                limit: CapacityLimit::Extent {
+                    largest_free_bytes: free.by_len.last().map_or(0, |&(len, _)| len),
+                },
             });
         };
         free.remove(offset, found_len);
@@ -248,8 +251,12 @@ mod tests {
             Err(StoreError::CapacityExhausted {
                 requested,
                 available,
+                limit: CapacityLimit::Extent { largest_free_bytes },
             }) => {
-                assert_eq!((requested, available), (8192, 4096));
+                assert_eq!(
+                    (requested, available, largest_free_bytes),
+                    (8192, 4096, 4096)
+                );
             }
             other => panic!("expected capacity_exhausted, got {other:?}"),
         }

@@ -4,21 +4,45 @@
 //! overhead; the charge is released when the entry's last holder (the index, or a reader still
 //! holding the bytes) drops it. The budget equals the engine's capacity, so `used_bytes` never
 //! exceeds it and the index's memory is bounded by the capacity too.
+//!
+//! A slice of the budget, the *records' reserve* (1/64 of the capacity, at most 64 MiB), is
+//! kept for records that carry no object data ([`ChargeKind::Record`]: a large object's
+//! manifest, which may name the servers its blocks went to instead of this one). Data (small
+//! objects' bytes, data blocks, queue items, append records) stops short of it. So a server whose
+//! tier is full of data still takes the manifest of an object whose bytes a client wrote on
+//! another tier, and readers, waiters and DELETE-on-read claims keep finding every key at its
+//! home (docs/ARCHITECTURE.md, "Bigger than DRAM").
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::error::StoreError;
+use crate::error::{CapacityLimit, StoreError};
 
 /// Bytes charged per index entry (record or data block) on top of its key length and engine
 /// allocation, so that an unbounded number of empty objects cannot exhaust server memory: a
 /// 0-byte object with a 10-byte key costs 74 bytes of the budget.
 pub const INDEX_ENTRY_OVERHEAD_BYTES: u64 = 64;
 
+/// The records' reserve is the capacity divided by this ...
+pub const RECORD_RESERVE_DIVISOR: u64 = 64;
+/// ... and at most this many bytes.
+pub const RECORD_RESERVE_MAX_BYTES: u64 = 64 * 1024 * 1024;
+
+/// What a charge pays for, which decides how much of the budget it may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ChargeKind {
+    /// Object data: up to the capacity less the records' reserve.
+    Data,
+    /// A record without object data (a manifest): up to the whole capacity.
+    Record,
+}
+
 /// The server-wide budget of chargeable bytes.
 #[derive(Debug)]
 pub(crate) struct Budget {
     capacity_bytes: u64,
+    /// The records' reserve (see the module doc).
+    reserve_bytes: u64,
     used_bytes: AtomicU64,
 }
 
@@ -47,6 +71,7 @@ impl Budget {
     pub fn new(capacity_bytes: u64) -> Arc<Self> {
         Arc::new(Self {
             capacity_bytes,
+            reserve_bytes: (capacity_bytes / RECORD_RESERVE_DIVISOR).min(RECORD_RESERVE_MAX_BYTES),
             used_bytes: AtomicU64::new(0),
         })
     }
@@ -59,22 +84,41 @@ impl Budget {
         self.used_bytes.load(Ordering::Acquire)
     }
 
-    /// Charge `bytes` to `job`, or fail with `CapacityExhausted` and charge nothing.
+    /// The most bytes charges of `kind` may hold together with everything else charged.
+    fn limit_bytes(&self, kind: ChargeKind) -> u64 {
+        match kind {
+            ChargeKind::Data => self.capacity_bytes - self.reserve_bytes,
+            ChargeKind::Record => self.capacity_bytes,
+        }
+    }
+
+    /// Charge `bytes` of `kind` to `job`, or fail with `CapacityExhausted`, naming the limit it
+    /// hit, and charge nothing.
     pub fn charge(
         self: &Arc<Self>,
         job: &Arc<JobAccount>,
         bytes: u64,
+        kind: ChargeKind,
     ) -> Result<Charge, StoreError> {
+        let limit = self.limit_bytes(kind);
         let reserved = self
             .used_bytes
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                used.checked_add(bytes)
-                    .filter(|&total| total <= self.capacity_bytes)
+                used.checked_add(bytes).filter(|&total| total <= limit)
             });
         if let Err(used) = reserved {
             return Err(StoreError::CapacityExhausted {
                 requested: bytes,
-                available: self.capacity_bytes - used,
+                available: limit.saturating_sub(used),
+                limit: match kind {
+                    ChargeKind::Data => CapacityLimit::Data {
+                        capacity_bytes: self.capacity_bytes,
+                        reserve_bytes: self.reserve_bytes,
+                    },
+                    ChargeKind::Record => CapacityLimit::Records {
+                        capacity_bytes: self.capacity_bytes,
+                    },
+                },
             });
         }
         job.used_bytes.fetch_add(bytes, Ordering::AcqRel);
@@ -112,26 +156,52 @@ mod tests {
 
     #[test]
     fn charges_are_bounded_and_released_on_drop() {
-        let budget = Budget::new(100);
+        // Capacity 6,400: 100 bytes of it are the records' reserve.
+        let budget = Budget::new(6_400);
         let job = Arc::new(JobAccount::default());
-        let a = budget.charge(&job, 60).unwrap();
+        let a = budget.charge(&job, 6_000, ChargeKind::Data).unwrap();
         assert!(matches!(
-            budget.charge(&job, 41),
+            budget.charge(&job, 301, ChargeKind::Data),
             Err(StoreError::CapacityExhausted {
-                requested: 41,
-                available: 40
+                requested: 301,
+                available: 300,
+                limit: CapacityLimit::Data {
+                    capacity_bytes: 6_400,
+                    reserve_bytes: 100
+                }
             })
         ));
-        let b = budget.charge(&job, 40).unwrap();
+        let b = budget.charge(&job, 300, ChargeKind::Data).unwrap();
+        // Data stops at the reserve; records go on into it, up to the capacity.
+        assert!(budget.charge(&job, 1, ChargeKind::Data).is_err());
+        let c = budget.charge(&job, 100, ChargeKind::Record).unwrap();
+        assert!(matches!(
+            budget.charge(&job, 1, ChargeKind::Record),
+            Err(StoreError::CapacityExhausted {
+                requested: 1,
+                available: 0,
+                limit: CapacityLimit::Records {
+                    capacity_bytes: 6_400
+                }
+            })
+        ));
         assert_eq!(
             (budget.used_bytes(), job.used_bytes.load(Ordering::Relaxed)),
-            (100, 100)
+            (6_400, 6_400)
         );
         drop(a);
         drop(b);
+        drop(c);
         assert_eq!(
             (budget.used_bytes(), job.used_bytes.load(Ordering::Relaxed)),
             (0, 0)
         );
+    }
+
+    #[test]
+    fn the_reserve_is_a_64th_of_the_capacity_at_most_64_mib() {
+        assert_eq!(Budget::new(1 << 30).reserve_bytes, 16 << 20);
+        assert_eq!(Budget::new(1 << 40).reserve_bytes, RECORD_RESERVE_MAX_BYTES);
+        assert_eq!(Budget::new(100).reserve_bytes, 1);
     }
 }

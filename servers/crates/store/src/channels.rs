@@ -21,7 +21,7 @@ use pocketflow_protocol::limits::{
     SMALL_OBJECT_MAX_BYTES,
 };
 
-use crate::capacity::{Charge, JobAccount, INDEX_ENTRY_OVERHEAD_BYTES};
+use crate::capacity::{Charge, ChargeKind, JobAccount, INDEX_ENTRY_OVERHEAD_BYTES};
 use crate::delivery::Undelivered;
 use crate::error::StoreError;
 use crate::events::EventOp;
@@ -173,9 +173,11 @@ fn sealed(name: &str, segment: u32) -> StoreError {
 impl Store {
     /// Charge a new segment's index entry to `account`.
     fn segment_charge(&self, account: &Arc<JobAccount>, name: &str) -> Result<Charge, StoreError> {
-        let charge = self
-            .budget()
-            .charge(account, INDEX_ENTRY_OVERHEAD_BYTES + name.len() as u64)?;
+        let charge = self.budget().charge(
+            account,
+            INDEX_ENTRY_OVERHEAD_BYTES + name.len() as u64,
+            ChargeKind::Data,
+        )?;
         account.entries.fetch_add(1, Ordering::AcqRel);
         account.channel_entries.fetch_add(1, Ordering::AcqRel);
         Ok(charge)
@@ -239,7 +241,7 @@ impl Store {
         })?;
         let (job_index, _) = self.bucket(job, bucket)?;
         let stored = self
-            .store_bytes(&job_index.account, name, item, false)
+            .store_bytes(&job_index.account, name, item, false, ChargeKind::Data)
             .await?;
         let (items_waiters, space_waiters) = self.queue_waiters();
         let watched = [watch_key(name, segment)];
@@ -437,7 +439,7 @@ impl Store {
         })?;
         let (job_index, _) = self.bucket(job, bucket)?;
         let stored = self
-            .store_bytes(&job_index.account, name, record, false)
+            .store_bytes(&job_index.account, name, record, false, ChargeKind::Data)
             .await?;
         self.with_bucket(job, bucket, |b, account| {
             if !b.appends.contains_key(&key) {

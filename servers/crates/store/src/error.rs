@@ -60,12 +60,27 @@ pub enum StoreError {
         bucket: String,
     },
     /// The tier cannot hold `requested` more bytes; nothing of the failed write is left behind.
-    #[error("tier is full: {requested} bytes requested, {available} available")]
+    /// `limit` says which bound was hit, and the message gives the figures of that bound.
+    #[error("{}", describe_full(*requested, *available, limit))]
     CapacityExhausted {
         /// Bytes the operation needed (including accounting overhead).
         requested: u64,
-        /// Bytes still free (fragmentation may make less usable in one piece).
+        /// Bytes still free under the bound that was hit.
         available: u64,
+        /// Which bound.
+        limit: CapacityLimit,
+    },
+    /// A server-wide table (prefix leases, subscriptions' events) is at its bound.
+    #[error("{table} is full: {requested} more requested, {available} of {max} free")]
+    TableFull {
+        /// What the table holds.
+        table: &'static str,
+        /// Entries the operation needed.
+        requested: u64,
+        /// Entries still free.
+        available: u64,
+        /// The table's bound.
+        max: u64,
     },
     /// A job already has the maximum number of buckets on this server.
     #[error("job has the maximum of {max} buckets on this server")]
@@ -246,6 +261,50 @@ fn path_suffix(path: &Option<PathBuf>) -> String {
     }
 }
 
+/// Which bound of a tier a write hit (see [`StoreError::CapacityExhausted`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CapacityLimit {
+    /// The tier's room for data: its capacity less the reserve that only records without data
+    /// (manifests, which name where an object's blocks went) may use.
+    Data {
+        /// The tier's capacity.
+        capacity_bytes: u64,
+        /// The part of it kept for records.
+        reserve_bytes: u64,
+    },
+    /// The tier's whole capacity, the records' reserve included.
+    Records {
+        /// The tier's capacity.
+        capacity_bytes: u64,
+    },
+    /// The engine has the bytes free, but not in one extent: the largest free extent is this
+    /// big (its free space is fragmented).
+    Extent {
+        /// The largest free extent, in bytes.
+        largest_free_bytes: u64,
+    },
+}
+
+fn describe_full(requested: u64, available: u64, limit: &CapacityLimit) -> String {
+    match *limit {
+        CapacityLimit::Data {
+            capacity_bytes,
+            reserve_bytes,
+        } => format!(
+            "tier is full: {requested} bytes requested, {available} bytes free for data \
+             (capacity {capacity_bytes} bytes, of which {reserve_bytes} kept for records)"
+        ),
+        CapacityLimit::Records { capacity_bytes } => format!(
+            "tier is full, its reserve for records too: {requested} bytes requested, \
+             {available} bytes free (capacity {capacity_bytes} bytes)"
+        ),
+        CapacityLimit::Extent { largest_free_bytes } => format!(
+            "tier has no free extent of {requested} bytes: {available} bytes free in pieces, \
+             the largest {largest_free_bytes} bytes"
+        ),
+    }
+}
+
 impl StoreError {
     /// The protocol error kind of docs/PROTOCOL.md (`not_found`, `capacity_exhausted`, ...).
     pub fn kind(&self) -> &'static str {
@@ -255,6 +314,7 @@ impl StoreError {
             Self::AlreadyExists { .. } | Self::BlockExists { .. } => "already_exists",
             Self::BucketExists { .. } => "bucket_exists",
             Self::CapacityExhausted { .. }
+            | Self::TableFull { .. }
             | Self::TooManyBuckets { .. }
             | Self::TooManyJobs { .. } => "capacity_exhausted",
             Self::BadHeader(_)
@@ -298,8 +358,36 @@ mod tests {
         let full = StoreError::CapacityExhausted {
             requested: 10,
             available: 2,
+            limit: CapacityLimit::Data {
+                capacity_bytes: 100,
+                reserve_bytes: 1,
+            },
         };
         assert_eq!(full.kind(), "capacity_exhausted");
+        assert_eq!(
+            full.to_string(),
+            "tier is full: 10 bytes requested, 2 bytes free for data (capacity 100 bytes, of \
+             which 1 kept for records)"
+        );
+        let fragmented = StoreError::CapacityExhausted {
+            requested: 1_048_576,
+            available: 71_116_544,
+            limit: CapacityLimit::Extent {
+                largest_free_bytes: 524_288,
+            },
+        };
+        assert_eq!(
+            fragmented.to_string(),
+            "tier has no free extent of 1048576 bytes: 71116544 bytes free in pieces, the \
+             largest 524288 bytes"
+        );
+        let table = StoreError::TableFull {
+            table: "the prefix-lease table",
+            requested: 3,
+            available: 1,
+            max: 65_536,
+        };
+        assert_eq!(table.kind(), "capacity_exhausted");
         assert_eq!(StoreError::PersistRefused.kind(), "persist_refused");
         assert_eq!(
             StoreError::BadHeader(HeaderError::ZeroVersion).kind(),

@@ -173,9 +173,11 @@ impl Events {
         self.count.store(subscriptions.len(), Ordering::Release);
         let held: usize = subscriptions.values().map(|sub| sub.capacity).sum();
         if subscriptions.len() >= SUBSCRIPTIONS_MAX || held + capacity > EVENTS_HELD_MAX {
-            return Err(StoreError::CapacityExhausted {
+            return Err(StoreError::TableFull {
+                table: "the subscriptions' event buffers",
                 requested: capacity as u64,
                 available: EVENTS_HELD_MAX.saturating_sub(held) as u64,
+                max: EVENTS_HELD_MAX as u64,
             });
         }
         let id = self.next_id.fetch_add(1, Ordering::AcqRel) + 1;
@@ -299,7 +301,7 @@ mod tests {
         }
         assert!(matches!(
             events.subscribe("j", "b", "", &[EventOp::Put], 1),
-            Err(StoreError::CapacityExhausted { .. })
+            Err(StoreError::TableFull { .. })
         ));
     }
 

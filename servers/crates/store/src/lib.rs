@@ -60,7 +60,7 @@ pub mod waiters;
 
 pub use capacity::INDEX_ENTRY_OVERHEAD_BYTES;
 pub use engine::{BlockWriter, Engine, StoredBlock, Tier};
-pub use error::StoreError;
+pub use error::{CapacityLimit, StoreError};
 pub use index::{BUCKETS_PER_JOB_MAX, JOBS_MAX};
 pub use store::{BlockWrite, JobUsage, Store, StoreConfig, Usage};
 pub use throughput::Throughput;

@@ -15,7 +15,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use pocketflow_protocol::limits::{BUCKET_NAME_MAX_BYTES, JOB_ID_MAX_BYTES, KEY_MAX_BYTES};
 
-use crate::capacity::{Budget, JobAccount, INDEX_ENTRY_OVERHEAD_BYTES};
+use crate::capacity::{Budget, ChargeKind, JobAccount, INDEX_ENTRY_OVERHEAD_BYTES};
 use crate::engine::dram::DramEngine;
 use crate::engine::nvme::{NvmeConfig, NvmeEngine};
 use crate::engine::{Engine, Tier};
@@ -268,6 +268,7 @@ impl Store {
         key: &str,
         value: Bytes,
         persist: bool,
+        kind: ChargeKind,
     ) -> Result<Arc<Stored>, StoreError> {
         let len = value.len() as u64;
         let engine = &self.shared.engine;
@@ -279,6 +280,7 @@ impl Store {
         let charge = self.shared.budget.charge(
             account,
             allocation + INDEX_ENTRY_OVERHEAD_BYTES + key.len() as u64,
+            kind,
         )?;
         let block = if len == 0 {
             None

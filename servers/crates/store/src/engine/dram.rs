@@ -330,7 +330,8 @@ mod tests {
             engine.begin_write(200),
             Err(StoreError::CapacityExhausted {
                 requested: 256,
-                available: 64
+                available: 64,
+                ..
             })
         ));
         drop(writer);

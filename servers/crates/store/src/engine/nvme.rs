@@ -529,7 +529,8 @@ mod tests {
                 full,
                 Err(StoreError::CapacityExhausted {
                     requested: 32_768,
-                    available: 24_576
+                    available: 24_576,
+                    ..
                 })
             ),
             "{:?}",

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use pocketflow_protocol::limits::BLOCK_SIZE_MAX_BYTES;
 
 use super::{bucket_not_found, check_names, Store};
-use crate::capacity::{Charge, INDEX_ENTRY_OVERHEAD_BYTES};
+use crate::capacity::{Charge, ChargeKind, INDEX_ENTRY_OVERHEAD_BYTES};
 use crate::engine::BlockWriter;
 use crate::error::StoreError;
 use crate::expiry::{Expiry, Slot};
@@ -78,7 +78,10 @@ impl Store {
         })?;
         let engine = &self.shared.engine;
         let cost = engine.allocation_bytes(len) + INDEX_ENTRY_OVERHEAD_BYTES + key.len() as u64;
-        let charge = self.shared.budget.charge(&job_index.account, cost)?;
+        let charge = self
+            .shared
+            .budget
+            .charge(&job_index.account, cost, ChargeKind::Data)?;
         let writer = engine.begin_write(len)?;
         Ok(BlockWrite {
             job: job_index,

@@ -10,6 +10,7 @@ use pocketflow_protocol::limits::{ENUMERATE_LIMIT_MAX, KEY_MAX_BYTES};
 use pocketflow_protocol::ObjectHeader;
 
 use super::{bucket_not_found, check_names, not_found, Store};
+use crate::capacity::ChargeKind;
 use crate::channels::{forget_channels, SegmentKey};
 use crate::error::StoreError;
 use crate::events::EventOp;
@@ -19,9 +20,11 @@ use crate::waiters::Waiter;
 
 impl Store {
     /// Insert a block-0 record: a small object (`value.len() == header.size`, no data blocks) or
-    /// a manifest (`value` empty, `header.block_count > 0`). Write-once: fails with
-    /// `AlreadyExists` unless `overwrite`, in which case the replaced header is returned. A failed
-    /// put leaves nothing behind.
+    /// a manifest (`header.block_count > 0`; `value` empty, or for an overflowed manifest the
+    /// servers its blocks skipped, see `ObjectHeader::value_len_ok`). A manifest may use the
+    /// records' reserve of the tier (`capacity.rs`), a small object may not. Write-once: fails
+    /// with `AlreadyExists` unless `overwrite`, in which case the replaced header is returned. A
+    /// failed put leaves nothing behind.
     pub async fn put_record(
         &self,
         job: &str,
@@ -33,10 +36,9 @@ impl Store {
     ) -> Result<Option<ObjectHeader>, StoreError> {
         check_names(job, bucket, Some(key))?;
         header.validate()?;
-        let expected = if header.is_small() { header.size } else { 0 };
-        if value.len() as u64 != expected {
+        if !header.value_len_ok(value.len() as u64) {
             return Err(StoreError::ValueLengthMismatch {
-                expected,
+                expected: if header.is_small() { header.size } else { 0 },
                 actual: value.len() as u64,
             });
         }
@@ -54,8 +56,14 @@ impl Store {
                 false => Ok(()),
             }
         })?;
+        // A fence holds no bytes, like a manifest: a home full of data still takes it, so a
+        // PERSIST put whose ephemeral home is full can still claim its key there.
+        let kind = match header.is_small() && !header.fence() {
+            true => ChargeKind::Data,
+            false => ChargeKind::Record,
+        };
         let stored = self
-            .store_bytes(&job_index.account, key, value, header.persist())
+            .store_bytes(&job_index.account, key, value, header.persist(), kind)
             .await?;
         let replaced = {
             let mut guard = lock(&bucket_ref);
@@ -125,10 +133,9 @@ impl Store {
             }
         })?;
         let len = stored.block.as_ref().map_or(0, |block| block.len());
-        assert_eq!(
-            len,
-            if header.is_small() { header.size } else { 0 },
-            "record bytes disagree with the header"
+        assert!(
+            header.value_len_ok(len),
+            "record bytes ({len}) disagree with the header"
         );
         let bytes = self.read_stored(stored, 0, len).await?;
         Ok((header, bytes))

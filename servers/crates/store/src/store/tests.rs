@@ -2,12 +2,17 @@
 
 use std::time::Instant;
 
-use pocketflow_protocol::limits::{BLOCK_SIZE_MAX_BYTES, ENUMERATE_LIMIT_MAX};
-use pocketflow_protocol::{ObjectHeader, HEADER_FLAG_FENCE, HEADER_FLAG_PERSIST};
+use pocketflow_protocol::limits::{
+    BLOCK_SIZE_MAX_BYTES, ENUMERATE_LIMIT_MAX, OVERFLOW_VALUE_MAX_BYTES,
+};
+use pocketflow_protocol::{
+    ObjectHeader, HEADER_FLAG_FENCE, HEADER_FLAG_OVERFLOW, HEADER_FLAG_PERSIST,
+};
 
 use crate::events::EventOp;
 
 use super::*;
+use crate::error::CapacityLimit;
 
 const JOB: &str = "job-a";
 
@@ -492,6 +497,7 @@ async fn exhaustion_leaves_nothing(tier: Tier) {
             Err(StoreError::CapacityExhausted {
                 requested,
                 available,
+                ..
             }) => {
                 assert!(requested > available);
                 break;
@@ -519,6 +525,138 @@ async fn exhaustion_leaves_nothing(tier: Tier) {
     put(&store, "b", "again", &data).await.unwrap();
     assert_eq!(store.delete_prefix(JOB, "b", "").unwrap().0, 4);
     assert_eq!(store.used_bytes(), 0);
+}
+
+async fn manifests_still_fit_a_tier_full_of_data(tier: Tier) {
+    // Data stops at the records' reserve (1/64 of the capacity); a manifest, and an overflowed
+    // manifest with its list of skipped servers, go on into it: a full home still takes the
+    // records of objects whose bytes a client wrote on other servers.
+    let capacity = 4 << 20;
+    let (store, _dir) = open(tier, capacity, false);
+    store.create_bucket(JOB, "b").unwrap();
+    let data = pattern(60_000, 3);
+    let mut stored = 0;
+    let refused = loop {
+        match put(&store, "b", &format!("k{stored}"), &data).await {
+            Ok(_) => stored += 1,
+            Err(e) => break e,
+        }
+        assert!(stored < 200, "the tier never filled");
+    };
+    match refused {
+        StoreError::CapacityExhausted {
+            requested,
+            available,
+            limit:
+                CapacityLimit::Data {
+                    capacity_bytes,
+                    reserve_bytes,
+                },
+        } => {
+            assert!(requested > available);
+            assert_eq!((capacity_bytes, reserve_bytes), (capacity, capacity / 64));
+            assert!(store.used_bytes() + available <= capacity - reserve_bytes);
+        }
+        other => panic!("expected the data limit, got {other}"),
+    }
+    assert!(matches!(
+        store.begin_block(JOB, "b", "blocks", 7, 1, 100_000, false),
+        Err(StoreError::CapacityExhausted { .. })
+    ));
+    store
+        .put_record(
+            JOB,
+            "b",
+            "manifest",
+            manifest(2, 5 << 20, 1 << 20),
+            Bytes::new(),
+            false,
+        )
+        .await
+        .unwrap();
+    let overflowed = ObjectHeader {
+        flags: HEADER_FLAG_OVERFLOW,
+        ..manifest(3, 5 << 20, 1 << 20)
+    };
+    let skipped = Bytes::from_static(br#"["dram-0","dram-1"]"#);
+    store
+        .put_record(JOB, "b", "overflowed", overflowed, skipped.clone(), false)
+        .await
+        .unwrap();
+    // Its value comes back with the record, and a DELETE read claims it whole.
+    let (header, value) = store
+        .get_record(JOB, "b", "overflowed", true)
+        .await
+        .unwrap();
+    assert!(header.overflowed());
+    assert_eq!(value, skipped);
+    // The reserve is bounded too: records alone fill it, then they are refused naming it.
+    let mut records = 0;
+    let refused = loop {
+        let key = format!("m{records}");
+        match store
+            .put_record(
+                JOB,
+                "b",
+                &key,
+                manifest(4, 1 << 20, 1 << 20),
+                Bytes::new(),
+                false,
+            )
+            .await
+        {
+            Ok(_) => records += 1,
+            Err(e) => break e,
+        }
+        assert!(records < 100_000, "the reserve never filled");
+    };
+    assert!(records > 100, "{records} records");
+    assert!(matches!(
+        refused,
+        StoreError::CapacityExhausted {
+            limit: CapacityLimit::Records { .. },
+            ..
+        }
+    ));
+}
+
+async fn overflowed_manifests_carry_a_bounded_value(tier: Tier) {
+    let (store, _dir) = open(tier, 1 << 20, false);
+    store.create_bucket(JOB, "b").unwrap();
+    let overflowed = ObjectHeader {
+        flags: HEADER_FLAG_OVERFLOW,
+        ..manifest(1, 10, 16)
+    };
+    let too_long = Bytes::from(vec![b'x'; OVERFLOW_VALUE_MAX_BYTES as usize + 1]);
+    for (header, value) in [
+        (overflowed, Bytes::new()),
+        (overflowed, too_long),
+        (manifest(1, 10, 16), Bytes::from_static(b"[]")),
+    ] {
+        assert!(matches!(
+            store.put_record(JOB, "b", "k", header, value, false).await,
+            Err(StoreError::ValueLengthMismatch { .. })
+        ));
+    }
+    // A small object never carries the flag.
+    let flagged_small = ObjectHeader {
+        flags: HEADER_FLAG_OVERFLOW,
+        ..small(1, b"abc")
+    };
+    assert!(matches!(
+        store
+            .put_record(
+                JOB,
+                "b",
+                "k",
+                flagged_small,
+                Bytes::from_static(b"abc"),
+                false
+            )
+            .await,
+        Err(StoreError::BadHeader(_))
+    ));
+    assert!(store.is_empty());
 }
 
 async fn concurrent_delete_on_read_has_one_winner(tier: Tier) {
@@ -899,6 +1037,8 @@ per_tier!(
     persist_on_long_running,
     data_blocks,
     exhaustion_leaves_nothing,
+    manifests_still_fit_a_tier_full_of_data,
+    overflowed_manifests_carry_a_bounded_value,
     concurrent_delete_on_read_has_one_winner,
     jobs_are_isolated,
     enumerate_pages_and_prefixes,

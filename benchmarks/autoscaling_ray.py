@@ -165,6 +165,10 @@ class AutoscalingRay:
                             "temp_dir": str(session_dir),
                             "autoscaling_config": str(config_path),
                             "include_dashboard": False,
+                            # Ray starts its API server even without the dashboard and checks
+                            # that its port is free: Ray's default (8265) is often held by
+                            # another Ray on this machine, and that failed the head's start.
+                            "dashboard_port": _free_port(),
                             "dashboard_agent_listen_port": 0,
                             "_system_config": {
                                 "health_check_period_ms": NODE_HEALTH_CHECK_PERIOD_MS,

@@ -33,6 +33,15 @@ def _step(autoscaling: dict[str, Any], name: str) -> dict[str, Any]:
     return seen
 
 
+def test_the_head_starts_while_rays_default_dashboard_port_is_taken(
+    autoscaling: dict[str, Any],
+) -> None:
+    """Another Ray on the machine holds 127.0.0.1:8265: the head's API server gets a port of its
+    own (the head once failed to start on "Failed to bind to 127.0.0.1:8265")."""
+    assert autoscaling["default_dashboard_port_taken"]
+    assert "error" not in autoscaling["scale_up"], autoscaling["scale_up"]["error"]
+
+
 def test_a_job_that_does_not_fit_gets_a_node_from_the_autoscaler(
     autoscaling: dict[str, Any],
 ) -> None:

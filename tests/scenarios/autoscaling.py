@@ -22,15 +22,17 @@ Steps, each recorded in the JSON line printed at the end (an error ends only its
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,8 @@ from pocketflow.errors import DataUnavailable  # noqa: E402
 from pocketflow.placement import Placement  # noqa: E402
 
 MIB = 1024 * 1024
+DEFAULT_DASHBOARD_PORT = 8265
+"""Ray's default dashboard port (``ray_constants.DEFAULT_DASHBOARD_PORT``)."""
 DRAM_SLOT = tier_resource("dram")
 NVME_SLOT = tier_resource("nvme")
 WORKER_NODES_MAX = 3
@@ -61,6 +65,29 @@ REDUCERS = 2
 PARTITION_BYTES = 64 * 1024
 SHUFFLE_TIMEOUT_S = 240.0
 RESTART_WAIT_S = 60.0
+
+
+@contextlib.contextmanager
+def hold_port(port: int) -> Iterator[bool]:
+    """Listen on 127.0.0.1:``port`` for the block; yields whether this process holds it (it may
+    be held already)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            yield False
+            return
+        sock.listen()
+        yield True
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
 
 
 def step(out: dict[str, Any], name: str, body: Callable[[dict[str, Any]], None]) -> None:
@@ -277,7 +304,12 @@ def controller_restart(cluster: LocalCluster, cluster_ray: AutoscalingRay,
 def main() -> None:
     out: dict[str, Any] = {}
     node_types = [NodeType("storage", {NVME_SLOT: 1}, max_workers=WORKER_NODES_MAX)]
-    with AutoscalingRay(head_resources={DRAM_SLOT: 2}, node_types=node_types) as cluster_ray:
+    # Ray's default dashboard port taken, as another Ray on the machine takes it: the head
+    # starts on a port of its own (its start failed on "Failed to bind to 127.0.0.1:8265").
+    with hold_port(DEFAULT_DASHBOARD_PORT) as held, AutoscalingRay(
+        head_resources={DRAM_SLOT: 2}, node_types=node_types
+    ) as cluster_ray:
+        out["default_dashboard_port_taken"] = held or port_in_use(DEFAULT_DASHBOARD_PORT)
         cluster_ray.connect()
         assert cluster_ray.work_dir is not None
         cluster = LocalCluster(

@@ -34,6 +34,15 @@ def test_a_job_that_fits_does_not_wait_behind_a_launch(multinode: dict[str, Any]
     assert multinode["retry_answered_with_the_same_job"], "one job per registration request"
 
 
+def test_a_job_that_fits_does_not_wait_behind_a_growths_launch(
+    multinode: dict[str, Any],
+) -> None:
+    """``grow_job`` waiting for a node does not hold the controller either (it did: a
+    registration that fitted waited for the growth's node)."""
+    assert multinode["fits_registered_while_growth_waits"]
+    assert multinode["growth_uses_new_node"]
+
+
 def test_a_node_is_drained_without_losing_live_data(multinode: dict[str, Any]) -> None:
     assert multinode["drain_waits_for_live_data"]
     assert multinode["data_readable_while_draining"]

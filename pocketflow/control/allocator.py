@@ -166,9 +166,10 @@ class Allocator:
         self, solve: Solve, *, demand: JobDemand, deadline_s: float, release_lock: bool = False
     ) -> Allocation:
         """Pack with ``solve(loads, demand)``; launch the shortfall and pack again until it fits.
-        With ``release_lock``, the launches wait with the controller's lock released (the caller
-        holds nothing that a concurrent call may change: a new job), and the job is packed again
-        on what the cluster holds once they are up.
+        With ``release_lock``, the launches wait with the controller's lock released, and the job
+        is packed again on what the cluster holds once they are up; the caller holds nothing
+        that a concurrent call may change (a new job), or checks, once this returns, that the
+        job it packs did not change meanwhile (a growth, a repair).
 
         Without a launcher, a job whose throughput does not fit gets the free throughput of its
         first tier (spread over that tier's servers), failing that it is packed by capacity alone
@@ -243,14 +244,17 @@ class Allocator:
         return self.server_infos(result.allocation)
 
     def refilled_or_launched(
-        self, record: JobRecord, *, leaving: tuple[str, ...] = ()
+        self, record: JobRecord, *, leaving: tuple[str, ...] = (), release_lock: bool = False
     ) -> tuple[ServerInfo, ...]:
         """:meth:`refilled`, launching servers for what finds no room (within the registration
-        timeout; ``CapacityExhausted`` or ``ClusterError`` when they cannot be had)."""
+        timeout; ``CapacityExhausted`` or ``ClusterError`` when they cannot be had). With
+        ``release_lock`` the launches wait with the controller's lock released: the caller
+        checks that the job did not change meanwhile before it uses the answer."""
         demand = self._demand(record)
         solve = functools.partial(_refill, record.allocation(), self.spec(), leaving)
         return self.server_infos(
-            self.pack_or_launch(solve, demand=demand, deadline_s=self.deadline_s())
+            self.pack_or_launch(solve, demand=demand, deadline_s=self.deadline_s(),
+                                release_lock=release_lock)
         )
 
     def _demand(self, record: JobRecord) -> JobDemand:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -29,7 +30,7 @@ from pocketflow.control.failure_detector import (
     PROBE_TIMEOUT_S_MIN,
     FailureDetector,
 )
-from pocketflow.control.hints import demand_from_hints
+from pocketflow.control.hints import JobDemand, demand_from_hints
 from pocketflow.control.job_ends import JobEnds
 from pocketflow.control.job_leases import JobLeases
 from pocketflow.control.job_table import (
@@ -44,7 +45,7 @@ from pocketflow.control.leases import check_lease_ms
 from pocketflow.control.membership import Membership
 from pocketflow.control.metadata_calls import MetadataCalls
 from pocketflow.control.nodes import RayNodes
-from pocketflow.control.packing import grow
+from pocketflow.control.packing import Allocation, PackResult, ServerLoad, grow
 from pocketflow.control.persist_admin import PersistAdmin
 from pocketflow.control.prefix_grants import PrefixGrants
 from pocketflow.control.prefix_routes import PrefixRoutes
@@ -65,6 +66,10 @@ __all__ = ["Controller", "SIZING_INTERVAL_MS_DEFAULT", "validate_job_name"]
 
 MONITOR_INTERVAL_S_MAX = 0.25
 """Longest pause between two runs of the failure detector."""
+
+GROW_ROUNDS_MAX = 3
+"""Most times ``grow_job`` packs a job again because it moved to a new epoch (a drain, a death)
+while the growth's launch waited for a node."""
 
 ADMIN_CALL_TIMEOUT_S = 5.0
 """Deadline of one admin call (``set_epoch``, ``delete_job``, ``drain``) to a storage server."""
@@ -479,25 +484,34 @@ class Controller:
         with the new map and retry. Returns the new handle (the old one if nothing changed).
         """
         with self._lock:
-            record = self._jobs.record(job_id)
-            old = record.job_demand()
-            new = demand_from_hints(hints, self._allocator.spec())
-            current = record.allocation()
-            allocation = self._allocator.pack_or_launch(
-                lambda loads, d: grow(
-                    current,
-                    old=old if d is new else without_throughput(old),
-                    new=d,
-                    servers=loads,
-                    spec=self._allocator.spec(),
-                ),
-                demand=new,
-                deadline_s=self._allocator.deadline_s(),
+            for _ in range(GROW_ROUNDS_MAX):
+                record = self._jobs.record(job_id)
+                old = record.job_demand()
+                new = demand_from_hints(hints, self._allocator.spec())
+                current = record.allocation()
+                # A launch waits for its node with the lock released (other calls must not
+                # queue behind it); the job may move meanwhile, so the answer counts only for
+                # the map it was packed from.
+                allocation = self._allocator.pack_or_launch(
+                    functools.partial(_grown, current, old, new, self._allocator.spec()),
+                    demand=new,
+                    deadline_s=self._allocator.deadline_s(),
+                    release_lock=True,
+                )
+                latest = self._jobs.record(job_id)
+                if latest.handle != record.handle:
+                    log.info("job %s moved while its growth launched; packing it again", job_id)
+                    continue
+                if allocation == current:
+                    return record.handle
+                self._jobs.put(
+                    dataclasses.replace(record, hints=dict(hints), demand=new.to_dict())
+                )
+                return self._epochs.move(job_id, self._allocator.server_infos(allocation))
+            raise ClusterError(
+                f"job {job_id} moved to a new epoch during each of {GROW_ROUNDS_MAX} attempts "
+                f"to grow it"
             )
-            if allocation == current:
-                return record.handle
-            self._jobs.put(dataclasses.replace(record, hints=dict(hints), demand=new.to_dict()))
-            return self._epochs.move(job_id, self._allocator.server_infos(allocation))
 
     def deregister_job(self, job_id: str) -> dict[str, Any]:
         """Forget a job and free all its non-PERSIST data on every server.
@@ -917,3 +931,19 @@ class Controller:
             self._nodes.stop_all(list(launched.values()), timeout_s=LAUNCHED_STOP_TIMEOUT_S)
         if self._allocator.launcher is not None:
             self._allocator.launcher.withdraw()
+
+
+def _grown(
+    current: Allocation, old: JobDemand, new: JobDemand, spec: ClusterSpec,
+    loads: list[ServerLoad], demand: JobDemand,
+) -> PackResult:
+    """A job's growth from ``old`` to ``demand`` on ``loads`` (one round of ``grow_job``'s
+    packing; ``demand`` is ``new``, or ``new`` relaxed, whose old throughput is then dropped
+    too)."""
+    return grow(
+        current,
+        old=old if demand is new else without_throughput(old),
+        new=demand,
+        servers=loads,
+        spec=spec,
+    )

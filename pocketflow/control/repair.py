@@ -25,8 +25,8 @@ REPAIR_RETRY_S = 10.0
 next attempt; the wait doubles with each failure, up to ``REPAIR_RETRY_MAX_S``."""
 
 REPAIR_RETRY_MAX_S = 300.0
-"""Longest wait between two repair attempts of one job (a launch that waits for a node holds
-the controller's lock up to the registration timeout, so failures must not repeat often)."""
+"""Longest wait between two repair attempts of one job (each launch waits for a node up to the
+registration timeout, so failures must not repeat often)."""
 
 REPAIRS_NOTED_MAX = 4096
 """Most jobs waiting for a repair (as many as the job table holds); the oldest are dropped past
@@ -43,7 +43,7 @@ class _Pending:
 
 class Repairer:
     """Places the share jobs lost with their servers. Every method is called under the
-    controller's lock.
+    controller's lock; a repair's launch waits for its servers with that lock released.
 
     Only jobs noted here (:meth:`note`: moved off a server that died) are repaired: a job left
     short by a drain keeps its map (the sizing loop drains only what the others can carry, and
@@ -85,15 +85,28 @@ class Repairer:
         repaired: list[str] = []
         due = [job_id for job_id, pending in self._pending.items() if pending.next_try_s <= now_s]
         for job_id in due[:REPAIRS_PER_PASS_MAX]:
-            record = self._jobs.record(job_id)
-            pending = self._pending[job_id]
+            record = self._jobs.get(job_id)
+            pending = self._pending.get(job_id)
+            if record is None or pending is None:
+                continue  # deregistered, or repaired, while an earlier repair launched
             try:
-                fixed = self._allocator.refilled_or_launched(record)
+                # A launch waits for its node with the controller's lock released, so other
+                # calls (registrations, renewals, heartbeats) do not queue behind it.
+                fixed = self._allocator.refilled_or_launched(record, release_lock=True)
             except PocketflowError as exc:
                 log.warning("job %s is short of %.0f%% of its share (next try in %.0f s): %s",
                             job_id, 100 * missing_share(record.allocation(), self._demand(record)),
                             pending.wait_s, exc)
                 fixed = record.handle.servers
+            latest = self._jobs.get(job_id)
+            if latest is None:
+                self._pending.pop(job_id, None)
+                continue
+            if latest.handle != record.handle:
+                # Moved meanwhile (another epoch: a drain, a death, a growth): this answer is
+                # for a map that is gone; the next pass looks at the new one.
+                log.info("job %s changed while its repair launched; repaired next pass", job_id)
+                continue
             if fixed == record.handle.servers:
                 pending.next_try_s = now_s + pending.wait_s
                 pending.wait_s = min(pending.wait_s * 2, REPAIR_RETRY_MAX_S)

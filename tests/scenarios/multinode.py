@@ -98,6 +98,31 @@ def main() -> None:
             status = cluster.status()
             out["after_remove"] = sorted(s["node_id"] for s in status["servers"])
             out["dead_after_remove"] = sorted(status["dead_servers"])
+
+            # A running job's growth that needs a node waits for it with the controller's lock
+            # released too: a job that fits registers meanwhile.
+            grown = cluster.control.register("grown", {"data_size_bytes": 1 * MIB})
+            asked_before = len(cluster.status()["resource_requests"])
+            growing = controller.grow_job.remote(grown.job_id, {"data_size_bytes": 20 * MIB})
+            # Its launch under way: a slot more than the two servers' is asked for.
+            wait(lambda: any(r["outcome"] == "requested" and r["slots"].get(SLOT, 0) > 2
+                             for r in cluster.status()["resource_requests"][asked_before:]),
+                 timeout_s=30)
+            other = controller.register_job.remote("other", {"data_size_bytes": 1 * MIB})
+            ready, _ = ray.wait([other], timeout=FITS_WAIT_S)
+            grow_ready, _ = ray.wait([growing], timeout=0)
+            out["fits_registered_while_growth_waits"] = bool(ready) and not grow_ready
+            grow_node = ray_nodes.add_node(ray_cluster, {SLOT: 2})
+            grown_handle = ray.get(growing, timeout=120)
+            on_grow_node = {s["node_id"] for s in cluster.status()["servers"]
+                            if s["ray_node_id"] == grow_node.node_id}
+            out["growth_uses_new_node"] = bool(
+                on_grow_node & {s.node_id for s in grown_handle.servers if s.weight > 0}
+            )
+            cluster.control.deregister(grown.job_id)
+            cluster.control.deregister(ray.get(other, timeout=120).job_id)
+            cluster.control.drain_node(grow_node.node_id, 25.0)
+            ray_cluster.remove_node(grow_node)
     finally:
         ray.shutdown()
         ray_cluster.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
@@ -416,8 +417,16 @@ class LocalCluster:
                     log_to_driver=False,
                     logging_level=logging.WARNING,
                 )
-            except (RuntimeError, ValueError, ConnectionError) as exc:
-                raise ClusterError(f"could not start Ray: {exc}") from exc
+            except Exception as exc:  # noqa: BLE001 - Ray's start fails with plain Exception too
+                # What the failed start left running (its GCS, a raylet that missed its bound)
+                # was started here: ended by pid, so that nothing is left behind.
+                started = children() - before
+                started |= {d for pid in started for d in descendants(pid)}
+                left = [ref for ref in (ProcessRef.of(pid) for pid in started) if ref]
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+                terminate(left, timeout_s=STOP_TIMEOUT_S)
+                raise ClusterError(ray_start_error(exc)) from exc
             finally:
                 if saved_path is None:
                     os.environ.pop("PYTHONPATH", None)
@@ -695,6 +704,18 @@ def _unwrap(exc: BaseException, doing: str) -> BaseException:
     # Raised later, outside the except block: keep the Ray error as the cause explicitly.
     error.__cause__ = exc
     return error
+
+
+def ray_start_error(exc: BaseException) -> str:
+    """What to tell the user when Ray did not start in this process."""
+    message = f"could not start Ray: {str(exc).strip() or type(exc).__name__}"
+    if "timed out" in str(exc):
+        message += (
+            " (Ray gives a node's raylet 30 s to start, which a heavily loaded machine can miss: "
+            "try again when it is quieter, or start Ray once with `pocketflow up --local` and "
+            "pass its address)"
+        )
+    return message
 
 
 def _stop_at_exit(ref: weakref.ReferenceType[LocalCluster]) -> None:

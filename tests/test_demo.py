@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -159,3 +161,27 @@ def test_a_demo_whose_whole_cluster_is_killed_exits_within_seconds() -> None:
     assert seen["returncode"] != 0, seen
     assert any("gone" in line for line in seen["said"]), seen
     assert seen["left"] == [], seen
+
+
+RAY_START_FAILURE_TIMEOUT_S = 120.0
+"""Bound on the demo command below (Ray refuses its socket path at once)."""
+
+
+def test_a_demo_whose_ray_cannot_start_says_so_without_a_traceback(tmp_path: Path) -> None:
+    """Ray's own start failures (its raylet missing Ray's 30 s start bound on a loaded machine
+    raises a plain ``Exception``; an unusable temp dir an ``OSError``) came out of ``pocketflow
+    demo`` as raw tracebacks. They are a ``ClusterError`` now: one line saying Ray could not
+    start, a failed exit, and no Ray process left behind. Here Ray's temp dir is too long for
+    its Unix sockets."""
+    too_long = tmp_path / ("d" * 110)
+    too_long.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env["RAY_TMPDIR"] = str(too_long)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pocketflow", "demo", "--records", "1000", "--no-progress"],
+        capture_output=True, text=True, env=env, timeout=RAY_START_FAILURE_TIMEOUT_S,
+        start_new_session=True,
+    )
+    assert proc.returncode != 0, proc.stdout
+    assert "pocketflow demo: could not start Ray" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

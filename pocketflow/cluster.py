@@ -550,7 +550,9 @@ class LocalCluster:
             )
         except Exception as exc:
             raise _unwrap(exc, "starting the controller") from exc
-        self._control = ControlPlane(self._controller)
+        self._control = ControlPlane(
+            self._controller, register_timeout_s=self._register_timeout_s
+        )
 
     def _launch_spec(self) -> LaunchSpec:
         """How the controller starts more servers of this cluster (``autoscale=True``)."""

@@ -235,3 +235,20 @@ def test_unwrapped_ray_errors_keep_their_cause() -> None:
     assert error.__cause__ is not None and error.__cause__.__traceback__ is not None
     own = ServerStartError("binary missing")
     assert _unwrap(own, "starting") is own
+
+
+def test_calls_that_may_launch_servers_are_bounded_by_the_registration_timeout(
+    local_cluster: LocalCluster,
+) -> None:
+    """A registration may wait for servers up to the cluster's ``register_timeout`` (120 s in
+    the trace, waiting for the autoscaler); the driver's call to it was cut at 60 s whatever that
+    timeout. Its bound is the registration timeout plus a margin now, known to the cluster's
+    own plane and asked of the controller by a plane that joins the cluster."""
+    from pocketflow.control.plane import CALL_TIMEOUT_S, LAUNCH_CALL_MARGIN_S
+
+    joined = connect_control_plane()
+    expected = max(CALL_TIMEOUT_S, 60.0 + LAUNCH_CALL_MARGIN_S)  # the fixture's default 60 s
+    assert joined.launch_call_timeout_s() == expected
+    assert local_cluster.control.launch_call_timeout_s() == expected
+    handle = joined.register("bounded", {"data_size_bytes": "1MiB"})
+    joined.deregister(handle.job_id)

@@ -475,6 +475,11 @@ class Controller:
         log.info("registered job %s on %s", job_id, ", ".join(s.node_id for s in servers))
         return handle
 
+    def register_timeout_s(self) -> float:
+        """How long a registration (or growth) may wait for the servers it launches; drivers
+        bound their calls that may launch by it (``ControlPlane.launch_call_timeout_s``)."""
+        return self._allocator.register_timeout_s
+
     def grow_job(self, job_id: str, hints: dict[str, Any]) -> JobHandle:
         """Give a running job more room: a new epoch whose weight map adds servers.
 

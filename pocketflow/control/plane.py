@@ -17,7 +17,14 @@ from pocketflow.handle import JobHandle
 from pocketflow.hints import Hints
 
 CALL_TIMEOUT_S = 60.0
-"""Deadline of one call to the controller."""
+"""Deadline of one call to the controller (those that may launch servers: see
+``LAUNCH_CALL_MARGIN_S``)."""
+
+LAUNCH_CALL_MARGIN_S = 30.0
+"""A call that may launch servers (a registration, a growth, a cache's opening or resizing) waits
+for them up to the cluster's registration timeout; its deadline is that timeout plus this
+margin for the controller's own work around the launch (packing, logging, telling the servers),
+and at least ``CALL_TIMEOUT_S``."""
 
 PROBE_TIMEOUT_S = 3.0
 """How long to wait for a TCP connection to an explicit Ray address before giving up."""
@@ -72,8 +79,19 @@ class ControlPlane:
     is re-raised here as itself; a dead or unreachable controller is a ``ClusterError``.
     """
 
-    def __init__(self, controller: Any) -> None:
+    def __init__(self, controller: Any, *, register_timeout_s: float | None = None) -> None:
         self._controller = controller
+        # The cluster's registration timeout (asked of the controller on first use if not
+        # given): what bounds the calls that may launch servers.
+        self._register_timeout_s = register_timeout_s
+
+    def launch_call_timeout_s(self) -> float:
+        """Deadline of a call that may launch servers: the cluster's registration timeout plus
+        ``LAUNCH_CALL_MARGIN_S``, at least ``CALL_TIMEOUT_S`` (a registration waiting for a node
+        from the autoscaler must not be given up by its driver before the controller does)."""
+        if self._register_timeout_s is None:
+            self._register_timeout_s = float(self._call("register_timeout_s"))
+        return max(CALL_TIMEOUT_S, self._register_timeout_s + LAUNCH_CALL_MARGIN_S)
 
     def register(
         self, name: str, hints: Any, *, request_id: str | None = None, lease_ms: int | None = None
@@ -87,7 +105,8 @@ class ControlPlane:
         the job's lease starts now (see ``Controller.register_job``).
         """
         return self._call(
-            "register_job", name, Hints.coerce(hints).to_dict(), request_id, lease_ms
+            "register_job", name, Hints.coerce(hints).to_dict(), request_id, lease_ms,
+            timeout_s=self.launch_call_timeout_s(),
         )
 
     def grow_job(self, job_id: str, hints: Any) -> JobHandle:
@@ -95,7 +114,8 @@ class ControlPlane:
 
         ``hints`` is a :class:`pocketflow.Hints` or a mapping of its fields.
         """
-        return self._call("grow_job", job_id, Hints.coerce(hints).to_dict())
+        return self._call("grow_job", job_id, Hints.coerce(hints).to_dict(),
+                          timeout_s=self.launch_call_timeout_s())
 
     def open_cache(self, name: str, hints: Any, idle_ms: int, run_id: str | None = None,
                    run_lease_ms: int | None = None) -> dict[str, Any]:
@@ -103,7 +123,7 @@ class ControlPlane:
         starting run ``run_id``'s lease: ``{"handle", "created", "predecessor",
         "capacity_bytes"}`` (``Controller.open_cache``)."""
         return self._call("open_cache", name, Hints.coerce(hints).to_dict(), idle_ms, run_id,
-                          run_lease_ms)
+                          run_lease_ms, timeout_s=self.launch_call_timeout_s())
 
     def renew_cache_run(self, job_id: str, run_id: str, run_lease_ms: int, idle_ms: int) -> None:
         """Renew a cache run's lease (``Controller.renew_cache_run``)."""
@@ -115,7 +135,8 @@ class ControlPlane:
 
     def resize_cache(self, job_id: str, hints: Any) -> JobHandle:
         """Grow or shrink a cache's reservation (``Controller.resize_cache``)."""
-        return self._call("resize_cache", job_id, Hints.coerce(hints).to_dict())
+        return self._call("resize_cache", job_id, Hints.coerce(hints).to_dict(),
+                          timeout_s=self.launch_call_timeout_s())
 
     def drain_node(self, ray_node_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
         """Drain every storage server of a Ray node before removing the node (bounded wait)."""
@@ -168,12 +189,12 @@ class ControlPlane:
         """Servers, tiers and jobs, as reported by ``Controller.status``."""
         return self._call("status")
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
         try:
-            return ray.get(getattr(self._controller, method).remote(*args), timeout=CALL_TIMEOUT_S)
+            return ray.get(getattr(self._controller, method).remote(*args), timeout=timeout_s)
         except RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, PocketflowError):
@@ -183,7 +204,7 @@ class ControlPlane:
             raise ClusterError(f"the pocketflow controller is gone: {exc}") from exc
         except GetTimeoutError as exc:
             raise ClusterError(
-                f"controller.{method} did not answer within {CALL_TIMEOUT_S:.0f}s"
+                f"controller.{method} did not answer within {timeout_s:.0f}s"
             ) from exc
         except RayError as exc:
             raise ClusterError(f"controller.{method} failed: {exc}") from exc

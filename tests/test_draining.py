@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from control_roles import register, roles, sigstop
 from fixtures_cluster import keys_on
 
 from pocketflow.client import connect
+from pocketflow.control.draining import UNTOLD_RETRY_S
 from pocketflow.errors import ClusterError
 from pocketflow.processes import wait_gone
 
@@ -88,13 +90,15 @@ def test_a_server_that_does_not_answer_its_drain_keeps_its_data_and_is_told_agai
             finally:
                 os.kill(pid, signal.SIGCONT)
             with built.lock:
-                assert built.drainer.go_on() == ["dn-0"], "told to drain once it answers"
+                assert built.drainer.go_on() == [], "not again at once"
+                later_s = time.monotonic() + UNTOLD_RETRY_S
+                assert built.drainer.go_on(now_s=later_s) == ["dn-0"], "told once it answers"
             assert "dn-0" in built.membership, "it holds data: it drains, it is not retired"
             for key in keys:
                 assert pf.get("b", key) == key.encode()
             assert built.admin.client(stopped.address).stats()["draining"] is True
             with built.lock:
-                assert built.drainer.go_on() == [], "told once"
+                assert built.drainer.go_on(now_s=later_s + UNTOLD_RETRY_S) == [], "told once"
             assert all(r["node_id"] != "dn-0" for r in built.drainer.retired())
 
 

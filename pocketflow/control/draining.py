@@ -22,6 +22,11 @@ DRAIN_NODE_TIMEOUT_S = 30.0
 DRAIN_POLL_S = 0.2
 """How often ``drain_node`` looks whether the drained servers are gone."""
 
+UNTOLD_RETRY_S = 2.0
+"""How often at most the monitor loop tells a draining server again whose ``drain`` got no
+answer (each attempt may wait out an admin call's deadline under the controller's lock); a
+suspect server (silent, its process running) is left alone until it answers again."""
+
 EXIT_WAIT_S = 1.0
 """How long a drain waits for a server that stopped answering right after ``drain`` to exit
 (an empty server exits as soon as it is told to drain) before leaving it to the failure
@@ -78,9 +83,9 @@ class Drainer:
         # Draining servers not told to drain yet: node id -> the jobs whose channels are there.
         self._holding: dict[str, set[str]] = {}
         # Draining servers whose ``drain`` call did not get through (hung or overloaded, their
-        # process running): told again by :meth:`go_on`. Bounded by the live servers (an entry
-        # goes with its server).
-        self._untold: set[str] = set()
+        # process running) -> when to tell them again (:meth:`go_on`). Bounded by the live
+        # servers (an entry goes with its server).
+        self._untold: dict[str, float] = {}
         # The latest retirements and what showed the server empty, for ``status``.
         self._retired: list[dict[str, Any]] = []
 
@@ -143,15 +148,18 @@ class Drainer:
         """Draining servers not told to drain yet, with the jobs whose channels are there."""
         return {node_id: sorted(jobs) for node_id, jobs in self._holding.items()}
 
-    def go_on(self) -> list[str]:
+    def go_on(self, *, now_s: float | None = None) -> list[str]:
         """Move the held jobs whose channel data left a draining server (by its latest
         heartbeat) off it, and tell each server no job holds any more to drain, as well as each
-        one an earlier ``drain`` did not reach. Runs in the monitor loop; returns the node ids
-        told to drain."""
+        one an earlier ``drain`` did not reach (every ``UNTOLD_RETRY_S`` at most, and not while
+        it is a suspect). Runs in the monitor loop; returns the node ids told to drain."""
+        now_s = time.monotonic() if now_s is None else now_s
         told = []
-        for node_id in sorted(self._untold):
+        for node_id, next_try_s in sorted(self._untold.items()):
             if node_id not in self._membership:
-                self._untold.discard(node_id)
+                self._untold.pop(node_id, None)
+                continue
+            if now_s < next_try_s or self._membership.is_suspect(node_id):
                 continue
             self._finish(node_id)
             if node_id not in self._untold:
@@ -202,14 +210,14 @@ class Drainer:
                 log.warning("drain of %s did not get through (%s); told again later",
                             node_id, exc)
                 self._admin.forget(info.address)
-                self._untold.add(node_id)
+                self._untold[node_id] = time.monotonic() + UNTOLD_RETRY_S
                 return {"node_id": node_id, "draining": True, "retired": False}
             # Its process is gone: nothing is left to drain (what it held is lost already).
             log.info("%s is gone before its drain: %s", node_id, exc)
             self.retire(node_id, how=GONE)
             return {"node_id": node_id, "draining": True, "retired": True}
         else:
-            self._untold.discard(node_id)
+            self._untold.pop(node_id, None)
             how = EMPTY
             try:
                 stats = client.stats()
@@ -262,7 +270,7 @@ class Drainer:
         info, node = forgotten
         self._membership.draining.discard(node_id)
         self._holding.pop(node_id, None)
-        self._untold.discard(node_id)
+        self._untold.pop(node_id, None)
         self._allocator.launched.pop(node_id, None)
         self._admin.forget(info.address)
         self._epochs.drop(node_id)

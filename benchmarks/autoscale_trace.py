@@ -29,7 +29,8 @@ What it measures, against issue 31's goals:
   to its server up and to a request it served, split into the autoscaler's launch (the slot
   asked for to a node launcher taking the node up, from the monitor's log), the raylet's start
   (to the node alive in the GCS) and the server's start (to the server listed by the control
-  plane);
+  plane; of which, for servers a registration launched together, the wait for the batch's
+  last node: ``waited_for_batch_s``);
 - scale-down: for each launched server, from the last of its jobs deregistering to the server
   retired (its capacity released) and to its node removed;
 - nothing lost (every job's objects read back equal), every drained server empty when it was
@@ -370,6 +371,16 @@ def scale_ups(trace: Trace, requests: list[dict[str, Any]], launches: list[NodeL
             "demand_to_served_s": _diff(served, demand),
             "demand_to_server_up_s": _diff(seen_s, demand),
         })
+    # A registration that needs several servers launches them together and takes them in
+    # together, once the last is up (launch_many): a server whose node came up first waits for
+    # its siblings' nodes before it is listed. That wait is the batch's, not its server's start.
+    for row in rows:
+        batch = [r["node_up_s"] for r in rows
+                 if r["tier"] == row["tier"] and r["requested_s"] == row["requested_s"]
+                 and r["asked_by"] == row["asked_by"] == "registration"]
+        last_up = max(batch, default=row["node_up_s"])
+        row["waited_for_batch_s"] = _diff(last_up, row["node_up_s"])
+        row["server_start_after_batch_s"] = _diff(row["server_up_s"], last_up)
     return rows
 
 
@@ -603,7 +614,8 @@ def summary(result: dict[str, Any]) -> str:
             f"scale-up {row['server']} ({row['tier']}, asked by {row['asked_by']}): demand -> "
             f"server up {row['demand_to_server_up_s']} s, -> served "
             f"{row['demand_to_served_s']} s (autoscaler launch {row['autoscaler_launch_s']} s, "
-            f"raylet start {row['raylet_start_s']} s, server start {row['server_start_s']} s)"
+            f"raylet start {row['raylet_start_s']} s, server start {row['server_start_s']} s, "
+            f"of which waiting for its launch batch's other nodes {row['waited_for_batch_s']} s)"
         )
     for row in result["scale_down"]:
         lines.append(f"scale-down {row['server']} (jobs {', '.join(row['jobs']) or 'none'}): "

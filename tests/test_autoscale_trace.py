@@ -69,6 +69,9 @@ def test_the_trace_benchmark_runs_a_tiny_trace_end_to_end(tmp_path: Path) -> Non
         for key in ("requested_s", "autoscaler_took_s", "node_up_s", "server_up_s"):
             assert row[key] is not None, row
         assert row["node_up_s"] <= row["server_up_s"], row
+        # A server's start is split from its wait for the other nodes of its launch batch.
+        assert row["waited_for_batch_s"] >= 0 and row["server_start_after_batch_s"] is not None
+        assert row["waited_for_batch_s"] <= row["server_start_s"] + 0.01, row
     # Every launched server a job used was retired after its last job left.
     used = [row for row in result["scale_down"] if row["jobs"]]
     assert used and all(row["released_after_s"] is not None for row in used), used

@@ -204,7 +204,7 @@ class Drainer:
         try:
             result = client.drain(exit_when_empty=True)
         except PocketflowError as exc:
-            if self._process_runs(node_id):
+            if not self._process_exited(node_id):
                 # Not answering (hung, stopped, overloaded) is no sign of being empty: it keeps
                 # its data and is told again from the monitor loop.
                 log.warning("drain of %s did not get through (%s); told again later",
@@ -237,13 +237,15 @@ class Drainer:
         log.info("draining storage server %s", node_id)
         return {"node_id": node_id, **result, "retired": False}
 
-    def _process_runs(self, node_id: str) -> bool:
-        return bool(self._nodes.process_runs(self._membership.node(node_id), node_id))
+    def _process_exited(self, node_id: str) -> bool:
+        """Whether the server's process is known to have ended (a node that does not answer
+        says nothing: then it has not)."""
+        return bool(self._nodes.process_exited(self._membership.node(node_id), node_id))
 
     def _exited(self, node_id: str) -> bool:
-        """Whether the server's process exits within ``EXIT_WAIT_S``."""
+        """Whether the server's process is known to end within ``EXIT_WAIT_S``."""
         deadline = time.monotonic() + EXIT_WAIT_S
-        while self._process_runs(node_id):
+        while not self._process_exited(node_id):
             if time.monotonic() >= deadline:
                 return False
             time.sleep(DRAIN_POLL_S)

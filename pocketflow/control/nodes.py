@@ -32,6 +32,24 @@ class RayNodes:
             log.info("the node of %s did not answer: %s", node_id, exc)
             return False
 
+    def process_exited(self, node: Any, node_id: str) -> bool:
+        """Whether the server's process is known to have ended: its ``StorageNode`` actor says
+        so, or the actor itself is gone (the server exits with it). A node that does not answer
+        in time says nothing (``False``): a slow actor on a loaded machine is no sign of an
+        exit."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        if node is None:
+            return True
+        try:
+            return not ray.get(node.alive.remote(), timeout=NODE_CALL_TIMEOUT_S)
+        except RayActorError:
+            return True
+        except Exception as exc:  # noqa: BLE001 - no answer in time: unknown
+            log.info("the node of %s did not answer: %s", node_id, exc)
+            return False
+
     def stop(self, node: Any, node_id: str) -> None:
         """Ask the node to stop its server (not waited for)."""
         if node is None:
@@ -84,6 +102,10 @@ class DirectNodes:
     def process_runs(self, node: Any, node_id: str) -> bool:
         """Whether the node's server process runs (``False`` without a node)."""
         return node is not None and bool(node.alive())
+
+    def process_exited(self, node: Any, node_id: str) -> bool:
+        """Whether the node's server process has ended (``True`` without a node)."""
+        return node is None or not node.alive()
 
     def stop(self, node: Any, node_id: str) -> None:
         """Stop the node's server (by pid: SIGTERM, then SIGKILL)."""

@@ -21,6 +21,7 @@ from pocketflow.control.allocator import (
     without_throughput,
 )
 from pocketflow.control.caches import Caches
+from pocketflow.control.call_counts import CallCounts, counted_calls
 from pocketflow.control.cluster_metrics import ClusterMetrics
 from pocketflow.control.draining import DRAIN_NODE_TIMEOUT_S, DRAIN_POLL_S, Drainer
 from pocketflow.control.epochs import Epochs
@@ -77,7 +78,11 @@ ADMIN_CALL_TIMEOUT_S = 5.0
 LAUNCHED_STOP_TIMEOUT_S = 3 * ADMIN_CALL_TIMEOUT_S
 """How long ``close`` waits for the servers this controller launched to stop."""
 
+CALLS_SERVED = CallCounts()
+"""The calls this process's controller served from outside, per method (:meth:`calls_served`)."""
 
+
+@counted_calls(CALLS_SERVED, internal=("__init__", "_monitor_loop"))
 class Controller:
     """Registers jobs, computes their weight maps, issues tokens and frees their data.
 
@@ -626,6 +631,11 @@ class Controller:
     def pid(self) -> int:
         """This actor's process id (to tell instances apart, and for fault tests)."""
         return os.getpid()
+
+    def calls_served(self) -> dict[str, int]:
+        """How many calls this instance's process served from outside, per method (this one
+        included): what benchmarks count to show which work reaches the control plane."""
+        return CALLS_SERVED.snapshot()
 
     # -- leases (driver liveness; policy in control/leases.py) ----------------------------------
 

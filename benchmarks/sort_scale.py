@@ -1,0 +1,584 @@
+"""Sorts at 1, 4 and 10 GB side by side: pocketflow's shuffle on Ray tasks and on Lithops
+functions, Ray Data's own sort, Lithops with its localhost storage, and Lithops with Redis where
+the data fits in memory, on the same records.
+
+Run from the repository root (one size per process is fine; each run writes its own files)::
+
+    python3 -m benchmarks.sort_scale --sizes 1GB,4GB,10GB [--variants ...] [--out DIR]
+    python3 -m benchmarks.sort_scale --sizes 8MB --dram 64MiB   # what the test runs
+
+Records are the demo's (:mod:`pocketflow.demo`): 100 bytes with 10-byte keys, generated
+deterministically from a seed by each mapper; every variant's output is validated like gensort's
+valsort (each partition sorted, partitions in key order, the same record count and
+order-independent checksum as the input). The cluster's DRAM is capped (``--dram``, 2 GiB in
+all by default) with a large NVMe server beside it, so that at 4 and 10 GB most bytes go to
+NVMe; the tiers' split is reported.
+
+Variants (``--variants``, all by default):
+
+- ``pocketflow-ray``: :func:`pocketflow_lithops.shuffle.shuffle` on Ray tasks
+  (:class:`~pocketflow_lithops.shuffle_executors.RayShuffleExecutor`), PERSIST outputs.
+- ``pocketflow-lithops``: the same shuffle on Lithops' localhost executor with pocketflow's
+  runtime.
+- ``ray-data``: ``ray.data`` ``sort`` of the same records on the same Ray cluster (what a Ray
+  user would pick); needs ``pandas`` (``pip install 'ray[data]'``), else it is reported skipped.
+- ``lithops-localhost``: mappers and reducers on Lithops' localhost executor shuffling through
+  its localhost storage (files), as in :mod:`benchmarks.lithops_sort`.
+- ``lithops-redis``: the same through Lithops' redis backend on a redis-server started here,
+  only when twice the input fits in ``--redis-max`` (default 2 GiB).
+
+Each variant first sorts ``WARMUP_BYTES`` once, unreported (workers and frameworks start
+there). Per run: job time (for pocketflow including the job's registration and
+deregistration), GB/s of input sorted, per-phase times (map; shuffle writes = mappers' time
+writing partitions; reads = reducers' time reading inputs and writing outputs; reducers' time
+parked for inputs; validation), peak storage-server RSS (sum of ``VmRSS`` over the server
+processes), peak DRAM and NVMe bytes held, and every tier's bytes in and out per second over
+time (the servers' ``stats``, sampled every ``SAMPLE_INTERVAL_S``), plotted per size into a PNG.
+Results go to ``benchmarks/results/sort-scale-<date>-<sizes>.json``, ``.md`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import ray.cloudpickle
+
+from benchmarks.machine import git_commit, machine, now_iso, package_versions, today
+from pocketflow.config import parse_size
+from pocketflow.demo import (
+    _MASK64,
+    MapResult,
+    PartitionCheck,
+    SortConfig,
+    check_output,
+    describe_partition,
+    format_bytes,
+    generate_records,
+    map_records,
+    record_checksum,
+    reduce_records,
+)
+from pocketflow.errors import ConfigError
+
+# Neither Ray's nor Lithops' workers can import ``benchmarks`` from every working directory.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+VARIANTS = ("pocketflow-ray", "pocketflow-lithops", "ray-data", "lithops-localhost",
+            "lithops-redis")
+SAMPLE_INTERVAL_S = 0.5
+"""Pause between two samples of the servers' stats and RSS."""
+SAMPLES_MAX = 100_000
+"""Most samples one run keeps."""
+BYTES_PER_MAPPER = 32 * 1024 * 1024
+"""Input bytes per mapper (reducers: half as many as mappers), as the issue's 1 GB demo."""
+TASKS_MAX = 4096
+"""Most mappers of one sort (the shuffle's bound per stage)."""
+WORKERS = 2
+"""Tasks at once (Ray tasks, Lithops worker processes): the machine's cores."""
+SPEEDUP_GOAL = 1.5
+"""pocketflow's job time against the fastest of Ray Data and Lithops' localhost storage."""
+LINEARITY_GOAL = 1.3
+"""Time per GB at the largest size over time per GB at the smallest, at most."""
+WARMUP_BYTES = 2_000_000
+"""Input of each variant's unreported first sort."""
+STAGE_TIMEOUT_S = 6 * 3600.0
+"""Bound on one stage of one run."""
+
+
+def sort_config(input_bytes: int, seed: int = 42) -> SortConfig:
+    """The sort of ``input_bytes`` of records: one mapper per ``BYTES_PER_MAPPER``."""
+    mappers = max(2, min(TASKS_MAX, input_bytes // BYTES_PER_MAPPER))
+    return SortConfig(mappers=mappers, reducers=max(2, mappers // 2),
+                      records=input_bytes // 100, seed=seed, processes=WORKERS)
+
+
+# -- sampling the servers ----------------------------------------------------------------------
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class TierSampler:
+    """Samples every storage server's stats (tier, used bytes, bytes in/out per second) and the
+    servers' RSS: once on entry, in a thread every ``SAMPLE_INTERVAL_S``, and once on exit, at
+    most ``SAMPLES_MAX`` times in all."""
+
+    def __init__(self, cluster: Any) -> None:
+        from pocketflow.control.admin import AdminTokens
+
+        self._tokens = AdminTokens(cluster.secret, tls_ca=cluster.tls_ca)
+        self._servers = list(cluster.servers)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tier-sampler", daemon=True)
+        self.started = time.monotonic()
+        self.samples: list[dict[str, Any]] = []
+        self.errors = 0
+
+    def __enter__(self) -> TierSampler:
+        self._take()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        # A run shorter than one interval still has its start and its end.
+        self._take()
+
+    def _take(self) -> None:
+        try:
+            self.samples.append(self._sample())
+        except Exception:  # noqa: BLE001 - a failed sample must not end the run
+            self.errors += 1
+
+    def _run(self) -> None:
+        while len(self.samples) < SAMPLES_MAX - 1 and not self._stop.wait(SAMPLE_INTERVAL_S):
+            self._take()
+
+    def _sample(self) -> dict[str, Any]:
+        tiers: dict[str, dict[str, float]] = {}
+        for server in self._servers:
+            stats = self._tokens.client(server.address).stats()
+            tier = tiers.setdefault(str(stats["tier"]),
+                                    {"used_bytes": 0.0, "in_per_s": 0.0, "out_per_s": 0.0})
+            tier["used_bytes"] += float(stats["used_bytes"])
+            tier["in_per_s"] += float(stats.get("bytes_in_per_s") or 0.0)
+            tier["out_per_s"] += float(stats.get("bytes_out_per_s") or 0.0)
+        return {"t_s": time.monotonic() - self.started, "tiers": tiers,
+                "rss_bytes": sum(_rss_bytes(s.server_pid) for s in self._servers)}
+
+    def peak(self, tier: str) -> int:
+        """Most bytes the tier held in any sample."""
+        return int(max((s["tiers"].get(tier, {}).get("used_bytes", 0) for s in self.samples),
+                       default=0))
+
+    def peak_rss(self) -> int:
+        return max((s["rss_bytes"] for s in self.samples), default=0)
+
+
+# -- variants ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One variant's run at one size."""
+
+    variant: str
+    input_bytes: int
+    job_s: float = 0.0
+    phase_s: dict[str, float] = field(default_factory=dict)
+    peak_dram_bytes: int = 0
+    peak_nvme_bytes: int = 0
+    peak_server_rss_bytes: int = 0
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    ok: bool = False
+    skipped: str = ""
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.input_bytes / 1e9 / self.job_s if self.job_s else 0.0
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _validate(config: SortConfig, maps: list[MapResult], checks: list[PartitionCheck]) -> list[str]:
+    problems = check_output(config, input_checksum=sum(m.checksum for m in maps) & _MASK64,
+                            checks=checks)
+    if sum(m.records for m in maps) != config.records:
+        problems.append("mappers generated the wrong number of records")
+    return problems
+
+
+def run_pocketflow(variant: str, executor: Any, config: SortConfig, cluster: Any) -> Run:
+    """The sort through :func:`~pocketflow_lithops.shuffle.shuffle` on ``executor``."""
+    from pocketflow_lithops.shuffle import shuffle
+    from pocketflow_lithops.sort import _validate as validate_outputs
+
+    import pocketflow
+
+    run = Run(variant, config.input_bytes)
+    with TierSampler(cluster) as sampler:
+        started = time.perf_counter()
+        result = shuffle(executor, functools.partial(map_records, config), reduce_records,
+                         range(config.mappers), reducers=config.reducers, cluster=cluster,
+                         name=f"sort-scale-{variant}", input_size_bytes=2 * config.input_bytes,
+                         persist_output=True, timeout_s=STAGE_TIMEOUT_S)
+        run.job_s = time.perf_counter() - started
+    validating = time.perf_counter()
+    checks = validate_outputs(executor, result.handle_json, result.outputs, STAGE_TIMEOUT_S)
+    run.phase_s = {
+        "map": result.map_s,
+        "shuffle_writes_per_mapper": _mean(result.map_io_s),
+        "reads_per_reducer": _mean(result.io_s),
+        "reducer_parked_per_reducer": _mean(result.input_wait_s),
+        "shuffle_and_reduce": result.elapsed_s - result.map_s,
+        "validate": time.perf_counter() - validating,
+    }
+    with pocketflow.connect(result.handle_json) as pf:
+        for output in result.outputs:
+            pf.delete(output.bucket, output.key)
+    run.problems = _validate(config, result.map_values, checks)
+    run.ok = not run.problems
+    run.peak_dram_bytes, run.peak_nvme_bytes = sampler.peak("dram"), sampler.peak("nvme")
+    run.peak_server_rss_bytes = sampler.peak_rss()
+    run.timeline = sampler.samples
+    return run
+
+
+def _ray_data_generate(config: SortConfig, batch: dict[str, Any]) -> dict[str, Any]:
+    """Ray Data: the records of the mappers in ``batch["id"]``, as key and record columns."""
+    import numpy as np
+
+    records = np.concatenate([generate_records(config, int(m)) for m in batch["id"]])
+    return {"key": [bytes(r[:10]) for r in records], "record": [bytes(r) for r in records]}
+
+
+def _ray_data_describe(batch: dict[str, Any]) -> dict[str, Any]:
+    """Ray Data: one block of the sorted output as a partition check (see valsort)."""
+    import numpy as np
+
+    data = b"".join(batch["record"])
+    records = np.frombuffer(data, dtype=np.uint8).reshape(-1, 100)
+    check = describe_partition(0, data)
+    return {"records": [check.records], "checksum": [str(record_checksum(records))],
+            "is_sorted": [check.is_sorted], "first_key": [check.first_key or b""],
+            "last_key": [check.last_key or b""]}
+
+
+def run_ray_data(config: SortConfig) -> Run:
+    """``ray.data`` ``sort`` of the same records on the same Ray cluster, validated per block."""
+    run = Run("ray-data", config.input_bytes)
+    try:
+        import ray.data
+    except ImportError as exc:
+        run.skipped = f"ray.data cannot be imported ({exc}): pip install 'ray[data]'"
+        return run
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    started = time.perf_counter()
+    sorted_ds = (ray.data.range(config.mappers, override_num_blocks=config.mappers)
+                 .map_batches(functools.partial(_ray_data_generate, config), batch_size=1)
+                 .sort("key")
+                 .materialize())
+    run.job_s = time.perf_counter() - started
+    validating = time.perf_counter()
+    rows = sorted_ds.map_batches(_ray_data_describe, batch_size=None).take_all()
+    run.phase_s = {"validate": time.perf_counter() - validating}
+    checks = [PartitionCheck(reducer=i, records=int(r["records"]), checksum=int(r["checksum"]),
+                             is_sorted=bool(r["is_sorted"]),
+                             first_key=bytes(r["first_key"]) or None,
+                             last_key=bytes(r["last_key"]) or None, bytes_read=0)
+              for i, r in enumerate(row for row in rows if int(row["records"]))]
+    # Blocks, not reducers: validate as that many partitions of the same records.
+    shaped = SortConfig(mappers=config.mappers, reducers=max(1, len(checks)),
+                        records=config.records, seed=config.seed)
+    expected = sum(record_checksum(generate_records(config, m))
+                   for m in range(config.mappers)) & _MASK64
+    run.problems = check_output(shaped, input_checksum=expected, checks=checks)
+    run.ok = not run.problems
+    return run
+
+
+def run_lithops_storage(variant: str, fexec: Any, config: SortConfig,
+                        sample: Callable[[str], int]) -> Run:
+    """:mod:`benchmarks.lithops_sort`'s shuffle through Lithops' own storage."""
+    from benchmarks.lithops_sort import run_storage_variant
+
+    done = run_storage_variant(variant, fexec, config, sample)
+    run = Run(variant, config.input_bytes, job_s=done.job_s, ok=done.ok, problems=done.problems)
+    run.phase_s = {"shuffle_writes_per_mapper": _mean(done.map_io_s),
+                   "reads_per_reducer": _mean(done.reduce_io_s)}
+    return run
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def run(sizes: list[int], variants: tuple[str, ...], out_dir: Path, *, dram_bytes: int,
+        nvme_bytes: int, redis_max_bytes: int, object_store_bytes: int) -> dict[str, Any]:
+    """Every variant at every size, one after the other; JSON, Markdown and a PNG."""
+    import pocketflow
+
+    started_iso, started = now_iso(), time.perf_counter()
+    cluster_shape = {"dram_servers": 2, "dram_capacity": dram_bytes // 2, "nvme_servers": 1,
+                     "nvme_capacity": nvme_bytes, "num_cpus": WORKERS,
+                     "object_store_memory": object_store_bytes}
+    with pocketflow.LocalCluster(**cluster_shape) as cluster:
+        runs = run_sizes(cluster, sizes, variants, redis_max_bytes=redis_max_bytes,
+                         warmup_bytes=WARMUP_BYTES)
+    results = report(runs, sizes, variants, cluster_shape=cluster_shape,
+                     redis_max_bytes=redis_max_bytes, started_iso=started_iso,
+                     duration_s=time.perf_counter() - started)
+    write(results, runs, out_dir)
+    return results
+
+
+def report(runs: list[Run], sizes: list[int], variants: tuple[str, ...], *,
+           cluster_shape: dict[str, Any], redis_max_bytes: int, started_iso: str,
+           duration_s: float) -> dict[str, Any]:
+    """The results document of ``runs``."""
+    return {
+        "benchmark": "sort-scale",
+        "started": started_iso,
+        "duration_s": round(duration_s, 1),
+        "commit": git_commit(),
+        "machine": machine(),
+        "versions": package_versions(("pocketflow", "ray", "lithops", "redis", "numpy")),
+        "config": {"sizes": sizes, "variants": list(variants), "cluster": cluster_shape,
+                   "bytes_per_mapper": BYTES_PER_MAPPER, "workers": WORKERS,
+                   "redis_max_bytes": redis_max_bytes, "sample_interval_s": SAMPLE_INTERVAL_S},
+        "summary": summarize(runs, sizes),
+        "runs": [asdict(r) | {"gb_per_s": r.gb_per_s} for r in runs],
+    }
+
+
+def write(results: dict[str, Any], runs: list[Run], out_dir: Path) -> Path:
+    """The results as JSON, Markdown and a PNG in ``out_dir``; returns the JSON's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sizes = results["config"]["sizes"]
+    stem = f"sort-scale-{today()}-" + "-".join(format_bytes(s).replace(" ", "") for s in sizes)
+    (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / f"{stem}.md").write_text(markdown(results))
+    plot(runs, out_dir / f"{stem}.png")
+    print(f"wrote {out_dir / stem}.json, .md and .png")
+    return out_dir / f"{stem}.json"
+
+
+def run_sizes(cluster: Any, sizes: list[int], variants: tuple[str, ...], *,
+              redis_max_bytes: int, warmup_bytes: int = 0) -> list[Run]:
+    """Every variant at every size on ``cluster``, one after the other; with ``warmup_bytes``,
+    each variant first sorts that much once, unreported (its workers, Ray Data's and Lithops'
+    machinery start there, not in the first measured run)."""
+    for variant in variants if warmup_bytes else ():
+        _run_variant(variant, sort_config(warmup_bytes), cluster, redis_max_bytes)
+    runs: list[Run] = []
+    for size in sizes:
+        config = sort_config(size)
+        for variant in variants:
+            try:
+                done = _run_variant(variant, config, cluster, redis_max_bytes)
+            except Exception as exc:  # noqa: BLE001 - one variant's failure is its result
+                done = Run(variant, config.input_bytes,
+                           problems=[f"failed: {type(exc).__name__}: {exc}"])
+            runs.append(done)
+            print(f"  {format_bytes(size):>9s} {variant:20s} "
+                  + (f"skipped: {done.skipped}" if done.skipped else
+                     f"job {done.job_s:8.2f} s, {done.gb_per_s:6.3f} GB/s, "
+                     f"{'OK' if done.ok else 'FAILED ' + '; '.join(done.problems)}"),
+                  flush=True)
+    return runs
+
+
+def _run_variant(variant: str, config: SortConfig, cluster: Any, redis_max_bytes: int) -> Run:
+    if variant == "pocketflow-ray":
+        from pocketflow_lithops.shuffle_executors import RayShuffleExecutor
+
+        return run_pocketflow(variant, RayShuffleExecutor(tasks_max=WORKERS), config, cluster)
+    if variant == "ray-data":
+        return run_ray_data(config)
+    if variant == "lithops-redis" and 2 * config.input_bytes > redis_max_bytes:
+        return Run(variant, config.input_bytes,
+                   skipped=f"twice the input does not fit in {format_bytes(redis_max_bytes)}")
+    import lithops
+    from lithops.constants import LITHOPS_TEMP_DIR
+
+    from benchmarks.lithops_sort import dir_bytes
+    from pocketflow.demo import lithops_config
+
+    if variant == "pocketflow-lithops":
+        from pocketflow_lithops.runtime import runtime_path
+
+        with lithops.FunctionExecutor(config=lithops_config(
+                storage="localhost", workers=WORKERS, runtime=runtime_path())) as fexec:
+            try:
+                return run_pocketflow(variant, fexec, config, cluster)
+            finally:
+                fexec.clean()
+    if variant == "lithops-localhost":
+        root = Path(LITHOPS_TEMP_DIR) / "storage"
+        with lithops.FunctionExecutor(config=lithops_config(storage="localhost",
+                                                            workers=WORKERS)) as fexec:
+            try:
+                return run_lithops_storage(variant, fexec, config,
+                                           lambda prefix: dir_bytes(root / prefix))
+            finally:
+                fexec.clean()
+    import redis
+
+    from benchmarks.peers import RedisPeer
+
+    peer = RedisPeer()
+    peer.start()
+    try:
+        port = peer.spec().port
+        client = redis.Redis(host="127.0.0.1", port=port)
+        with lithops.FunctionExecutor(config=lithops_config(
+                storage="redis", workers=WORKERS,
+                extra={"redis": {"host": "127.0.0.1", "port": port}})) as fexec:
+            try:
+                return run_lithops_storage(
+                    variant, fexec, config,
+                    lambda _prefix: int(client.info("memory")["used_memory"]))
+            finally:
+                fexec.clean()
+    finally:
+        peer.stop()
+
+
+def summarize(runs: list[Run], sizes: list[int]) -> dict[str, Any]:
+    """Per size: each variant's job time and GB/s, pocketflow's speedup over the fastest peer;
+    across sizes: time per GB at the largest size over the smallest."""
+    summary: dict[str, Any] = {}
+    for size in sizes:
+        mine = {r.variant: r for r in runs if r.input_bytes == size and not r.skipped}
+        row: dict[str, Any] = {v: {"job_s": r.job_s, "gb_per_s": r.gb_per_s, "ok": r.ok}
+                               for v, r in mine.items()}
+        ours = [mine[v].job_s for v in ("pocketflow-ray", "pocketflow-lithops")
+                if v in mine and mine[v].ok]
+        peers = [mine[v].job_s for v in ("ray-data", "lithops-localhost")
+                 if v in mine and mine[v].ok]
+        if ours and peers:
+            row["speedup_vs_fastest_peer"] = min(peers) / min(ours)
+            row["speedup_met"] = row["speedup_vs_fastest_peer"] >= SPEEDUP_GOAL
+        summary[str(size)] = row
+    for variant in ("pocketflow-ray", "pocketflow-lithops"):
+        timed = sorted((r.input_bytes, r.job_s) for r in runs
+                       if r.variant == variant and r.ok and r.job_s)
+        if len(timed) >= 2:
+            (small, small_s), (large, large_s) = timed[0], timed[-1]
+            ratio = (large_s / large) / (small_s / small)
+            summary[f"{variant}_time_per_gb_ratio"] = ratio
+            summary[f"{variant}_linear_met"] = ratio <= LINEARITY_GOAL
+    return summary
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The results as a Markdown report."""
+    cfg, m = results["config"], results["machine"]
+    lines = [
+        "# Sorts at scale: pocketflow on Ray and Lithops against Ray Data, Lithops storage, "
+        "Redis",
+        "",
+        f"- commit `{(results['commit']['commit'] or '?')[:12]}`, {results['started']}, "
+        f"{results['duration_s']} s; {m['cpu_model']}, {m['cores']} cores, load average "
+        f"{m['load_avg_1m_at_start']:.2f} at start",
+        f"- cluster: {json.dumps(cfg['cluster'])}; {cfg['workers']} tasks at once",
+        "",
+        "| size | variant | job s | GB/s | map s | writes/mapper s | reads/reducer s | "
+        "parked/reducer s | peak DRAM | peak NVMe | peak server RSS | valid |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["runs"]:
+        if r["skipped"]:
+            lines.append(f"| {format_bytes(r['input_bytes'])} | {r['variant']} | skipped: "
+                         f"{r['skipped']} |||||||||| |")
+            continue
+        p = r["phase_s"]
+        lines.append(
+            f"| {format_bytes(r['input_bytes'])} | {r['variant']} | {r['job_s']:.2f} | "
+            f"{r['gb_per_s']:.3f} | {p.get('map', 0):.2f} | "
+            f"{p.get('shuffle_writes_per_mapper', 0):.3f} | {p.get('reads_per_reducer', 0):.3f} | "
+            f"{p.get('reducer_parked_per_reducer', 0):.3f} | "
+            f"{format_bytes(r['peak_dram_bytes'])} | {format_bytes(r['peak_nvme_bytes'])} | "
+            f"{format_bytes(r['peak_server_rss_bytes'])} | {'yes' if r['ok'] else 'NO'} |")
+    lines += ["", "Goals:"]
+    for size, row in results["summary"].items():
+        if isinstance(row, dict) and "speedup_vs_fastest_peer" in row:
+            speedup = row["speedup_vs_fastest_peer"]
+            lines.append(f"- {format_bytes(int(size))}: pocketflow's best over the fastest of "
+                         f"Ray Data and Lithops localhost: **{speedup:.2f}x**"
+                         f" (goal >= {SPEEDUP_GOAL}x) - "
+                         f"{'met' if row['speedup_met'] else 'NOT met'}")
+    for variant in ("pocketflow-ray", "pocketflow-lithops"):
+        ratio = results["summary"].get(f"{variant}_time_per_gb_ratio")
+        if ratio is not None:
+            lines.append(f"- {variant}: time per GB at the largest size / the smallest: "
+                         f"**{ratio:.2f}** (goal <= {LINEARITY_GOAL}) - "
+                         f"{'met' if ratio <= LINEARITY_GOAL else 'NOT met'}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(runs: list[Run], path: Path) -> None:
+    """Bytes in and out per second of each tier over time, one panel per pocketflow run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mine = [r for r in runs if r.timeline]
+    fig, axes = plt.subplots(max(1, len(mine)), 1, figsize=(9, 2.6 * max(1, len(mine))),
+                             squeeze=False)
+    for ax, r in zip(axes[:, 0], mine, strict=False):
+        tiers = sorted({t for s in r.timeline for t in s["tiers"]})
+        for tier in tiers:
+            ax.plot([s["t_s"] for s in r.timeline],
+                    [(s["tiers"].get(tier, {}).get("in_per_s", 0)
+                      + s["tiers"].get(tier, {}).get("out_per_s", 0)) / 1e6
+                     for s in r.timeline], label=tier)
+        ax.set_title(f"{r.variant}, {format_bytes(r.input_bytes)}")
+        ax.set_ylabel("MB/s in+out")
+        ax.legend(loc="upper right")
+    axes[-1, 0].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python3 -m benchmarks.sort_scale``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="1GB,4GB,10GB",
+                        help="comma-separated input sizes (default 1GB,4GB,10GB)")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--dram", default="2GiB", help="DRAM of the cluster in all (2 servers)")
+    parser.add_argument("--nvme", default="32GiB", help="capacity of the one NVMe server")
+    parser.add_argument("--redis-max", default="2GiB",
+                        help="run Redis only where twice the input fits in this")
+    parser.add_argument("--object-store", default="2GiB", help="Ray's object store memory")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
+    args = parser.parse_args(argv)
+    variants = tuple(v for v in args.variants.split(",") if v)
+    if not variants or not set(variants) <= set(VARIANTS):
+        parser.error(f"--variants takes some of {','.join(VARIANTS)}")
+    try:
+        sizes = [parse_size(s, name="--sizes") for s in args.sizes.split(",") if s]
+        dram, nvme = parse_size(args.dram, name="--dram"), parse_size(args.nvme, name="--nvme")
+        redis_max = parse_size(args.redis_max, name="--redis-max")
+        store = parse_size(args.object_store, name="--object-store")
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if any("lithops" in v for v in variants):
+        from pocketflow.demo import forget_inherited_lithops_session
+
+        forget_inherited_lithops_session()
+    results = run(sizes, variants, args.out, dram_bytes=dram, nvme_bytes=nvme,
+                  redis_max_bytes=redis_max, object_store_bytes=store)
+    ok = all(r["ok"] for r in results["runs"] if not r["skipped"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,6 +29,15 @@ ignores routes) is placed over the members of the route's pool with equal weight
 weight in the map; members the map does not list are ignored, and a route whose pool has none left
 is ignored. The controller routes a prefix that was granted DRAM, or that spilled to NVMe
 (:meth:`pocketflow.Job.declare` with ``size_bytes``).
+
+A map after the first also says where the job's earlier maps placed keys (:class:`EarlierMap`)::
+
+    "earlier": [{"servers": [["dram-0", 1.0, 1], ["dram-1", 1.0, 1]], "pools": ..., "routes": ...}]
+
+one entry per distinct earlier placement (a suspect's weight 0, as placement saw it), so that a
+write-once put looks for its key only on the servers an earlier map put it on instead of on every
+server (docs/ARCHITECTURE.md, "Write-once"). A map without it (a job that changed its map more than
+:data:`EARLIER_MAPS_MAX` ways, or a map from before the field) makes a put check every server.
 """
 
 from __future__ import annotations
@@ -51,7 +60,8 @@ from pocketflow.protocol import (
 
 __all__ = [
     "ServerInfo", "JobHandle", "LostServer", "Routes", "TIERS", "WEIGHT_SIGNIFICANT_DIGITS",
-    "LOST_SERVERS_MAX", "POOLS_MAX", "ROUTES_MAX",
+    "LOST_SERVERS_MAX", "POOLS_MAX", "ROUTES_MAX", "EarlierMap", "EARLIER_MAPS_MAX",
+    "EARLIER_ROWS_MAX",
 ]
 
 TIERS = ("dram", "nvme")
@@ -64,6 +74,15 @@ ROUTES_MAX = 4096
 """Most routed prefixes a weight map holds (as ``ROUTES_MAX`` in the client core)."""
 SERVERS_MAX = 4096
 """Most servers a weight map (or one pool) lists (as the client core's bound)."""
+FIRST_EPOCH = 1
+"""The epoch of a job's first map (no earlier map placed anything)."""
+EARLIER_MAPS_MAX = 16
+"""Most earlier placements a weight map remembers (as the client core's bound). A job whose map
+changed more ways than this forgets them all for good, and its puts check every server again:
+slower, never unsafe."""
+EARLIER_ROWS_MAX = 1024
+"""Most rows (servers, pool members, routes) the remembered placements hold together: bounds the
+handle and the ``stale_epoch`` answers that carry it."""
 _POOL_NAME = re.compile(r"^[a-z0-9_-]{1,32}$")
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
@@ -228,6 +247,52 @@ class Routes:
 NO_ROUTES = Routes()
 
 
+@dataclass(frozen=True, slots=True)
+class EarlierMap:
+    """Where an earlier weight map of a job placed keys: each server's ``(node_id, weight,
+    persist)`` as placement saw it (a suspect with weight 0 and no PERSIST), and its routes."""
+
+    servers: tuple[tuple[str, float, bool], ...]
+    routes: Routes = NO_ROUTES
+
+    @classmethod
+    def of_handle(cls, handle: JobHandle) -> EarlierMap:
+        """The placement of ``handle``'s map."""
+        suspects = set(handle.suspects)
+        return cls(tuple(
+            (s.node_id, 0.0 if s.node_id in suspects else s.weight,
+             s.persist and s.node_id not in suspects)
+            for s in handle.servers
+        ), handle.routes)
+
+    def rows(self) -> int:
+        """Rows it holds (servers, pool members, routes), counted against
+        :data:`EARLIER_ROWS_MAX`."""
+        members = sum(len(m) for _, m in self.routes.pools)
+        return len(self.servers) + members + len(self.routes.routes)
+
+    def to_doc(self) -> dict[str, Any]:
+        """``{"servers": [[node_id, weight, persist], ...], "pools"?, "routes"?}``."""
+        rows = [[n, int(w) if w.is_integer() else w, int(p)] for n, w, p in self.servers]
+        return self.routes.add_to({"servers": rows})
+
+    @classmethod
+    def from_doc(cls, doc: Any) -> EarlierMap:
+        """Parse :meth:`to_doc` output."""
+        rows = doc.get("servers") if isinstance(doc, dict) else None
+        if not isinstance(rows, list) or len(rows) > SERVERS_MAX:
+            raise InvalidRequest(f"malformed weight map: earlier map {doc!r:.200}")
+        servers = []
+        for row in rows:
+            if (not isinstance(row, (list, tuple)) or len(row) != 3 or not isinstance(row[0], str)
+                    or not isinstance(row[1], (int, float)) or not math.isfinite(row[1])
+                    or row[1] < 0):
+                raise InvalidRequest(f"malformed weight map: earlier server {row!r:.200}")
+            weight = float(f"{float(row[1]):.{WEIGHT_SIGNIFICANT_DIGITS}g}")
+            servers.append((row[0], weight, bool(row[2])))
+        return cls(tuple(servers), Routes.of(doc.get("pools"), doc.get("routes")))
+
+
 def _suspects_from_map(weight_map: Any) -> tuple[str, ...]:
     """The ``"suspects"`` of a weight map (node ids), checked."""
     suspects = weight_map.get("suspects", ()) if isinstance(weight_map, dict) else ()
@@ -249,6 +314,20 @@ def _held_weights_from_map(weight_map: Any) -> tuple[tuple[str, float, bool], ..
             raise InvalidRequest(f"malformed weight map: held weight {row!r:.200}")
         rows.append((str(node_id), float(row[0]), bool(row[1])))
     return tuple(rows)
+
+
+def _earlier_from_map(weight_map: Any) -> tuple[EarlierMap, ...] | None:
+    """The ``"earlier"`` placements of a weight map, checked; ``None`` when it has none."""
+    docs = weight_map.get("earlier") if isinstance(weight_map, dict) else None
+    if docs is None:
+        return None
+    if not isinstance(docs, list) or len(docs) > EARLIER_MAPS_MAX:
+        raise InvalidRequest(f"malformed weight map: earlier {docs!r:.200}")
+    earlier = tuple(EarlierMap.from_doc(doc) for doc in docs)
+    if sum(m.rows() for m in earlier) > EARLIER_ROWS_MAX:
+        raise InvalidRequest(f"malformed weight map: earlier maps hold more than "
+                             f"{EARLIER_ROWS_MAX} rows")
+    return earlier
 
 
 def _servers_from_map(
@@ -291,6 +370,9 @@ class JobHandle:
     held_weights: tuple[tuple[str, float, bool], ...] = ()
     """``(node_id, weight, persist)`` of each suspect before it was suspected: where the keys
     written before are, so that only the keys it may hold need it (docs/ARCHITECTURE.md)."""
+    earlier: tuple[EarlierMap, ...] | None = None
+    """Where the job's earlier maps placed keys (distinct placements, oldest first); ``None``
+    when not known (then a write-once put after a map change checks every server)."""
 
     def __post_init__(self) -> None:
         if not self.job_id or len(self.job_id.encode()) > JOB_ID_MAX_BYTES:
@@ -319,10 +401,25 @@ class JobHandle:
             weight_map["suspects"] = list(self.suspects)
         if self.held_weights:
             weight_map["held_weights"] = self._held_weights_doc()
+        if self.earlier:
+            weight_map["earlier"] = [m.to_doc() for m in self.earlier]
         return self.routes.add_to(weight_map)
 
     def _held_weights_doc(self) -> dict[str, list[Any]]:
         return {node_id: [weight, int(persist)] for node_id, weight, persist in self.held_weights}
+
+    def earlier_after(self) -> tuple[EarlierMap, ...] | None:
+        """The ``earlier`` of the map that follows this one: this map's placement added to those
+        before it (once), or ``None`` when they are not known or no longer fit their bounds."""
+        known = () if self.epoch <= FIRST_EPOCH else self.earlier
+        if known is None:
+            return None
+        this = EarlierMap.of_handle(self)
+        earlier = known if this in known else (*known, this)
+        if (len(earlier) > EARLIER_MAPS_MAX
+                or sum(m.rows() for m in earlier) > EARLIER_ROWS_MAX):
+            return None
+        return earlier
 
     def with_weight_map(self, weight_map: dict[str, Any]) -> JobHandle:
         """This handle with another epoch, servers and routes (from ``set_epoch`` or
@@ -330,7 +427,8 @@ class JobHandle:
         epoch, servers, lost, routes = _servers_from_map(weight_map)
         return dataclasses.replace(self, epoch=epoch, servers=servers, lost=lost, routes=routes,
                                    suspects=_suspects_from_map(weight_map),
-                                   held_weights=_held_weights_from_map(weight_map))
+                                   held_weights=_held_weights_from_map(weight_map),
+                                   earlier=_earlier_from_map(weight_map))
 
     def updated_by(self, newer: JobHandle) -> JobHandle:
         """This handle after ``newer``, a later handle of the same job (a renewed token, a newer
@@ -365,6 +463,8 @@ class JobHandle:
             doc["suspects"] = list(self.suspects)
         if self.held_weights:
             doc["held_weights"] = self._held_weights_doc()
+        if self.earlier:
+            doc["earlier"] = [m.to_doc() for m in self.earlier]
         if self.tls_ca is not None:
             doc["tls_ca"] = self.tls_ca
         return _dumps(self.routes.add_to(doc))
@@ -387,6 +487,7 @@ class JobHandle:
                 routes=routes,
                 suspects=_suspects_from_map(doc),
                 held_weights=_held_weights_from_map(doc),
+                earlier=_earlier_from_map(doc),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, InvalidRequest):

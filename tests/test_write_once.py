@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+from test_metrics import scrape_all, summed
+
 from pocketflow.client import Client
 from pocketflow.cluster import LocalCluster
 from pocketflow.errors import DataUnavailable, ObjectExists, ObjectNotFound
+from pocketflow.handle import EarlierMap
 from pocketflow.placement import Placement
 from pocketflow.protocol import OP_LOOKUP
 
@@ -191,3 +195,45 @@ def test_concurrent_delete_readers_of_mixed_flag_keys_after_a_grow_have_one_winn
             for n, key in enumerate(keys):
                 assert got[key] == [f"value-{n}".encode()], (key, got[key])
                 assert _records(pf, "b", key) == 0
+
+
+def test_after_a_grow_a_put_looks_for_its_key_only_where_an_earlier_map_placed_it(
+    local_cluster: LocalCluster,
+) -> None:
+    """The grown map says where the job's first map placed keys (``earlier``), so a put of a new
+    key looks it up only on the servers that map placed it on (and that are not its home or
+    arbiter now): most keys pay no lookup. Counted on the servers' own request counters; before
+    the narrowing every put looked on every other server of the map."""
+    with local_cluster.register_job("write-once-narrow", {"data_size_bytes": "8MiB"}) as job:
+        with job.connect() as pf:
+            pf.create_bucket("b")
+            first = job.handle
+            local_cluster.control.grow_job(job.job_id, SPLIT_HINTS)
+            pf.put("b", "adopt", b"x")  # adopts the grown map
+            grown = pf._view.handle
+            # A bucket every server of the grown map has: no put repairs one (and claims again).
+            pf.create_bucket("c")
+            assert grown.epoch > first.epoch
+            assert grown.earlier == (EarlierMap.of_handle(first),)
+            before, after = Placement(first.servers), Placement(grown.servers)
+            keys = [f"n{i}" for i in range(KEYS)]
+            expected = 0
+            for key in keys:
+                raw = key.encode()
+                earlier = {before.server_for(raw).node_id}
+                if any(s.persist for s in first.servers):
+                    earlier.add(before.server_for(raw, persist=True).node_id)
+                expected += len(earlier - {after.server_for(raw).node_id})
+            everywhere = KEYS * (len(grown.servers) - 1)
+            assert expected < everywhere, "the grow left every server a rival of every key"
+            start = scrape_all(local_cluster)
+            for key in keys:
+                pf.put("c", key, key.encode())
+            end = scrape_all(local_cluster)
+            lookups = (summed(end, "pocketflow_requests_total", op="lookup")
+                       - summed(start, "pocketflow_requests_total", op="lookup"))
+            assert lookups == expected, (lookups, expected, everywhere)
+            for key in keys:
+                assert pf.get("c", key) == key.encode()
+                with pytest.raises(ObjectExists):
+                    pf.put("c", key, b"again")

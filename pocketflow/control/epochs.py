@@ -113,6 +113,8 @@ class Epochs:
         handle = dataclasses.replace(
             record.handle, epoch=record.handle.epoch + 1, servers=servers,
             routes=record.handle.routes if routes is None else routes,
+            # Where the earlier maps placed keys: write-once puts look for a key only there.
+            earlier=record.handle.earlier_after(),
             suspects=kept,
             held_weights=tuple(sorted((n, float(w[0]), bool(w[1]))
                                       for n, w in held.items() if n in kept)),

@@ -203,6 +203,11 @@ impl Routes {
         self.prefixes.is_empty()
     }
 
+    /// Rows these routes hold (pool members and routes), for a bound on maps that carry many.
+    pub fn rows(&self) -> usize {
+        self.pools.iter().map(Vec::len).sum::<usize>() + self.prefixes.len()
+    }
+
     /// The pool (its index, pools in name order) of the longest route prefix `P` that `key`
     /// lies under, i.e. `key` starts with `P` followed by `/`; `None` when no route matches.
     fn pool_of(&self, key: &[u8]) -> Option<usize> {

@@ -3,7 +3,7 @@
 //! its view whole when it adopts a newer epoch, so one call always places and addresses with one
 //! consistent map.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use bytes::Bytes;
 use pocketflow_protocol::context::Context;
@@ -17,9 +17,14 @@ use crate::placement::{PlacedServer, Placement, Routes, SERVERS_MAX};
 const WEIGHT_SIGNIFICANT_DIGITS: usize = 6;
 /// Most lost servers a map remembers (as `pocketflow.handle.LOST_SERVERS_MAX`).
 const LOST_SERVERS_MAX: usize = 16;
+/// Most earlier placements a map remembers (as `pocketflow.handle.EARLIER_MAPS_MAX`).
+const EARLIER_MAPS_MAX: usize = 16;
+/// Most rows (servers, pool members, routes) they hold together (as
+/// `pocketflow.handle.EARLIER_ROWS_MAX`).
+const EARLIER_ROWS_MAX: usize = 1024;
 /// The fields of a weight map a view takes from a `stale_epoch` answer or a `set_epoch`; the
 /// optional ones (all but `epoch` and `servers`) are dropped when the new map has none.
-const WEIGHT_MAP_FIELDS: [&str; 7] = [
+const WEIGHT_MAP_FIELDS: [&str; 8] = [
     "epoch",
     "servers",
     "lost",
@@ -27,6 +32,7 @@ const WEIGHT_MAP_FIELDS: [&str; 7] = [
     "routes",
     "suspects",
     "held_weights",
+    "earlier",
 ];
 
 /// One storage server of a weight map.
@@ -49,6 +55,15 @@ pub struct LostServer {
     pub node_id: String,
     /// Its address.
     pub address: String,
+}
+
+/// Where an earlier map of the job placed keys (one entry of the map's `"earlier"`).
+#[derive(Debug)]
+struct EarlierPlacement {
+    /// Placement over the earlier map's servers, as placement saw them then.
+    placement: Placement,
+    /// For each of those servers, its index in this map's `servers` (`None`: no longer in it).
+    in_view: Vec<Option<usize>>,
 }
 
 /// One consistent weight map of a job, with everything derived from it.
@@ -78,6 +93,9 @@ pub struct View {
     held_placement: Option<Placement>,
     /// Suspects whose weight before the suspicion the map does not say: they may hold any key.
     suspects_unweighed: Vec<String>,
+    /// Where the job's earlier maps placed keys; `None` when the map does not say (then any
+    /// server may hold a key written before).
+    earlier: Option<Vec<EarlierPlacement>>,
     /// The DoExchange descriptor command (`{"ctx": ...}`).
     pub exchange_command: Bytes,
 }
@@ -231,6 +249,72 @@ fn held_weights_of(map: &Map<String, Value>) -> Result<BTreeMap<String, (f64, bo
         .collect()
 }
 
+/// A weight map's `"earlier"` (optional): `[{"servers": [[node_id, weight, persist], ...],
+/// "pools"?, "routes"?}, ...]`, the distinct placements of the job's earlier maps, each indexed
+/// against `servers` (this map's).
+fn earlier_of(
+    map: &Map<String, Value>,
+    servers: &[Server],
+) -> Result<Option<Vec<EarlierPlacement>>, ClientError> {
+    let entries = match map.get("earlier") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(entries)) if entries.len() <= EARLIER_MAPS_MAX => entries,
+        Some(other) => return Err(malformed("weight map", format!("earlier {other:.200}"))),
+    };
+    let index_of: HashMap<&str, usize> = servers
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.node_id.as_str(), i))
+        .collect();
+    let mut rows_total = 0usize;
+    let mut earlier = Vec::with_capacity(entries.len());
+    for entry in entries {
+        let bad = || malformed("weight map", format!("earlier map {entry:.200}"));
+        let fields = entry.as_object().ok_or_else(bad)?;
+        let rows = fields
+            .get("servers")
+            .and_then(Value::as_array)
+            .ok_or_else(bad)?;
+        let routes = routes_of(fields)?;
+        rows_total += rows.len() + routes.rows();
+        if rows_total > EARLIER_ROWS_MAX {
+            return Err(malformed(
+                "weight map",
+                format!("earlier maps hold more than {EARLIER_ROWS_MAX} rows"),
+            ));
+        }
+        let placed = rows
+            .iter()
+            .map(|row| match row.as_array().map(Vec::as_slice) {
+                Some([Value::String(node_id), weight, persist]) => {
+                    let weight = weight.as_f64().filter(|w| w.is_finite() && *w >= 0.0);
+                    let persist = persist
+                        .as_bool()
+                        .or_else(|| persist.as_u64().map(|p| p != 0));
+                    match (weight, persist) {
+                        (Some(weight), Some(persist)) => Ok(PlacedServer {
+                            node_id: node_id.clone(),
+                            weight: rounded_weight(weight),
+                            persist,
+                        }),
+                        _ => Err(bad()),
+                    }
+                }
+                _ => Err(bad()),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let in_view = placed
+            .iter()
+            .map(|p| index_of.get(p.node_id.as_str()).copied())
+            .collect();
+        earlier.push(EarlierPlacement {
+            placement: Placement::with_routes(&placed, routes),
+            in_view,
+        });
+    }
+    Ok(Some(earlier))
+}
+
 /// `(epoch, servers, lost)` of a weight map `{"epoch", "servers", "lost"?, ...}`.
 fn map_parts(map: &Map<String, Value>) -> Result<(u64, Vec<Server>, Vec<LostServer>), ClientError> {
     let epoch = map
@@ -293,6 +377,7 @@ impl View {
         );
         let suspects = suspects_of(&handle)?;
         let held_weights = held_weights_of(&handle)?;
+        let earlier = earlier_of(&handle, &servers)?;
         let placed: Vec<PlacedServer> = servers
             .iter()
             .map(|s| {
@@ -335,6 +420,7 @@ impl View {
             suspects,
             held_placement,
             suspects_unweighed,
+            earlier,
             servers,
             lost,
             block_size,
@@ -395,6 +481,29 @@ impl View {
             .ranked(key, block)
             .into_iter()
             .map(|i| &self.servers[i])
+    }
+
+    /// The servers of this map (indexes into `servers`) that an earlier map of the job placed
+    /// block 0 of `key` on, ephemeral or PERSIST, each once; `None` when the map does not say
+    /// where its earlier maps placed keys. Empty for a job's first map.
+    pub fn earlier_homes(&self, key: &[u8]) -> Option<Vec<usize>> {
+        if self.epoch <= 1 {
+            return Some(Vec::new());
+        }
+        let earlier = self.earlier.as_ref()?;
+        let mut homes: Vec<usize> = Vec::new();
+        for map in earlier {
+            for persist in [false, true] {
+                let home = map
+                    .placement
+                    .server_for(key, 0, persist)
+                    .and_then(|i| map.in_view[i]);
+                if let Some(home) = home.filter(|h| !homes.contains(h)) {
+                    homes.push(home);
+                }
+            }
+        }
+        Some(homes)
     }
 
     /// Whether the control plane suspects the server `node_id` (it may hang: never wait on it).
@@ -599,6 +708,49 @@ mod tests {
                 error.to_string().contains("malformed weight map"),
                 "{pools} {routes}: {error}"
             );
+        }
+    }
+
+    #[test]
+    fn an_earlier_placement_names_the_servers_that_held_a_key_before() {
+        let first = View::from_handle_json(HANDLE).unwrap();
+        let mut map = first.weight_map();
+        map.insert("epoch".into(), 2.into());
+        // Grown: dram-1 takes an equal share now; before, dram-0 held every key.
+        map.insert(
+            "servers".into(),
+            serde_json::json!([
+                ["dram-0", "127.0.0.1:5000", "dram", 1, 1],
+                ["dram-1", "127.0.0.1:5001", "dram", 1, 0]
+            ]),
+        );
+        let unknown = first.with_weight_map(&map).unwrap();
+        assert!(unknown.earlier_homes(b"k").is_none());
+        map.insert(
+            "earlier".into(),
+            serde_json::json!([{"servers": [["dram-0", 1, 1], ["gone", 5, 0]]}]),
+        );
+        let grown = first.with_weight_map(&map).unwrap();
+        assert_eq!(first.earlier_homes(b"k"), Some(vec![]));
+        for n in 0..40 {
+            let key = format!("k{n}");
+            // dram-0 (index 0) or the server no longer in the map, which is no rival.
+            let homes = grown.earlier_homes(key.as_bytes()).unwrap();
+            assert!(homes.is_empty() || homes == vec![0], "{key}: {homes:?}");
+        }
+        assert!((0..40).any(|n| grown.earlier_homes(format!("k{n}").as_bytes()).unwrap() == [0]));
+        for bad in [
+            serde_json::json!({"servers": []}),
+            serde_json::json!([{"servers": [["a", -1, 0]]}]),
+            serde_json::json!([{"servers": [["a", 1]]}]),
+            serde_json::json!([{"pools": {}}]),
+            serde_json::json!(vec![
+                serde_json::json!({"servers": []});
+                EARLIER_MAPS_MAX + 1
+            ]),
+        ] {
+            map.insert("earlier".into(), bad.clone());
+            assert!(first.with_weight_map(&map).is_err(), "{bad}");
         }
     }
 

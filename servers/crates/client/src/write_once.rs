@@ -11,9 +11,12 @@
 //! wins and every other writer gets `already_exists`; nobody withdraws a stored record.
 //!
 //! Once the job's map changed (epoch > 1), a key may also be held where an earlier map put it,
-//! so a put first looks for it on the servers that can hold it (its *rivals*: every other server
-//! of the map, but a suspect only for keys the map, with the suspect's held weight given back,
-//! places on it) and stores nothing if one does. A rival check that needs a suspect server (a
+//! so a put first looks for it on the servers that can hold it (its *rivals*: the servers of the
+//! map that an earlier map placed its block 0 on, ephemeral or PERSIST, from the map's
+//! `earlier`; every other server of the map when the map does not say; and a suspect only for
+//! keys an earlier map, or the map with the suspect's held weight given back, places on it) and
+//! stores nothing if one does. A key no earlier map placed anywhere but its home and arbiter
+//! pays no round trip for this. A rival check that needs a suspect server (a
 //! hung one, listed in the map's `suspects`) is refused at once with a typed error instead of
 //! waiting on it; keys whose checks do not need it are written as usual.
 //!
@@ -114,12 +117,26 @@ pub(crate) fn plan<'v>(view: &'v View, key: &str, persist: bool) -> Result<KeyPl
         if let Some(arbiter) = arbiter {
             seen.insert(arbiter.node_id.as_str());
         }
-        for server in &view.servers {
+        // (server, whether an earlier map placed the key on it)
+        let candidates: Vec<(&Server, bool)> = match view.earlier_homes(raw) {
+            Some(homes) => homes
+                .into_iter()
+                .map(|i| (&view.servers[i], true))
+                .chain(
+                    view.servers
+                        .iter()
+                        .filter(|s| view.is_suspect(&s.node_id))
+                        .map(|s| (s, false)),
+                )
+                .collect(),
+            None => view.servers.iter().map(|s| (s, false)).collect(),
+        };
+        for (server, placed_before) in candidates {
             if !seen.insert(server.node_id.as_str()) {
                 continue;
             }
             if view.is_suspect(&server.node_id) {
-                if view.suspect_may_hold(raw, &server.node_id) {
+                if placed_before || view.suspect_may_hold(raw, &server.node_id) {
                     return Err(suspect_failure(view, server, key));
                 }
                 continue;

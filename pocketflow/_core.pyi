@@ -14,6 +14,14 @@ RawReply = tuple[int, RawHeader | None, bytes]
 PLACED_OPS_MAX: int
 """Most ops one :meth:`Objects.run_placed` runs (one request frame's worth, 1024)."""
 
+def parse_size(text: str) -> int:
+    """Bytes of a size string in the one grammar (``pocketflow_protocol::units``); ``ValueError``
+    saying why it is not one."""
+
+def parse_duration_ns(text: str) -> int:
+    """Nanoseconds of a duration string in the one grammar; ``ValueError`` saying why it is not
+    one."""
+
 def placed_block(block: int, block_count: int) -> int:
     """The block index placement hashes for data block ``block`` of an object of
     ``block_count`` data blocks: 0 (its manifest's) for an object of one data block."""

@@ -50,11 +50,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pocketflow import _core
 from pocketflow.errors import ConfigError
 from pocketflow.protocol import BLOCK_SIZE_DEFAULT_BYTES, BLOCK_SIZE_MAX_BYTES, SESSION_INFLIGHT_MAX
 
@@ -82,67 +82,48 @@ IO_THREADS_MAX = 64
 """Most threads one object's data blocks move on (the client core's ``IO_THREADS_MAX``)."""
 SESSIONS_PER_SERVER_MAX = 64
 
-_SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_DURATION_UNITS: dict[str, float] = {
-    "": 1.0,
-    "us": 1e-6,
-    "ms": 1e-3,
-    "s": 1.0,
-    "m": 60.0,
-    "min": 60.0,
-    "h": 3600.0,
-}
-_NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+_NANOS_PER_SECOND = 1_000_000_000
 
 
 def parse_size(value: int | float | str, *, name: str = "size") -> int:
-    """Parse a size in bytes: ``1048576``, ``"64MiB"``, ``"1 GB"``; returns whole bytes."""
+    """Parse a size in bytes: ``1048576``, ``"64MiB"``, ``"1.5 GB"``; returns whole bytes.
+
+    A string follows the one grammar of the client core and the server's flags
+    (``pocketflow_protocol::units``: a non-negative decimal number and an optional unit, B, kB,
+    MB, GB, TB, KiB, MiB, GiB or TiB, case-insensitive; exact, whole bytes, at most 64 bits); the
+    cases of ``tests/vectors/units.json`` hold for both."""
     if isinstance(value, bool):
         raise ConfigError(f"{name}: expected a size, got {value!r}")
-    if isinstance(value, int):
-        number: float = value
-        unit = ""
-    elif isinstance(value, float):
-        number, unit = value, ""
-    elif isinstance(value, str):
-        match = _NUMBER_UNIT.match(value)
-        if match is None or match.group(2).lower() not in _SIZE_UNITS:
-            raise ConfigError(f"{name}: cannot parse size {value!r} (try '64MiB' or '1 GB')")
-        number, unit = float(match.group(1)), match.group(2).lower()
-    else:
+    if isinstance(value, str):
+        try:
+            return int(_core.parse_size(value))
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+    if not isinstance(value, (int, float)):
         raise ConfigError(f"{name}: expected a size, got {type(value).__name__}")
-    if number < 0 or not math.isfinite(number):
+    if value < 0 or not math.isfinite(value):
         raise ConfigError(f"{name}: size must be a finite non-negative number, got {value!r}")
-    scaled = number * _SIZE_UNITS[unit]
-    if scaled != int(scaled):
+    if value != int(value):
         raise ConfigError(f"{name}: {value!r} is not a whole number of bytes")
-    return int(scaled)
+    return int(value)
 
 
 def parse_duration(value: int | float | str, *, name: str = "duration") -> float:
-    """Parse a duration in seconds: ``30``, ``"30s"``, ``"500ms"``, ``"2m"``; returns seconds."""
+    """Parse a duration in seconds: ``30``, ``"30s"``, ``"500ms"``, ``"2m"``; returns seconds.
+
+    A string follows the one grammar of the client core and the server's flags (a non-negative
+    decimal number and an optional unit, us, ms, s, m or min, h; no unit is seconds; whole
+    nanoseconds), as :func:`parse_size` says."""
     if isinstance(value, bool):
         raise ConfigError(f"{name}: expected a duration, got {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str):
-        match = _NUMBER_UNIT.match(value)
-        if match is None or match.group(2).lower() not in _DURATION_UNITS:
-            raise ConfigError(f"{name}: cannot parse duration {value!r} (try '30s' or '500ms')")
-        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
-    else:
+    if isinstance(value, str):
+        try:
+            return int(_core.parse_duration_ns(value)) / _NANOS_PER_SECOND
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+    if not isinstance(value, (int, float)):
         raise ConfigError(f"{name}: expected a duration, got {type(value).__name__}")
+    seconds = float(value)
     if seconds < 0 or not math.isfinite(seconds):
         raise ConfigError(f"{name}: duration must be finite and non-negative, got {value!r}")
     return seconds

@@ -1,5 +1,6 @@
 """Sizes and durations parsed once; keyword > environment > config file > default."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,24 @@ def test_other_tables_are_left_to_their_owners(tmp_path: Path) -> None:
     env = {"POCKETFLOW_CONFIG": str(config)}
     assert load_file_table("cluster", env) == {"servers": 3}
     assert ClientConfig.resolve(env).io_threads == 2
+
+
+UNITS_VECTORS = Path(__file__).parent / "vectors" / "units.json"
+"""The size and duration cases the client core's (and the server's) grammar passes too."""
+
+
+def test_every_shared_size_and_duration_case_parses_as_the_rust_side_does() -> None:
+    cases = json.loads(UNITS_VECTORS.read_text())
+    assert len(cases["sizes"]) >= 20 and len(cases["durations"]) >= 20
+    for text, expected in cases["sizes"]:
+        if expected is None:
+            with pytest.raises(ConfigError, match="hint_x: "):
+                parse_size(text, name="hint_x")
+        else:
+            assert parse_size(text) == expected, text
+    for text, expected in cases["durations"]:
+        if expected is None:
+            with pytest.raises(ConfigError, match="flag_y: "):
+                parse_duration(text, name="flag_y")
+        else:
+            assert parse_duration(text) == expected / 1e9, text

@@ -17,6 +17,7 @@ pub mod opening;
 pub mod ticket;
 pub mod tls;
 pub mod token;
+pub mod units;
 
 pub use context::Context;
 pub use error::{ErrorKind, ProtocolError, TokenError};

@@ -14,6 +14,7 @@ mod listing;
 mod memory;
 mod objects;
 mod placement;
+mod units;
 mod upload;
 
 /// How often a long call looks at Python's pending signals (Ctrl-C), with the GIL taken briefly.
@@ -47,6 +48,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<listing::PyListing>()?;
     m.add_class::<upload::PyUpload>()?;
     m.add_function(wrap_pyfunction!(placement::placed_block, m)?)?;
+    m.add_function(wrap_pyfunction!(units::parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(units::parse_duration_ns, m)?)?;
     m.add("PLACED_OPS_MAX", PLACED_OPS_MAX)?;
     Ok(())
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::builder::{PossibleValuesParser, RangedU64ValueParser, TypedValueParser};
 use clap::Parser;
 
+use pocketflow_protocol::units;
 use pocketflow_store::Tier;
 
 /// Everything the flags say, with every default resolved.
@@ -77,8 +78,8 @@ fn err<T>(message: impl Into<String>) -> Result<T, ArgsError> {
 
 /// Explains the value syntax below the flag list of `--help`.
 const VALUE_SYNTAX: &str = "\
-SIZE is bytes, or a whole number with B, KiB, MiB, GiB or TiB (e.g. 256MiB, 2GiB).
-DURATION is seconds, or a whole number with ms, s, m or h (e.g. 500ms, 30s, 24h).
+SIZE is bytes, or a number with B, kB, MB, GB, TB, KiB, MiB, GiB or TiB (e.g. 256MiB, 1.5GB).
+DURATION is seconds, or a number with us, ms, s, m, min or h (e.g. 500ms, 30s, 1.5h).
 Flags take `--flag value` or `--flag=value`; a flag given twice keeps its last value.
 Flag errors exit with status 2, startup errors with status 1.";
 
@@ -273,70 +274,20 @@ pub fn plaintext_metrics_refused(args: &Args, has_tls: bool) -> Option<String> {
     })
 }
 
-/// Parse a size: plain bytes or a number with a binary unit (`KiB`, `MiB`, `GiB`, `TiB`; `B` too).
+/// Parse a size: the one grammar of sizes and durations (`pocketflow_protocol::units`, shared
+/// with the Python package), above zero.
 pub fn parse_size_bytes(text: &str) -> Result<u64, ArgsError> {
-    let text = text.trim();
-    let digits_end = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(digits_end);
-    if number.is_empty() {
-        return err(format!(
-            "size {text:?} must start with a number of bytes, e.g. 268435456 or 256MiB"
-        ));
-    }
-    let multiplier: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "kib" => 1 << 10,
-        "mib" => 1 << 20,
-        "gib" => 1 << 30,
-        "tib" => 1 << 40,
-        other => {
-            return err(format!(
-                "size {text:?} has unknown unit {other:?}; use B, KiB, MiB, GiB or TiB"
-            ))
-        }
-    };
-    let number: u64 = number
-        .parse()
-        .map_err(|_| ArgsError(format!("size {text:?} is too large")))?;
-    let bytes = number
-        .checked_mul(multiplier)
-        .ok_or_else(|| ArgsError(format!("size {text:?} is too large")))?;
+    let bytes = units::parse_size(text).map_err(|e| ArgsError(e.0))?;
     if bytes == 0 {
         return err("size must be greater than zero");
     }
     Ok(bytes)
 }
 
-/// Parse a duration: seconds, or a number with `ms`, `s`, `m` or `h`; 1 ms..=365 days.
+/// Parse a duration: the one grammar (`pocketflow_protocol::units`), 1 ms..=365 days.
 pub fn parse_duration(text: &str) -> Result<Duration, ArgsError> {
-    let text = text.trim();
-    let digits_end = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(digits_end);
-    let number: u64 = number.parse().map_err(|_| {
-        ArgsError(format!(
-            "duration {text:?} must be a whole number with ms, s, m or h, e.g. 30s"
-        ))
-    })?;
-    let millis_per_unit: u64 = match unit.trim() {
-        "ms" => 1,
-        "" | "s" => 1000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        other => {
-            return err(format!(
-                "duration {text:?} has unknown unit {other:?}; use ms, s, m or h"
-            ))
-        }
-    };
-    let millis = number
-        .checked_mul(millis_per_unit)
-        .ok_or_else(|| ArgsError(format!("duration {text:?} is too long")))?;
-    let duration = Duration::from_millis(millis);
-    if duration.is_zero() || duration > PERSIST_TTL_MAX {
+    let duration = units::parse_duration(text).map_err(|e| ArgsError(e.0))?;
+    if duration < Duration::from_millis(1) || duration > PERSIST_TTL_MAX {
         return err(format!("duration {text:?} must be in 1ms..=365 days"));
     }
     Ok(duration)
@@ -438,13 +389,15 @@ mod tests {
         assert_eq!(parse_size_bytes("64 KiB"), Ok(64 << 10));
         assert_eq!(parse_size_bytes("1tib"), Ok(1 << 40));
         assert_eq!(parse_size_bytes("10B"), Ok(10));
+        assert_eq!(parse_size_bytes("1.5GiB"), Ok(3 << 29));
+        assert_eq!(parse_size_bytes("2GB"), Ok(2_000_000_000));
         for bad in [
             "",
             "MiB",
             "0",
             "12XB",
             "-5",
-            "1.5GiB",
+            "0.5B",
             "99999999999999999999",
             "20000000TiB",
         ] {
@@ -603,11 +556,12 @@ mod tests {
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(24 * 3600)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         for bad in [
             "",
             "0",
             "0s",
-            "1.5s",
+            "500us",
             "3d",
             "-1s",
             "9000h",

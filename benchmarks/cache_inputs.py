@@ -3,11 +3,13 @@ read-through cache, :mod:`pocketflow.cache`), for two input mixes.
 
 Run from the repository root::
 
-    python3 -m benchmarks.cache_inputs [--quick] [--out DIR] [--mixes 1MiB,4KiB]
+    python3 -m benchmarks.cache_inputs [--quick | --scale F] [--out DIR] [--mixes 1MiB,4KiB]
 
 One SeaweedFS S3 server (``weed server -s3`` on 127.0.0.1, :class:`benchmarks.peers.S3Peer`)
 holds the inputs of each mix: ``1MiB``, 1 GiB of 1 MiB objects (1024), and ``4KiB``, 20,000
-objects of 4 KiB (``--quick``: 12 and 300). A Lithops localhost executor (version 1, ``WORKERS``
+objects of 4 KiB (``--quick``: 12 and 300; ``--scale 0.1``: a tenth of each, 102 and 2,000,
+with the full run's tasks: the reduced size that shows a change's direction on a loaded
+machine). A Lithops localhost executor (version 1, ``WORKERS``
 worker processes, Lithops' own data in its localhost storage) maps ``TASKS`` calls over the
 keys, each call reading a contiguous share of them, four ways, one after the other:
 
@@ -26,7 +28,8 @@ cache, so the prewarm counts), the hit ratio (reads served from the cache: fresh
 or filled by another process while the task waited; over every read of every call), the S3
 requests of the run by operation (every call's and the driver's, which prewarms), and bytes
 checked (each call verifies its inputs' contents). Results go to
-``benchmarks/results/cache-inputs-<date>[-quick].json`` and ``.md``.
+``benchmarks/results/cache-inputs-<date>[-quick|-scale<F>].json`` and ``.md`` (the full run's,
+on a quiet machine, are the ones committed).
 """
 
 from __future__ import annotations
@@ -289,7 +292,8 @@ def markdown(results: dict[str, Any]) -> str:
     m, commit = results["machine"], results["commit"]
     lines = [
         f"# Lithops map over S3 inputs: straight, and through pocketflow's cache "
-        f"({results['shape']})",
+        f"({results['shape']}"
+        f"{'' if results.get('scale', 1.0) == 1.0 else ' x ' + format(results['scale'], 'g')})",
         "",
         f"- commit `{(commit['commit'] or '?')[:12]}`"
         f"{' with uncommitted changes' if commit['dirty'] else ''}, {results['started']}, "
@@ -349,8 +353,19 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(shape: str, mixes: tuple[str, ...], out_dir: Path) -> dict[str, Any]:
+def mix_sizes(shape: str, scale: float = 1.0) -> dict[str, tuple[int, int]]:
+    """Each mix's ``(objects, object bytes)`` for ``shape`` ("full" or "quick"), the full
+    counts times ``scale`` (at least one object)."""
+    if not 0 < scale <= 1:
+        raise ValueError(f"scale must be in (0, 1], got {scale}")
+    return {name: (max(1, round(count * scale)), size)
+            for name, (count, size) in MIXES[shape].items()}
+
+
+def run(shape: str, mixes: tuple[str, ...], out_dir: Path,
+        scale: float = 1.0) -> dict[str, Any]:
     started_iso, started = now_iso(), time.perf_counter()
+    sizes = mix_sizes(shape, scale)
     peer = S3Peer(volume_size_limit_mb=1024)
     peer.start()
     rows: list[dict[str, Any]] = []
@@ -359,25 +374,27 @@ def run(shape: str, mixes: tuple[str, ...], out_dir: Path) -> dict[str, Any]:
 
         source = S3Source(endpoint_url=peer.spec().endpoint_url, unsigned=True, attempts=1)
         S3Store(source).create_bucket(WS_BUCKET)
-        uploaded = [Mix(name, *MIXES[shape][name], TASKS[shape], source) for name in mixes]
+        uploaded = [Mix(name, *sizes[name], TASKS[shape], source) for name in mixes]
         with _executor() as fexec:
             rows = run_ways(uploaded, source, fexec)
     finally:
         peer.stop()
     results = {
-        "benchmark": "cache-inputs", "shape": shape, "started": started_iso,
+        "benchmark": "cache-inputs", "shape": shape, "scale": scale, "started": started_iso,
         "duration_s": round(time.perf_counter() - started, 1), "commit": git_commit(),
         "machine": machine(),
         "versions": {**package_versions(("pocketflow", "lithops", "boto3", "ray")),
                      "seaweedfs": peer.version()},
         "config": {"tasks": TASKS[shape], "lithops_workers": WORKERS,
                    "s3_parallel_per_task": S3_PARALLEL_MAX, "cluster": CLUSTER_SHAPE,
-                   "mixes": {m: MIXES[shape][m] for m in mixes}},
+                   "mixes": {m: sizes[m] for m in mixes}},
         "runs": rows,
         "goals": goals(rows),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"cache-inputs-{today()}" + ("-quick" if shape == "quick" else "")
+    if scale != 1.0:
+        stem += f"-scale{scale:g}"
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     (out_dir / f"{stem}.md").write_text(markdown(results))
     print(f"wrote {out_dir / stem}.json and .md")
@@ -389,14 +406,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="12 x 1 MiB and 300 x 4 KiB, 4 tasks (default: 1 GiB and 20,000)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="the full run's objects times this, in (0, 1] (e.g. 0.1: 102 x 1 "
+                             "MiB and 2,000 x 4 KiB, 16 tasks), to see a change's direction "
+                             "under load")
     parser.add_argument("--mixes", default="1MiB,4KiB", help="comma-separated input mixes")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
     args = parser.parse_args(argv)
     mixes = tuple(m for m in args.mixes.split(",") if m)
     if not mixes or not set(mixes) <= set(MIXES["full"]):
         parser.error(f"--mixes takes some of {','.join(MIXES['full'])}")
+    if not 0 < args.scale <= 1 or (args.quick and args.scale != 1.0):
+        parser.error("--scale takes a fraction in (0, 1], without --quick")
     forget_inherited_lithops_session()
-    results = run("quick" if args.quick else "full", mixes, args.out)
+    results = run("quick" if args.quick else "full", mixes, args.out, args.scale)
     return 0 if all(r["ok"] for r in results["runs"]) else 1
 
 

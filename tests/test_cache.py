@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -163,6 +164,41 @@ def test_a_task_waits_for_the_key_being_prewarmed(
         assert request_counts().get("GetObject", 0) - gets == 1
 
 
+def test_tasks_wait_for_keys_the_prewarm_claimed_ahead(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    """A prewarm of many small objects claims its next keys ahead of its fetches (the first
+    window before ``open_cache`` returns): a task started at once that reads the plan's last
+    keys, far beyond the batches in flight, waits for the prewarm's fills and sends S3
+    nothing; every key is fetched from S3 once (before, only the batches in flight were
+    claimed, and the task fetched the rest itself)."""
+    sizes = {f"c/{i:04d}": 4096 for i in range(900)}
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: s3.put_object(Bucket=s3_bucket, Key=k,
+                                              Body=k.encode().ljust(4096, b".")), sizes))
+    keys = sorted(sizes)
+    with open_cache("t-ahead", s3_server, app="ahead", idle="1s",
+                    cluster=local_cluster) as cache:
+        cache.client.get_many(s3_bucket, keys)
+        first_job = cache.job_id
+    _wait_ended(local_cluster, first_job)
+    gets = request_counts().get("GetObject", 0)
+    with open_cache("t-ahead", s3_server, app="ahead", prewarm=True, idle="1s",
+                    cluster=local_cluster) as cache:
+        assert cache.status()["prewarm_planned"] == len(keys)
+        result = _result(_task(cache, s3_bucket, keys[-200:]))
+        assert cache.wait_prewarmed(120.0)
+        assert result["sizes"] == [4096] * 200
+        assert result["gets"] == 0, result["stats"]
+        assert result["stats"]["hits"] == 200
+        status = cache.status()
+        assert status["prewarm_fetched"] == len(keys)
+        assert status["prewarm_objects_per_s"] > 0
+        assert request_counts().get("GetObject", 0) - gets == len(keys), "each key once"
+        job_id = cache.job_id
+    _wait_ended(local_cluster, job_id)  # its capacity goes back for the tests after it
+
+
 def test_eviction_by_recency(
     local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
 ) -> None:
@@ -210,6 +246,76 @@ def test_capacity_follows_the_working_set(
         assert cache.capacity_bytes == 50 * MiB, "grown while the run read more"
         assert local_cluster.control.open_cache("t-size", {}, 60_000)["capacity_bytes"] == (
             50 * MiB)
+
+
+def test_a_working_set_that_fits_is_held_while_the_cache_grows(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run whose working set outgrows the starting capacity quickly (faster than the
+    sizing interval) grows the cache before anything is evicted: every entry is still held
+    and the next read of the whole set is all hits (the benchmark's 1 GiB cold run evicted
+    192 of 1024 entries while its cache grew from 64 MiB, and its cached run refetched them)."""
+    import pocketflow.cache.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "CAPACITY_DEFAULT_BYTES", 16 * MiB)
+    sizes = {f"g/{i:02d}": MiB for i in range(40)}
+    _upload(s3, s3_bucket, sizes)
+    keys = sorted(sizes)
+    with open_cache("t-grow", s3_server, idle="1s", lease_ms=600_000,
+                    cluster=local_cluster) as cache:
+        assert cache.capacity_bytes == 16 * MiB
+        for start in range(0, len(keys), 10):
+            cache.client.get_many(s3_bucket, keys[start:start + 10])
+            cache.client.flush()
+            cache.maintain_now()
+        status = cache.status()
+        assert status["evictions"] == 0, status
+        assert status["held_bytes"] == 40 * MiB <= cache.capacity_bytes
+        before = cache.client.stats.fresh
+        cache.client.get_many(s3_bucket, keys)
+        assert cache.client.stats.fresh - before == len(keys), "the whole set is held"
+        job_id = cache.job_id
+    _wait_ended(local_cluster, job_id)
+
+
+def test_a_miss_costs_two_calls_before_its_bytes(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    """What the storage servers serve per miss, counted by their own metrics: the claim is
+    not read back when every claim of the batch was written (before, each miss read its claim
+    back), and the reader waited for one call (the claims' put) between the ``meta`` read and
+    its S3 request; the entry, meta and outcome are written after it has its bytes."""
+    from test_metrics import scrape_all, summed
+
+    sizes = {f"rt/{i:02d}": 10_000 for i in range(16)}
+    _upload(s3, s3_bucket, sizes)
+    keys = sorted(sizes)
+    with open_cache("t-trips", s3_server, idle="1s", lease_ms=600_000,
+                    cluster=local_cluster) as cache:
+        before = scrape_all(local_cluster)
+        data = cache.client.get_many(s3_bucket, keys)
+        trips = cache.client.stats.to_dict().get("fill_round_trips")
+        cache.client.flush()
+        after = scrape_all(local_cluster)
+        assert [len(d) for d in data] == [sizes[k] for k in keys]
+        assert cache.client.stats.filled == len(keys)
+
+        def moved(name: str, **labels: str) -> float:
+            return summed(after, name, **labels) - summed(before, name, **labels)
+
+        # Reads that found something: each claim's removal, once its fill is written (the
+        # misses' meta reads found nothing; before, each claim was also read back).
+        found = moved("pocketflow_requests_total", op="get", result="ok")
+        assert found == len(keys), f"{found} reads found an object for {len(keys)} misses"
+        # Writes: each miss's claim, entry, meta and outcome.
+        assert moved("pocketflow_requests_total", op="put") == 4 * len(keys)
+        assert trips == 1, "the claims' put, and no read back"
+        before = cache.client.stats.fresh
+        assert cache.client.get_many(s3_bucket, keys) == data
+        assert cache.client.stats.fresh - before == len(keys)
+        job_id = cache.job_id
+    _wait_ended(local_cluster, job_id)
 
 
 def test_prewarm_plan_takes_benefit_per_byte_within_capacity() -> None:

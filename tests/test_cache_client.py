@@ -70,6 +70,7 @@ def test_miss_fills_and_a_hit_asks_s3_nothing(cache_spec: CacheSpec, s3: Any,
         before = _gets()
         assert cache.get(s3_bucket, "in/a") == b"alpha" * 1000
         assert _gets() - before == 1
+        cache.flush()  # the fill is written by the client's publisher thread
         assert cache.stats.filled == 1
         before = _gets()
         for _ in range(3):
@@ -191,6 +192,7 @@ def test_write_through(cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
     with _cache(cache_spec) as cache:
         s3.put_object(Bucket=s3_bucket, Key="w", Body=b"first")
         assert cache.get(s3_bucket, "w") == b"first"
+        cache.flush()
         old_meta = cache.client.get(META_BUCKET, cache_key(s3_bucket, "w"))
         etag = cache.put(s3_bucket, "w", b"second")
         assert s3.get_object(Bucket=s3_bucket, Key="w")["Body"].read() == b"second"
@@ -250,6 +252,7 @@ def test_s3_errors_are_typed(cache_spec: CacheSpec, s3_bucket: str) -> None:
         with pytest.raises(S3Unavailable) as raised:
             cache.get(s3_bucket, "k")
         assert raised.value.status == 0
+        cache.flush()
         # The claim was released: nothing is left waiting for a fill that failed.
         with pytest.raises(ObjectNotFound):
             cache.client.get(CLAIM_BUCKET, cache_key(s3_bucket, "k"))
@@ -287,6 +290,7 @@ cache = connect(spec_json)
 while time.time() < float(start_at):
     time.sleep(0.001)
 data = cache.get(bucket, "hot")
+cache.flush()
 print(json.dumps({"len": len(data), "gets": request_counts().get("GetObject", 0),
                   "stats": cache.stats.to_dict()}))
 cache.close()
@@ -334,6 +338,7 @@ def test_a_killed_fill_is_taken_over(cache_spec: CacheSpec, s3: Any, s3_bucket: 
         assert cache.get(s3_bucket, "slow") == data
         assert cache.stats.steals == 1 and cache.stats.wait_slices >= 1
         assert time.monotonic() - started < 60.0
+        cache.flush()
         assert not cache.client.exists(CLAIM_BUCKET, ckey)
         assert cache.get(s3_bucket, "slow") == data and cache.stats.fresh == 1
         # A claim that lapsed long before anyone asked again is taken over without a wait.
@@ -419,12 +424,15 @@ def test_a_full_cache_serves_from_s3(server_factory: Any, s3_server: S3Source, s
     s3.put_object(Bucket=s3_bucket, Key="small", Body=b"fits")
     with CacheClient(spec, client=connect(spec.handle, **CLIENT_OPTIONS)) as cache:
         assert cache.get_many(s3_bucket, ["huge", "small"]) == [data, b"fits"]
+        cache.flush()
         assert cache.stats.bypassed == 1 and cache.stats.filled == 1
         assert cache.get(s3_bucket, "small") == b"fits" and cache.stats.fresh == 1
         with pytest.raises(ObjectNotFound):
             cache.client.get(META_BUCKET, cache_key(s3_bucket, "huge"))
         assert not cache.client.exists(CLAIM_BUCKET, cache_key(s3_bucket, "huge"))
-        assert cache.get(s3_bucket, "huge") == data and cache.stats.bypassed == 2
+        assert cache.get(s3_bucket, "huge") == data
+        cache.flush()
+        assert cache.stats.bypassed == 2
         cache.client.close()
 
 
@@ -437,6 +445,7 @@ def test_a_dead_cache_server_serves_from_s3(server_factory: Any, s3_server: S3So
     s3.put_object(Bucket=s3_bucket, Key="b", Body=b"beta")
     with CacheClient(spec, client=connect(spec.handle, **CLIENT_OPTIONS)) as cache:
         assert cache.get(s3_bucket, "a") == b"alpha"
+        cache.flush()  # "a" is cached before the kill
         os.kill(servers.process("cache-0").pid, signal.SIGKILL)
         started = time.monotonic()
         assert cache.get_many(s3_bucket, ["a", "b"]) == [b"alpha", b"beta"]

@@ -12,12 +12,17 @@ The read of a batch of keys, in rounds of at most ``ROUND_KEYS_MAX``:
    hits; a changed key whose new bytes came with the answer is refilled with them; others are
    misses.
 3. A miss is filled under a *claim* (``claims/<ckey>``, written once, so one process wins): the
-   winner reads S3, writes the entry, then ``meta``, then the fill's outcome
-   (``done/<ckey>@<fill>``), then removes the claim; the others park on the storage server for
-   that outcome (``Client.wait_for``) and read the entry the winner wrote. A claim carries a
-   deadline its owner moves on during a long download; once it passed with no outcome (the owner
-   died), one waiter takes the fill over (the write-once ``steal`` marker decides which) and
-   the others wait for it.
+   winner reads S3 and has its bytes at once; the client's publisher thread then writes the
+   entry, then ``meta``, then the fill's outcome (``done/<ckey>@<fill>``), then removes the
+   claim, while the reader goes on (``flush`` and ``close`` wait for it; a process that ends
+   without either, e.g. by ``os._exit``, leaves its claims to be taken over once ``claim_ms``
+   passed, as a killed filler's, and its fills uncached). The others park on the
+   storage server for that outcome (``Client.wait_for``) and read the entry the winner wrote. A
+   miss costs its reader two round trips to the cache before the S3 request (the ``meta`` read
+   and the claim's write-once put; the claim is read back only when some write of the batch
+   met a rival's claim) and none after it. A claim carries a deadline its owner moves on during
+   a long download; once it passed with no outcome (the owner died), one waiter takes the fill
+   over (the write-once ``steal`` marker decides which) and the others wait for it.
 
 If the cache's storage fails (a full tier, an unreachable server), reads go to S3 directly and
 are counted as ``bypassed``: the cache is a shortcut, never a new way to fail.
@@ -77,7 +82,7 @@ from pocketflow.errors import (
 
 __all__ = ["CacheClient", "CacheStats", "connect", "shared_client", "create_buckets",
            "ROUND_KEYS_MAX", "LIST_REVALIDATE_MIN", "WAIT_SLICE_S", "READ_ATTEMPTS_MAX",
-           "S3_PARALLEL_MAX", "DONE_LINGER_S"]
+           "S3_PARALLEL_MAX", "DONE_LINGER_S", "PUBLISH_PENDING_BYTES_MAX"]
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +98,10 @@ READ_ATTEMPTS_MAX = 4
 """Rounds a key may go around (its entry replaced or evicted under the read, a claim stolen)
 before it is read from S3 directly."""
 S3_PARALLEL_MAX = 16
-"""S3 requests one client has in flight (S3 does not pipeline; each is a connection)."""
+"""S3 requests one client has in flight by default (S3 does not pipeline; each is a
+connection)."""
+S3_PARALLEL_LIMIT = 256
+"""Most S3 requests in flight a client may be given."""
 DONE_LINGER_S = 10.0
 """How long a fill's outcome stays for waiters that have not read it yet."""
 DONE_PENDING_MAX = 4096
@@ -103,15 +111,30 @@ PUT_CHUNK_KEYS = 4096
 writes go out in chunks no larger (and no larger than ``PUT_CHUNK_BYTES``)."""
 PUT_CHUNK_BYTES = 32 * 1024 * 1024
 """Most bytes of one chunk of pipelined writes."""
+HELD_CLAIMS_MAX = 65_536
+"""Claims a client holds ahead of its fetches (:meth:`CacheClient.claim_ahead`, a prewarm's
+window); past this it claims no more."""
+HELD_CLAIM_MARGIN_MS = 2_000
+"""A claim held ahead is used without reading it back while its deadline is at least this far
+off (no waiter takes a claim over before its deadline; the margin covers clock skew)."""
+PUBLISH_PENDING_BYTES_MAX = 256 * 1024 * 1024
+"""Bytes of S3 answers a client holds for fills its publisher thread has not written to the
+cache yet; a reader whose fill would pass this waits for the publisher first (a fill larger than
+this alone waits until nothing else is pending)."""
 
 
 @dataclass
 class CacheStats:
     """What a client's reads were: ``fresh`` hits (no S3 request), ``revalidated`` hits (one
     validation), ``waited`` (filled by another process while this one waited), ``filled``
-    (fetched from S3 by this process and cached), ``bypassed`` (read from S3 without the cache),
+    (fetched from S3 by this process to be cached; one the cache then could not take moves to
+    ``bypassed`` once the publisher met the failure: the counts settle at ``flush``),
+    ``bypassed`` (read from S3 without the cache),
     ``missing`` (the key is not in S3). ``hits`` counts every read served from the cache;
-    ``wait_slices`` the waits parked on the servers for other processes' fills."""
+    ``wait_slices`` the waits parked on the servers for other processes' fills;
+    ``fill_round_trips`` the calls to the cache a reader made for its misses between reading
+    their ``meta`` and having their bytes (the claim's put, its read back if a rival's claim was
+    met); the writes of a fill happen after, on the publisher thread."""
 
     fresh: int = 0
     revalidated: int = 0
@@ -124,6 +147,7 @@ class CacheStats:
     bytes_read: int = 0
     steals: int = 0
     wait_slices: int = 0
+    fill_round_trips: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -143,7 +167,8 @@ class CacheStats:
         with self._lock:
             out = {name: getattr(self, name) for name in (
                 "fresh", "revalidated", "waited", "filled", "bypassed", "missing",
-                "validations", "listings", "bytes_read", "steals", "wait_slices")}
+                "validations", "listings", "bytes_read", "steals", "wait_slices",
+                "fill_round_trips")}
         out["hits"] = out["fresh"] + out["revalidated"] + out["waited"]
         return out
 
@@ -166,10 +191,15 @@ class CacheClient:
     ``invalidate`` drops an entry; ``prefetch`` fills keys without returning them (prewarming).
     """
 
-    def __init__(self, spec: CacheSpec, *, client: Any = None, record_reads: bool = True) -> None:
+    def __init__(self, spec: CacheSpec, *, client: Any = None, record_reads: bool = True,
+                 s3_parallel: int = S3_PARALLEL_MAX) -> None:
         """``client``: a client of the cache's job to use (default: one of its own).
         ``record_reads`` False logs this client's fills to the run's access queue but not its
-        reads (a prewarm's reads are not the run's working set)."""
+        reads (a prewarm's reads are not the run's working set). ``s3_parallel``: S3 requests
+        in flight at once."""
+        if not 1 <= s3_parallel <= S3_PARALLEL_LIMIT:
+            raise InvalidRequest(f"s3_parallel must be in 1..{S3_PARALLEL_LIMIT}")
+        self._s3_parallel = s3_parallel
         from pocketflow.client import connect as connect_job
 
         self.spec = spec
@@ -185,6 +215,12 @@ class CacheClient:
         self._record_reads = record_reads
         self._done_lock = threading.Lock()
         self._done_due: deque[tuple[float, str]] = deque()
+        self._publisher: ThreadPoolExecutor | None = None
+        self._held_lock = threading.Lock()
+        self._held: dict[str, Claim] = {}
+        self._pending = threading.Condition()
+        self._pending_bytes = 0
+        self._pending_fills = 0
         self._closed = False
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -205,7 +241,9 @@ class CacheClient:
         self._pf.update_handle(spec.handle)
 
     def flush(self) -> None:
-        """Send the buffered access records and remove the fill outcomes that are due."""
+        """Wait for this client's fills to be written to the cache, send the buffered access
+        records and remove the fill outcomes that are due."""
+        self._drain_publisher()
         if self._recorder is not None:
             self._recorder.flush()
         self._remove_done(everything=False)
@@ -216,6 +254,14 @@ class CacheClient:
             return
         self._closed = True
         try:
+            self._drain_publisher()
+            with self._held_lock:
+                unused = list(self._held.items())
+                self._held.clear()
+            if unused:
+                # Claims taken ahead for fetches that will not happen now: readers waiting on
+                # them go around and fill the keys themselves.
+                self._release_claims(unused)
             if self._recorder is not None:
                 self._recorder.flush()
             self._remove_done(everything=True)
@@ -224,6 +270,9 @@ class CacheClient:
                 if self._pool is not None:
                     self._pool.shutdown(wait=True)
                     self._pool = None
+                if self._publisher is not None:
+                    self._publisher.shutdown(wait=True)
+                    self._publisher = None
             if self._own_client:
                 self._pf.close()
 
@@ -310,7 +359,49 @@ class CacheClient:
         cached bytes; returns how many of them S3 holds. Other readers of a key being fetched
         wait for this fetch instead of starting their own."""
         results = self._read(bucket, keys, want_data=False)
+        # Claims held ahead for keys that needed no fill (hits): nobody waits on them now.
+        unused = self._take_held([cache_key(bucket, k) for k in keys])
+        if unused:
+            self._release_claims(list(unused.items()))
         return sum(1 for r in results if not isinstance(r, PocketflowError))
+
+    def claim_ahead(self, bucket: str, keys: Sequence[str]) -> int:
+        """Claim ``keys`` for fills this client will make soon (a prewarm's next keys), so that
+        readers of them wait for those fills instead of fetching the keys themselves. A later
+        read or :meth:`prefetch` of a key by this client fills it under the claim held; the
+        claims still held when the client closes are removed. A held claim is not moved on
+        before its fill starts: one whose deadline (``claim_ms``) passes first may be taken over
+        by a waiter. Returns how many keys were claimed (a key another process claimed, or past
+        ``HELD_CLAIMS_MAX`` held, is not)."""
+        ckeys = list(dict.fromkeys(cache_key(bucket, k) for k in keys))
+        with self._held_lock:
+            ckeys = [c for c in ckeys if c not in self._held]
+            ckeys = ckeys[:max(0, HELD_CLAIMS_MAX - len(self._held))]
+        if not ckeys:
+            return 0
+        deadline_ms = _now_ms() + self.spec.claim_ms
+        mine = {c: Claim(new_fill_id(), deadline_ms, self._owner) for c in ckeys}
+        try:
+            written, _ = self._put_all(CLAIM_BUCKET, [(c, mine[c].encode()) for c in ckeys],
+                                       tolerate=ObjectExists)
+            if written:
+                won = ckeys
+            else:
+                held = self._pf.get_each(CLAIM_BUCKET, ckeys)
+                won = [c for c, raw in zip(ckeys, held, strict=True)
+                       if not isinstance(raw, PocketflowError) and _claim_id(raw)
+                       == mine[c].fill_id]
+        except PocketflowError as exc:
+            log.info("cache %s: claiming ahead failed (%s)", self.spec.name, exc)
+            return 0
+        with self._held_lock:
+            for c in won:
+                self._held[c] = mine[c]
+        return len(won)
+
+    def _take_held(self, ckeys: list[str]) -> dict[str, Claim]:
+        with self._held_lock:
+            return {c: self._held.pop(c) for c in ckeys if c in self._held}
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -318,7 +409,9 @@ class CacheClient:
         """Write ``data`` to S3 and cache it as the key's current version; returns its ETag.
 
         If the cache cannot take it, the entry is dropped instead, so that no later read
-        serves the version this write replaced."""
+        serves the version this write replaced. This client's fills still being written are
+        written first (so none lands after this write)."""
+        self._drain_publisher()
         ckey = cache_key(bucket, key)
         sent_ms = _now_ms()
         etag = self._s3.put(bucket, key, data)
@@ -339,7 +432,9 @@ class CacheClient:
         return etag
 
     def delete(self, bucket: str, key: str) -> None:
-        """Delete the key in S3; the cache then holds that it is missing."""
+        """Delete the key in S3; the cache then holds that it is missing (after this client's
+        fills still being written)."""
+        self._drain_publisher()
         ckey = cache_key(bucket, key)
         sent_ms = _now_ms()
         self._s3.delete(bucket, key)
@@ -353,7 +448,9 @@ class CacheClient:
             self._delete_entry(ckey, old.etag)
 
     def invalidate(self, bucket: str, key: str) -> bool:
-        """Drop the key's entry (the next read goes to S3); returns whether there was one."""
+        """Drop the key's entry (the next read goes to S3), after this client's fills still
+        being written; returns whether there was one."""
+        self._drain_publisher()
         return self._drop(cache_key(bucket, key))
 
     def evict(self, entry: str) -> bool:
@@ -585,12 +682,26 @@ class CacheClient:
     def _fill(self, bucket: str, keys: list[str], ckeys: list[str],
               misses: list[tuple[int, Meta | None]], results: list[Result | None]) -> list[int]:
         """Fill ``misses`` under claims; returns the keys that must go around again."""
-        deadline_ms = _now_ms() + self.spec.claim_ms
-        mine = {i: Claim(new_fill_id(), deadline_ms, self._owner) for i, _ in misses}
+        now_ms = _now_ms()
+        deadline_ms = now_ms + self.spec.claim_ms
+        held = self._take_held([ckeys[i] for i, _ in misses])
+        mine = {i: held.get(ckeys[i]) or Claim(new_fill_id(), deadline_ms, self._owner)
+                for i, _ in misses}
         try:
-            self._put_all(CLAIM_BUCKET, [(ckeys[i], mine[i].encode()) for i, _ in misses],
-                          tolerate=ObjectExists)
-            held = self._pf.get_each(CLAIM_BUCKET, [ckeys[i] for i, _ in misses])
+            written, calls = self._put_all(
+                CLAIM_BUCKET, [(ckeys[i], mine[i].encode()) for i, _ in misses
+                               if ckeys[i] not in held],
+                tolerate=ObjectExists)
+            self.stats.add(fill_round_trips=calls)
+            # A claim held ahead whose deadline is near may have been taken over: read back.
+            written = written and all(c.deadline_ms - HELD_CLAIM_MARGIN_MS > now_ms
+                                      for c in held.values())
+            if written:
+                # Every claim is ours: no rival's to read back (the common, uncontended case).
+                current: list[Any] = [mine[i].encode() for i, _ in misses]
+            else:
+                current = self._pf.get_each(CLAIM_BUCKET, [ckeys[i] for i, _ in misses])
+                self.stats.add(fill_round_trips=1)
         except PocketflowError as exc:
             log.info("cache %s: claims failed (%s); reading S3 directly", self.spec.name, exc)
             for i, _ in misses:
@@ -599,7 +710,7 @@ class CacheClient:
         won: list[tuple[int, Meta | None, Claim]] = []
         waiting: list[tuple[int, Claim]] = []
         again: list[int] = []
-        for (i, old), raw in zip(misses, held, strict=True):
+        for (i, old), raw in zip(misses, current, strict=True):
             if isinstance(raw, ObjectNotFound):
                 again.append(i)  # another fill ended between our claim and the read: look again
                 continue
@@ -624,93 +735,151 @@ class CacheClient:
     def _fetch_and_fill(self, bucket: str, keys: list[str], ckeys: list[str],
                         won: list[tuple[int, Meta | None, Claim]],
                         results: list[Result | None]) -> None:
+        """Fetch the keys whose claims this client won; their results are set as soon as S3
+        answered, and the fill is handed to the publisher thread (:meth:`_publish`)."""
         sent_ms = _now_ms()
-        stored: set[int] = set()
-        stored_lock = threading.Lock()
-
-        def keep(j: int, answer: Fetched) -> None:
-            # In the fetching thread, as soon as the bytes are here: the entry is written while
-            # the batch's other keys still download.
-            i = won[j][0]
-            try:
-                self._store_entry(ckeys[i], answer.etag, answer.data)
-            except PocketflowError as exc:
-                log.info("cache %s: %s not stored (%s)", self.spec.name, ckeys[i], exc)
-                return
-            with stored_lock:
-                stored.add(i)
-
         fetched = self._s3_each(bucket, [(keys[i], None) for i, _, _ in won],
-                                renew=[(ckeys[i], claim) for i, _, claim in won], keep=keep)
-        entries: list[tuple[int, Fetched]] = []
-        outcomes: dict[int, Outcome] = {}
-        for (i, _old, _claim), answer in zip(won, fetched, strict=True):
+                                renew=[(ckeys[i], claim) for i, _, claim in won])
+        fill: list[tuple[int, str, str, Meta | None, Claim, Any]] = []
+        held_bytes = 0
+        for (i, old, claim), answer in zip(won, fetched, strict=True):
             if isinstance(answer, S3ObjectNotFound):
-                outcomes[i] = Outcome(STATE_MISSING)
                 results[i] = answer
+                self.stats.add(missing=1)
             elif isinstance(answer, S3Error):
-                outcomes[i] = Outcome(STATE_ERROR, code=answer.code, status=answer.status,
-                                      message=answer.detail)
                 results[i] = answer
             else:
                 assert isinstance(answer, Fetched)
-                entries.append((i, answer))
                 results[i] = answer.data
+                held_bytes += answer.size
+                self.stats.add(filled=1, bytes_read=answer.size)
+            fill.append((i, keys[i], ckeys[i], old, claim, answer))
+        self._publish_later(bucket, fill, sent_ms, held_bytes)
+
+    # -- publishing fills (the publisher thread) -------------------------------------------------
+
+    def _publish_later(self, bucket: str, fill: list[Any], sent_ms: int, held_bytes: int) -> None:
+        """Queue ``fill`` for the publisher thread, within ``PUBLISH_PENDING_BYTES_MAX``."""
+        with self._pending:
+            while self._pending_fills and (self._pending_bytes + held_bytes
+                                           > PUBLISH_PENDING_BYTES_MAX):
+                self._pending.wait()
+            self._pending_bytes += held_bytes
+            self._pending_fills += 1
+        with self._pool_lock:
+            if self._publisher is None:
+                self._publisher = ThreadPoolExecutor(1, thread_name_prefix="cache-publish")
+            publisher = self._publisher
+
+        def run() -> None:
+            try:
+                self._publish(bucket, fill, sent_ms)
+            except Exception as exc:  # noqa: BLE001 - claims lapse and are taken over; logged
+                log.warning("cache %s: publishing a fill failed: %s", self.spec.name, exc)
+            finally:
+                with self._pending:
+                    self._pending_bytes -= held_bytes
+                    self._pending_fills -= 1
+                    self._pending.notify_all()
+
+        publisher.submit(run)
+
+    def _drain_publisher(self) -> None:
+        """Wait until every queued fill is published."""
+        with self._pending:
+            while self._pending_fills:
+                self._pending.wait()
+
+    def _publish(self, bucket: str, fill: list[Any], sent_ms: int) -> None:
+        """Write a fill to the cache: its entries, then their ``meta``, then each key's outcome
+        for the waiters, then remove its claims."""
+        values = [(i, ckey, answer) for i, _key, ckey, _old, _claim, answer in fill
+                  if isinstance(answer, Fetched)]
+        stored = self._store_entries([(entry_key(ckey, a.etag), a.data)
+                                      for _, ckey, a in values])
+        outcomes: dict[int, Outcome] = {}
         metas: list[tuple[str, bytes]] = []
-        for i, answer in entries:
-            if i in stored:
-                metas.append((ckeys[i], Meta(STATE_VALUE, answer.etag, answer.size,
-                                             sent_ms).encode()))
+        for (i, ckey, answer), ok in zip(values, stored, strict=True):
+            if ok:
+                metas.append((ckey, Meta(STATE_VALUE, answer.etag, answer.size,
+                                         sent_ms).encode()))
                 outcomes[i] = Outcome(STATE_VALUE, answer.etag, answer.size)
             else:
                 outcomes[i] = Outcome(STATE_UNCACHED, answer.etag, answer.size)
-        metas += [(ckeys[i], Meta(STATE_MISSING, "", 0, sent_ms).encode())
-                  for i, o in outcomes.items() if o.state == STATE_MISSING]
+        for i, _key, ckey, _old, _claim, answer in fill:
+            if isinstance(answer, S3ObjectNotFound):
+                outcomes[i] = Outcome(STATE_MISSING)
+                metas.append((ckey, Meta(STATE_MISSING, "", 0, sent_ms).encode()))
+            elif isinstance(answer, S3Error):
+                outcomes[i] = Outcome(STATE_ERROR, code=answer.code, status=answer.status,
+                                      message=answer.detail)
         try:
             self._put_all(META_BUCKET, metas, overwrite=True)
         except PocketflowError as exc:
             log.info("cache %s: writing entries' meta failed (%s)", self.spec.name, exc)
-            for i in list(outcomes):
-                if outcomes[i].state == STATE_VALUE:
-                    outcomes[i] = Outcome(STATE_UNCACHED, outcomes[i].etag, outcomes[i].size)
-                    self._delete_entry(ckeys[i], outcomes[i].etag)
-        self._finish_fills(ckeys, [(i, claim) for i, _, claim in won], outcomes)
-        filled = bypassed = missing = 0
-        for i, old, _claim in won:
+            for i, _key, ckey, _old, _claim, _answer in fill:
+                outcome = outcomes[i]
+                if outcome.state == STATE_VALUE:
+                    outcomes[i] = Outcome(STATE_UNCACHED, outcome.etag, outcome.size)
+                    self._delete_entry(ckey, outcome.etag)
+        self._finish_fills([(ckey, claim, outcomes[i])
+                            for i, _key, ckey, _old, claim, _answer in fill])
+        uncached = 0
+        for i, key, ckey, old, _claim, _answer in fill:
             outcome = outcomes[i]
             if outcome.state == STATE_VALUE:
-                filled += 1
                 if old is not None and old.state == STATE_VALUE and old.etag != outcome.etag:
-                    self._delete_entry(ckeys[i], old.etag)
-                self._note(bucket, keys[i], outcome.size, outcome.etag, filled=True)
+                    self._delete_entry(ckey, old.etag)
+                self._note(bucket, key, outcome.size, outcome.etag, filled=True)
             elif outcome.state == STATE_UNCACHED:
-                bypassed += 1
+                uncached += 1
             elif outcome.state == STATE_MISSING:
-                missing += 1
                 if old is not None and old.state == STATE_VALUE:
-                    self._delete_entry(ckeys[i], old.etag)
-        self.stats.add(filled=filled, bypassed=bypassed, missing=missing,
-                       bytes_read=sum(len(a.data) for _, a in entries))
+                    self._delete_entry(ckey, old.etag)
+        # Counted as filled when S3 answered; those the cache could not take were bypassed.
+        self.stats.add(filled=-uncached, bypassed=uncached)
+
+    def _store_entries(self, items: list[tuple[str, Any]]) -> list[bool]:
+        """Write entries, pipelined in chunks; whether each is stored (a chunk that failed is
+        written again one entry at a time, so one entry's error costs only that entry)."""
+        stored: list[bool] = []
+        for chunk in _chunks(items, lambda item: len(memoryview(item[1]).cast("B"))):
+            try:
+                self._pf.put_many(ENTRY_BUCKET, chunk)
+                stored += [True] * len(chunk)
+                continue
+            except PocketflowError as exc:
+                log.debug("cache %s: entries written one by one (%s)", self.spec.name, exc)
+            for name, data in chunk:
+                try:
+                    self._store_entry_named(name, data)
+                    stored.append(True)
+                except PocketflowError as exc:
+                    log.info("cache %s: %s not stored (%s)", self.spec.name, name, exc)
+                    stored.append(False)
+        return stored
 
     def _store_entry(self, ckey: str, etag: str, data: Any) -> None:
+        self._store_entry_named(entry_key(ckey, etag), data)
+
+    def _store_entry_named(self, name: str, data: Any) -> None:
         try:
-            self._pf.put(ENTRY_BUCKET, entry_key(ckey, etag), data)
+            self._pf.put(ENTRY_BUCKET, name, data)
         except ObjectExists:
             pass  # the same version, written by another process
 
-    def _finish_fills(self, ckeys: list[str], claims: list[tuple[int, Claim]],
-                      outcomes: dict[int, Outcome]) -> None:
+    def _finish_fills(self, fills: list[tuple[str, Claim, Outcome]]) -> None:
         """Publish each fill's outcome, then remove its claim (only if it is still ours)."""
         try:
-            self._put_all(DONE_BUCKET, [(done_key(ckeys[i], c.fill_id), outcomes[i].encode())
-                                        for i, c in claims], tolerate=ObjectExists)
+            self._put_all(DONE_BUCKET, [(done_key(ckey, c.fill_id), outcome.encode())
+                                        for ckey, c, outcome in fills], tolerate=ObjectExists)
         except PocketflowError as exc:
             log.info("cache %s: fill outcomes not written (%s)", self.spec.name, exc)
-        self._release_claims([(ckeys[i], c) for i, c in claims])
+        self._release_claims([(ckey, c) for ckey, c, _ in fills])
         due = time.monotonic() + DONE_LINGER_S
         with self._done_lock:
-            for i, c in claims:
-                self._done_due.append((due, done_key(ckeys[i], c.fill_id)))
+            for ckey, c, _ in fills:
+                self._done_due.append((due, done_key(ckey, c.fill_id)))
 
     def _release_claims(self, claims: list[tuple[str, Claim]]) -> None:
         try:
@@ -845,12 +1014,10 @@ class CacheClient:
 
     def _s3_each(self, bucket: str, asks: list[tuple[str, str | None]], *,
                  renew: list[tuple[str, Claim]] | None = None,
-                 keep: Callable[[int, Fetched], None] | None = None,
                  ) -> list[Fetched | Any | PocketflowError]:
         """GET each ``(key, if_none_match)`` of ``bucket``, at most ``S3_PARALLEL_MAX`` at
-        once (a claim in ``renew`` is moved on during its download; ``keep(j, answer)`` runs in
-        the fetching thread as answer ``j`` arrives); each answer (or :data:`NOT_MODIFIED`) or
-        its error, in order."""
+        once (a claim in ``renew`` is moved on during its download); each answer (or
+        :data:`NOT_MODIFIED`) or its error, in order."""
         renewals = renew or [None] * len(asks)  # type: ignore[list-item]
 
         def one(j: int) -> Any:
@@ -861,8 +1028,6 @@ class CacheClient:
                                       on_progress=self._renewer(claim) if claim else None)
             except S3Error as exc:
                 return exc
-            if keep is not None and isinstance(answer, Fetched):
-                keep(j, answer)
             return answer
 
         if len(asks) == 1:
@@ -890,20 +1055,26 @@ class CacheClient:
     def _threads(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(S3_PARALLEL_MAX, thread_name_prefix="cache-s3")
+                self._pool = ThreadPoolExecutor(self._s3_parallel,
+                                                thread_name_prefix="cache-s3")
             return self._pool
 
     def _put_all(self, bucket: str, items: list[tuple[str, Any]], *, overwrite: bool = False,
-                 tolerate: type[PocketflowError] | None = None) -> None:
+                 tolerate: type[PocketflowError] | None = None) -> tuple[bool, int]:
         """``put_many`` in chunks (:func:`_chunks`); an error of the ``tolerate`` kind (a claim
         already there) is not one. Used for small records only: a chunk's first error hides
-        the others', which the callers read back or can afford to lose."""
+        the others', which the callers read back or can afford to lose. Returns whether every
+        item was written (no tolerated error met) and the number of calls made."""
+        written, calls = True, 0
         for chunk in _chunks(items, lambda item: len(memoryview(item[1]).cast("B"))):
+            calls += 1
             try:
                 self._pf.put_many(bucket, chunk, overwrite=overwrite)
             except PocketflowError as exc:
                 if tolerate is None or not isinstance(exc, tolerate):
                     raise
+                written = False
+        return written, calls
 
     def _meta(self, ckey: str) -> Meta | None:
         try:
@@ -1006,6 +1177,14 @@ def _chunks(items: list[Any], size_of: Callable[[Any], int]) -> list[list[Any]]:
     if current:
         chunks.append(current)
     return chunks
+
+
+def _claim_id(raw: Any) -> str | None:
+    """The fill id of a stored claim, ``None`` if it is not one."""
+    try:
+        return Claim.decode(raw).fill_id
+    except InvalidRequest:
+        return None
 
 
 def _now_ms() -> int:

@@ -117,6 +117,7 @@ def test_revalidation_after_the_lease(cache_spec: CacheSpec, s3: Any, s3_bucket:
     s3.put_object(Bucket=s3_bucket, Key="k", Body=b"v1")
     with _cache(cache_spec, lease_ms=400) as cache:
         assert cache.get(s3_bucket, "k") == b"v1"
+        cache.flush()  # the fill is written by the publisher thread
         time.sleep(0.5)
         before = _gets()
         assert cache.get(s3_bucket, "k") == b"v1"
@@ -158,6 +159,8 @@ def test_lease_zero_checks_every_read(cache_spec: CacheSpec, s3: Any, s3_bucket:
     s3.put_object(Bucket=s3_bucket, Key="k", Body=b"v1")
     with _cache(cache_spec, lease_ms=0) as cache:
         cache.get(s3_bucket, "k")
+        # Written by the publisher thread; a read before that waits for it (no S3 request).
+        cache.flush()
         before = _gets()
         for _ in range(3):
             assert cache.get(s3_bucket, "k") == b"v1"
@@ -174,6 +177,7 @@ def test_listing_revalidates_a_batch(cache_spec: CacheSpec, s3: Any, s3_bucket: 
     s3.put_object(Bucket=s3_bucket, Key="other", Body=b"not asked for")
     with _cache(cache_spec, lease_ms=300) as cache:
         assert cache.get_many(s3_bucket, keys) == [k.encode() for k in keys]
+        cache.flush()
         time.sleep(0.4)
         s3.put_object(Bucket=s3_bucket, Key=keys[7], Body=b"changed")
         s3.delete_object(Bucket=s3_bucket, Key=keys[9])

@@ -23,7 +23,9 @@ keys, each call reading a contiguous share of them, four ways, one after the oth
   from the working set's copy in S3; the map is submitted at once, while the prewarm runs.
 
 Reported per run: input I/O per task (the time a call spends getting its inputs: mean and p95
-over calls), job time (submission to the last result; for ``prewarmed`` from opening the
+over calls; a miss's bytes are the call's when S3 answered, and its entry is written after, by
+the cache client's publisher, which the call's ``flush`` waits for within the job time), job
+time (submission to the last result; for ``prewarmed`` from opening the
 cache, so the prewarm counts), the hit ratio (reads served from the cache: fresh, revalidated,
 or filled by another process while the task waited; over every read of every call), the S3
 requests of the run by operation (every call's and the driver's, which prewarms), and bytes

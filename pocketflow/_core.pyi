@@ -151,7 +151,7 @@ class Objects:
         """Block 0 where it lives: ``(server address, header, body)``."""
     def read_blocks(
         self, bucket: str, key: str, header: bytes, start: int, end: int, *, delete: bool,
-        dest: Buffer | None = None,
+        dest: Buffer | None = None, value: bytes = b"",
     ) -> bytes | int: ...
     def restore_record(
         self, server: str, bucket: str, key: str, header: bytes, body: bytes

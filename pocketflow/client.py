@@ -574,7 +574,7 @@ class Client:
             try:
                 self._read_blocks(
                     bucket, key, key_raw, header, 0, header.size, delete=delete,
-                    dest=memoryview(mapped),
+                    dest=memoryview(mapped), value=reply.body,
                 )
                 mapped.flush()
             finally:
@@ -831,8 +831,9 @@ class Client:
     ) -> None:
         """Put back a record claimed by a DELETE read that could not be delivered."""
         try:
-            self._core.restore_record(server, bucket, key, header.encode(),
-                                      body if header.block_count == 0 else b"")
+            # A small object's bytes, or a manifest's value (an overflowed one's skipped
+            # servers).
+            self._core.restore_record(server, bucket, key, header.encode(), body)
         except PocketflowError as exc:
             _log().warning("could not restore %s/%s after a failed DELETE read: %s",
                            bucket, key, exc)
@@ -849,17 +850,18 @@ class Client:
 
     def _read_blocks(
         self, bucket: str, key: str, key_raw: bytes, header: ObjectHeader, start: int, end: int,
-        *, delete: bool, dest: memoryview | None = None,
+        *, delete: bool, dest: memoryview | None = None, value: bytes | memoryview = b"",
     ) -> Any:
         """Read object bytes ``[start, end)`` of a large object from its data blocks, in the
         native core (servers and tickets in parallel, GIL released, blocks written under an
-        earlier map found by probing).
+        earlier map found by probing). ``value`` is the manifest record's value (the servers an
+        overflowed object's blocks skipped).
 
         With ``dest`` the bytes land in ``dest[0:end-start]`` and the count is returned;
         without, they land in a ``bytes`` of the exact size, filled in place, which is returned.
         """
         return self._core.read_blocks(bucket, key, header.encode(), start, end, delete=delete,
-                                      dest=dest)
+                                      dest=dest, value=bytes(value))
 
     def _delete_blocks(self, bucket: str, key: str, key_raw: bytes, header: ObjectHeader) -> None:
         """Free a version's data blocks (best effort: a failure leaves garbage, not an error)."""

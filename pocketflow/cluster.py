@@ -80,12 +80,13 @@ class LocalCluster:
 
     Starts Ray (unless this process is already connected to Ray), makes a fresh cluster secret (in
     memory: see :attr:`secret`), and starts the ``Metadata``, ``StorageNode`` (one per storage
-    server) and ``Controller`` actors. DRAM servers are
-    long-running (they hold PERSIST data); NVMe servers keep their data in a file of the temporary
-    directory, which must support O_DIRECT (``/tmp`` on ext4 does, tmpfs does not). Every server
-    listens on 127.0.0.1 on a random port. PERSIST objects expire ``persist_ttl`` after they are
-    written (``None``: never). The ``Metadata`` actor logs every change to ``metadata_log``
-    (default ``metadata.log`` in the temporary directory; a shared path survives the node).
+    server) and ``Controller`` actors. Every server is long-running (holds PERSIST data, DRAM
+    first, NVMe for what DRAM cannot hold); NVMe servers keep their data in a file of the
+    temporary directory, which must support O_DIRECT (``/tmp`` on ext4 does, tmpfs does not).
+    Every server listens on 127.0.0.1 on a random port. PERSIST objects expire ``persist_ttl``
+    after they are written (``None``: never). The ``Metadata`` actor logs every change to
+    ``metadata_log`` (default ``metadata.log`` in the temporary directory; a shared path survives
+    the node).
 
     Use it as a context manager::
 
@@ -191,7 +192,9 @@ class LocalCluster:
             _NodePlan(f"dram-{i}", TIER_DRAM, self._dram_capacity_bytes, long_running=True)
             for i in range(dram_servers)
         ] + [
-            _NodePlan(f"nvme-{i}", TIER_NVME, self._nvme_capacity_bytes, long_running=False)
+            # Long-running too: PERSIST outputs bigger than DRAM go on to NVMe, and every job's
+            # map holds the NVMe servers (weight 0 when unchosen) for what outgrows its DRAM.
+            _NodePlan(f"nvme-{i}", TIER_NVME, self._nvme_capacity_bytes, long_running=True)
             for i in range(nvme_servers)
         ]
 

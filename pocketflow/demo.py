@@ -156,6 +156,9 @@ class SortReport:
     regenerated_partitions: int = 0
     executor: str = "Lithops localhost executor"
     """What ran the tasks, as the summary names it."""
+    peak_used_by_tier: dict[str, int] = field(default_factory=dict)
+    """Each tier's highest used bytes while the sort ran."""
+    capacity_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -185,6 +188,12 @@ class SortReport:
             f"{format_bytes(self.capacity_bytes)} on {self.servers} servers "
             f"(baseline {format_bytes(self.baseline_used_bytes)})",
         ]
+        if self.peak_used_by_tier:
+            lines.append("  per tier, at its own peak: " + ", ".join(
+                f"{tier} {format_bytes(used)} of "
+                f"{format_bytes(self.capacity_by_tier.get(tier, 0))}"
+                for tier, used in sorted(self.peak_used_by_tier.items())
+            ))
         if self.regenerated_partitions:
             lines.append(f"  regenerated {self.regenerated_partitions} partitions lost with a "
                          "storage server")
@@ -464,10 +473,24 @@ class CapacityPoller(PeakSampler):
         first = status()["servers"]
         self.capacity_bytes = sum(int(s["capacity_bytes"]) for s in first)
         self.servers = len(first)
-        super().__init__(
-            lambda: sum(int(s["used_bytes"]) for s in status()["servers"]),
-            interval_s=interval_s,
-        )
+        self.capacity_by_tier: dict[str, int] = {}
+        for server in first:
+            tier = str(server["tier"])
+            self.capacity_by_tier[tier] = (self.capacity_by_tier.get(tier, 0)
+                                           + int(server["capacity_bytes"]))
+        self.peak_by_tier: dict[str, int] = {}
+        """Each tier's highest used bytes seen (its own peak, not at the total's peak)."""
+
+        def sample() -> int:
+            by_tier: dict[str, int] = {}
+            for server in status()["servers"]:
+                tier = str(server["tier"])
+                by_tier[tier] = by_tier.get(tier, 0) + int(server["used_bytes"])
+            for tier, used in by_tier.items():
+                self.peak_by_tier[tier] = max(self.peak_by_tier.get(tier, 0), used)
+            return sum(by_tier.values())
+
+        super().__init__(sample, interval_s=interval_s)
 
     @property
     def baseline_used_bytes(self) -> int:

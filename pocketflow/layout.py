@@ -66,7 +66,7 @@ class ObjectHost(Protocol):
 
     def _read_blocks(
         self, bucket: str, key: str, key_raw: bytes, header: ObjectHeader, start: int, end: int,
-        *, delete: bool, dest: memoryview | None = None,
+        *, delete: bool, dest: memoryview | None = None, value: bytes | memoryview = b"",
     ) -> Any: ...
 
     def _put_small(

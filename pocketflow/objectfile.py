@@ -43,6 +43,8 @@ class ObjectReader(io.RawIOBase):
         header = reply.header
         self._header: ObjectHeader | None = header if header and header.block_count else None
         self._small: bytes | None = None if self._header else bytes(reply.body)
+        # A manifest's value: the servers an overflowed object's blocks skipped.
+        self._value = bytes(reply.body) if self._header else b""
         self._size = self._header.size if self._header else len(self._small or b"")
         self._pos = 0
 
@@ -103,7 +105,7 @@ class ObjectReader(io.RawIOBase):
         else:
             self._client._read_blocks(
                 self._bucket, self._key, self._key_raw, self._header, start, start + count,
-                delete=False, dest=dest[:count],
+                delete=False, dest=dest[:count], value=self._value,
             )
         self._pos = start + count
         return count
@@ -119,7 +121,8 @@ class ObjectReader(io.RawIOBase):
             assert self._small is not None
             return self._small[start:]
         return self._client._read_blocks(
-            self._bucket, self._key, self._key_raw, self._header, start, self._size, delete=False
+            self._bucket, self._key, self._key_raw, self._header, start, self._size, delete=False,
+            value=self._value,
         )
 
     def _check_not_closed(self) -> None:

@@ -36,6 +36,9 @@ FRAME_OPS_MAX = 1024
 """Most operations in one DoExchange request frame."""
 SESSION_INFLIGHT_MAX = 256
 """Most operations of one DoExchange session the server runs at once."""
+OVERFLOW_VALUE_MAX_BYTES = 4096
+"""Largest value of an overflowed manifest (``HEADER_FLAG_OVERFLOW``): the JSON list of the
+servers its data blocks skipped because they were full."""
 KEY_MAX_BYTES = 1024
 """Longest key in bytes."""
 BUCKET_NAME_MAX_BYTES = 255
@@ -109,6 +112,9 @@ HEADER_FLAG_PERSIST = 1
 HEADER_FLAG_FENCE = 2
 """A write-once fence, not an object: a record of no bytes on a key's ephemeral home that
 stands for its PERSIST record (docs/PROTOCOL.md, Write-once)."""
+HEADER_FLAG_OVERFLOW = 4
+"""Header flag of a manifest whose data blocks skipped full servers, which the record's value
+names (docs/ARCHITECTURE.md, "Bigger than DRAM")."""
 
 # -- actions ---------------------------------------------------------------------------------------
 
@@ -181,6 +187,11 @@ class ObjectHeader(NamedTuple):
     def is_small(self) -> bool:
         """Whether the object's bytes are inline in block 0."""
         return self.block_count == 0
+
+    @property
+    def overflowed(self) -> bool:
+        """Whether this manifest's data blocks skipped full servers (named by its value)."""
+        return bool(self.flags & HEADER_FLAG_OVERFLOW)
 
     def data_block_len(self, index: int) -> int:
         """Length of data block ``index`` (1-based) of a large object."""

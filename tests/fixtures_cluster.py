@@ -35,7 +35,7 @@ PLACED_KEYS_MAX = 4096
 
 @pytest.fixture(scope="session")
 def local_cluster() -> Iterator[LocalCluster]:
-    """The session's local cluster: 2 DRAM servers (long-running) and 1 NVMe server.
+    """The session's local cluster: 2 DRAM servers and 1 NVMe server, all long-running.
 
     Ray is started once, pinned to 2 CPUs with a small object store; everything the cluster
     started is stopped by process id at the end of the session, also when tests failed.

@@ -33,7 +33,8 @@ def test_status_reports_servers_tiers_and_capacity(local_cluster: LocalCluster) 
     servers = {s["node_id"]: s for s in status["servers"]}
     assert set(servers) == {"dram-0", "dram-1", "nvme-0"}
     assert all(s["reachable"] and not s["draining"] for s in servers.values())
-    assert servers["dram-0"]["long_running"] and not servers["nvme-0"]["long_running"]
+    # Every local server is long-running: PERSIST data goes on to NVMe when DRAM is full.
+    assert servers["dram-0"]["long_running"] and servers["nvme-0"]["long_running"]
     assert status["tiers"]["dram"] == {
         "servers": 2,
         "capacity_bytes": 2 * 128 * 1024 * 1024,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -185,8 +186,19 @@ def test_packing_uses_the_throughput_servers_measured(local_cluster: LocalCluste
 
 
 def test_hints_larger_than_the_cluster_are_refused(local_cluster: LocalCluster) -> None:
-    with pytest.raises(CapacityExhausted):
+    with pytest.raises(CapacityExhausted) as refused:
         local_cluster.register_job("huge", {"data_size_bytes": "64GiB"})
+    # The message names the limit (the job's reservation against what its tiers have free), in
+    # figures that agree.
+    message = str(refused.value)
+    match = re.search(r"the job's reservation does not fit: (\d+) bytes and \d+ bytes/s over "
+                      r"([a-z, ]+), with (.+) free; it needs (\d+) more servers", message)
+    assert match, message
+    wanted, tiers, free = int(match[1]), match[2].split(", "), match[3]
+    assert wanted == 64 * 1024**3
+    free_bytes = [int(n) for n in re.findall(r"(\d+) bytes on \d+ servers", free)]
+    assert len(free_bytes) == len(tiers) and sum(free_bytes) < wanted, message
+    assert int(match[4]) >= 1
 
 
 def test_invalid_job_name_is_refused(local_cluster: LocalCluster) -> None:

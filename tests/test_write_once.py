@@ -6,14 +6,16 @@ the same key), exactly one of the puts of a key wins and two DELETE readers neve
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
+from fixtures_servers import CLIENT_OPTIONS, ServerSet
 from test_metrics import scrape_all, summed
 
-from pocketflow.client import Client
+from pocketflow.client import Client, connect
 from pocketflow.cluster import LocalCluster
 from pocketflow.errors import DataUnavailable, ObjectExists, ObjectNotFound
-from pocketflow.handle import EarlierMap
+from pocketflow.handle import EarlierMap, JobHandle, ServerInfo
 from pocketflow.placement import Placement
 from pocketflow.protocol import OP_LOOKUP
 
@@ -79,69 +81,81 @@ def _split_keys(pf: Client, count: int) -> list[str]:
     raise AssertionError(f"PERSIST and ephemeral keys are placed alike: {pf._view.handle}")
 
 
-# A job larger than the DRAM servers: its map holds the NVMe server (not long-running) too, so
-# PERSIST objects (long-running servers only) and ephemeral ones are placed differently.
+# A job larger than the DRAM servers, for the grow below.
 SPLIT_HINTS = {"data_size_bytes": "300MiB"}
+SPLIT_SERVER_BYTES = 32 * 1024 * 1024
 
 
-def test_persist_and_ephemeral_puts_of_one_key_are_one_key(local_cluster: LocalCluster) -> None:
-    with local_cluster.register_job("write-once-flags", SPLIT_HINTS) as job:
-        with job.connect() as pf:
-            pf.create_bucket("b")
-            keys = _split_keys(pf, 20)
-            for n, key in enumerate(keys):
-                first_persist = n % 2 == 0
-                pf.put("b", key, b"first", persist=first_persist)
-                try:
-                    pf.put("b", key, b"second", persist=not first_persist)
-                except ObjectExists:
-                    pass
-                else:
-                    raise AssertionError(f"{key} written twice (persist first: {first_persist})")
-                assert pf.get("b", key) == b"first"
-                assert _records(pf, "b", key) == 1
-            # Large objects too: the loser leaves none of its blocks behind.
-            big = bytes(3 * 1024 * 1024)
-            pf.put("b", keys[0] + "-big", big, persist=True)
+def _split_job(server_factory: Callable[..., tuple[ServerSet, ServerInfo]]) -> JobHandle:
+    """A job on two servers of which one is long-running, so that PERSIST objects (long-running
+    servers only) and ephemeral ones are placed differently. Its own servers: every server of
+    the local cluster is long-running (PERSIST data goes on to NVMe)."""
+    servers, _ = server_factory("split-long", "dram", SPLIT_SERVER_BYTES, long_running=True,
+                                weight=0.5)
+    server_factory("split-short", "dram", SPLIT_SERVER_BYTES, weight=0.5)
+    return servers.handle()
+
+
+def test_persist_and_ephemeral_puts_of_one_key_are_one_key(
+    server_factory: Callable[..., tuple[ServerSet, ServerInfo]],
+) -> None:
+    handle = _split_job(server_factory)
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        pf.create_bucket("b")
+        keys = _split_keys(pf, 20)
+        for n, key in enumerate(keys):
+            first_persist = n % 2 == 0
+            pf.put("b", key, b"first", persist=first_persist)
             try:
-                pf.put("b", keys[0] + "-big", big)
+                pf.put("b", key, b"second", persist=not first_persist)
             except ObjectExists:
                 pass
             else:
-                raise AssertionError("a large object was written twice")
-            assert pf.get("b", keys[0] + "-big") == big
+                raise AssertionError(f"{key} written twice (persist first: {first_persist})")
+            assert pf.get("b", key) == b"first"
+            assert _records(pf, "b", key) == 1
+        # Large objects too: the loser leaves none of its blocks behind.
+        big = bytes(3 * 1024 * 1024)
+        pf.put("b", keys[0] + "-big", big, persist=True)
+        try:
+            pf.put("b", keys[0] + "-big", big)
+        except ObjectExists:
+            pass
+        else:
+            raise AssertionError("a large object was written twice")
+        assert pf.get("b", keys[0] + "-big") == big
 
 
 def test_concurrent_writers_with_mixed_flags_have_exactly_one_winner(
-    local_cluster: LocalCluster,
+    server_factory: Callable[..., tuple[ServerSet, ServerInfo]],
 ) -> None:
-    with local_cluster.register_job("write-once-race", SPLIT_HINTS) as job:
-        with job.connect() as pf:
-            pf.create_bucket("b")
-            keys = _split_keys(pf, 25)
-            wins: dict[str, list[int]] = {key: [] for key in keys}
-            lock = threading.Lock()
+    handle = _split_job(server_factory)
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        pf.create_bucket("b")
+        keys = _split_keys(pf, 25)
+        wins: dict[str, list[int]] = {key: [] for key in keys}
+        lock = threading.Lock()
 
-            def writer(n: int) -> None:
-                with job.connect() as own:
-                    for key in keys:
-                        try:
-                            own.put("b", key, f"w{n}".encode(), persist=n % 2 == 1)
-                        except ObjectExists:
-                            continue
-                        with lock:
-                            wins[key].append(n)
+        def writer(n: int) -> None:
+            with connect(handle, **CLIENT_OPTIONS) as own:
+                for key in keys:
+                    try:
+                        own.put("b", key, f"w{n}".encode(), persist=n % 2 == 1)
+                    except ObjectExists:
+                        continue
+                    with lock:
+                        wins[key].append(n)
 
-            threads = [threading.Thread(target=writer, args=(n,)) for n in range(6)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(timeout=120)
-            assert not any(thread.is_alive() for thread in threads)
-            for key in keys:
-                assert len(wins[key]) == 1, (key, wins[key])
-                assert _records(pf, "b", key) == 1, key
-                assert pf.get("b", key) == f"w{wins[key][0]}".encode()
+        threads = [threading.Thread(target=writer, args=(n,)) for n in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in threads)
+        for key in keys:
+            assert len(wins[key]) == 1, (key, wins[key])
+            assert _records(pf, "b", key) == 1, key
+            assert pf.get("b", key) == f"w{wins[key][0]}".encode()
 
 
 def test_concurrent_delete_readers_of_mixed_flag_keys_after_a_grow_have_one_winner(

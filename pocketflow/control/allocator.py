@@ -199,9 +199,7 @@ class Allocator:
                             relaxed_demand.throughput_bytes_per_s,
                         )
                         return relaxed.allocation
-                raise CapacityExhausted(
-                    f"the job needs more servers ({result.shortfall}) and none can be launched"
-                )
+                raise CapacityExhausted(_does_not_fit(demand, loads, result.shortfall))
             self._launch_shortfall(
                 result.shortfall, deadline_s=deadline_s, release_lock=release_lock
             )
@@ -398,3 +396,20 @@ def relaxed_demands(demand: JobDemand, loads: Sequence[ServerLoad]) -> list[JobD
     if granted > 0:
         relaxed.insert(0, dataclasses.replace(demand, throughput_bytes_per_s=granted))
     return relaxed
+
+
+def _does_not_fit(demand: JobDemand, loads: list[ServerLoad], shortfall: dict[str, int]) -> str:
+    """Why a registration is refused: the job's reservation against what the tiers it may use
+    have free (neither reserved by other jobs nor used), in the figures packing compared."""
+    free = []
+    for tier in demand.tiers:
+        servers = [load for load in loads if load.tier == tier and load.active]
+        free.append(f"{tier} {sum(load.free_capacity_bytes for load in servers)} bytes on "
+                    f"{len(servers)} servers")
+    return (
+        f"the job's reservation does not fit: {demand.capacity_bytes} bytes and "
+        f"{demand.throughput_bytes_per_s} bytes/s over {', '.join(demand.tiers)}, with "
+        f"{'; '.join(free)} free; it needs {sum(shortfall.values())} more servers "
+        f"({', '.join(f'{n} {t}' for t, n in sorted(shortfall.items()))}) and none can be "
+        "launched"
+    )

@@ -210,6 +210,8 @@ def run_sort(
         problems=problems,
         regenerated_partitions=sum(len(r) for r in result.regenerated),
         executor="Ray tasks" if executor == "ray" else "Lithops localhost executor",
+        peak_used_by_tier=dict(poller.peak_by_tier),
+        capacity_by_tier=dict(poller.capacity_by_tier),
     )
 
 

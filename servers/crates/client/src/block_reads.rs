@@ -1,11 +1,11 @@
 //! The data blocks of large objects, read straight into the caller's memory: each server's
 //! blocks as DoGet tickets read in parallel, with fallbacks for blocks written under an earlier
-//! weight map, and several objects at once for `get_many`.
+//! weight map (or, for an overflowed object, before its writer learnt that a server was full),
+//! and several objects at once for `get_many`.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use pocketflow_protocol::header::ObjectHeader;
 use pocketflow_protocol::limits::TICKET_RANGES_MAX;
 use pocketflow_protocol::ticket::{BlockRange, GetTicket};
 use tonic::Code;
@@ -13,7 +13,7 @@ use tonic::Code;
 use crate::blocks::{split_dest, RangeTarget};
 use crate::error::ClientError;
 use crate::failure::{body, server_error, Failure};
-use crate::homes::block_home;
+use crate::homes::Layout;
 use crate::objects::{Objects, STALE_EPOCH_RETRIES_MAX};
 use crate::parallel::{push_grouped, run_parallel};
 use crate::placement::placed_block;
@@ -27,8 +27,8 @@ pub const READ_TICKET_BLOCKS_MIN: usize = 4;
 /// `io_threads` is smaller); each one already spreads its blocks over the I/O threads.
 pub const LARGE_OBJECTS_IN_FLIGHT_MAX: usize = 4;
 
-/// One object of `read_objects`: its key, manifest and destination.
-type ObjectDest<'a> = (&'a str, ObjectHeader, &'a mut [u8]);
+/// One object of `read_objects`: its key, layout and destination.
+type ObjectDest<'a> = (&'a str, &'a Layout, &'a mut [u8]);
 
 /// What one read has received so far, per data block.
 type Received = Mutex<HashMap<u32, u64>>;
@@ -39,20 +39,20 @@ impl Objects {
     pub fn read_objects(
         &self,
         bucket: &str,
-        reads: &mut [(&str, ObjectHeader, &mut [u8])],
+        reads: &mut [(&str, Layout, &mut [u8])],
         delete: bool,
     ) -> Vec<Result<(), Failure>> {
         let objects_at_once = LARGE_OBJECTS_IN_FLIGHT_MAX.min(self.io_threads).max(1);
         // Each read's destination goes to the one task that fills it (taken out of its slot).
         let slots: Vec<Mutex<Option<ObjectDest<'_>>>> = reads
             .iter_mut()
-            .map(|(key, header, dest)| Mutex::new(Some((*key, *header, &mut **dest))))
+            .map(|(key, layout, dest)| Mutex::new(Some((*key, &*layout, &mut **dest))))
             .collect();
         let tasks: Vec<usize> = (0..slots.len()).collect();
         run_parallel(&tasks, objects_at_once, |task| {
             let taken = slots[task].lock().expect("never poisoned").take();
-            let (key, header, dest) = taken.expect("each read is one task's");
-            self.read_blocks(bucket, key, &header, 0, header.size, delete, dest)
+            let (key, layout, dest) = taken.expect("each read is one task's");
+            self.read_blocks(bucket, key, layout, 0, layout.header.size, delete, dest)
         })
     }
 
@@ -70,7 +70,9 @@ impl Objects {
         let end = start + dest.len() as u64;
         match record.header {
             Some(header) if header.block_count > 0 => {
-                self.read_blocks(bucket, key, &header, start, end, delete, dest)
+                let layout = Layout::of_record(header, &record.body)
+                    .map_err(|e| Failure::at(e, &record.server))?;
+                self.read_blocks(bucket, key, &layout, start, end, delete, dest)
             }
             _ => {
                 dest.copy_from_slice(&record.body[start as usize..end as usize]);
@@ -87,12 +89,13 @@ impl Objects {
         &self,
         bucket: &str,
         key: &str,
-        header: &ObjectHeader,
+        layout: &Layout,
         start: u64,
         end: u64,
         delete: bool,
         dest: &mut [u8],
     ) -> Result<(), Failure> {
+        let header = &layout.header;
         let view = self.view();
         let block_size = u64::from(header.block_size);
         if block_size == 0 || start >= end || end > header.size {
@@ -114,13 +117,7 @@ impl Objects {
             let block_start = u64::from(index - 1) * block_size;
             let low = start.max(block_start);
             let high = end.min(block_start + block_size).min(header.size);
-            let server = block_home(
-                &view,
-                key.as_bytes(),
-                index,
-                header.block_count,
-                header.persist(),
-            )?;
+            let server = layout.block_home(&view, key.as_bytes(), index)?;
             let range = RangeTarget {
                 block: index,
                 offset: low - block_start,
@@ -130,9 +127,19 @@ impl Objects {
             push_grouped(&mut groups, &server.address, range);
         }
         let blocks = (last - first + 1) as usize;
-        let per_ticket = READ_TICKET_BLOCKS_MIN
-            .max(blocks.div_ceil(self.io_threads))
-            .min(TICKET_RANGES_MAX);
+        // A block may be elsewhere when the map changed since it was written, or when an
+        // overflowed object's streamed writer stored it before it learnt a server was full.
+        let moved = view.epoch > 1 || !layout.skipped.is_empty();
+        // A DELETE ticket that fails frees every block it names on its server (nobody else can
+        // reach them), so where blocks may be elsewhere each block goes as a ticket of its own:
+        // a block missing from one server costs no other block.
+        let per_ticket = if delete && moved {
+            1
+        } else {
+            READ_TICKET_BLOCKS_MIN
+                .max(blocks.div_ceil(self.io_threads))
+                .min(TICKET_RANGES_MAX)
+        };
         let tasks: Vec<(&str, &[RangeTarget])> = groups
             .iter()
             .flat_map(|(address, ranges)| {
@@ -176,7 +183,7 @@ impl Objects {
                 received: &received,
             };
             match read.ranges_current(address, chunk, &mut dests) {
-                Err(failure) if failure.error.is_not_found() && view.epoch > 1 => {
+                Err(failure) if failure.error.is_not_found() && moved => {
                     read.moved_blocks(&view, address, chunk, &mut dests)
                 }
                 other => other,
@@ -259,8 +266,12 @@ impl ReadOf<'_> {
         unreachable!("the last attempt returns")
     }
 
-    /// Find blocks written under an earlier weight map: probe the other servers in the ranking
-    /// of each block's placement (its manifest's, for an object of one data block).
+    /// Find blocks that are not where the read looked (written under an earlier weight map, or
+    /// by an overflowing streamed upload before it learnt that their server was full), after
+    /// the ticket of `ranges` to `tried` failed with `not_found`. A ticket stops at its first
+    /// missing block: that block is looked for on the other servers in the ranking of its
+    /// placement (its manifest's, for an object of one data block), and the ranges after it,
+    /// never asked for, are asked of `tried` again (so on, at most once per range).
     fn moved_blocks(
         &self,
         view: &View,
@@ -268,64 +279,88 @@ impl ReadOf<'_> {
         ranges: &[RangeTarget],
         dests: &mut [&mut [u8]],
     ) -> Result<(), Failure> {
-        for (range, dest) in ranges.iter().zip(dests.iter_mut()) {
-            {
-                let mut received = self.received.lock().expect("never poisoned");
-                if received.get(&range.block) == Some(&range.len) {
-                    continue;
-                }
-                received.remove(&range.block);
+        let mut remaining = ranges;
+        let mut remaining_dests = dests;
+        loop {
+            let missing = {
+                let received = self.received.lock().expect("never poisoned");
+                remaining
+                    .iter()
+                    .position(|r| received.get(&r.block) != Some(&r.len))
+            };
+            let Some(at) = missing else {
+                return Ok(());
+            };
+            let (head, rest) = remaining_dests.split_at_mut(at + 1);
+            self.probe_elsewhere(view, tried, &remaining[at], &mut head[at])?;
+            remaining = &remaining[at + 1..];
+            remaining_dests = rest;
+            if remaining.is_empty() {
+                return Ok(());
             }
-            let mut found = false;
-            let placed = placed_block(range.block, self.block_count);
-            let mut suspect_skipped = None;
-            for server in view.ranked(self.key.as_bytes(), placed) {
-                if server.address == tried {
-                    continue;
-                }
-                if view.is_suspect(&server.node_id) {
-                    // It may hang: never wait on it; say so if the block is nowhere else.
-                    suspect_skipped.get_or_insert(server);
-                    continue;
-                }
-                let dest = std::slice::from_mut(dest);
-                match self.ranges_current(&server.address, std::slice::from_ref(range), dest) {
-                    Ok(()) => {
-                        found = true;
-                        break;
-                    }
-                    Err(failure) if failure.error.is_not_found() => {
-                        self.received
-                            .lock()
-                            .expect("never poisoned")
-                            .remove(&range.block);
-                    }
-                    Err(failure) => return Err(failure),
-                }
-            }
-            if !found {
-                let what = format!("block {} of {}/{}", range.block, self.bucket, self.key);
-                if let Some(suspect) = suspect_skipped {
-                    let error = server_error(
-                        Code::Unavailable as i32,
-                        "suspect_server",
-                        format!(
-                            "{what} may be on {}, which does not answer (a suspect of epoch {})",
-                            suspect.node_id, view.epoch
-                        ),
-                    );
-                    return Err(Failure::at(error, &suspect.address));
-                }
-                if let Some((error, server)) = view.lost_error(&what) {
-                    return Err(Failure { error, server });
-                }
-                return Err(Failure::local(server_error(
-                    Code::NotFound as i32,
-                    "not_found",
-                    format!("{what} is on no server of the job"),
-                )));
+            match self.ranges_current(tried, remaining, remaining_dests) {
+                Err(failure) if failure.error.is_not_found() => {}
+                other => return other,
             }
         }
-        Ok(())
+    }
+
+    /// Read `range` into `dest` from the first server other than `tried` in its block's
+    /// ranking that holds it; `not_found` (or the lost servers' `unavailable`, or
+    /// `suspect_server` when a suspect it did not wait on may hold it) when none does.
+    fn probe_elsewhere(
+        &self,
+        view: &View,
+        tried: &str,
+        range: &RangeTarget,
+        dest: &mut &mut [u8],
+    ) -> Result<(), Failure> {
+        self.received
+            .lock()
+            .expect("never poisoned")
+            .remove(&range.block);
+        let placed = placed_block(range.block, self.block_count);
+        let mut suspect_skipped = None;
+        for server in view.ranked(self.key.as_bytes(), placed) {
+            if server.address == tried {
+                continue;
+            }
+            if view.is_suspect(&server.node_id) {
+                // It may hang: never wait on it; say so if the block is nowhere else.
+                suspect_skipped.get_or_insert(server);
+                continue;
+            }
+            let dest = std::slice::from_mut(dest);
+            match self.ranges_current(&server.address, std::slice::from_ref(range), dest) {
+                Ok(()) => return Ok(()),
+                Err(failure) if failure.error.is_not_found() => {
+                    self.received
+                        .lock()
+                        .expect("never poisoned")
+                        .remove(&range.block);
+                }
+                Err(failure) => return Err(failure),
+            }
+        }
+        let what = format!("block {} of {}/{}", range.block, self.bucket, self.key);
+        if let Some(suspect) = suspect_skipped {
+            let error = server_error(
+                Code::Unavailable as i32,
+                "suspect_server",
+                format!(
+                    "{what} may be on {}, which does not answer (a suspect of epoch {})",
+                    suspect.node_id, view.epoch
+                ),
+            );
+            return Err(Failure::at(error, &suspect.address));
+        }
+        if let Some((error, server)) = view.lost_error(&what) {
+            return Err(Failure { error, server });
+        }
+        Err(Failure::local(server_error(
+            Code::NotFound as i32,
+            "not_found",
+            format!("{what} is on no server of the job"),
+        )))
     }
 }

@@ -2,7 +2,8 @@
 //! map a `stale_epoch` answer carries) and one [`Connection`] per server, and runs the calls every
 //! path of the layer makes through them. The paths live beside it, one concern each: block 0 of an
 //! object (`records.rs`), whole reads (`reads.rs`), data blocks (`block_reads.rs`), writes
-//! (`writes.rs`), streamed uploads (`upload.rs`), listings, waits and channels.
+//! (`writes.rs`) and where they go when a server is full (`overflow.rs`), streamed uploads
+//! (`upload.rs`), listings, waits and channels.
 //!
 //! Where things go (the same rules as the module doc of `pocketflow/client.py`): block 0 of an
 //! object lives on the server placed for `(key, 0)`, PERSIST objects on the long-running servers'
@@ -55,6 +56,8 @@ pub struct Objects {
     connections: Mutex<Connections>,
     /// `(address, bucket)` of the buckets this client created on servers that lacked them.
     pub(crate) repaired_buckets: Mutex<std::collections::HashSet<(String, String)>>,
+    /// The servers that refused a write as full lately (`overflow.rs`).
+    pub(crate) full_servers: Mutex<crate::overflow::FullServers>,
 }
 
 impl Objects {
@@ -78,6 +81,7 @@ impl Objects {
                 by_address: HashMap::new(),
             }),
             repaired_buckets: Mutex::new(std::collections::HashSet::new()),
+            full_servers: Mutex::new(crate::overflow::FullServers::default()),
         })
     }
 

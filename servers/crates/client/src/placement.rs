@@ -13,6 +13,12 @@
 //! Data block `i` of a large object is placed as `(key, i)`, which stripes the object over the
 //! job, except in an object of one data block: that block is placed as `(key, 0)`, with its
 //! manifest ([`placed_block`]), so such an object is written and read on one server.
+//!
+//! The data blocks of an *overflowed* object (its manifest names servers that were full when it
+//! was written) are placed without those servers ([`Placement::server_skipping`]): the same
+//! pick over the same pool with them left out, so a block whose server was not skipped stays
+//! where the map puts it, and the others go to the next server in their ranking, on the job's
+//! next tier when a whole tier is skipped.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -241,24 +247,35 @@ impl Pool {
     }
 
     fn pick(&self, h: u64) -> usize {
-        let mut best = self.members[0].0;
+        self.pick_skipping(h, &[])
+            .expect("a pool has at least one member")
+    }
+
+    /// [`Pool::pick`] among the members whose index is not in `skipped`; `None` when every
+    /// member is.
+    fn pick_skipping(&self, h: u64, skipped: &[usize]) -> Option<usize> {
+        let mut best = None;
+        let members = self
+            .members
+            .iter()
+            .filter(|(index, _, _)| !skipped.contains(index));
         if self.uniform {
             // Equal weights: the largest mixed value wins, no logarithm needed.
             let mut best_mix = 0u64;
-            for (i, &(index, seed, _)) in self.members.iter().enumerate() {
+            for &(index, seed, _) in members {
                 let z = mix(h, seed);
-                if i == 0 || z > best_mix {
+                if best.is_none() || z > best_mix {
                     best_mix = z;
-                    best = index;
+                    best = Some(index);
                 }
             }
         } else {
             let mut best_score = f64::NEG_INFINITY;
-            for &(index, seed, weight) in &self.members {
+            for &(index, seed, weight) in members {
                 let s = score(h, seed, weight);
-                if s > best_score {
+                if best.is_none() || s > best_score {
                     best_score = s;
-                    best = index;
+                    best = Some(index);
                 }
             }
         }
@@ -272,6 +289,8 @@ pub struct Placement {
     ephemeral: Option<Pool>,
     persist: Option<Pool>,
     all: Vec<(usize, u64, f64)>,
+    /// Whether each server of the map (by index) is long-running.
+    long_running: Vec<bool>,
     routes: Routes,
     /// Per pool of `routes`: its members in the map, weighted equally; `None` when none is.
     routed: Vec<Option<Pool>>,
@@ -331,6 +350,7 @@ impl Placement {
             ephemeral,
             persist,
             all,
+            long_running: servers.iter().map(|s| s.persist).collect(),
             routes,
             routed,
         }
@@ -346,6 +366,38 @@ impl Placement {
             self.routed_pool(key).or(self.ephemeral.as_ref())
         };
         pool.map(|p| p.pick(hash_block(key, block)))
+    }
+
+    /// The index of the server for block `block` of `key` when the servers `skipped` (indexes
+    /// into the map) cannot take it: the pick of [`Placement::server_for`]'s pool (PERSIST: the
+    /// long-running servers') without them, with the same weights, so a block whose server is
+    /// not skipped stays where `server_for` puts it. When that pool has nothing left, the pick
+    /// with equal weights over the rest of the map's servers (PERSIST: of its long-running
+    /// ones), weight-0 servers included; `None` when nothing is left. Routes play no part: an
+    /// object overflowing its route's pool goes on to the job's other servers.
+    pub fn server_skipping(
+        &self,
+        key: &[u8],
+        block: u32,
+        persist: bool,
+        skipped: &[usize],
+    ) -> Option<usize> {
+        let h = hash_block(key, block);
+        let pool = if persist {
+            self.persist.as_ref()
+        } else {
+            self.ephemeral.as_ref()
+        };
+        if let Some(index) = pool.and_then(|p| p.pick_skipping(h, skipped)) {
+            return Some(index);
+        }
+        self.all
+            .iter()
+            .filter(|&&(index, _, _)| {
+                !skipped.contains(&index) && (!persist || self.long_running[index])
+            })
+            .max_by_key(|&&(_, seed, _)| mix(h, seed))
+            .map(|&(index, _, _)| index)
     }
 
     /// The pool of the longest route `key` lies under, if that pool has a server in the map.
@@ -591,6 +643,74 @@ mod tests {
             );
         }
         assert!(seen.iter().all(|&count| count > 100), "{seen:?}");
+    }
+
+    #[test]
+    fn skipping_servers_moves_only_the_blocks_they_held() {
+        let map = servers(&[
+            ("d0", 0.2, true),
+            ("d1", 0.3, true),
+            ("n0", 0.5, false),
+            ("n1", 0.0, true),
+        ]);
+        let placement = Placement::new(&map);
+        let mut moved_to = [0usize; 4];
+        for n in 0..2000u32 {
+            let key = format!("k{n}");
+            let (key, block) = (key.as_bytes(), n % 7);
+            let normal = placement.server_for(key, block, false).unwrap();
+            assert_eq!(
+                placement.server_skipping(key, block, false, &[]),
+                Some(normal)
+            );
+            let skipping_d0 = placement.server_skipping(key, block, false, &[0]).unwrap();
+            if normal == 0 {
+                assert_ne!(skipping_d0, 0);
+                moved_to[skipping_d0] += 1;
+            } else {
+                assert_eq!(skipping_d0, normal, "a block off the skipped server stays");
+            }
+            // With both DRAM servers skipped everything goes to the weighted NVMe server, and
+            // with every weighted server skipped to the weight-0 one, with equal weights.
+            assert_eq!(
+                placement.server_skipping(key, block, false, &[0, 1]),
+                Some(2)
+            );
+            assert_eq!(
+                placement.server_skipping(key, block, false, &[0, 1, 2]),
+                Some(3)
+            );
+            assert_eq!(
+                placement.server_skipping(key, block, false, &[0, 1, 2, 3]),
+                None
+            );
+            // PERSIST: the long-running servers with weight, then the other long-running one.
+            let persist = placement.server_for(key, block, true).unwrap();
+            assert!(persist == 0 || persist == 1);
+            let other = placement
+                .server_skipping(key, block, true, &[persist])
+                .unwrap();
+            assert!(other == 0 || other == 1);
+            assert_ne!(other, persist);
+            assert_eq!(
+                placement.server_skipping(key, block, true, &[0, 1]),
+                Some(3)
+            );
+            assert_eq!(
+                placement.server_skipping(key, block, true, &[0, 1, 3]),
+                None
+            );
+        }
+        // The skipped server's blocks spread over the others by weight (0.3 : 0.5).
+        assert_eq!(moved_to[0], 0);
+        assert_eq!(
+            moved_to[3], 0,
+            "a weight-0 server takes nothing while others can"
+        );
+        assert!(
+            moved_to[1] > 50 && moved_to[2] > moved_to[1],
+            "{moved_to:?}"
+        );
     }
 
     #[test]

@@ -25,7 +25,8 @@ pub struct Record {
     pub server: String,
     /// The object header (absent only in replies that carry none).
     pub header: Option<ObjectHeader>,
-    /// A small object's bytes (empty for a large object's manifest).
+    /// A small object's bytes; for a large object, its manifest's value (empty, or the servers
+    /// an overflowed object's blocks skipped: `homes::Skipped`).
     pub body: Bytes,
 }
 
@@ -250,11 +251,9 @@ impl Objects {
             bucket: bucket.to_string(),
             key: key.to_string(),
             header,
-            value: if header.block_count == 0 {
-                record.body.clone()
-            } else {
-                Bytes::new()
-            },
+            // A small object's bytes, or the value of a manifest (an overflowed one's list of
+            // skipped servers; empty otherwise).
+            value: record.body.clone(),
         };
         let reply = self.call(&view, &record.server, request)?;
         if reply.status == 0 {

@@ -9,6 +9,11 @@
 //! Memory stays bounded: a server's blocks are sent once `STREAM_GROUP_BYTES_MIN` bytes wait
 //! for it, at most `STREAM_PENDING_GROUPS_MAX` groups' worth of bytes wait in all, and at most
 //! `io_threads` groups are on the wire at once (the writer waits for one to finish).
+//!
+//! A server that refuses a group as full is skipped from then on, by that group and by every
+//! later one (`overflow.rs`), and the manifest names what was skipped. Blocks a server took
+//! before it refused are left where they are (the writer no longer holds them): a reader
+//! looks for them where the list puts them, then where the map did (`block_reads.rs`).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -19,6 +24,7 @@ use crate::error::ClientError;
 use crate::failure::Failure;
 use crate::homes::block_home;
 use crate::objects::{Objects, STALE_EPOCH_RETRIES_MAX};
+use crate::overflow::Overflowing;
 use crate::writes::{kind_is, large_header, new_version, refused, BlockUpload, NewRecord, Placed};
 
 /// A streamed upload sends a server's blocks once this many bytes are waiting for it.
@@ -60,6 +66,8 @@ pub struct StreamUpload<B: AsRef<[u8]> + Send + 'static> {
     in_flight: VecDeque<JoinHandle<SendOutcome<B>>>,
     in_flight_max: usize,
     placed: Arc<Mutex<Placed>>,
+    /// The servers the blocks skip (full ones), shared with the sends.
+    overflow: Arc<Overflowing>,
     failures: Vec<Failure>,
     done: bool,
 }
@@ -67,8 +75,17 @@ pub struct StreamUpload<B: AsRef<[u8]> + Send + 'static> {
 impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
     /// A new upload of `bucket/key` in the job's block size.
     pub fn new(objects: Arc<Objects>, bucket: &str, key: &str, persist: bool) -> Self {
-        let block_size = objects.view().block_size;
+        let view = objects.view();
+        let block_size = view.block_size;
         let in_flight_max = objects.io_threads.max(1);
+        // Servers of the map that refused a write as full a moment ago are skipped at once.
+        let full = objects.recently_full(
+            &view,
+            key.as_bytes(),
+            MORE_THAN_ONE_BLOCK,
+            persist,
+            view.servers.iter(),
+        );
         StreamUpload {
             objects,
             bucket: bucket.to_string(),
@@ -84,6 +101,7 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
             in_flight: VecDeque::new(),
             in_flight_max,
             placed: Arc::new(Mutex::new(Placed::new())),
+            overflow: Arc::new(full),
             failures: Vec::new(),
             done: false,
         }
@@ -119,9 +137,18 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
     fn queue(&mut self, index: u32, block: B) -> Result<(), Failure> {
         let view = self.objects.view();
         let key = self.key.as_bytes();
-        let address = block_home(&view, key, index, MORE_THAN_ONE_BLOCK, self.persist)?
-            .address
-            .clone();
+        let skipped = self.overflow.skipped();
+        let address = block_home(
+            &view,
+            key,
+            index,
+            MORE_THAN_ONE_BLOCK,
+            self.persist,
+            &skipped,
+        )
+        .map_err(|failure| self.overflow.explain(failure, &self.what()))?
+        .address
+        .clone();
         let len = block.as_ref().len();
         let slot = match self.pending.iter().position(|g| g.address == address) {
             Some(slot) => slot,
@@ -171,15 +198,24 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
             let objects = self.objects.clone();
             return objects.put_large(&self.bucket, &self.key, header, first.as_ref(), overwrite);
         }
-        let sent = self.finish_sends();
-        if let Err(failure) = sent {
-            self.free();
-            return Err(failure);
-        }
+        let what = self.what();
+        let sent = self
+            .finish_sends()
+            .and_then(|()| self.overflow.manifest_value(&what));
+        let (flag, value) = match sent {
+            Ok(value) => value,
+            Err(failure) => {
+                self.free();
+                return Err(self.overflow.explain(failure, &what));
+            }
+        };
         let record = NewRecord {
             key: &self.key,
-            header,
-            value: &[],
+            header: pocketflow_protocol::header::ObjectHeader {
+                flags: header.flags | flag,
+                ..header
+            },
+            value: &value,
         };
         let stored = self
             .objects
@@ -209,6 +245,11 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
     fn free(&mut self) {
         self.done = true;
         self.free_placed();
+    }
+
+    /// The object, as errors name it.
+    fn what(&self) -> String {
+        format!("{}/{}", self.bucket, self.key)
     }
 
     fn free_placed(&self) {
@@ -262,6 +303,7 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
         self.wait_for_slots(self.in_flight_max - 1);
         let objects = self.objects.clone();
         let placed = self.placed.clone();
+        let overflow = self.overflow.clone();
         let (bucket, key) = (self.bucket.clone(), self.key.clone());
         let (version, block_size, persist) = (self.version, self.block_size, self.persist);
         self.in_flight.push_back(std::thread::spawn(move || {
@@ -274,6 +316,7 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
                 block_count: MORE_THAN_ONE_BLOCK,
                 persist,
                 placed: &placed,
+                overflow: &overflow,
             };
             let slices: Vec<BlockSlice<'_>> = group
                 .blocks

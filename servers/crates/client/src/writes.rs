@@ -6,6 +6,9 @@
 //! Write-once holds per key, not per server, with exactly one winner: one server decides each
 //! key, and a put claims it there before (or by) storing its record; an overwrite replaces every
 //! version of the key (`write_once.rs`).
+//!
+//! A data write that a server refuses as full goes on to the job's other servers, and the
+//! object's manifest names the servers its blocks skipped (`overflow.rs`).
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -24,8 +27,9 @@ use crate::blocks::BlockSlice;
 use crate::connection::ExchangeRequest;
 use crate::error::ClientError;
 use crate::failure::{body, failure_reply, reply_error, Failure};
-use crate::homes::{block_home, home};
+use crate::homes::{block_home, home, Layout, Skipped};
 use crate::objects::{Objects, STALE_EPOCH_RETRIES_MAX};
+use crate::overflow::Overflowing;
 use crate::parallel::{push_grouped, run_parallel};
 use crate::view::{Server, View};
 use crate::write_once::{held_on, plan, Claimed, KeyPlan};
@@ -116,6 +120,33 @@ impl Objects {
         persist: bool,
         overwrite: bool,
     ) -> Result<(), Failure> {
+        let outcomes = self.put_records_each(bucket, records, persist, overwrite);
+        match outcomes.into_iter().flatten().next() {
+            Some(failure) => Err(failure),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Objects::put_records`], with each record's failure (`None`: stored).
+    pub(crate) fn put_records_each(
+        &self,
+        bucket: &str,
+        records: &[NewRecord<'_>],
+        persist: bool,
+        overwrite: bool,
+    ) -> Vec<Option<Failure>> {
+        self.put_records_checked(bucket, records, persist, overwrite)
+            .unwrap_or_else(|failure| vec![Some(failure); records.len()])
+    }
+
+    /// [`Objects::put_records_each`]; a failure to create a missing bucket ends the call.
+    fn put_records_checked(
+        &self,
+        bucket: &str,
+        records: &[NewRecord<'_>],
+        persist: bool,
+        overwrite: bool,
+    ) -> Result<Vec<Option<Failure>>, Failure> {
         let flags = (if persist { OP_FLAG_PERSIST } else { 0 })
             | (if overwrite { OP_FLAG_OVERWRITE } else { 0 });
         let mut errors: Vec<Option<Failure>> = vec![None; records.len()];
@@ -245,10 +276,7 @@ impl Objects {
                 }
             }
         }
-        match errors.into_iter().flatten().next() {
-            Some(failure) => Err(failure),
-            None => Ok(()),
-        }
+        Ok(errors)
     }
 
     /// Store the records of `plans` on their homes, pipelined per server, all servers at once.
@@ -399,8 +427,9 @@ impl Objects {
         let view = self.view();
         let mut groups: Placed = HashMap::new();
         for index in 1..=header.block_count {
-            if view.epoch > 1 {
-                // Blocks may have been placed under an earlier map: ask every server.
+            if view.epoch > 1 || header.overflowed() {
+                // Blocks may have been placed under an earlier map, or by an overflowing writer
+                // that skipped full servers: ask every server.
                 for server in &view.servers {
                     groups
                         .entry(server.address.clone())
@@ -413,6 +442,7 @@ impl Objects {
                 index,
                 header.block_count,
                 header.persist(),
+                &Skipped::none(),
             ) {
                 groups
                     .entry(server.address.clone())
@@ -456,26 +486,20 @@ impl Objects {
     }
 
     /// Write the data blocks of the object of manifest `header` held in memory, cut and placed
-    /// as the manifest says: every server's blocks over one stream, servers in parallel. Returns
-    /// where the blocks went (also on failure, so the caller can free them).
+    /// as the manifest says (skipping what `overflow` skips): every server's blocks over one
+    /// stream, servers in parallel. A server that refuses its blocks as full is skipped from then
+    /// on and its blocks go where placement puts them without it; once every block is stored,
+    /// blocks stored on a server that a later refusal made skipped are moved where the final
+    /// list puts them, so readers find every block at its place. Returns where the blocks went
+    /// (also on failure, so the caller can free them).
     fn upload_blocks(
         &self,
         bucket: &str,
         key: &str,
         header: &ObjectHeader,
         data: &[u8],
+        overflow: &Overflowing,
     ) -> (Placed, Result<(), Failure>) {
-        let view = self.view();
-        let (block_count, persist) = (header.block_count, header.persist());
-        let mut groups: Vec<(&str, Vec<BlockSlice<'_>>)> = Vec::new();
-        for block in BlockSlice::cut(data, header.block_size as usize) {
-            let server = match block_home(&view, key.as_bytes(), block.index, block_count, persist)
-            {
-                Ok(server) => server,
-                Err(failure) => return (HashMap::new(), Err(failure)),
-            };
-            push_grouped(&mut groups, &server.address, block);
-        }
         let placed = std::sync::Mutex::new(Placed::new());
         let upload = BlockUpload {
             objects: self,
@@ -483,24 +507,46 @@ impl Objects {
             key,
             version: header.version,
             block_size: header.block_size,
-            block_count,
-            persist,
+            block_count: header.block_count,
+            persist: header.persist(),
             placed: &placed,
+            overflow,
         };
-        let outcomes = run_parallel(
-            &groups.iter().collect::<Vec<_>>(),
-            self.io_threads,
-            |(address, blocks)| upload.send(address, blocks, STALE_EPOCH_RETRIES_MAX),
-        );
+        let blocks: Vec<BlockSlice<'_>> =
+            BlockSlice::cut(data, header.block_size as usize).collect();
+        let mut outcome = upload.send_placed(&blocks, self.io_threads);
+        // Moves are bounded: each round follows a refusal that skipped one more server.
+        let view = self.view();
+        for _ in 0..=view.servers.len() {
+            if outcome.is_err() || overflow.skipped().is_empty() {
+                break;
+            }
+            let misplaced = upload.misplaced(&placed.lock().expect("never poisoned"));
+            let Ok(misplaced) = misplaced else {
+                outcome = misplaced.map(|_| ());
+                break;
+            };
+            if misplaced.is_empty() {
+                break;
+            }
+            let moving: Vec<BlockSlice<'_>> = blocks
+                .iter()
+                .filter(|b| misplaced.values().any(|indexes| indexes.contains(&b.index)))
+                .copied()
+                .collect();
+            {
+                let mut placed = placed.lock().expect("never poisoned");
+                for (address, indexes) in &misplaced {
+                    if let Some(stored) = placed.get_mut(address) {
+                        stored.retain(|i| !indexes.contains(i));
+                    }
+                }
+            }
+            outcome = upload.send_placed(&moving, self.io_threads);
+            self.delete_block_groups(bucket, key, header.version, &misplaced);
+        }
         let placed = placed.into_inner().expect("never poisoned");
-        let failures: Vec<Failure> = outcomes.into_iter().filter_map(Result::err).collect();
-        // A full tier is what the caller can act on: report it over follow-on failures.
-        let first = failures
-            .iter()
-            .find(|f| kind_is(&f.error, "capacity_exhausted"))
-            .or(failures.first())
-            .cloned();
-        (placed, first.map_or(Ok(()), Err))
+        (placed, outcome)
     }
 
     // -- whole objects -------------------------------------------------------------------------
@@ -509,6 +555,9 @@ impl Objects {
     /// striped over the job and then the manifest (the commit point). Write-once unless
     /// `overwrite`. A large object that fails leaves none of its blocks behind, unless its
     /// commit was sent and its outcome is unknown (the record may point at them).
+    ///
+    /// What a full server refuses goes on to the job's other servers (`overflow.rs`): a small
+    /// object whose home is full becomes a manifest there with its one data block elsewhere.
     pub fn put(
         &self,
         bucket: &str,
@@ -518,16 +567,64 @@ impl Objects {
         overwrite: bool,
     ) -> Result<(), Failure> {
         if data.len() as u64 <= SMALL_OBJECT_MAX_BYTES {
+            let view = self.view();
+            let record_home = home(&view, key.as_bytes(), 0, persist)?;
+            let full = self.recently_full(&view, key.as_bytes(), 1, persist, [record_home]);
+            if !full.is_empty() && !data.is_empty() {
+                return self.put_overflowed(bucket, key, data, persist, overwrite, full);
+            }
             let record = NewRecord {
                 key,
                 header: small_header(new_version(), data.len() as u64, persist),
                 value: data,
             };
-            return self.put_records(bucket, &[record], persist, overwrite);
+            let outcome = self.put_records_each(bucket, &[record], persist, overwrite);
+            return match outcome.into_iter().flatten().next() {
+                None => Ok(()),
+                Some(failure) => self.small_refused(bucket, key, data, persist, overwrite, failure),
+            };
         }
         let block_size = self.view().block_size;
         let header = large_header(new_version(), data.len() as u64, block_size, persist);
         self.put_large(bucket, key, header, data, overwrite)
+    }
+
+    /// A small object whose record its home refused: when the home is full, the object goes on
+    /// as a manifest at its home with its one data block on another server; else the refusal.
+    fn small_refused(
+        &self,
+        bucket: &str,
+        key: &str,
+        data: &[u8],
+        persist: bool,
+        overwrite: bool,
+        failure: Failure,
+    ) -> Result<(), Failure> {
+        let view = self.view();
+        match self.full_server(&view, &failure) {
+            // An empty object has no data to put elsewhere: its record is all there is.
+            Some(server) if !data.is_empty() => {
+                let overflow = Overflowing::after(server, &failure);
+                self.put_overflowed(bucket, key, data, persist, overwrite, overflow)
+            }
+            _ => Err(failure),
+        }
+    }
+
+    /// Store `data` (a small object too) as a manifest and data blocks that skip the servers
+    /// `overflow` skips (full ones).
+    fn put_overflowed(
+        &self,
+        bucket: &str,
+        key: &str,
+        data: &[u8],
+        persist: bool,
+        overwrite: bool,
+        overflow: Overflowing,
+    ) -> Result<(), Failure> {
+        let block_size = self.view().block_size;
+        let header = large_header(new_version(), data.len() as u64, block_size, persist);
+        self.put_blocks_then_manifest(bucket, key, header, data, overwrite, overflow)
     }
 
     /// Store a large object of manifest `header` whose bytes are `data`: in one round trip when
@@ -541,20 +638,74 @@ impl Objects {
         data: &[u8],
         overwrite: bool,
     ) -> Result<(), Failure> {
+        let view = self.view();
+        let layout = Layout::placed(header);
+        let homes: Vec<&Server> = (0..=header.block_count)
+            .filter_map(|block| match block {
+                0 => home(&view, key.as_bytes(), 0, header.persist()).ok(),
+                _ => layout.block_home(&view, key.as_bytes(), block).ok(),
+            })
+            .collect();
+        let full = self.recently_full(
+            &view,
+            key.as_bytes(),
+            header.block_count,
+            header.persist(),
+            homes,
+        );
+        if full.is_empty() {
+            let record = NewRecord {
+                key,
+                header,
+                value: &[],
+            };
+            match self.put_committed(bucket, &record, data, overwrite) {
+                None => {}
+                Some(Err(failure)) => {
+                    // The home refused the one-trip upload as full: the blocks go elsewhere.
+                    let Some(server) = self.full_server(&view, &failure) else {
+                        return Err(failure);
+                    };
+                    let overflow = Overflowing::after(server, &failure);
+                    return self
+                        .put_blocks_then_manifest(bucket, key, header, data, overwrite, overflow);
+                }
+                Some(Ok(())) => return Ok(()),
+            }
+        }
+        self.put_blocks_then_manifest(bucket, key, header, data, overwrite, full)
+    }
+
+    /// The data blocks of a large object (skipping what `overflow` skips, and whatever refuses
+    /// them as full), then its manifest, which names what they skipped.
+    fn put_blocks_then_manifest(
+        &self,
+        bucket: &str,
+        key: &str,
+        header: ObjectHeader,
+        data: &[u8],
+        overwrite: bool,
+        overflow: Overflowing,
+    ) -> Result<(), Failure> {
         let (version, persist) = (header.version, header.persist());
+        let what = format!("{bucket}/{key} ({} bytes)", header.size);
+        let (placed, uploaded) = self.upload_blocks(bucket, key, &header, data, &overflow);
+        let value = uploaded.and_then(|()| overflow.manifest_value(&what));
+        let (flag, value) = match value {
+            Ok(value) => value,
+            Err(failure) => {
+                self.delete_block_groups(bucket, key, version, &placed);
+                return Err(overflow.explain(failure, &what));
+            }
+        };
         let record = NewRecord {
             key,
-            header,
-            value: &[],
+            header: ObjectHeader {
+                flags: header.flags | flag,
+                ..header
+            },
+            value: &value,
         };
-        if let Some(outcome) = self.put_committed(bucket, &record, data, overwrite) {
-            return outcome;
-        }
-        let (placed, uploaded) = self.upload_blocks(bucket, key, &header, data);
-        if let Err(failure) = uploaded {
-            self.delete_block_groups(bucket, key, version, &placed);
-            return Err(failure);
-        }
         self.put_records(bucket, &[record], persist, overwrite)
             .inspect_err(|failure| {
                 // The commit was sent. Refused (or withdrawn for a rival), its blocks are freed;
@@ -591,8 +742,9 @@ impl Objects {
             // Write-once needs its claim before the store: the two-step path makes it.
             return None;
         }
+        let layout = Layout::placed(header);
         for index in 1..=header.block_count {
-            let block_server = block_home(&view, key, index, header.block_count, persist).ok()?;
+            let block_server = layout.block_home(&view, key, index).ok()?;
             if block_server.address != server.address {
                 return None;
             }
@@ -654,8 +806,9 @@ impl Objects {
 
     /// Store many objects; returns how many were stored. Small objects go as records,
     /// pipelined over one session per server, in rounds of at most `PUT_MANY_CHUNK_OPS`
-    /// objects and `PUT_MANY_CHUNK_BYTES`; large ones form the last round, at most
-    /// `LARGE_OBJECTS_IN_FLIGHT_MAX` at once. A round's first failure (in item order) is
+    /// objects and `PUT_MANY_CHUNK_BYTES` (one whose home refused it as full, or was full a
+    /// moment ago, goes on as [`Objects::put`] sends it); large ones form the last round, at
+    /// most `LARGE_OBJECTS_IN_FLIGHT_MAX` at once. A round's first failure (in item order) is
     /// returned once every other object of the round was tried; later rounds are not sent.
     pub fn put_many(
         &self,
@@ -665,27 +818,23 @@ impl Objects {
         overwrite: bool,
     ) -> Result<usize, Failure> {
         let mut large: Vec<(&str, &[u8])> = Vec::new();
-        let mut round: Vec<NewRecord<'_>> = Vec::new();
+        let mut round: Vec<(&str, &[u8])> = Vec::new();
         let mut round_bytes = 0usize;
         for &(key, data) in items {
             if data.len() as u64 > SMALL_OBJECT_MAX_BYTES {
                 large.push((key, data));
                 continue;
             }
-            round.push(NewRecord {
-                key,
-                header: small_header(new_version(), data.len() as u64, persist),
-                value: data,
-            });
+            round.push((key, data));
             round_bytes += data.len();
             if round.len() >= PUT_MANY_CHUNK_OPS || round_bytes >= PUT_MANY_CHUNK_BYTES {
-                self.put_records(bucket, &round, persist, overwrite)?;
+                self.put_small_round(bucket, &round, persist, overwrite)?;
                 round.clear();
                 round_bytes = 0;
             }
         }
         if !round.is_empty() {
-            self.put_records(bucket, &round, persist, overwrite)?;
+            self.put_small_round(bucket, &round, persist, overwrite)?;
         }
         let at_once = LARGE_OBJECTS_IN_FLIGHT_MAX.min(self.io_threads).max(1);
         let outcomes = run_parallel(&large, at_once, |(key, data)| {
@@ -694,6 +843,63 @@ impl Objects {
         match outcomes.into_iter().find_map(Result::err) {
             Some(failure) => Err(failure),
             None => Ok(items.len()),
+        }
+    }
+
+    /// One round of small objects of [`Objects::put_many`]: records pipelined per server, then
+    /// the ones whose home is full one by one as [`Objects::put`] stores them; the first
+    /// failure in item order.
+    fn put_small_round(
+        &self,
+        bucket: &str,
+        items: &[(&str, &[u8])],
+        persist: bool,
+        overwrite: bool,
+    ) -> Result<(), Failure> {
+        let view = self.view();
+        let mut outcomes: Vec<Option<Result<(), Failure>>> = vec![None; items.len()];
+        let mut records: Vec<(usize, NewRecord<'_>)> = Vec::new();
+        for (index, &(key, data)) in items.iter().enumerate() {
+            let full = match home(&view, key.as_bytes(), 0, persist) {
+                Ok(server) => self.recently_full(&view, key.as_bytes(), 1, persist, [server]),
+                Err(failure) => {
+                    outcomes[index] = Some(Err(failure));
+                    continue;
+                }
+            };
+            if !full.is_empty() && !data.is_empty() {
+                outcomes[index] =
+                    Some(self.put_overflowed(bucket, key, data, persist, overwrite, full));
+                continue;
+            }
+            let header = small_header(new_version(), data.len() as u64, persist);
+            records.push((
+                index,
+                NewRecord {
+                    key,
+                    header,
+                    value: data,
+                },
+            ));
+        }
+        let batch: Vec<NewRecord<'_>> = records.iter().map(|(_, r)| r.clone()).collect();
+        let stored = self.put_records_each(bucket, &batch, persist, overwrite);
+        for ((index, record), failure) in records.iter().zip(stored) {
+            outcomes[*index] = Some(match failure {
+                None => Ok(()),
+                Some(failure) => self.small_refused(
+                    bucket,
+                    record.key,
+                    record.value,
+                    persist,
+                    overwrite,
+                    failure,
+                ),
+            });
+        }
+        match outcomes.into_iter().flatten().find_map(Result::err) {
+            Some(failure) => Err(failure),
+            None => Ok(()),
         }
     }
 }
@@ -710,11 +916,65 @@ pub(crate) struct BlockUpload<'a> {
     pub(crate) block_count: u32,
     pub(crate) persist: bool,
     pub(crate) placed: &'a std::sync::Mutex<Placed>,
+    /// The servers the blocks skip, because they refused as full.
+    pub(crate) overflow: &'a Overflowing,
 }
 
 impl BlockUpload<'_> {
+    /// The home of data block `index` under the current map and what the upload skips.
+    pub(crate) fn block_home<'v>(&self, view: &'v View, index: u32) -> Result<&'v Server, Failure> {
+        block_home(
+            view,
+            self.key.as_bytes(),
+            index,
+            self.block_count,
+            self.persist,
+            &self.overflow.skipped(),
+        )
+    }
+
+    /// Send `blocks` where they belong, one stream per server, up to `threads` servers at once;
+    /// the first failure, a full tier's first.
+    fn send_placed(&self, blocks: &[BlockSlice<'_>], threads: usize) -> Result<(), Failure> {
+        let view = self.objects.view();
+        let mut groups: Vec<(&str, Vec<BlockSlice<'_>>)> = Vec::new();
+        for block in blocks {
+            let server = self.block_home(&view, block.index)?;
+            push_grouped(&mut groups, &server.address, *block);
+        }
+        let outcomes = run_parallel(
+            &groups.iter().collect::<Vec<_>>(),
+            threads,
+            |(address, blocks)| self.send(address, blocks, STALE_EPOCH_RETRIES_MAX),
+        );
+        let failures: Vec<Failure> = outcomes.into_iter().filter_map(Result::err).collect();
+        // A full tier is what the caller can act on: report it over follow-on failures.
+        let first = failures
+            .iter()
+            .find(|f| kind_is(&f.error, "capacity_exhausted"))
+            .or(failures.first())
+            .cloned();
+        first.map_or(Ok(()), Err)
+    }
+
+    /// The stored blocks (`placed`) not where the upload's current list of skipped servers puts
+    /// them: address -> block indexes.
+    fn misplaced(&self, placed: &Placed) -> Result<Placed, Failure> {
+        let view = self.objects.view();
+        let mut misplaced = Placed::new();
+        for (address, indexes) in placed {
+            for &index in indexes {
+                if self.block_home(&view, index)?.address != *address {
+                    misplaced.entry(address.clone()).or_default().insert(index);
+                }
+            }
+        }
+        Ok(misplaced)
+    }
+
     /// Send `blocks` to `address`; after a stale map, send them again where the new map puts
-    /// them; a bucket the server lacks is created there once.
+    /// them; a bucket the server lacks is created there once; a server that refuses them as
+    /// full is skipped from then on, and they go where placement puts them without it.
     pub(crate) fn send(
         &self,
         address: &str,
@@ -758,12 +1018,28 @@ impl BlockUpload<'_> {
                     }
                     repaired = true;
                 }
-                Err(error) => return Err(Failure::at(error, address)),
+                Err(error) => {
+                    let failure = Failure::at(error, address);
+                    let Some(full) = self.objects.full_server(&view, &failure) else {
+                        return Err(failure);
+                    };
+                    // The server freed what it took of the stream: nothing of it is there.
+                    if let Some(stored) =
+                        self.placed.lock().expect("never poisoned").get_mut(address)
+                    {
+                        for block in blocks {
+                            stored.remove(&block.index);
+                        }
+                    }
+                    // Each refusal skips one more server, which bounds the recursion.
+                    self.overflow.skip(full, &failure);
+                    return self.send_replaced(blocks, attempts_left);
+                }
             }
         }
     }
 
-    /// Send blocks again where the newly adopted map places them.
+    /// Send blocks again where the current map and list of skipped servers place them.
     fn send_replaced(
         &self,
         blocks: &[BlockSlice<'_>],
@@ -772,13 +1048,7 @@ impl BlockUpload<'_> {
         let view = self.objects.view();
         let mut groups: Vec<(&str, Vec<BlockSlice<'_>>)> = Vec::new();
         for block in blocks {
-            let server = block_home(
-                &view,
-                self.key.as_bytes(),
-                block.index,
-                self.block_count,
-                self.persist,
-            )?;
+            let server = self.block_home(&view, block.index)?;
             push_grouped(&mut groups, &server.address, *block);
         }
         for (address, group) in &groups {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use pocketflow_client::channels::check_placed_ops;
 use pocketflow_client::waits::Stop;
-use pocketflow_client::{ClientError, Failure, Listing, Objects, StreamUpload, Tuning};
+use pocketflow_client::{ClientError, Failure, Layout, Listing, Objects, StreamUpload, Tuning};
 use pocketflow_protocol::frame::OpCode;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
@@ -329,17 +329,19 @@ impl PyObjects {
         let records = py.detach(|| objects.fetch_records(bucket, &key_refs, delete));
         let out = PyList::empty(py);
         let mut first_error: Option<Failure> = None;
-        let mut large: Vec<(usize, pocketflow_protocol::header::ObjectHeader, Lent)> = Vec::new();
+        let mut large: Vec<(usize, Layout, Lent)> = Vec::new();
         for (index, record) in records.into_iter().enumerate() {
             match record {
                 Ok(record) => match record.header {
                     Some(header) if header.block_count > 0 => {
                         let size = usize::try_from(header.size)
                             .map_err(|_| PyValueError::new_err("object too large"))?;
+                        let layout = Layout::of_record(header, &record.body)
+                            .map_err(|e| to_py_err(py, &e, &record.server))?;
                         let made = uninit_bytes(py, size)?;
                         large.push((
                             index,
-                            header,
+                            layout,
                             Lent {
                                 ptr: made.as_bytes().as_ptr() as *mut u8,
                                 len: size,
@@ -364,13 +366,12 @@ impl PyObjects {
             let key_refs = &key_refs;
             let outcomes = py.detach(move || {
                 // SAFETY: each `bytes` is held by `out` and seen by nobody else until we return.
-                let mut reads: Vec<(&str, pocketflow_protocol::header::ObjectHeader, &mut [u8])> =
-                    large
-                        .into_iter()
-                        .map(|(index, header, lent)| {
-                            (key_refs[index], header, unsafe { lent.into_slice_mut() })
-                        })
-                        .collect();
+                let mut reads: Vec<(&str, Layout, &mut [u8])> = large
+                    .into_iter()
+                    .map(|(index, layout, lent)| {
+                        (key_refs[index], layout, unsafe { lent.into_slice_mut() })
+                    })
+                    .collect();
                 objects.read_objects(bucket, &mut reads, delete)
             });
             for (index, outcome) in large_at.into_iter().zip(outcomes) {
@@ -482,9 +483,10 @@ impl PyObjects {
     }
 
     /// Read bytes `[start, end)` of a large object (its header as the 32 bytes of
-    /// `ObjectHeader.encode`) from its data blocks: into `dest` (returns the count) or, without
-    /// one, into a new `bytes` of exactly `end - start` bytes (returned).
-    #[pyo3(signature = (bucket, key, header, start, end, *, delete, dest=None))]
+    /// `ObjectHeader.encode`, and its manifest's value, which names the servers an overflowed
+    /// object's blocks skipped) from its data blocks: into `dest` (returns the count) or,
+    /// without one, into a new `bytes` of exactly `end - start` bytes (returned).
+    #[pyo3(signature = (bucket, key, header, start, end, *, delete, dest=None, value=b"".as_slice()))]
     #[allow(clippy::too_many_arguments)]
     fn read_blocks<'py>(
         &self,
@@ -496,8 +498,11 @@ impl PyObjects {
         end: u64,
         delete: bool,
         dest: Option<&Bound<'py, PyAny>>,
+        value: &[u8],
     ) -> PyResult<Bound<'py, PyAny>> {
         let header = header_of(header)?;
+        let layout = Layout::of_record(header, value).map_err(|e| to_py_err(py, &e, ""))?;
+        let layout = &layout;
         let count = usize::try_from(end.saturating_sub(start))
             .map_err(|_| PyValueError::new_err("range too large"))?;
         let objects = &self.objects;
@@ -513,7 +518,7 @@ impl PyObjects {
                 py.detach(move || {
                     // SAFETY: `_held` keeps the buffer exported until this call returns.
                     let memory = unsafe { &mut memory.slice_mut()[..count] };
-                    objects.read_blocks(bucket, key, &header, start, end, delete, memory)
+                    objects.read_blocks(bucket, key, layout, start, end, delete, memory)
                 })
                 .map_err(|f| failure_to_py(py, &f))?;
                 Ok(count.into_pyobject(py)?.into_any())
@@ -527,7 +532,7 @@ impl PyObjects {
                 py.detach(move || {
                     // SAFETY: `made` is held and seen by nobody else until the read ends.
                     let memory = unsafe { memory.slice_mut() };
-                    objects.read_blocks(bucket, key, &header, start, end, delete, memory)
+                    objects.read_blocks(bucket, key, layout, start, end, delete, memory)
                 })
                 .map_err(|f| failure_to_py(py, &f))?;
                 Ok(made.into_any())

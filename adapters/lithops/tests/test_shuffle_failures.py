@@ -187,12 +187,15 @@ DRIVER_SCRIPT = textwrap.dedent("""
     from pocketflow.demo import SortConfig, forget_inherited_lithops_session, map_records
 
     directory = Path(sys.argv[2])
+    # Read here, not in the task: a Lithops worker's sys.argv is its own (the other mappers
+    # then failed with IndexError, sometimes before mapper 0 did).
+    slow_s = float(sys.argv[3])
 
     def failing_map(config, mapper, emit):
         if mapper == 0:
             (directory / "mapper-0-failed").write_text(repr(time.time()))
             raise RuntimeError("mapper 0 fails on purpose")
-        time.sleep(float(sys.argv[3]))
+        time.sleep(slow_s)
         return map_records(config, mapper, emit)
 
     # The sort's mappers run this instead of generating records (pickled by value, from here).

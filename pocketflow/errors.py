@@ -121,7 +121,8 @@ class BucketNotFound(NotFound):
 
 
 class JobNotRegistered(NotFound):
-    """The control plane does not know this job (never registered, or deregistered)."""
+    """The job is not registered: the control plane does not know it (never registered, or
+    deregistered), or the storage server that refused a write was not told of it (yet)."""
 
     kind = "job_not_registered"
 

@@ -10,6 +10,7 @@ use pocketflow_client::{
 use pocketflow_flight::{ServiceConfig, StorageService};
 use pocketflow_protocol::frame::OpCode;
 use pocketflow_protocol::header::ObjectHeader;
+use pocketflow_protocol::limits::ADMIN_JOB_ID;
 use pocketflow_protocol::token::{now_unix_ms, TokenKey};
 use pocketflow_store::{Store, StoreConfig, Tier};
 
@@ -65,6 +66,15 @@ fn main() {
         .unwrap()
         .make(JOB, now_unix_ms() + 600_000);
     let ctx = serde_json::json!({"job": JOB, "epoch": 1, "token": token});
+    // Register the job as the control plane does: only a registered job writes.
+    let admin = TokenKey::new(SECRET)
+        .unwrap()
+        .make(ADMIN_JOB_ID, now_unix_ms() + 600_000);
+    let register = serde_json::json!({
+        "ctx": {"job": ADMIN_JOB_ID, "epoch": 0, "token": admin},
+        "job": JOB, "epoch": 1, "map": {"epoch": 1},
+    });
+    block_on(conn.action("set_epoch", Bytes::from(register.to_string()))).unwrap();
     let body = serde_json::json!({"ctx": ctx, "bucket": "b"});
     block_on(conn.action("create_bucket", Bytes::from(body.to_string()))).unwrap();
     let command = Bytes::from(serde_json::json!({ "ctx": ctx }).to_string());

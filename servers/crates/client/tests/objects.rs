@@ -92,7 +92,10 @@ impl Cluster {
         serde_json::json!({"epoch": epoch, "servers": rows})
     }
 
+    /// The handle of `job` over the first `upto` servers, the job registered on every server
+    /// as the control plane does (`set_epoch`, epoch 1, unless a server holds a later one).
     fn handle(&self, job: &str, upto: usize) -> String {
+        self.register(job, upto);
         let token = TokenKey::new(SECRET)
             .unwrap()
             .make(job, now_unix_ms() + 600_000);
@@ -102,6 +105,25 @@ impl Cluster {
         handle["token"] = token.into();
         handle["block_size"] = BLOCK_SIZE.into();
         handle.to_string()
+    }
+
+    /// Tell every server that `job` is at epoch 1 with the first `upto` servers, unless it holds
+    /// a later epoch already: only a registered job writes.
+    fn register(&self, job: &str, upto: usize) {
+        let admin = TokenKey::new(SECRET)
+            .unwrap()
+            .make(ADMIN_JOB_ID, now_unix_ms() + 600_000);
+        for (_, address, _) in &self.servers {
+            let body = serde_json::json!({
+                "ctx": {"job": ADMIN_JOB_ID, "epoch": 0, "token": admin},
+                "job": job, "epoch": 1, "map": self.map(1, upto),
+            });
+            let connection = Connection::new(address, ConnectionConfig::default()).unwrap();
+            if let Err(e) = block_on(connection.action("set_epoch", Bytes::from(body.to_string())))
+            {
+                assert!(e.to_string().starts_with("stale_epoch"), "set_epoch: {e}");
+            }
+        }
     }
 
     /// Tell every server that `job` is at `epoch` with the first `upto` servers.

@@ -13,6 +13,7 @@ use pocketflow_flight::route::route;
 use pocketflow_flight::{ServiceConfig, StorageService};
 use pocketflow_protocol::frame::OpCode;
 use pocketflow_protocol::header::ObjectHeader;
+use pocketflow_protocol::limits::ADMIN_JOB_ID;
 use pocketflow_protocol::token::{now_unix_ms, TokenKey};
 use pocketflow_store::{Store, StoreConfig, Tier};
 
@@ -54,7 +55,23 @@ fn start_server() -> String {
                 .unwrap();
         });
     });
-    rx.recv().expect("server address")
+    let address = rx.recv().expect("server address");
+    register(&address);
+    address
+}
+
+/// Register `JOB` on the server as the control plane does (`set_epoch`): only a registered
+/// job writes.
+fn register(address: &str) {
+    let admin = TokenKey::new(SECRET)
+        .unwrap()
+        .make(ADMIN_JOB_ID, now_unix_ms() + 600_000);
+    let body = serde_json::json!({
+        "ctx": {"job": ADMIN_JOB_ID, "epoch": 0, "token": admin},
+        "job": JOB, "epoch": 1, "map": {"epoch": 1},
+    });
+    let connection = Connection::new(address, ConnectionConfig::default()).unwrap();
+    block_on(connection.action("set_epoch", Bytes::from(body.to_string()))).unwrap();
 }
 
 fn token() -> String {

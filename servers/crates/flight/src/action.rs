@@ -131,6 +131,8 @@ pub(crate) async fn run(
         ActionName::Wait => wait(state, job, body).await,
         ActionName::Subscribe => {
             let req = SubscribeRequest::parse(body)?;
+            // A subscription holds server memory for the job: only a registered job's.
+            state.auth.check_may_write(job)?;
             let ops = req
                 .ops
                 .iter()
@@ -182,7 +184,7 @@ pub(crate) async fn run(
         }
         ActionName::RenewLeases => {
             let req = RenewLeasesRequest::parse(body)?;
-            // An ended job renews nothing: its leases went with it.
+            // Only a registered job holds leases: an ended job's went with it.
             state.auth.check_may_write(job)?;
             let leases = store.renew_leases(job, &req.prefixes, req.lease_ms)?;
             Ok(json(&RenewLeasesResult { leases }))

@@ -47,11 +47,17 @@ pub const EXCHANGE_SESSIONS_MAX: usize = 256;
 pub const WAITS_PARKED_MAX: usize = 4096;
 /// Most blocks one DoPut stream may carry.
 pub const PUT_STREAM_BLOCKS_MAX: usize = 1 << 20;
-/// Most jobs whose epoch the server remembers; `set_epoch` for one more is `capacity_exhausted`.
+/// Most jobs registered on the server (told their epoch with `set_epoch`, not ended here); a
+/// `set_epoch` for one more is `capacity_exhausted`.
 pub const EPOCH_TABLE_JOBS_MAX: usize = 65_536;
-/// Most ended (deregistered) jobs the server remembers in order to refuse their tokens; past it the
-/// oldest is forgotten, and a token of that job would reach an empty job again until it expires.
-pub const ENDED_JOBS_MAX: usize = 65_536;
+/// Most ended (deregistered) jobs the server remembers in order to say, when it refuses one's
+/// write, that it ended (rather than that it is not registered), and to refuse a `set_epoch` of
+/// it that arrives late; past it the oldest is forgotten. Forgetting an ended job lets none of its
+/// tokens write again: only registered jobs write.
+pub const ENDED_JOBS_MAX: usize = 4_096;
+/// Least time an ended job is remembered; it is remembered longer while a token of it that the
+/// server verified is still valid.
+pub const ENDED_JOB_KEPT_MIN_MS: u64 = 10 * 60 * 1000;
 /// A session stops coalescing replies into a frame past this size (one reply may exceed it).
 pub const REPLY_FRAME_TARGET_BYTES: usize = 1024 * 1024;
 /// Reply frames of one session queued for the transport.

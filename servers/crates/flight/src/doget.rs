@@ -457,7 +457,7 @@ pub(crate) mod tests {
         let key = TokenKey::new(b"0123456789abcdef").unwrap();
         let state = ServiceState {
             store,
-            auth: Authority::new(key.clone()),
+            auth: Authority::new(key.clone(), "test".into()),
             stats: Stats::default(),
             metrics: crate::metrics::Metrics::new("test", "dram"),
             drain: Drain::default(),

@@ -73,7 +73,7 @@ impl StorageService {
         let metrics = Metrics::new(&config.node_id, store.tier().as_str());
         let state = ServiceState {
             store,
-            auth: Authority::new(config.token_key),
+            auth: Authority::new(config.token_key, config.node_id.clone()),
             stats: Stats::default(),
             metrics,
             drain: Drain::default(),

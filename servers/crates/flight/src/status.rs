@@ -51,10 +51,27 @@ pub enum ServiceError {
         target_job: String,
     },
     /// The control plane ended (deregistered) the job on this server.
-    #[error("job {job:?} was deregistered; its tokens no longer reach this server")]
+    #[error(
+        "job {job:?} was deregistered: it ended on server {node_id}, and its tokens no longer \
+         write there"
+    )]
     JobEnded {
         /// The job.
         job: String,
+        /// This server's node id.
+        node_id: String,
+    },
+    /// A write of a job the control plane has not told this server about (`set_epoch`): not
+    /// registered yet, never, or ended and forgotten.
+    #[error(
+        "job {job:?} is not registered on server {node_id} (the control plane has not told it \
+         the job's epoch)"
+    )]
+    JobNotRegistered {
+        /// The job.
+        job: String,
+        /// This server's node id.
+        node_id: String,
     },
     /// A bounded server resource (sessions, epoch table) is full.
     #[error("server has the maximum of {max} {what}")]
@@ -113,7 +130,9 @@ impl ServiceError {
                 ErrorKind::PermissionDenied
             }
             ServiceError::ResourceBound { .. } => ErrorKind::CapacityExhausted,
-            ServiceError::JobEnded { .. } => ErrorKind::JobNotRegistered,
+            ServiceError::JobEnded { .. } | ServiceError::JobNotRegistered { .. } => {
+                ErrorKind::JobNotRegistered
+            }
             ServiceError::Cores(crate::cores::CoresError::OutOfRange { .. }) => {
                 ErrorKind::InvalidArgument
             }

@@ -10,8 +10,8 @@ pub enum ErrorKind {
     NotFound,
     /// The bucket is not known to this server.
     BucketNotFound,
-    /// The job was deregistered: the control plane ended it on this server, and its tokens no
-    /// longer reach anything here.
+    /// The job is not registered on this server: the control plane has not told it the job's
+    /// epoch, or ended the job here. Its writes are refused; its reads still work.
     JobNotRegistered,
     /// The object exists and OVERWRITE was not set.
     AlreadyExists,

@@ -61,11 +61,11 @@ async fn tokens_are_checked_on_every_rpc() {
     }
     // Control-plane actions need the admin token; the admin token reaches no job's data.
     for (name, body) in [
-        ("stats", json!({"ctx": ctx("job-a", 0)})),
-        ("drain", json!({"ctx": ctx("job-a", 0)})),
+        ("stats", json!({"ctx": ctx("job-a", 1)})),
+        ("drain", json!({"ctx": ctx("job-a", 1)})),
         (
             "set_epoch",
-            json!({"ctx": ctx("job-a", 0), "job": "job-a", "epoch": 9, "map": {}}),
+            json!({"ctx": ctx("job-a", 1), "job": "job-a", "epoch": 9, "map": {}}),
         ),
         (
             "lookup",
@@ -95,7 +95,7 @@ async fn jobs_are_isolated_and_enumerate_pages() {
     let status = client
         .action(
             "create_bucket",
-            json!({"ctx": ctx("job-a", 0), "bucket": "b"}),
+            json!({"ctx": ctx("job-a", 1), "bucket": "b"}),
         )
         .await
         .unwrap_err();
@@ -103,18 +103,18 @@ async fn jobs_are_isolated_and_enumerate_pages() {
         (status.code(), status_kind(&status)),
         (Code::AlreadyExists, "bucket_exists".into())
     );
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let mut ops: Vec<_> = (0..25)
         .map(|i| put(i, "b", &format!("p/{i:02}"), pattern(10 + i as usize, i), 0))
         .collect();
     ops.extend((25..30).map(|i| put(i, "b", &format!("q/{i}"), pattern(5, i), 0)));
-    assert!(session.run(0, &ops).await.values().all(|r| r.status == 0));
+    assert!(session.run(1, &ops).await.values().all(|r| r.status == 0));
 
     let mut keys = Vec::new();
     let mut start_after: Option<String> = None;
     let mut pages = 0;
     loop {
-        let mut body = json!({"ctx": ctx("job-a", 0), "bucket": "b", "prefix": "p/", "limit": 10});
+        let mut body = json!({"ctx": ctx("job-a", 1), "bucket": "b", "prefix": "p/", "limit": 10});
         if let Some(after) = &start_after {
             body["start_after"] = json!(after);
         }
@@ -140,7 +140,7 @@ async fn jobs_are_isolated_and_enumerate_pages() {
     let page = client
         .action(
             "enumerate",
-            json!({"ctx": ctx("job-b", 0), "bucket": "b", "prefix": ""}),
+            json!({"ctx": ctx("job-b", 1), "bucket": "b", "prefix": ""}),
         )
         .await
         .unwrap();
@@ -148,15 +148,15 @@ async fn jobs_are_isolated_and_enumerate_pages() {
     let status = client
         .action(
             "lookup",
-            json!({"ctx": ctx("job-b", 0), "bucket": "b", "key": "p/00"}),
+            json!({"ctx": ctx("job-b", 1), "bucket": "b", "key": "p/00"}),
         )
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::NotFound);
-    let mut other = client.session("job-b", 0).await.unwrap();
+    let mut other = client.session("job-b", 1).await.unwrap();
     assert_eq!(
         other
-            .run(0, &[simple(1, OpCode::Get, "b", "p/00", 0)])
+            .run(1, &[simple(1, OpCode::Get, "b", "p/00", 0)])
             .await[&1]
             .status,
         5
@@ -164,7 +164,7 @@ async fn jobs_are_isolated_and_enumerate_pages() {
     let status = client
         .action(
             "delete_job",
-            json!({"ctx": ctx("job-b", 0), "job": "job-a"}),
+            json!({"ctx": ctx("job-b", 1), "job": "job-a"}),
         )
         .await
         .unwrap_err();
@@ -172,7 +172,7 @@ async fn jobs_are_isolated_and_enumerate_pages() {
     let status = client
         .action(
             "enumerate",
-            json!({"ctx": ctx("job-b", 0), "bucket": "nope"}),
+            json!({"ctx": ctx("job-b", 1), "bucket": "nope"}),
         )
         .await
         .unwrap_err();
@@ -183,7 +183,7 @@ async fn jobs_are_isolated_and_enumerate_pages() {
     let status = client
         .action(
             "enumerate",
-            json!({"ctx": ctx("job-a", 0), "bucket": "b", "limit": 0}),
+            json!({"ctx": ctx("job-a", 1), "bucket": "b", "limit": 0}),
         )
         .await
         .unwrap_err();
@@ -202,11 +202,11 @@ async fn deletes_free_space() {
     let fill = |job: &'static str, bucket: &'static str| {
         let client = client.clone();
         async move {
-            let mut session = client.session(job, 0).await.unwrap();
+            let mut session = client.session(job, 1).await.unwrap();
             let ops: Vec<_> = (0..20)
                 .map(|i| put(i, bucket, &format!("x/{i}"), pattern(1000, i), 0))
                 .collect();
-            assert!(session.run(0, &ops).await.values().all(|r| r.status == 0));
+            assert!(session.run(1, &ops).await.values().all(|r| r.status == 0));
         }
     };
     fill("job-a", "b1").await;
@@ -220,7 +220,7 @@ async fn deletes_free_space() {
     let deleted = client
         .action(
             "delete_prefix",
-            json!({"ctx": ctx("job-a", 0), "bucket": "b1", "prefix": "x/1"}),
+            json!({"ctx": ctx("job-a", 1), "bucket": "b1", "prefix": "x/1"}),
         )
         .await
         .unwrap();
@@ -229,7 +229,7 @@ async fn deletes_free_space() {
     let freed = client
         .action(
             "delete_bucket",
-            json!({"ctx": ctx("job-a", 0), "bucket": "b2"}),
+            json!({"ctx": ctx("job-a", 1), "bucket": "b2"}),
         )
         .await
         .unwrap();
@@ -237,27 +237,27 @@ async fn deletes_free_space() {
     let status = client
         .action(
             "create_bucket",
-            json!({"ctx": ctx("job-a", 0), "bucket": "b2"}),
+            json!({"ctx": ctx("job-a", 1), "bucket": "b2"}),
         )
         .await;
     assert!(status.is_ok(), "a deleted bucket can be created again");
     let deleted = client
         .action(
             "delete",
-            json!({"ctx": ctx("job-a", 0), "bucket": "b1", "key": "x/2"}),
+            json!({"ctx": ctx("job-a", 1), "bucket": "b1", "key": "x/2"}),
         )
         .await
         .unwrap();
     assert_eq!(deleted["size"], 1000);
     assert_eq!(deleted["persist"], false);
     let body =
-        json!({"ctx": ctx("job-a", 0), "bucket": "b1", "key": "k", "version": 3, "blocks": [1, 2]});
+        json!({"ctx": ctx("job-a", 1), "bucket": "b1", "key": "k", "version": 3, "blocks": [1, 2]});
     assert_eq!(
         client.action("delete_blocks", body).await.unwrap(),
         json!({"freed_bytes": 0})
     );
     let deleted = client
-        .action("delete_job", json!({"ctx": ctx("job-a", 0)}))
+        .action("delete_job", json!({"ctx": ctx("job-a", 1)}))
         .await
         .unwrap();
     assert_eq!(deleted["deleted"], 8);
@@ -288,11 +288,11 @@ async fn stats_report_every_field() {
     });
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let ops: Vec<_> = (0..100)
         .map(|i| put(i, "b", &format!("k{i}"), pattern(10_000, i), 0))
         .collect();
-    session.run(0, &ops).await;
+    session.run(1, &ops).await;
     tokio::time::sleep(Duration::from_millis(2200)).await;
     let stats = client.stats().await;
     for field in [
@@ -345,11 +345,11 @@ async fn stats_report_the_throughput_measured_at_start() {
         assert!(stats["jobs"].as_object().unwrap().is_empty(), "{stats}");
         // The figure never falls, whatever the traffic since.
         client.create_bucket("job-a", "b").await;
-        let mut session = client.session("job-a", 0).await.unwrap();
+        let mut session = client.session("job-a", 1).await.unwrap();
         let ops: Vec<_> = (0..20)
             .map(|i| put(i, "b", &format!("k{i}"), pattern(10_000, i), 0))
             .collect();
-        session.run(0, &ops).await;
+        session.run(1, &ops).await;
         tokio::time::sleep(Duration::from_millis(1200)).await;
         let later = client.stats().await["throughput_bytes_per_s"]
             .as_u64()
@@ -363,7 +363,7 @@ async fn stats_rates_count_traffic() {
     let server = TestServer::start(ServerOptions::default());
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     // Keep traffic going across a whole sampling interval.
     let until = std::time::Instant::now() + Duration::from_millis(2300);
     let mut id = 0u64;
@@ -371,11 +371,11 @@ async fn stats_rates_count_traffic() {
         let ops: Vec<_> = (0..50)
             .map(|i| put(id + i, "b", &format!("k{}", id + i), pattern(1000, i), 0))
             .collect();
-        session.run(0, &ops).await;
+        session.run(1, &ops).await;
         let ops: Vec<_> = (0..50)
             .map(|i| simple(id + i, OpCode::Delete, "b", &format!("k{}", id + i), 0))
             .collect();
-        session.run(0, &ops).await;
+        session.run(1, &ops).await;
         id += 50;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -390,11 +390,11 @@ async fn drain_refuses_writes_and_exits_when_empty() {
     let mut server = TestServer::start(ServerOptions::default());
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let ops: Vec<_> = (0..10)
         .map(|i| put(i, "b", &format!("k{i}"), pattern(100, i), 0))
         .collect();
-    assert!(session.run(0, &ops).await.values().all(|r| r.status == 0));
+    assert!(session.run(1, &ops).await.values().all(|r| r.status == 0));
     let result = client
         .action(
             "drain",
@@ -406,7 +406,7 @@ async fn drain_refuses_writes_and_exits_when_empty() {
     assert_eq!(client.stats().await["draining"], true);
 
     let reply = session
-        .run(0, &[put(100, "b", "new", pattern(10, 0), 0)])
+        .run(1, &[put(100, "b", "new", pattern(10, 0), 0)])
         .await;
     assert_eq!(
         (reply[&100].status, reply_kind(&reply[&100])),
@@ -427,7 +427,7 @@ async fn drain_refuses_writes_and_exits_when_empty() {
     let status = client
         .action(
             "create_bucket",
-            json!({"ctx": ctx("job-a", 0), "bucket": "c"}),
+            json!({"ctx": ctx("job-a", 1), "bucket": "c"}),
         )
         .await
         .unwrap_err();
@@ -435,19 +435,19 @@ async fn drain_refuses_writes_and_exits_when_empty() {
     // Reads, deletes and enumerate still work.
     assert_eq!(
         session
-            .run(0, &[simple(101, OpCode::Get, "b", "k0", 0)])
+            .run(1, &[simple(101, OpCode::Get, "b", "k0", 0)])
             .await[&101]
             .status,
         0
     );
     let page = client
-        .action("enumerate", json!({"ctx": ctx("job-a", 0), "bucket": "b"}))
+        .action("enumerate", json!({"ctx": ctx("job-a", 1), "bucket": "b"}))
         .await
         .unwrap();
     assert_eq!(page["keys"].as_array().unwrap().len(), 10);
     assert_eq!(
         session
-            .run(0, &[simple(102, OpCode::Delete, "b", "k0", 0)])
+            .run(1, &[simple(102, OpCode::Delete, "b", "k0", 0)])
             .await[&102]
             .status,
         0
@@ -476,7 +476,7 @@ async fn drain_refuses_writes_and_exits_when_empty() {
             )
         })
         .collect();
-    assert!(session.run(0, &ops).await.values().all(|r| r.status == 0));
+    assert!(session.run(1, &ops).await.values().all(|r| r.status == 0));
     drop(session);
     let status = server
         .wait_exit(Duration::from_secs(10))
@@ -569,7 +569,7 @@ async fn wait_parks_until_every_key_is_put_or_the_deadline() {
     let server = TestServer::start(ServerOptions::default());
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
-    let wait_body = |keys: &[&str], timeout_ms: u64| json!({"ctx": ctx("job-a", 0), "bucket": "b", "keys": keys, "timeout_ms": timeout_ms});
+    let wait_body = |keys: &[&str], timeout_ms: u64| json!({"ctx": ctx("job-a", 1), "bucket": "b", "keys": keys, "timeout_ms": timeout_ms});
     // Nothing there: the call is parked for its whole timeout and names every key.
     let started = std::time::Instant::now();
     let result = client
@@ -588,15 +588,15 @@ async fn wait_parks_until_every_key_is_put_or_the_deadline() {
             (client.action("wait", body).await, started.elapsed())
         })
     };
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
     session
-        .run(0, &[put(1, "b", "k1", pattern(10, 1), 0)])
+        .run(1, &[put(1, "b", "k1", pattern(10, 1), 0)])
         .await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(!waiter.is_finished(), "returned with k2 still missing");
     session
-        .run(0, &[put(2, "b", "k2", pattern(10, 2), 0)])
+        .run(1, &[put(2, "b", "k2", pattern(10, 2), 0)])
         .await;
     let (result, elapsed) = tokio::time::timeout(Duration::from_secs(5), waiter)
         .await
@@ -617,11 +617,11 @@ async fn wait_parks_until_every_key_is_put_or_the_deadline() {
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
-    let body = json!({"ctx": ctx("job-a", 0), "bucket": "nope", "keys": ["k"], "timeout_ms": 10});
+    let body = json!({"ctx": ctx("job-a", 1), "bucket": "nope", "keys": ["k"], "timeout_ms": 10});
     let status = client.action("wait", body).await.unwrap_err();
     assert_eq!(status_kind(&status), "bucket_not_found");
     // Another job's token does not see job-a's keys.
-    let body = json!({"ctx": ctx("job-b", 0), "bucket": "b", "keys": ["k1"], "timeout_ms": 0});
+    let body = json!({"ctx": ctx("job-b", 1), "bucket": "b", "keys": ["k1"], "timeout_ms": 0});
     assert!(client.action("wait", body).await.is_err());
 
     // Deleting the bucket wakes a parked call, which then fails instead of sitting out its time.
@@ -634,7 +634,7 @@ async fn wait_parks_until_every_key_is_put_or_the_deadline() {
     client
         .action(
             "delete_bucket",
-            json!({"ctx": ctx("job-a", 0), "bucket": "b"}),
+            json!({"ctx": ctx("job-a", 1), "bucket": "b"}),
         )
         .await
         .unwrap();
@@ -655,10 +655,10 @@ async fn a_job_the_admin_deleted_is_ended_for_writes_and_keeps_its_persist_data_
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
     client.create_bucket("job-b", "b").await;
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let replies = session
         .run(
-            0,
+            1,
             &[
                 put(1, "b", "gone", pattern(100, 1), 0),
                 put(2, "b", "kept", pattern(100, 2), OP_FLAG_PERSIST),
@@ -699,7 +699,7 @@ async fn a_job_the_admin_deleted_is_ended_for_writes_and_keeps_its_persist_data_
     for (name, body) in [
         (
             "create_bucket",
-            json!({"ctx": ctx("job-a", 0), "bucket": "c"}),
+            json!({"ctx": ctx("job-a", 1), "bucket": "c"}),
         ),
         (
             "set_epoch",
@@ -719,7 +719,7 @@ async fn a_job_the_admin_deleted_is_ended_for_writes_and_keeps_its_persist_data_
     let listed = client
         .action(
             "enumerate",
-            json!({"ctx": ctx("job-a", 0), "bucket": "b", "prefix": "", "limit": 10}),
+            json!({"ctx": ctx("job-a", 1), "bucket": "b", "prefix": "", "limit": 10}),
         )
         .await
         .unwrap();
@@ -727,13 +727,13 @@ async fn a_job_the_admin_deleted_is_ended_for_writes_and_keeps_its_persist_data_
     client
         .action(
             "delete",
-            json!({"ctx": ctx("job-a", 0), "bucket": "b", "key": "kept"}),
+            json!({"ctx": ctx("job-a", 1), "bucket": "b", "key": "kept"}),
         )
         .await
         .unwrap();
     // Other jobs are untouched.
-    let mut other = client.session("job-b", 0).await.unwrap();
-    let replies = other.run(0, &[put(1, "b", "k", pattern(100, 9), 0)]).await;
+    let mut other = client.session("job-b", 1).await.unwrap();
+    let replies = other.run(1, &[put(1, "b", "k", pattern(100, 9), 0)]).await;
     assert_eq!(replies[&1].status, 0);
     assert_eq!(client.stats().await["objects"], 1);
 }
@@ -747,9 +747,9 @@ async fn the_admin_deletes_what_an_ended_job_left_persist_data_included() {
     let client = server.client().await;
     let baseline = client.stats().await["used_bytes"].as_u64().unwrap();
     client.create_bucket("job-c", "b").await;
-    let mut session = client.session("job-c", 0).await.unwrap();
+    let mut session = client.session("job-c", 1).await.unwrap();
     let replies = session
-        .run(0, &[put(1, "b", "kept", pattern(5000, 1), OP_FLAG_PERSIST)])
+        .run(1, &[put(1, "b", "kept", pattern(5000, 1), OP_FLAG_PERSIST)])
         .await;
     assert_eq!(replies[&1].status, 0);
     let ended = client
@@ -763,7 +763,7 @@ async fn the_admin_deletes_what_an_ended_job_left_persist_data_included() {
     let status = client
         .action(
             "delete_job",
-            json!({"ctx": ctx("job-c", 0), "persist": true}),
+            json!({"ctx": ctx("job-c", 1), "persist": true}),
         )
         .await
         .unwrap_err();

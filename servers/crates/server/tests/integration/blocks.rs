@@ -25,7 +25,7 @@ fn ticket(
     ranges: serde_json::Value,
     delete: bool,
 ) -> serde_json::Value {
-    json!({"ctx": ctx(job, 0), "bucket": "b", "key": key, "version": version, "ranges": ranges, "delete": delete})
+    json!({"ctx": ctx(job, 1), "bucket": "b", "key": key, "version": version, "ranges": ranges, "delete": delete})
 }
 
 async fn used_bytes(client: &Client) -> u64 {
@@ -64,13 +64,13 @@ async fn large_object_round_trip(options: ServerOptions) {
         block_size: MIB as u32,
         flags: 0,
     };
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     assert_eq!(
-        session.run(0, &[manifest(1, "b", "big", header, 0)]).await[&1].status,
+        session.run(1, &[manifest(1, "b", "big", header, 0)]).await[&1].status,
         0
     );
     let got = session
-        .run(0, &[simple(2, OpCode::Get, "b", "big", 0)])
+        .run(1, &[simple(2, OpCode::Get, "b", "big", 0)])
         .await;
     assert_eq!(got[&2].header, Some(header));
     assert!(got[&2].body.is_empty());
@@ -124,7 +124,7 @@ async fn large_object_round_trip(options: ServerOptions) {
 
     // DELETE-on-read of the manifest, then the blocks with delete.
     let got = session
-        .run(0, &[simple(3, OpCode::Get, "b", "big", OP_FLAG_DELETE)])
+        .run(1, &[simple(3, OpCode::Get, "b", "big", OP_FLAG_DELETE)])
         .await;
     assert_eq!(got[&3].header, Some(header));
     let ranges = json!([[1, 0, MIB], [2, 0, MIB], [3, 0, MIB], [4, 0, MIB / 2]]);
@@ -242,12 +242,12 @@ async fn failed_uploads_leave_nothing() {
     wait_used(&client, baseline).await;
 
     // Small objects until full: the failing put leaves nothing, deletes give the space back.
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let mut stored = 0u64;
     loop {
         let reply = session
             .run(
-                0,
+                1,
                 &[put(
                     stored,
                     "b",
@@ -275,7 +275,7 @@ async fn failed_uploads_leave_nothing() {
     let deleted = client
         .action(
             "delete_prefix",
-            json!({"ctx": ctx("job-a", 0), "bucket": "b", "prefix": "s"}),
+            json!({"ctx": ctx("job-a", 1), "bucket": "b", "prefix": "s"}),
         )
         .await
         .unwrap();
@@ -356,17 +356,17 @@ async fn small_op_completes_while_a_big_upload_is_paused() {
         tx.send(message).await.unwrap();
     }
     // The upload is paused mid-block; a 1 KiB put and get on the same connection still complete.
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let started = std::time::Instant::now();
     let replies = tokio::time::timeout(
         Duration::from_secs(5),
-        session.run(0, &[put(1, "b", "small", pattern(1024, 9), 0)]),
+        session.run(1, &[put(1, "b", "small", pattern(1024, 9), 0)]),
     )
     .await
     .expect("small put is not blocked by the paused upload");
     assert_eq!(replies[&1].status, 0);
     let replies = session
-        .run(0, &[simple(2, OpCode::Get, "b", "small", 0)])
+        .run(1, &[simple(2, OpCode::Get, "b", "small", 0)])
         .await;
     assert_eq!(replies[&2].body, pattern(1024, 9));
     assert!(
@@ -500,10 +500,10 @@ async fn an_upload_spanning_the_end_of_its_job_leaves_nothing() {
     });
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let replies = session
         .run(
-            0,
+            1,
             &[put(
                 1,
                 "b",
@@ -594,7 +594,7 @@ async fn lookup_at(client: &Client, key: &str, epoch: u64) -> Option<ObjectHeade
 }
 
 async fn lookup(client: &Client, key: &str) -> Option<ObjectHeader> {
-    lookup_at(client, key, 0).await
+    lookup_at(client, key, 1).await
 }
 
 #[tokio::test]
@@ -653,7 +653,7 @@ async fn an_upload_with_a_commit_stores_the_manifest_only_after_every_block() {
     client
         .action(
             "delete_prefix",
-            json!({"ctx": ctx("job-a", 0), "bucket": "b", "prefix": "k"}),
+            json!({"ctx": ctx("job-a", 1), "bucket": "b", "prefix": "k"}),
         )
         .await
         .unwrap();
@@ -661,7 +661,7 @@ async fn an_upload_with_a_commit_stores_the_manifest_only_after_every_block() {
         client
             .action(
                 "delete_blocks",
-                json!({"ctx": ctx("job-a", 0), "bucket": "b", "key": "k",
+                json!({"ctx": ctx("job-a", 1), "bucket": "b", "key": "k",
                        "version": version, "blocks": [1, 2, 3]}),
             )
             .await

@@ -19,7 +19,7 @@ async fn pipelined_small_ops_with_many_in_flight() {
     let server = TestServer::start(ServerOptions::default());
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
 
     // 256 puts in 4 frames sent back to back, so at least 64 are in flight at once.
     let values: Vec<Bytes> = (0..256).map(|i| pattern(100 + i * 50, i as u64)).collect();
@@ -27,7 +27,7 @@ async fn pipelined_small_ops_with_many_in_flight() {
         let ops: Vec<_> = (chunk * 64..chunk * 64 + 64)
             .map(|i| put(i, "b", &format!("k{i}"), values[i as usize].clone(), 0))
             .collect();
-        session.send(0, &ops).await;
+        session.send(1, &ops).await;
     }
     let replies = session.collect(256).await;
     assert!(
@@ -41,7 +41,7 @@ async fn pipelined_small_ops_with_many_in_flight() {
     let gets: Vec<_> = (0..200)
         .map(|i| simple(1000 + i, OpCode::Get, "b", &format!("k{i}"), 0))
         .collect();
-    session.send(0, &gets).await;
+    session.send(1, &gets).await;
     let mut frames = 0;
     let mut replies = HashMap::new();
     while replies.len() < 200 {
@@ -62,7 +62,7 @@ async fn pipelined_small_ops_with_many_in_flight() {
 
     let replies = session
         .run(
-            0,
+            1,
             &[
                 simple(1, OpCode::Lookup, "b", "k7", 0),
                 simple(2, OpCode::Delete, "b", "k8", 0),
@@ -73,7 +73,7 @@ async fn pipelined_small_ops_with_many_in_flight() {
     assert_eq!(replies[&2].header.unwrap().version, 9);
     let replies = session
         .run(
-            0,
+            1,
             &[
                 simple(3, OpCode::Get, "b", "k8", 0),
                 simple(4, OpCode::Lookup, "b", "k8", 0),
@@ -96,14 +96,14 @@ async fn first_frame_may_ride_on_the_descriptor() {
     let server = TestServer::start(ServerOptions::default());
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
-    let frame = encode_request_frame(0, &[put(1, "b", "k", Bytes::from_static(b"v"), 0)]);
-    let descriptor = json!({"ctx": ctx("job-a", 0)}).to_string();
+    let frame = encode_request_frame(1, &[put(1, "b", "k", Bytes::from_static(b"v"), 0)]);
+    let descriptor = json!({"ctx": ctx("job-a", 1)}).to_string();
     let mut session = Session::open(&client, descriptor.into(), Some(frame))
         .await
         .unwrap();
     let replies = session.collect(1).await;
     assert_eq!(replies[&1].status, 0);
-    let replies = session.run(0, &[simple(2, OpCode::Get, "b", "k", 0)]).await;
+    let replies = session.run(1, &[simple(2, OpCode::Get, "b", "k", 0)]).await;
     assert_eq!(&replies[&2].body[..], b"v");
 }
 
@@ -112,13 +112,13 @@ async fn write_once_unless_overwrite() {
     let server = TestServer::start(ServerOptions::default());
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let replies = session
-        .run(0, &[put(1, "b", "k", Bytes::from_static(b"one"), 0)])
+        .run(1, &[put(1, "b", "k", Bytes::from_static(b"one"), 0)])
         .await;
     assert_eq!(replies[&1].status, 0);
     let replies = session
-        .run(0, &[put(2, "b", "k", Bytes::from_static(b"two"), 0)])
+        .run(1, &[put(2, "b", "k", Bytes::from_static(b"two"), 0)])
         .await;
     assert_eq!(
         (replies[&2].status, reply_kind(&replies[&2])),
@@ -126,7 +126,7 @@ async fn write_once_unless_overwrite() {
     );
     let replies = session
         .run(
-            0,
+            1,
             &[put(
                 3,
                 "b",
@@ -138,7 +138,7 @@ async fn write_once_unless_overwrite() {
         .await;
     assert_eq!(replies[&3].status, 0);
     assert_eq!(replies[&3].header.expect("replaced header").version, 2);
-    let replies = session.run(0, &[simple(4, OpCode::Get, "b", "k", 0)]).await;
+    let replies = session.run(1, &[simple(4, OpCode::Get, "b", "k", 0)]).await;
     assert_eq!(&replies[&4].body[..], b"three");
 }
 
@@ -147,10 +147,10 @@ async fn persist_needs_a_long_running_server() {
     let short = TestServer::start(ServerOptions::default());
     let client = short.client().await;
     client.create_bucket("job-a", "b").await;
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let replies = session
         .run(
-            0,
+            1,
             &[put(1, "b", "k", Bytes::from_static(b"p"), OP_FLAG_PERSIST)],
         )
         .await;
@@ -177,11 +177,11 @@ async fn persist_needs_a_long_running_server() {
     });
     let client = long.client().await;
     client.create_bucket("job-a", "b").await;
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     put_kept_and_gone_then_delete_job(&client, &mut session, 1024).await;
     let replies = session
         .run(
-            0,
+            1,
             &[
                 simple(3, OpCode::Get, "b", "kept", 0),
                 simple(4, OpCode::Get, "b", "gone", 0),
@@ -199,22 +199,22 @@ async fn delete_on_read_hands_out_each_object_once() {
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
     let before = client.stats().await["used_bytes"].as_u64().unwrap();
-    let mut writer = client.session("job-a", 0).await.unwrap();
+    let mut writer = client.session("job-a", 1).await.unwrap();
     let keys = 64u64;
     let ops: Vec<_> = (0..keys)
         .map(|i| put(i, "b", &format!("k{i}"), pattern(4096, i), 0))
         .collect();
-    assert!(writer.run(0, &ops).await.values().all(|r| r.status == 0));
+    assert!(writer.run(1, &ops).await.values().all(|r| r.status == 0));
 
     let mut readers = Vec::new();
     for reader in 0..4 {
         let client = server.client().await;
         readers.push(tokio::spawn(async move {
-            let mut session = client.session("job-a", 0).await.unwrap();
+            let mut session = client.session("job-a", 1).await.unwrap();
             let ops: Vec<_> = (0..keys)
                 .map(|i| simple(i, OpCode::Get, "b", &format!("k{i}"), OP_FLAG_DELETE))
                 .collect();
-            let replies = session.run(0, &ops).await;
+            let replies = session.run(1, &ops).await;
             let _ = reader;
             replies
                 .into_values()
@@ -255,7 +255,7 @@ async fn failing_ops_fail_alone_and_malformed_frames_end_the_session() {
     let server = TestServer::start(ServerOptions::default());
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let mut bad_header = put(1, "b", "k1", Bytes::from_static(b"abc"), 0);
     bad_header.header.version = 0;
     let mut wrong_size = put(2, "b", "k2", Bytes::from_static(b"abc"), 0);
@@ -285,7 +285,7 @@ async fn failing_ops_fail_alone_and_malformed_frames_end_the_session() {
         put(5, "nobucket", "k", Bytes::from_static(b"v"), 0),
         put(6, "b", "ok", Bytes::from_static(b"v"), 0),
     ];
-    let replies = session.run(0, &ops).await;
+    let replies = session.run(1, &ops).await;
     let got: Vec<(u8, String)> = (1..=6)
         .map(|i| (replies[&i].status, reply_kind(&replies[&i])))
         .collect();
@@ -313,9 +313,9 @@ async fn failing_ops_fail_alone_and_malformed_frames_end_the_session() {
         (status.code(), status_kind(&status)),
         (Code::InvalidArgument, "invalid_argument".into())
     );
-    let mut again = client.session("job-a", 0).await.unwrap();
+    let mut again = client.session("job-a", 1).await.unwrap();
     assert_eq!(
-        again.run(0, &[simple(7, OpCode::Get, "b", "ok", 0)]).await[&7].status,
+        again.run(1, &[simple(7, OpCode::Get, "b", "ok", 0)]).await[&7].status,
         0
     );
 }
@@ -325,7 +325,7 @@ async fn stale_epochs_get_the_new_map() {
     let server = TestServer::start(ServerOptions::default());
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let map = json!({"epoch": 5, "servers": [{"address": "127.0.0.1:1", "weight": 1.0}]});
     client
         .action(
@@ -403,12 +403,12 @@ async fn a_session_stops_when_its_token_expires() {
     client.create_bucket("job-a", "b").await;
     let expiry_unix_ms = now_unix_ms() + 3_000;
     let token = TokenKey::new(SECRET).unwrap().make("job-a", expiry_unix_ms);
-    let descriptor = json!({"ctx": {"job": "job-a", "epoch": 0, "token": token}});
+    let descriptor = json!({"ctx": {"job": "job-a", "epoch": 1, "token": token}});
     let mut session = Session::open(&client, descriptor.to_string().into(), None)
         .await
         .unwrap();
     let ops = [put(1, "b", "k", Bytes::from_static(b"v"), 0)];
-    assert_eq!(session.run(0, &ops).await[&1].status, 0);
+    assert_eq!(session.run(1, &ops).await[&1].status, 0);
 
     // The session ends by itself at the expiry, though idle (a client holding a renewed token
     // then replaces it before its next call instead of losing that call).
@@ -424,9 +424,9 @@ async fn a_session_stops_when_its_token_expires() {
     );
     assert!(status.message().contains("expired"), "{}", status.message());
     // A fresh token still works, and the object is there.
-    let mut again = client.session("job-a", 0).await.unwrap();
+    let mut again = client.session("job-a", 1).await.unwrap();
     assert_eq!(
-        again.run(0, &[simple(3, OpCode::Get, "b", "k", 0)]).await[&3].status,
+        again.run(1, &[simple(3, OpCode::Get, "b", "k", 0)]).await[&3].status,
         0
     );
 }
@@ -441,7 +441,7 @@ async fn an_over_limit_message_gets_a_status() {
     let server = TestServer::start(ServerOptions::default());
     let client = server.client().await;
     client.create_bucket("job-a", "b").await;
-    let descriptor = json!({"ctx": ctx("job-a", 0)}).to_string();
+    let descriptor = json!({"ctx": ctx("job-a", 1)}).to_string();
     let first = FlightData {
         flight_descriptor: Some(FlightDescriptor::new_cmd(descriptor)),
         ..Default::default()
@@ -471,9 +471,9 @@ async fn an_over_limit_message_gets_a_status() {
         "{status:?}"
     );
     // The server keeps serving.
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let replies = session
-        .run(0, &[put(1, "b", "after", Bytes::from_static(b"v"), 0)])
+        .run(1, &[put(1, "b", "after", Bytes::from_static(b"v"), 0)])
         .await;
     assert_eq!(replies[&1].status, 0);
 }

@@ -91,7 +91,7 @@ async fn garbage_at_every_rpc_is_refused_and_the_server_keeps_serving() {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut inner = client.inner.clone();
 
-    let valid_ticket = json!({"ctx": ctx("job-a", 0), "bucket": "b", "key": "k", "version": 1, "ranges": [[1, 0, 10]]})
+    let valid_ticket = json!({"ctx": ctx("job-a", 1), "bucket": "b", "key": "k", "version": 1, "ranges": [[1, 0, 10]]})
         .to_string();
     for _ in 0..CASES {
         let ticket = rng.garbage_or_mutation(valid_ticket.as_bytes());
@@ -111,7 +111,7 @@ async fn garbage_at_every_rpc_is_refused_and_the_server_keeps_serving() {
         assert!(acceptable(code), "DoGet garbage got {code:?}");
     }
 
-    let valid_action = json!({"ctx": ctx("job-a", 0), "bucket": "b", "key": "k"}).to_string();
+    let valid_action = json!({"ctx": ctx("job-a", 1), "bucket": "b", "key": "k"}).to_string();
     // Every real action, plus names no action has.
     let names: Vec<&str> = ActionName::ALL
         .iter()
@@ -138,7 +138,7 @@ async fn garbage_at_every_rpc_is_refused_and_the_server_keeps_serving() {
         let _ = client
             .action(
                 "create_bucket",
-                json!({"ctx": ctx("job-a", 0), "bucket": "b"}),
+                json!({"ctx": ctx("job-a", 1), "bucket": "b"}),
             )
             .await;
     }
@@ -179,12 +179,12 @@ async fn garbage_at_every_rpc_is_refused_and_the_server_keeps_serving() {
         };
         assert!(acceptable(code), "DoPut garbage got {code:?}");
         // Whatever got in is removed again, so later cases start from the same state.
-        let _ = client.action("delete_blocks", json!({"ctx": ctx("job-a", 0), "bucket": "b", "key": "g", "version": 5, "blocks": [1]})).await;
+        let _ = client.action("delete_blocks", json!({"ctx": ctx("job-a", 1), "bucket": "b", "key": "g", "version": 5, "blocks": [1]})).await;
     }
 
-    let valid_exchange = json!({"ctx": ctx("job-a", 0)}).to_string();
+    let valid_exchange = json!({"ctx": ctx("job-a", 1)}).to_string();
     let valid_frame = encode_request_frame(
-        0,
+        1,
         &[
             put(1, "b", "x", pattern(20, 1), 0),
             simple(2, OpCode::Get, "b", "x", 0),
@@ -234,16 +234,16 @@ async fn garbage_at_every_rpc_is_refused_and_the_server_keeps_serving() {
         let _ = client
             .action(
                 "delete",
-                json!({"ctx": ctx("job-a", 0), "bucket": "b", "key": "x"}),
+                json!({"ctx": ctx("job-a", 1), "bucket": "b", "key": "x"}),
             )
             .await;
     }
 
     // Still serving, nothing leaked into the store.
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let replies = session
         .run(
-            0,
+            1,
             &[
                 put(1, "b", "after", pattern(10, 1), 0),
                 simple(2, OpCode::Get, "b", "after", 0),
@@ -252,7 +252,7 @@ async fn garbage_at_every_rpc_is_refused_and_the_server_keeps_serving() {
         .await;
     assert!(replies.values().all(|r| r.status == 0) || replies[&2].status == 5);
     let replies = session
-        .run(0, &[simple(3, OpCode::Get, "b", "after", 0)])
+        .run(1, &[simple(3, OpCode::Get, "b", "after", 0)])
         .await;
     assert_eq!(replies[&3].body, pattern(10, 1));
     assert!(server.memory_bytes().0 > 0);
@@ -260,7 +260,7 @@ async fn garbage_at_every_rpc_is_refused_and_the_server_keeps_serving() {
     let deleted = client
         .action(
             "delete",
-            json!({"ctx": ctx("job-a", 0), "bucket": "b", "key": "after"}),
+            json!({"ctx": ctx("job-a", 1), "bucket": "b", "key": "after"}),
         )
         .await;
     assert!(deleted.is_ok(), "{deleted:?}");

@@ -268,10 +268,26 @@ impl Client {
         Ok(serde_json::from_slice(&first.body).expect("JSON result"))
     }
 
+    /// Register `job` on the server as the control plane does (`set_epoch`, epoch 1), unless
+    /// it holds a later epoch already: only a registered job writes.
+    pub async fn register(&self, job: &str) {
+        let told = self
+            .action(
+                "set_epoch",
+                json!({"ctx": admin_ctx(), "job": job, "epoch": 1, "map": {"epoch": 1}}),
+            )
+            .await;
+        if let Err(status) = told {
+            assert_eq!(status_kind(&status), "stale_epoch", "set_epoch: {status:?}");
+        }
+    }
+
+    /// Create a bucket of `job`, registering the job first.
     pub async fn create_bucket(&self, job: &str, bucket: &str) {
+        self.register(job).await;
         self.action(
             "create_bucket",
-            json!({"ctx": ctx(job, 0), "bucket": bucket}),
+            json!({"ctx": ctx(job, 1), "bucket": bucket}),
         )
         .await
         .expect("create_bucket");
@@ -387,7 +403,7 @@ pub fn put_descriptor(
     block_size: u32,
     persist: bool,
 ) -> Value {
-    json!({"ctx": ctx(job, 0), "bucket": bucket, "key": key, "version": version,
+    json!({"ctx": ctx(job, 1), "bucket": bucket, "key": key, "version": version,
            "block_size": block_size, "persist": persist})
 }
 
@@ -400,7 +416,7 @@ pub async fn put_kept_and_gone_then_delete_job(
 ) {
     let replies = session
         .run(
-            0,
+            1,
             &[
                 put(1, "b", "kept", Bytes::from_static(b"p"), OP_FLAG_PERSIST),
                 put(2, "b", "gone", Bytes::from_static(b"x"), 0),
@@ -417,7 +433,7 @@ pub async fn put_kept_and_gone_then_delete_job(
         .await;
     assert_eq!(blocks.unwrap()["blocks"], 1);
     let deleted = client
-        .action("delete_job", json!({"ctx": ctx("job-a", 0)}))
+        .action("delete_job", json!({"ctx": ctx("job-a", 1)}))
         .await
         .unwrap();
     assert_eq!(deleted["deleted"], 1);

@@ -37,12 +37,12 @@ async fn persist_objects_outlive_their_job_and_expire_after_the_ttl() {
     assert_eq!(stats["persist_ttl_ms"], 2000);
     let baseline = stats["used_bytes"].as_u64().unwrap();
     client.create_bucket("job-a", "b").await;
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let written = Instant::now();
     put_kept_and_gone_then_delete_job(&client, &mut session, 4096).await;
     // After the job is gone, its PERSIST object is still readable (well inside the TTL).
     let replies = session
-        .run(0, &[simple(3, OpCode::Get, "b", "kept", 0)])
+        .run(1, &[simple(3, OpCode::Get, "b", "kept", 0)])
         .await;
     assert_eq!(replies[&3].status, 0);
     assert!(written.elapsed() < Duration::from_millis(1500));
@@ -76,10 +76,10 @@ async fn without_a_ttl_persist_objects_stay() {
     let client = server.client().await;
     assert_eq!(client.stats().await["persist_ttl_ms"], 0);
     client.create_bucket("job-a", "b").await;
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let replies = session
         .run(
-            0,
+            1,
             &[put(
                 1,
                 "b",
@@ -103,9 +103,9 @@ async fn set_cores_limits_every_thread_and_keeps_the_data() {
     assert_eq!(stats["cores"], max);
     assert_eq!(stats["threads"], 2);
     client.create_bucket("job-a", "b").await;
-    let mut session = client.session("job-a", 0).await.unwrap();
+    let mut session = client.session("job-a", 1).await.unwrap();
     let replies = session
-        .run(0, &[put(1, "b", "k", Bytes::from_static(b"value"), 0)])
+        .run(1, &[put(1, "b", "k", Bytes::from_static(b"value"), 0)])
         .await;
     assert_eq!(replies[&1].status, 0);
     let all_cpus = thread_cpus(server.pid());
@@ -122,7 +122,7 @@ async fn set_cores_limits_every_thread_and_keeps_the_data() {
     assert!(limited.iter().all(|cpus| *cpus == first), "{limited:?}");
     assert_eq!(client.stats().await["cores"], 1);
     // The data survived and the server still serves.
-    let replies = session.run(0, &[simple(2, OpCode::Get, "b", "k", 0)]).await;
+    let replies = session.run(1, &[simple(2, OpCode::Get, "b", "k", 0)]).await;
     assert_eq!(replies[&2].status, 0);
     assert_eq!(replies[&2].body, Bytes::from_static(b"value"));
 
@@ -134,7 +134,7 @@ async fn set_cores_limits_every_thread_and_keeps_the_data() {
         assert_eq!(err.code(), Code::InvalidArgument, "{bad}: {err}");
     }
     let err = client
-        .action("set_cores", json!({"ctx": ctx("job-a", 0), "cores": 1}))
+        .action("set_cores", json!({"ctx": ctx("job-a", 1), "cores": 1}))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::PermissionDenied);

@@ -8,3 +8,4 @@ mod harness;
 mod lifecycle;
 mod lifetimes;
 mod memory;
+mod registration;

@@ -31,7 +31,7 @@ async fn transfer_load(server_addr: String, worker: u64) {
         {
             continue; // capacity_exhausted under contention is allowed; the bound is what is tested
         }
-        let ticket = json!({"ctx": ctx("job-m", 0), "bucket": "b", "key": key, "version": version,
+        let ticket = json!({"ctx": ctx("job-m", 1), "bucket": "b", "key": key, "version": version,
                             "ranges": [[1, 0, 4 * MIB], [2, 0, 4 * MIB]], "delete": true});
         let pieces = client.get_ranges(ticket).await.expect("read back");
         assert_eq!(pieces.iter().map(|(_, b)| b.len()).sum::<usize>(), 8 * MIB);
@@ -40,7 +40,7 @@ async fn transfer_load(server_addr: String, worker: u64) {
 
 async fn session_load(server_addr: String, worker: u64) {
     let client = Client::connect(&server_addr).await;
-    let mut session = client.session("job-m", 0).await.unwrap();
+    let mut session = client.session("job-m", 1).await.unwrap();
     for round in 0..ROUNDS {
         let base = (worker * 10 + round) * 1000;
         let puts: Vec<_> = (0..256)
@@ -54,7 +54,7 @@ async fn session_load(server_addr: String, worker: u64) {
                 )
             })
             .collect();
-        session.run(0, &puts).await;
+        session.run(1, &puts).await;
         let gets: Vec<_> = (0..256)
             .map(|i| {
                 simple(
@@ -66,7 +66,7 @@ async fn session_load(server_addr: String, worker: u64) {
                 )
             })
             .collect();
-        session.run(0, &gets).await;
+        session.run(1, &gets).await;
     }
 }
 

@@ -22,6 +22,10 @@ pub const PEER_HANDSHAKES_MAX: usize = 32;
 /// How long a connection's whole handshake may take, from its accept until it is served (its
 /// wait for an HTTP/2 place included); a connection not done by then is closed.
 pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long a request stream (an RPC) may send nothing after it opens: one that sends no
+/// message by then is failed, so a stream that never sends its body does not keep its
+/// connection busy (`crate::request_start`).
+pub const REQUEST_START_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// Most HTTP/2 (Flight) connections served at once; further ones wait for a place within their
 /// handshake's deadline.
 pub const HTTP2_CONNECTIONS_MAX: usize = 128;

@@ -9,6 +9,7 @@ use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use pocketflow_protocol::direct::{
     decode_head, encode_head, encode_status, Kind, DIRECT_MAGIC, MESSAGE_HEAD_BYTES,
+    PAYLOAD_MAX_BYTES, REQUEST_MAX_BYTES,
 };
 use pocketflow_protocol::ProtocolError;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
@@ -119,7 +120,9 @@ impl StorageService {
 
     /// A connection of block transfers: answer each GET with its data and END, each READ with
     /// its record, its bytes and END, and each PUT (followed by its pieces and END) with STORED,
-    /// until the client closes. An error ends the connection with a STATUS.
+    /// until the client closes. An error ends the connection with a STATUS. A connection whose
+    /// next request does not arrive within the connection idle bound is closed (a pooled client
+    /// connection that was closed is seen and replaced before it is used again).
     async fn serve_blocks<R, W>(
         &self,
         mut kind: Kind,
@@ -158,7 +161,11 @@ impl StorageService {
                 Err(Some(e)) => return refuse(e, reader, writer).await,
                 Err(None) => return,
             }
-            (kind, request) = match read_message(&mut reader).await {
+            let idle = self.connection_idle();
+            let Ok(next) = tokio::time::timeout(idle, read_message(&mut reader)).await else {
+                return;
+            };
+            (kind, request) = match next {
                 Ok(Some((next @ (Kind::Get | Kind::Put | Kind::Read), request))) => (next, request),
                 Ok(Some((other, _))) => {
                     return refuse(unexpected(other, "GET, PUT or READ").into(), reader, writer)
@@ -192,8 +199,18 @@ where
     read_message(reader).await?.ok_or(None)
 }
 
+/// Most payload bytes the server reads of a client's message of `kind`: a request frame may fill
+/// a frame, a descriptor or ticket only [`REQUEST_MAX_BYTES`].
+fn payload_max_bytes(kind: Kind) -> usize {
+    match kind {
+        Kind::Frame => PAYLOAD_MAX_BYTES,
+        _ => REQUEST_MAX_BYTES,
+    }
+}
+
 /// Read one message. `Ok(None)`: the client closed the connection between messages;
-/// `Err(None)`: it broke (reset, or closed inside a message); `Err(Some)`: malformed.
+/// `Err(None)`: it broke (reset, or closed inside a message); `Err(Some)`: malformed, or longer
+/// than a message of its kind may be (refused from its head, before its payload is read).
 async fn read_message<R>(reader: &mut R) -> Result<Option<(Kind, Bytes)>, Option<ServiceError>>
 where
     R: AsyncRead + Unpin,
@@ -206,6 +223,15 @@ where
     }
     reader.read_exact(&mut head[1..]).await.map_err(|_| None)?;
     let (kind, len) = decode_head(&head).map_err(|e| Some(e.into()))?;
+    let max = payload_max_bytes(kind);
+    if len > max {
+        return Err(Some(
+            ProtocolError::DirectMessage(format!(
+                "a {kind:?} message of {len} bytes over the bound of {max}"
+            ))
+            .into(),
+        ));
+    }
     let mut payload = BytesMut::zeroed(len);
     reader.read_exact(&mut payload).await.map_err(|_| None)?;
     Ok(Some((kind, payload.freeze())))

@@ -33,6 +33,7 @@ use tonic::Status;
 
 use crate::activity::{CountedBody, Http2Info};
 use crate::doget::{self, Answer};
+use crate::request_start::StartBy;
 use crate::service::{ServiceState, StorageService};
 
 /// The path of the DoGet RPC.
@@ -87,6 +88,8 @@ impl Service<http::Request<Body>> for FlightServer {
             .extensions()
             .get::<Http2Info>()
             .map(|info| info.activity.begin());
+        // A stream that opens and sends nothing is failed at a bound, so it ends.
+        let request = request.map(|body| Body::new(StartBy::new(body)));
         if request.uri().path() != DO_GET_PATH {
             let answer = self.generated.call(request);
             return Box::pin(async move {

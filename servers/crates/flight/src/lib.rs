@@ -21,6 +21,7 @@ pub mod peers;
 mod read;
 pub use pocketflow_protocol::ipc;
 mod refusal;
+mod request_start;
 pub mod route;
 mod service;
 pub mod stats;

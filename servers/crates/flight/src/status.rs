@@ -89,6 +89,12 @@ pub enum ServiceError {
         /// The idle time.
         idle_ms: u64,
     },
+    /// A request stream sent no message within its bound after it opened.
+    #[error("the request sent nothing for {timeout_ms} ms after it opened and was ended")]
+    RequestSilent {
+        /// The bound.
+        timeout_ms: u64,
+    },
     /// A DoPut stream ended or changed blocks before a block was complete.
     #[error("block {index} ended after {written} of {declared} bytes")]
     BlockIncomplete {
@@ -122,7 +128,8 @@ impl ServiceError {
             | ServiceError::BlockIncomplete { .. }
             | ServiceError::StreamShape(_)
             | ServiceError::MessageRefused(_)
-            | ServiceError::TransferIdle { .. } => ErrorKind::InvalidArgument,
+            | ServiceError::TransferIdle { .. }
+            | ServiceError::RequestSilent { .. } => ErrorKind::InvalidArgument,
             ServiceError::StaleEpoch { .. } => ErrorKind::StaleEpoch,
             ServiceError::Draining { .. } => ErrorKind::Draining,
             ServiceError::PersistRefused { .. } => ErrorKind::PersistRefused,

@@ -30,6 +30,12 @@ pub const MESSAGE_HEAD_BYTES: usize = 5;
 /// Largest payload of any direct message: a request or reply frame, or a status.
 pub const PAYLOAD_MAX_BYTES: usize = FRAME_MAX_BYTES;
 
+/// Largest payload of a request that opens a session or a transfer ([`Kind::Open`],
+/// [`Kind::Get`], [`Kind::Put`], [`Kind::Read`]): a descriptor or ticket (a GET ticket of
+/// `TICKET_RANGES_MAX` ranges takes about 230 KiB). A server refuses a longer one from its head,
+/// before reading (or holding room for) its payload.
+pub const REQUEST_MAX_BYTES: usize = 1024 * 1024;
+
 /// What a direct message carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {

@@ -734,7 +734,7 @@ class PocketflowPeer(_OnPocketflowHandle, Peer):
     ``tier="nvme"`` a latency-insensitive one (NVMe only; the long-running DRAM servers stay in
     its map with weight 0 for PERSIST objects, which the benchmark never writes). If the
     controller's map still gives the other tier a share, the handle is narrowed to the servers
-    of the wanted tier with ``dataclasses.replace`` and a note says so.
+    of the wanted tier with ``JobHandle.replace`` and a note says so.
     """
 
     def __init__(self, cluster: Any, *, tier: str = "dram") -> None:
@@ -749,7 +749,6 @@ class PocketflowPeer(_OnPocketflowHandle, Peer):
 
     def start(self) -> None:
         """Register the job, narrow its handle to one tier if needed, create the bucket."""
-        import dataclasses
 
         from pocketflow.job import Hints, register_job
 
@@ -763,7 +762,7 @@ class PocketflowPeer(_OnPocketflowHandle, Peer):
             mine = tuple(s for s in handle.servers if s.tier == self.tier)
             if not any(s.weight > 0 for s in mine):
                 raise ServerStartError(f"the cluster has no {self.tier} server for job {handle}")
-            handle = dataclasses.replace(handle, servers=mine)
+            handle = handle.replace(servers=mine)
             self.notes.append("handle narrowed to one tier by the benchmark")
         self.notes.append(
             "servers: " + ", ".join(

@@ -19,7 +19,7 @@ process each time) does not pay for the control plane's modules, and one that im
 of the package for something else (``pocketflow.demo``'s records) does not pay for the client.
 """
 
-from typing import TYPE_CHECKING, Any
+from __future__ import annotations
 
 from pocketflow.errors import (
     AlreadyExists,
@@ -55,8 +55,11 @@ from pocketflow.errors import (
     TlsError,
     Unavailable,
 )
+from pocketflow.records import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from pocketflow.channels import AppendFile, Queue
     from pocketflow.client import Client, ObjectInfo, connect
     from pocketflow.cluster import LocalCluster

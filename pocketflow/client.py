@@ -33,14 +33,11 @@ answers ``stale_epoch`` sends the job's new weight map; the client adopts it and
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, BinaryIO, Literal, TypeVar, overload
 
 from pocketflow import _core
 from pocketflow.config import ClientConfig
@@ -80,12 +77,14 @@ from pocketflow.protocol import (
     check_key,
     encode_json,
 )
+from pocketflow.records import TYPE_CHECKING, Record
 from pocketflow.transport import ServerConnection
 
 if TYPE_CHECKING:
     import logging
     import mmap
     from concurrent.futures import ThreadPoolExecutor
+    from typing import IO, Any, BinaryIO, Literal, TypeVar, overload
 
     from pocketflow.channels import AppendFile, Queue
     from pocketflow.notifications import Listener
@@ -118,19 +117,25 @@ PROBE_BUCKET = "pocketflow-probe"
 PROBE_KEY = "probe"
 """Key of that lookup."""
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class ObjectInfo:
+class ObjectInfo(Record):
     """What a listing or a lookup knows of an object.
 
     ``persist`` is ``None`` when the source does not say (``enumerate`` reports key and size only).
     """
 
+    __slots__ = ("key", "size", "persist")
     key: str
     size: int
-    persist: bool | None = None
+    persist: bool | None
+
+    def __init__(self, key: str, size: int, persist: bool | None = None) -> None:
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "persist", persist)
 
 
 def _as_view(data: Any) -> memoryview:
@@ -173,7 +178,7 @@ class Client:
     def __init__(self, handle: JobHandle, config: ClientConfig | None = None) -> None:
         self._config = config if config is not None else ClientConfig.resolve()
         if "block_size_bytes" in self._config.explicit:
-            handle = dataclasses.replace(handle, block_size_bytes=self._config.block_size_bytes)
+            handle = handle.replace(block_size_bytes=self._config.block_size_bytes)
         self._lock = threading.Lock()
         self._core = self._make_core(handle)
         self._view_cached: tuple[int, View] = (self._core.generation(), view_of(handle))
@@ -581,17 +586,18 @@ class Client:
                 _close_mmap(mapped)
         return header.size
 
-    @overload
-    def open(
-        self, bucket: str, key: str, mode: Literal["rb"] = "rb", *,
-        persist: bool = False, overwrite: bool = False,
-    ) -> io.BufferedReader: ...
+    if TYPE_CHECKING:  # the variants are for type checkers; typing costs each task its import
+        @overload
+        def open(
+            self, bucket: str, key: str, mode: Literal["rb"] = "rb", *,
+            persist: bool = False, overwrite: bool = False,
+        ) -> io.BufferedReader: ...
 
-    @overload
-    def open(
-        self, bucket: str, key: str, mode: Literal["wb"], *,
-        persist: bool = False, overwrite: bool = False,
-    ) -> io.BufferedIOBase: ...
+        @overload
+        def open(
+            self, bucket: str, key: str, mode: Literal["wb"], *,
+            persist: bool = False, overwrite: bool = False,
+        ) -> io.BufferedIOBase: ...
 
     def open(
         self, bucket: str, key: str, mode: str = "rb", *,

@@ -47,19 +47,18 @@ Other components read their own table of the same file with :func:`load_file_tab
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 from pocketflow import _core
 from pocketflow.errors import ConfigError
 from pocketflow.protocol import BLOCK_SIZE_DEFAULT_BYTES, BLOCK_SIZE_MAX_BYTES, SESSION_INFLIGHT_MAX
+from pocketflow.records import TYPE_CHECKING, Record
 
 if TYPE_CHECKING:
     from pathlib import Path
+    from typing import Any
 
 __all__ = [
     "ENV_PREFIX",
@@ -224,29 +223,59 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
 }
 
 
-@dataclass(frozen=True)
-class ClientConfig:
-    """Resolved client settings; build with :meth:`ClientConfig.resolve`.
+class ClientConfig(Record):
+    """Resolved client settings; build with :meth:`ClientConfig.resolve` (immutable;
+    :meth:`replace` makes a changed copy).
 
     ``explicit`` names the settings that came from a keyword, the environment or the file rather
-    than from the defaults (the client uses the job handle's block size unless one was given).
+    than from the defaults (the client uses the job handle's block size unless one was given); it
+    is left out of equality and hashing.
     """
 
-    block_size_bytes: int = BLOCK_SIZE_DEFAULT_BYTES
-    exchange_window: int = 64
-    io_threads: int = 8
-    sessions_per_server: int = 8
-    connect_timeout_s: float = 5.0
-    op_timeout_s: float = 3.0
-    rpc_timeout_s: float = 30.0
-    stream_timeout_s: float = 300.0
-    small_ops: str = "direct"
-    explicit: frozenset[str] = field(default=frozenset(), compare=False)
+    __slots__ = ("block_size_bytes", "exchange_window", "io_threads", "sessions_per_server",
+                 "connect_timeout_s", "op_timeout_s", "rpc_timeout_s", "stream_timeout_s",
+                 "small_ops", "explicit")
+    _UNCOMPARED = ("explicit",)
+    block_size_bytes: int
+    exchange_window: int
+    io_threads: int
+    sessions_per_server: int
+    connect_timeout_s: float
+    op_timeout_s: float
+    rpc_timeout_s: float
+    stream_timeout_s: float
+    small_ops: str
+    explicit: frozenset[str]
+
+    def __init__(
+        self,
+        block_size_bytes: int = BLOCK_SIZE_DEFAULT_BYTES,
+        exchange_window: int = 64,
+        io_threads: int = 8,
+        sessions_per_server: int = 8,
+        connect_timeout_s: float = 5.0,
+        op_timeout_s: float = 3.0,
+        rpc_timeout_s: float = 30.0,
+        stream_timeout_s: float = 300.0,
+        small_ops: str = "direct",
+        explicit: frozenset[str] = frozenset(),
+    ) -> None:
+        init = object.__setattr__
+        init(self, "block_size_bytes", block_size_bytes)
+        init(self, "exchange_window", exchange_window)
+        init(self, "io_threads", io_threads)
+        init(self, "sessions_per_server", sessions_per_server)
+        init(self, "connect_timeout_s", connect_timeout_s)
+        init(self, "op_timeout_s", op_timeout_s)
+        init(self, "rpc_timeout_s", rpc_timeout_s)
+        init(self, "stream_timeout_s", stream_timeout_s)
+        init(self, "small_ops", small_ops)
+        init(self, "explicit", explicit)
 
     @classmethod
     def setting_names(cls) -> tuple[str, ...]:
         """Names of every setting, as accepted by :meth:`resolve`."""
-        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "explicit")
+        return tuple(name for name in cls._fields() if name != "explicit")
 
     @classmethod
     def resolve(

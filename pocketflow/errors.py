@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+
+from pocketflow.records import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "PocketflowError",

@@ -42,12 +42,9 @@ server (docs/ARCHITECTURE.md, "Write-once"). A map without it (a job that change
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
-from dataclasses import dataclass
-from typing import Any
 
 from pocketflow.errors import InvalidRequest
 from pocketflow.protocol import (
@@ -57,6 +54,10 @@ from pocketflow.protocol import (
     KEY_MAX_BYTES,
     context,
 )
+from pocketflow.records import TYPE_CHECKING, Record
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "ServerInfo", "JobHandle", "LostServer", "Routes", "TIERS", "WEIGHT_SIGNIFICANT_DIGITS",
@@ -87,34 +88,40 @@ _POOL_NAME = re.compile(r"^[a-z0-9_-]{1,32}$")
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
-@dataclass(frozen=True, slots=True)
-class ServerInfo:
-    """One storage server in a job's weight map.
+class ServerInfo(Record):
+    """One storage server in a job's weight map (immutable; :meth:`replace` makes a changed copy).
 
     ``address`` is ``"host:port"``; ``weight`` is the server's share of the job's new data (0 means
     no new data, but its records stay readable); ``persist`` marks a long-running server that
     accepts PERSIST objects.
     """
 
+    __slots__ = ("node_id", "address", "tier", "weight", "persist")
     node_id: str
     address: str
     tier: str
     weight: float
-    persist: bool = False
+    persist: bool
 
-    def __post_init__(self) -> None:
-        if not self.node_id:
+    def __init__(
+        self, node_id: str, address: str, tier: str, weight: float, persist: bool = False
+    ) -> None:
+        if not node_id:
             raise InvalidRequest("server node_id must not be empty")
-        host, sep, port = self.address.rpartition(":")
+        host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit():
-            raise InvalidRequest(f"server address must be 'host:port', got {self.address!r}")
-        if self.tier not in TIERS:
-            raise InvalidRequest(f"server tier must be one of {TIERS}, got {self.tier!r}")
-        weight = float(self.weight)
-        if not math.isfinite(weight) or weight < 0:
-            raise InvalidRequest(f"server weight must be finite and >= 0, got {self.weight!r}")
-        object.__setattr__(self, "weight", float(f"{weight:.{WEIGHT_SIGNIFICANT_DIGITS}g}"))
-        object.__setattr__(self, "persist", bool(self.persist))
+            raise InvalidRequest(f"server address must be 'host:port', got {address!r}")
+        if tier not in TIERS:
+            raise InvalidRequest(f"server tier must be one of {TIERS}, got {tier!r}")
+        rounded = float(weight)
+        if not math.isfinite(rounded) or rounded < 0:
+            raise InvalidRequest(f"server weight must be finite and >= 0, got {weight!r}")
+        init = object.__setattr__
+        init(self, "node_id", node_id)
+        init(self, "address", address)
+        init(self, "tier", tier)
+        init(self, "weight", float(f"{rounded:.{WEIGHT_SIGNIFICANT_DIGITS}g}"))
+        init(self, "persist", bool(persist))
 
     def to_row(self) -> list[Any]:
         """The compact ``[node_id, address, tier, weight, persist]`` row of the weight map."""
@@ -135,12 +142,16 @@ class ServerInfo:
         return cls(str(node_id), str(address), str(tier), float(weight), bool(persist))
 
 
-@dataclass(frozen=True, slots=True)
-class LostServer:
+class LostServer(Record):
     """A server declared dead while it was in the job's weight map (its data is gone)."""
 
+    __slots__ = ("node_id", "address")
     node_id: str
     address: str
+
+    def __init__(self, node_id: str, address: str) -> None:
+        object.__setattr__(self, "node_id", node_id)
+        object.__setattr__(self, "address", address)
 
     def to_row(self) -> list[str]:
         """The compact ``[node_id, address]`` row of the map's ``lost`` list."""
@@ -161,23 +172,27 @@ def _route_prefix(prefix: Any) -> str:
     return prefix
 
 
-@dataclass(frozen=True, slots=True)
-class Routes:
+class Routes(Record):
     """Prefixes of a job's keys placed over a named pool of servers (see the module doc).
 
     ``pools`` and ``routes`` are sorted ``(name, node ids)`` and ``(prefix, pool name)`` pairs;
     build one with :meth:`of` from dicts."""
 
-    pools: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    routes: tuple[tuple[str, str], ...] = ()
+    __slots__ = ("pools", "routes")
+    pools: tuple[tuple[str, tuple[str, ...]], ...]
+    routes: tuple[tuple[str, str], ...]
 
-    def __post_init__(self) -> None:
-        if len(self.pools) > POOLS_MAX:
+    def __init__(
+        self,
+        pools: tuple[tuple[str, tuple[str, ...]], ...] = (),
+        routes: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        if len(pools) > POOLS_MAX:
             raise InvalidRequest(f"malformed weight map: more than {POOLS_MAX} pools")
-        if len(self.routes) > ROUTES_MAX:
+        if len(routes) > ROUTES_MAX:
             raise InvalidRequest(f"malformed weight map: more than {ROUTES_MAX} routes")
         names = set()
-        for name, members in self.pools:
+        for name, members in pools:
             if not isinstance(name, str) or not _POOL_NAME.match(name):
                 raise InvalidRequest(f"malformed weight map: bad pool name {name!r:.100}")
             if len(members) > SERVERS_MAX or len(set(members)) != len(members):
@@ -186,11 +201,13 @@ class Routes:
             if not all(isinstance(m, str) and m for m in members):
                 raise InvalidRequest(f"malformed weight map: pool {name!r} members are node ids")
             names.add(name)
-        for prefix, pool in self.routes:
+        for prefix, pool in routes:
             _route_prefix(prefix)
             if pool not in names:
                 raise InvalidRequest(
                     f"malformed weight map: route {prefix!r} names no pool ({pool!r:.100})")
+        object.__setattr__(self, "pools", pools)
+        object.__setattr__(self, "routes", routes)
 
     @classmethod
     def of(cls, pools: Any = None, routes: Any = None) -> Routes:
@@ -247,13 +264,19 @@ class Routes:
 NO_ROUTES = Routes()
 
 
-@dataclass(frozen=True, slots=True)
-class EarlierMap:
+class EarlierMap(Record):
     """Where an earlier weight map of a job placed keys: each server's ``(node_id, weight,
     persist)`` as placement saw it (a suspect with weight 0 and no PERSIST), and its routes."""
 
+    __slots__ = ("servers", "routes")
     servers: tuple[tuple[str, float, bool], ...]
-    routes: Routes = NO_ROUTES
+    routes: Routes
+
+    def __init__(
+        self, servers: tuple[tuple[str, float, bool], ...], routes: Routes = NO_ROUTES
+    ) -> None:
+        object.__setattr__(self, "servers", servers)
+        object.__setattr__(self, "routes", routes)
 
     @classmethod
     def of_handle(cls, handle: JobHandle) -> EarlierMap:
@@ -347,47 +370,77 @@ def _servers_from_map(
     return epoch, servers, lost, routes
 
 
-@dataclass(frozen=True, slots=True)
-class JobHandle:
+class JobHandle(Record):
     """A registered job: id, weight-map epoch, storage servers, capability token, block size,
-    and the servers it lost to failures (``lost``, see the module doc)."""
+    and the servers it lost to failures (``lost``, see the module doc).
 
+    Immutable: :meth:`replace` makes a changed copy (checked as a new handle is)."""
+
+    __slots__ = ("job_id", "name", "epoch", "servers", "token", "block_size_bytes", "lost",
+                 "tls_ca", "routes", "suspects", "held_weights", "earlier")
     job_id: str
     name: str
     epoch: int
     servers: tuple[ServerInfo, ...]
     token: str
-    block_size_bytes: int = BLOCK_SIZE_DEFAULT_BYTES
-    lost: tuple[LostServer, ...] = ()
-    tls_ca: str | None = None
+    block_size_bytes: int
+    lost: tuple[LostServer, ...]
+    tls_ca: str | None
     """The cluster CA (PEM) that the servers' certificates are checked against; ``None`` when
     the servers speak plaintext (an embedded cluster on loopback without ``tls=True``)."""
-    routes: Routes = NO_ROUTES
+    routes: Routes
     """Prefixes placed over a pool of servers of their own (granted DRAM, or spilled)."""
-    suspects: tuple[str, ...] = ()
+    suspects: tuple[str, ...]
     """Servers of the map that are hung (running but not answering): the controller gave them
     weight 0, so new keys go elsewhere; they keep what they hold (see docs/ARCHITECTURE.md)."""
-    held_weights: tuple[tuple[str, float, bool], ...] = ()
+    held_weights: tuple[tuple[str, float, bool], ...]
     """``(node_id, weight, persist)`` of each suspect before it was suspected: where the keys
     written before are, so that only the keys it may hold need it (docs/ARCHITECTURE.md)."""
-    earlier: tuple[EarlierMap, ...] | None = None
+    earlier: tuple[EarlierMap, ...] | None
     """Where the job's earlier maps placed keys (distinct placements, oldest first); ``None``
     when not known (then a write-once put after a map change checks every server)."""
 
-    def __post_init__(self) -> None:
-        if not self.job_id or len(self.job_id.encode()) > JOB_ID_MAX_BYTES:
+    def __init__(
+        self,
+        job_id: str,
+        name: str,
+        epoch: int,
+        servers: tuple[ServerInfo, ...],
+        token: str,
+        block_size_bytes: int = BLOCK_SIZE_DEFAULT_BYTES,
+        lost: tuple[LostServer, ...] = (),
+        tls_ca: str | None = None,
+        routes: Routes = NO_ROUTES,
+        suspects: tuple[str, ...] = (),
+        held_weights: tuple[tuple[str, float, bool], ...] = (),
+        earlier: tuple[EarlierMap, ...] | None = None,
+    ) -> None:
+        if not job_id or len(job_id.encode()) > JOB_ID_MAX_BYTES:
             raise InvalidRequest(f"job id must be 1..{JOB_ID_MAX_BYTES} bytes")
-        if not 0 < self.block_size_bytes <= BLOCK_SIZE_MAX_BYTES:
+        if not 0 < block_size_bytes <= BLOCK_SIZE_MAX_BYTES:
             raise InvalidRequest(
-                f"block size must be 1..{BLOCK_SIZE_MAX_BYTES} bytes, got {self.block_size_bytes}"
+                f"block size must be 1..{BLOCK_SIZE_MAX_BYTES} bytes, got {block_size_bytes}"
             )
-        if not isinstance(self.servers, tuple):
-            object.__setattr__(self, "servers", tuple(self.servers))
-        if not isinstance(self.lost, tuple) or len(self.lost) > LOST_SERVERS_MAX:
-            object.__setattr__(self, "lost", tuple(self.lost)[-LOST_SERVERS_MAX:])
-        node_ids = [s.node_id for s in self.servers]
+        if not isinstance(servers, tuple):
+            servers = tuple(servers)
+        if not isinstance(lost, tuple) or len(lost) > LOST_SERVERS_MAX:
+            lost = tuple(lost)[-LOST_SERVERS_MAX:]
+        node_ids = [s.node_id for s in servers]
         if len(set(node_ids)) != len(node_ids):
             raise InvalidRequest(f"duplicate node ids in the weight map: {node_ids}")
+        init = object.__setattr__
+        init(self, "job_id", job_id)
+        init(self, "name", name)
+        init(self, "epoch", epoch)
+        init(self, "servers", servers)
+        init(self, "token", token)
+        init(self, "block_size_bytes", block_size_bytes)
+        init(self, "lost", lost)
+        init(self, "tls_ca", tls_ca)
+        init(self, "routes", routes)
+        init(self, "suspects", suspects)
+        init(self, "held_weights", held_weights)
+        init(self, "earlier", earlier)
 
     def weight_map(self) -> dict[str, Any]:
         """The JSON-able weight map: ``{"epoch": n, "servers": [[node_id, address, ...], ...]}``
@@ -425,23 +478,23 @@ class JobHandle:
         """This handle with another epoch, servers and routes (from ``set_epoch`` or
         ``stale_epoch``)."""
         epoch, servers, lost, routes = _servers_from_map(weight_map)
-        return dataclasses.replace(self, epoch=epoch, servers=servers, lost=lost, routes=routes,
-                                   suspects=_suspects_from_map(weight_map),
-                                   held_weights=_held_weights_from_map(weight_map),
-                                   earlier=_earlier_from_map(weight_map))
+        return self.replace(epoch=epoch, servers=servers, lost=lost, routes=routes,
+                            suspects=_suspects_from_map(weight_map),
+                            held_weights=_held_weights_from_map(weight_map),
+                            earlier=_earlier_from_map(weight_map))
 
     def updated_by(self, newer: JobHandle) -> JobHandle:
         """This handle after ``newer``, a later handle of the same job (a renewed token, a newer
         weight map): ``newer`` itself, or, when ``newer`` holds an older weight map than this
         one, this map with ``newer``'s token."""
         if newer.epoch < self.epoch:
-            return dataclasses.replace(self, token=newer.token)
+            return self.replace(token=newer.token)
         return newer
 
     def with_lost(self, lost: LostServer) -> JobHandle:
         """This handle also remembering ``lost`` (a server declared dead) as lost."""
         kept = tuple(s for s in self.lost if s.node_id != lost.node_id)
-        return dataclasses.replace(self, lost=(*kept, lost))
+        return self.replace(lost=(*kept, lost))
 
     def context(self) -> dict[str, Any]:
         """The capability context (``{"job", "epoch", "token"}``) that every request carries."""

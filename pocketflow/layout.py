@@ -11,11 +11,17 @@ modules import one way only (client -> objectfile -> layout -> transport).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
-
 from pocketflow.handle import JobHandle
 from pocketflow.placement import Placement
 from pocketflow.protocol import ObjectHeader, Reply, exchange_descriptor
+from pocketflow.records import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from typing import Any, Protocol
+else:
+    # ObjectHost is an interface for type checkers only (nothing checks it at run time), and
+    # typing costs every task process its import.
+    Protocol = object
 
 __all__ = [
     "ObjectHost",

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
 
 from pocketflow.errors import InvalidRequest
+from pocketflow.records import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from typing import Any
 
 # -- limits (mirrors limits.rs) --------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
 
 from pocketflow import _core
 from pocketflow.errors import InternalError
@@ -34,6 +33,10 @@ from pocketflow.protocol import (
     action_body,
     context,
 )
+from pocketflow.records import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["ServerConnection", "AdminClient", "ADMIN_TIMEOUT_DEFAULT_S"]
 

@@ -313,9 +313,8 @@ def test_persist_needs_a_long_running_server(storage_servers: ServerSet) -> None
 def test_server_refuses_persist_when_not_long_running(storage_servers: ServerSet) -> None:
     # A map that wrongly marks a short-lived server as long-running: the server refuses.
     liar = next(s for s in storage_servers.infos if not s.persist)
-    import dataclasses
 
-    handle = storage_servers.handle(servers=[dataclasses.replace(liar, persist=True)])
+    handle = storage_servers.handle(servers=[liar.replace(persist=True)])
     try:
         with connect(handle, **CLIENT_OPTIONS) as pf:
             pf.create_bucket("b")
@@ -333,11 +332,10 @@ def test_server_refuses_persist_when_not_long_running(storage_servers: ServerSet
 def test_a_client_given_a_renewed_token_keeps_working_past_the_old_ones_expiry(
     storage_servers: ServerSet, job_handle: JobHandle
 ) -> None:
-    import dataclasses
 
     ttl_s = 3.0
-    short = dataclasses.replace(
-        job_handle, token=make_token(storage_servers.secret, job_handle.job_id, ttl_s=ttl_s))
+    short = job_handle.replace(
+        token=make_token(storage_servers.secret, job_handle.job_id, ttl_s=ttl_s))
     expires_at = time.monotonic() + ttl_s
     with connect(short, **CLIENT_OPTIONS) as pf:
         pf.create_bucket("renew")
@@ -345,8 +343,8 @@ def test_a_client_given_a_renewed_token_keeps_working_past_the_old_ones_expiry(
         for i in range(8):
             pf.put("renew", f"k{i}", payload(1000, i))
         pf.put("renew", "big", payload(2 * MiB, 99))
-        renewed = dataclasses.replace(
-            job_handle, token=make_token(storage_servers.secret, job_handle.job_id, ttl_s=60))
+        renewed = job_handle.replace(
+            token=make_token(storage_servers.secret, job_handle.job_id, ttl_s=60))
         pf.update_handle(renewed)
         assert pf.handle.token == renewed.token
         time.sleep(max(0.0, expires_at - time.monotonic()) + 0.5)
@@ -357,20 +355,18 @@ def test_a_client_given_a_renewed_token_keeps_working_past_the_old_ones_expiry(
         assert pf.get("renew", "big") == payload(2 * MiB, 99)
         pf.put("renew", "after", b"v")
         with pytest.raises(InvalidRequest, match="not of this client's job"):
-            pf.update_handle(dataclasses.replace(renewed, job_id="another-job"))
+            pf.update_handle(renewed.replace(job_id="another-job"))
 
 
 def test_wrong_token_is_permission_denied(storage_servers: ServerSet, job_handle: JobHandle
                                           ) -> None:
-    import dataclasses
 
-    forged = dataclasses.replace(
-        job_handle, token=make_token(b"not the cluster secret at all!", job_handle.job_id,
-                                     ttl_s=60))
-    other_jobs = dataclasses.replace(
-        job_handle, token=make_token(storage_servers.secret, "someone-else", ttl_s=60))
-    expired = dataclasses.replace(
-        job_handle, token=make_token(storage_servers.secret, job_handle.job_id, ttl_s=0.001))
+    forged = job_handle.replace(
+        token=make_token(b"not the cluster secret at all!", job_handle.job_id, ttl_s=60))
+    other_jobs = job_handle.replace(
+        token=make_token(storage_servers.secret, "someone-else", ttl_s=60))
+    expired = job_handle.replace(
+        token=make_token(storage_servers.secret, job_handle.job_id, ttl_s=0.001))
     time.sleep(0.01)
     for handle in (forged, other_jobs, expired):
         with connect(handle, **CLIENT_OPTIONS) as pf:
@@ -1111,7 +1107,7 @@ from pocketflow.handle import JobHandle
 lines = sys.stdin.read().split("\\n")
 renewed, secret, ttl_s = JobHandle.from_json(lines[0]), bytes.fromhex(lines[1]), float(lines[2])
 # A token that expires soon, minted here so that a slow start does not use it up.
-short = dataclasses.replace(renewed, token=make_token(secret, renewed.job_id, ttl_s=ttl_s))
+short = renewed.replace(token=make_token(secret, renewed.job_id, ttl_s=ttl_s))
 client = connect(short)
 client.create_bucket("b")
 client.put("b", "before", b"p")

@@ -1,6 +1,5 @@
 """The job handle: plain data, compact, and a weight map that round-trips exactly."""
 
-import dataclasses
 import json
 import pickle
 
@@ -129,21 +128,20 @@ def test_malformed_handles_are_refused() -> None:
 
 
 def test_a_later_handle_updates_the_token_but_never_moves_the_map_back() -> None:
-    import dataclasses
 
-    current = dataclasses.replace(_handle(3), epoch=4)
-    renewed_older_map = dataclasses.replace(_handle(2), epoch=3, token="renewed")
+    current = _handle(3).replace(epoch=4)
+    renewed_older_map = _handle(2).replace(epoch=3, token="renewed")
     kept = current.updated_by(renewed_older_map)
     assert (kept.epoch, kept.servers, kept.token) == (4, current.servers, "renewed")
-    newer = dataclasses.replace(_handle(2), epoch=5, token="newer")
+    newer = _handle(2).replace(epoch=5, token="newer")
     assert current.updated_by(newer) is newer
 
 
 def test_each_new_map_remembers_the_earlier_placements_once_within_bounds() -> None:
     first = _handle(3)
     assert first.earlier is None and "earlier" not in first.weight_map()
-    second = dataclasses.replace(first, epoch=2, servers=_handle(4).servers,
-                                 earlier=first.earlier_after(), suspects=("dram-1",))
+    second = first.replace(epoch=2, servers=_handle(4).servers,
+                           earlier=first.earlier_after(), suspects=("dram-1",))
     assert second.earlier == (EarlierMap.of_handle(first),)
     for copy in (JobHandle.from_json(second.to_json()), pickle.loads(pickle.dumps(second)),
                  first.with_weight_map(second.weight_map())):
@@ -153,14 +151,14 @@ def test_each_new_map_remembers_the_earlier_placements_once_within_bounds() -> N
     assert third is not None and len(third) == 2
     assert ("dram-1", 0.0, False) in third[1].servers
     # The same placement again is remembered once.
-    again = dataclasses.replace(second, epoch=3, earlier=third)
+    again = second.replace(epoch=3, earlier=third)
     assert again.earlier_after() == third
     # Past the bound the job forgets them for good (its puts check every server again).
     handle = first
     for epoch in range(2, EARLIER_MAPS_MAX + 4):
-        handle = dataclasses.replace(handle, epoch=epoch, earlier=handle.earlier_after(),
-                                     servers=_handle(3, weight=float(epoch)).servers[:2]
-                                     + _handle(3).servers[2:])
+        handle = handle.replace(epoch=epoch, earlier=handle.earlier_after(),
+                                servers=_handle(3, weight=float(epoch)).servers[:2]
+                                + _handle(3).servers[2:])
     assert handle.earlier is None and handle.earlier_after() is None
     doc = json.loads(second.to_json())
     doc["earlier"][0]["servers"][0][1] = -1

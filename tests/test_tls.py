@@ -6,7 +6,6 @@ are still checked on top of TLS."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import stat
@@ -79,7 +78,7 @@ def test_the_cluster_files_are_private(tmp_path: Path) -> None:
 def test_a_plaintext_client_is_told_the_server_needs_tls(
     tls_servers: ServerSet, small_ops: str
 ) -> None:
-    handle = dataclasses.replace(tls_servers.handle(), tls_ca=None)
+    handle = tls_servers.handle().replace(tls_ca=None)
     with connect(handle, small_ops=small_ops, **CLIENT_OPTIONS) as pf:
         with pytest.raises(TlsError, match="TLS") as refused:
             pf.put("b", "k", b"v")
@@ -90,7 +89,7 @@ def test_a_plaintext_client_is_told_the_server_needs_tls(
 def test_a_tls_client_of_a_plaintext_server_is_told_so(
     storage_servers: ServerSet, tls_servers: ServerSet, small_ops: str
 ) -> None:
-    handle = dataclasses.replace(storage_servers.handle(), tls_ca=tls_servers.tls_ca)
+    handle = storage_servers.handle().replace(tls_ca=tls_servers.tls_ca)
     try:
         with connect(handle, small_ops=small_ops, **CLIENT_OPTIONS) as pf:
             with pytest.raises(TlsError, match="plaintext server"):
@@ -104,7 +103,7 @@ def test_a_client_that_trusts_another_ca_is_refused(
     tls_servers: ServerSet, tmp_path: Path, small_ops: str
 ) -> None:
     make_cluster_ca(tmp_path, name="another CA")
-    handle = dataclasses.replace(tls_servers.handle(), tls_ca=read_ca(tmp_path))
+    handle = tls_servers.handle().replace(tls_ca=read_ca(tmp_path))
     with connect(handle, small_ops=small_ops, **CLIENT_OPTIONS) as pf:
         with pytest.raises(TlsError, match="not signed by the trusted CA"):
             pf.put("b", "k", b"v")
@@ -117,7 +116,7 @@ def test_another_clusters_ca_is_named_apart_and_refused_as_such(
     """Issue 29 item 8: two clusters' CAs made the same way have names of their own, so a
     client holding the other cluster's CA gets the documented error, not a bad signature."""
     make_cluster_ca(tmp_path)
-    handle = dataclasses.replace(tls_servers.handle(), tls_ca=read_ca(tmp_path))
+    handle = tls_servers.handle().replace(tls_ca=read_ca(tmp_path))
     assert _ca_subject(handle.tls_ca) != _ca_subject(tls_servers.tls_ca)
     with connect(handle, small_ops=small_ops, **CLIENT_OPTIONS) as pf:
         with pytest.raises(TlsError, match="not signed by the trusted CA"):
@@ -146,10 +145,8 @@ def _refusal_of_a_server_with(
     ))
     process.start()
     try:
-        handle = dataclasses.replace(
-            servers.handle(set_epoch=False),
-            servers=(dataclasses.replace(servers.infos[0], node_id=node_id,
-                                         address=process.address),),
+        handle = servers.handle(set_epoch=False).replace(
+            servers=(servers.infos[0].replace(node_id=node_id, address=process.address),),
         )
         with connect(handle, **CLIENT_OPTIONS) as pf:
             with pytest.raises(TlsError) as refused:
@@ -182,8 +179,8 @@ def test_a_certificate_for_another_address_is_refused(
 
 def test_tokens_are_still_checked_over_tls(tls_servers: ServerSet) -> None:
     handle = tls_servers.handle()
-    forged = dataclasses.replace(
-        handle, token=make_token(b"another secret of sixteen bytes", handle.job_id, ttl_s=60)
+    forged = handle.replace(
+        token=make_token(b"another secret of sixteen bytes", handle.job_id, ttl_s=60)
     )
     try:
         with connect(forged, **CLIENT_OPTIONS) as pf:

@@ -143,8 +143,8 @@ class Caches:
             self._known.popitem(last=False)
         predecessor = None
         if known.predecessor is not None:
-            predecessor = dataclasses.replace(
-                known.predecessor, token=self._jobs.token(known.predecessor.job_id))
+            predecessor = known.predecessor.replace(
+                token=self._jobs.token(known.predecessor.job_id))
         capacity_bytes = self._jobs.record(known.job_id).job_demand().capacity_bytes
         return {"handle": known.handle, "created": created, "predecessor": predecessor,
                 "capacity_bytes": capacity_bytes}

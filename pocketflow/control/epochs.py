@@ -110,8 +110,8 @@ class Epochs:
         kept = tuple(n for n in suspects if n in named)
         # The map carries the held weights too: clients place the keys a suspect may hold by
         # them, and refuse only those (docs/ARCHITECTURE.md, "A hung server").
-        handle = dataclasses.replace(
-            record.handle, epoch=record.handle.epoch + 1, servers=servers,
+        handle = record.handle.replace(
+            epoch=record.handle.epoch + 1, servers=servers,
             routes=record.handle.routes if routes is None else routes,
             # Where the earlier maps placed keys: write-once puts look for a key only there.
             earlier=record.handle.earlier_after(),
@@ -259,7 +259,7 @@ class Epochs:
                 continue
             entry = next(s for s in record.handle.servers if s.node_id == node_id)
             servers = [
-                dataclasses.replace(s, weight=0.0, persist=False) if s.node_id == node_id else s
+                s.replace(weight=0.0, persist=False) if s.node_id == node_id else s
                 for s in record.handle.servers
             ]
             if not any(s.weight > 0 for s in servers):
@@ -282,7 +282,7 @@ class Epochs:
                 continue
             weight, persist = record.held_weights.get(node_id, [0.0, False])
             servers = tuple(
-                dataclasses.replace(s, weight=float(weight), persist=bool(persist))
+                s.replace(weight=float(weight), persist=bool(persist))
                 if s.node_id == node_id else s
                 for s in record.handle.servers
             )

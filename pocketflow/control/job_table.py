@@ -249,7 +249,7 @@ class JobTable:
         both tokens are valid, and the caller gets the new one.
         """
         record = self.record(job_id)
-        handle = dataclasses.replace(record.handle, token=self.token(job_id))
+        handle = record.handle.replace(token=self.token(job_id))
         if self._records.get(job_id) is record:
             self._records[job_id] = dataclasses.replace(record, handle=handle)
         return handle

@@ -538,10 +538,9 @@ def test_a_task_waits_for_a_map_with_a_server_to_write_to(
     """After its last data server died where no other had room, a job's new map has no weighted
     server until the control plane has launched one (issue 31): a task's map refresh waits for
     that map instead of writing into nothing at once, and gives up after its bound."""
-    import dataclasses
 
     servers, info = server_factory("refresh-0", long_running=True)
-    weightless = dataclasses.replace(info, weight=0.0)
+    weightless = info.replace(weight=0.0)
     handle = servers.handle(servers=[weightless], epoch=2)
     with pocketflow.connect(handle.to_json(), op_timeout_s="5s") as pf:
         with pytest.raises(DataUnavailable, match="no server to write to"):
@@ -549,7 +548,7 @@ def test_a_task_waits_for_a_map_with_a_server_to_write_to(
 
         def launched() -> None:
             time.sleep(1.0)
-            servers.set_epoch(dataclasses.replace(handle, epoch=3, servers=(info,)))
+            servers.set_epoch(handle.replace(epoch=3, servers=(info,)))
 
         setter = threading.Thread(target=launched, daemon=True)
         setter.start()

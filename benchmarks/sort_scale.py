@@ -21,7 +21,8 @@ Variants (``--variants``, all by default):
 - ``pocketflow-lithops``: the same shuffle on Lithops' localhost executor with pocketflow's
   runtime.
 - ``ray-data``: ``ray.data`` ``sort`` of the same records on the same Ray cluster (what a Ray
-  user would pick); needs ``pandas`` (``pip install 'ray[data]'``), else it is reported skipped.
+  user would pick); ``ray[data]`` comes with the ``bench`` extra; without it this peer is reported
+  skipped.
 - ``lithops-localhost``: mappers and reducers on Lithops' localhost executor shuffling through
   its localhost storage (files), as in :mod:`benchmarks.lithops_sort`.
 - ``lithops-redis``: the same through Lithops' redis backend on a redis-server started here,

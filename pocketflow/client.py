@@ -133,9 +133,11 @@ class ObjectInfo(Record):
     persist: bool | None
 
     def __init__(self, key: str, size: int, persist: bool | None = None) -> None:
-        object.__setattr__(self, "key", key)
-        object.__setattr__(self, "size", size)
-        object.__setattr__(self, "persist", persist)
+        self._set(
+            key=key,
+            size=size,
+            persist=persist,
+        )
 
 
 def _as_view(data: Any) -> memoryview:

@@ -260,17 +260,18 @@ class ClientConfig(Record):
         small_ops: str = "direct",
         explicit: frozenset[str] = frozenset(),
     ) -> None:
-        init = object.__setattr__
-        init(self, "block_size_bytes", block_size_bytes)
-        init(self, "exchange_window", exchange_window)
-        init(self, "io_threads", io_threads)
-        init(self, "sessions_per_server", sessions_per_server)
-        init(self, "connect_timeout_s", connect_timeout_s)
-        init(self, "op_timeout_s", op_timeout_s)
-        init(self, "rpc_timeout_s", rpc_timeout_s)
-        init(self, "stream_timeout_s", stream_timeout_s)
-        init(self, "small_ops", small_ops)
-        init(self, "explicit", explicit)
+        self._set(
+            block_size_bytes=block_size_bytes,
+            exchange_window=exchange_window,
+            io_threads=io_threads,
+            sessions_per_server=sessions_per_server,
+            connect_timeout_s=connect_timeout_s,
+            op_timeout_s=op_timeout_s,
+            rpc_timeout_s=rpc_timeout_s,
+            stream_timeout_s=stream_timeout_s,
+            small_ops=small_ops,
+            explicit=explicit,
+        )
 
     @classmethod
     def setting_names(cls) -> tuple[str, ...]:

@@ -116,12 +116,13 @@ class ServerInfo(Record):
         rounded = float(weight)
         if not math.isfinite(rounded) or rounded < 0:
             raise InvalidRequest(f"server weight must be finite and >= 0, got {weight!r}")
-        init = object.__setattr__
-        init(self, "node_id", node_id)
-        init(self, "address", address)
-        init(self, "tier", tier)
-        init(self, "weight", float(f"{rounded:.{WEIGHT_SIGNIFICANT_DIGITS}g}"))
-        init(self, "persist", bool(persist))
+        self._set(
+            node_id=node_id,
+            address=address,
+            tier=tier,
+            weight=float(f"{rounded:.{WEIGHT_SIGNIFICANT_DIGITS}g}"),
+            persist=bool(persist),
+        )
 
     def to_row(self) -> list[Any]:
         """The compact ``[node_id, address, tier, weight, persist]`` row of the weight map."""
@@ -150,8 +151,10 @@ class LostServer(Record):
     address: str
 
     def __init__(self, node_id: str, address: str) -> None:
-        object.__setattr__(self, "node_id", node_id)
-        object.__setattr__(self, "address", address)
+        self._set(
+            node_id=node_id,
+            address=address,
+        )
 
     def to_row(self) -> list[str]:
         """The compact ``[node_id, address]`` row of the map's ``lost`` list."""
@@ -206,8 +209,10 @@ class Routes(Record):
             if pool not in names:
                 raise InvalidRequest(
                     f"malformed weight map: route {prefix!r} names no pool ({pool!r:.100})")
-        object.__setattr__(self, "pools", pools)
-        object.__setattr__(self, "routes", routes)
+        self._set(
+            pools=pools,
+            routes=routes,
+        )
 
     @classmethod
     def of(cls, pools: Any = None, routes: Any = None) -> Routes:
@@ -275,8 +280,10 @@ class EarlierMap(Record):
     def __init__(
         self, servers: tuple[tuple[str, float, bool], ...], routes: Routes = NO_ROUTES
     ) -> None:
-        object.__setattr__(self, "servers", servers)
-        object.__setattr__(self, "routes", routes)
+        self._set(
+            servers=servers,
+            routes=routes,
+        )
 
     @classmethod
     def of_handle(cls, handle: JobHandle) -> EarlierMap:
@@ -428,19 +435,20 @@ class JobHandle(Record):
         node_ids = [s.node_id for s in servers]
         if len(set(node_ids)) != len(node_ids):
             raise InvalidRequest(f"duplicate node ids in the weight map: {node_ids}")
-        init = object.__setattr__
-        init(self, "job_id", job_id)
-        init(self, "name", name)
-        init(self, "epoch", epoch)
-        init(self, "servers", servers)
-        init(self, "token", token)
-        init(self, "block_size_bytes", block_size_bytes)
-        init(self, "lost", lost)
-        init(self, "tls_ca", tls_ca)
-        init(self, "routes", routes)
-        init(self, "suspects", suspects)
-        init(self, "held_weights", held_weights)
-        init(self, "earlier", earlier)
+        self._set(
+            job_id=job_id,
+            name=name,
+            epoch=epoch,
+            servers=servers,
+            token=token,
+            block_size_bytes=block_size_bytes,
+            lost=lost,
+            tls_ca=tls_ca,
+            routes=routes,
+            suspects=suspects,
+            held_weights=held_weights,
+            earlier=earlier,
+        )
 
     def weight_map(self) -> dict[str, Any]:
         """The JSON-able weight map: ``{"epoch": n, "servers": [[node_id, address, ...], ...]}``

@@ -27,7 +27,7 @@ __all__ = ["Record", "NamedTuple"]
 
 class Record:
     """Base of an immutable value class: the subclass names its fields in ``__slots__`` (in
-    constructor order) and sets them in ``__init__`` with ``object.__setattr__``.
+    constructor order) and sets them in ``__init__`` with :meth:`_set`.
 
     ``_UNCOMPARED`` names fields left out of equality and hashing (shown by ``repr``, kept by
     :meth:`replace` and pickling)."""
@@ -62,6 +62,11 @@ class Record:
             raise TypeError(f"{type(self).__name__} has no field(s) {sorted(unknown)}")
         values.update(changes)
         return type(self)(**values)
+
+    def _set(self, **values: Any) -> None:
+        """Set fields from ``__init__``: the one way past the frozen ``__setattr__``."""
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"cannot assign to field {name!r} of a frozen {type(self).__name__}")

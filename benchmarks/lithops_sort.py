@@ -261,15 +261,19 @@ def run_pocketflow_variant(name: str, fexec: Any, config: SortConfig, cluster: A
 def _executor(storage: str, extra: dict[str, Any] | None = None,
               runtime: str | None = None) -> Iterator[Any]:
     import lithops
+    from pocketflow_lithops.executor_data import NO_CLEANER, delete_executor_data
 
-    fexec = lithops.FunctionExecutor(
-        config=lithops_config(storage=storage, workers=WORKERS, extra=extra, runtime=runtime))
+    # The executor's data is deleted here, before the redis-server it may live on stops: a
+    # request left to Lithops' cleaner would outlive that server.
+    fexec = lithops.FunctionExecutor(config=lithops_config(
+        storage=storage, workers=WORKERS, extra={**(extra or {}), **NO_CLEANER},
+        runtime=runtime))
     try:
         # Warm up: the first job of an executor pays for starting its machinery.
         fexec.get_result(fexec.map(_noop, [0]))
         yield fexec
     finally:
-        fexec.clean()
+        delete_executor_data(fexec)
 
 
 def _noop(x: int) -> int:

@@ -449,15 +449,19 @@ def _run_variant(variant: str, config: SortConfig, cluster: Any, redis_max_bytes
     try:
         port = peer.spec().port
         client = redis.Redis(host="127.0.0.1", port=port)
+        from pocketflow_lithops.executor_data import NO_CLEANER, delete_executor_data
+
+        # Its data is deleted here, before the redis-server stops: a request left to Lithops'
+        # cleaner would outlive that server.
         with lithops.FunctionExecutor(config=lithops_config(
                 storage="redis", workers=WORKERS,
-                extra={"redis": {"host": "127.0.0.1", "port": port}})) as fexec:
+                extra={"redis": {"host": "127.0.0.1", "port": port}, **NO_CLEANER})) as fexec:
             try:
                 return run_lithops_storage(
                     variant, fexec, config,
                     lambda _prefix: int(client.info("memory")["used_memory"]))
             finally:
-                fexec.clean()
+                delete_executor_data(fexec)
     finally:
         peer.stop()
 

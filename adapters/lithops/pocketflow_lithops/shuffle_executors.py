@@ -176,14 +176,19 @@ class LithopsShuffleExecutor(ShuffleExecutor):
 
         Lithops has no public call for this (its executor's context manager stops every job of
         the executor, which a caller's executor may not want), so this goes through the
-        executor's own cleanup; an executor without it is left as it is, with a warning.
+        executor's own parts; an executor without them is left as it is, with a warning. The
+        jobs' data goes to Lithops' cleaner only when the executor's ``data_cleaner`` is on: a
+        driver that turned it off deletes its data itself
+        (:mod:`pocketflow_lithops.executor_data`) and is not left with a cleaner process.
         """
         fexec = self.fexec
         try:
             fexec.invoker.discard_pending({f.job_key for f in tickets},
                                           {f.job_id for f in tickets})
             fexec.job_monitor.remove(tickets)
-            fexec._cleanup_jobs(tickets, exception=exc, force=True)
+            fexec.compute_handler.clear({f.job_key for f in tickets}, exception=exc)
+            if fexec.data_cleaner:
+                fexec.clean(fs=tickets, clean_cloudobjects=False, force=True)
         except Exception as error:  # noqa: BLE001 - the shuffle's own error is the one to raise
             log.warning("shuffle: could not stop its Lithops calls (%s: %s); they run to their "
                         "end", type(error).__name__, error)

@@ -44,6 +44,7 @@ from pocketflow.demo import (
     reduce_records,
 )
 from pocketflow.errors import PocketflowError
+from pocketflow_lithops.executor_data import NO_CLEANER, delete_executor_data
 from pocketflow_lithops.runtime import runtime_path
 from pocketflow_lithops.shuffle import shuffle
 from pocketflow_lithops.shuffle_executors import EXECUTORS, RayShuffleExecutor
@@ -119,9 +120,11 @@ def run_sort(
     storage backend, in a job of its own, registered and deregistered here), and the runtime
     that loads the client once per job (:mod:`pocketflow_lithops.runtime`). An executor made
     here is shut down on the way out, also when the sort fails: calls not started are dropped
-    and the processes of its jobs killed, so no task outlives the sort. ``timeout_s`` bounds
-    each wait for a stage's Lithops results (``TimeoutError``; only enforced on the main thread,
-    where Lithops can arm its alarm). Raises whatever a task raised.
+    and the processes of its jobs killed, so no task outlives the sort; then its data in Lithops'
+    storage is deleted from this process (no Lithops cleaner process is left running).
+    ``timeout_s`` bounds each wait for a stage's Lithops results (``TimeoutError``; only
+    enforced on the main thread, where Lithops can arm its alarm). Raises whatever a task
+    raised.
 
     With ``executor="ray"`` the tasks are Ray tasks on the Ray cluster this process is connected
     to (the local cluster's), at most ``config.pool_size()`` at once; ``fexec`` and
@@ -145,7 +148,8 @@ def run_sort(
         elif fexec is None:
             import lithops
 
-            extra: dict[str, Any] = {}
+            # No cleaner process that outlives the sort: its data is deleted here, on the way out.
+            extra: dict[str, Any] = dict(NO_CLEANER)
             if lithops_storage == LITHOPS_POCKET_STORAGE:
                 # Lithops' own data (payloads, results, status) in a pocketflow job of its own,
                 # through the `pocket` storage backend.
@@ -153,11 +157,11 @@ def run_sort(
 
                 lithops_job = register_job("lithops-data", cluster=control)
                 own.callback(lithops_job.deregister)
-                extra = {LITHOPS_POCKET_STORAGE: {"handle": lithops_job.handle.to_json()}}
+                extra[LITHOPS_POCKET_STORAGE] = {"handle": lithops_job.handle.to_json()}
             fexec = lithops.FunctionExecutor(config=lithops_config(
                 storage=lithops_storage, workers=cfg.pool_size(), extra=extra,
                 runtime=_shuffle_runtime()))
-            own.callback(fexec.clean)
+            own.callback(delete_executor_data, fexec)
             # Leaving the executor's context stops its monitor and invoker and kills the
             # process groups of its jobs: without it a failed sort left Lithops' runner
             # starting the calls still queued, and the monitor threads kept this process alive.

@@ -4,7 +4,7 @@ A reducer that cannot write its output because every tier of its job is full is 
 partition: neither retried nor regenerated (both would write into the same full tiers). A job
 whose every storage server is gone fails within seconds, in its tasks and in its driver. A
 driver whose job fails exits non-zero and leaves no process of its own behind (checked by pid,
-with the process's start time against reuse).
+with the process's start time against reuse), nor its executor's data in Lithops' storage.
 """
 
 from __future__ import annotations
@@ -206,18 +206,29 @@ DRIVER_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _lithops_job_files() -> set[Path]:
+    """Every file under ``lithops.jobs`` in Lithops' localhost storage (the demo driver's)."""
+    from lithops.constants import LITHOPS_TEMP_DIR
+
+    return {p for p in (Path(LITHOPS_TEMP_DIR) / "storage" / "lithops.jobs").rglob("*")
+            if p.is_file()}
+
+
 def _descendants(pid: int) -> set[tuple[int, str]]:
-    """``(pid, start time)`` of every process below ``pid`` now (the start time tells a pid
-    reused later apart)."""
+    """``(pid, start time)`` of every process below ``pid`` now, whichever thread started it
+    (the start time tells a pid reused later apart)."""
     found: set[tuple[int, str]] = set()
     todo = [pid]
     while todo:
         parent = todo.pop()
-        try:
-            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-        except OSError:
-            continue
-        for child in map(int, children):
+        # Every thread's children: Lithops starts its runner from a thread of its own.
+        children: list[int] = []
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children += map(int, (task / "children").read_text().split())
+            except OSError:
+                continue
+        for child in children:
             start = _start_time(child)
             if start is not None:
                 found.add((child, start))
@@ -242,6 +253,7 @@ def test_a_driver_whose_job_fails_exits_at_once_and_leaves_no_process(
     # the driver alive and its runner went on starting the queued calls.
     env = {k: v for k, v in os.environ.items()
            if k != "RAY_ADDRESS" and not k.startswith("__LITHOPS_")}
+    lithops_files_before = _lithops_job_files()
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER_SCRIPT, local_cluster.ray_address, str(tmp_path),
          str(SLOW_MAPPER_S)],
@@ -263,6 +275,10 @@ def test_a_driver_whose_job_fails_exits_at_once_and_leaves_no_process(
         assert exited - failed_at < FAIL_FAST_S, json.dumps(
             {"exit_after_failure_s": exited - failed_at})
         assert seen, "the driver started no process (Lithops' runner at least)"
+        # Its data in Lithops' storage was deleted before it exited, not handed to Lithops'
+        # cleaner: that detached process works through every pending request on the machine,
+        # 5 s per prefix, and outlived the driver by minutes when others' requests piled up.
+        assert not _lithops_job_files() - lithops_files_before
         left = _alive(seen)
         give_up = time.monotonic() + LEFTOVER_WAIT_S
         while left and time.monotonic() < give_up:

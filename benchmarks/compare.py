@@ -398,6 +398,30 @@ def run(
     return result
 
 
+def narrowed(plan: Plan, *, sizes: str | None, clients: str | None) -> Plan:
+    """``plan`` with only the single cells of ``sizes`` and ``clients`` (comma-separated; each
+    ``None`` keeps the plan's) and no batch cells; ``plan`` itself when both are ``None``. A
+    narrowed run is named ``<mode>-cells``, so it never replaces a full run's LATEST.md."""
+    if sizes is None and clients is None:
+        return plan
+    from pocketflow.config import parse_size
+    from pocketflow.errors import ConfigError
+
+    try:
+        sizes_bytes = (plan.sizes_bytes if sizes is None else
+                       tuple(parse_size(s.strip(), name="--sizes") for s in sizes.split(",")))
+        counts = (plan.clients if clients is None else
+                  tuple(int(c) for c in clients.split(",")))
+    except (ConfigError, ValueError) as exc:
+        raise ValueError(f"bad --sizes or --clients: {exc}") from exc
+    if not sizes_bytes or min(sizes_bytes) <= 0 or not counts or min(counts) <= 0:
+        raise ValueError("--sizes and --clients take positive values")
+    return dataclasses.replace(
+        plan, mode=f"{plan.mode}-cells", sizes_bytes=sizes_bytes, clients=counts,
+        batch_clients=(), round_bytes_max=max(plan.round_bytes_max, max(sizes_bytes)),
+    )
+
+
 def _versions(peers: dict[str, Any]) -> dict[str, str | None]:
     versions: dict[str, str | None] = {"pocketflow": pocketflow_version()}
     for name in ("redis", "s3"):
@@ -446,6 +470,12 @@ def main_from_args(args: argparse.Namespace) -> int:
         print(f"unknown peers {unknown}; choose from {', '.join(known)}", file=sys.stderr)
         return 2
     plan = QUICK if args.mode == "quick" else FULL
+    try:
+        plan = narrowed(plan, sizes=getattr(args, "sizes", None),
+                        clients=getattr(args, "clients", None))
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     if getattr(args, "tls", False):
         names += [n for n in TLS_PEER_NAMES if n not in names]
         # What TLS costs is asked at 1 KiB, 1 MiB and 64 MiB.

@@ -19,7 +19,8 @@ TLS_PEER_NAMES = ("pocketflow-dram-plain", "pocketflow-dram-tls")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--quick`` (default) or ``--full``, ``--peers``, ``--out``, ``--no-plots``."""
+    """``--quick`` (default) or ``--full``, ``--peers``, ``--out``, ``--no-plots``, ``--sizes``,
+    ``--clients``, ``--tls``."""
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
                       help="smoke run, under 2 minutes (default)")
@@ -31,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR,
                         help=f"directory for the results (default {RESULTS_DIR})")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--sizes", default=None, metavar="SIZES",
+                        help="run only the single cells of these object sizes, comma-separated "
+                        "(e.g. 64MiB), and no batch cells")
+    parser.add_argument("--clients", default=None, metavar="COUNTS",
+                        help="run only the single cells of these client counts, comma-separated "
+                        "(e.g. 1), and no batch cells")
     parser.add_argument("--tls", action="store_true",
                         help="also run one standalone DRAM server in plaintext and one with TLS "
                         "(pocketflow-dram-plain, pocketflow-dram-tls) and report what TLS costs")

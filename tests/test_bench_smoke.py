@@ -138,6 +138,23 @@ class _DictClient:
             del self.objects[key]
 
 
+def test_sizes_and_clients_narrow_a_run_to_those_single_cells() -> None:
+    """``--sizes 64MiB --clients 1``: the 64 MiB one-client cells only, under a name that never
+    replaces a full run's LATEST.md; bad values are refused."""
+    args = compare.build_parser().parse_args(["--full", "--sizes", "64MiB", "--clients", "1"])
+    plan = compare.narrowed(compare.FULL, sizes=args.sizes, clients=args.clients)
+    assert compare.cell_grid(plan) == [(64 * 1024 * 1024, 1, False)]
+    assert plan.mode == "full-cells"
+    assert plan.cells_per_peer() == 2
+    assert plan.ops_per_client(64 * 1024 * 1024, 1) >= 1
+    assert compare.narrowed(compare.QUICK, sizes=None, clients=None) is compare.QUICK
+    only_clients = compare.narrowed(compare.QUICK, sizes=None, clients="4")
+    assert compare.cell_grid(only_clients) == [(s, 4, False) for s in compare.QUICK.sizes_bytes]
+    for sizes, clients in (("64 lumps", None), ("0", None), (None, "one"), (None, "0")):
+        with pytest.raises(ValueError):
+            compare.narrowed(compare.QUICK, sizes=sizes, clients=clients)
+
+
 def test_run_phase_times_each_operation_and_batch() -> None:
     client = _DictClient()
     keys = [f"p/{i}" for i in range(10)]

@@ -5,6 +5,9 @@ read into one is refused and leaves it as it was, at the public API (``ValueErro
 
 from __future__ import annotations
 
+import resource
+from pathlib import Path
+
 import pytest
 
 from pocketflow.client import Client
@@ -45,3 +48,34 @@ def test_a_read_into_bytes_is_refused_and_changes_nothing(client: Client) -> Non
         into = bytearray(len(value))
         assert client.get_into("b", key, into) == len(value)
         assert bytes(into) == value
+
+
+HUGE_READ_BYTES = 48 * 1024 * 1024
+"""Above glibc's largest mmap threshold (32 MiB): every such ``bytes`` is a fresh mapping."""
+PAGE_BYTES = 4096
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _huge_pages_off() -> bool:
+    try:
+        return "[never]" in THP_SETTING.read_text()
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(_huge_pages_off(), reason="transparent huge pages are off on this kernel")
+def test_a_large_get_faults_its_fresh_bytes_in_by_huge_pages(client: Client) -> None:
+    """A ``get()`` above 32 MiB returns a ``bytes`` that glibc maps afresh for it; filled 4 KiB
+    page by page it costs one page fault (and one page clear) per 4 KiB, most of the call's CPU
+    time. Its memory asks for huge pages, so the faults are a small fraction of that (a count,
+    not a speed: the 4 KiB pages at the unaligned ends of the mapping still fault one by one)."""
+    client.create_bucket("b")
+    value = bytes(range(256)) * (HUGE_READ_BYTES // 256)
+    client.put("b", "huge", value)
+    assert client.get("b", "huge") == value
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    read = client.get("b", "huge")
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert read == value
+    pages = HUGE_READ_BYTES // PAGE_BYTES
+    assert faults < pages // 4, f"{faults} page faults for {pages} pages of 4 KiB"

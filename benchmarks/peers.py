@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -179,8 +180,9 @@ class S3Spec:
         return S3Client(self)
 
 
-def _boto3_client(endpoint_url: str) -> Any:
-    """An unsigned boto3 S3 client without checksums or retries.
+def _boto3_client(endpoint_url: str, credentials: tuple[str, str] | None = None) -> Any:
+    """An unsigned boto3 S3 client without checksums or retries (signed with ``credentials``,
+    an access key and secret, when given).
 
     Over plain HTTP botocore would hash every payload with SHA-256 to sign it, and recent
     versions add a CRC32 to every request; neither Redis nor pocketflow's data path pays that,
@@ -191,7 +193,7 @@ def _boto3_client(endpoint_url: str) -> Any:
     from botocore.config import Config
 
     config = Config(
-        signature_version=UNSIGNED,
+        signature_version=UNSIGNED if credentials is None else None,
         retries={"max_attempts": 1, "mode": "standard"},
         connect_timeout=CLIENT_TIMEOUT_S,
         read_timeout=CLIENT_TIMEOUT_S,
@@ -199,7 +201,10 @@ def _boto3_client(endpoint_url: str) -> Any:
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
-    return boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1", config=config)
+    keys = ({} if credentials is None else
+            {"aws_access_key_id": credentials[0], "aws_secret_access_key": credentials[1]})
+    return boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1", config=config,
+                        **keys)
 
 
 class S3Client:
@@ -565,10 +570,15 @@ class S3Peer(_ServerPeer):
         "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc",
     )
 
-    def __init__(self, binary: str | None = None, *, volume_size_limit_mb: int = 1024) -> None:
+    def __init__(self, binary: str | None = None, *, volume_size_limit_mb: int = 1024,
+                 credentials: tuple[str, str] | None = None) -> None:
+        """``credentials`` (an access key and its secret): the gateway's one identity, allowed
+        everything; requests must then be signed with it (none: no identities, anonymous
+        requests do anything)."""
         super().__init__()
         self.binary = binary or weed_binary()
         self.volume_size_limit_mb = volume_size_limit_mb
+        self.credentials = credentials
         self._spec: S3Spec | None = None
         self._ports: dict[str, int] = {}
         self.notes.append("boto3 requests unsigned, no checksums (SeaweedFS without identities)")
@@ -593,6 +603,15 @@ class S3Peer(_ServerPeer):
                 f"-s3.localSocket={work / 's3.sock'}",
                 *(f"-{name}={port}" for name, port in self._ports.items()),
             ]
+            if self.credentials is not None:
+                config = work / "s3-identities.json"
+                config.write_text(json.dumps({"identities": [{
+                    "name": "pocketflow-test",
+                    "credentials": [{"accessKey": self.credentials[0],
+                                     "secretKey": self.credentials[1]}],
+                    "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+                config.chmod(0o600)
+                argv.append(f"-s3.config={config}")
             # weed 4.48 does not finish a graceful shutdown of `weed server` (its filer keeps
             # redialing its own closed socket), and its data is disposable: it is killed.
             self._process = ManagedProcess(
@@ -601,7 +620,8 @@ class S3Peer(_ServerPeer):
             )
             spec = S3Spec(endpoint_url=f"http://127.0.0.1:{self._ports['s3.port']}")
             try:
-                self._process.start(timeout_s=S3_START_TIMEOUT_S, ready=lambda s=spec: _s3_ready(s))
+                self._process.start(timeout_s=S3_START_TIMEOUT_S,
+                                    ready=lambda s=spec: _s3_ready(s, self.credentials))
             except ServerStartError as exc:
                 last = exc
                 self._remove_sockets()
@@ -639,11 +659,11 @@ class S3Peer(_ServerPeer):
         return words[2] if len(words) > 2 and words[0] == "version" else (out or None)
 
 
-def _s3_ready(spec: S3Spec) -> bool:
+def _s3_ready(spec: S3Spec, credentials: tuple[str, str] | None = None) -> bool:
     """Whether the gateway can create the bucket and store and read one object."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    s3 = _boto3_client(spec.endpoint_url)
+    s3 = _boto3_client(spec.endpoint_url, credentials)
     try:
         try:
             s3.create_bucket(Bucket=spec.bucket)

@@ -369,6 +369,114 @@ def _kill_while_claimed(spec: CacheSpec, cache: CacheClient, bucket: str, key: s
     pytest.fail("the filler never held its claim when killed")
 
 
+HELD_FILLER = """
+import sys, threading
+from pocketflow.cache import connect
+spec_json, bucket, held_at = sys.stdin.read().split("\\n")
+cache = connect(spec_json)
+# A barrier, not a stand-in: the fill's writes stop at the moment under test and the process
+# is killed there.
+setattr(cache, held_at, lambda *args, **kwargs: threading.Event().wait())
+data = cache.get(bucket, "k")
+print(len(data), flush=True)
+threading.Event().wait()
+"""
+
+
+@pytest.mark.parametrize("held_at", ["_publish", "_finish_fills"])
+def test_a_filler_killed_after_its_s3_answer_is_taken_over(
+        cache_spec: CacheSpec, s3: Any, s3_bucket: str, held_at: str) -> None:
+    """The worst moment of a miss: its reader has the bytes from S3 and its process is killed
+    before the publisher wrote the fill (``_publish``: nothing written) or after it wrote the
+    entry and meta but not the outcome (``_finish_fills``). No entry is served torn, and the key
+    is not left claimed: the next reader has its bytes within ``claim_ms`` and a wait slice."""
+    from dataclasses import replace
+
+    from pocketflow.cache.client import WAIT_SLICE_S
+
+    spec = replace(cache_spec, claim_ms=1500)
+    data = os.urandom(64 * 1024)
+    s3.put_object(Bucket=s3_bucket, Key="k", Body=data)
+    ckey = cache_key(s3_bucket, "k")
+    with _cache(spec) as cache:
+        proc = _spawn(HELD_FILLER, f"{spec.to_json()}\n{s3_bucket}\n{held_at}")
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == str(len(data))
+            if held_at == "_finish_fills":  # killed once its publisher wrote entry and meta
+                assert _wait_until(lambda: cache.client.exists(META_BUCKET, ckey), 60.0)
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        assert cache.client.exists(CLAIM_BUCKET, ckey)
+        assert cache.client.exists(META_BUCKET, ckey) == (held_at == "_finish_fills")
+        started = time.monotonic()
+        assert cache.get(s3_bucket, "k") == data
+        waited_s = time.monotonic() - started
+        assert waited_s < spec.claim_ms / 1000 + WAIT_SLICE_S + 20.0  # slack for a loaded machine
+        if held_at == "_finish_fills":
+            # Entry and meta were written: a hit, the dead fill's claim never waited on...
+            assert cache.stats.fresh == 1 and cache.stats.steals == 0
+            # ...until the key misses again: then it is taken over once it lapsed.
+            cache.invalidate(s3_bucket, "k")
+            started = time.monotonic()
+            assert cache.get(s3_bucket, "k") == data
+            assert time.monotonic() - started < spec.claim_ms / 1000 + WAIT_SLICE_S + 20.0
+        assert cache.stats.steals == 1
+        cache.flush()
+        assert not cache.client.exists(CLAIM_BUCKET, ckey)
+        gets = _gets()
+        assert cache.get(s3_bucket, "k") == data and _gets() == gets
+
+
+UNFLUSHED_FILLER = """
+import sys
+from pocketflow.cache import connect
+spec_json, bucket = sys.stdin.read().split("\\n")
+cache = connect(spec_json)
+assert len(cache.get(bucket, "k")) > 0
+# Ends without flush() or close(): the fill is still the publisher thread's.
+"""
+
+
+def test_a_process_that_ends_without_flush_leaves_its_fill_written(
+        cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
+    data = os.urandom(4 * 1024 * 1024)
+    s3.put_object(Bucket=s3_bucket, Key="k", Body=data)
+    _run(UNFLUSHED_FILLER, f"{cache_spec.to_json()}\n{s3_bucket}")
+    ckey = cache_key(s3_bucket, "k")
+    with _cache(cache_spec) as cache:
+        assert not cache.client.exists(CLAIM_BUCKET, ckey)
+        gets = _gets()
+        assert cache.get(s3_bucket, "k") == data
+        assert _gets() == gets and cache.stats.fresh == 1
+
+
+def test_claims_held_ahead_are_moved_on_until_their_fill(
+        cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
+    """A prewarm that claimed a key ahead and reaches it only after three claim times: the
+    reader waiting on it waits for the prewarm's fill instead of taking the claim over and
+    fetching the key a second time."""
+    from dataclasses import replace
+
+    spec = replace(cache_spec, claim_ms=1500)
+    data = os.urandom(64 * 1024)
+    s3.put_object(Bucket=s3_bucket, Key="k", Body=data)
+    gets = _gets()
+    with _cache(spec) as prewarm, _cache(spec) as reader:
+        assert prewarm.claim_ahead(s3_bucket, ["k"]) == 1
+        got: list[Any] = []
+        thread = threading.Thread(target=lambda: got.append(reader.get(s3_bucket, "k")))
+        thread.start()
+        time.sleep(3 * spec.claim_ms / 1000)
+        assert thread.is_alive()  # still waiting for the prewarm
+        assert prewarm.prefetch(s3_bucket, ["k"]) == 1
+        thread.join(60.0)
+        assert got == [data]
+        assert reader.stats.steals == 0 and reader.stats.waited == 1
+    assert _gets() - gets == 1
+
+
 # -- helpers --------------------------------------------------------------------------------
 
 

@@ -218,6 +218,8 @@ class CacheClient:
         self._publisher: ThreadPoolExecutor | None = None
         self._held_lock = threading.Lock()
         self._held: dict[str, Claim] = {}
+        self._held_renewer: threading.Thread | None = None
+        self._held_stop = threading.Event()
         self._pending = threading.Condition()
         self._pending_bytes = 0
         self._pending_fills = 0
@@ -253,6 +255,7 @@ class CacheClient:
         if self._closed:
             return
         self._closed = True
+        self._held_stop.set()
         try:
             self._drain_publisher()
             with self._held_lock:
@@ -369,10 +372,13 @@ class CacheClient:
         """Claim ``keys`` for fills this client will make soon (a prewarm's next keys), so that
         readers of them wait for those fills instead of fetching the keys themselves. A later
         read or :meth:`prefetch` of a key by this client fills it under the claim held; the
-        claims still held when the client closes are removed. A held claim is not moved on
-        before its fill starts: one whose deadline (``claim_ms``) passes first may be taken over
-        by a waiter. Returns how many keys were claimed (a key another process claimed, or past
-        ``HELD_CLAIMS_MAX`` held, is not)."""
+        claims still held when the client closes are removed. While claims are held a thread
+        of the client moves their deadlines on (:meth:`renew_held`, every quarter of
+        ``claim_ms``; a fill's own download does every third), so a prewarm far behind its
+        window is still waited for; if this process dies they lapse within ``claim_ms`` and
+        waiters take them over. Returns how
+        many keys were claimed (a key another process claimed, or past ``HELD_CLAIMS_MAX``
+        held, is not)."""
         ckeys = list(dict.fromkeys(cache_key(bucket, k) for k in keys))
         with self._held_lock:
             ckeys = [c for c in ckeys if c not in self._held]
@@ -397,7 +403,51 @@ class CacheClient:
         with self._held_lock:
             for c in won:
                 self._held[c] = mine[c]
+            start = bool(won) and (self._held_renewer is None
+                                   or not self._held_renewer.is_alive())
+            if start and not self._closed:
+                self._held_renewer = threading.Thread(
+                    target=self._renew_held_loop, daemon=True,
+                    name=f"pocketflow-cache-claims-{self.spec.name}")
+                self._held_renewer.start()
         return len(won)
+
+    def _renew_held_loop(self) -> None:
+        """Move the held claims on every quarter of ``claim_ms`` until none is held or the
+        client closes."""
+        period_s = self.spec.claim_ms / 4000
+        while not self._held_stop.wait(period_s):
+            with self._held_lock:
+                if not self._held:
+                    self._held_renewer = None
+                    return
+            self.renew_held()
+
+    def renew_held(self) -> int:
+        """Move on the deadlines of the claims held ahead that have less than two thirds of
+        ``claim_ms`` left (and more than a sixth of it, at most ``HELD_CLAIM_MARGIN_MS``: one
+        nearer its deadline may have been taken over, and its fill reads it back); returns how
+        many were moved."""
+        now_ms = _now_ms()
+        claim_ms = self.spec.claim_ms
+        margin_ms = min(HELD_CLAIM_MARGIN_MS, claim_ms // 6)
+        # Under the lock, so that a claim a fill takes (and a publisher then removes) is never
+        # written again after its removal.
+        with self._held_lock:
+            due = {c: claim for c, claim in self._held.items()
+                   if margin_ms < claim.deadline_ms - now_ms < claim_ms * 2 // 3}
+            if not due:
+                return 0
+            moved = {c: Claim(claim.fill_id, now_ms + claim_ms, claim.owner)
+                     for c, claim in due.items()}
+            try:
+                self._put_all(CLAIM_BUCKET, [(c, m.encode()) for c, m in moved.items()],
+                              overwrite=True)
+            except PocketflowError as exc:
+                log.info("cache %s: held claims not moved on (%s)", self.spec.name, exc)
+                return 0
+            self._held.update(moved)
+        return len(moved)
 
     def _take_held(self, ckeys: list[str]) -> dict[str, Claim]:
         with self._held_lock:

@@ -1,0 +1,279 @@
+"""The cache's S3 GETs on pooled connections (``pocketflow.cache.http_get``, used by
+``S3Store.get``): the same answers as boto3's against a real S3 server (SeaweedFS), signed with
+real credentials against one that checks them, and every way an HTTP exchange fails (a server
+of the test's own on loopback that hangs, drops a kept-alive connection, cuts a body short or
+answers 503) as a typed error or a retry, within the source's timeouts and attempts."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from fixtures_s3 import REPO_ROOT, boto3_client
+
+from pocketflow.cache.source import BODY_CHUNK_BYTES, NOT_MODIFIED, Fetched, S3Source, S3Store
+from pocketflow.errors import (
+    S3AccessDenied,
+    S3BucketNotFound,
+    S3ObjectNotFound,
+    S3Unavailable,
+)
+
+ODD_KEYS = ["plain", "with space/and+plus", "ünïcode/é", "tilde~and%percent", "a/b/c?d=e&f"]
+FAULT_TIMEOUT_S = 1.0
+"""Read timeout of the sources aimed at the test's own misbehaving servers."""
+SERVE_SLACK_S = 10.0
+
+
+def test_raw_gets_answer_as_boto3_does(s3_server: S3Source, s3_bucket: str) -> None:
+    s3 = boto3_client(s3_server)
+    for i, key in enumerate(ODD_KEYS):
+        s3.put_object(Bucket=s3_bucket, Key=key, Body=key.encode() * (i + 1))
+    raw = S3Store(s3_server)
+    boto = S3Store(replace(s3_server, raw_get=False))
+    for key in ODD_KEYS:
+        got, expected = raw.get(s3_bucket, key), boto.get(s3_bucket, key)
+        assert isinstance(got, Fetched) and got == expected
+        assert raw.get(s3_bucket, key, if_none_match=got.etag) is NOT_MODIFIED
+        assert raw.get(s3_bucket, key, if_none_match="0" * 32) == expected
+    with pytest.raises(S3ObjectNotFound):
+        raw.get(s3_bucket, "absent")
+    with pytest.raises(S3BucketNotFound):
+        raw.get(s3_bucket + "-absent", "absent")
+    # Listings: the same keys (url-encoded on the wire), ETags and sizes as boto3 lists.
+    assert raw.list_objects(s3_bucket) == boto.list_objects(s3_bucket)
+    assert sorted(k for k, _ in raw.list_objects(s3_bucket)) == sorted(ODD_KEYS)
+    asked = sorted(ODD_KEYS)[1:] + ["absent"]
+    assert raw.list_keys(s3_bucket, asked) == boto.list_keys(s3_bucket, asked)
+    with pytest.raises(S3BucketNotFound):
+        raw.list_objects(s3_bucket + "-absent")
+    # A body larger than one piece is read in pieces, with on_progress between them.
+    big = bytes(range(256)) * ((BODY_CHUNK_BYTES + 12345) // 256)
+    s3.put_object(Bucket=s3_bucket, Key="big", Body=big)
+    ticks: list[int] = []
+    fetched = raw.get(s3_bucket, "big", on_progress=lambda: ticks.append(1))
+    assert isinstance(fetched, Fetched) and fetched.data == big and len(ticks) == 2
+    s3.close()
+
+
+def test_raw_listings_go_on_across_pages(s3_server: S3Source, s3_bucket: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pocketflow.cache.source import LIST_PAGE_KEYS
+
+    s3 = boto3_client(s3_server)
+    keys = [f"k/{i:05d}" for i in range(LIST_PAGE_KEYS + 30)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: s3.put_object(Bucket=s3_bucket, Key=k, Body=b"x"), keys))
+    raw = S3Store(s3_server)
+    assert raw.list_objects(s3_bucket, "k/") == [(k, 1) for k in keys]
+    revalidated = raw.list_keys(s3_bucket, keys[10:])
+    assert sorted(revalidated.found) == keys[10:] and not revalidated.absent
+    assert revalidated == S3Store(replace(s3_server, raw_get=False)).list_keys(s3_bucket,
+                                                                               keys[10:])
+    s3.close()
+
+
+def test_raw_gets_keep_their_connections(s3_server: S3Source, s3_bucket: str) -> None:
+    """Sequential GETs, answered or not found, share one kept-alive connection."""
+    source = replace(s3_server, read_timeout_s=29.0)  # a getter of this test's own
+    boto3_client(source).put_object(Bucket=s3_bucket, Key="k", Body=b"v")
+    store = S3Store(source)
+    for _ in range(20):
+        assert store.get(s3_bucket, "k").data == b"v"  # type: ignore[union-attr]
+        with pytest.raises(S3ObjectNotFound):
+            store.get(s3_bucket, "absent")
+    from pocketflow.cache.source import _getter
+
+    assert _getter(source).opened == 1
+
+
+# -- a misbehaving server of the test's own ------------------------------------------------------
+
+
+class _Server:
+    """One loopback listener; each accepted connection runs ``serve(connection, index)``."""
+
+    def __init__(self, serve: Callable[[socket.socket, int], None]) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.port = self._listener.getsockname()[1]
+        self._serve = serve
+        self._stop = threading.Event()
+        self.accepted = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            self.accepted += 1
+            index = self.accepted
+            threading.Thread(target=self._handle, args=(connection, index), daemon=True).start()
+
+    def _handle(self, connection: socket.socket, index: int) -> None:
+        connection.settimeout(SERVE_SLACK_S)
+        try:
+            self._serve(connection, index)
+        except OSError:
+            pass
+        finally:
+            connection.close()
+
+    def source(self, attempts: int = 1) -> S3Source:
+        return S3Source(endpoint_url=f"http://127.0.0.1:{self.port}", unsigned=True,
+                        attempts=attempts, read_timeout_s=FAULT_TIMEOUT_S,
+                        connect_timeout_s=FAULT_TIMEOUT_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(SERVE_SLACK_S)
+        self._listener.close()
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Callable[[socket.socket, int], None]], _Server]]:
+    servers: list[_Server] = []
+
+    def start(handler: Callable[[socket.socket, int], None]) -> _Server:
+        servers.append(_Server(handler))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def _read_request(connection: socket.socket) -> bool:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = connection.recv(65536)
+        if not piece:
+            return False
+        data += piece
+    return True
+
+
+def _answer(status: str, body: bytes, *, length: int | None = None) -> bytes:
+    size = len(body) if length is None else length
+    return (f"HTTP/1.1 {status}\r\nETag: \"e1\"\r\nContent-Length: {size}\r\n\r\n").encode() + body
+
+
+def test_a_server_that_never_answers_is_unavailable_within_the_read_timeout(serve: Any) -> None:
+    hold = threading.Event()
+    server = serve(lambda connection, _: (_read_request(connection), hold.wait(SERVE_SLACK_S)))
+    started = time.monotonic()
+    with pytest.raises(S3Unavailable):
+        S3Store(server.source()).get("b", "k")
+    hold.set()
+    assert time.monotonic() - started < FAULT_TIMEOUT_S + SERVE_SLACK_S / 2
+
+
+def test_a_dropped_kept_alive_connection_is_sent_again(serve: Any) -> None:
+    """The server closes each connection after one answer without saying so (as an idle
+    timeout does): the next GET finds its pooled connection dead and sends again on a new one,
+    even with one attempt."""
+
+    def one_answer(connection: socket.socket, _: int) -> None:
+        if _read_request(connection):
+            connection.sendall(_answer("200 OK", b"abc"))
+
+    server = serve(one_answer)
+    store = S3Store(server.source(attempts=1))
+    for _ in range(3):
+        assert store.get("b", "k") == Fetched("e1", 3, b"abc")
+    assert server.accepted == 3
+
+
+def test_a_body_cut_short_is_unavailable(serve: Any) -> None:
+    def short(connection: socket.socket, _: int) -> None:
+        if _read_request(connection):
+            connection.sendall(_answer("200 OK", b"abc", length=10))
+
+    with pytest.raises(S3Unavailable):
+        S3Store(serve(short).source()).get("b", "k")
+
+
+def test_server_errors_are_retried_within_the_attempts(serve: Any) -> None:
+    def busy_then_ok(connection: socket.socket, index: int) -> None:
+        while _read_request(connection):
+            if index == 1:
+                error = b"<Error><Code>SlowDown</Code><Message>busy</Message></Error>"
+                connection.sendall(_answer("503 Slow Down", error)
+                                   .replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1))
+                return
+            connection.sendall(_answer("200 OK", b"ok"))
+
+    server = serve(busy_then_ok)
+    assert S3Store(server.source(attempts=2)).get("b", "k") == Fetched("e1", 2, b"ok")
+    server2 = serve(busy_then_ok)
+    with pytest.raises(S3Unavailable) as caught:
+        S3Store(server2.source(attempts=1)).get("b", "k")
+    assert caught.value.code == "SlowDown"
+
+
+def test_a_refused_connection_is_unavailable() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+    source = S3Source(endpoint_url=f"http://127.0.0.1:{port}", unsigned=True, attempts=1,
+                      connect_timeout_s=FAULT_TIMEOUT_S)
+    with pytest.raises(S3Unavailable):
+        S3Store(source).get("b", "k")
+
+
+# -- signed requests ------------------------------------------------------------------------------
+
+ACCESS_KEY = "AKIDPOCKETFLOWTEST"
+SECRET_KEY = "pocketflow-test-secret"
+
+
+@pytest.fixture(scope="module")
+def signed_server() -> Iterator[str]:
+    """A SeaweedFS gateway with one identity: unsigned or wrongly signed requests are refused."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks.peers import S3Peer
+
+    peer = S3Peer(credentials=(ACCESS_KEY, SECRET_KEY))
+    peer.start()
+    try:
+        yield peer.spec().endpoint_url
+    finally:
+        peer.stop()
+
+
+def test_signed_raw_gets(signed_server: str, monkeypatch: pytest.MonkeyPatch,
+                         tmp_path: Any) -> None:
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    source = S3Source(endpoint_url=signed_server, attempts=1)
+    writer = S3Store(replace(source, raw_get=False))
+    writer.create_bucket("signed")
+    etags = {key: writer.put("signed", key, key.encode()) for key in ODD_KEYS}
+    store = S3Store(source)
+    from pocketflow.cache.source import _getter
+
+    assert _getter(source).signs
+    for key in ODD_KEYS:
+        assert store.get("signed", key) == Fetched(etags[key], len(key.encode()), key.encode())
+        assert store.get("signed", key, if_none_match=etags[key]) is NOT_MODIFIED
+    with pytest.raises(S3ObjectNotFound):
+        store.get("signed", "absent")
+    assert store.list_objects("signed") == [(k, len(k.encode())) for k in sorted(ODD_KEYS)]
+    assert sorted(store.list_keys("signed", sorted(ODD_KEYS)[1:]).found) == sorted(ODD_KEYS)[1:]
+    with pytest.raises(S3AccessDenied):
+        S3Store(replace(source, unsigned=True)).get("signed", ODD_KEYS[0])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(S3AccessDenied):
+        S3Store(replace(source, read_timeout_s=31.0)).get("signed", ODD_KEYS[0])

@@ -42,7 +42,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -573,25 +573,46 @@ class CacheClient:
         misses += self._read_entries(bucket, keys, ckeys, values, results, counter="fresh",
                                      want_data=want_data)
         if stale:
-            revalidated, more_misses = self._revalidate(bucket, keys, ckeys, stale, results)
+            # The entries of stale values are read while S3 is asked about them (most are
+            # unchanged): the read costs the longer of the two, not their sum.
+            early = None
+            if want_data:
+                names = [entry_key(ckeys[i], m.etag) for i, m in stale
+                         if m.state == STATE_VALUE]
+                if names:
+                    early = (names, self._threads().submit(self._pf.get_each, ENTRY_BUCKET,
+                                                           names))
+            renewals: list[Future[None]] = []
+            revalidated, more_misses = self._revalidate(bucket, keys, ckeys, stale, results,
+                                                        renewals)
             misses += self._read_entries(bucket, keys, ckeys, revalidated, results,
-                                         counter="revalidated", want_data=want_data)
+                                         counter="revalidated", want_data=want_data,
+                                         early=_early_entries(early))
             misses += more_misses
+            for renewal in renewals:
+                renewal.result()
         if misses:
             again += self._fill(bucket, keys, ckeys, misses, results)
         return again
 
     def _read_entries(self, bucket: str, keys: list[str], ckeys: list[str],
                       found: list[tuple[int, Meta]], results: list[Result | None], *,
-                      counter: str, want_data: bool = True) -> list[tuple[int, Meta]]:
+                      counter: str, want_data: bool = True,
+                      early: dict[str, Any] | None = None) -> list[tuple[int, Meta]]:
         """Read the entries ``found`` point at (without ``want_data``, only look them up);
-        returns those whose entry went away (evicted or replaced since their meta was read)."""
+        returns those whose entry went away (evicted or replaced since their meta was read).
+        ``early``: entries read already, by name (one not there is read now)."""
         if not found:
             return []
         names = [entry_key(ckeys[i], m.etag) for i, m in found]
         try:
-            if want_data:
-                datas: list[Any] = self._pf.get_each(ENTRY_BUCKET, names)
+            if want_data and early:
+                rest = [name for name in names if name not in early]
+                read = dict(zip(rest, self._pf.get_each(ENTRY_BUCKET, rest) if rest else [],
+                                strict=True))
+                datas: list[Any] = [early[n] if n in early else read[n] for n in names]
+            elif want_data:
+                datas = self._pf.get_each(ENTRY_BUCKET, names)
             else:
                 absent = set(self._pf.wait_for(ENTRY_BUCKET, names, timeout_s=0))
                 datas = [ObjectNotFound(name) if name in absent else None for name in names]
@@ -628,9 +649,11 @@ class CacheClient:
 
     def _revalidate(self, bucket: str, keys: list[str], ckeys: list[str],
                     stale: list[tuple[int, Meta]], results: list[Result | None],
+                    renewals: list[Future[None]],
                     ) -> tuple[list[tuple[int, Meta]], list[tuple[int, Meta | None]]]:
-        """Ask S3 about stale entries. Returns the unchanged ones (their meta renewed) and the
-        misses; changed keys whose new bytes came back are refilled and their results set."""
+        """Ask S3 about stale entries. Returns the unchanged ones (their meta being renewed:
+        the write is added to ``renewals``) and the misses; changed keys whose new bytes came
+        back are refilled and their results set."""
         sent_ms = _now_ms()
         unchanged: list[tuple[int, Meta]] = []
         misses: list[tuple[int, Meta | None]] = []
@@ -679,11 +702,17 @@ class CacheClient:
                 results[i] = self._missing(bucket, keys[i], fresh=False)
         if unchanged:
             renewed = [(i, Meta(m.state, m.etag, m.size, sent_ms)) for i, m in unchanged]
-            try:
-                self._put_all(META_BUCKET, [(ckeys[i], m.encode()) for i, m in renewed],
-                              overwrite=True)
-            except PocketflowError as exc:
-                log.debug("cache %s: renewing validations failed: %s", self.spec.name, exc)
+            records = [(ckeys[i], m.encode()) for i, m in renewed]
+
+            def renew() -> None:
+                try:
+                    self._put_all(META_BUCKET, records, overwrite=True)
+                except PocketflowError as exc:
+                    log.debug("cache %s: renewing validations failed: %s", self.spec.name, exc)
+
+            # While the entries are read: the read needs S3's answer, not its record (the
+            # round waits for it before it returns, so this client's next read finds it).
+            renewals.append(self._threads().submit(renew))
             missing_now = [(i, m) for i, m in renewed if m.state == STATE_MISSING]
             for i, _ in missing_now:
                 results[i] = self._missing(bucket, keys[i], fresh=False)
@@ -810,6 +839,12 @@ class CacheClient:
 
     def _publish_later(self, bucket: str, fill: list[Any], sent_ms: int, held_bytes: int) -> None:
         """Queue ``fill`` for the publisher thread, within ``PUBLISH_PENDING_BYTES_MAX``."""
+        self._later(lambda: self._publish(bucket, fill, sent_ms), held_bytes)
+
+    def _later(self, work: Callable[[], None], held_bytes: int = 0) -> None:
+        """Run ``work`` (writes to the cache that no reader of this client waits for) on the
+        publisher thread, in the order queued; ``held_bytes`` it holds count against
+        ``PUBLISH_PENDING_BYTES_MAX``."""
         with self._pending:
             while self._pending_fills and (self._pending_bytes + held_bytes
                                            > PUBLISH_PENDING_BYTES_MAX):
@@ -823,7 +858,7 @@ class CacheClient:
 
         def run() -> None:
             try:
-                self._publish(bucket, fill, sent_ms)
+                work()
             except Exception as exc:  # noqa: BLE001 - claims lapse and are taken over; logged
                 log.warning("cache %s: publishing a fill failed: %s", self.spec.name, exc)
             finally:
@@ -1227,6 +1262,19 @@ def _chunks(items: list[Any], size_of: Callable[[Any], int]) -> list[list[Any]]:
     if current:
         chunks.append(current)
     return chunks
+
+
+def _early_entries(early: tuple[list[str], Any] | None) -> dict[str, Any] | None:
+    """The entries a speculative read returned, by name (None if it failed: they are read
+    again)."""
+    if early is None:
+        return None
+    names, future = early
+    try:
+        return dict(zip(names, future.result(), strict=True))
+    except PocketflowError as exc:
+        log.debug("cache: reading entries while revalidating failed: %s", exc)
+        return None
 
 
 def _claim_id(raw: Any) -> str | None:

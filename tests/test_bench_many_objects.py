@@ -14,9 +14,11 @@ from pocketflow_lithops.shuffle_executors import RayShuffleExecutor
 from benchmarks.many_objects import (
     PERIODIC_CALLS,
     controller_calls,
+    markdown,
     run_shape,
     server_memory_per_object,
     shuffle_calls,
+    summarize,
 )
 from pocketflow.cluster import LocalCluster
 from pocketflow.control.leases import LEASE_MS_DEFAULT
@@ -71,3 +73,36 @@ def test_the_servers_memory_per_object_is_measured(
     measured = server_memory_per_object(local_cluster, objects=2048, object_bytes=object_bytes)
     assert measured["objects_stored"] == 2048, measured
     assert measured["rss_growth_bytes"] >= 0, measured
+
+
+def _run(tasks: int, job_s: float, renewals: int, repeat: int = 0) -> dict[str, object]:
+    """A shuffle's figures as ``run_shape`` reports them: registration and deregistration, and
+    ``renewals`` lease renewals over ``job_s``."""
+    calls = {"register_job": 1, "deregister_job": 1, "renew_lease": renewals}
+    return {"mappers": tasks, "objects": tasks * tasks, "object_bytes": 16, "job_s": job_s,
+            "repeat": repeat, "map_writes_s_mean": 0.0, "reduce_reads_s_mean": 0.0,
+            "reduce_parked_s_mean": 0.0, "ok": True, "controller_calls": calls,
+            "controller_calls_total": sum(calls.values()), "controller_calls_per_job": 2,
+            "controller_calls_per_object": 2 / (tasks * tasks), "controller_renewals": renewals,
+            "controller_renewals_per_s": renewals / job_s}
+
+
+def test_a_longer_shuffle_s_renewals_do_not_count_as_calls_growing_with_objects() -> None:
+    # The wide shuffle ran longer and so renewed its lease more often: that is per second, not
+    # per object (the quiet run said "controller calls grow with objects: yes" for it).
+    runs = [_run(256, job_s=5.3, renewals=2), _run(16, job_s=1.5, renewals=1)]
+    memory = [{"objects": 4096, "objects_stored": 4096, "object_bytes": 0,
+               "rss_growth_bytes": 819_200, "rss_growth_per_object": 200.0}]
+    summary = summarize(runs, memory, wide=256, narrow=16)
+    assert summary["controller_calls_grow_with_objects"] is False, summary
+    assert summary["256"]["controller_calls_per_job_max"] == 2
+    assert "**no**" in markdown({
+        "config": {"wide": 256, "narrow": 16, "total_bytes": 1 << 30, "tasks_max": 4,
+                   "repeats": 1},
+        "summary": summary, "machine": {"cpu_model": "x", "cores": 2,
+                                        "load_avg_1m_at_start": 0.0},
+        "executor": "ray", "shape": "full", "commit": {"commit": None}, "started": "now",
+        "duration_s": 0.0, "memory": memory})
+    # A call per object would still show.
+    runs[0]["controller_calls_per_job"] = 65_538
+    assert summarize(runs, memory, wide=256, narrow=16)["controller_calls_grow_with_objects"]

@@ -243,7 +243,7 @@ def shuffle(
         return _run(tasks, job, map_function, reduce_function, map_inputs, reducers,
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
                     reduce_retries, client_options, delete_inputs, timeout_s, layout,
-                    prefix_lease_ms is not None, map_retries)
+                    prefix_lease_ms is not None, map_retries, input_size_bytes)
     hints = Hints(
         max_concurrent_tasks=min(mappers + reducers, 1_000_000),
         data_size_bytes=input_size_bytes,
@@ -254,7 +254,7 @@ def shuffle(
         return _run(tasks, own_job, map_function, reduce_function, map_inputs, reducers,
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
                     reduce_retries, client_options, delete_inputs, timeout_s, layout,
-                    prefix_lease_ms is not None, map_retries)
+                    prefix_lease_ms is not None, map_retries, input_size_bytes)
 
 
 def _run(
@@ -264,19 +264,20 @@ def _run(
     regenerate_rounds_max: int, reduce_retries: int, client_options: dict[str, Any] | None,
     delete_inputs: bool, timeout_s: float | None, layout: str = "objects",
     scoped: bool = False, map_retries: int = MAP_RETRIES_DEFAULT,
+    input_size_bytes: int | None = None,
 ) -> ShuffleResult:
     if not scoped:
         return _run_stages(executor, job, map_function, reduce_function, map_inputs, reducers,
                            persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
                            reduce_retries, client_options, delete_inputs, timeout_s, layout,
-                           map_retries)
+                           map_retries, input_size_bytes)
     prefixes = [reducer_prefix(r) for r in range(reducers)] + [MARKERS_PREFIX]
     job.declare_many([(prefix, (), None) for prefix in prefixes])  # one renewal per server
     with job.keep(prefixes):
         return _run_stages(executor, job, map_function, reduce_function, map_inputs, reducers,
                            persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
                            reduce_retries, client_options, delete_inputs, timeout_s, layout,
-                           map_retries)
+                           map_retries, input_size_bytes)
 
 
 def _run_stages(
@@ -285,6 +286,7 @@ def _run_stages(
     reducers: int, persist_output: bool, output_bucket: str, input_wait_s: float,
     regenerate_rounds_max: int, reduce_retries: int, client_options: dict[str, Any] | None,
     delete_inputs: bool, timeout_s: float | None, layout: str, map_retries: int,
+    input_size_bytes: int | None,
 ) -> ShuffleResult:
     started = time.perf_counter()
     started_unix_s = time.time()
@@ -305,6 +307,10 @@ def _run_stages(
             input_wait_s=input_wait_s,
             client_options=tuple(sorted(options.items())),
             delete_inputs=delete_inputs,
+            # What one task writes or reads, where the input size is known: an executor may
+            # run small calls several to a task.
+            call_bytes=None if input_size_bytes is None else
+            input_size_bytes // min(len(map_inputs), reducers),
         )
         if layout == "append":
             return run_append_layout(executor, pf, job.job_id, map_function, reduce_function,
@@ -492,7 +498,9 @@ def _collect(
                 log.warning("%s failed (%s: %s); submitting it again (%d retries left)",
                             _task_name(call), type(exc).__name__, exc, left[index])
                 submitted[i] = _new_attempt(executor, call)
-                (again,) = executor.submit(_shuffle_task, [submitted[i]])
+                # A mapper run again goes ahead of queued reducers: they would wait for it.
+                (again,) = executor.submit(_shuffle_task, [submitted[i]],
+                                           first=isinstance(call, _MapCall))
                 slot[id(again)] = i
                 every.append(again)
                 pending.append(again)

@@ -15,7 +15,16 @@ function :func:`~pocketflow_lithops.shuffle_tasks._shuffle_task` (or the append 
   before any reducer, so a reducer parked on its inputs only ever holds a slot once every
   mapper has one, and the shuffle cannot deadlock on its own slots. Ray reports a finished task
   as it happens, so no marker is written. Ray does not retry a task itself (``max_retries=0``):
-  the shuffle's driver does, because a retry may need lost inputs regenerated first.
+  the shuffle's driver does, because a retry may need lost inputs regenerated first. A stage
+  with many more calls than slots runs its calls in bundles, several consecutive calls per Ray
+  task one after another (at most ``RAY_BUNDLE_CALLS_MAX``, and at least
+  ``RAY_BUNDLES_PER_SLOT`` bundles per slot so that slots stay evenly busy): each Ray task costs
+  the driver, the raylet and its worker some milliseconds of CPU, which a 256 x 256 shuffle of
+  small objects would otherwise pay 512 times. Only calls known to be small are bundled (the
+  shuffle's input size over its tasks, at most ``RAY_BUNDLE_CALL_BYTES_MAX``). A bundle keeps
+  submission order (so the rule above still holds), gives each call its own outcome or error,
+  and when its process dies every call of it is reported as :class:`TaskProcessDied` and runs
+  again under the shuffle's retry rules.
 
 Lithops is imported only by the Lithops executor and Ray only by the Ray executor: a Ray user
 runs the shuffle without importing Lithops.
@@ -61,6 +70,15 @@ RAY_TASKS_MAX = 4096
 """Most Ray tasks one shuffle keeps running at once (each holds a Ray worker process)."""
 RAY_WAIT_SLICE_S = 1.0
 """Longest one ``ray.wait`` of the driver, so that a timeout and a stop are seen in time."""
+RAY_BUNDLE_CALLS_MAX = 16
+"""Most calls of a stage one Ray task runs, one after another."""
+RAY_BUNDLES_PER_SLOT = 4
+"""A stage is cut into at least this many bundles per slot (``tasks_max``) before calls are
+bundled at all, so that bundles spread evenly over the running tasks."""
+RAY_BUNDLE_CALL_BYTES_MAX = 16 * 1024 * 1024
+"""Calls are bundled only when each moves at most this many bytes (the shuffle's ``call_bytes``,
+known from its input size): a larger call's I/O dwarfs a Ray task's cost, and a bundle of
+large calls would only leave a slot busy longer at the end of the stage."""
 
 
 class TaskProcessDied(PocketflowError):
@@ -76,8 +94,11 @@ class ShuffleExecutor(abc.ABC):
     """Whether reducer attempts write finished markers that :meth:`wait` parks on."""
 
     @abc.abstractmethod
-    def submit(self, task: Callable[[Any], Any], calls: Sequence[Any]) -> list[Any]:
-        """Start ``task(call)`` for every call, in order; one ticket per call."""
+    def submit(self, task: Callable[[Any], Any], calls: Sequence[Any], *,
+               first: bool = False) -> list[Any]:
+        """Start ``task(call)`` for every call, in order; one ticket per call. ``first``: ahead
+        of the calls still queued (a mapper run again, which queued reducers wait for), where
+        the executor keeps its own queue."""
 
     @abc.abstractmethod
     def wait(self, pending: list[Any], calls: list[Any], *, left_s: float | None,
@@ -136,7 +157,9 @@ class LithopsShuffleExecutor(ShuffleExecutor):
         self.fexec = fexec
         self._polls_left = FINISHED_POLLS_MAX
 
-    def submit(self, task: Callable[[Any], Any], calls: Sequence[Any]) -> list[Any]:
+    def submit(self, task: Callable[[Any], Any], calls: Sequence[Any], *,
+               first: bool = False) -> list[Any]:
+        # Lithops' invoker keeps the queue: ``first`` cannot move a call ahead in it.
         return list(self.fexec.map(task, [(call,) for call in calls],
                                    exclude_modules=list(RUNTIME_PACKAGES)))
 
@@ -239,15 +262,50 @@ class LithopsShuffleExecutor(ShuffleExecutor):
             time.sleep(FINISHED_POLL_INTERVAL_S)
 
 
-class _RayTicket:
-    """One submitted call: queued until a slot frees up, then a running Ray task (``ref``)."""
+def run_calls(task: Callable[[Any], Any], calls: Sequence[Any]) -> list[tuple[bool, Any]]:
+    """Run ``task(call)`` for each call in order, in one Ray task: per call, ``(True,
+    outcome)`` or ``(False, the exception it raised)``, so that one call's error does not cost
+    the others their outcomes. The exception carries its traceback as a note (pickling drops
+    the traceback itself)."""
+    import traceback
 
-    __slots__ = ("task", "call", "ref")
+    outcomes: list[tuple[bool, Any]] = []
+    for call in calls:
+        try:
+            outcomes.append((True, task(call)))
+        except Exception as exc:  # noqa: BLE001 - handed to the driver, which raises it
+            exc.add_note("".join(traceback.format_exception(exc)))
+            outcomes.append((False, exc))
+    return outcomes
 
-    def __init__(self, task: Callable[[Any], Any], call: Any) -> None:
+
+class _RayBundle:
+    """Consecutive calls of one stage run by one Ray task (``ref`` once started)."""
+
+    __slots__ = ("task", "tickets", "ref", "outcomes")
+
+    def __init__(self, task: Callable[[Any], Any], tickets: list[_RayTicket]) -> None:
         self.task = task
-        self.call = call
+        self.tickets = tickets
         self.ref: Any = None
+        self.outcomes: list[tuple[bool, Any]] | None = None
+
+
+class _RayTicket:
+    """One submitted call, run by its bundle's Ray task."""
+
+    __slots__ = ("call", "bundle", "index")
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.bundle: _RayBundle | None = None
+        self.index = 0
+        """Where the call is in its bundle."""
+
+    @property
+    def ref(self) -> Any:
+        """The Ray task running this call (``None`` while it is queued)."""
+        return None if self.bundle is None else self.bundle.ref
 
 
 class RayShuffleExecutor(ShuffleExecutor):
@@ -275,35 +333,55 @@ class RayShuffleExecutor(ShuffleExecutor):
         self.tasks_max = tasks_max
         # Ray takes fractions of a CPU below one, to four decimals, and whole CPUs above.
         self.num_cpus = min(1.0, math.floor(cpus / tasks_max * 10_000) / 10_000)
-        self._remotes: dict[Callable[[Any], Any], Any] = {}
-        self._queued: deque[_RayTicket] = deque()
-        self._running: dict[Any, _RayTicket] = {}
+        self._remote: Any = None
+        self._queued: deque[_RayBundle] = deque()
+        self._first: deque[_RayBundle] = deque()
+        """Bundles submitted with ``first``, started before any of ``_queued``."""
+        self._running: dict[Any, _RayBundle] = {}
 
-    def submit(self, task: Callable[[Any], Any], calls: Sequence[Any]) -> list[Any]:
-        tickets = [_RayTicket(task, call) for call in calls]
-        self._queued.extend(tickets)
+    def bundle_calls(self, calls: int, call_bytes: int | None) -> int:
+        """How many consecutive calls of a stage of ``calls``, each moving about ``call_bytes``
+        (``None``: not known), one Ray task runs."""
+        if call_bytes is None or call_bytes > RAY_BUNDLE_CALL_BYTES_MAX:
+            return 1
+        return max(1, min(RAY_BUNDLE_CALLS_MAX,
+                          calls // (self.tasks_max * RAY_BUNDLES_PER_SLOT)))
+
+    def submit(self, task: Callable[[Any], Any], calls: Sequence[Any], *,
+               first: bool = False) -> list[Any]:
+        tickets = [_RayTicket(call) for call in calls]
+        spec = getattr(calls[0], "spec", None) if calls else None
+        size = self.bundle_calls(len(tickets), getattr(spec, "call_bytes", None))
+        for start in range(0, len(tickets), size):
+            bundle = _RayBundle(task, tickets[start:start + size])
+            for index, ticket in enumerate(bundle.tickets):
+                ticket.bundle, ticket.index = bundle, index
+            (self._first if first else self._queued).append(bundle)
         self._start_queued()
         return tickets
 
     def _start_queued(self) -> None:
         import ray
 
-        while self._queued and len(self._running) < self.tasks_max:
-            ticket = self._queued.popleft()
-            remote = self._remotes.get(ticket.task)
-            if remote is None:
-                remote = ray.remote(ticket.task).options(num_cpus=self.num_cpus, max_retries=0)
-                self._remotes[ticket.task] = remote
-            ticket.ref = remote.remote(ticket.call)
-            self._running[ticket.ref] = ticket
+        if self._remote is None:
+            self._remote = ray.remote(run_calls).options(num_cpus=self.num_cpus,
+                                                         max_retries=0)
+        while (self._first or self._queued) and len(self._running) < self.tasks_max:
+            bundle = (self._first or self._queued).popleft()
+            bundle.ref = self._remote.remote(bundle.task, [t.call for t in bundle.tickets])
+            self._running[bundle.ref] = bundle
 
     def wait(self, pending: list[Any], calls: list[Any], *, left_s: float | None,
              pf: Client | None) -> tuple[list[Any], list[Any]]:
         import ray
 
         deadline = None if left_s is None else time.monotonic() + left_s
+        # Slots freed by the last wait are filled only now, once the driver has resubmitted
+        # what failed in them: a mapper run again takes a freed slot before a queued reducer,
+        # which would park there waiting for that very mapper.
+        self._start_queued()
         while True:
-            running = [t.ref for t in pending if t.ref is not None]
+            running = list({id(t.ref): t.ref for t in pending if t.ref is not None}.values())
             if not running:
                 raise RuntimeError("no call of the stage is running (tickets of a stopped "
                                    "shuffle?)")
@@ -318,7 +396,6 @@ class RayShuffleExecutor(ShuffleExecutor):
                 done = set(ready)
                 for ref in ready:
                     self._running.pop(ref, None)
-                self._start_queued()
                 finished = [t for t in pending if t.ref is not None and t.ref in done]
                 finished_ids = set(map(id, finished))
                 return finished, [t for t in pending if id(t) not in finished_ids]
@@ -327,19 +404,26 @@ class RayShuffleExecutor(ShuffleExecutor):
         import ray
         from ray.exceptions import RayTaskError, WorkerCrashedError
 
-        try:
-            return ray.get(ticket.ref)
-        except RayTaskError as exc:
-            cause = exc.cause if exc.cause is not None else exc
-            raise cause from None
-        except WorkerCrashedError as exc:
-            raise TaskProcessDied(f"the process of {ticket.call!r} died: {exc}") from exc
+        bundle = ticket.bundle
+        if bundle.outcomes is None:
+            try:
+                bundle.outcomes = ray.get(bundle.ref)
+            except RayTaskError as exc:
+                cause = exc.cause if exc.cause is not None else exc
+                raise cause from None
+            except WorkerCrashedError as exc:
+                raise TaskProcessDied(f"the process of {ticket.call!r} died: {exc}") from exc
+        ok, outcome = bundle.outcomes[ticket.index]
+        if not ok:
+            raise outcome
+        return outcome
 
     def stop(self, tickets: list[Any], exc: BaseException) -> None:
         import ray
 
-        stopping = set(map(id, tickets))
-        self._queued = deque(t for t in self._queued if id(t) not in stopping)
+        stopping = {id(t.bundle) for t in tickets}
+        self._queued = deque(b for b in self._queued if id(b) not in stopping)
+        self._first = deque(b for b in self._first if id(b) not in stopping)
         for ticket in tickets:
             if ticket.ref is not None and self._running.pop(ticket.ref, None) is not None:
                 try:

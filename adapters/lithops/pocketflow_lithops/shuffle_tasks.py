@@ -141,6 +141,8 @@ class _Spec(NamedTuple):
     input_wait_s: float
     client_options: tuple[tuple[str, Any], ...]
     delete_inputs: bool = True
+    call_bytes: int | None = None
+    """About the bytes one mapper writes or one reducer reads, the larger; ``None``: not known."""
 
 
 # The calls are plain classes, not NamedTuples: Lithops finds the user's map and reduce

@@ -45,6 +45,9 @@ KILL_WAIT_S = 60.0
 """How long the doomed mapper waits to be killed (the test kills it as soon as it says where)."""
 TASKS_MAX = 4
 """Ray tasks of one shuffle at once here (on the session cluster's 2 CPUs)."""
+REDUCER_INPUT_WAIT_S = 45.0
+"""Bound on a reducer's wait for its inputs where a reducer could wait for a mapper that never
+gets a slot: the shuffle then fails within it instead of the default 300 s."""
 
 
 def _ray() -> RayShuffleExecutor:
@@ -191,6 +194,83 @@ def test_a_mapper_whose_ray_worker_is_killed_runs_again(
     assert killed, "mapper 1 never said its pid"
     runs = sorted(p.name.rsplit("-", 1)[0] for p in tmp_path.glob("mapper-*"))
     assert runs == ["mapper-0", "mapper-1", "mapper-1", "mapper-2"]
+    input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
+    assert check_output(config, input_checksum=input_checksum, checks=checks) == []
+
+
+def _emit_with_task_id(item: int, emit: Callable[[int, Any], None], *,
+                       reducers: int) -> str:
+    for partition in range(reducers):
+        emit(partition, f"{item}>{partition};".encode())
+    return ray.get_runtime_context().get_task_id()
+
+
+def _join_checked(mappers: int, partition: int, inputs: list[bytes]) -> bytes:
+    assert inputs == [f"{m}>{partition};".encode() for m in range(mappers)], inputs
+    return b"".join(inputs)
+
+
+def test_a_stage_of_many_small_calls_runs_in_bundles_and_validates(
+    local_cluster: LocalCluster,
+) -> None:
+    # 24 mappers and 24 reducers on 2 slots: each Ray task runs several consecutive calls, so
+    # the stage costs Ray far fewer tasks than calls; every partition still arrives once.
+    baseline = used_bytes(local_cluster)
+    executor = RayShuffleExecutor(tasks_max=2)
+    calls = 24
+    # A job of its own without hints: 48 concurrent tasks' worth of reservation does not fit.
+    # The input size says the calls are small.
+    with local_cluster.register_job("ray-bundles") as job:
+        result = shuffle(executor, functools.partial(_emit_with_task_id, reducers=calls),
+                         functools.partial(_join_checked, calls), range(calls), reducers=calls,
+                         job=job, timeout_s=SHUFFLE_TIMEOUT_S, input_size_bytes=calls * calls * 6)
+    bundle = executor.bundle_calls(2 * calls, 6 * calls)
+    assert bundle > 1
+    assert len(set(result.map_values)) <= calls // bundle + 1, result.map_values
+    assert result.outputs == [b"".join(f"{m}>{r};".encode() for m in range(calls))
+                              for r in range(calls)]
+    assert result.retried == [] and result.regenerated == []
+    assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)
+
+
+def test_mappers_of_a_killed_ray_process_run_again_ahead_of_queued_reducers(
+    local_cluster: LocalCluster, tmp_path: Path,
+) -> None:
+    # More reducers than slots: when mapper 1's process is killed, the reducers queued behind
+    # the mappers would take every slot and park waiting for mapper 1's partitions; its rerun
+    # (and its bundle's other mappers') must start before them.
+    config = SortConfig(mappers=16, reducers=16, records=8_000, seed=11)
+    killed: list[int] = []
+
+    def kill_the_doomed_mapper() -> None:
+        pid_file = tmp_path / "doomed-pid"
+        deadline = time.monotonic() + SHUFFLE_TIMEOUT_S
+        while not pid_file.exists() or not pid_file.read_text():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    killer = threading.Thread(target=kill_the_doomed_mapper, daemon=True)
+    killer.start()
+    with local_cluster.register_job("ray-bundle-killed") as job:
+        result = shuffle(RayShuffleExecutor(tasks_max=2),
+                         functools.partial(_map_killed_once, str(tmp_path), config),
+                         reduce_records, range(config.mappers), reducers=config.reducers,
+                         job=job, persist_output=True, timeout_s=SHUFFLE_TIMEOUT_S,
+                         input_wait_s=REDUCER_INPUT_WAIT_S,
+                         input_size_bytes=config.input_bytes)
+        killer.join(SHUFFLE_TIMEOUT_S)
+        with job.connect() as pf:
+            assert pf.list("shuffle") == []
+            checks = [describe_partition(r, pf.get(o.bucket, o.key, delete=True))
+                      for r, o in enumerate(result.outputs)]
+    assert killed, "mapper 1 never said its pid"
+    runs = [p.name.rsplit("-", 1)[0] for p in tmp_path.glob("mapper-*")]
+    assert runs.count("mapper-1") == 2
+    assert {f"mapper-{m}" for m in range(config.mappers)} == set(runs)
     input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
     assert check_output(config, input_checksum=input_checksum, checks=checks) == []
 

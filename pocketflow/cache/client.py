@@ -10,7 +10,8 @@ The read of a batch of keys, in rounds of at most ``ROUND_KEYS_MAX``:
    for ``LIST_REVALIDATE_MIN`` keys or more, with ListObjectsV2 pages over them (one request per
    1000 keys). Unchanged keys get their ``meta`` rewritten with the new validation time and are
    hits; a changed key whose new bytes came with the answer is refilled with them; others are
-   misses.
+   misses. The entries of stale values are read while S3 answers, the renewed metas written
+   while they are read.
 3. A miss is filled under a *claim* (``claims/<ckey>``, written once, so one process wins): the
    winner reads S3 and has its bytes at once; the client's publisher thread then writes the
    entry, then ``meta``, then the fill's outcome (``done/<ckey>@<fill>``), then removes the
@@ -41,7 +42,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,6 +118,10 @@ window); past this it claims no more."""
 HELD_CLAIM_MARGIN_MS = 2_000
 """A claim held ahead is used without reading it back while its deadline is at least this far
 off (no waiter takes a claim over before its deadline; the margin covers clock skew)."""
+PUBLISH_PIECE_BYTES = 16 * 1024 * 1024
+PUBLISH_PIECE_KEYS = 256
+"""A batch of fills goes to the publisher in pieces of at most this many bytes or keys, each as
+soon as its S3 answers are in."""
 PUBLISH_PENDING_BYTES_MAX = 256 * 1024 * 1024
 """Bytes of S3 answers a client holds for fills its publisher thread has not written to the
 cache yet; a reader whose fill would pass this waits for the publisher first (a fill larger than
@@ -815,13 +820,18 @@ class CacheClient:
                         won: list[tuple[int, Meta | None, Claim]],
                         results: list[Result | None]) -> None:
         """Fetch the keys whose claims this client won; their results are set as soon as S3
-        answered, and the fill is handed to the publisher thread (:meth:`_publish`)."""
+        answered, and the fill is handed to the publisher thread (:meth:`_publish`) in pieces
+        of at most ``PUBLISH_PIECE_BYTES`` / ``PUBLISH_PIECE_KEYS`` as their answers come (in
+        order), so that writing the first keys to the cache overlaps fetching the others."""
         sent_ms = _now_ms()
-        fetched = self._s3_each(bucket, [(keys[i], None) for i, _, _ in won],
+        fetched = self._s3_iter(bucket, [(keys[i], None) for i, _, _ in won],
                                 renew=[(ckeys[i], claim) for i, _, claim in won])
         fill: list[tuple[int, str, str, Meta | None, Claim, Any]] = []
         held_bytes = 0
         for (i, old, claim), answer in zip(won, fetched, strict=True):
+            if fill and (held_bytes >= PUBLISH_PIECE_BYTES or len(fill) >= PUBLISH_PIECE_KEYS):
+                self._publish_later(bucket, fill, sent_ms, held_bytes)
+                fill, held_bytes = [], 0
             if isinstance(answer, S3ObjectNotFound):
                 results[i] = answer
                 self.stats.add(missing=1)
@@ -1103,6 +1113,13 @@ class CacheClient:
         """GET each ``(key, if_none_match)`` of ``bucket``, at most ``S3_PARALLEL_MAX`` at
         once (a claim in ``renew`` is moved on during its download); each answer (or
         :data:`NOT_MODIFIED`) or its error, in order."""
+        return list(self._s3_iter(bucket, asks, renew=renew))
+
+    def _s3_iter(self, bucket: str, asks: list[tuple[str, str | None]], *,
+                 renew: list[tuple[str, Claim]] | None = None,
+                 ) -> Iterator[Fetched | Any | PocketflowError]:
+        """:meth:`_s3_each`'s answers as they come, in order (every request is sent at once,
+        ``S3_PARALLEL_MAX`` in flight)."""
         renewals = renew or [None] * len(asks)  # type: ignore[list-item]
 
         def one(j: int) -> Any:
@@ -1116,8 +1133,8 @@ class CacheClient:
             return answer
 
         if len(asks) == 1:
-            return [one(0)]
-        return list(self._threads().map(one, range(len(asks))))
+            return iter([one(0)])
+        return self._threads().map(one, range(len(asks)))
 
     def _renewer(self, claim: tuple[str, Claim]) -> Callable[[], None]:
         """Moves a claim's deadline on every third of the claim time during a long download."""

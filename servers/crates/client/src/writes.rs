@@ -554,7 +554,8 @@ impl Objects {
     /// Store `data` under `key`: a small object as its record, a large one as data blocks
     /// striped over the job and then the manifest (the commit point). Write-once unless
     /// `overwrite`. A large object that fails leaves none of its blocks behind, unless its
-    /// commit was sent and its outcome is unknown (the record may point at them).
+    /// commit was sent and its outcome is unknown (the record may point at them), or a server
+    /// did not answer its blocks (they may land there later; the job's end frees them).
     ///
     /// What a full server refuses goes on to the job's other servers (`overflow.rs`): a small
     /// object whose home is full becomes a manifest there with its one data block elsewhere.
@@ -974,7 +975,8 @@ impl BlockUpload<'_> {
 
     /// Send `blocks` to `address`; after a stale map, send them again where the new map puts
     /// them; a bucket the server lacks is created there once; a server that refuses them as
-    /// full is skipped from then on, and they go where placement puts them without it.
+    /// full, or does not answer within the op timeout, is skipped from then on, and they go
+    /// where placement puts them without it.
     pub(crate) fn send(
         &self,
         address: &str,
@@ -1020,10 +1022,23 @@ impl BlockUpload<'_> {
                 }
                 Err(error) => {
                     let failure = Failure::at(error, address);
-                    let Some(full) = self.objects.full_server(&view, &failure) else {
-                        return Err(failure);
+                    let skipped = match self.objects.full_server(&view, &failure) {
+                        Some(full) => full,
+                        // A server that did not answer within the op timeout (hung, or gone):
+                        // its blocks go on to the job's other servers as a full server's do,
+                        // so the write ends within its bound instead of failing on it.
+                        None if failure.error.is_unavailable() => {
+                            match view.servers.iter().find(|s| s.address == address) {
+                                Some(silent) => silent,
+                                None => return Err(failure),
+                            }
+                        }
+                        None => return Err(failure),
                     };
-                    // The server freed what it took of the stream: nothing of it is there.
+                    // A full server freed what it took of the stream: nothing of it is there. A
+                    // silent one may still store it when it runs again; those blocks are not
+                    // counted as placed, since freeing them now would only wait on it: no
+                    // manifest names them, and the job's end frees them.
                     if let Some(stored) =
                         self.placed.lock().expect("never poisoned").get_mut(address)
                     {
@@ -1032,7 +1047,7 @@ impl BlockUpload<'_> {
                         }
                     }
                     // Each refusal skips one more server, which bounds the recursion.
-                    self.overflow.skip(full, &failure);
+                    self.overflow.skip(skipped, &failure);
                     return self.send_replaced(blocks, attempts_left);
                 }
             }

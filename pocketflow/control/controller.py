@@ -469,11 +469,8 @@ class Controller:
         if lease_ms is not None:
             logged["lease_ms"] = lease_ms
         self._metadata("put_job", logged)
-        try:
-            self._epochs.announce(handle)
-        except PocketflowError:
-            self._metadata("remove_job", job_id, True)
-            raise
+        # A server that does not confirm the first epoch is retried by the monitor loop.
+        self._epochs.announce(handle)
         self._jobs.put(record)
         if lease_ms is not None:
             self._leases.start(job_id, lease_ms=lease_ms, now_s=time.monotonic())

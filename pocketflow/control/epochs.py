@@ -85,11 +85,11 @@ class Epochs:
         self._unconfirmed: dict[tuple[str, str], _Unconfirmed] = {}
 
     def announce(self, handle: JobHandle) -> None:
-        """Tell each server of a new job's first map its epoch (a failure is raised: the
-        registration fails and is undone)."""
-        weight_map = handle.weight_map()
-        for server in handle.servers:
-            self._admin.client(server.address).set_epoch(handle.job_id, handle.epoch, weight_map)
+        """Tell each server of a new job's first map its epoch. A server that does not confirm
+        it (hung, or restarting, when the registration runs) does not fail the registration: it
+        stays unconfirmed and the monitor loop retries it until it does, as for any new map;
+        meanwhile it refuses the job's writes as ``job_not_registered``."""
+        self._publish(handle)
 
     def move(
         self,

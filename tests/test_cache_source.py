@@ -277,3 +277,13 @@ def test_signed_raw_gets(signed_server: str, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     with pytest.raises(S3AccessDenied):
         S3Store(replace(source, read_timeout_s=31.0)).get("signed", ODD_KEYS[0])
+
+
+def test_https_aws_and_opted_out_sources_keep_boto3() -> None:
+    from pocketflow.cache.source import _getter
+
+    assert _getter(S3Source(endpoint_url="https://127.0.0.1:1", unsigned=True)) is None
+    assert _getter(S3Source(unsigned=True)) is None
+    assert _getter(S3Source(endpoint_url="http://127.0.0.1:1", unsigned=True,
+                            raw_get=False)) is None
+    assert _getter(S3Source(endpoint_url="http://127.0.0.1:1", unsigned=True)) is not None

@@ -10,8 +10,10 @@ botocore's own SigV4 signer unless the source is unsigned) and reads the answers
 everything else (HEADs, PUTs, DELETEs, buckets) stays on boto3
 (:mod:`pocketflow.cache.source`).
 
-Only sources with an ``endpoint_url`` take this path: for AWS itself (no endpoint) the
-addressing (virtual-hosted buckets, regional endpoints, redirects) is boto3's.
+Only sources with a plain ``http://`` ``endpoint_url`` take this path
+(:func:`pocketflow.cache.source._getter`): for AWS itself (no endpoint) the addressing
+(virtual-hosted buckets, regional endpoints, redirects) is boto3's, and an ``https`` endpoint
+is verified with the CA bundle boto3's configuration names, which this module does not read.
 """
 
 from __future__ import annotations

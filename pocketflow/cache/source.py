@@ -57,8 +57,8 @@ class S3Source:
     instead (public buckets, or a local store without identities such as the tests' SeaweedFS).
     ``attempts`` is botocore's total attempts per request (1 = no retry). ``raw_get`` sends
     the cache's GETs and listings on pooled connections without boto3
-    (:mod:`pocketflow.cache.http_get`, about a seventh of boto3's CPU per GET) when there is an
-    ``endpoint_url``; False keeps them on boto3.
+    (:mod:`pocketflow.cache.http_get`, about a seventh of boto3's CPU per GET) when the
+    ``endpoint_url`` is plain ``http://``; False keeps them on boto3.
     """
 
     endpoint_url: str | None = None
@@ -171,9 +171,11 @@ _getters: dict[S3Source, tuple[int, Any]] = {}
 
 def _getter(source: S3Source) -> Any:
     """This process's raw getter for ``source`` (:class:`~pocketflow.cache.http_get.RawGetter`),
-    or None where GETs stay on boto3: ``raw_get`` off, no ``endpoint_url``, or a signed source
-    with no credentials found (boto3 then raises its own error)."""
-    if not source.raw_get or not source.endpoint_url:
+    or None where GETs stay on boto3: ``raw_get`` off, no ``endpoint_url``, an ``https``
+    endpoint (boto3 verifies it with the CA bundle its configuration names, which the raw
+    path does not read), or a signed source with no credentials found (boto3 then raises its
+    own error)."""
+    if not source.raw_get or not (source.endpoint_url or "").startswith("http://"):
         return None
     pid = os.getpid()
     with _getters_lock:

@@ -275,8 +275,25 @@ def run_calls(task: Callable[[Any], Any], calls: Sequence[Any]) -> list[tuple[bo
             outcomes.append((True, task(call)))
         except Exception as exc:  # noqa: BLE001 - handed to the driver, which raises it
             exc.add_note("".join(traceback.format_exception(exc)))
-            outcomes.append((False, exc))
+            outcomes.append((False, _returnable(exc)))
     return outcomes
+
+
+def _returnable(exc: Exception) -> Exception:
+    """``exc``, or where it would not survive the trip to the driver (an exception class whose
+    ``__init__`` wants other arguments than its ``args`` pickles but cannot be unpickled, which
+    would lose every outcome of the bundle) a ``RuntimeError`` that names it and carries its
+    message and traceback."""
+    import pickle
+
+    from ray import cloudpickle
+
+    try:
+        pickle.loads(cloudpickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any failure to round-trip is the case handled here
+        notes = "".join(f"\n{note}" for note in getattr(exc, "__notes__", ()))
+        return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}{notes}")
 
 
 class _RayBundle:

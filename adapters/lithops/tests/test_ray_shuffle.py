@@ -285,6 +285,32 @@ def test_a_mapper_that_raises_on_ray_fails_the_shuffle_without_a_retry(
     assert {j["job_id"] for j in local_cluster.status()["jobs"]} == jobs_before
 
 
+class _TwoArgumentError(Exception):
+    """Pickles, but cannot be unpickled: its ``__init__`` wants two arguments, its args hold one."""
+
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"{what} failed: {why}")
+
+
+def _map_raising_two_argument_error(item: int, emit: Callable[[int, Any], None]) -> None:
+    if item == 5:
+        raise _TwoArgumentError("mapper 5", "on purpose")
+    emit(0, b"x")
+
+
+def test_a_mapper_s_error_that_cannot_be_unpickled_still_fails_the_shuffle_by_name(
+    local_cluster: LocalCluster,
+) -> None:
+    # In a bundle (small calls, many per slot): the error comes back as a RuntimeError that
+    # names it, instead of costing the bundle's outcomes an unpickling failure in the driver.
+    executor = RayShuffleExecutor(tasks_max=1)
+    assert executor.bundle_calls(16, 16) > 1
+    with local_cluster.register_job("ray-unpicklable") as job, pytest.raises(
+            RuntimeError, match=r"_TwoArgumentError: mapper 5 failed: on purpose"):
+        shuffle(executor, _map_raising_two_argument_error, _join, range(8), reducers=8,
+                job=job, input_size_bytes=64, input_wait_s=60, timeout_s=SHUFFLE_TIMEOUT_S)
+
+
 def test_the_executor_is_chosen_per_call_and_bad_ones_are_refused(
     local_cluster: LocalCluster,
 ) -> None:

@@ -15,7 +15,7 @@ import pytest
 from fixtures_servers import CLIENT_OPTIONS, ServerSet
 
 from pocketflow.client import Client, connect
-from pocketflow.errors import ObjectExists, ObjectNotFound
+from pocketflow.errors import DataUnavailable, ObjectExists, ObjectNotFound
 from pocketflow.handle import JobHandle, ServerInfo
 from pocketflow.placement import Placement
 from pocketflow.protocol import OP_LOOKUP
@@ -157,12 +157,18 @@ def test_two_delete_readers_of_a_fenced_key_get_it_once(
     assert client.get_many("b", keys) == [b"new"] * len(keys)
 
 
+HUNG_OPTIONS = {"op_timeout_s": "1s", "rpc_timeout_s": "1s", "stream_timeout_s": "10s"}
+"""A writer whose calls to a hung server time out quickly."""
+
+
 def test_a_writer_that_cannot_reach_a_server_never_wins_a_second_time(
     server_factory: Callable[..., tuple[ServerSet, ServerInfo]],
 ) -> None:
     """A PERSIST object is stored; its PERSIST home then hangs. An ephemeral put of the same key
-    is refused at once by the key's arbiter (the fence the PERSIST put left there), without
-    waiting on the hung server and without a second winner."""
+    finds the fence the PERSIST put left on the key's arbiter; whether the record it stands for
+    was stored only the hung server can say, so the put stores through the fence there and fails
+    as unavailable when its bound runs out (the outcome unknown to it). Once the server answers,
+    its write-once refuses those stores: no second winner."""
     servers, _ = server_factory("once-0", capacity_bytes=16 * 1024 * 1024)
     servers, _ = server_factory("once-1", capacity_bytes=16 * 1024 * 1024, long_running=True)
     handle = servers.handle()
@@ -175,9 +181,10 @@ def test_a_writer_that_cannot_reach_a_server_never_wins_a_second_time(
         pid = servers.process(persist_home.node_id).pid
         os.kill(pid, signal.SIGSTOP)
         try:
-            for key in keys:
-                with pytest.raises(ObjectExists):
-                    pf.put("b", key, b"second")
+            with connect(handle, **HUNG_OPTIONS) as hurried:
+                for key in keys:
+                    with pytest.raises(DataUnavailable):
+                        hurried.put("b", key, b"second")
         finally:
             os.kill(pid, signal.SIGCONT)
         for key in keys:

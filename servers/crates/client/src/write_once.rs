@@ -20,6 +20,17 @@
 //! hung one, listed in the map's `suspects`) is refused at once with a typed error instead of
 //! waiting on it; keys whose checks do not need it are written as usual.
 //!
+//! A fence stands for a record on the key's PERSIST home, which may never come: its put may
+//! have failed with an unknown outcome (a store that timed out can still land later, so the
+//! fence stays). So an ephemeral put that finds a fence on the arbiter stores *through* it: its
+//! record goes to the PERSIST home, write-once there, where the fenced record would go. Exactly
+//! one of them lands (the PERSIST home's write-once decides), readers find it through the fence,
+//! and the loser gets `already_exists`; a PERSIST put whose store is refused as existing keeps
+//! its fence, which now stands for the record stored through it. Only where the PERSIST home is
+//! the one place an earlier map can have put the key besides the arbiter (under a changed map
+//! the fenced put may have aimed elsewhere), and never on a suspect; otherwise the put gets
+//! `already_exists` as before.
+//!
 //! Readers read through fences (a fence is "not here": the record is on the PERSIST home), and
 //! a read with DELETE that takes a fence takes the PERSIST record after it. An overwrite replaces
 //! what the arbiter holds (record or fence) and removes the other versions: an ephemeral
@@ -34,7 +45,7 @@ use pocketflow_protocol::frame::{OpCode, OP_FLAG_OVERWRITE};
 use pocketflow_protocol::header::{ObjectHeader, HEADER_FLAG_FENCE};
 use tonic::Code;
 
-use crate::connection::ExchangeRequest;
+use crate::connection::{ExchangeReply, ExchangeRequest};
 use crate::error::ClientError;
 use crate::failure::{body, failure_reply, reply_error, server_error, Failure};
 use crate::homes::home;
@@ -375,6 +386,137 @@ impl Objects {
                 self.delete_blocks(bucket, key, &header);
             }
         }
+    }
+}
+
+/// The server an ephemeral put of `key` stores through a fence on, when the rule allows it (see
+/// the module doc): the PERSIST home, if it is another server than the arbiter, not a suspect,
+/// and the only server besides the arbiter that an earlier map may have put the key on.
+pub(crate) fn through_fence_target<'v>(
+    view: &'v View,
+    key: &str,
+    plan: &KeyPlan<'v>,
+) -> Option<&'v Server> {
+    let persist_home = view.server_for(key.as_bytes(), 0, true)?;
+    let alone = plan
+        .rivals
+        .iter()
+        .all(|rival| rival.node_id == persist_home.node_id);
+    (persist_home.node_id != plan.home.node_id && !view.is_suspect(&persist_home.node_id) && alone)
+        .then_some(persist_home)
+}
+
+impl Objects {
+    /// Ephemeral puts refused as existing on their arbiter (`lost`: record index, its plan and
+    /// the server it will store through, from [`through_fence_target`]): those whose arbiter
+    /// holds a fence are stored through it, write-once on the PERSIST home. Returns the stored
+    /// ones with the header each replaced (none); every other one gets its error in `errors`
+    /// (`already_exists` where the key is held, as before).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn store_through_fences<'v>(
+        &self,
+        view: &'v View,
+        bucket: &str,
+        records: &[NewRecord<'_>],
+        values: &[Bytes],
+        lost: Vec<(usize, KeyPlan<'v>, &'v Server)>,
+        flags: u8,
+        errors: &mut [Option<Failure>],
+    ) -> Vec<(usize, KeyPlan<'v>, Option<ObjectHeader>)> {
+        let request = |index: usize, op: OpCode| ExchangeRequest {
+            op,
+            flags: if op == OpCode::Put { flags } else { 0 },
+            bucket: bucket.to_string(),
+            key: records[index].key.to_string(),
+            header: if op == OpCode::Put {
+                records[index].header
+            } else {
+                ObjectHeader::default()
+            },
+            value: if op == OpCode::Put {
+                values[index].clone()
+            } else {
+                Bytes::new()
+            },
+        };
+        // Round 1: what each arbiter holds.
+        let fenced: Vec<bool> = self.pipelined(
+            view,
+            lost.iter()
+                .map(|(index, plan, _)| (plan.home, request(*index, OpCode::Lookup))),
+            |_, reply| reply.status == 0 && reply.header.is_some_and(|h| h.fence()),
+        );
+        let mut through = Vec::new();
+        for ((index, plan, target), fence) in lost.into_iter().zip(fenced) {
+            if fence {
+                through.push((index, plan, target));
+            } else {
+                errors[index] = Some(held_on(bucket, records[index].key, plan.home));
+            }
+        }
+        // Round 2: the records, write-once on the PERSIST homes.
+        let outcomes: Vec<Option<ClientError>> = self.pipelined(
+            view,
+            through
+                .iter()
+                .map(|(index, _, target)| (*target, request(*index, OpCode::Put))),
+            |_, reply| (reply.status != 0).then(|| reply_error(reply)),
+        );
+        let mut stored = Vec::new();
+        for ((index, plan, target), outcome) in through.into_iter().zip(outcomes) {
+            match outcome {
+                None => stored.push((index, plan, None)),
+                Some(error) if error.is_already_exists() => {
+                    errors[index] = Some(held_on(bucket, records[index].key, target));
+                }
+                Some(error) => errors[index] = Some(Failure::at(error, &target.address)),
+            }
+        }
+        stored
+    }
+
+    /// Run one request per item on its server, pipelined per server, all servers at once; maps
+    /// each reply (a failed exchange's error as a reply) with `judge`, in item order.
+    fn pipelined<'v, T: Send>(
+        &self,
+        view: &'v View,
+        items: impl Iterator<Item = (&'v Server, ExchangeRequest)>,
+        judge: impl Fn(&Server, &ExchangeReply) -> T + Sync,
+    ) -> Vec<T> {
+        let mut groups: Vec<(&Server, Vec<(usize, ExchangeRequest)>)> = Vec::new();
+        let mut count = 0;
+        for (server, request) in items {
+            match groups.iter_mut().find(|(s, _)| s.address == server.address) {
+                Some((_, group)) => group.push((count, request)),
+                None => groups.push((server, vec![(count, request)])),
+            }
+            count += 1;
+        }
+        let answers = run_parallel(
+            &groups.iter().collect::<Vec<_>>(),
+            groups.len(),
+            |(server, group)| {
+                let requests: Vec<ExchangeRequest> =
+                    group.iter().map(|(_, request)| request.clone()).collect();
+                let replies = match self.exchange(view, &server.address, &requests) {
+                    Ok(replies) => replies,
+                    Err(error) => vec![failure_reply(&error); group.len()],
+                };
+                group
+                    .iter()
+                    .zip(replies)
+                    .map(|((at, _), reply)| (*at, judge(server, &reply)))
+                    .collect::<Vec<_>>()
+            },
+        );
+        let mut slots: Vec<Option<T>> = std::iter::repeat_with(|| None).take(count).collect();
+        for (at, judged) in answers.into_iter().flatten() {
+            slots[at] = Some(judged);
+        }
+        slots
+            .into_iter()
+            .map(|slot| slot.expect("every item has a reply"))
+            .collect()
     }
 }
 

@@ -32,7 +32,7 @@ use crate::objects::{Objects, STALE_EPOCH_RETRIES_MAX};
 use crate::overflow::Overflowing;
 use crate::parallel::{push_grouped, run_parallel};
 use crate::view::{Server, View};
-use crate::write_once::{held_on, plan, Claimed, KeyPlan};
+use crate::write_once::{held_on, plan, through_fence_target, Claimed, KeyPlan};
 
 /// `put_many` sends at most this many small objects per round of pipelined sessions.
 pub const PUT_MANY_CHUNK_OPS: usize = 4096;
@@ -242,8 +242,12 @@ impl Objects {
                 &mut stale,
             )?;
             for (index, _) in &plans {
-                // Sent, and stored or with an unknown outcome: the record may be there.
-                maybe_stored[*index] |= errors[*index].as_ref().is_some_and(|f| !refused(&f.error));
+                // Sent, and stored or with an unknown outcome: the record may be there. Or
+                // refused as existing on the PERSIST home: another writer stored through this
+                // put's fence, which now stands for that record.
+                maybe_stored[*index] |= errors[*index]
+                    .as_ref()
+                    .is_some_and(|f| !refused(&f.error) || f.error.is_already_exists());
             }
             for (index, plan, replaced) in &stored {
                 maybe_stored[*index] = true;
@@ -330,6 +334,9 @@ impl Objects {
             },
         );
         let mut stored = Vec::new();
+        // Ephemeral puts refused as existing where a fence may stand for a record never stored.
+        let mut lost: Vec<(usize, KeyPlan<'v>, &'v Server)> = Vec::new();
+        let through_allowed = flags & (OP_FLAG_PERSIST | OP_FLAG_OVERWRITE) == 0;
         for ((server, group), outcome) in groups.iter().zip(outcomes) {
             let replies = match outcome {
                 Ok(replies) => replies,
@@ -352,7 +359,13 @@ impl Objects {
                 {
                     missing_bucket.push((*index, error));
                 } else if error.is_already_exists() {
-                    errors[*index] = Some(held_on(bucket, records[*index].key, server));
+                    let target = through_allowed
+                        .then(|| through_fence_target(view, records[*index].key, plan))
+                        .flatten();
+                    match target {
+                        Some(target) => lost.push((*index, plan.clone(), target)),
+                        None => errors[*index] = Some(held_on(bucket, records[*index].key, server)),
+                    }
                 } else {
                     errors[*index] = Some(Failure::at(error, &server.address));
                 }
@@ -367,6 +380,11 @@ impl Objects {
                     }
                 }
             }
+        }
+        if !lost.is_empty() {
+            stored.extend(
+                self.store_through_fences(view, bucket, records, values, lost, flags, errors),
+            );
         }
         Ok(stored)
     }
@@ -777,6 +795,19 @@ impl Objects {
                     .map(Err);
             }
             Err(error) if kind_is(&error, "bucket_not_found") => return None,
+            // Refused by a record or a fence on the arbiter (the upload freed its blocks): the
+            // two-step path tells them apart and stores through a fence.
+            Err(error)
+                if error.is_already_exists()
+                    && !overwrite
+                    && !persist
+                    && plan(&view, record.key, persist)
+                        .ok()
+                        .and_then(|plan| through_fence_target(&view, record.key, &plan))
+                        .is_some() =>
+            {
+                return None
+            }
             Err(error) => return Some(Err(Failure::at(error, address))),
         };
         let stored: PutStored = match serde_json::from_slice(&result) {

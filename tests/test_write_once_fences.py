@@ -95,11 +95,11 @@ def test_an_ephemeral_put_stores_through_a_fence_whose_persist_store_never_lande
     handle = servers.handle()
     with connect(handle, **SHORT_TIMEOUTS) as first:
         first.create_bucket("b")
-        key, mid, other = _split_keys(first, 3)
+        key, mid, persisted, other = _split_keys(first, 4)
         pid = servers.process("fence-long").pid
         os.kill(pid, signal.SIGSTOP)
         try:
-            for fenced_key in (key, mid):
+            for fenced_key in (key, mid, persisted):
                 with pytest.raises(Unavailable):
                     first.put("b", fenced_key, b"persist", persist=True)
                 assert _fenced(first, arbiter, "b", fenced_key)
@@ -135,6 +135,13 @@ def test_an_ephemeral_put_stores_through_a_fence_whose_persist_store_never_lande
             assert _records(later, "b", mid) == 1
             with pytest.raises(ObjectExists):
                 later.put("b", mid, MID_VALUE)
+            # A PERSIST put that finds the fence goes on to its store, which decides the same way.
+            later.put("b", persisted, b"persist again", persist=True)
+            assert later.get("b", persisted) == b"persist again"
+            assert _records(later, "b", persisted) == 1
+            for persist in (False, True):
+                with pytest.raises(ObjectExists):
+                    later.put("b", persisted, b"third", persist=persist)
     finally:
         restarted.stop()
 

@@ -29,7 +29,8 @@
 //! its fence, which now stands for the record stored through it. Only where the PERSIST home is
 //! the one place an earlier map can have put the key besides the arbiter (under a changed map
 //! the fenced put may have aimed elsewhere), and never on a suspect; otherwise the put gets
-//! `already_exists` as before.
+//! `already_exists` as before. A PERSIST put whose fence is refused by another writer's fence
+//! goes on to its store the same way (the PERSIST home is its own home).
 //!
 //! Readers read through fences (a fence is "not here": the record is on the PERSIST home), and
 //! a read with DELETE that takes a fence takes the PERSIST record after it. An overwrite replaces
@@ -114,6 +115,21 @@ pub(crate) fn held_on(bucket: &str, key: &str, holder: &Server) -> Failure {
         },
         &holder.address,
     )
+}
+
+/// Record `verdict` for record `index` if it outweighs what is there: a loss or failure
+/// outweighs a retry, a retry outweighs a win.
+fn outweigh(outcomes: &mut HashMap<usize, Claimed>, index: usize, verdict: Claimed) {
+    let rank = |c: &Claimed| match c {
+        Claimed::Won => 0,
+        Claimed::MissingBucket => 1,
+        Claimed::Stale(_) => 2,
+        Claimed::Failed(_) => 3,
+    };
+    let slot = outcomes.get_mut(&index).expect("every plan has an outcome");
+    if rank(&verdict) > rank(slot) {
+        *slot = verdict;
+    }
 }
 
 /// Where a put of `key` is decided under `view` (see the module doc). With `overwrite` the
@@ -214,6 +230,14 @@ impl Objects {
         if groups.is_empty() {
             return outcomes;
         }
+        // Records whose PERSIST put may go on to its store past another writer's fence.
+        let through: HashMap<usize, &Server> = plans
+            .iter()
+            .filter(|(_, plan)| plan.rivals.is_empty() && !view.is_suspect(&plan.home.node_id))
+            .filter_map(|(index, plan)| Some((*index, plan.arbiter?)))
+            .collect();
+        // (record index, arbiter) of fences refused as existing, to look at below.
+        let mut refused_fences: Vec<(usize, &Server)> = Vec::new();
         let replies = run_parallel(
             &groups.iter().collect::<Vec<_>>(),
             groups.len(),
@@ -255,6 +279,12 @@ impl Objects {
                     } else if kind_is(&error, "bucket_not_found") && fence {
                         Claimed::MissingBucket
                     } else if fence && error.is_already_exists() {
+                        if persist {
+                            if let Some(arbiter) = through.get(&index) {
+                                refused_fences.push((index, arbiter));
+                                continue;
+                            }
+                        }
                         Claimed::Failed(held_on(bucket, records[index].key, server))
                     } else if !fence && error.is_not_found() {
                         continue;
@@ -266,17 +296,31 @@ impl Objects {
                         Claimed::Failed(Failure::at(error, &server.address))
                     }
                 };
-                let slot = outcomes.get_mut(&index).expect("every plan has an outcome");
-                // A loss or failure outweighs a retry, a retry outweighs a win.
-                let rank = |c: &Claimed| match c {
-                    Claimed::Won => 0,
-                    Claimed::MissingBucket => 1,
-                    Claimed::Stale(_) => 2,
-                    Claimed::Failed(_) => 3,
+                outweigh(&mut outcomes, index, verdict);
+            }
+        }
+        // A fence of another writer is where its PERSIST record would go, this put's home: the
+        // put goes on to its store there, which decides (see the module doc). A record there is
+        // the key's.
+        let fences: Vec<bool> = self.pipelined(
+            view,
+            refused_fences.iter().map(|(index, arbiter)| {
+                let lookup = ExchangeRequest {
+                    op: OpCode::Lookup,
+                    flags: 0,
+                    bucket: bucket.to_string(),
+                    key: records[*index].key.to_string(),
+                    header: ObjectHeader::default(),
+                    value: Bytes::new(),
                 };
-                if rank(&verdict) > rank(slot) {
-                    *slot = verdict;
-                }
+                (*arbiter, lookup)
+            }),
+            |_, reply| reply.status == 0 && reply.header.is_some_and(|h| h.fence()),
+        );
+        for ((index, arbiter), fence) in refused_fences.into_iter().zip(fences) {
+            if !fence {
+                let lost = Claimed::Failed(held_on(bucket, records[index].key, arbiter));
+                outweigh(&mut outcomes, index, lost);
             }
         }
         outcomes

@@ -51,6 +51,14 @@ impl FullServers {
         }
     }
 
+    /// Whether any server refused within the memo.
+    fn any(&self, now: Instant) -> bool {
+        let memo = Duration::from_millis(FULL_SERVER_MEMO_MS);
+        self.seen
+            .values()
+            .any(|(at, _)| now.duration_since(*at) < memo)
+    }
+
     /// What `node_id` said when it refused, if that was within the memo.
     fn refusal(&self, node_id: &str, now: Instant) -> Option<&str> {
         self.seen
@@ -183,6 +191,15 @@ impl Objects {
         Some(server)
     }
 
+    /// Whether any server refused a write as full within `FULL_SERVER_MEMO_MS`: when none did
+    /// (the usual case), a small put skips the lookup of its home that
+    /// [`Objects::recently_full`] needs, which costs a placement hash.
+    pub(crate) fn any_recently_full(&self) -> bool {
+        let full = self.full_servers.lock().expect("never poisoned");
+        // No clock read while nothing was ever full.
+        !full.seen.is_empty() && full.any(Instant::now())
+    }
+
     /// The servers among `homes` that refused a write as full within `FULL_SERVER_MEMO_MS`,
     /// as an upload that skips them (with what they said), for a write of an object of
     /// `block_count` data blocks (any count above one for a streamed upload) at `key`; one
@@ -225,7 +242,9 @@ mod tests {
     fn full_servers_are_remembered_for_a_while_and_bounded() {
         let mut full = FullServers::default();
         let start = Instant::now();
+        assert!(!full.any(start), "nothing refused yet");
         full.note("dram-0", "tier is full".into(), start);
+        assert!(full.any(start));
         assert_eq!(full.refusal("dram-0", start), Some("tier is full"));
         assert_eq!(full.refusal("dram-1", start), None);
         let later = start + Duration::from_millis(FULL_SERVER_MEMO_MS);
@@ -233,6 +252,10 @@ mod tests {
             full.refusal("dram-0", later),
             None,
             "forgotten after the memo"
+        );
+        assert!(
+            !full.any(later),
+            "an expired entry makes no put look up its home"
         );
         for i in 0..SERVERS_MAX + 10 {
             full.note(&format!("s{i}"), String::new(), start);

@@ -137,7 +137,12 @@ fn outweigh(outcomes: &mut HashMap<usize, Claimed>, index: usize, verdict: Claim
 pub(crate) fn plan<'v>(view: &'v View, key: &str, persist: bool) -> Result<KeyPlan<'v>, Failure> {
     let raw = key.as_bytes();
     let home = home(view, raw, 0, persist)?;
-    let arbiter = view.server_for(raw, 0, false);
+    // An ephemeral put's arbiter is its home: one placement hash, not two.
+    let arbiter = if persist {
+        view.server_for(raw, 0, false)
+    } else {
+        Some(home)
+    };
     let mut rivals = Vec::new();
     if view.epoch > 1 {
         let mut seen: BTreeSet<&str> = BTreeSet::from([home.node_id.as_str()]);

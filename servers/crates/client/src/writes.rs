@@ -586,11 +586,15 @@ impl Objects {
         overwrite: bool,
     ) -> Result<(), Failure> {
         if data.len() as u64 <= SMALL_OBJECT_MAX_BYTES {
-            let view = self.view();
-            let record_home = home(&view, key.as_bytes(), 0, persist)?;
-            let full = self.recently_full(&view, key.as_bytes(), 1, persist, [record_home]);
-            if !full.is_empty() && !data.is_empty() {
-                return self.put_overflowed(bucket, key, data, persist, overwrite, full);
+            // Without a server full lately (the usual case) the home is looked up only once,
+            // by the write-once plan: each lookup costs a placement hash.
+            if !data.is_empty() && self.any_recently_full() {
+                let view = self.view();
+                let record_home = home(&view, key.as_bytes(), 0, persist)?;
+                let full = self.recently_full(&view, key.as_bytes(), 1, persist, [record_home]);
+                if !full.is_empty() {
+                    return self.put_overflowed(bucket, key, data, persist, overwrite, full);
+                }
             }
             let record = NewRecord {
                 key,
@@ -658,20 +662,26 @@ impl Objects {
         overwrite: bool,
     ) -> Result<(), Failure> {
         let view = self.view();
-        let layout = Layout::placed(header);
-        let homes: Vec<&Server> = (0..=header.block_count)
-            .filter_map(|block| match block {
-                0 => home(&view, key.as_bytes(), 0, header.persist()).ok(),
-                _ => layout.block_home(&view, key.as_bytes(), block).ok(),
-            })
-            .collect();
-        let full = self.recently_full(
-            &view,
-            key.as_bytes(),
-            header.block_count,
-            header.persist(),
-            homes,
-        );
+        // The homes of the manifest and of every block (a placement hash each) are looked up
+        // only when a server was full lately.
+        let full = if self.any_recently_full() {
+            let layout = Layout::placed(header);
+            let homes: Vec<&Server> = (0..=header.block_count)
+                .filter_map(|block| match block {
+                    0 => home(&view, key.as_bytes(), 0, header.persist()).ok(),
+                    _ => layout.block_home(&view, key.as_bytes(), block).ok(),
+                })
+                .collect();
+            self.recently_full(
+                &view,
+                key.as_bytes(),
+                header.block_count,
+                header.persist(),
+                homes,
+            )
+        } else {
+            Overflowing::default()
+        };
         if full.is_empty() {
             let record = NewRecord {
                 key,
@@ -891,18 +901,23 @@ impl Objects {
         let view = self.view();
         let mut outcomes: Vec<Option<Result<(), Failure>>> = vec![None; items.len()];
         let mut records: Vec<(usize, NewRecord<'_>)> = Vec::new();
+        // Without a server full lately (the usual case) no key's home is looked up here: each
+        // costs a placement hash, and `put_records_each` finds the homes (and any error) anyway.
+        let any_full = self.any_recently_full();
         for (index, &(key, data)) in items.iter().enumerate() {
-            let full = match home(&view, key.as_bytes(), 0, persist) {
-                Ok(server) => self.recently_full(&view, key.as_bytes(), 1, persist, [server]),
-                Err(failure) => {
-                    outcomes[index] = Some(Err(failure));
+            if any_full && !data.is_empty() {
+                let full = match home(&view, key.as_bytes(), 0, persist) {
+                    Ok(server) => self.recently_full(&view, key.as_bytes(), 1, persist, [server]),
+                    Err(failure) => {
+                        outcomes[index] = Some(Err(failure));
+                        continue;
+                    }
+                };
+                if !full.is_empty() {
+                    outcomes[index] =
+                        Some(self.put_overflowed(bucket, key, data, persist, overwrite, full));
                     continue;
                 }
-            };
-            if !full.is_empty() && !data.is_empty() {
-                outcomes[index] =
-                    Some(self.put_overflowed(bucket, key, data, persist, overwrite, full));
-                continue;
             }
             let header = small_header(new_version(), data.len() as u64, persist);
             records.push((

@@ -42,6 +42,12 @@ DIRECT_MAGIC = b"PFXCHG01"
 DIRECT_OPEN, DIRECT_STATUS, DIRECT_GET, DIRECT_END, DIRECT_READ = 1, 4, 5, 7, 11
 REQUEST_MAX_BYTES = 1024 * 1024
 """The longest OPEN, GET, PUT or READ payload a server reads (docs/PROTOCOL.md)."""
+BUSY_IDLE_S = 3.0
+"""The idle bound of the busy block connection's server: its gaps (``BUSY_GAP_S``) leave
+2.5 s of slack each on a loaded machine."""
+BUSY_GAP_S = 0.5
+BUSY_READS = 9
+"""Reads ``BUSY_GAP_S`` apart: the connection is busy for more than the idle bound."""
 REFUSAL_BOUND_S = 5.0
 """An over-long first message must be refused by then (the handshake deadline is 10 s)."""
 
@@ -182,6 +188,23 @@ def closed_within(sock: socket.socket, bound_s: float) -> float | None:
     return time.monotonic() - opened
 
 
+def direct_read(sock: socket.socket, ticket: bytes) -> list[int]:
+    """Send one READ on a direct block connection; the kinds of its answer, up to its END."""
+    sock.sendall(struct.pack("<BI", DIRECT_READ, len(ticket)) + ticket)
+    kinds: list[int] = []
+    while not kinds or kinds[-1] != DIRECT_END:
+        message = direct_message(sock)
+        assert message is not None, f"closed after {kinds}"
+        assert message[0] != DIRECT_STATUS, message
+        kinds.append(message[0])
+    return kinds
+
+
+def read_ticket(handle: JobHandle, bucket: str, key: str) -> bytes:
+    return json.dumps({"ctx": handle.context(), "bucket": bucket, "key": key,
+                       "inline_bytes_max": 1024}).encode()
+
+
 def test_an_idle_direct_block_connection_is_closed_between_transfers(
     cluster_secret_file: tuple[bytes, Path],
 ) -> None:
@@ -197,15 +220,8 @@ def test_an_idle_direct_block_connection_is_closed_between_transfers(
             pf.put("b", "k", b"read over a block connection")
             host, port = server.address.rsplit(":", 1)
             with socket.create_connection((host, int(port)), timeout=5) as sock:
-                ticket = json.dumps({"ctx": handle.context(), "bucket": "b", "key": "k",
-                                     "inline_bytes_max": 1024}).encode()
-                sock.sendall(DIRECT_MAGIC + struct.pack("<BI", DIRECT_READ, len(ticket)) + ticket)
-                kinds = []
-                while not kinds or kinds[-1] != DIRECT_END:
-                    message = direct_message(sock)
-                    assert message is not None, f"closed after {kinds}"
-                    assert message[0] != DIRECT_STATUS, message
-                    kinds.append(message[0])
+                sock.sendall(DIRECT_MAGIC)
+                direct_read(sock, read_ticket(handle, "b", "k"))
                 # The transfer is done; the connection asks for nothing more.
                 closed_after = closed_within(sock, CLOSE_BOUND_S)
             assert closed_after is not None, (
@@ -214,6 +230,38 @@ def test_an_idle_direct_block_connection_is_closed_between_transfers(
             # The client's own pooled connections were closed the same way: it replaces them.
             time.sleep(IDLE_S * 2)
             assert pf.get("b", "k") == b"read over a block connection"
+    finally:
+        server.stop()
+
+
+def test_a_busy_direct_block_connection_outlives_the_idle_bound_then_closes_when_idle(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """The idle bound counts from a connection's last transfer, not from its first: the server
+    keeps one idle timer per block connection and moves it on at every request."""
+    secret, secret_file = cluster_secret_file
+    server = start_keyed_server(secret, None, "--connection-idle",
+                                f"{int(BUSY_IDLE_S * 1000)}ms", node_id="idle-3")
+    try:
+        servers = ServerSet(secret, secret_file)
+        servers.infos.append(ServerInfo("idle-3", server.address, "dram", 1.0, False))
+        handle = servers.handle()
+        with connect(handle, **CLIENT_OPTIONS) as pf:
+            pf.create_bucket("b")
+            pf.put("b", "k", b"read again and again")
+        host, port = server.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(DIRECT_MAGIC)
+            opened = time.monotonic()
+            for _ in range(BUSY_READS):
+                assert direct_read(sock, read_ticket(handle, "b", "k"))[-1] == DIRECT_END
+                time.sleep(BUSY_GAP_S)
+            busy_s = time.monotonic() - opened
+            assert busy_s > BUSY_IDLE_S, busy_s
+            closed_after = closed_within(sock, BUSY_IDLE_S + CLOSE_BOUND_S)
+        assert closed_after is not None, "a busy block connection was never closed once idle"
+        # Its last gap counts towards the bound.
+        assert closed_after >= BUSY_IDLE_S * 0.9 - BUSY_GAP_S, closed_after
     finally:
         server.stop()
 

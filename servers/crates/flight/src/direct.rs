@@ -136,6 +136,11 @@ impl StorageService {
         // The token of this connection's last READ, verified: its next READs (a client's
         // gets, one after another) skip the MAC.
         let mut kept = None;
+        // One idle timer per connection, moved on before each wait for a request: moving a
+        // registered timer later is a compare-and-swap, where a new timer per request took the
+        // runtime's timer lock to register it and again to drop it.
+        let idle_timer = tokio::time::sleep(self.connection_idle());
+        tokio::pin!(idle_timer);
         loop {
             let started = std::time::Instant::now();
             // A GET's and a READ's END go out with their last DATA.
@@ -161,9 +166,12 @@ impl StorageService {
                 Err(Some(e)) => return refuse(e, reader, writer).await,
                 Err(None) => return,
             }
-            let idle = self.connection_idle();
-            let Ok(next) = tokio::time::timeout(idle, read_message(&mut reader)).await else {
-                return;
+            let idle_until = tokio::time::Instant::now() + self.connection_idle();
+            idle_timer.as_mut().reset(idle_until);
+            let next = tokio::select! {
+                biased;
+                next = read_message(&mut reader) => next,
+                () = &mut idle_timer => return,
             };
             (kind, request) = match next {
                 Ok(Some((next @ (Kind::Get | Kind::Put | Kind::Read), request))) => (next, request),

@@ -156,6 +156,9 @@ class Objects:
     def restore_record(
         self, server: str, bucket: str, key: str, header: bytes, body: bytes
     ) -> None: ...
+    def claim_record(
+        self, server: str, bucket: str, key: str, header: bytes, body: bytes
+    ) -> bool: ...
     def put(
         self, bucket: str, key: str, data: Buffer, *, persist: bool = False,
         overwrite: bool = False,

@@ -65,6 +65,7 @@ from pocketflow.protocol import (
     ENUMERATE_LIMIT_MAX,
     KEY_MAX_BYTES,
     OP_DELETE,
+    OP_FLAG_CLAIM_WHOLE,
     OP_FLAG_DELETE,
     OP_GET,
     SMALL_OBJECT_MAX_BYTES,
@@ -466,8 +467,10 @@ class Client:
 
         Among concurrent readers with ``delete``, exactly one gets the object and the others get
         :class:`ObjectNotFound` (:class:`DataUnavailable` once the job has lost a server: see the
-        module doc). Raises :class:`ObjectNotFound`, :class:`BucketNotFound`,
-        :class:`DataUnavailable`.
+        module doc). A reader that fails or dies before it has the bytes leaves the object in
+        place: a striped object is removed only after its blocks are read (one more round trip,
+        a ``delete`` of the version read). Raises :class:`ObjectNotFound`,
+        :class:`BucketNotFound`, :class:`DataUnavailable`.
         """
         check_bucket(bucket)
         check_key(key)
@@ -553,8 +556,23 @@ class Client:
         """
         bucket_raw = check_bucket(bucket)
         key_raw = check_key(key)
+        for attempt in range(DELETE_READ_RETRIES_MAX + 1):
+            try:
+                return self._get_file_once(bucket, bucket_raw, key, key_raw, path, delete=delete)
+            except _LostClaim as lost:
+                if attempt == DELETE_READ_RETRIES_MAX:
+                    raise lost.error from None
+        raise AssertionError("the last attempt returns or raises")
+
+    def _get_file_once(
+        self, bucket: str, bucket_raw: bytes, key: str, key_raw: bytes,
+        path: str | os.PathLike[str], *, delete: bool,
+    ) -> int:
+        # With delete a small object's record is claimed as it is read; a striped object's is
+        # taken after its blocks are written (``Client.get``'s rule, in the native core).
         server, reply = self._fetch_record(
-            bucket, bucket_raw, key_raw, OP_GET, OP_FLAG_DELETE if delete else 0
+            bucket, bucket_raw, key_raw, OP_GET,
+            OP_FLAG_DELETE | OP_FLAG_CLAIM_WHOLE if delete else 0,
         )
         header = reply.header
         from pathlib import Path
@@ -574,18 +592,27 @@ class Client:
                 f.close()
                 raise
         except OSError:
-            if delete and header is not None:
+            if delete and header is not None and header.block_count == 0:
                 self._restore_record(server, bucket, key, header, reply.body)
             raise
         with f:
             try:
-                self._read_blocks(
-                    bucket, key, key_raw, header, 0, header.size, delete=delete,
-                    dest=memoryview(mapped), value=reply.body,
-                )
+                try:
+                    self._read_blocks(
+                        bucket, key, key_raw, header, 0, header.size, delete=False,
+                        dest=memoryview(mapped), value=reply.body,
+                    )
+                except ObjectNotFound as exc:
+                    if not delete:
+                        raise
+                    raise _LostClaim(exc) from None  # a block the winner of a race freed
                 mapped.flush()
             finally:
                 _close_mmap(mapped)
+        if delete and not self._core.claim_record(
+            server, bucket, key, header.encode(), bytes(reply.body)
+        ):
+            raise _LostClaim(ObjectNotFound(f"{bucket}/{key} was taken by another reader"))
         return header.size
 
     if TYPE_CHECKING:  # the variants are for type checkers; typing costs each task its import
@@ -877,6 +904,21 @@ class Client:
 
 
 
+
+
+DELETE_READ_RETRIES_MAX = 1
+"""How many more times ``get_file(delete=True)`` reads a key again after another reader took
+the striped version it read, or an overwrite replaced it (the native core's bound of the same
+name, for ``get``)."""
+
+
+class _LostClaim(Exception):
+    """A DELETE read of a striped object lost the version it read: ``error`` if it was the last
+    try."""
+
+    def __init__(self, error: ObjectNotFound) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 _LIVE_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()

@@ -106,6 +106,9 @@ OP_FLAG_OVERWRITE = 4
 """PUT: replace an existing object instead of failing with ``already_exists``."""
 OP_FLAG_SEAL = 8
 """QUEUE_INFO and READ_APPEND: seal the segment (creating it sealed if absent)."""
+OP_FLAG_CLAIM_WHOLE = 16
+"""GET with DELETE: claim only a small object's record; a striped object's manifest stays for
+its reader to take after reading the blocks (a ``delete`` conditional on the version)."""
 
 REPLY_FLAG_HEADER = 1
 """Reply flag: a 32-byte object header follows the reply's fixed part."""

@@ -2,7 +2,7 @@
 //! object's value, or an object's one data block, along), then its data blocks; and reads of a
 //! byte range. The caller's [`Destination`] gives the memory once the size is known.
 
-use pocketflow_protocol::frame::OpCode;
+use pocketflow_protocol::frame::{OpCode, OP_FLAG_CLAIM_WHOLE, OP_FLAG_DELETE};
 use pocketflow_protocol::limits::BLOCK_SIZE_MAX_BYTES;
 use pocketflow_protocol::ticket::ReadTicket;
 
@@ -26,10 +26,24 @@ pub trait Destination {
     }
 }
 
+/// How many more times a DELETE read of a striped object reads the key again after it lost the
+/// claim of the version it read (another reader took it, or an overwrite replaced it): a newer
+/// version is read once more; a key that is gone answers `not_found`.
+pub const DELETE_READ_RETRIES_MAX: usize = 1;
+
+/// One attempt of a read: the object's size, or a DELETE read that lost the version it read.
+enum Attempt {
+    Read(usize),
+    Lost(Failure),
+}
+
 impl Objects {
     /// Read the object into the memory `dest` gives for its size; returns the size. With
-    /// `delete` the object is removed as it is read (exactly one of concurrent DELETE readers
-    /// gets it). If `dest` refuses the size, a DELETE read puts the object back first.
+    /// `delete` the object is removed as it is read: exactly one of concurrent DELETE readers
+    /// gets it, and a reader that fails or dies before it has the bytes leaves it readable
+    /// (a small object, or one of one data block, is claimed with its bytes in one exchange; a
+    /// striped object's manifest only after its blocks were read: see [`Objects::claim_record`]).
+    /// If `dest` refuses the size, a DELETE read puts a small object back first.
     pub fn get(
         &self,
         bucket: &str,
@@ -37,8 +51,25 @@ impl Objects {
         delete: bool,
         dest: &mut dyn Destination,
     ) -> Result<usize, Failure> {
+        for attempt in 0..=DELETE_READ_RETRIES_MAX {
+            match self.get_once(bucket, key, delete, dest)? {
+                Attempt::Read(size) => return Ok(size),
+                Attempt::Lost(lost) if attempt == DELETE_READ_RETRIES_MAX => return Err(lost),
+                Attempt::Lost(_) => {}
+            }
+        }
+        unreachable!("the last attempt returns")
+    }
+
+    fn get_once(
+        &self,
+        bucket: &str,
+        key: &str,
+        delete: bool,
+        dest: &mut dyn Destination,
+    ) -> Result<Attempt, Failure> {
         let flags = if delete {
-            pocketflow_protocol::frame::OP_FLAG_DELETE
+            OP_FLAG_DELETE | OP_FLAG_CLAIM_WHOLE
         } else {
             0
         };
@@ -52,8 +83,10 @@ impl Objects {
             Ok(read.0)
         })?;
         if let Some(size) = delivered {
-            return Ok(size);
+            return Ok(Attempt::Read(size));
         }
+        // OP_FLAG_CLAIM_WHOLE: only a small object's record was taken by the read.
+        let claimed = delete && !record.has_blocks();
         let size = usize::try_from(record.size()).map_err(|_| {
             Failure::local(ClientError::InvalidArgument(format!(
                 "an object of {} bytes does not fit this process's memory",
@@ -63,7 +96,7 @@ impl Objects {
         let buffer = match dest.buffer(size) {
             Ok(buffer) => buffer,
             Err(error) => {
-                let error = if delete {
+                let error = if claimed {
                     match self.restore_record(&record, bucket, key) {
                         Ok(()) => error,
                         Err(why) => ClientError::InvalidArgument(format!(
@@ -77,8 +110,20 @@ impl Objects {
                 return Err(Failure::local(error));
             }
         };
-        self.fill(bucket, key, &record, 0, delete, &mut buffer[..size])?;
-        Ok(size)
+        let filled = self.fill(bucket, key, &record, 0, false, &mut buffer[..size]);
+        if !delete || claimed {
+            filled?;
+            return Ok(Attempt::Read(size));
+        }
+        match filled {
+            // A block gone: the winner of a DELETE race freed it, or an overwrite replaced it.
+            Err(failure) if failure.error.is_not_found() => return Ok(Attempt::Lost(failure)),
+            other => other?,
+        }
+        match self.claim_record(&record, bucket, key)? {
+            Some(lost) => Ok(Attempt::Lost(lost)),
+            None => Ok(Attempt::Read(size)),
+        }
     }
 
     /// Ask block 0's home for the record of a GET `request` with a direct READ, which brings a
@@ -100,7 +145,8 @@ impl Objects {
             ctx: view.ctx.clone(),
             bucket: request.bucket.clone(),
             key: request.key.clone(),
-            delete: request.flags & pocketflow_protocol::frame::OP_FLAG_DELETE != 0,
+            delete: request.flags & OP_FLAG_DELETE != 0,
+            claim_whole: request.flags & OP_FLAG_CLAIM_WHOLE != 0,
             inline_bytes_max: room.min(u64::from(BLOCK_SIZE_MAX_BYTES)),
         });
         let read = match connection.read_object_blocking(&ticket, dest) {

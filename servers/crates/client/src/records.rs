@@ -6,13 +6,14 @@
 //! record a DELETE read claimed but could not deliver.
 
 use bytes::Bytes;
-use pocketflow_protocol::frame::{OpCode, OP_FLAG_PERSIST};
+use pocketflow_protocol::action::{ActionName, ObjectRequest};
+use pocketflow_protocol::frame::{OpCode, OP_FLAG_CLAIM_WHOLE, OP_FLAG_DELETE, OP_FLAG_PERSIST};
 use pocketflow_protocol::header::ObjectHeader;
 use tonic::Code;
 
 use crate::connection::{ExchangeReply, ExchangeRequest};
 use crate::error::ClientError;
-use crate::failure::{failure_reply, kind_of, reply_error, server_error, Failure};
+use crate::failure::{body, failure_reply, kind_of, reply_error, server_error, Failure};
 use crate::homes::home;
 use crate::objects::{Objects, STALE_EPOCH_RETRIES_MAX};
 use crate::parallel::{push_grouped, run_parallel};
@@ -263,6 +264,58 @@ impl Objects {
         }
     }
 
+    /// Take the record of a striped object a DELETE read has just read whole (the read left
+    /// it in place: `OP_FLAG_CLAIM_WHOLE`): a `delete` of its version where it was found, then
+    /// free its data blocks. `None` when this reader took it and may return the bytes; the
+    /// `not_found` failure when it lost (another reader took the version first, or an
+    /// overwrite replaced it; the winner frees the blocks).
+    pub fn claim_record(
+        &self,
+        record: &Record,
+        bucket: &str,
+        key: &str,
+    ) -> Result<Option<Failure>, Failure> {
+        let Some(header) = record.header else {
+            return Ok(None);
+        };
+        let address = record.server.as_str();
+        for attempt in 0..=STALE_EPOCH_RETRIES_MAX {
+            let view = self.view();
+            let request = ObjectRequest {
+                ctx: view.ctx.clone(),
+                bucket: bucket.to_string(),
+                key: key.to_string(),
+                version: Some(header.version),
+            };
+            match self.action(address, ActionName::Delete, body(&request)) {
+                Ok(_) => {
+                    self.delete_blocks(bucket, key, &header);
+                    return Ok(None);
+                }
+                Err(error) if error.is_not_found() => {
+                    return Ok(Some(Failure::at(error, address)));
+                }
+                Err(error) if error.is_stale_epoch() => {
+                    self.adopt_or_fail(Failure::at(error, address), attempt)?;
+                }
+                Err(error) => return Err(Failure::at(error, address)),
+            }
+        }
+        unreachable!("the last attempt returns")
+    }
+
+    /// [`Objects::claim_record`] of many striped objects read whole, `io_threads` at once; each
+    /// one's outcome in order.
+    pub fn claim_records(
+        &self,
+        bucket: &str,
+        claims: &[(&str, &Record)],
+    ) -> Vec<Result<Option<Failure>, Failure>> {
+        run_parallel(claims, self.io_threads.max(1), |(key, record)| {
+            self.claim_record(record, bucket, key)
+        })
+    }
+
     /// Run `op` on block 0 of every key at its home (no fallbacks), pipelined over one session
     /// per server, all servers at once, adopting newer maps; each key's outcome in order, "not
     /// found" answers included as they came.
@@ -348,8 +401,9 @@ impl Objects {
 
     /// Block 0 of many objects, in the order of `keys`: pipelined over one session per server,
     /// all servers at once; a key missing from its home is then looked for like
-    /// [`Objects::fetch_record`] does, one key at a time. With `delete` each record found is
-    /// claimed (its data blocks are freed as they are read).
+    /// [`Objects::fetch_record`] does, one key at a time. With `delete` a small object's record
+    /// is claimed as it is read; a striped object's stays (`OP_FLAG_CLAIM_WHOLE`) for its
+    /// reader to take with [`Objects::claim_records`] once its blocks are read.
     pub fn fetch_records(
         &self,
         bucket: &str,
@@ -357,7 +411,7 @@ impl Objects {
         delete: bool,
     ) -> Vec<Result<Record, Failure>> {
         let flags = if delete {
-            pocketflow_protocol::frame::OP_FLAG_DELETE
+            OP_FLAG_DELETE | OP_FLAG_CLAIM_WHOLE
         } else {
             0
         };

@@ -24,6 +24,7 @@ use pocketflow_protocol::frame::{
 use pocketflow_protocol::limits::SESSION_INFLIGHT_MAX;
 use pocketflow_store::channels::{AppendState, QueueState};
 use pocketflow_store::delivery::Undelivered;
+use pocketflow_store::Claim;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
@@ -399,8 +400,15 @@ async fn execute(
             Ok((replaced, Bytes::new(), None))
         }
         OpCode::Get => {
-            let (header, value) = store
-                .get_record(job, &op.bucket, &op.key, op.delete_on_read())
+            let claim = match (op.delete_on_read(), op.claim_whole()) {
+                (false, _) => Claim::Never,
+                (true, false) => Claim::Always,
+                (true, true) => Claim::Whole {
+                    inline_bytes_max: 0,
+                },
+            };
+            let (header, value, _) = store
+                .get_record_claiming(job, &op.bucket, &op.key, claim)
                 .await?;
             state.stats.counters.add_out(value.len() as u64);
             Ok((Some(header), value, None))

@@ -11,6 +11,7 @@ use pocketflow_protocol::direct::{encode_head, Kind, DATA_META_BYTES, MESSAGE_HE
 use pocketflow_protocol::frame::{Reply, ReplyFrameBuilder, STATUS_OK};
 use pocketflow_protocol::ticket::{BlockRange, GetTicket, ReadTicket};
 use pocketflow_protocol::ObjectHeader;
+use pocketflow_store::Claim;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 
 use crate::auth::KeptToken;
@@ -69,11 +70,18 @@ where
         }
         Err(e) => return Err(Some(e)),
     };
+    let claim = match (ticket.delete, ticket.claim_whole) {
+        (false, _) => Claim::Never,
+        (true, false) => Claim::Always,
+        (true, true) => Claim::Whole {
+            inline_bytes_max: ticket.inline_bytes_max,
+        },
+    };
     let record = state
         .store
-        .get_record(&job, &ticket.bucket, &ticket.key, ticket.delete)
+        .get_record_claiming(&job, &ticket.bucket, &ticket.key, claim)
         .await;
-    let (header, value) = match record {
+    let (header, value, claimed) = match record {
         Ok(found) => found,
         Err(e) => {
             let e = ServiceError::from(e);
@@ -96,7 +104,8 @@ where
             key: ticket.key,
             version: header.version,
             ranges: vec![BlockRange(1, 0, header.size)],
-            delete: ticket.delete,
+            // The block goes with the record it belongs to: freed only if the record was taken.
+            delete: claimed,
         };
         let prefix = reply_message(&reply);
         doget::send_direct_authorized(state, job, block, writer, &prefix).await?;

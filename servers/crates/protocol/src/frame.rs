@@ -29,6 +29,10 @@ pub const OP_FLAG_PERSIST: u8 = 2;
 pub const OP_FLAG_OVERWRITE: u8 = 4;
 /// Op flag of QUEUE_INFO and APPEND_INFO: seal the segment (creating it sealed if absent).
 pub const OP_FLAG_SEAL: u8 = 8;
+/// Op flag of GET with `OP_FLAG_DELETE`: claim the record only if it is a small object's (its
+/// bytes come with the reply); a striped object's manifest stays, and its reader removes it
+/// after reading the blocks, with a `delete` action conditional on the version.
+pub const OP_FLAG_CLAIM_WHOLE: u8 = 16;
 /// Reply flag: a 32-byte object header follows the fixed part.
 pub const REPLY_FLAG_HEADER: u8 = 1;
 /// Reply status byte of success.
@@ -112,7 +116,7 @@ impl OpCode {
     fn allowed_flags(self) -> u8 {
         match self {
             OpCode::Put => OP_FLAG_PERSIST | OP_FLAG_OVERWRITE,
-            OpCode::Get => OP_FLAG_DELETE,
+            OpCode::Get => OP_FLAG_DELETE | OP_FLAG_CLAIM_WHOLE,
             OpCode::QueueInfo | OpCode::ReadAppend => OP_FLAG_SEAL,
             _ => 0,
         }
@@ -200,6 +204,11 @@ impl RequestOp {
     /// Whether GET should delete the object as it reads it.
     pub fn delete_on_read(&self) -> bool {
         self.flags & OP_FLAG_DELETE != 0
+    }
+
+    /// Whether a GET with DELETE claims only a small object's record (`OP_FLAG_CLAIM_WHOLE`).
+    pub fn claim_whole(&self) -> bool {
+        self.flags & OP_FLAG_CLAIM_WHOLE != 0
     }
 
     /// Whether PUT asks for PERSIST.

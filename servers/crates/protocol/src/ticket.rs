@@ -104,6 +104,11 @@ pub struct ReadTicket {
     /// DELETE on read: claim the record (and free the data block sent with it).
     #[serde(default)]
     pub delete: bool,
+    /// With `delete`: claim only a record whose bytes come with this reply (a small object's,
+    /// or one of one data block sent along); a striped object's manifest stays for its reader
+    /// to remove after reading the blocks (a `delete` conditional on the version).
+    #[serde(default)]
+    pub claim_whole: bool,
     /// The most bytes the reader takes with the record: the data block of an object of one
     /// data block is sent along only when the object's size is at most this (0: never).
     #[serde(default)]

@@ -24,8 +24,8 @@ use pocketflow_protocol::direct::{
 };
 use pocketflow_protocol::frame::{
     decode_reply_frame, decode_request_frame, encode_request_frame, OpCode, Reply,
-    ReplyFrameBuilder, RequestOp, OP_FLAG_DELETE, OP_FLAG_OVERWRITE, OP_FLAG_PERSIST, OP_FLAG_SEAL,
-    REQUEST_FRAME_HEAD_BYTES, REQUEST_OP_HEAD_BYTES,
+    ReplyFrameBuilder, RequestOp, OP_FLAG_CLAIM_WHOLE, OP_FLAG_DELETE, OP_FLAG_OVERWRITE,
+    OP_FLAG_PERSIST, OP_FLAG_SEAL, REQUEST_FRAME_HEAD_BYTES, REQUEST_OP_HEAD_BYTES,
 };
 use pocketflow_protocol::ipc::{check_schema, decode_piece, encode_piece, is_schema_message};
 use pocketflow_protocol::limits::{
@@ -701,7 +701,7 @@ fn request_op() -> BoxedStrategy<RequestOp> {
         .prop_map(|(request_id, op, flags, bucket, key, header, value)| {
             let allowed = match op {
                 OpCode::Put => OP_FLAG_PERSIST | OP_FLAG_OVERWRITE,
-                OpCode::Get => OP_FLAG_DELETE,
+                OpCode::Get => OP_FLAG_DELETE | OP_FLAG_CLAIM_WHOLE,
                 OpCode::QueueInfo | OpCode::ReadAppend => OP_FLAG_SEAL,
                 _ => 0,
             };
@@ -1178,7 +1178,7 @@ proptest! {
         json_round_trip(&ticket, GetTicket::parse);
         let read = ReadTicket {
             ctx: ctx.clone(), bucket: bucket.clone(), key: key.clone(), delete: persist,
-            inline_bytes_max: version,
+            claim_whole: version % 2 == 0, inline_bytes_max: version,
         };
         json_round_trip(&read, ReadTicket::parse);
         let put = PutDescriptor { ctx: ctx.clone(), bucket, key, version, block_size, persist, commit: None };

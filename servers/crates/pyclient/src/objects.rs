@@ -5,7 +5,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use pocketflow_client::channels::check_placed_ops;
 use pocketflow_client::waits::Stop;
-use pocketflow_client::{ClientError, Failure, Layout, Listing, Objects, StreamUpload, Tuning};
+use pocketflow_client::{
+    ClientError, Failure, Layout, Listing, Objects, Record, StreamUpload, Tuning,
+};
 use pocketflow_protocol::frame::OpCode;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
@@ -330,10 +332,15 @@ impl PyObjects {
         let out = PyList::empty(py);
         let mut first_error: Option<Failure> = None;
         let mut large: Vec<(usize, Layout, Lent)> = Vec::new();
+        // A DELETE read's striped objects: their records, taken once their blocks are read.
+        let mut striped: Vec<(usize, Record)> = Vec::new();
         for (index, record) in records.into_iter().enumerate() {
             match record {
                 Ok(record) => match record.header {
                     Some(header) if header.block_count > 0 => {
+                        if delete {
+                            striped.push((index, record.clone()));
+                        }
                         let size = usize::try_from(header.size)
                             .map_err(|_| PyValueError::new_err("object too large"))?;
                         let layout = Layout::of_record(header, &record.body)
@@ -372,8 +379,26 @@ impl PyObjects {
                         (key_refs[index], layout, unsafe { lent.into_slice_mut() })
                     })
                     .collect();
-                objects.read_objects(bucket, &mut reads, delete)
+                objects.read_objects(bucket, &mut reads, false)
             });
+            // With `delete` every large object is striped, in the same order: slot `i` of both.
+            let mut outcomes = outcomes;
+            let read: Vec<usize> = (0..striped.len())
+                .filter(|&i| outcomes[i].is_ok())
+                .collect();
+            let claims: Vec<(&str, &Record)> = read
+                .iter()
+                .map(|&i| (key_refs[striped[i].0], &striped[i].1))
+                .collect();
+            let claimed = py.detach(|| objects.claim_records(bucket, &claims));
+            // A striped object whose claim was lost (another reader took it) is not this
+            // reader's: it gets `not_found` instead of the bytes, as the loser of a small one.
+            for (&slot, claim) in read.iter().zip(claimed) {
+                match claim {
+                    Ok(None) => {}
+                    Ok(Some(lost)) | Err(lost) => outcomes[slot] = Err(lost),
+                }
+            }
             for (index, outcome) in large_at.into_iter().zip(outcomes) {
                 if let Err(failure) = outcome {
                     if each {
@@ -559,6 +584,29 @@ impl PyObjects {
         let objects = &self.objects;
         py.detach(|| objects.restore_record(&record, bucket, key))
             .map_err(|e| to_py_err(py, &e, server))
+    }
+
+    /// Take the record of a striped object a DELETE read has read whole (its header as 32
+    /// bytes, and its manifest's value) and free its blocks; `False` when another reader took
+    /// that version first (or an overwrite replaced it), and the bytes are not this reader's.
+    fn claim_record(
+        &self,
+        py: Python<'_>,
+        server: &str,
+        bucket: &str,
+        key: &str,
+        header: &[u8],
+        body: &[u8],
+    ) -> PyResult<bool> {
+        let record = pocketflow_client::Record {
+            server: server.to_string(),
+            header: Some(header_of(header)?),
+            body: Bytes::copy_from_slice(body),
+        };
+        let objects = &self.objects;
+        py.detach(|| objects.claim_record(&record, bucket, key))
+            .map(|lost| lost.is_none())
+            .map_err(|f| failure_to_py(py, &f))
     }
 
     /// `(size, persist)` of an object. With `lost_unavailable` false, a key that may have been

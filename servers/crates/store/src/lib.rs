@@ -62,5 +62,5 @@ pub use capacity::INDEX_ENTRY_OVERHEAD_BYTES;
 pub use engine::{BlockWriter, Engine, StoredBlock, Tier};
 pub use error::{CapacityLimit, StoreError};
 pub use index::{BUCKETS_PER_JOB_MAX, JOBS_MAX};
-pub use store::{BlockWrite, JobUsage, Store, StoreConfig, Usage};
+pub use store::{BlockWrite, Claim, JobUsage, Store, StoreConfig, Usage};
 pub use throughput::Throughput;

@@ -35,6 +35,7 @@ mod tests;
 mod usage;
 
 pub use blocks::BlockWrite;
+pub use records::Claim;
 pub use usage::{JobUsage, Usage};
 
 /// How to open a [`Store`].

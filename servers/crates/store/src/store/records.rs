@@ -113,24 +113,56 @@ impl Store {
         key: &str,
         delete: bool,
     ) -> Result<(ObjectHeader, Bytes), StoreError> {
+        let claim = if delete { Claim::Always } else { Claim::Never };
+        let (header, bytes, _) = self.get_record_claiming(job, bucket, key, claim).await?;
+        Ok((header, bytes))
+    }
+
+    /// [`Store::get_record`] that takes the record out of the index as `claim` says; returns
+    /// whether it did. A claimed record leaves the index atomically with the read, as with
+    /// `delete`.
+    pub async fn get_record_claiming(
+        &self,
+        job: &str,
+        bucket: &str,
+        key: &str,
+        claim: Claim,
+    ) -> Result<(ObjectHeader, Bytes, bool), StoreError> {
         check_names(job, bucket, Some(key))?;
-        let (header, stored) = self.with_bucket(job, bucket, |b, account| {
-            if delete {
-                let record = b
-                    .records
-                    .remove(key)
-                    .ok_or_else(|| not_found(bucket, key))?;
-                account.objects.fetch_sub(1, Ordering::AcqRel);
-                account.entries.fetch_sub(1, Ordering::AcqRel);
-                // Under the bucket lock, so a key's events keep the order of its operations.
-                if !record.header.fence() {
-                    self.shared.events.emit(job, bucket, key, EventOp::Delete);
+        let (header, stored, claimed) = self.with_bucket(job, bucket, |b, account| {
+            let found = b.records.get(key).ok_or_else(|| not_found(bucket, key))?;
+            let takes = match claim {
+                Claim::Never => false,
+                Claim::Always => true,
+                Claim::Whole { inline_bytes_max } => {
+                    let header = found.header;
+                    let block = BlockKey {
+                        key: key.to_string(),
+                        version: header.version,
+                        index: 1,
+                    };
+                    header.block_count == 0
+                        || (header.block_count == 1
+                            && header.size <= inline_bytes_max
+                            && b.blocks.get(&block).is_some_and(|stored| {
+                                stored.block.as_ref().map_or(0, |block| block.len()) == header.size
+                            }))
                 }
-                Ok((record.header, record.stored))
-            } else {
-                let record = b.records.get(key).ok_or_else(|| not_found(bucket, key))?;
-                Ok((record.header, Arc::clone(&record.stored)))
+            };
+            if !takes {
+                return Ok((found.header, Arc::clone(&found.stored), false));
             }
+            let record = b
+                .records
+                .remove(key)
+                .ok_or_else(|| not_found(bucket, key))?;
+            account.objects.fetch_sub(1, Ordering::AcqRel);
+            account.entries.fetch_sub(1, Ordering::AcqRel);
+            // Under the bucket lock, so a key's events keep the order of its operations.
+            if !record.header.fence() {
+                self.shared.events.emit(job, bucket, key, EventOp::Delete);
+            }
+            Ok((record.header, record.stored, true))
         })?;
         let len = stored.block.as_ref().map_or(0, |block| block.len());
         assert!(
@@ -138,7 +170,7 @@ impl Store {
             "record bytes ({len}) disagree with the header"
         );
         let bytes = self.read_stored(stored, 0, len).await?;
-        Ok((header, bytes))
+        Ok((header, bytes, claimed))
     }
 
     /// The keys of `keys` that have no block-0 record in the bucket now, in their order.
@@ -325,4 +357,21 @@ impl Store {
         drop((records, blocks, channels));
         Ok(counts)
     }
+}
+
+/// Whether a GET takes the record it reads out of the index (DELETE on read).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// A plain read.
+    Never,
+    /// DELETE on read: the record is taken whatever it is.
+    Always,
+    /// DELETE on read of a record whose bytes go with it: a small object's, or (when its size
+    /// is at most `inline_bytes_max`) one of one data block held here whole. A striped object's
+    /// manifest stays: its reader reads the blocks first and then takes the record with a
+    /// delete conditional on its version, so a reader that dies mid-read loses nothing.
+    Whole {
+        /// The most bytes of one data block sent along with the record (0: none).
+        inline_bytes_max: u64,
+    },
 }

@@ -1017,6 +1017,70 @@ async fn fences_hold_a_key_without_being_an_object(tier: Tier) {
     assert_eq!(seen, [(EventOp::Put, "o"), (EventOp::Put, "f")]);
 }
 
+/// A DELETE read with `Claim::Whole` takes only a record whose bytes go with it: a small object,
+/// or one of one data block held here whole that fits the reader; a striped manifest stays.
+async fn claim_whole_leaves_striped_manifests(tier: Tier) {
+    let (store, _dir) = open(tier, 8 << 20, false);
+    store.create_bucket(JOB, "b").unwrap();
+    let whole = Claim::Whole {
+        inline_bytes_max: 1 << 20,
+    };
+    put(&store, "b", "small", b"hi").await.unwrap();
+    let (_, value, claimed) = store
+        .get_record_claiming(JOB, "b", "small", whole)
+        .await
+        .unwrap();
+    assert!(claimed);
+    assert_eq!(&value[..], b"hi");
+    assert!(store.lookup(JOB, "b", "small").is_err());
+    let striped = manifest(2, 3 << 10, 1 << 10);
+    store
+        .put_record(JOB, "b", "striped", striped, Bytes::new(), false)
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        let (header, _, claimed) = store
+            .get_record_claiming(JOB, "b", "striped", whole)
+            .await
+            .unwrap();
+        assert!(!claimed);
+        assert_eq!(header, striped);
+    }
+    // The reader takes it afterwards by its version.
+    store
+        .delete_record_version(JOB, "b", "striped", Some(2))
+        .unwrap();
+    // One data block: taken when held here whole and it fits, else left for the block read.
+    let one = manifest(3, 1000, 1 << 10);
+    for key in ["held", "elsewhere", "too-big"] {
+        store
+            .put_record(JOB, "b", key, one, Bytes::new(), false)
+            .await
+            .unwrap();
+    }
+    put_block(&store, "held", 3, 1, &pattern(1000, 1))
+        .await
+        .unwrap();
+    put_block(&store, "too-big", 3, 1, &pattern(1000, 2))
+        .await
+        .unwrap();
+    let taken = |key: &'static str, inline_bytes_max: u64| {
+        let store = &store;
+        async move {
+            store
+                .get_record_claiming(JOB, "b", key, Claim::Whole { inline_bytes_max })
+                .await
+                .unwrap()
+                .2
+        }
+    };
+    assert!(taken("held", 1000).await);
+    assert!(!taken("elsewhere", 1000).await);
+    assert!(!taken("too-big", 999).await);
+    assert!(store.lookup(JOB, "b", "elsewhere").is_ok());
+    assert!(store.lookup(JOB, "b", "too-big").is_ok());
+}
+
 macro_rules! per_tier {
     ($($name:ident),* $(,)?) => {
         mod dram {
@@ -1050,4 +1114,5 @@ per_tier!(
     inserts_wake_the_waiters_of_their_keys,
     ended_leases_free_their_prefixes_now,
     fences_hold_a_key_without_being_an_object,
+    claim_whole_leaves_striped_manifests,
 );

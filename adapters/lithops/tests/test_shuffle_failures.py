@@ -207,11 +207,14 @@ DRIVER_SCRIPT = textwrap.dedent("""
 
 
 def _lithops_job_files() -> set[Path]:
-    """Every file under ``lithops.jobs`` in Lithops' localhost storage (the demo driver's)."""
+    """Every file under ``lithops.jobs`` in Lithops' localhost storage (the demo driver's).
+
+    ``os.walk`` skips a directory that goes away while it lists it: other tests' Lithops
+    cleaners delete their own jobs' directories meanwhile."""
     from lithops.constants import LITHOPS_TEMP_DIR
 
-    return {p for p in (Path(LITHOPS_TEMP_DIR) / "storage" / "lithops.jobs").rglob("*")
-            if p.is_file()}
+    root = Path(LITHOPS_TEMP_DIR) / "storage" / "lithops.jobs"
+    return {Path(directory) / name for directory, _, names in os.walk(root) for name in names}
 
 
 def _descendants(pid: int) -> set[tuple[int, str]]:

@@ -22,6 +22,7 @@ use bytes::Bytes;
 
 use tonic::Code;
 
+use crate::error::ClientError;
 use crate::failure::{server_error, Failure};
 use crate::homes::{block_home, Skipped};
 use crate::objects::Objects;
@@ -77,12 +78,25 @@ pub(crate) fn refused_as_full(failure: &Failure) -> bool {
 
 /// The error of a write that found no server with room: every refusal it met, server by server.
 /// When every one of them was a draining server's, the write is refused as draining (the job's
-/// servers are leaving, not full), as a write to one of them is.
+/// servers are leaving, not full), as a write to one of them is. When any server did not answer
+/// (hung, or gone: it is skipped like a full one so a write ends within its bound), the write is
+/// `unavailable`, not `capacity_exhausted`: that server may well have room, and a job whose
+/// servers are all gone must read as gone.
 pub(crate) fn no_room(what: &str, refusals: &[(String, String)]) -> Failure {
     let said: Vec<String> = refusals
         .iter()
         .map(|(node_id, message)| format!("{node_id}: {message}"))
         .collect();
+    if refusals
+        .iter()
+        .any(|(_, message)| message.starts_with("unavailable: "))
+    {
+        return Failure::local(ClientError::Unavailable(format!(
+            "no server of the job could take {what}: some did not answer, the others had no \
+             room: {}",
+            said.join("; ")
+        )));
+    }
     let draining = !refusals.is_empty()
         && refusals
             .iter()
@@ -295,5 +309,22 @@ mod tests {
         );
         assert!(kind_is(&leaving.error, "draining"), "{leaving:?}");
         assert!(!leaving.error.is_unavailable());
+        // A server that did not answer may have room: the write is unavailable, not full.
+        let silent = no_room(
+            "b/k (5 bytes)",
+            &[
+                ("dram-0".into(), "capacity_exhausted: tier is full".into()),
+                (
+                    "nvme-0".into(),
+                    "unavailable: cannot connect to 127.0.0.1:1".into(),
+                ),
+            ],
+        );
+        assert!(silent.error.is_unavailable(), "{silent:?}");
+        assert!(!silent.error.is_capacity_exhausted());
+        assert!(silent
+            .error
+            .to_string()
+            .contains("nvme-0: unavailable: cannot connect"));
     }
 }

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -155,12 +156,14 @@ def test_a_demo_whose_whole_cluster_is_killed_exits_within_seconds() -> None:
     # servers) is SIGKILLed while the shuffle runs. The demo must fail within seconds with an
     # error that says the cluster is gone, exit non-zero, and leave none of its processes.
     seen = run_scenario("cluster_gone", timeout_s=CLUSTER_GONE_TIMEOUT_S)
-    assert seen["shuffle_started"] and seen["killed"] > 0, seen
-    assert seen["exited"], seen
-    assert seen["exit_after_kill_s"] < CLUSTER_GONE_EXIT_S, seen
-    assert seen["returncode"] != 0, seen
-    assert any("gone" in line for line in seen["said"]), seen
-    assert seen["left"] == [], seen
+    shown = json.dumps(seen)  # whole, where pytest would cut a dict's repr
+    assert seen["shuffle_started"] and seen["killed"] > 0, shown
+    assert seen["shuffle_running_at_kill"], shown
+    assert seen["exited"], shown
+    assert seen["exit_after_kill_s"] < CLUSTER_GONE_EXIT_S, shown
+    assert seen["returncode"] != 0, shown
+    assert any("gone" in line for line in seen["said"]), shown
+    assert seen["left"] == [], shown
 
 
 RAY_START_FAILURE_TIMEOUT_S = 120.0

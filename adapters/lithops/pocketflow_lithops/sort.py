@@ -24,7 +24,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pocketflow
@@ -48,7 +48,12 @@ from pocketflow_lithops.executor_data import NO_CLEANER, delete_executor_data
 from pocketflow_lithops.runtime import runtime_path
 from pocketflow_lithops.shuffle import shuffle
 from pocketflow_lithops.shuffle_executors import EXECUTORS, RayShuffleExecutor
-from pocketflow_lithops.shuffle_tasks import CLUSTER_GONE_SETTLE_S, OutputInfo, cluster_gone
+from pocketflow_lithops.shuffle_tasks import (
+    CLUSTER_GONE,
+    CLUSTER_GONE_SETTLE_S,
+    OutputInfo,
+    cluster_gone,
+)
 
 __all__ = ["RUNNER", "LithopsSortRunner", "run_sort"]
 
@@ -77,25 +82,34 @@ def _check_partition_call(args: tuple[str, str, str, int]) -> PartitionCheck:
     return check_partition(*args)
 
 
+@contextlib.contextmanager
+def _saying_if_cluster_gone(handle_json: str) -> Iterator[None]:
+    """Re-raise a pocketflow failure of the block as the error that says the job's cluster is
+    gone when no storage server of the job answers any more (as the shuffle's failures do):
+    the driver's steps after the shuffle (the validation, the deletion of the outputs) may be
+    where it learns that its cluster died."""
+    try:
+        yield
+    except PocketflowError as failure:
+        if CLUSTER_GONE in str(failure):
+            raise
+        with pocketflow.connect(handle_json) as pf:
+            gone = cluster_gone(pf, settle_s=CLUSTER_GONE_SETTLE_S)
+        if gone is not None:
+            raise gone from failure
+        raise
+
+
 def _validate(fexec: Any, handle_json: str, outputs: list[OutputInfo],
               timeout_s: float | None) -> list[PartitionCheck]:
     """The validation stage: one call per output (a Lithops call, or a Ray task when ``fexec``
     is a :class:`RayShuffleExecutor`) reads it back and describes it. A failure of a call whose
     cluster is gone meanwhile says so, as the shuffle's do."""
     calls = [(handle_json, o.bucket, o.key, r) for r, o in enumerate(outputs)]
-    try:
-        checks: list[PartitionCheck]
+    with _saying_if_cluster_gone(handle_json):
         if isinstance(fexec, RayShuffleExecutor):
-            checks = fexec.run_all(_check_partition_call, calls, timeout_s)
-        else:
-            checks = fexec.get_result(fexec.map(check_partition, calls), timeout=timeout_s)
-    except PocketflowError as failure:
-        with pocketflow.connect(handle_json) as pf:
-            gone = cluster_gone(pf, settle_s=CLUSTER_GONE_SETTLE_S)
-        if gone is not None:
-            raise gone from failure
-        raise
-    return checks
+            return list(fexec.run_all(_check_partition_call, calls, timeout_s))
+        return list(fexec.get_result(fexec.map(check_partition, calls), timeout=timeout_s))
 
 
 def run_sort(
@@ -189,7 +203,8 @@ def run_sort(
         if sum(m.records for m in maps) != cfg.records:
             problems.append(f"mappers generated {sum(m.records for m in maps):,} records")
         if not cfg.keep_output:
-            with pocketflow.connect(result.handle_json) as pf:
+            with (_saying_if_cluster_gone(result.handle_json),
+                  pocketflow.connect(result.handle_json) as pf):
                 for output in result.outputs:
                     pf.delete(output.bucket, output.key)
     from pocketflow.handle import JobHandle

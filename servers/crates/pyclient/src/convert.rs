@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use pocketflow_client::{ClientTls, ConnectionConfig, ExchangeReply, ExchangeRequest};
+use pocketflow_client::{ClientTls, ConnectionConfig, ExchangeReply, ExchangeRequest, Record};
 use pocketflow_protocol::frame::OpCode;
 use pocketflow_protocol::header::{ObjectHeader, HEADER_LEN_BYTES};
 use pyo3::buffer::PyBuffer;
@@ -23,6 +23,16 @@ pub(crate) fn header_of(raw: &[u8]) -> PyResult<ObjectHeader> {
         )));
     }
     ObjectHeader::decode(raw).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// A record the client read from `server`, as Python hands it back: its header as 32 bytes
+/// and its value (a small object's body, or a manifest's value).
+pub(crate) fn record_of(server: &str, header: &[u8], body: &[u8]) -> PyResult<Record> {
+    Ok(Record {
+        server: server.to_string(),
+        header: Some(header_of(header)?),
+        body: Bytes::copy_from_slice(body),
+    })
 }
 
 pub(crate) fn utf8(raw: &[u8], what: &str) -> PyResult<String> {

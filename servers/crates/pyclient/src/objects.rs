@@ -2,7 +2,6 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use pocketflow_client::channels::check_placed_ops;
 use pocketflow_client::waits::Stop;
 use pocketflow_client::{
@@ -15,7 +14,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use crate::connection::PyConnection;
-use crate::convert::{connection_config, header_fields, header_of, reply_tuple, request_of};
+use crate::convert::{
+    connection_config, header_fields, header_of, record_of, reply_tuple, request_of,
+};
 use crate::errors::{failure_to_py, to_py_err};
 use crate::listing::PyListing;
 use crate::memory::{readable, uninit_bytes, writable, CallerBuffer, Lent, NewBytes};
@@ -576,11 +577,7 @@ impl PyObjects {
         header: &[u8],
         body: &[u8],
     ) -> PyResult<()> {
-        let record = pocketflow_client::Record {
-            server: server.to_string(),
-            header: Some(header_of(header)?),
-            body: Bytes::copy_from_slice(body),
-        };
+        let record = record_of(server, header, body)?;
         let objects = &self.objects;
         py.detach(|| objects.restore_record(&record, bucket, key))
             .map_err(|e| to_py_err(py, &e, server))
@@ -598,11 +595,7 @@ impl PyObjects {
         header: &[u8],
         body: &[u8],
     ) -> PyResult<bool> {
-        let record = pocketflow_client::Record {
-            server: server.to_string(),
-            header: Some(header_of(header)?),
-            body: Bytes::copy_from_slice(body),
-        };
+        let record = record_of(server, header, body)?;
         let objects = &self.objects;
         py.detach(|| objects.claim_record(&record, bucket, key))
             .map(|lost| lost.is_none())

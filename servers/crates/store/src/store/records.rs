@@ -10,12 +10,12 @@ use pocketflow_protocol::limits::{ENUMERATE_LIMIT_MAX, KEY_MAX_BYTES};
 use pocketflow_protocol::ObjectHeader;
 
 use super::{bucket_not_found, check_names, not_found, Store};
-use crate::capacity::ChargeKind;
+use crate::capacity::{ChargeKind, JobAccount};
 use crate::channels::{forget_channels, SegmentKey};
 use crate::error::StoreError;
 use crate::events::EventOp;
 use crate::expiry::Slot;
-use crate::index::{lock, split_prefix, BlockKey, Record};
+use crate::index::{lock, split_prefix, BlockKey, BucketIndex, Record};
 use crate::waiters::Waiter;
 
 impl Store {
@@ -152,16 +152,7 @@ impl Store {
             if !takes {
                 return Ok((found.header, Arc::clone(&found.stored), false));
             }
-            let record = b
-                .records
-                .remove(key)
-                .ok_or_else(|| not_found(bucket, key))?;
-            account.objects.fetch_sub(1, Ordering::AcqRel);
-            account.entries.fetch_sub(1, Ordering::AcqRel);
-            // Under the bucket lock, so a key's events keep the order of its operations.
-            if !record.header.fence() {
-                self.shared.events.emit(job, bucket, key, EventOp::Delete);
-            }
+            let record = self.take_record(b, account, job, bucket, key)?;
             Ok((record.header, record.stored, true))
         })?;
         let len = stored.block.as_ref().map_or(0, |block| block.len());
@@ -260,20 +251,34 @@ impl Store {
                     return Err(not_found(bucket, key));
                 }
             }
-            let record = b
-                .records
-                .remove(key)
-                .ok_or_else(|| not_found(bucket, key))?;
-            account.objects.fetch_sub(1, Ordering::AcqRel);
-            account.entries.fetch_sub(1, Ordering::AcqRel);
-            if !record.header.fence() {
-                self.shared.events.emit(job, bucket, key, EventOp::Delete);
-            }
-            Ok(record)
+            self.take_record(b, account, job, bucket, key)
         })?;
         let header = record.header;
         drop(record);
         Ok(header)
+    }
+
+    /// Take `key`'s block-0 record out of the locked bucket `b`: uncount it from the job's
+    /// `account` and emit its delete event (not for a fence). Called under the bucket lock, so
+    /// a key's events keep the order of its operations.
+    fn take_record(
+        &self,
+        b: &mut BucketIndex,
+        account: &JobAccount,
+        job: &str,
+        bucket: &str,
+        key: &str,
+    ) -> Result<Record, StoreError> {
+        let record = b
+            .records
+            .remove(key)
+            .ok_or_else(|| not_found(bucket, key))?;
+        account.objects.fetch_sub(1, Ordering::AcqRel);
+        account.entries.fetch_sub(1, Ordering::AcqRel);
+        if !record.header.fence() {
+            self.shared.events.emit(job, bucket, key, EventOp::Delete);
+        }
+        Ok(record)
     }
 
     /// Up to `limit` (1..=`ENUMERATE_LIMIT_MAX`) block-0 records whose key starts with `prefix`

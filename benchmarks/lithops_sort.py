@@ -71,13 +71,12 @@ from pocketflow.demo import (
     forget_inherited_lithops_session,
     format_bytes,
     generate_records,
+    group_by_partition,
     lithops_config,
     map_records,
-    partition_of,
     record_checksum,
-    records_from,
     reduce_records,
-    sort_records,
+    sort_runs,
 )
 
 # Lithops pickles the storage-backend tasks below; workers cannot import this module by name
@@ -115,15 +114,12 @@ CLUSTER_SHAPE = {"dram_servers": 2, "nvme_servers": 0, "dram_capacity": "1GiB",
 def storage_map(config: SortConfig, mapper: int, prefix: str, storage: Any) -> dict[str, Any]:
     """Generate, partition and write one object per reducer with ``storage.put_object``."""
     records = generate_records(config, mapper)
-    partitions = partition_of(records, config.reducers)
-    grouped = records[partitions.argsort(kind="stable")]
-    counts = [int((partitions == r).sum()) for r in range(config.reducers)]
+    # Grouped as pocketflow's mappers group (map_records), so both do the same work.
+    grouped, bounds = group_by_partition(records, config.reducers)
     started = time.perf_counter()
-    at = 0
-    for r, count in enumerate(counts):
+    for r in range(config.reducers):
         storage.put_object(storage.bucket, f"{prefix}/r{r:05d}/m{mapper:05d}",
-                           grouped[at:at + count].tobytes())
-        at += count
+                           grouped[bounds[r]:bounds[r + 1]].tobytes())
     io_s = time.perf_counter() - started
     result = MapResult(mapper=mapper, records=records.shape[0],
                        checksum=record_checksum(records), bytes_written=records.size)
@@ -139,7 +135,8 @@ def storage_reduce(config: SortConfig, reducer: int, prefix: str, storage: Any) 
         inputs.append(storage.get_object(storage.bucket, key))
         storage.delete_object(storage.bucket, key)
     io_s = time.perf_counter() - started
-    output = sort_records(records_from(b"".join(inputs))).tobytes()
+    # Sorted as pocketflow's reducers sort (reduce_records), so both do the same work.
+    output = sort_runs(inputs).tobytes()
     started = time.perf_counter()
     storage.put_object(storage.bucket, f"{prefix}/out/part-{reducer:05d}", output)
     io_s += time.perf_counter() - started

@@ -23,11 +23,13 @@ from pocketflow.demo import (
     demo_runner_names,
     forget_inherited_lithops_session,
     generate_records,
+    group_by_partition,
     is_sorted,
     lithops_config,
     partition_of,
     record_checksum,
     sort_records,
+    sort_runs,
 )
 from pocketflow.errors import ConfigError
 
@@ -60,6 +62,76 @@ def test_sort_orders_keys_bytewise() -> None:
     keys = [bytes(row[:KEY_BYTES]) for row in ordered]
     assert keys == sorted(bytes(row[:KEY_BYTES]) for row in records)
     assert is_sorted(ordered) and not is_sorted(records)
+
+
+def _reference_sort(records: np.ndarray) -> np.ndarray:
+    """Records ordered by their key bytes, byte by byte (a lexsort of ten columns)."""
+    return records[np.lexsort(tuple(records[:, i] for i in range(KEY_BYTES - 1, -1, -1)))]
+
+
+@pytest.mark.parametrize("shared_key_bytes", [0, 2, 6, 8, 9, 10])
+def test_sort_orders_keys_that_share_their_first_bytes(shared_key_bytes: int) -> None:
+    # Keys whose first 8 bytes (or more of them) repeat are put in order by the rest of the
+    # key, not by where they came from: the sort's fast path orders by those 8 bytes only.
+    rng = np.random.default_rng(shared_key_bytes)
+    records = rng.integers(0, 256, (3000, 100), dtype=np.uint8)
+    if shared_key_bytes:
+        source = rng.integers(0, 40, records.shape[0])
+        records[:, :shared_key_bytes] = records[source, :shared_key_bytes]
+    ordered = sort_records(records)
+    assert np.array_equal(ordered[:, :KEY_BYTES], _reference_sort(records)[:, :KEY_BYTES])
+    assert is_sorted(ordered)
+    assert record_checksum(ordered) == record_checksum(records)
+
+
+@pytest.mark.parametrize("shared_key_bytes", [0, 8, 10])
+def test_runs_are_sorted_together_as_one(shared_key_bytes: int) -> None:
+    rng = np.random.default_rng(100 + shared_key_bytes)
+    records = rng.integers(0, 256, (2500, 100), dtype=np.uint8)
+    if shared_key_bytes:
+        source = rng.integers(0, 40, records.shape[0])
+        records[:, :shared_key_bytes] = records[source, :shared_key_bytes]
+    cuts = [0, 0, 300, 301, 1700, 2500, 2500]
+    runs = [records[a:b].tobytes() for a, b in zip(cuts, cuts[1:], strict=False)]
+    ordered = sort_runs(runs)
+    assert np.array_equal(ordered[:, :KEY_BYTES], _reference_sort(records)[:, :KEY_BYTES])
+    assert record_checksum(ordered) == record_checksum(records)
+    assert sort_runs([]).shape == (0, 100)
+
+
+def test_sort_of_no_record_or_one() -> None:
+    for count in (0, 1):
+        records = generate_records(SortConfig(mappers=1, records=count), 0)
+        assert np.array_equal(sort_records(records), records)
+
+
+def test_checksum_sees_a_change_in_any_byte() -> None:
+    records = generate_records(SortConfig(mappers=1, records=50), 0)
+    checksum = record_checksum(records)
+    for at in range(100):
+        altered = records.copy()
+        altered[7, at] ^= 0x80
+        assert record_checksum(altered) != checksum, at
+    # Two records trading a word at the same place still change it.
+    traded = records.copy()
+    traded[[3, 4], 8:16] = traded[[4, 3], 8:16]
+    assert record_checksum(traded) != checksum
+
+
+def test_grouping_by_partition_keeps_each_partition_s_records_in_order() -> None:
+    records = generate_records(SortConfig(mappers=1, records=5000), 0)
+    grouped, bounds = group_by_partition(records, 7)
+    parts = partition_of(records, 7)
+    assert bounds[0] == 0 and bounds[-1] == records.shape[0] and len(bounds) == 8
+    for r in range(7):
+        assert np.array_equal(grouped[bounds[r]:bounds[r + 1]], records[parts == r])
+
+
+def test_partitions_beyond_the_key_prefix_are_refused() -> None:
+    records = generate_records(SortConfig(mappers=1, records=10), 0)
+    assert partition_of(records, 1 << 16).max() < 1 << 16
+    with pytest.raises(ValueError, match="reducers"):
+        partition_of(records, (1 << 16) + 1)
 
 
 def test_range_partitions_are_ordered() -> None:

@@ -128,6 +128,11 @@ class Objects:
         self, bucket: str, keys: list[str], *, delete: bool = False, each: bool = False
     ) -> list[bytes | BaseException]:
         """With ``each``, a failed key's exception stands in its place instead of being raised."""
+    def get_many_into(
+        self, bucket: str, keys: list[str], buffer: Buffer, offsets: list[int],
+        sizes: list[int],
+    ) -> list[BaseException | None]:
+        """Object ``i`` into ``buffer[offsets[i]:offsets[i] + sizes[i]]``; None or its error."""
     def lookup(
         self, bucket: str, key: str, *, lost_unavailable: bool = True
     ) -> tuple[int, bool]:

@@ -706,6 +706,23 @@ class Client:
             check_key(key)
         return self._core.get_many(bucket, key_list, delete=delete, each=True)
 
+    def get_many_into(
+        self, bucket: str, keys: Iterable[str], buffer: Any, offsets: Sequence[int],
+        sizes: Sequence[int],
+    ) -> list[PocketflowError | None]:
+        """Read object ``i`` of ``keys`` into ``buffer[offsets[i]:offsets[i] + sizes[i]]``
+        (a writable C-contiguous buffer; the ranges inside it and apart), as :meth:`get_many`
+        reads (block-0 reads pipelined per server, then the large objects' blocks), with no
+        ``bytes`` made: a reader that keeps many objects in one buffer mapped with huge pages
+        faults its memory in 2 MiB at a time. Each key's outcome: None once its range holds the
+        object, or its error (:class:`InvalidRequest` if the object is not ``sizes[i]`` bytes).
+        """
+        check_bucket(bucket)
+        key_list = list(keys)
+        for key in key_list:
+            check_key(key)
+        return self._core.get_many_into(bucket, key_list, buffer, list(offsets), list(sizes))
+
     # -- waiting -----------------------------------------------------------------------------
 
     def wait_for(self, bucket: str, keys: Iterable[str], *, timeout_s: float) -> list[str]:

@@ -6,6 +6,8 @@ for a key being prewarmed, eviction by recency, capacity grown and shrunk by the
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -197,6 +199,39 @@ def test_tasks_wait_for_keys_the_prewarm_claimed_ahead(
         assert request_counts().get("GetObject", 0) - gets == len(keys), "each key once"
         job_id = cache.job_id
     _wait_ended(local_cluster, job_id)  # its capacity goes back for the tests after it
+
+
+def test_a_prewarm_worker_killed_leaves_its_keys_to_the_tasks(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    """The prewarm fetches in worker processes of its own. One SIGKILLed right after
+    ``open_cache`` returned (its first window claimed, its fetches begun) leaves claims nobody
+    fills: a task reading every key waits for them only until they lapse (``claim_ms``), takes
+    them over and reads every key whole; the prewarm counts as done once its workers ended,
+    and closing the cache does not wait for the dead worker."""
+    sizes = {f"k/{i:04d}": 4096 for i in range(1200)}
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: s3.put_object(Bucket=s3_bucket, Key=k,
+                                              Body=k.encode().ljust(4096, b".")), sizes))
+    keys = sorted(sizes)
+    with open_cache("t-kill", s3_server, app="kill", idle="1s",
+                    cluster=local_cluster) as cache:
+        cache.client.get_many(s3_bucket, keys)
+        first_job = cache.job_id
+    _wait_ended(local_cluster, first_job)
+    with open_cache("t-kill", s3_server, app="kill", prewarm=True, idle="1s", claim_ms=3000,
+                    cluster=local_cluster) as cache:
+        pids = cache.prewarm_pids
+        assert len(pids) == 2, "two worker processes share the plan"
+        os.kill(pids[0], signal.SIGKILL)
+        result = _result(_task(cache, s3_bucket, keys))
+        assert result["sizes"] == [4096] * len(keys)
+        assert cache.wait_prewarmed(60.0)
+        status = cache.status()
+        assert status["prewarm_fetched"] < len(keys), "the killed worker's batches are not done"
+        assert result["stats"]["steals"] + result["stats"]["filled"] >= 1, result["stats"]
+        job_id = cache.job_id
+    _wait_ended(local_cluster, job_id)
 
 
 def test_eviction_by_recency(

@@ -5,6 +5,7 @@ fill whose process is killed), S3 errors as typed errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -111,6 +113,68 @@ def test_a_second_client_in_another_process_hits(cache_spec: CacheSpec, s3: Any,
     )
     out = _run(script, cache_spec.to_json())
     assert out.strip().endswith("[1, 0]"), out
+
+
+VIEWS_TASK = """
+import json, resource, sys
+from pocketflow.cache import connect
+spec, bucket, keys, how = sys.stdin.read().split("\\n")
+c = connect(spec)
+keys = json.loads(keys)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+data = c.get_views(bucket, keys) if how == "views" else c.get_many(bucket, keys)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+ok = all(bytes(d) == k.encode() * (len(d) // len(k)) for k, d in zip(keys, data))
+print(json.dumps({"faults": faults, "ok": ok, "types": sorted({type(d).__name__ for d in data}),
+                  "fresh": c.stats.fresh}))
+c.close()
+"""
+
+
+def _huge_pages_on_request() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as mode:
+            return "[never]" not in mode.read()
+    except OSError:
+        return False
+
+
+def test_views_of_hits_share_one_buffer_with_huge_pages(cache_spec: CacheSpec, s3: Any,
+                                                        s3_bucket: str) -> None:
+    """``get_views`` reads a round's cached entries into one buffer: the same bytes as
+    ``get_many`` (fresh hits, stale ones revalidated, misses), each a read-only view; in a
+    fresh process the buffer faults in 2 MiB at a time where huge pages can be asked for
+    (``get_many``'s 16 x 1 MiB ``bytes`` fault ~4,000 times), so the task's reads cost a
+    fraction of the page faults."""
+    keys = [f"v/{i:02d}" for i in range(16)]
+    for key in keys:
+        s3.put_object(Bucket=s3_bucket, Key=key, Body=key.encode() * ((1 << 20) // len(key)))
+    with _cache(cache_spec, lease_ms=60_000) as cache:
+        cache.get_many(s3_bucket, keys)
+        cache.flush()
+        views = cache.get_views(s3_bucket, keys)
+        assert all(isinstance(v, memoryview) and v.readonly for v in views)
+        assert [bytes(v) for v in views] == cache.get_many(s3_bucket, keys)
+        with pytest.raises(S3ObjectNotFound):
+            cache.get_views(s3_bucket, keys[:2] + ["v/none"])
+    spec_json = cache_spec.to_json()
+    runs = {how: json.loads(_run(VIEWS_TASK, f"{spec_json}\n{s3_bucket}\n{json.dumps(keys)}"
+                                               f"\n{how}").strip().splitlines()[-1])
+            for how in ("views", "bytes")}
+    assert runs["views"]["ok"] and runs["bytes"]["ok"], runs
+    assert runs["views"]["types"] == ["memoryview"] and runs["views"]["fresh"] == len(keys)
+    if _huge_pages_on_request():
+        assert runs["views"]["faults"] * 4 < runs["bytes"]["faults"], runs
+    # Stale entries (lease over) are revalidated and read into views too; a changed key is
+    # filled anew and served as a view of its new bytes.
+    with _cache(cache_spec, lease_ms=300) as cache:
+        time.sleep(0.4)
+        s3.put_object(Bucket=s3_bucket, Key=keys[3], Body=b"changed")
+        views = cache.get_views(s3_bucket, keys)
+        assert bytes(views[3]) == b"changed"
+        assert [bytes(v) for i, v in enumerate(views) if i != 3] == [
+            k.encode() * ((1 << 20) // len(k)) for i, k in enumerate(keys) if i != 3]
+        assert cache.stats.revalidated == len(keys) - 1
 
 
 def test_revalidation_after_the_lease(cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
@@ -260,6 +324,48 @@ def test_s3_errors_are_typed(cache_spec: CacheSpec, s3_bucket: str) -> None:
         # The claim was released: nothing is left waiting for a fill that failed.
         with pytest.raises(ObjectNotFound):
             cache.client.get(CLAIM_BUCKET, cache_key(s3_bucket, "k"))
+
+
+def test_a_prefetch_fetches_only_what_is_not_cached_and_answers_stay_in_order(
+    cache_spec: CacheSpec, s3: Any, s3_bucket: str,
+) -> None:
+    """A prefetch looks its keys up by name first and reads only the ``meta`` records that
+    exist: cached keys are not fetched again, missing ones once, keys S3 lacks are not counted;
+    a batch's S3 answers come back on a few lanes, in key order, errors in place."""
+    keys = [f"pf/{i:03d}" for i in range(60)]
+    absent = set(keys[5::7])
+    for key in keys:
+        if key not in absent:
+            s3.put_object(Bucket=s3_bucket, Key=key, Body=key.encode() * (1 + len(key) % 5))
+    spec = replace(cache_spec, lease_ms=60_000)
+    with CacheClient(spec, s3_parallel=4) as cache:
+        cached = keys[:20]
+        cache.get_each(s3_bucket, cached)
+        cache.flush()
+        before = _gets()
+        held = cache.prefetch(s3_bucket, keys)
+        assert held == len(keys) - len(absent)
+        # Only the keys not cached yet are asked for (S3 answers the absent ones 404); those
+        # of the first 20 are cached, the absent ones among them as missing.
+        assert _gets() - before == len(keys) - len(cached)
+        cache.flush()
+        before = _gets()
+        results = cache.get_each(s3_bucket, keys)
+        assert _gets() == before, "every key, present or absent, is fresh in the cache now"
+        for key, result in zip(keys, results, strict=True):
+            if key in absent:
+                assert isinstance(result, S3ObjectNotFound), key
+            else:
+                assert result == key.encode() * (1 + len(key) % 5), key
+    with CacheClient(spec, s3_parallel=3) as cache:
+        for key in keys:
+            cache.invalidate(s3_bucket, key)
+        before = _gets()
+        results = cache.get_each(s3_bucket, keys)  # 60 misses on 3 lanes
+        assert _gets() - before == len(keys)
+        assert [isinstance(r, S3ObjectNotFound) for r in results] == [k in absent for k in keys]
+        assert [r for r in results if not isinstance(r, S3ObjectNotFound)] == [
+            k.encode() * (1 + len(k) % 5) for k in keys if k not in absent]
 
 
 def test_concurrent_misses_in_threads_fetch_once(cache_spec: CacheSpec, s3: Any,

@@ -15,8 +15,15 @@ from typing import Any
 from pocketflow.auth import token_expiry_unix_ms
 from pocketflow.cache.client import CacheClient, create_buckets
 from pocketflow.cache.maintainer import Maintainer
+from pocketflow.cache.prewarm import (
+    PREWARM_BATCH_KEYS,
+    PREWARM_CLAIM_AHEAD_KEYS,
+    WORKER_START_TIMEOUT_S,
+    Workers,
+    batches_of,
+)
 from pocketflow.cache.records import RECORD_BUCKET
-from pocketflow.cache.source import S3Source, S3Store
+from pocketflow.cache.source import S3Source, S3Store, add_request_counts
 from pocketflow.cache.spec import (
     CLAIM_MS_DEFAULT,
     FILL_WAIT_S_DEFAULT,
@@ -61,23 +68,6 @@ MAINTAIN_INTERVAL_S = 0.25
 """Pause between two maintainer passes."""
 SIZING_INTERVAL_S = 2.0
 """How often the maintainer considers growing the cache."""
-PREWARM_BATCH_KEYS = 256
-"""Most keys a prewarm fetches at once (a task waiting on one waits for its batch)."""
-PREWARM_BATCH_BYTES = 16 * 1024 * 1024
-"""Most bytes of one prewarm batch (a batch holds at least one key)."""
-PREWARM_STREAMS = 2
-"""Prewarm batches in flight at once (their S3 requests share ``PREWARM_S3_PARALLEL``
-connections; a batch's entries are written by the client's publisher thread while the next
-batches download)."""
-PREWARM_S3_PARALLEL = 32
-"""S3 requests the prewarm has in flight (the S3 source's default connection pool)."""
-PREWARM_CLAIM_AHEAD_KEYS = 4096
-"""Keys the prewarm claims ahead of its fetches (:meth:`CacheClient.claim_ahead`): a task asking
-for one waits for the prewarm's fill instead of fetching it too. Claimed when the window
-reaches them, so they are fetched well within a claim's time (``claim_ms``) at the prewarm's
-rate; one that lapses first is taken over by a waiter."""
-PREWARM_CLAIM_AHEAD_BYTES = 256 * 1024 * 1024
-"""... and at most this many bytes of them."""
 STOP_TIMEOUT_S = 30.0
 """How long closing waits for the prewarm and maintainer threads."""
 RUN_LEASE_MS = 30_000
@@ -87,32 +77,6 @@ starts after it; a live driver renews it every ``RUN_LEASE_MS / LEASE_RENEW_DIVI
 ``idle`` is."""
 LEASE_RENEW_DIVISOR = 3
 """Renewals per run lease (two may be lost or late before the lease runs out)."""
-
-
-def _batches(plan: list[Any]) -> list[list[Any]]:
-    """``plan`` cut in order into batches of at most ``PREWARM_BATCH_KEYS`` keys and
-    ``PREWARM_BATCH_BYTES``."""
-    batches: list[list[Any]] = []
-    current: list[Any] = []
-    used = 0
-    for use in plan:
-        if current and (len(current) >= PREWARM_BATCH_KEYS
-                        or used + use.size > PREWARM_BATCH_BYTES):
-            batches.append(current)
-            current, used = [], 0
-        current.append(use)
-        used += use.size
-    if current:
-        batches.append(current)
-    return batches
-
-
-def _by_bucket(uses: list[Any]) -> dict[str, list[str]]:
-    """The keys of ``uses`` by S3 bucket, in order."""
-    out: dict[str, list[str]] = {}
-    for use in uses:
-        out.setdefault(use.bucket, []).append(use.key)
-    return out
 
 
 def working_set_key(app: str) -> str:
@@ -178,9 +142,8 @@ class Cache:
         self._previous: RunRecord | None = None
         self._previous_from: str | None = None
         self.prewarm_planned = 0
-        self.prewarm_fetched = 0
         self.prewarm_done_s: float | None = None
-        self.prewarm_client: CacheClient | None = None
+        self._prewarm: Workers | None = None
         self._prewarm_done = threading.Event()
         self._prewarm_done.set()
         self._threads: list[threading.Thread] = []
@@ -207,6 +170,16 @@ class Cache:
         return self._client
 
     @property
+    def prewarm_fetched(self) -> int:
+        """Keys the prewarm fetched so far."""
+        return self._prewarm.fetched if self._prewarm is not None else 0
+
+    @property
+    def prewarm_pids(self) -> list[int]:
+        """The prewarm's worker processes (tests stop and kill them)."""
+        return self._prewarm.pids if self._prewarm is not None else []
+
+    @property
     def maintainer(self) -> Maintainer:
         return self._maintainer
 
@@ -228,8 +201,8 @@ class Cache:
             "prewarm_from": self._previous_from, "prewarm_s": self.prewarm_done_s,
             "prewarm_objects_per_s": (self.prewarm_fetched / self.prewarm_done_s
                                       if self.prewarm_done_s else None),
-            "prewarm_stats": (self.prewarm_client.stats.to_dict()
-                              if self.prewarm_client is not None else None),
+            "prewarm_stats": (dict(self._prewarm.stats)
+                              if self._prewarm is not None else None),
         }
 
     def wait_prewarmed(self, timeout_s: float) -> bool:
@@ -311,72 +284,29 @@ class Cache:
         return None
 
     def _start_prewarm(self, plan: list[Any]) -> None:
-        """Fetch the planned keys in batches, largest benefit first, ``PREWARM_STREAMS`` batches
-        at a time, with the next ``PREWARM_CLAIM_AHEAD_KEYS`` claimed ahead (the first window
-        before this returns, so that the run's first tasks find it): tasks asking for a key
-        claimed or in flight wait for the prewarm's fill."""
-        batches = _batches(plan)
-        lock = threading.Lock()
-        next_batch = iter(enumerate(batches))
-        running = [PREWARM_STREAMS]
-        claimed_upto = [0]  # batches [0, claimed_upto) are claimed (or being fetched)
-        claim_lock = threading.Lock()
-        # Its fills are logged (the maintainer counts the bytes), its reads are not the run's.
-        client = CacheClient(self.spec, client=self._client.client, record_reads=False,
-                             s3_parallel=PREWARM_S3_PARALLEL)
-        self.prewarm_client = client
+        """Fetch the planned keys in batches, largest benefit first, in worker processes
+        (:mod:`pocketflow.cache.prewarm`), each with its next ``PREWARM_CLAIM_AHEAD_KEYS``
+        claimed ahead (its first window before this returns, within
+        ``WORKER_START_TIMEOUT_S``, so that the run's first tasks find it): tasks asking for a
+        key claimed or in flight wait for the prewarm's fill. The workers' S3 requests are
+        added to this process's :func:`~pocketflow.cache.source.request_counts` as they end."""
 
-        def claim_window(unstarted: int) -> None:
-            """Claim batches from ``claimed_upto`` while the claimed, unstarted ones (from
-            ``unstarted`` on) are within the window."""
-            with claim_lock:
-                ahead = batches[unstarted:claimed_upto[0]]
-                keys = sum(len(b) for b in ahead)
-                held = sum(u.size for b in ahead for u in b)
-                new: list[Any] = []
-                while (claimed_upto[0] < len(batches) and keys < PREWARM_CLAIM_AHEAD_KEYS
-                       and held < PREWARM_CLAIM_AHEAD_BYTES):
-                    batch = batches[claimed_upto[0]]
-                    claimed_upto[0] += 1
-                    new += batch
-                    keys += len(batch)
-                    held += sum(u.size for u in batch)
-                for bucket, bucket_keys in _by_bucket(new).items():
-                    client.claim_ahead(bucket, bucket_keys)
+        def ended() -> None:
+            self.prewarm_done_s = time.monotonic() - self._started_s
+            self._prewarm_done.set()
 
-        claim_window(0)
+        workers = Workers(self.spec.to_json(), batches_of(plan),
+                          on_requests=add_request_counts)
+        self._prewarm = workers
+        if not workers.wait_started(WORKER_START_TIMEOUT_S):
+            log.warning("cache %s: a prewarm worker did not claim its first keys within %.0f s",
+                        self.name, WORKER_START_TIMEOUT_S)
 
-        def stream() -> None:
-            try:
-                while not self._stop.is_set():
-                    with lock:
-                        item = next(next_batch, None)
-                    if item is None:
-                        return
-                    index, batch = item
-                    claim_window(index + 1)
-                    for bucket, keys in _by_bucket(batch).items():
-                        try:
-                            client.prefetch(bucket, keys)
-                        except PocketflowError as exc:
-                            log.warning("cache %s: prewarming %d keys failed: %s", self.name,
-                                        len(keys), exc)
-                    with lock:
-                        self.prewarm_fetched += len(batch)
-            finally:
-                with lock:
-                    running[0] -= 1
-                    last = running[0] == 0
-                if last:
-                    try:
-                        client.flush()  # prewarmed means written to the cache, not only fetched
-                    except PocketflowError as exc:
-                        log.warning("cache %s: flushing the prewarm failed: %s", self.name, exc)
-                    self.prewarm_done_s = time.monotonic() - self._started_s
-                    self._prewarm_done.set()
+        def watch() -> None:
+            workers.done.wait()
+            ended()
 
-        for _ in range(PREWARM_STREAMS):
-            self._spawn("prewarm", stream)
+        self._spawn("prewarm", watch)
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -474,11 +404,12 @@ class Cache:
             return self.status()
         self._closed = True
         self._stop.set()
+        if self._prewarm is not None:
+            # Its workers write their fills' records and remove their outcomes as they end.
+            self._prewarm.stop()
         for thread in self._threads:
             thread.join(timeout=STOP_TIMEOUT_S)
         try:
-            if self.prewarm_client is not None:
-                self.prewarm_client.close()  # flushes its fills' records, removes its outcomes
             self._client.flush()
             with self._lock:
                 self._maintainer.take_accesses()

@@ -101,8 +101,13 @@ def owner_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+"""One encoder for every record (``json.dumps`` with separators builds a new one per call, a
+third of a record's encoding time; a prewarm encodes four records per key)."""
+
+
 def _dump(fields: dict[str, Any]) -> bytes:
-    return json.dumps({"v": RECORD_VERSION, **fields}, separators=(",", ":")).encode()
+    return _ENCODER.encode({"v": RECORD_VERSION, **fields}).encode()
 
 
 def _load(raw: bytes | memoryview, what: str) -> dict[str, Any]:

@@ -24,7 +24,7 @@ __all__ = [
     "LIST_WASTE_FACTOR",
     "LIST_SLACK_KEYS",
     "LIST_KEYS_MAX",
-    "request_counts",
+    "request_counts", "add_request_counts",
 ]
 
 BODY_CHUNK_BYTES = 8 * 1024 * 1024
@@ -210,6 +210,13 @@ def _count_operation(operation: str) -> None:
         _requests[operation] += 1
 
 
+def add_request_counts(counts: dict[str, int]) -> None:
+    """Count requests another process sent for this one (a prewarm's workers), so that
+    :func:`request_counts` stays the whole of what this process had sent."""
+    with _requests_lock:
+        _requests.update({name: int(n) for name, n in counts.items()})
+
+
 def request_counts() -> dict[str, int]:
     """S3 requests this process has sent, by operation (``GetObject``, ``ListObjectsV2``, ...),
     every retry counted; the counts a benchmark reports."""
@@ -223,10 +230,13 @@ class S3Store:
     def __init__(self, source: S3Source) -> None:
         self.source = source
 
-    def connect(self) -> None:
+    def connect(self, *, boto3: bool = True) -> None:
         """Make this process's boto3 client and raw getter now (they are made on first use
-        otherwise; importing boto3 and building a client costs tens of milliseconds)."""
-        _client(self.source)
+        otherwise; importing boto3 and building a client costs 0.1-0.2 s of CPU). Without
+        ``boto3`` only the raw getter, for a process that only reads through a cache whose
+        GETs and listings are raw (a task then spends no CPU on a client it never uses)."""
+        if boto3 or _getter(self.source) is None:
+            _client(self.source)
         _getter(self.source)
 
     def get(

@@ -558,6 +558,45 @@ def test_a_process_that_ends_without_flush_leaves_its_fill_written(
         assert _gets() == gets and cache.stats.fresh == 1
 
 
+LINGERING_FILLER = """
+import os, sys
+from pocketflow.cache.client import CacheClient
+from pocketflow.cache.spec import CacheSpec
+spec_json, bucket = sys.stdin.read().split("\\n")
+cache = CacheClient(CacheSpec.from_json(spec_json), linger_claims=True)
+assert len(cache.get(bucket, "k")) > 0
+cache.flush()  # written; its claim and outcome linger
+os._exit(0)  # dies before removing them (as a SIGKILLed prewarm worker)
+"""
+
+
+def test_a_dead_prewarms_lingering_claim_does_not_hold_an_evicted_key(
+        cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
+    """A prewarm's claims linger with their outcomes; one whose process died leaves both. Once
+    the key's entry is evicted, a reader finds the old claim and its outcome but no entry: it
+    removes the lapsed claim and fills the key again (it went round to the same outcome and
+    read S3 uncached every time before)."""
+    from dataclasses import replace as changed
+
+    spec = changed(cache_spec, claim_ms=500)
+    s3.put_object(Bucket=s3_bucket, Key="k", Body=b"v" * 5000)
+    _run(LINGERING_FILLER, f"{spec.to_json()}\n{s3_bucket}")
+    ckey = cache_key(s3_bucket, "k")
+    with _cache(spec) as cache:
+        assert cache.client.exists(CLAIM_BUCKET, ckey), "the dead filler's claim lingers"
+        meta = cache.client.get(META_BUCKET, ckey)
+        assert cache.evict(entry_key(ckey, json.loads(meta)["e"]))
+        time.sleep(0.6)  # the claim's deadline passes
+        gets = _gets()
+        assert cache.get(s3_bucket, "k") == b"v" * 5000
+        cache.flush()
+        assert cache.stats.filled == 1 and cache.stats.bypassed == 0, cache.stats
+        assert _gets() - gets == 1
+        gets = _gets()
+        assert cache.get(s3_bucket, "k") == b"v" * 5000
+        assert _gets() == gets, "cached again"
+
+
 def test_claims_held_ahead_are_moved_on_until_their_fill(
         cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
     """A prewarm that claimed a key ahead and reaches it only after three claim times: the

@@ -1073,6 +1073,7 @@ class CacheClient:
         """Wait for other processes' fills; returns keys to look at again."""
         give_up_s = time.monotonic() + self.spec.fill_wait_s
         claims = dict(waiting)
+        waited_on = dict(waiting)
         again: list[int] = []
         while claims:
             done = {i: done_key(ckeys[i], c.fill_id) for i, c in claims.items()}
@@ -1112,8 +1113,17 @@ class CacheClient:
                 else:
                     results[i] = self._bypass(bucket, keys[i])
             # A waited-for entry gone already (replaced or evicted): look again.
-            again += [i for i, _ in self._read_entries(bucket, keys, ckeys, values, results,
-                                                       counter="waited")]
+            gone = [i for i, _ in self._read_entries(bucket, keys, ckeys, values, results,
+                                                     counter="waited")]
+            # A lingering claim past its deadline whose fill's entry is gone (its owner died
+            # before removing it) would send every reader of the key round again to the same
+            # outcome: remove it, so that the next round fills the key afresh.
+            now_ms = _now_ms()
+            lapsed_fills = [(ckeys[i], waited_on[i]) for i in gone
+                            if waited_on[i].deadline_ms < now_ms]
+            if lapsed_fills:
+                self._release_claims(lapsed_fills)
+            again += gone
             if not claims:
                 break
             if time.monotonic() >= give_up_s:

@@ -240,8 +240,21 @@ where
             .into(),
         ));
     }
-    let mut payload = BytesMut::zeroed(len);
-    reader.read_exact(&mut payload).await.map_err(|_| None)?;
+    // Read into the buffer's spare capacity: it is not zeroed first, since every byte of it is
+    // overwritten (a frame of small puts is as long as their values: zeroing it cost a pass
+    // over every byte put).
+    let mut payload = BytesMut::with_capacity(len);
+    while payload.len() < len {
+        let left = (len - payload.len()) as u64;
+        let read = (&mut *reader)
+            .take(left)
+            .read_buf(&mut payload)
+            .await
+            .map_err(|_| None)?;
+        if read == 0 {
+            return Err(None); // Closed inside the message.
+        }
+    }
     Ok(Some((kind, payload.freeze())))
 }
 
@@ -289,5 +302,59 @@ where
     let payload = encode_status(code, status.message());
     if write_message(writer, Kind::Status, &payload).await.is_ok() {
         let _ = writer.shutdown().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use pocketflow_protocol::direct::encode_message;
+    use tokio::io::AsyncWriteExt;
+
+    use super::*;
+
+    /// Bytes of a payload that arrives in many small writes.
+    const PIECED_PAYLOAD_BYTES: usize = 200 * 1024;
+    /// Bytes per write of that payload.
+    const PIECE_BYTES: usize = 4093;
+
+    #[tokio::test]
+    async fn a_payload_read_in_pieces_comes_whole_and_the_next_message_after_it() {
+        let payload: Vec<u8> = (0..PIECED_PAYLOAD_BYTES).map(|i| (i % 251) as u8).collect();
+        let (client, server) = tokio::io::duplex(PIECE_BYTES);
+        let sent = payload.clone();
+        let writer = tokio::spawn(async move {
+            let mut client = client;
+            let mut wire = encode_message(Kind::Frame, &sent).to_vec();
+            wire.extend_from_slice(&encode_message(Kind::Frame, b"next"));
+            for piece in wire.chunks(PIECE_BYTES) {
+                client.write_all(piece).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            client
+        });
+        let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, server);
+        let (kind, got) = read_message(&mut reader).await.ok().flatten().unwrap();
+        assert_eq!(kind, Kind::Frame);
+        assert_eq!(got.len(), payload.len());
+        assert!(got == payload, "the payload's bytes changed on the way");
+        let (_, next) = read_message(&mut reader).await.ok().flatten().unwrap();
+        assert_eq!(&next[..], b"next");
+        drop(writer.await.unwrap());
+        assert!(matches!(read_message(&mut reader).await, Ok(None)));
+    }
+
+    #[tokio::test]
+    async fn a_connection_closed_inside_a_payload_is_broken_not_a_short_message() {
+        let (mut client, server) = tokio::io::duplex(64 * 1024);
+        let wire = encode_message(Kind::Frame, &[7u8; 1000]);
+        client
+            .write_all(&wire[..MESSAGE_HEAD_BYTES + 600])
+            .await
+            .unwrap();
+        drop(client);
+        let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, server);
+        assert!(matches!(read_message(&mut reader).await, Err(None)));
     }
 }

@@ -19,7 +19,7 @@ use futures::{FutureExt, StreamExt};
 use pocketflow_protocol::descriptor::ExchangeDescriptor;
 use pocketflow_protocol::frame::{
     decode_request_frame, ChannelArgs, OpCode, Reply, ReplyFrameBuilder, RequestOp, OP_FLAG_SEAL,
-    STATUS_OK,
+    REPLY_FRAME_HEAD_BYTES, STATUS_OK,
 };
 use pocketflow_protocol::limits::SESSION_INFLIGHT_MAX;
 use pocketflow_store::channels::{AppendState, QueueState};
@@ -294,23 +294,30 @@ impl Session {
 
 /// Pack `first` and every other reply that is ready now into one frame of about
 /// `REPLY_FRAME_TARGET_BYTES`, with the queue items the replies carry.
+///
+/// The ready replies are gathered first and the frame is then written once at its final size:
+/// grown reply by reply, a frame of many small objects' bodies was copied again at every
+/// doubling of its buffer.
 fn coalesce<S>(first: Answer, inflight: &mut S, client_closed: &Arc<AtomicBool>) -> ReplyFrame
 where
     S: futures::Stream<Item = Option<Answer>> + Unpin,
 {
-    let mut builder = ReplyFrameBuilder::new();
-    let mut deliveries = Vec::new();
-    let (reply, taken) = first;
-    builder.push(&reply);
-    deliveries.extend(taken);
-    while builder.len_bytes() < REPLY_FRAME_TARGET_BYTES {
-        let (reply, taken) = match inflight.next().now_or_never() {
+    let mut frame_bytes = REPLY_FRAME_HEAD_BYTES + first.0.encoded_len();
+    let mut answers = vec![first];
+    // At most SESSION_INFLIGHT_MAX replies are ready, each under EPOCH_MAP_MAX_BYTES plus a
+    // small prefix, so a frame below the target always has room for one more.
+    while frame_bytes < REPLY_FRAME_TARGET_BYTES && answers.len() < SESSION_INFLIGHT_MAX {
+        let answer = match inflight.next().now_or_never() {
             Some(Some(Some(answer))) => answer,
             Some(Some(None)) => continue,
             _ => break,
         };
-        // At most SESSION_INFLIGHT_MAX replies are ready, each under EPOCH_MAP_MAX_BYTES plus a
-        // small prefix, so a frame below the target always has room for one more.
+        frame_bytes += answer.0.encoded_len();
+        answers.push(answer);
+    }
+    let mut builder = ReplyFrameBuilder::with_capacity(frame_bytes);
+    let mut deliveries = Vec::new();
+    for (reply, taken) in answers {
         assert!(builder.fits(&reply), "reply frame bound exceeded");
         builder.push(&reply);
         deliveries.extend(taken);

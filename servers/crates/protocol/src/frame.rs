@@ -18,6 +18,8 @@ pub const REQUEST_OP_HEAD_BYTES: usize = 52;
 pub const REPLY_FRAME_HEAD_BYTES: usize = 8;
 /// Bytes of a reply before its optional header.
 pub const REPLY_HEAD_BYTES: usize = 16;
+/// Buffer a [`ReplyFrameBuilder::new`] frame starts with.
+pub const REPLY_FRAME_CAPACITY_DEFAULT_BYTES: usize = 4096;
 /// Most replies the server puts in one reply frame.
 pub const REPLY_FRAME_REPLIES_MAX: u32 = FRAME_OPS_MAX;
 
@@ -492,7 +494,13 @@ impl Default for ReplyFrameBuilder {
 impl ReplyFrameBuilder {
     /// An empty reply frame.
     pub fn new() -> Self {
-        let mut buf = BytesMut::with_capacity(4096);
+        Self::with_capacity(REPLY_FRAME_CAPACITY_DEFAULT_BYTES)
+    }
+
+    /// An empty reply frame whose buffer holds `capacity_bytes` (head included) before it
+    /// grows: a frame built at its final size is written once, not copied at each doubling.
+    pub fn with_capacity(capacity_bytes: usize) -> Self {
+        let mut buf = BytesMut::with_capacity(capacity_bytes.max(REPLY_FRAME_HEAD_BYTES));
         buf.put_u8(FRAME_VERSION);
         buf.put_bytes(0, 3);
         buf.put_u32_le(0);

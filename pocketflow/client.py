@@ -76,6 +76,7 @@ from pocketflow.protocol import (
     action_body,
     check_bucket,
     check_key,
+    check_keys,
     encode_json,
 )
 from pocketflow.records import TYPE_CHECKING, Record
@@ -668,10 +669,8 @@ class Client:
         are not sent. A large object that fails leaves none of its blocks behind.
         """
         check_bucket(bucket)
-        checked = []
-        for key, data in items:
-            check_key(key)
-            checked.append((key, _as_view(data)))
+        checked = [(key, _as_view(data)) for key, data in items]
+        check_keys(key for key, _ in checked)
         return self._core.put_many(bucket, checked, persist=persist, overwrite=overwrite)
 
     def get_many(
@@ -687,8 +686,7 @@ class Client:
         """
         check_bucket(bucket)
         key_list = list(keys)
-        for key in key_list:
-            check_key(key)
+        check_keys(key_list)
         return self._core.get_many(bucket, key_list, delete=delete)
 
     def get_each(
@@ -702,8 +700,7 @@ class Client:
         """
         check_bucket(bucket)
         key_list = list(keys)
-        for key in key_list:
-            check_key(key)
+        check_keys(key_list)
         return self._core.get_many(bucket, key_list, delete=delete, each=True)
 
     def get_many_into(
@@ -742,8 +739,7 @@ class Client:
         """
         check_bucket(bucket)
         key_list = list(keys)
-        for key in key_list:
-            check_key(key)
+        check_keys(key_list)
         # The core awaits a repeated key once and checks the timeout (InvalidRequest).
         return self._core.wait_for(bucket, key_list, float(timeout_s))
 

@@ -265,6 +265,20 @@ def check_bucket(bucket: str) -> bytes:
     return raw
 
 
+KEY_FAST_MAX_CHARS = KEY_MAX_BYTES // 4
+"""A str key of 1 to this many characters is within ``KEY_MAX_BYTES`` in UTF-8 (at most 4
+bytes a character): :func:`check_keys` passes it without encoding it."""
+
+
+def check_keys(keys: Iterable[str]) -> None:
+    """:func:`check_key` for every key of a batch, without encoding the short ones: a batch of
+    many small objects (a shuffle's partitions) paid an encoding and a call per key. A key
+    the core cannot encode (a lone surrogate) is refused by the core as by ``check_key``."""
+    for key in keys:
+        if type(key) is not str or not 0 < len(key) <= KEY_FAST_MAX_CHARS:
+            check_key(key)
+
+
 def check_key(key: str) -> bytes:
     """UTF-8 encoding of a key, or :class:`InvalidRequest` if it breaks the limits."""
     if not isinstance(key, str):

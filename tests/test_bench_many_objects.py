@@ -20,6 +20,7 @@ from benchmarks.many_objects import (
     shuffle_calls,
     summarize,
 )
+from benchmarks.shuffle_cpu import measure, report
 from pocketflow.cluster import LocalCluster
 from pocketflow.control.leases import LEASE_MS_DEFAULT
 
@@ -106,3 +107,18 @@ def test_a_longer_shuffle_s_renewals_do_not_count_as_calls_growing_with_objects(
     # A call per object would still show.
     runs[0]["controller_calls_per_job"] = 65_538
     assert summarize(runs, memory, wide=256, narrow=16)["controller_calls_grow_with_objects"]
+
+
+def test_the_shuffle_s_cpu_per_object_is_measured_in_process(local_cluster: LocalCluster) -> None:
+    """benchmarks/shuffle_cpu at a small size: both shapes validate, every figure is there, and
+    every object was read with DELETE and each job ended (nothing left on the servers)."""
+    baseline = used_bytes(local_cluster)
+    result = measure(local_cluster, wide=16, narrow=4, total_bytes=1 << 20, rounds=1)
+    for tasks in (16, 4):
+        shape = result["summary"][str(tasks)]
+        assert shape["valid"], result
+        assert shape["objects"] == tasks * tasks and shape["tasks_cpu_s"] > 0, result
+        assert shape["servers_cpu_s"] >= 0 and shape["user_cpu_s"] >= 0, result
+    assert result["summary"]["cpu_ratio"] > 0
+    assert "CPU, wide over narrow" in report(result, wide=16, narrow=4)
+    assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)

@@ -13,9 +13,9 @@ from fixtures_cluster import wait_for
 from fixtures_servers import CLIENT_OPTIONS, ServerSet, run_with_handle
 
 from pocketflow.client import LARGE_OBJECTS_IN_FLIGHT_MAX, Client, connect
-from pocketflow.errors import CapacityExhausted, ObjectExists, ObjectNotFound
+from pocketflow.errors import CapacityExhausted, InvalidRequest, ObjectExists, ObjectNotFound
 from pocketflow.handle import JobHandle
-from pocketflow.protocol import SMALL_OBJECT_MAX_BYTES
+from pocketflow.protocol import KEY_FAST_MAX_CHARS, KEY_MAX_BYTES, SMALL_OBJECT_MAX_BYTES
 
 MiB = 1024 * 1024
 PART_BYTES = 1_250_000
@@ -205,6 +205,36 @@ def test_get_each_gives_every_key_its_own_outcome(client: Client) -> None:
     assert not any(client.exists("b", key) for key in keys)
     again = client.get_each("b", keys)
     assert all(isinstance(r, ObjectNotFound) for r in again)
+
+
+def test_batch_calls_check_keys_as_single_calls_do(client: Client) -> None:
+    """The batch calls check their keys without encoding the short ones: a key that is not a
+    str, empty or longer than KEY_MAX_BYTES in UTF-8 is refused with InvalidRequest and the
+    batch stores, reads or deletes nothing; keys at the edges of the fast path pass or fail by
+    their encoded length, and a key that cannot be encoded fails as a single call's does."""
+    client.create_bucket("b")
+    widest = "\U0001f600" * KEY_FAST_MAX_CHARS  # 4 bytes a character: exactly KEY_MAX_BYTES
+    longest = "k" * KEY_MAX_BYTES
+    client.put_many("b", [(widest, b"w"), (longest, b"l")])
+    assert client.get_many("b", [widest, longest]) == [b"w", b"l"]
+    too_wide = "\U0001f600" * (KEY_FAST_MAX_CHARS + 1)
+    for bad in ("", "k" * (KEY_MAX_BYTES + 1), too_wide, b"bytes-key", 7):
+        with pytest.raises(InvalidRequest):
+            client.put_many("b", [("fine", b"x"), (bad, b"y")])  # type: ignore[list-item]
+        for call in (client.get_many, client.get_each):
+            with pytest.raises(InvalidRequest):
+                call("b", ["fine", bad], delete=True)  # type: ignore[list-item]
+        with pytest.raises(InvalidRequest):
+            client.wait_for("b", [widest, bad], timeout_s=0)  # type: ignore[list-item]
+    assert not client.exists("b", "fine")
+    assert client.get_many("b", [widest, longest]) == [b"w", b"l"]
+    lone = "\ud800"
+    with pytest.raises(UnicodeEncodeError):
+        client.put("b", lone, b"x")
+    with pytest.raises(UnicodeEncodeError):
+        client.put_many("b", [(lone, b"x")])
+    with pytest.raises(UnicodeEncodeError):
+        client.get_many("b", [lone])
 
 
 # -- threads -------------------------------------------------------------------------------------

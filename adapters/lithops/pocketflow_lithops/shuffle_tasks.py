@@ -427,8 +427,9 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
     marker = consuming_key(reducer=call.reducer, attempt=uuid.uuid4().hex[:16])
     consuming: set[int] = set()
     # Where the stage's mappers first placed each input: one whose server the job has since
-    # lost, and which no live server holds, is gone with it.
-    homes = _home_nodes(JobHandle.from_json(spec.handle_json), keys)
+    # lost, and which no live server holds, is gone with it. Worked out only once the job has
+    # lost a server (a placement per input: for many small inputs a cost of its own).
+    homes: dict[int, str] | None = None
     markers_checked = not spec.delete_inputs
     waited_epoch: int | None = None
     pending = dict(keys)
@@ -465,7 +466,10 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
         # server for anything (another task of this worker, a read): then nothing raised,
         # and the inputs it held would be awaited on live servers until the bound.
         lost_nodes = {s.node_id for s in pf.handle.lost}
-        gone = {m for m, k in pending.items() if k in missing and homes[m] in lost_nodes}
+        if lost_nodes and homes is None:
+            homes = _home_nodes(JobHandle.from_json(spec.handle_json), keys)
+        gone = {m for m, k in pending.items()
+                if k in missing and homes is not None and homes[m] in lost_nodes}
         lost |= gone
         for m in gone:
             del pending[m]

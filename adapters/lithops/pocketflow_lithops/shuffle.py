@@ -121,6 +121,7 @@ from pocketflow_lithops.shuffle_tasks import (
     _Spec,
     cluster_gone,
     consuming_key,
+    data_on_nvme,
     finished_key,
     output_key,
     raise_if_cluster_gone,
@@ -131,12 +132,13 @@ from pocketflow_lithops.shuffle_tasks import (
 
 if TYPE_CHECKING:
     from pocketflow.client import Client
-    from pocketflow.job import Job
+    from pocketflow.job import Hints, Job
 
 __all__ = [
     "OutputInfo",
     "ShuffleResult",
     "shuffle",
+    "shuffle_hints",
     "shuffle_key",
     "output_key",
     "consuming_key",
@@ -222,7 +224,7 @@ def shuffle(
     ``regenerate_rounds_max`` rounds or a reducer's inputs did not arrive, and whatever a mapper
     raised, or a reducer on its last attempt (Lithops re-raises it here).
     """
-    from pocketflow.job import Hints, register_job
+    from pocketflow.job import register_job
 
     mappers = len(map_inputs)
     for what, count in (("mappers", mappers), ("reducers", reducers)):
@@ -244,10 +246,7 @@ def shuffle(
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
                     reduce_retries, client_options, delete_inputs, timeout_s, layout,
                     prefix_lease_ms is not None, map_retries, input_size_bytes)
-    hints = Hints(
-        max_concurrent_tasks=min(mappers + reducers, 1_000_000),
-        data_size_bytes=input_size_bytes,
-    )
+    hints = shuffle_hints(mappers, reducers, input_size_bytes)
     # The context manager deregisters the job also when a task (or this driver) fails.
     leases = {} if prefix_lease_ms is None else {"prefix_lease_ms": prefix_lease_ms}
     with register_job(name, hints, cluster=cluster, **leases) as own_job:
@@ -255,6 +254,14 @@ def shuffle(
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
                     reduce_retries, client_options, delete_inputs, timeout_s, layout,
                     prefix_lease_ms is not None, map_retries, input_size_bytes)
+
+
+def shuffle_hints(mappers: int, reducers: int, input_size_bytes: int | None) -> Hints:
+    """The hints a shuffle registers its own job with (see the module doc)."""
+    from pocketflow.job import Hints
+
+    return Hints(max_concurrent_tasks=min(mappers + reducers, 1_000_000),
+                 data_size_bytes=input_size_bytes)
 
 
 def _run(
@@ -311,6 +318,7 @@ def _run_stages(
             # run small calls several to a task.
             call_bytes=None if input_size_bytes is None else
             input_size_bytes // min(len(map_inputs), reducers),
+            on_nvme=data_on_nvme(pf.handle),
         )
         if layout == "append":
             return run_append_layout(executor, pf, job.job_id, map_function, reduce_function,

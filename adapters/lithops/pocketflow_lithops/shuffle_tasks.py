@@ -40,6 +40,7 @@ __all__ = [
     "CLUSTER_GONE_SETTLE_S",
     "cluster_gone",
     "consuming_key",
+    "data_on_nvme",
     "finished_key",
     "output_key",
     "raise_if_cluster_gone",
@@ -74,6 +75,12 @@ CLUSTER_GONE_PROBE_PAUSE_S = 0.2
 WRITE_ATTEMPTS_MAX = 3
 """Most times a mapper (or a reducer putting inputs back) writes again after an unreachable
 server."""
+NVME_SHARE_MIN = 0.4
+"""Share of a job's new data on NVMe from which its reducers count as waiting on storage: a
+reducer reads and writes its share on NVMe at the device's pace (a virtual disk here: some
+260 MB/s of O_DIRECT writes) and the rest at memory speed. The sort benchmark's 4 and 10 GB jobs
+reserve twice their input, 8 and 20 GB, of which its DRAM (capped at 2 GiB) holds at most a
+quarter and a tenth; its 1 GB job's 2 GB fit in DRAM."""
 WORKER_CLIENTS_MAX = 4
 """Most pocketflow clients one worker process keeps open between tasks."""
 
@@ -143,6 +150,9 @@ class _Spec(NamedTuple):
     delete_inputs: bool = True
     call_bytes: int | None = None
     """About the bytes one mapper writes or one reducer reads, the larger; ``None``: not known."""
+    on_nvme: bool = False
+    """Whether the job's map places most of its new data on NVMe servers (see
+    :func:`data_on_nvme`): its reducers then mostly wait on the device."""
 
 
 # The calls are plain classes, not NamedTuples: Lithops finds the user's map and reduce
@@ -187,6 +197,13 @@ class _ReduceCall:
         """Names this submission's finished marker (set by the driver); empty: none is
         written."""
 
+    @property
+    def waits_on_storage(self) -> bool:
+        """Whether this reducer mostly waits on storage (its job's data is on NVMe): an executor
+        may then run it beside its computing calls (see
+        :class:`~pocketflow_lithops.shuffle_executors.RayShuffleExecutor`)."""
+        return self.spec.on_nvme
+
     def with_attempt(self, attempt: str) -> _ReduceCall:
         """This call as a submission named ``attempt``."""
         return _ReduceCall(self.spec, self.reduce_function, self.reducer, attempt)
@@ -223,6 +240,14 @@ def _client(spec: _Spec) -> Client:
         if _CLIENTS is None:
             _CLIENTS = ClientCache(WORKER_CLIENTS_MAX)
     return _CLIENTS.get(spec.handle_json, **dict(spec.client_options))
+
+
+def data_on_nvme(handle: JobHandle) -> bool:
+    """Whether ``handle``'s weight map places at least ``NVME_SHARE_MIN`` of new data on NVMe
+    servers."""
+    total = sum(s.weight for s in handle.servers)
+    nvme = sum(s.weight for s in handle.servers if s.tier == "nvme")
+    return total > 0 and nvme >= NVME_SHARE_MIN * total
 
 
 def _unusable_map(pf: Client, unreachable: set[str]) -> bool:

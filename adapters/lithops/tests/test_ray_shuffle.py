@@ -25,6 +25,7 @@ import ray.cloudpickle
 from fixtures_cluster import used_bytes, wait_for
 from pocketflow_lithops.shuffle import shuffle
 from pocketflow_lithops.shuffle_executors import RayShuffleExecutor, shuffle_executor
+from pocketflow_lithops.shuffle_tasks import data_on_nvme
 
 from pocketflow.cluster import LocalCluster
 from pocketflow.demo import (
@@ -34,6 +35,7 @@ from pocketflow.demo import (
     map_records,
     reduce_records,
 )
+from pocketflow.handle import JobHandle
 
 # Ray pickles the task functions with its own cloudpickle; the ones defined here travel by
 # value (Ray's workers cannot import this test module).
@@ -45,6 +47,15 @@ KILL_WAIT_S = 60.0
 """How long the doomed mapper waits to be killed (the test kills it as soon as it says where)."""
 TASKS_MAX = 4
 """Ray tasks of one shuffle at once here (on the session cluster's 2 CPUs)."""
+MEETING_REDUCERS = 4
+"""Reducers (and mappers) of the extra-slot tests: ``tasks_max=2`` plus the 2 extra slots."""
+MEETING_WAIT_S = 30.0
+"""How long a reducer of those tests waits for the others to be running beside it."""
+MAPPER_HOLD_S = 0.5
+"""How long each mapper of those tests holds its slot."""
+NVME_JOB_BYTES = 500 * 1024 * 1024
+"""Hinted input of a job that does not fit the session cluster's DRAM (2 x 128 MiB), so that
+nearly half of its weight goes to its NVMe server (256 MiB)."""
 REDUCER_INPUT_WAIT_S = 45.0
 """Bound on a reducer's wait for its inputs where a reducer could wait for a mapper that never
 gets a slot: the shuffle then fails within it instead of the default 300 s."""
@@ -273,6 +284,85 @@ def test_mappers_of_a_killed_ray_process_run_again_ahead_of_queued_reducers(
     assert {f"mapper-{m}" for m in range(config.mappers)} == set(runs)
     input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
     assert check_output(config, input_checksum=input_checksum, checks=checks) == []
+
+
+def _record_interval(directory: str, kind: str, index: int, started_ns: int) -> None:
+    (Path(directory) / f"{kind}-{index}-{started_ns}-{time.monotonic_ns()}").touch()
+
+
+def _map_recorded(directory: str, hold_s: float, item: int,
+                  emit: Callable[[int, Any], None]) -> int:
+    started_ns = time.monotonic_ns()
+    time.sleep(hold_s)  # long enough that mappers sharing slots would overlap
+    for partition in range(MEETING_REDUCERS):
+        emit(partition, bytes([item]) * 8)
+    _record_interval(directory, "mapper", item, started_ns)
+    return item
+
+
+def _reduce_meeting(directory: str, meeting: int, hold_s: float, partition: int,
+                    inputs: list[bytes]) -> bytes:
+    """Say it started; then wait (bounded) until ``meeting`` reducers did, or hold ``hold_s``."""
+    started_ns = time.monotonic_ns()
+    (Path(directory) / f"started-{partition}").touch()
+    deadline = time.monotonic() + MEETING_WAIT_S
+    while len(list(Path(directory).glob("started-*"))) < meeting:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"reducer {partition}: fewer than {meeting} reducers ran at once")
+        time.sleep(0.02)
+    time.sleep(hold_s)
+    _record_interval(directory, "reducer", partition, started_ns)
+    return b"".join(inputs)
+
+
+def _most_at_once(directory: Path, kind: str) -> int:
+    """Most ``kind`` calls whose recorded intervals overlapped at one moment."""
+    edges = []
+    for path in directory.glob(f"{kind}-*"):
+        _, _, started_ns, ended_ns = path.name.split("-")
+        edges += [(int(started_ns), 1), (int(ended_ns), -1)]
+    running = most = 0
+    for _, step in sorted(edges, key=lambda e: (e[0], e[1])):
+        running += step
+        most = max(most, running)
+    return most
+
+
+def test_reducers_of_a_job_on_nvme_take_extra_slots_and_mappers_do_not(
+    local_cluster: LocalCluster, tmp_path: Path,
+) -> None:
+    # A job whose hints do not fit the session cluster's DRAM gets much of its weight on the
+    # NVMe server: its reducers then run beside the computing calls in the executor's extra
+    # slots (all 4 reducers at once on tasks_max=2 must meet, or they time out), while its
+    # mappers keep to tasks_max.
+    executor = RayShuffleExecutor(tasks_max=2)
+    assert executor.storage_tasks_extra == 2
+    result = shuffle(executor, functools.partial(_map_recorded, str(tmp_path), MAPPER_HOLD_S),
+                     functools.partial(_reduce_meeting, str(tmp_path), MEETING_REDUCERS, 0.0),
+                     range(MEETING_REDUCERS), reducers=MEETING_REDUCERS,
+                     cluster=local_cluster, input_size_bytes=NVME_JOB_BYTES,
+                     timeout_s=SHUFFLE_TIMEOUT_S)
+    weights = {s.node_id: (s.tier, s.weight)
+               for s in JobHandle.from_json(result.handle_json).servers}
+    assert data_on_nvme(JobHandle.from_json(result.handle_json)), weights
+    assert result.outputs == [b"".join(bytes([m]) * 8 for m in range(MEETING_REDUCERS))
+                              for _ in range(MEETING_REDUCERS)]
+    assert _most_at_once(tmp_path, "reducer") == MEETING_REDUCERS
+    assert _most_at_once(tmp_path, "mapper") <= 2
+
+
+def test_reducers_of_a_job_in_dram_keep_to_tasks_max(
+    local_cluster: LocalCluster, tmp_path: Path,
+) -> None:
+    executor = RayShuffleExecutor(tasks_max=2)
+    result = shuffle(executor, functools.partial(_map_recorded, str(tmp_path), MAPPER_HOLD_S),
+                     functools.partial(_reduce_meeting, str(tmp_path), 0, MAPPER_HOLD_S),
+                     range(MEETING_REDUCERS), reducers=MEETING_REDUCERS,
+                     cluster=local_cluster, input_size_bytes=1 << 20,
+                     timeout_s=SHUFFLE_TIMEOUT_S)
+    assert not data_on_nvme(JobHandle.from_json(result.handle_json))
+    assert _most_at_once(tmp_path, "reducer") <= 2
+    assert _most_at_once(tmp_path, "mapper") <= 2
 
 
 def test_a_mapper_that_raises_on_ray_fails_the_shuffle_without_a_retry(

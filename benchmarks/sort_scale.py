@@ -28,6 +28,12 @@ Variants (``--variants``, all by default):
 - ``lithops-redis``: the same through Lithops' redis backend on a redis-server started here,
   only when twice the input fits in ``--redis-max`` (default 2 GiB).
 
+Tasks at once: ``WORKERS`` (the cores) computing tasks for every variant. Where the shuffle's job
+holds much of its data on NVMe (at 4 and 10 GB with DRAM capped), pocketflow-ray's executor
+also runs reducers, which mostly wait on the device, in as many extra slots, and the Lithops
+variants get that many more worker processes (the same most tasks at once: Lithops' only knob);
+Ray Data schedules its own tasks on the cluster's ``WORKERS`` CPUs. Each run reports its number.
+
 Each variant first sorts ``WARMUP_BYTES`` once, unreported (workers and frameworks start
 there), and each Lithops executor, made per run, runs one call before its timed jobs. What the
 job time covers: generating, partitioning, shuffling and sorting the records, for every variant
@@ -199,6 +205,8 @@ class Run:
     ok: bool = False
     skipped: str = ""
     problems: list[str] = field(default_factory=list)
+    tasks_max: int = 0
+    """Most of its tasks the variant may run at once (see :func:`tasks_in_flight`)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -411,6 +419,25 @@ def run_sizes(cluster: Any, sizes: list[int], variants: tuple[str, ...], *,
     return runs
 
 
+def tasks_in_flight(cluster: Any, config: SortConfig) -> int:
+    """Most tasks at once for a sort of ``config`` on ``cluster``: ``WORKERS``, and where the
+    shuffle's job would hold much of its data on NVMe (its weight map, from a job registered
+    here with the shuffle's hints, outside every timing), as many more as the Ray executor's
+    extra slots for reducers waiting on storage. pocketflow-ray's executor decides that itself;
+    the Lithops variants get that many worker processes, so that no variant runs more tasks at
+    once than another. Ray Data schedules its own tasks on the cluster's CPUs (``WORKERS``)."""
+    from pocketflow_lithops.shuffle import shuffle_hints
+    from pocketflow_lithops.shuffle_executors import RAY_STORAGE_TASKS_EXTRA_PER_SLOT
+    from pocketflow_lithops.shuffle_tasks import data_on_nvme
+
+    from pocketflow.job import register_job
+
+    hints = shuffle_hints(config.mappers, config.reducers, 2 * config.input_bytes)
+    with register_job("sort-scale-probe", hints, cluster=cluster) as job:
+        on_nvme = data_on_nvme(job.handle)
+    return WORKERS * (1 + RAY_STORAGE_TASKS_EXTRA_PER_SLOT) if on_nvme else WORKERS
+
+
 def _noop(value: int) -> int:
     return value
 
@@ -424,9 +451,18 @@ def _warm_up(fexec: Any) -> None:
 
 
 def _run_variant(variant: str, config: SortConfig, cluster: Any, redis_max_bytes: int) -> Run:
+    workers = WORKERS if variant == "ray-data" else tasks_in_flight(cluster, config)
+    done = _run_variant_with(variant, config, cluster, redis_max_bytes, workers)
+    done.tasks_max = workers
+    return done
+
+
+def _run_variant_with(variant: str, config: SortConfig, cluster: Any, redis_max_bytes: int,
+                      workers: int) -> Run:
     if variant == "pocketflow-ray":
         from pocketflow_lithops.shuffle_executors import RayShuffleExecutor
 
+        # tasks_max computing tasks, and its own extra slots for reducers on NVMe.
         return run_pocketflow(variant, RayShuffleExecutor(tasks_max=WORKERS), config, cluster)
     if variant == "ray-data":
         return run_ray_data(config)
@@ -443,7 +479,7 @@ def _run_variant(variant: str, config: SortConfig, cluster: Any, redis_max_bytes
         from pocketflow_lithops.runtime import runtime_path
 
         with lithops.FunctionExecutor(config=lithops_config(
-                storage="localhost", workers=WORKERS, runtime=runtime_path())) as fexec:
+                storage="localhost", workers=workers, runtime=runtime_path())) as fexec:
             try:
                 _warm_up(fexec)
                 return run_pocketflow(variant, fexec, config, cluster)
@@ -452,7 +488,7 @@ def _run_variant(variant: str, config: SortConfig, cluster: Any, redis_max_bytes
     if variant == "lithops-localhost":
         root = Path(LITHOPS_TEMP_DIR) / "storage"
         with lithops.FunctionExecutor(config=lithops_config(storage="localhost",
-                                                            workers=WORKERS)) as fexec:
+                                                            workers=workers)) as fexec:
             try:
                 _warm_up(fexec)
                 return run_lithops_storage(variant, fexec, config,
@@ -473,7 +509,7 @@ def _run_variant(variant: str, config: SortConfig, cluster: Any, redis_max_bytes
         # Its data is deleted here, before the redis-server stops: a request left to Lithops'
         # cleaner would outlive that server.
         with lithops.FunctionExecutor(config=lithops_config(
-                storage="redis", workers=WORKERS,
+                storage="redis", workers=workers,
                 extra={"redis": {"host": "127.0.0.1", "port": port}, **NO_CLEANER})) as fexec:
             try:
                 _warm_up(fexec)
@@ -523,20 +559,23 @@ def markdown(results: dict[str, Any]) -> str:
         f"- commit `{(results['commit']['commit'] or '?')[:12]}`, {results['started']}, "
         f"{results['duration_s']} s; {m['cpu_model']}, {m['cores']} cores, load average "
         f"{m['load_avg_1m_at_start']:.2f} at start",
-        f"- cluster: {json.dumps(cfg['cluster'])}; {cfg['workers']} tasks at once",
+        f"- cluster: {json.dumps(cfg['cluster'])}; {cfg['workers']} computing tasks at once; "
+        "tasks: most tasks of the variant at once (pocketflow-ray: its extra slots for reducers "
+        "of a job on NVMe; the Lithops variants: as many worker processes)",
         "",
-        "| size | variant | job s | GB/s | map s | writes/mapper s | reads/reducer s | "
+        "| size | variant | tasks | job s | GB/s | map s | writes/mapper s | reads/reducer s | "
         "parked/reducer s | peak DRAM | peak NVMe | peak server RSS | valid |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["runs"]:
         if r["skipped"]:
-            lines.append(f"| {format_bytes(r['input_bytes'])} | {r['variant']} | skipped: "
+            lines.append(f"| {format_bytes(r['input_bytes'])} | {r['variant']} | | skipped: "
                          f"{r['skipped']} |||||||||| |")
             continue
         p = r["phase_s"]
         lines.append(
-            f"| {format_bytes(r['input_bytes'])} | {r['variant']} | {r['job_s']:.2f} | "
+            f"| {format_bytes(r['input_bytes'])} | {r['variant']} | {r.get('tasks_max', '')} | "
+            f"{r['job_s']:.2f} | "
             f"{r['gb_per_s']:.3f} | {p.get('map', 0):.2f} | "
             f"{p.get('shuffle_writes_per_mapper', 0):.3f} | {p.get('reads_per_reducer', 0):.3f} | "
             f"{p.get('reducer_parked_per_reducer', 0):.3f} | "

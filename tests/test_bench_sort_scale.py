@@ -8,7 +8,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.sort_scale import VARIANTS, report, run_sizes, sort_config, write
+from benchmarks.sort_scale import (
+    VARIANTS,
+    report,
+    run_sizes,
+    sort_config,
+    tasks_in_flight,
+    write,
+)
 from pocketflow.cluster import LocalCluster
 
 TINY_BYTES = 2_000_000
@@ -27,6 +34,8 @@ def test_the_sort_benchmark_runs_every_variant_at_a_tiny_size(
         done = by_variant[variant]
         assert done.ok and not done.skipped, (variant, done.problems)
         assert done.job_s > 0 and done.gb_per_s > 0, variant
+    # The tiny sort's job fits in DRAM: no variant runs more than the cores' tasks at once.
+    assert {r.tasks_max for r in runs} == {2}
     ray_data = by_variant["ray-data"]
     assert ray_data.ok or "ray.data" in ray_data.skipped, (ray_data.problems, ray_data.skipped)
     for variant in ("pocketflow-ray", "pocketflow-lithops"):
@@ -44,6 +53,16 @@ def test_the_sort_benchmark_runs_every_variant_at_a_tiny_size(
         results["summary"]))
     assert "Goals:" in written.with_suffix(".md").read_text()
     assert written.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_sort_whose_job_is_on_nvme_gives_every_variant_the_same_extra_tasks(
+    local_cluster: LocalCluster,
+) -> None:
+    # 250 MiB of input reserves 500 MiB: the session cluster's DRAM (2 x 128 MiB) holds half at
+    # most, so much of the job's weight is on its NVMe server. pocketflow-ray then runs reducers
+    # in 2 extra slots, and the Lithops variants get 2 more worker processes.
+    assert tasks_in_flight(local_cluster, sort_config(250 * MiB)) == 4
+    assert tasks_in_flight(local_cluster, sort_config(TINY_BYTES)) == 2
 
 
 def test_the_sort_is_shaped_like_the_issues_demo() -> None:

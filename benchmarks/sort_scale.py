@@ -28,11 +28,12 @@ Variants (``--variants``, all by default):
 - ``lithops-redis``: the same through Lithops' redis backend on a redis-server started here,
   only when twice the input fits in ``--redis-max`` (default 2 GiB).
 
-Tasks at once: ``WORKERS`` (the cores) computing tasks for every variant. Where the shuffle's job
-holds much of its data on NVMe (at 4 and 10 GB with DRAM capped), pocketflow-ray's executor
-also runs reducers, which mostly wait on the device, in as many extra slots, and the Lithops
-variants get that many more worker processes (the same most tasks at once: Lithops' only knob);
-Ray Data schedules its own tasks on the cluster's ``WORKERS`` CPUs. Each run reports its number.
+Tasks at once: ``WORKERS`` (the cores) for every variant. With ``--storage-tasks-extra N``
+(default 0), where the shuffle's job holds much of its data on NVMe (at 4 and 10 GB with DRAM
+capped), pocketflow-ray's executor also runs reducers, which mostly wait on the device, in N
+extra slots, and the Lithops variants get N more worker processes (the same most tasks at
+once: Lithops' only knob); Ray Data schedules its own tasks on the cluster's ``WORKERS`` CPUs.
+Each run reports its number.
 
 Each variant first sorts ``WARMUP_BYTES`` once, unreported (workers and frameworks start
 there), and each Lithops executor, made per run, runs one call before its timed jobs. What the
@@ -345,7 +346,8 @@ def run_lithops_storage(variant: str, fexec: Any, config: SortConfig,
 
 
 def run(sizes: list[int], variants: tuple[str, ...], out_dir: Path, *, dram_bytes: int,
-        nvme_bytes: int, redis_max_bytes: int, object_store_bytes: int) -> dict[str, Any]:
+        nvme_bytes: int, redis_max_bytes: int, object_store_bytes: int,
+        storage_tasks_extra: int = 0) -> dict[str, Any]:
     """Every variant at every size, one after the other; JSON, Markdown and a PNG."""
     import pocketflow
 
@@ -355,9 +357,10 @@ def run(sizes: list[int], variants: tuple[str, ...], out_dir: Path, *, dram_byte
                      "object_store_memory": object_store_bytes}
     with pocketflow.LocalCluster(**cluster_shape) as cluster:
         runs = run_sizes(cluster, sizes, variants, redis_max_bytes=redis_max_bytes,
-                         warmup_bytes=WARMUP_BYTES)
+                         warmup_bytes=WARMUP_BYTES, storage_tasks_extra=storage_tasks_extra)
     results = report(runs, sizes, variants, cluster_shape=cluster_shape,
                      redis_max_bytes=redis_max_bytes, started_iso=started_iso,
+                     storage_tasks_extra=storage_tasks_extra,
                      duration_s=time.perf_counter() - started)
     write(results, runs, out_dir)
     return results
@@ -365,7 +368,7 @@ def run(sizes: list[int], variants: tuple[str, ...], out_dir: Path, *, dram_byte
 
 def report(runs: list[Run], sizes: list[int], variants: tuple[str, ...], *,
            cluster_shape: dict[str, Any], redis_max_bytes: int, started_iso: str,
-           duration_s: float) -> dict[str, Any]:
+           duration_s: float, storage_tasks_extra: int = 0) -> dict[str, Any]:
     """The results document of ``runs``."""
     return {
         "benchmark": "sort-scale",
@@ -376,6 +379,7 @@ def report(runs: list[Run], sizes: list[int], variants: tuple[str, ...], *,
         "versions": package_versions(("pocketflow", "ray", "lithops", "redis", "numpy")),
         "config": {"sizes": sizes, "variants": list(variants), "cluster": cluster_shape,
                    "bytes_per_mapper": BYTES_PER_MAPPER, "workers": WORKERS,
+                   "storage_tasks_extra": storage_tasks_extra,
                    "redis_max_bytes": redis_max_bytes, "sample_interval_s": SAMPLE_INTERVAL_S},
         "summary": summarize(runs, sizes),
         "runs": [asdict(r) | {"gb_per_s": r.gb_per_s} for r in runs],
@@ -395,18 +399,21 @@ def write(results: dict[str, Any], runs: list[Run], out_dir: Path) -> Path:
 
 
 def run_sizes(cluster: Any, sizes: list[int], variants: tuple[str, ...], *,
-              redis_max_bytes: int, warmup_bytes: int = 0) -> list[Run]:
+              redis_max_bytes: int, warmup_bytes: int = 0,
+              storage_tasks_extra: int = 0) -> list[Run]:
     """Every variant at every size on ``cluster``, one after the other; with ``warmup_bytes``,
     each variant first sorts that much once, unreported (its workers, Ray Data's and Lithops'
     machinery start there, not in the first measured run)."""
     for variant in variants if warmup_bytes else ():
-        _run_variant(variant, sort_config(warmup_bytes), cluster, redis_max_bytes)
+        _run_variant(variant, sort_config(warmup_bytes), cluster, redis_max_bytes,
+                     storage_tasks_extra)
     runs: list[Run] = []
     for size in sizes:
         config = sort_config(size)
         for variant in variants:
             try:
-                done = _run_variant(variant, config, cluster, redis_max_bytes)
+                done = _run_variant(variant, config, cluster, redis_max_bytes,
+                                    storage_tasks_extra)
             except Exception as exc:  # noqa: BLE001 - one variant's failure is its result
                 done = Run(variant, config.input_bytes,
                            problems=[f"failed: {type(exc).__name__}: {exc}"])
@@ -419,15 +426,17 @@ def run_sizes(cluster: Any, sizes: list[int], variants: tuple[str, ...], *,
     return runs
 
 
-def tasks_in_flight(cluster: Any, config: SortConfig) -> int:
+def tasks_in_flight(cluster: Any, config: SortConfig, storage_tasks_extra: int) -> int:
     """Most tasks at once for a sort of ``config`` on ``cluster``: ``WORKERS``, and where the
     shuffle's job would hold much of its data on NVMe (its weight map, from a job registered
-    here with the shuffle's hints, outside every timing), as many more as the Ray executor's
-    extra slots for reducers waiting on storage. pocketflow-ray's executor decides that itself;
-    the Lithops variants get that many worker processes, so that no variant runs more tasks at
-    once than another. Ray Data schedules its own tasks on the cluster's CPUs (``WORKERS``)."""
+    here with the shuffle's hints, outside every timing), ``storage_tasks_extra`` more: the Ray
+    executor's extra slots for reducers waiting on storage. pocketflow-ray's executor decides
+    that itself; the Lithops variants get that many worker processes, so that no variant runs
+    more tasks at once than another. Ray Data schedules its own tasks on the cluster's CPUs
+    (``WORKERS``)."""
+    if not storage_tasks_extra:
+        return WORKERS
     from pocketflow_lithops.shuffle import shuffle_hints
-    from pocketflow_lithops.shuffle_executors import RAY_STORAGE_TASKS_EXTRA_PER_SLOT
     from pocketflow_lithops.shuffle_tasks import data_on_nvme
 
     from pocketflow.job import register_job
@@ -435,7 +444,7 @@ def tasks_in_flight(cluster: Any, config: SortConfig) -> int:
     hints = shuffle_hints(config.mappers, config.reducers, 2 * config.input_bytes)
     with register_job("sort-scale-probe", hints, cluster=cluster) as job:
         on_nvme = data_on_nvme(job.handle)
-    return WORKERS * (1 + RAY_STORAGE_TASKS_EXTRA_PER_SLOT) if on_nvme else WORKERS
+    return WORKERS + storage_tasks_extra if on_nvme else WORKERS
 
 
 def _noop(value: int) -> int:
@@ -450,20 +459,24 @@ def _warm_up(fexec: Any) -> None:
     fexec.get_result(fexec.map(_noop, [0]))
 
 
-def _run_variant(variant: str, config: SortConfig, cluster: Any, redis_max_bytes: int) -> Run:
-    workers = WORKERS if variant == "ray-data" else tasks_in_flight(cluster, config)
-    done = _run_variant_with(variant, config, cluster, redis_max_bytes, workers)
+def _run_variant(variant: str, config: SortConfig, cluster: Any, redis_max_bytes: int,
+                 storage_tasks_extra: int = 0) -> Run:
+    workers = (WORKERS if variant == "ray-data" else
+               tasks_in_flight(cluster, config, storage_tasks_extra))
+    done = _run_variant_with(variant, config, cluster, redis_max_bytes, workers,
+                             storage_tasks_extra)
     done.tasks_max = workers
     return done
 
 
 def _run_variant_with(variant: str, config: SortConfig, cluster: Any, redis_max_bytes: int,
-                      workers: int) -> Run:
+                      workers: int, storage_tasks_extra: int) -> Run:
     if variant == "pocketflow-ray":
         from pocketflow_lithops.shuffle_executors import RayShuffleExecutor
 
-        # tasks_max computing tasks, and its own extra slots for reducers on NVMe.
-        return run_pocketflow(variant, RayShuffleExecutor(tasks_max=WORKERS), config, cluster)
+        # WORKERS computing tasks, and the extra slots for reducers of a job on NVMe.
+        return run_pocketflow(variant, RayShuffleExecutor(
+            tasks_max=WORKERS, storage_tasks_extra=storage_tasks_extra), config, cluster)
     if variant == "ray-data":
         return run_ray_data(config)
     if variant == "lithops-redis" and 2 * config.input_bytes > redis_max_bytes:
@@ -559,9 +572,10 @@ def markdown(results: dict[str, Any]) -> str:
         f"- commit `{(results['commit']['commit'] or '?')[:12]}`, {results['started']}, "
         f"{results['duration_s']} s; {m['cpu_model']}, {m['cores']} cores, load average "
         f"{m['load_avg_1m_at_start']:.2f} at start",
-        f"- cluster: {json.dumps(cfg['cluster'])}; {cfg['workers']} computing tasks at once; "
-        "tasks: most tasks of the variant at once (pocketflow-ray: its extra slots for reducers "
-        "of a job on NVMe; the Lithops variants: as many worker processes)",
+        f"- cluster: {json.dumps(cfg['cluster'])}; {cfg['workers']} computing tasks at once, "
+        f"{cfg.get('storage_tasks_extra', 0)} extra slots for reducers of a job on NVMe; "
+        "tasks: most tasks of the variant at once (the Lithops variants: as many worker "
+        "processes)",
         "",
         "| size | variant | tasks | job s | GB/s | map s | writes/mapper s | reads/reducer s | "
         "parked/reducer s | peak DRAM | peak NVMe | peak server RSS | valid |",
@@ -636,6 +650,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-max", default="2GiB",
                         help="run Redis only where twice the input fits in this")
     parser.add_argument("--object-store", default="2GiB", help="Ray's object store memory")
+    parser.add_argument("--storage-tasks-extra", type=int, default=0,
+                        help="slots beyond the cores for pocketflow-ray's reducers of a job on "
+                             "NVMe, and as many more Lithops worker processes there (default 0)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
     args = parser.parse_args(argv)
     variants = tuple(v for v in args.variants.split(",") if v)
@@ -653,7 +670,8 @@ def main(argv: list[str] | None = None) -> int:
 
         forget_inherited_lithops_session()
     results = run(sizes, variants, args.out, dram_bytes=dram, nvme_bytes=nvme,
-                  redis_max_bytes=redis_max, object_store_bytes=store)
+                  redis_max_bytes=redis_max, object_store_bytes=store,
+                  storage_tasks_extra=args.storage_tasks_extra)
     ok = all(r["ok"] for r in results["runs"] if not r["skipped"])
     return 0 if ok else 1
 

@@ -59,10 +59,12 @@ def test_a_sort_whose_job_is_on_nvme_gives_every_variant_the_same_extra_tasks(
     local_cluster: LocalCluster,
 ) -> None:
     # 250 MiB of input reserves 500 MiB: the session cluster's DRAM (2 x 128 MiB) holds half at
-    # most, so much of the job's weight is on its NVMe server. pocketflow-ray then runs reducers
-    # in 2 extra slots, and the Lithops variants get 2 more worker processes.
-    assert tasks_in_flight(local_cluster, sort_config(250 * MiB)) == 4
-    assert tasks_in_flight(local_cluster, sort_config(TINY_BYTES)) == 2
+    # most, so much of the job's weight is on its NVMe server. With 2 extra slots asked for,
+    # pocketflow-ray then runs reducers in them, and the Lithops variants get 2 more worker
+    # processes; without, or for a job in DRAM, every variant gets the cores' 2.
+    assert tasks_in_flight(local_cluster, sort_config(250 * MiB), 2) == 4
+    assert tasks_in_flight(local_cluster, sort_config(250 * MiB), 0) == 2
+    assert tasks_in_flight(local_cluster, sort_config(TINY_BYTES), 2) == 2
 
 
 def test_the_sort_is_shaped_like_the_issues_demo() -> None:

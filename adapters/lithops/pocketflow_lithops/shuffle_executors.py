@@ -26,7 +26,8 @@ function :func:`~pocketflow_lithops.shuffle_tasks._shuffle_task` (or the append 
   and when its process dies every call of it is reported as :class:`TaskProcessDied` and runs
   again under the shuffle's retry rules. Calls that say they mostly wait on storage
   (``waits_on_storage``: a shuffle's reducers when much of its job's data lives on NVMe) may run
-  in ``storage_tasks_extra`` slots beyond ``tasks_max``: such a reducer spends most of its time
+  in ``storage_tasks_extra`` slots beyond ``tasks_max`` (none by default, see
+  ``RAY_STORAGE_TASKS_EXTRA_PER_SLOT``): such a reducer spends most of its time
   waiting for the NVMe device (its reads, its output's write), during which another task can
   use the CPU; calls that compute (mappers) keep to ``tasks_max``, so the extra slots only
   overlap storage waits with work and never add processes competing for the cores.
@@ -80,15 +81,18 @@ RAY_BUNDLE_CALLS_MAX = 16
 RAY_BUNDLES_PER_SLOT = 4
 """A stage is cut into at least this many bundles per slot (``tasks_max``) before calls are
 bundled at all, so that bundles spread evenly over the running tasks."""
-RAY_STORAGE_TASKS_EXTRA_PER_SLOT = 1
+RAY_STORAGE_TASKS_EXTRA_PER_SLOT = 0
 """Slots beyond ``tasks_max`` for calls that mostly wait on storage, per slot of ``tasks_max``
-(the default of :class:`RayShuffleExecutor`'s ``storage_tasks_extra``). One: the sort's
-reducers of a job on NVMe spend nearly all their time waiting on the device (a 512 MB sort, its
-data on NVMe: 1.0-2.2 s per reducer in its reads and output write against 0.07 s of CPU to sort
-its 64 MB; at 4 GB the reducers' reads took 16.8 s for 3.6 s of CPU, their output writes
-12.5 s for 0.9 s), so a reducer per core may wait while the core computes; the device (a
-virtual disk here: some 260 MB/s of O_DIRECT writes with 1 or 4 writers) goes no faster with
-more requests in flight, so more would only hold more memory."""
+(the default of :class:`RayShuffleExecutor`'s ``storage_tasks_extra``). None by default, as
+measured: the sort's reducers of a job on NVMe do spend nearly all their time in I/O (a 512 MB
+sort, its data on NVMe: 0.4-2.2 s per reducer in its reads and output write against 0.07 s of
+CPU to sort its 64 MB; at 4 GB the reducers' reads took 16.8 s for 3.6 s of CPU), but each
+extra slot costs a Ray worker process started for it (Ray keeps idle workers only up to the
+cluster's CPUs: some 1.4 s of CPU each, 2.8-3.2 s per 512 MB sort with 2 extra slots), and
+that sort ran slower with them in all of three interleaved rounds (under load, a hint only).
+The device (a virtual disk here: some 260 MB/s of O_DIRECT writes with 1 or 4 writers) goes
+no faster with more requests in flight. Whether they pay at 4-10 GB is for a quiet run to say
+(``benchmarks.sort_scale --storage-tasks-extra``)."""
 RAY_BUNDLE_CALL_BYTES_MAX = 16 * 1024 * 1024
 """Calls are bundled only when each moves at most this many bytes (the shuffle's ``call_bytes``,
 known from its input size): a larger call's I/O dwarfs a Ray task's cost, and a bundle of
@@ -347,8 +351,8 @@ def _waits_on_storage(bundle: _RayBundle) -> bool:
 class RayShuffleExecutor(ShuffleExecutor):
     """The calls as Ray tasks, at most ``tasks_max`` running at once (default: the Ray
     cluster's CPUs, at least 2), plus at most ``storage_tasks_extra`` more for calls that say
-    they mostly wait on storage (default: ``RAY_STORAGE_TASKS_EXTRA_PER_SLOT`` per slot; see
-    the module doc), each asking for an equal share of ``cpus`` (default: the cluster's CPUs;
+    they mostly wait on storage (default: ``RAY_STORAGE_TASKS_EXTRA_PER_SLOT`` per slot, none;
+    see the module doc), each asking for an equal share of ``cpus`` (default: the cluster's CPUs;
     at most one CPU per task) so that all of them fit at once. Connects to the running Ray
     cluster (``address="auto"``) unless this process already is."""
 

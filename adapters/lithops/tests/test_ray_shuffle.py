@@ -333,10 +333,9 @@ def test_reducers_of_a_job_on_nvme_take_extra_slots_and_mappers_do_not(
 ) -> None:
     # A job whose hints do not fit the session cluster's DRAM gets much of its weight on the
     # NVMe server: its reducers then run beside the computing calls in the executor's extra
-    # slots (all 4 reducers at once on tasks_max=2 must meet, or they time out), while its
-    # mappers keep to tasks_max.
-    executor = RayShuffleExecutor(tasks_max=2)
-    assert executor.storage_tasks_extra == 2
+    # slots, asked for here (all 4 reducers at once on tasks_max=2 must meet, or they time
+    # out), while its mappers keep to tasks_max.
+    executor = RayShuffleExecutor(tasks_max=2, storage_tasks_extra=2)
     result = shuffle(executor, functools.partial(_map_recorded, str(tmp_path), MAPPER_HOLD_S),
                      functools.partial(_reduce_meeting, str(tmp_path), MEETING_REDUCERS, 0.0),
                      range(MEETING_REDUCERS), reducers=MEETING_REDUCERS,
@@ -354,7 +353,8 @@ def test_reducers_of_a_job_on_nvme_take_extra_slots_and_mappers_do_not(
 def test_reducers_of_a_job_in_dram_keep_to_tasks_max(
     local_cluster: LocalCluster, tmp_path: Path,
 ) -> None:
-    executor = RayShuffleExecutor(tasks_max=2)
+    assert RayShuffleExecutor(tasks_max=2).storage_tasks_extra == 0  # opt-in
+    executor = RayShuffleExecutor(tasks_max=2, storage_tasks_extra=2)
     result = shuffle(executor, functools.partial(_map_recorded, str(tmp_path), MAPPER_HOLD_S),
                      functools.partial(_reduce_meeting, str(tmp_path), 0, MAPPER_HOLD_S),
                      range(MEETING_REDUCERS), reducers=MEETING_REDUCERS,

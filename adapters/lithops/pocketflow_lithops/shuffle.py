@@ -64,7 +64,9 @@ What it does, in Pocket's terms:
   done. Why lineage, and not holding inputs until the reducer commits: the package's README.
 - **A mapper whose process died runs again.** Its writes are write-once, so the rerun keeps
   what the dead process wrote and writes the rest, at most ``map_retries`` times (the Ray
-  executor tells a dead process from a raise; a mapper that raised fails the shuffle).
+  executor tells a dead process from a raise; a mapper that raised fails the shuffle). What it
+  writes again after a reducer consumed the first copy is deleted once every reducer has
+  committed.
 - **With Lithops, the driver hears of returning reducers from the servers.** Lithops reports
   a finished call by a status its driver polls for (every 0.1 s with its localhost storage),
   which at the end of a shuffle is time nobody works. Each reducer attempt therefore writes a
@@ -95,6 +97,7 @@ from typing import TYPE_CHECKING, Any
 from pocketflow.errors import (
     BucketExists,
     CapacityExhausted,
+    ObjectNotFound,
     PocketflowError,
     ShuffleFailed,
 )
@@ -402,6 +405,8 @@ def _run_stages(
         # Every reducer has committed: the markers of its attempts are no longer needed.
         pf.delete_prefix(SHUFFLE_BUCKET, CONSUMING_PREFIX)
         pf.delete_prefix(SHUFFLE_BUCKET, FINISHED_PREFIX)
+        if delete_inputs:
+            _delete_inputs_written_again(pf, mappers=len(map_inputs), reducers=reducers)
         handle_json = pf.handle.to_json()
 
     ordered = [done[r] for r in range(reducers)]
@@ -420,6 +425,28 @@ def _run_stages(
         regenerated=regenerated,
         retried=retried,
     )
+
+
+INPUT_KEY_PREFIX = "r"
+"""What the key of every (mapper, reducer) object starts with (``shuffle_key``)."""
+
+
+def _delete_inputs_written_again(pf: Client, *, mappers: int, reducers: int) -> None:
+    """Delete this shuffle's inputs still in the shuffle bucket once every reducer committed.
+
+    A mapper whose process died after writing its partitions runs again, and its rerun writes
+    again every partition whose first copy a reducer has meanwhile consumed (write-once refuses
+    only the ones still there): with every reducer committed, those copies are garbage that
+    would hold the job's capacity until it ends. Without a rerun none is left, and this costs
+    one listing per server.
+    """
+    mine = {shuffle_key(mapper=m, reducer=r) for m in range(mappers) for r in range(reducers)}
+    for info in pf.list(SHUFFLE_BUCKET, INPUT_KEY_PREFIX):
+        if info.key in mine:
+            try:
+                pf.delete(SHUFFLE_BUCKET, info.key)
+            except ObjectNotFound:
+                pass
 
 
 def _gather(

@@ -72,9 +72,26 @@ def _result(proc: subprocess.Popen[str]) -> dict[str, Any]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+UPLOAD_THREADS = 16
+"""S3 puts at once while a test uploads its objects."""
+
+
 def _upload(s3: Any, bucket: str, sizes: dict[str, int]) -> None:
-    for key, size in sizes.items():
-        s3.put_object(Bucket=bucket, Key=key, Body=key.encode().ljust(size, b"."))
+    def put(key: str) -> None:
+        s3.put_object(Bucket=bucket, Key=key, Body=key.encode().ljust(sizes[key], b"."))
+
+    with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+        list(pool.map(put, sizes))
+
+
+def _record_working_set(cluster: LocalCluster, s3_server: S3Source, bucket: str, name: str,
+                        app: str, keys: list[str]) -> None:
+    """A first run of ``app`` on the cache ``name`` that reads ``keys`` (its working set,
+    recorded for the next run's prewarm), left to idle out; returns once its job ended."""
+    with open_cache(name, s3_server, app=app, idle="1s", cluster=cluster) as cache:
+        cache.client.get_many(bucket, keys)
+        job_id = cache.job_id
+    _wait_ended(cluster, job_id)
 
 
 def _wait_ended(cluster: LocalCluster, job_id: str) -> None:
@@ -175,15 +192,9 @@ def test_tasks_wait_for_keys_the_prewarm_claimed_ahead(
     nothing; every key is fetched from S3 once (before, only the batches in flight were
     claimed, and the task fetched the rest itself)."""
     sizes = {f"c/{i:04d}": 4096 for i in range(900)}
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda k: s3.put_object(Bucket=s3_bucket, Key=k,
-                                              Body=k.encode().ljust(4096, b".")), sizes))
+    _upload(s3, s3_bucket, sizes)
     keys = sorted(sizes)
-    with open_cache("t-ahead", s3_server, app="ahead", idle="1s",
-                    cluster=local_cluster) as cache:
-        cache.client.get_many(s3_bucket, keys)
-        first_job = cache.job_id
-    _wait_ended(local_cluster, first_job)
+    _record_working_set(local_cluster, s3_server, s3_bucket, "t-ahead", "ahead", keys)
     gets = request_counts().get("GetObject", 0)
     with open_cache("t-ahead", s3_server, app="ahead", prewarm=True, idle="1s",
                     cluster=local_cluster) as cache:
@@ -210,15 +221,9 @@ def test_a_prewarm_worker_killed_leaves_its_keys_to_the_tasks(
     them over and reads every key whole; the prewarm counts as done once its workers ended,
     and closing the cache does not wait for the dead worker."""
     sizes = {f"k/{i:04d}": 4096 for i in range(1200)}
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda k: s3.put_object(Bucket=s3_bucket, Key=k,
-                                              Body=k.encode().ljust(4096, b".")), sizes))
+    _upload(s3, s3_bucket, sizes)
     keys = sorted(sizes)
-    with open_cache("t-kill", s3_server, app="kill", idle="1s",
-                    cluster=local_cluster) as cache:
-        cache.client.get_many(s3_bucket, keys)
-        first_job = cache.job_id
-    _wait_ended(local_cluster, first_job)
+    _record_working_set(local_cluster, s3_server, s3_bucket, "t-kill", "kill", keys)
     with open_cache("t-kill", s3_server, app="kill", prewarm=True, idle="1s", claim_ms=3000,
                     cluster=local_cluster) as cache:
         pids = cache.prewarm_pids

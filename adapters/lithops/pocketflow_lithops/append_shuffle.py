@@ -37,6 +37,7 @@ from pocketflow_lithops.shuffle_tasks import (
     _client,
     _Spec,
     output_key,
+    reducer_prefix,
     run_map_function,
 )
 
@@ -53,7 +54,7 @@ SEGMENT_BYTES = 16 * 1024 * 1024
 
 def append_file_key(reducer: int) -> str:
     """The append file of one reducer's inputs."""
-    return f"r{reducer:05d}/in"
+    return f"{reducer_prefix(reducer)}/in"
 
 
 def done_key(mapper: int) -> str:

@@ -113,6 +113,7 @@ from pocketflow_lithops.shuffle_tasks import (
     CLUSTER_GONE_SETTLE_S,
     CONSUMING_PREFIX,
     FINISHED_PREFIX,
+    INPUT_KEY_PREFIX,
     OUTPUT_BUCKET,
     SHUFFLE_BUCKET,
     OutputInfo,
@@ -427,10 +428,6 @@ def _run_stages(
     )
 
 
-INPUT_KEY_PREFIX = "r"
-"""What the key of every (mapper, reducer) object starts with (``shuffle_key``)."""
-
-
 def _delete_inputs_written_again(pf: Client, *, mappers: int, reducers: int) -> None:
     """Delete this shuffle's inputs still in the shuffle bucket once every reducer committed.
 
@@ -440,8 +437,11 @@ def _delete_inputs_written_again(pf: Client, *, mappers: int, reducers: int) -> 
     would hold the job's capacity until it ends. Without a rerun none is left, and this costs
     one listing per server.
     """
+    left = pf.list(SHUFFLE_BUCKET, INPUT_KEY_PREFIX)
+    if not left:
+        return  # the common case: no key set to build (mappers x reducers names)
     mine = {shuffle_key(mapper=m, reducer=r) for m in range(mappers) for r in range(reducers)}
-    for info in pf.list(SHUFFLE_BUCKET, INPUT_KEY_PREFIX):
+    for info in left:
         if info.key in mine:
             try:
                 pf.delete(SHUFFLE_BUCKET, info.key)

@@ -87,14 +87,18 @@ WORKER_CLIENTS_MAX = 4
 log = logging.getLogger(__name__)
 
 
+INPUT_KEY_PREFIX = "r"
+"""What the key of every (mapper, reducer) object starts with (:func:`shuffle_key`)."""
+
+
 def reducer_prefix(reducer: int) -> str:
     """The lease prefix of everything addressed to one reducer (its inputs, its file)."""
-    return f"r{reducer:05d}"
+    return f"{INPUT_KEY_PREFIX}{reducer:05d}"
 
 
 def shuffle_key(*, mapper: int, reducer: int) -> str:
     """Key of the object mapper ``mapper`` writes for reducer ``reducer``."""
-    return f"r{reducer:05d}/m{mapper:05d}"
+    return f"{reducer_prefix(reducer)}/m{mapper:05d}"
 
 
 def output_key(reducer: int) -> str:

@@ -238,7 +238,7 @@ def run_pocketflow_variant(name: str, fexec: Any, config: SortConfig, cluster: A
         result = shuffle(
             fexec, functools.partial(map_records, config), reduce_records,
             range(config.mappers), reducers=config.reducers, cluster=cluster,
-            name="lithops-sort-bench", input_size_bytes=2 * config.input_bytes,
+            name="lithops-sort-bench", input_size_bytes=config.input_bytes,
             persist_output=True, delete_inputs=delete_inputs, layout=layout,
         )
         job_s = time.perf_counter() - started

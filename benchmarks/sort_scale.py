@@ -120,6 +120,43 @@ def sort_config(input_bytes: int, seed: int = 42) -> SortConfig:
 # -- sampling the servers ----------------------------------------------------------------------
 
 
+TIER_COUNTERS = ("received_bytes", "sent_bytes")
+"""Cumulative per-tier counters each sample carries: bytes the tier's servers received and sent
+(their ``stats``). On the NVMe tier every byte received is written to the device and every byte
+sent was read from it (O_DIRECT: no page cache in between), so these are its device's traffic.
+They count work, not time: the same on a loaded machine as on a quiet one."""
+
+
+def tier_bytes(samples: list[dict[str, Any]], split_s: float) -> dict[str, dict[str, Any]]:
+    """Each tier's counters (:data:`TIER_COUNTERS`) over ``samples``: ``before`` the instant
+    ``split_s`` after the first sample (the map phase's end), ``after`` it, and in ``all``;
+    the cumulative counters are interpolated linearly at ``split_s`` between the two samples
+    around it."""
+    if len(samples) < 2:
+        return {}
+
+    def at(tier: str, counter: str, t_s: float) -> float:
+        points = [(s["t_s"], s["tiers"].get(tier, {}).get(counter, 0.0)) for s in samples]
+        if t_s <= points[0][0]:
+            return points[0][1]
+        for (t0, v0), (t1, v1) in zip(points, points[1:], strict=False):
+            if t_s <= t1:
+                return v0 + (v1 - v0) * ((t_s - t0) / (t1 - t0) if t1 > t0 else 1.0)
+        return points[-1][1]
+
+    start, end = samples[0]["t_s"], samples[-1]["t_s"]
+    split = min(max(start + split_s, start), end)
+    tiers = sorted({t for s in samples for t in s["tiers"]})
+    return {
+        tier: {
+            phase: {c: int(at(tier, c, b) - at(tier, c, a)) for c in TIER_COUNTERS}
+            for phase, (a, b) in (("before", (start, split)), ("after", (split, end)),
+                                  ("all", (start, end)))
+        }
+        for tier in tiers
+    }
+
+
 def _rss_bytes(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -171,11 +208,15 @@ class TierSampler:
         tiers: dict[str, dict[str, float]] = {}
         for server in self._servers:
             stats = self._tokens.client(server.address).stats()
-            tier = tiers.setdefault(str(stats["tier"]),
-                                    {"used_bytes": 0.0, "in_per_s": 0.0, "out_per_s": 0.0})
+            tier = tiers.setdefault(
+                str(stats["tier"]),
+                {"used_bytes": 0.0, "in_per_s": 0.0, "out_per_s": 0.0,
+                 **{c: 0.0 for c in TIER_COUNTERS}})
             tier["used_bytes"] += float(stats["used_bytes"])
             tier["in_per_s"] += float(stats.get("bytes_in_per_s") or 0.0)
             tier["out_per_s"] += float(stats.get("bytes_out_per_s") or 0.0)
+            tier["received_bytes"] += float(stats.get("received_bytes_total") or 0.0)
+            tier["sent_bytes"] += float(stats.get("sent_bytes_total") or 0.0)
         return {"t_s": time.monotonic() - self.started, "tiers": tiers,
                 "rss_bytes": sum(_rss_bytes(s.server_pid) for s in self._servers)}
 
@@ -203,6 +244,9 @@ class Run:
     peak_nvme_bytes: int = 0
     peak_server_rss_bytes: int = 0
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    tier_bytes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per tier, bytes its servers received and sent, in the map phase
+    (``before``), after it and in ``all`` (:func:`tier_bytes`)."""
     ok: bool = False
     skipped: str = ""
     problems: list[str] = field(default_factory=list)
@@ -238,7 +282,7 @@ def run_pocketflow(variant: str, executor: Any, config: SortConfig, cluster: Any
         started = time.perf_counter()
         result = shuffle(executor, functools.partial(map_records, config), reduce_records,
                          range(config.mappers), reducers=config.reducers, cluster=cluster,
-                         name=f"sort-scale-{variant}", input_size_bytes=2 * config.input_bytes,
+                         name=f"sort-scale-{variant}", input_size_bytes=config.input_bytes,
                          persist_output=True, timeout_s=STAGE_TIMEOUT_S)
         run.job_s = time.perf_counter() - started
     validating = time.perf_counter()
@@ -259,6 +303,7 @@ def run_pocketflow(variant: str, executor: Any, config: SortConfig, cluster: Any
     run.peak_dram_bytes, run.peak_nvme_bytes = sampler.peak("dram"), sampler.peak("nvme")
     run.peak_server_rss_bytes = sampler.peak_rss()
     run.timeline = sampler.samples
+    run.tier_bytes = tier_bytes(sampler.samples, result.map_s)
     return run
 
 
@@ -436,12 +481,13 @@ def tasks_in_flight(cluster: Any, config: SortConfig, storage_tasks_extra: int) 
     (``WORKERS``)."""
     if not storage_tasks_extra:
         return WORKERS
-    from pocketflow_lithops.shuffle import shuffle_hints
+    from pocketflow_lithops.shuffle import shuffle_data_bytes, shuffle_hints
     from pocketflow_lithops.shuffle_tasks import data_on_nvme
 
     from pocketflow.job import register_job
 
-    hints = shuffle_hints(config.mappers, config.reducers, 2 * config.input_bytes)
+    hints = shuffle_hints(config.mappers, config.reducers, shuffle_data_bytes(
+        config.input_bytes, persist_output=True, delete_inputs=True))
     with register_job("sort-scale-probe", hints, cluster=cluster) as job:
         on_nvme = data_on_nvme(job.handle)
     return WORKERS + storage_tasks_extra if on_nvme else WORKERS
@@ -595,6 +641,18 @@ def markdown(results: dict[str, Any]) -> str:
             f"{p.get('reducer_parked_per_reducer', 0):.3f} | "
             f"{format_bytes(r['peak_dram_bytes'])} | {format_bytes(r['peak_nvme_bytes'])} | "
             f"{format_bytes(r['peak_server_rss_bytes'])} | {'yes' if r['ok'] else 'NO'} |")
+    tiered = [r for r in results["runs"] if r.get("tier_bytes")]
+    if tiered:
+        lines += ["", "Bytes per tier, in the map phase / after it (on NVMe: the device's writes "
+                  "and reads):", "", "| size | variant | tier | received | sent |",
+                  "|---|---|---|---|---|"]
+    for r in tiered:
+        for tier, phases in r["tier_bytes"].items():
+            cells = [" / ".join(format_bytes(phases[phase][counter])
+                                for phase in ("before", "after"))
+                     for counter in TIER_COUNTERS]
+            lines.append(f"| {format_bytes(r['input_bytes'])} | {r['variant']} | {tier} | "
+                         + " | ".join(cells) + " |")
     lines += ["", "Goals:"]
     for size, row in results["summary"].items():
         if isinstance(row, dict) and "speedup_vs_fastest_peer" in row:

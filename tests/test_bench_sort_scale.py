@@ -58,12 +58,13 @@ def test_the_sort_benchmark_runs_every_variant_at_a_tiny_size(
 def test_a_sort_whose_job_is_on_nvme_gives_every_variant_the_same_extra_tasks(
     local_cluster: LocalCluster,
 ) -> None:
-    # 250 MiB of input reserves 500 MiB: the session cluster's DRAM (2 x 128 MiB) holds half at
-    # most, so much of the job's weight is on its NVMe server. With 2 extra slots asked for,
+    # 480 MiB of input (the shuffle reserves its input's size: DELETE reads free the inputs for
+    # the outputs): the session cluster's DRAM (2 x 128 MiB) holds about half, so much of the
+    # job's weight is on its NVMe server (256 MiB). With 2 extra slots asked for,
     # pocketflow-ray then runs reducers in them, and the Lithops variants get 2 more worker
     # processes; without, or for a job in DRAM, every variant gets the cores' 2.
-    assert tasks_in_flight(local_cluster, sort_config(250 * MiB), 2) == 4
-    assert tasks_in_flight(local_cluster, sort_config(250 * MiB), 0) == 2
+    assert tasks_in_flight(local_cluster, sort_config(480 * MiB), 2) == 4
+    assert tasks_in_flight(local_cluster, sort_config(480 * MiB), 0) == 2
     assert tasks_in_flight(local_cluster, sort_config(TINY_BYTES), 2) == 2
 
 

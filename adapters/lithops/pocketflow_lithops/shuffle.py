@@ -24,9 +24,14 @@ What it does, in Pocket's terms:
   of a finished task differs (Ray tells it; Lithops is polled, see the last point).
 
 - **Hints.** The shuffle registers its own pocketflow job with what it knows: mappers plus
-  reducers as the most concurrent tasks (reducers start while mappers still run) and the input
-  size as the data size. It deregisters the job at the end, also when a task fails, which frees
-  every shuffle object left behind. Pass ``job=`` to run inside a job you manage instead.
+  reducers as the most concurrent tasks (reducers start while mappers still run) and, as the
+  data size, the most bytes it holds at once (:func:`shuffle_data_bytes`): the input size, or
+  twice that when PERSIST outputs are written while the inputs are kept (no DELETE reads). The
+  job's weight map splits its data over the tiers in proportion to that reservation, so
+  reserving the outputs as well as the inputs they replace would leave half of the DRAM share
+  unused and send twice the bytes to NVMe. It deregisters the job at the end, also when a task
+  fails, which frees every shuffle object left behind. Pass ``job=`` to run inside a job you
+  manage instead.
 - **One object per (mapper, reducer).** Mapper ``m`` writes ``r{r:05d}/m{m:05d}`` for every
   reducer ``r``, an empty object when it emitted nothing for ``r``, so a reducer always knows
   exactly which ``M`` objects to read. Each is read once, with DELETE-on-read.
@@ -142,6 +147,7 @@ __all__ = [
     "OutputInfo",
     "ShuffleResult",
     "shuffle",
+    "shuffle_data_bytes",
     "shuffle_hints",
     "shuffle_key",
     "output_key",
@@ -250,7 +256,8 @@ def shuffle(
                     persist_output, output_bucket, input_wait_s, regenerate_rounds_max,
                     reduce_retries, client_options, delete_inputs, timeout_s, layout,
                     prefix_lease_ms is not None, map_retries, input_size_bytes)
-    hints = shuffle_hints(mappers, reducers, input_size_bytes)
+    hints = shuffle_hints(mappers, reducers, shuffle_data_bytes(
+        input_size_bytes, persist_output=persist_output, delete_inputs=delete_inputs))
     # The context manager deregisters the job also when a task (or this driver) fails.
     leases = {} if prefix_lease_ms is None else {"prefix_lease_ms": prefix_lease_ms}
     with register_job(name, hints, cluster=cluster, **leases) as own_job:
@@ -260,12 +267,31 @@ def shuffle(
                     prefix_lease_ms is not None, map_retries, input_size_bytes)
 
 
-def shuffle_hints(mappers: int, reducers: int, input_size_bytes: int | None) -> Hints:
-    """The hints a shuffle registers its own job with (see the module doc)."""
+def shuffle_hints(mappers: int, reducers: int, data_size_bytes: int | None) -> Hints:
+    """The hints a shuffle registers its own job with (see the module doc); ``data_size_bytes``
+    from :func:`shuffle_data_bytes`."""
     from pocketflow.job import Hints
 
     return Hints(max_concurrent_tasks=min(mappers + reducers, 1_000_000),
-                 data_size_bytes=input_size_bytes)
+                 data_size_bytes=data_size_bytes)
+
+
+def shuffle_data_bytes(input_size_bytes: int | None, *, persist_output: bool,
+                       delete_inputs: bool) -> int | None:
+    """The most bytes a shuffle of ``input_size_bytes`` (what its mappers emit) holds at once,
+    taking each reducer's output to be as large as its inputs (``None``: not known).
+
+    With DELETE reads a reducer frees its inputs as it reads them and only then writes its
+    output, and no reducer has all its inputs before every mapper has written its partition,
+    so the PERSIST outputs take the place of the inputs they replace: the input size. Without
+    DELETE reads the inputs stay until the job ends, beside the outputs: twice that. Outputs
+    that come back through the executor hold nothing on the servers.
+    """
+    if input_size_bytes is None:
+        return None
+    if persist_output and not delete_inputs:
+        return 2 * input_size_bytes
+    return input_size_bytes
 
 
 def _run(

@@ -187,7 +187,7 @@ def run_sort(
             result = shuffle(
                 fexec, functools.partial(map_records, cfg), reduce_records, range(cfg.mappers),
                 reducers=cfg.reducers, cluster=control, name="sort",
-                input_size_bytes=2 * cfg.input_bytes, persist_output=True,
+                input_size_bytes=cfg.input_bytes, persist_output=True,
                 client_options=options, timeout_s=timeout_s,
             )
             phase_s["map"] = result.map_s

@@ -27,6 +27,7 @@ from pocketflow_lithops.shuffle import shuffle
 from pocketflow_lithops.shuffle_executors import RayShuffleExecutor, shuffle_executor
 from pocketflow_lithops.shuffle_tasks import data_on_nvme
 
+import pocketflow
 from pocketflow.cluster import LocalCluster
 from pocketflow.demo import (
     SortConfig,
@@ -348,6 +349,46 @@ def test_reducers_of_a_job_on_nvme_take_extra_slots_and_mappers_do_not(
                               for _ in range(MEETING_REDUCERS)]
     assert _most_at_once(tmp_path, "reducer") == MEETING_REDUCERS
     assert _most_at_once(tmp_path, "mapper") <= 2
+
+
+def _received_bytes_by_node(cluster: LocalCluster) -> dict[str, int]:
+    """``node_id -> bytes received so far`` from each server's own counter (admin stats)."""
+    from pocketflow.control.admin import AdminTokens
+
+    tokens = AdminTokens(cluster.secret, tls_ca=cluster.tls_ca)
+    return {s.node_id: int(tokens.client(s.address).stats()["received_bytes_total"])
+            for s in cluster.servers}
+
+
+def test_a_sort_whose_inputs_fit_dram_once_writes_nothing_to_nvme(
+    local_cluster: LocalCluster,
+) -> None:
+    # A sort with PERSIST outputs and DELETE reads holds its input's size at most: each
+    # reducer's output replaces the inputs it consumed. Hinted at 200 MiB, it fits the session
+    # cluster's DRAM (2 x 128 MiB) once but not twice: reserving the outputs beside the inputs
+    # (as the shuffle did) put 36% of its weight, and of its bytes, on the NVMe server.
+    hinted_bytes = 200 * 1024 * 1024
+    config = SortConfig(mappers=4, reducers=4, records=200_000, seed=11, processes=2)
+    before = _received_bytes_by_node(local_cluster)
+    result = shuffle(RayShuffleExecutor(tasks_max=2), functools.partial(map_records, config),
+                     reduce_records, range(config.mappers), reducers=config.reducers,
+                     cluster=local_cluster, input_size_bytes=hinted_bytes, persist_output=True,
+                     timeout_s=SHUFFLE_TIMEOUT_S)
+    received = {node: total - before[node]
+                for node, total in _received_bytes_by_node(local_cluster).items()}
+    weights = {s.node_id: (s.tier, s.weight)
+               for s in JobHandle.from_json(result.handle_json).servers}
+    assert all(weight == 0 for tier, weight in weights.values() if tier == "nvme"), weights
+    with pocketflow.connect(result.handle_json) as pf:
+        checks = [describe_partition(r, pf.get(o.bucket, o.key, delete=True))
+                  for r, o in enumerate(result.outputs)]
+    input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
+    assert check_output(config, input_checksum=input_checksum, checks=checks) == []
+    # The shuffle objects and the outputs (2 x 20 MB) went to DRAM; the NVMe server got only
+    # the job's bookkeeping (bucket creation, registration), far below 1% of that.
+    nvme = sum(n for node, n in received.items() if weights.get(node, ("", 0))[0] == "nvme")
+    dram = sum(n for node, n in received.items() if weights.get(node, ("", 0))[0] == "dram")
+    assert dram >= 2 * config.input_bytes and nvme < config.input_bytes // 100, received
 
 
 def test_reducers_of_a_job_in_dram_keep_to_tasks_max(

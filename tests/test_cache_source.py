@@ -287,3 +287,89 @@ def test_https_aws_and_opted_out_sources_keep_boto3() -> None:
     assert _getter(S3Source(endpoint_url="http://127.0.0.1:1", unsigned=True,
                             raw_get=False)) is None
     assert _getter(S3Source(endpoint_url="http://127.0.0.1:1", unsigned=True)) is not None
+
+
+def test_a_listing_lists_about_as_many_keys_as_it_revalidates(s3_server: S3Source,
+                                                             s3_bucket: str) -> None:
+    """A batch of keys that follow one another is revalidated by one page that begins at its
+    first key and holds little more than the batch; a sparse batch gets further pages for what
+    the first did not reach, within the waste bound. A changed key's new ETag and a deleted
+    key's absence are seen at both ends of the batch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pocketflow.cache.source import LIST_SLACK_KEYS, LIST_WASTE_FACTOR, request_counts
+
+    s3 = boto3_client(s3_server)
+    keys = [f"in/{i:06d}" for i in range(300)]
+    with ThreadPoolExecutor(16) as pool:
+        etags = dict(zip(keys, pool.map(
+            lambda k: s3.put_object(Bucket=s3_bucket, Key=k, Body=k.encode())["ETag"].strip('"'),
+            keys), strict=True))
+    raw, boto = S3Store(s3_server), S3Store(replace(s3_server, raw_get=False))
+    batch = keys[100:164]
+    lists = request_counts().get("ListObjectsV2", 0)
+    listed = raw.list_keys(s3_bucket, batch)
+    assert request_counts().get("ListObjectsV2", 0) - lists == 1
+    assert listed.found == {k: (etags[k], len(k)) for k in batch} and not listed.absent
+    # Not the batch's 4x bound (272 keys), nor "in/000060".."in/000063" before its first key.
+    assert len(batch) <= listed.listed <= len(batch) + LIST_SLACK_KEYS
+    assert boto.list_keys(s3_bucket, batch) == listed
+
+    sparse = keys[::3]
+    lists = request_counts().get("ListObjectsV2", 0)
+    listed = raw.list_keys(s3_bucket, sparse)
+    assert request_counts().get("ListObjectsV2", 0) - lists == 2
+    assert sorted(listed.found) == sparse and not listed.absent
+    assert listed.listed <= len(sparse) * LIST_WASTE_FACTOR + LIST_SLACK_KEYS
+
+    s3.delete_object(Bucket=s3_bucket, Key=batch[0])
+    changed = s3.put_object(Bucket=s3_bucket, Key=batch[-1], Body=b"changed")["ETag"].strip('"')
+    listed = raw.list_keys(s3_bucket, batch)
+    assert listed.absent == {batch[0]} and batch[0] not in listed.found
+    assert listed.found[batch[-1]] == (changed, len(b"changed"))
+    assert boto.list_keys(s3_bucket, batch) == listed
+    s3.close()
+
+
+LISTING_HEAD = (b'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult '
+                b'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>b</Name>')
+
+
+def _listing_server(serve: Any, bodies: list[bytes]) -> Any:
+    def answer(connection: socket.socket, index: int) -> None:
+        while _read_request(connection):
+            body = bodies.pop(0)
+            connection.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n"
+                               .encode() + body)
+
+    return serve(answer)
+
+
+def test_listing_bodies_are_read_whatever_their_escapes(serve: Any) -> None:
+    """The listing reader takes keys url-encoded or XML-escaped, ETags quoted by any entity,
+    the result's fields before or after its Contents; a body that is not a listing is a typed
+    error, not a wrong answer."""
+    from pocketflow.errors import S3Error
+
+    page1 = LISTING_HEAD + (
+        b"<IsTruncated>true</IsTruncated><EncodingType>url</EncodingType>"
+        b"<Contents><Key>in%2Fb</Key><LastModified>x</LastModified><ETag>&quot;e2&quot;</ETag>"
+        b"<Size>4</Size><Owner><ID>0</ID></Owner></Contents>"
+        b"<Contents><Key>in%2Fwith+space%2Band%25plus%C3%A9</Key><ETag>&#34;e1&#34;</ETag>"
+        b"<Size>3</Size></Contents>"
+        b"<NextContinuationToken>t&amp;1</NextContinuationToken></ListBucketResult>")
+    page2 = LISTING_HEAD + (
+        b"<IsTruncated>false</IsTruncated>"
+        b"<Contents><Key>in/c&amp;d&lt;e</Key><ETag>\"e3\"</ETag><Size>5</Size></Contents>"
+        b"</ListBucketResult>")
+    server = _listing_server(serve, [page1, page2])
+    assert S3Store(server.source()).list_objects("b", "in/") == [
+        ("in/b", 4), ("in/with space+and%plusé", 3), ("in/c&d<e", 5)]
+    server = _listing_server(serve, [page1])
+    listed = S3Store(server.source()).list_keys("b", ["in/b", "in/with space+and%plusé"])
+    assert listed.found == {"in/with space+and%plusé": ("e1", 3), "in/b": ("e2", 4)}
+    for garbage in (b"<Error>not a listing</Error>", LISTING_HEAD + b"<Contents><Key>k</Key>",
+                    LISTING_HEAD + b"<Contents><Key>k</Key><Size>x</Size></Contents>"):
+        server = _listing_server(serve, [garbage])
+        with pytest.raises(S3Error):
+            S3Store(server.source()).list_objects("b", "in/")

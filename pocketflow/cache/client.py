@@ -140,7 +140,9 @@ class CacheStats:
     ``bypassed`` once the publisher met the failure: the counts settle at ``flush``),
     ``bypassed`` (read from S3 without the cache),
     ``missing`` (the key is not in S3). ``hits`` counts every read served from the cache;
-    ``wait_slices`` the waits parked on the servers for other processes' fills;
+    ``listings`` the revalidations by listing and ``listed_keys`` the keys their pages held
+    (those revalidated and others in their range); ``wait_slices`` the waits parked on the
+    servers for other processes' fills;
     ``fill_round_trips`` the calls to the cache a reader made for its misses between reading
     their ``meta`` and having their bytes (the claim's put, its read back if a rival's claim was
     met); the writes of a fill happen after, on the publisher thread."""
@@ -153,6 +155,7 @@ class CacheStats:
     missing: int = 0
     validations: int = 0
     listings: int = 0
+    listed_keys: int = 0
     bytes_read: int = 0
     steals: int = 0
     wait_slices: int = 0
@@ -176,7 +179,7 @@ class CacheStats:
         with self._lock:
             out = {name: getattr(self, name) for name in (
                 "fresh", "revalidated", "waited", "filled", "bypassed", "missing",
-                "validations", "listings", "bytes_read", "steals", "wait_slices",
+                "validations", "listings", "listed_keys", "bytes_read", "steals", "wait_slices",
                 "fill_round_trips")}
         out["hits"] = out["fresh"] + out["revalidated"] + out["waited"]
         return out
@@ -741,7 +744,7 @@ class CacheClient:
                 log.info("cache %s: listing to revalidate failed (%s); asking per key",
                          self.spec.name, exc)
             else:
-                self.stats.add(listings=1)
+                self.stats.add(listings=1, listed_keys=listed.listed)
                 by_get = []
                 for i, meta in stale:
                     seen = listed.found.get(keys[i])

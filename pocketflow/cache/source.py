@@ -5,6 +5,7 @@ boto3's failures become typed errors (:func:`pocketflow.errors.error_from_s3`)."
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -111,10 +112,28 @@ NOT_MODIFIED = _NotModified()
 class Listed(NamedTuple):
     """A listing's revalidation of some keys: ``found`` maps each key the listing reached and
     holds to its ``(etag, size)``; ``absent`` are keys it reached that do not exist; keys in
-    neither were not reached (the listing stopped at its bound)."""
+    neither were not reached (the listing stopped at its bound). ``listed``: how many keys
+    the listing's pages held in all (those asked for and others)."""
 
     found: dict[str, tuple[str, int]]
     absent: set[str]
+    listed: int = 0
+
+
+def _just_before(key: str) -> str:
+    """A string that sorts below ``key`` and above every key below it save those that begin
+    with it (the key with its last character one lower), as a listing's exclusive
+    ``StartAfter``: the listing then begins at ``key`` instead of at the keys that share all but
+    its last character ("in/000064" starts after "in/000063", not after "in/00006", which
+    lists "in/000060" to "in/000063" first). "" when there is none (list from the prefix)."""
+    if not key:
+        return ""
+    code = ord(key[-1]) - 1
+    if code < 0:
+        return key[:-1]
+    if 0xD800 <= code <= 0xDFFF:
+        code = 0xD7FF  # surrogates are not characters (UTF-8 cannot carry them)
+    return key[:-1] + chr(code)
 
 
 def normal_etag(etag: str) -> str:
@@ -283,8 +302,10 @@ class S3Store:
     def list_keys(self, bucket: str, keys: Sequence[str]) -> Listed:
         """Revalidate ``keys`` (sorted, distinct) with ListObjectsV2 pages over their common
         prefix, from just before the first: each page answers for up to 1000 keys at the cost of
-        one request. Stops once past the last key or after ``LIST_WASTE_FACTOR`` times as many
-        listed keys as asked for (and ``LIST_SLACK_KEYS``)."""
+        one request. The first page asks for as many keys as there are to revalidate (and
+        ``LIST_SLACK_KEYS``), which covers a batch of keys that follow one another; further
+        pages are asked only for keys not reached yet, up to ``LIST_WASTE_FACTOR`` times as many
+        listed keys as asked for in all."""
         if not keys:
             return Listed({}, set())
         keys = sorted(set(keys))
@@ -293,11 +314,10 @@ class S3Store:
         prefix = os.path.commonprefix([first, last])
         listed_max = len(keys) * LIST_WASTE_FACTOR + LIST_SLACK_KEYS
         args: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix,
-                                "MaxKeys": min(LIST_PAGE_KEYS, listed_max)}
-        if first[:-1]:
-            # StartAfter is exclusive: a string just below the first key (the key less its last
-            # character sorts before it and before nothing between them but its own prefixes).
-            args["StartAfter"] = first[:-1]
+                                "MaxKeys": min(LIST_PAGE_KEYS, len(keys) + LIST_SLACK_KEYS)}
+        start_after = _just_before(first)
+        if start_after:
+            args["StartAfter"] = start_after
         found: dict[str, tuple[str, int]] = {}
         listed = 0
         reached = ""
@@ -319,9 +339,10 @@ class S3Store:
             if not token:
                 break
             args["ContinuationToken"] = token
+            args["MaxKeys"] = min(LIST_PAGE_KEYS, listed_max - listed)
             args.pop("StartAfter", None)
         absent = {k for k in wanted if k not in found and k <= reached}
-        return Listed(found, absent)
+        return Listed(found, absent, listed)
 
     def head(self, bucket: str, key: str) -> tuple[str, int]:
         """HeadObject: the object's ETag and size."""
@@ -407,32 +428,92 @@ class S3Store:
             raise error_from_s3(exc, bucket=bucket, key=key) from exc
 
 
-def _parse_listing(body: bytes) -> dict[str, Any]:
-    """A ListObjectsV2 answer (asked with ``encoding-type=url``) as boto3 returns it."""
-    from urllib.parse import unquote_plus
-    from xml.etree import ElementTree
+_ROOT = re.compile(rb"<ListBucketResult[\s>]")
+_ENTITY = re.compile(r"&(#[0-9]+|#x[0-9a-fA-F]+|quot|amp|lt|gt|apos);")
+_NAMED_ENTITIES = {"quot": '"', "amp": "&", "lt": "<", "gt": ">", "apos": "'"}
+_PERCENT = re.compile(rb"%[0-9A-Fa-f]{2}")
+_PERCENT_BYTES = {f"%{i:02x}".encode(): bytes([i]) for i in range(256)}
 
+
+def _xml_text(raw: bytes) -> str:
+    """An XML element's text: its UTF-8 with the five named entities and character
+    references replaced."""
+    text = raw.decode()
+    if "&" not in text:
+        return text
     try:
-        root = ElementTree.fromstring(body)
-    except ElementTree.ParseError as exc:
-        raise ValueError(str(exc)) from None
-    space = root.tag[:root.tag.index("}") + 1] if root.tag.startswith("{") else ""
-    url_encoded = (root.findtext(f"{space}EncodingType") or "").lower() == "url"
+        return _ENTITY.sub(lambda m: _NAMED_ENTITIES.get(m[1]) or chr(
+            int(m[1][2:], 16) if m[1].startswith("#x") else int(m[1][1:])), text)
+    except OverflowError as exc:
+        raise ValueError(f"a character reference out of range: {exc}") from None
+
+
+def _url_text(raw: bytes) -> str:
+    """A url-encoded element's text (``encoding-type=url``: ``+`` for a space, ``%XX`` for a
+    byte of the UTF-8), as ``urllib.parse.unquote_plus`` reads it, at a fifth of its CPU."""
+    # "/" is the one escape most keys hold: replaced without a regular expression.
+    raw = raw.replace(b"+", b" ").replace(b"%2F", b"/")
+    if b"%" in raw:
+        raw = _PERCENT.sub(lambda m: _PERCENT_BYTES[m[0].lower()], raw)
+    if b"&" in raw:
+        return _xml_text(raw)
+    return raw.decode()
+
+
+def _element(within: bytes, name: bytes) -> bytes | None:
+    """The text of the first ``<name>`` element in ``within`` (elements of a listing hold text
+    only), None if there is none."""
+    start = within.find(b"<" + name + b">")
+    if start < 0:
+        return None
+    start += len(name) + 2
+    end = within.find(b"<", start)
+    if end < 0:
+        raise ValueError(f"an unterminated {name.decode()}")
+    return within[start:end]
+
+
+def _parse_listing(body: bytes) -> dict[str, Any]:
+    """A ListObjectsV2 answer (asked with ``encoding-type=url``) as boto3 returns it. Read by
+    string search over its flat, fixed shape (``ListBucketResult`` holding ``Contents`` of
+    ``Key``, ``ETag``, ``Size``, elements of text only, no CDATA): a task that revalidates once
+    per process spent more CPU importing ``xml.etree`` (5 ms) and unquoting keys with
+    ``urllib`` (2 ms per 272 keys) than on the listing's request. A body of another shape is a
+    ``ValueError``."""
+    if _ROOT.search(body) is None:
+        raise ValueError("not a ListBucketResult")
+    # The result's own fields lie outside its Contents (NextContinuationToken may come last).
+    head, *parts = body.split(b"<Contents>")
+    items: list[bytes] = []
+    outside = [head]
+    for part in parts:
+        item, closed, tail = part.partition(b"</Contents>")
+        if not closed:
+            raise ValueError("an unterminated Contents")
+        items.append(item)
+        outside.append(tail)
+    result = b"".join(outside)
+    encoding = _element(result, b"EncodingType")
+    url_encoded = encoding is not None and encoding.lower() == b"url"
     contents = []
-    for item in root.iterfind(f"{space}Contents"):
-        key = item.findtext(f"{space}Key") or ""
+    for item in items:
+        key = _element(item, b"Key")
+        if key is None:
+            raise ValueError("a Contents without a Key")
+        etag = (_element(item, b"ETag") or b"").replace(b"&#34;", b'"').replace(b"&quot;", b'"')
         contents.append({
-            "Key": unquote_plus(key) if url_encoded else key,
-            "ETag": item.findtext(f"{space}ETag") or "",
-            "Size": int(item.findtext(f"{space}Size") or 0),
+            "Key": _url_text(key) if url_encoded else _xml_text(key),
+            "ETag": _xml_text(etag) if b"&" in etag else etag.decode(),
+            "Size": int(_element(item, b"Size") or 0),
         })
+    truncated = _element(result, b"IsTruncated")
     page: dict[str, Any] = {
         "Contents": contents,
-        "IsTruncated": (root.findtext(f"{space}IsTruncated") or "").lower() == "true",
+        "IsTruncated": truncated is not None and truncated.strip().lower() == b"true",
     }
-    token = root.findtext(f"{space}NextContinuationToken")
+    token = _element(result, b"NextContinuationToken")
     if token:
-        page["NextContinuationToken"] = token
+        page["NextContinuationToken"] = _xml_text(token)
     return page
 
 

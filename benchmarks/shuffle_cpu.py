@@ -15,7 +15,9 @@ of :mod:`benchmarks.many_objects`), each round:
   mapper, then every reducer (DELETE reads; no waiting, since every input is written first);
 - **user**: of that, what the benchmark's own map and reduce functions cost, measured alone
   on the same objects without pocketflow; **pocketflow** is tasks less user;
-- **servers**: CPU time of the storage server processes (``/proc/<pid>/stat``).
+- **servers**: CPU time of the storage server processes (``/proc/<pid>/stat``);
+- **requests**: requests the storage servers served (their metrics'
+  ``pocketflow_requests_total``, every op of every RPC), a count no load moves.
 
 Printed per round, and as the median over rounds (after one discarded warm-up round) per
 shape, with the wide shape's CPU per object over the narrow one's. No Ray tasks, no executor:
@@ -40,6 +42,8 @@ INPUT_WAIT_S = 60.0
 """Bound on a reducer's wait for its inputs (every input is written before reducers run)."""
 ROUNDS_DEFAULT = 3
 """Measured rounds per shape (after one discarded warm-up round)."""
+METRICS_TIMEOUT_S = 10.0
+"""Bound on one read of a server's metrics."""
 
 
 def _process_cpu_s() -> float:
@@ -50,6 +54,19 @@ def _process_cpu_s() -> float:
 def _pid_cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _requests_served(cluster: Any) -> int:
+    """Requests every storage server of ``cluster`` served since it started (its metrics)."""
+    import urllib.request
+
+    total = 0
+    for server in cluster.servers:
+        with urllib.request.urlopen(server.metrics_url, timeout=METRICS_TIMEOUT_S) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith("pocketflow_requests_total{"):
+                    total += int(float(line.rsplit(" ", 1)[1]))
+    return total
 
 
 def _keep(kept: list[bytes], _reducer: int, data: bytes) -> None:
@@ -82,6 +99,7 @@ def run_round(cluster: Any, *, tasks: int, object_bytes: int, name: str) -> dict
                         persist_output=False, input_wait_s=INPUT_WAIT_S, client_options=())
         map_function = functools.partial(map_fixed, object_bytes, tasks)
         reduce_function = functools.partial(reduce_check, object_bytes)
+        requests_before = _requests_served(cluster)
         servers_before = sum(_pid_cpu_s(pid) for pid in servers)
         started, wall_started = _process_cpu_s(), time.perf_counter()
         for mapper in range(tasks):
@@ -93,8 +111,9 @@ def run_round(cluster: Any, *, tasks: int, object_bytes: int, name: str) -> dict
         tasks_cpu_s = _process_cpu_s() - started
         wall_s = time.perf_counter() - wall_started
         servers_cpu_s = sum(_pid_cpu_s(pid) for pid in servers) - servers_before
+        requests = _requests_served(cluster) - requests_before
     return {"objects": tasks * tasks, "valid": good == tasks * tasks, "wall_s": wall_s,
-            "tasks_cpu_s": tasks_cpu_s, "servers_cpu_s": servers_cpu_s}
+            "tasks_cpu_s": tasks_cpu_s, "servers_cpu_s": servers_cpu_s, "requests": requests}
 
 
 def measure(cluster: Any, *, wide: int, narrow: int, total_bytes: int,
@@ -115,7 +134,8 @@ def measure(cluster: Any, *, wide: int, narrow: int, total_bytes: int,
     for tasks, mine in runs.items():
         objects = tasks * tasks
         median = {field: statistics.median(r[field] for r in mine)
-                  for field in ("tasks_cpu_s", "pocketflow_cpu_s", "servers_cpu_s", "wall_s")}
+                  for field in ("tasks_cpu_s", "pocketflow_cpu_s", "servers_cpu_s", "wall_s",
+                                "requests")}
         summary[str(tasks)] = {
             "objects": objects, "object_bytes": shapes[tasks], "user_cpu_s": user[tasks],
             **median,
@@ -125,6 +145,7 @@ def measure(cluster: Any, *, wide: int, narrow: int, total_bytes: int,
             "servers_cpu_s_min": min(r["servers_cpu_s"] for r in mine),
             "pocketflow_us_per_object": median["pocketflow_cpu_s"] / objects * 1e6,
             "servers_us_per_object": median["servers_cpu_s"] / objects * 1e6,
+            "requests_per_object": median["requests"] / objects,
             "valid": all(r["valid"] for r in mine),
         }
     total = {tasks: summary[str(tasks)]["tasks_cpu_s"] + summary[str(tasks)]["servers_cpu_s"]
@@ -142,7 +163,8 @@ def report(result: dict[str, Any], *, wide: int, narrow: int) -> str:
             f"{tasks:4d} x {tasks:<4d} {s['objects']:6d} objects of {s['object_bytes']:>8d} B: "
             f"tasks {s['tasks_cpu_s']:.2f} s CPU (user {s['user_cpu_s']:.2f}, pocketflow "
             f"{s['pocketflow_cpu_s']:.2f} = {s['pocketflow_us_per_object']:.1f} us/object), "
-            f"servers {s['servers_cpu_s']:.2f} s ({s['servers_us_per_object']:.1f} us/object), "
+            f"servers {s['servers_cpu_s']:.2f} s ({s['servers_us_per_object']:.1f} us/object, "
+            f"{s['requests_per_object']:.2f} requests/object), "
             f"wall {s['wall_s']:.2f} s, {'valid' if s['valid'] else 'INVALID'}; least round: "
             f"tasks {s['tasks_cpu_s_min']:.2f} s, servers {s['servers_cpu_s_min']:.2f} s")
     lines.append(f"CPU, wide over narrow: {result['summary']['cpu_ratio']:.2f}x")

@@ -58,11 +58,13 @@ What it does, in Pocket's terms:
   and writes again (keys it already wrote are kept: ``ObjectExists`` is expected there).
 - **A retried reducer recovers what its earlier attempt consumed.** Before each round of DELETE
   reads a reducer writes a small marker, ``consuming/r{r:05d}/<attempt>``, naming the mappers
-  whose inputs it is about to consume. A reducer first looks for its inputs without waiting;
-  if some are missing, it reads its reducer's markers: inputs that a marker names and no live
-  server holds were consumed by an attempt that never committed, so it reads nothing and
-  reports them as lost, as after a dead server, and the driver reruns exactly those mappers for
-  that partition. The driver submits a reducer again when its task fails, at most
+  whose inputs it is about to consume. A reducer first reads every input that is there (its
+  marker names them all before that read, and only those it consumed after, when some were not
+  there), then looks for the others without waiting; if some are missing, it reads its
+  reducer's markers: inputs that a marker names and no live server holds were consumed by an
+  attempt that never committed, so it reads nothing more, puts back what it read and reports
+  them as lost, as after a dead server, and the driver reruns exactly those mappers for that
+  partition. The driver submits a reducer again when its task fails, at most
   ``reduce_retries`` times; a retry by anyone else (Lithops, a FaaS platform) recovers the same
   way. Inputs missing with no marker naming them are awaited, and after ``input_wait_s`` fail
   the shuffle with :class:`ShuffleFailed`. The driver deletes the markers once every reducer is

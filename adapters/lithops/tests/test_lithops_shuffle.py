@@ -390,6 +390,42 @@ def test_a_retried_reducer_tells_consumed_inputs_from_never_written_ones(
         assert not pf.exists("shuffle", finished_key(reducer=0, attempt="a2"))
 
 
+def test_a_reducer_ahead_of_a_mapper_marks_only_the_inputs_it_consumed(
+    local_cluster: LocalCluster,
+) -> None:
+    """A reducer reads the inputs that are there before looking for the others, and names every
+    input in its marker before that read; once some were not there, the marker names only those
+    it consumed. So a retry after an attempt that ran ahead of a slow mapper reports the
+    consumed input lost, and not the one never written (which is waited for, not
+    regenerated)."""
+    with local_cluster.register_job("reducer-ahead") as job, job.connect() as pf:
+        pf.create_bucket("shuffle")
+        spec = _Spec(handle_json=job.handle.to_json(), mappers=2, reducers=1, bucket="shuffle",
+                     output_bucket="output", persist_output=False, input_wait_s=1.0,
+                     client_options=())
+        pf.put("shuffle", shuffle_key(mapper=0, reducer=0), b"input 0")
+        with pytest.raises(ShuffleFailed, match=r"inputs of mappers \[1\] did not arrive"):
+            _shuffle_task(_ReduceCall(spec, _join, 0))
+        markers = pf.list("shuffle", CONSUMING_PREFIX)
+        assert len(markers) == 1
+        assert pf.get("shuffle", markers[0].key) == bytes([0b01]), "names mapper 0 alone"
+
+        started = time.monotonic()
+        outcome = _shuffle_task(_ReduceCall(spec, _join, 0))
+        assert isinstance(outcome, _ReduceOutcome)
+        assert outcome.lost_mappers == (0,), outcome
+        assert time.monotonic() - started < RETRY_PROBE_MAX_S
+
+        # The driver reruns mapper 0; mapper 1 writes at last: the next attempt reads both.
+        pf.put_many("shuffle", [(shuffle_key(mapper=m, reducer=0), f"input {m}".encode())
+                                for m in range(2)])
+        outcome = _shuffle_task(_ReduceCall(spec, _join, 0))
+        assert outcome.value == b"0:input 0input 1" and outcome.lost_mappers == ()
+        assert [i.key for i in pf.list("shuffle")] == [
+            i.key for i in pf.list("shuffle", CONSUMING_PREFIX)
+        ], "every input was read with DELETE"
+
+
 def test_bad_arguments_are_refused(local_cluster: LocalCluster, fexec: Any) -> None:
     with pytest.raises(ValueError):
         shuffle(fexec, _emit_bytes, _join, [], reducers=1, cluster=local_cluster)

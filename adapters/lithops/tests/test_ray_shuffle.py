@@ -25,7 +25,7 @@ import ray.cloudpickle
 from fixtures_cluster import used_bytes, wait_for
 from pocketflow_lithops.shuffle import shuffle
 from pocketflow_lithops.shuffle_executors import RayShuffleExecutor, shuffle_executor
-from pocketflow_lithops.shuffle_tasks import data_on_nvme
+from pocketflow_lithops.shuffle_tasks import data_on_nvme, shuffle_key
 
 import pocketflow
 from pocketflow.cluster import LocalCluster
@@ -283,6 +283,69 @@ def test_mappers_of_a_killed_ray_process_run_again_ahead_of_queued_reducers(
     runs = [p.name.rsplit("-", 1)[0] for p in tmp_path.glob("mapper-*")]
     assert runs.count("mapper-1") == 2
     assert {f"mapper-{m}" for m in range(config.mappers)} == set(runs)
+    input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
+    assert check_output(config, input_checksum=input_checksum, checks=checks) == []
+
+
+CONSUMED_WAIT_S = 20.0
+"""How long the test waits for a reducer to consume a copy of the doomed bundle's first mapper
+before it kills the bundle anyway (and fails)."""
+
+
+def test_a_mapper_rerun_after_its_first_copies_were_consumed_leaves_no_input_behind(
+    local_cluster: LocalCluster, tmp_path: Path,
+) -> None:
+    """A reducer reads every input already there before it waits for the others, so it may
+    consume what a mapper wrote in a process that then dies. The mapper's rerun writes that
+    partition again (write-once refuses only copies still there); the reducer keeps the copy it
+    read, and the shuffle deletes the rewrite once every reducer committed.
+
+    Mappers 0-3 share one Ray task (16 x 16 on 2 slots: bundles of 4), so mapper 0 has written
+    its partitions when mapper 1 says its pid. The other slot runs the other mappers and then
+    reducers 0-3, whose reducer 0 consumes mapper 0's copy for it and waits for mappers 1-3.
+    Only then is the bundle's process SIGKILLed: mappers 0-3 run again."""
+    config = SortConfig(mappers=16, reducers=16, records=8_000, seed=13)
+    killed: list[int] = []
+    consumed_before_kill: list[bool] = []
+    first_copy = shuffle_key(mapper=0, reducer=0)
+
+    def kill_after_reducer_0_consumed_mapper_0(job_connect: Callable[[], Any]) -> None:
+        pid_file = tmp_path / "doomed-pid"
+        deadline = time.monotonic() + SHUFFLE_TIMEOUT_S
+        while not pid_file.exists() or not pid_file.read_text():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        with job_connect() as pf:
+            consumed_by = time.monotonic() + CONSUMED_WAIT_S
+            while pf.exists("shuffle", first_copy) and time.monotonic() < consumed_by:
+                time.sleep(0.05)
+            consumed_before_kill.append(not pf.exists("shuffle", first_copy))
+        pid = int(pid_file.read_text())
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    with local_cluster.register_job("ray-rerun-after-consumed") as job:
+        killer = threading.Thread(target=kill_after_reducer_0_consumed_mapper_0,
+                                  args=(job.connect,), daemon=True)
+        killer.start()
+        result = shuffle(RayShuffleExecutor(tasks_max=2),
+                         functools.partial(_map_killed_once, str(tmp_path), config),
+                         reduce_records, range(config.mappers), reducers=config.reducers,
+                         job=job, persist_output=True, timeout_s=SHUFFLE_TIMEOUT_S,
+                         input_wait_s=REDUCER_INPUT_WAIT_S,
+                         input_size_bytes=config.input_bytes)
+        killer.join(SHUFFLE_TIMEOUT_S)
+        with job.connect() as pf:
+            left = [info.key for info in pf.list("shuffle")]
+            checks = [describe_partition(r, pf.get(o.bucket, o.key, delete=True))
+                      for r, o in enumerate(result.outputs)]
+    assert killed, "mapper 1 never said its pid"
+    assert consumed_before_kill == [True], "reducer 0 did not consume mapper 0's first copy"
+    assert left == [], "the rerun's copies of consumed inputs were left behind"
+    runs = [p.name.rsplit("-", 1)[0] for p in tmp_path.glob("mapper-*")]
+    assert runs.count("mapper-0") == 2 and runs.count("mapper-1") == 2, sorted(runs)
+    assert result.regenerated == [] and result.retried == []
     input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
     assert check_output(config, input_checksum=input_checksum, checks=checks) == []
 

@@ -108,6 +108,11 @@ WARMUP_BYTES = 2_000_000
 """Input of each variant's unreported first sort."""
 STAGE_TIMEOUT_S = 6 * 3600.0
 """Bound on one stage of one run."""
+SETTLE_TIMEOUT_S = 10.0
+"""Most a pocketflow run waits, before its job registers, for the control plane to see the
+servers' bytes as they are (several heartbeats)."""
+SETTLE_SLACK_BYTES = 1024 * 1024
+"""How far the control plane's view of a server's used bytes may be from the server's own."""
 
 
 def sort_config(input_bytes: int, seed: int = 42) -> SortConfig:
@@ -270,14 +275,43 @@ def _validate(config: SortConfig, maps: list[MapResult], checks: list[PartitionC
     return problems
 
 
+def wait_for_settled_usage(cluster: Any, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+    """Wait until the control plane's view of every server's used bytes (its latest heartbeat)
+    is the server's own, at most ``timeout_s``; whether it is.
+
+    A job is packed on the free bytes the control plane sees: registered right after the
+    previous run deleted its outputs, it would see them still there and get a smaller DRAM
+    share (a 2 GB sort after another got half of the DRAM share of one on a settled cluster).
+    """
+    from pocketflow.control.admin import AdminTokens
+
+    tokens = AdminTokens(cluster.secret, tls_ca=cluster.tls_ca)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        own = {s.node_id: int(tokens.client(s.address).stats()["used_bytes"])
+               for s in cluster.servers}
+        seen = {row["node_id"]: int(row.get("used_bytes", -1))
+                for row in cluster.status()["servers"]}
+        if all(abs(seen.get(node, -1) - used) <= SETTLE_SLACK_BYTES
+               for node, used in own.items()):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+
+
 def run_pocketflow(variant: str, executor: Any, config: SortConfig, cluster: Any) -> Run:
-    """The sort through :func:`~pocketflow_lithops.shuffle.shuffle` on ``executor``."""
+    """The sort through :func:`~pocketflow_lithops.shuffle.shuffle` on ``executor``, once the
+    control plane sees the servers' bytes as they are (:func:`wait_for_settled_usage`)."""
     from pocketflow_lithops.shuffle import shuffle
     from pocketflow_lithops.sort import _validate as validate_outputs
 
     import pocketflow
 
     run = Run(variant, config.input_bytes)
+    if not wait_for_settled_usage(cluster):
+        print(f"  {variant}: the control plane's view of the servers' bytes did not settle "
+              f"within {SETTLE_TIMEOUT_S} s", flush=True)
     with TierSampler(cluster) as sampler:
         started = time.perf_counter()
         result = shuffle(executor, functools.partial(map_records, config), reduce_records,

@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pocketflow
 from benchmarks.sort_scale import (
     VARIANTS,
     report,
     run_sizes,
     sort_config,
     tasks_in_flight,
+    wait_for_settled_usage,
     write,
 )
 from pocketflow.cluster import LocalCluster
@@ -76,3 +78,36 @@ def test_the_sort_is_shaped_like_the_issues_demo() -> None:
     ten = sort_config(10_000_000_000)
     assert ten.records == 100_000_000 and 2 * ten.reducers <= ten.mappers <= 4096
     assert sort_config(TINY_BYTES).mappers == 2
+
+
+def test_a_run_registers_once_the_control_plane_sees_the_previous_runs_bytes_freed(
+    local_cluster: LocalCluster,
+) -> None:
+    # A run's outputs are deleted just before the next run registers; the control plane packs
+    # the new job on the bytes its latest heartbeats say are used, so without the wait the
+    # next job saw 96 MiB of the DRAM tier still taken and got a smaller DRAM share.
+    from pocketflow_lithops.shuffle import shuffle_data_bytes, shuffle_hints
+
+    dram = [s.node_id for s in local_cluster.servers if s.tier == "dram"]
+    assert wait_for_settled_usage(local_cluster)
+    baseline = {row["node_id"]: row["used_bytes"] for row in local_cluster.status()["servers"]}
+    dram_free = sum(s.capacity_bytes - baseline[s.node_id]
+                    for s in local_cluster.servers if s.tier == "dram")
+    # As a run does: its job ends, its PERSIST outputs outlive it and are then deleted.
+    with local_cluster.register_job("previous-run", {"data_size_bytes": 96 * MiB}) as job:
+        with job.connect() as pf:
+            pf.create_bucket("outputs")
+            for i in range(48):
+                pf.put("outputs", f"o{i:03d}", bytes(2 * MiB), persist=True)
+        handle_json = job.handle.to_json()
+    assert wait_for_settled_usage(local_cluster)
+    with pocketflow.connect(handle_json) as pf:
+        for i in range(48):
+            pf.delete("outputs", f"o{i:03d}")
+    assert wait_for_settled_usage(local_cluster)
+    # A job that fits the DRAM the servers have free, whole, once the freed bytes are seen.
+    hints = shuffle_hints(8, 4, shuffle_data_bytes(dram_free - 24 * MiB, persist_output=True,
+                                                   delete_inputs=True))
+    with local_cluster.register_job("next-run", hints) as job:
+        weights = {s.node_id: s.weight for s in job.handle.servers}
+    assert sum(weights[n] for n in dram) > 0.99, weights

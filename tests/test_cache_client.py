@@ -259,6 +259,46 @@ def test_listing_revalidates_a_batch(cache_spec: CacheSpec, s3: Any, s3_bucket: 
         assert cache.stats.revalidated == 38
 
 
+def test_a_revalidating_listing_renews_the_cached_keys_that_follow(
+        cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
+    """A read whose listing revalidated its batch renews, after it, the cached keys that follow
+    the batch with one more listing page: another task reading them within the lease of that
+    page asks S3 nothing for them. A key changed behind the cache before that page, or deleted,
+    is not renewed: its reader gets the new bytes (never the old) or S3ObjectNotFound."""
+    keys = [f"part/{i:04d}" for i in range(40)]
+    for k in keys:
+        s3.put_object(Bucket=s3_bucket, Key=k, Body=k.encode())
+    s3.put_object(Bucket=s3_bucket, Key="partx", Body=b"outside the directory")
+    with _cache(cache_spec, lease_ms=1500) as filler:
+        assert filler.get_many(s3_bucket, keys) == [k.encode() for k in keys]
+        filler.flush()
+    time.sleep(1.6)
+    s3.put_object(Bucket=s3_bucket, Key=keys[30], Body=b"changed")
+    s3.delete_object(Bucket=s3_bucket, Key=keys[35])
+    with _cache(cache_spec, lease_ms=1500) as first:
+        lists = _lists()
+        assert first.get_many(s3_bucket, keys[:10]) == [k.encode() for k in keys[:10]]
+        first.flush()  # the listing ahead runs on the publisher thread
+        assert _lists() - lists == 2
+        assert first.stats.revalidated == 10
+        assert first.stats.renewed_ahead == 28, "every key after the batch but the two changed"
+    with _cache(cache_spec, lease_ms=1500) as second:
+        gets = _gets()
+        results = second.get_each(s3_bucket, keys[10:])
+        assert results[30 - 10] == b"changed"
+        assert isinstance(results[35 - 10], S3ObjectNotFound)
+        assert [r for i, r in enumerate(results, 10) if i not in (30, 35)] == [
+            k.encode() for i, k in enumerate(keys) if i >= 10 and i not in (30, 35)]
+        assert second.stats.fresh == 28
+        assert _gets() - gets == 1, "only the changed key is fetched"
+    # With a lease of 0 nothing is renewed ahead (it would be stale at once).
+    with _cache(cache_spec, lease_ms=0) as zero:
+        lists = _lists()
+        zero.get_many(s3_bucket, keys[:10])
+        zero.flush()
+        assert _lists() - lists == 1 and zero.stats.renewed_ahead == 0
+
+
 def test_write_through(cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
     with _cache(cache_spec) as cache:
         s3.put_object(Bucket=s3_bucket, Key="w", Body=b"first")

@@ -11,7 +11,9 @@ The read of a batch of keys, in rounds of at most ``ROUND_KEYS_MAX``:
    1000 keys). Unchanged keys get their ``meta`` rewritten with the new validation time and are
    hits; a changed key whose new bytes came with the answer is refilled with them; others are
    misses. The entries of stale values are read while S3 answers, the renewed metas written
-   while they are read.
+   while they are read. After a read that listed, its publisher thread lists the page of keys
+   that follow the batch and renews the metas of those cached unchanged
+   (:meth:`CacheClient._renew_following`), for the tasks that read them next.
 3. A miss is filled under a *claim* (``claims/<ckey>``, written once, so one process wins): the
    winner reads S3 and has its bytes at once; the client's publisher thread then writes the
    entry, then ``meta``, then the fill's outcome (``done/<ckey>@<fill>``), then removes the
@@ -32,8 +34,8 @@ Staleness bound: a read returns a version of the object that S3 held at some ins
 than ``lease_ms`` before the read began (``validated_ms`` is taken before the confirming
 request is sent; processes on several hosts add their clocks' skew). Writes and deletes through
 the cache update the entry before they return, so a later read through the cache sees them,
-unless a revalidation begun before the write finishes after it, which still keeps the bound.
-"""
+unless a revalidation (a read's or a listing ahead) begun before the write finishes after it,
+which still keeps the bound."""
 
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ from pocketflow.errors import (
 
 __all__ = ["CacheClient", "CacheStats", "connect", "shared_client", "create_buckets",
            "ROUND_KEYS_MAX", "LIST_REVALIDATE_MIN", "WAIT_SLICE_S", "READ_ATTEMPTS_MAX",
-           "S3_PARALLEL_MAX", "DONE_LINGER_S", "PUBLISH_PENDING_BYTES_MAX"]
+           "S3_PARALLEL_MAX", "DONE_LINGER_S", "PUBLISH_PENDING_BYTES_MAX", "LOOKAHEAD_KEYS"]
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,9 @@ PUBLISH_PIECE_BYTES = 16 * 1024 * 1024
 PUBLISH_PIECE_KEYS = 256
 """A batch of fills goes to the publisher in pieces of at most this many bytes or keys, each as
 soon as its S3 answers are in."""
+LOOKAHEAD_KEYS = 1000
+"""Keys that follow a revalidated batch which one listing (one request) renews after the read,
+for the tasks that read them next (0: none)."""
 PUBLISH_PENDING_BYTES_MAX = 256 * 1024 * 1024
 """Bytes of S3 answers a client holds for fills its publisher thread has not written to the
 cache yet; a reader whose fill would pass this waits for the publisher first (a fill larger than
@@ -141,8 +146,9 @@ class CacheStats:
     ``bypassed`` (read from S3 without the cache),
     ``missing`` (the key is not in S3). ``hits`` counts every read served from the cache;
     ``listings`` the revalidations by listing and ``listed_keys`` the keys their pages held
-    (those revalidated and others in their range); ``wait_slices`` the waits parked on the
-    servers for other processes' fills;
+    (those revalidated and others in their range); ``renewed_ahead`` the metas of keys
+    following a revalidated batch that a listing renewed (:meth:`CacheClient._renew_following`);
+    ``wait_slices`` the waits parked on the servers for other processes' fills;
     ``fill_round_trips`` the calls to the cache a reader made for its misses between reading
     their ``meta`` and having their bytes (the claim's put, its read back if a rival's claim was
     met); the writes of a fill happen after, on the publisher thread."""
@@ -156,6 +162,7 @@ class CacheStats:
     validations: int = 0
     listings: int = 0
     listed_keys: int = 0
+    renewed_ahead: int = 0
     bytes_read: int = 0
     steals: int = 0
     wait_slices: int = 0
@@ -179,7 +186,8 @@ class CacheStats:
         with self._lock:
             out = {name: getattr(self, name) for name in (
                 "fresh", "revalidated", "waited", "filled", "bypassed", "missing",
-                "validations", "listings", "listed_keys", "bytes_read", "steals", "wait_slices",
+                "validations", "listings", "listed_keys", "renewed_ahead", "bytes_read", "steals",
+                "wait_slices",
                 "fill_round_trips")}
         out["hits"] = out["fresh"] + out["revalidated"] + out["waited"]
         return out
@@ -354,10 +362,16 @@ class CacheClient:
         key_list = list(keys)
         ckeys = [cache_key(bucket, k) for k in key_list]
         results: list[Result | None] = [None] * len(key_list)
+        listed: list[str] = []
         for start in range(0, len(key_list), ROUND_KEYS_MAX):
             index = list(range(start, min(start + ROUND_KEYS_MAX, len(key_list))))
             self._read_round(bucket, key_list, ckeys, index, results, want_data=want_data,
-                             views=views)
+                             views=views, listed=listed)
+        if listed and LOOKAHEAD_KEYS > 0 and self.spec.lease_ms > 0:
+            # After the reader has its bytes: its listing found its keys stale, so the keys
+            # that follow them (other tasks' shares of the same inputs) likely are too.
+            after = max(listed)
+            self._later(lambda: self._renew_following(bucket, after))
         self._remove_done(everything=False)
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
@@ -568,21 +582,22 @@ class CacheClient:
 
     def _read_round(self, bucket: str, keys: list[str], ckeys: list[str], index: list[int],
                     results: list[Result | None], *, want_data: bool,
-                    views: bool = False) -> None:
+                    views: bool = False, listed: list[str] | None = None) -> None:
         pending = index
         for _attempt in range(READ_ATTEMPTS_MAX):
             if not pending:
                 return
             pending = self._attempt(bucket, keys, ckeys, pending, results, want_data=want_data,
-                                    views=views)
+                                    views=views, listed=listed)
         for i in pending:
             results[i] = self._bypass(bucket, keys[i])
 
     def _attempt(self, bucket: str, keys: list[str], ckeys: list[str], pending: list[int],
                  results: list[Result | None], *, want_data: bool,
-                 views: bool = False) -> list[int]:
+                 views: bool = False, listed: list[str] | None = None) -> list[int]:
         """One pass over ``pending`` keys; returns those that must go around again. Without
-        ``want_data``, a hit's entry is only checked to exist (``results`` gets ``b""``)."""
+        ``want_data``, a hit's entry is only checked to exist (``results`` gets ``b""``).
+        ``listed`` gets the last key of each listing that revalidated keys."""
         try:
             names = [ckeys[i] for i in pending]
             metas = (self._pf.get_each(META_BUCKET, names) if want_data
@@ -632,7 +647,7 @@ class CacheClient:
                         self._entries, names, [m.size for _, m in values_stale], views=views))
             renewals: list[Future[None]] = []
             revalidated, more_misses = self._revalidate(bucket, keys, ckeys, stale, results,
-                                                        renewals)
+                                                        renewals, listed)
             misses += self._read_entries(bucket, keys, ckeys, revalidated, results,
                                          counter="revalidated", want_data=want_data, views=views,
                                          early=_early_entries(early))
@@ -727,7 +742,7 @@ class CacheClient:
 
     def _revalidate(self, bucket: str, keys: list[str], ckeys: list[str],
                     stale: list[tuple[int, Meta]], results: list[Result | None],
-                    renewals: list[Future[None]],
+                    renewals: list[Future[None]], listed_last: list[str] | None = None,
                     ) -> tuple[list[tuple[int, Meta]], list[tuple[int, Meta | None]]]:
         """Ask S3 about stale entries. Returns the unchanged ones (their meta being renewed:
         the write is added to ``renewals``) and the misses; changed keys whose new bytes came
@@ -745,6 +760,8 @@ class CacheClient:
                          self.spec.name, exc)
             else:
                 self.stats.add(listings=1, listed_keys=listed.listed)
+                if listed_last is not None:
+                    listed_last.append(max(keys[i] for i, _ in stale))
                 by_get = []
                 for i, meta in stale:
                     seen = listed.found.get(keys[i])
@@ -799,6 +816,46 @@ class CacheClient:
             # A listing validated them all at once; count each key's share as one validation.
             self.stats.add(validations=len(stale) - len(by_get))
         return unchanged, misses
+
+    def _renew_following(self, bucket: str, after: str) -> None:
+        """Renew the validation of the cached keys that follow ``after`` in S3's order (within
+        its "directory", the prefix up to its last ``/``): one ListObjectsV2 page of up to
+        ``LOOKAHEAD_KEYS`` keys, then the metas of those keys the cache holds with the ETag and
+        size the page lists get the page's time as their ``validated_ms``, as a listing that
+        revalidated them for a read would (the same bound: S3 held that version when the page
+        was asked for). So the tasks of a run that read the inputs after this reader's find
+        them fresh instead of each listing its own share. Best effort, off the reader's path:
+        a failure leaves the metas as they were."""
+        sent_ms = _now_ms()
+        try:
+            following = self._s3.list_after(bucket, after, LOOKAHEAD_KEYS)
+        except S3Error as exc:
+            log.info("cache %s: listing ahead failed (%s)", self.spec.name, exc)
+            return
+        self.stats.add(listings=1, listed_keys=len(following))
+        if not following:
+            return
+        ckeys = [cache_key(bucket, key) for key, _, _ in following]
+        try:
+            metas = self._metas_mostly_missing(ckeys)
+            records: list[tuple[str, bytes]] = []
+            for ckey, (_, etag, size), raw in zip(ckeys, following, metas, strict=True):
+                if isinstance(raw, PocketflowError):
+                    continue
+                try:
+                    meta = Meta.decode(raw)
+                except InvalidRequest:
+                    continue
+                if (meta.state == STATE_VALUE and meta.etag == etag and meta.size == size
+                        and meta.validated_ms < sent_ms):
+                    records.append((ckey, Meta(STATE_VALUE, etag, size, sent_ms).encode()))
+            if records:
+                self._put_all(META_BUCKET, records, overwrite=True)
+        except PocketflowError as exc:
+            log.info("cache %s: renewing the keys after %s failed (%s)", self.spec.name, after,
+                     exc)
+            return
+        self.stats.add(renewed_ahead=len(records))
 
     def _refill(self, bucket: str, keys: list[str], ckeys: list[str],
                 refills: list[tuple[int, Meta, Fetched]], sent_ms: int,

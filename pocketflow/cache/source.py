@@ -344,6 +344,15 @@ class S3Store:
         absent = {k for k in wanted if k not in found and k <= reached}
         return Listed(found, absent, listed)
 
+    def list_after(self, bucket: str, after: str, count: int) -> list[tuple[str, str, int]]:
+        """One ListObjectsV2 page: up to ``count`` (at most ``LIST_PAGE_KEYS``) ``(key, etag,
+        size)`` that follow ``after`` under its prefix up to its last ``/``."""
+        page = self._list_page({"Bucket": bucket, "Prefix": after[:after.rfind("/") + 1],
+                                "StartAfter": after,
+                                "MaxKeys": max(1, min(LIST_PAGE_KEYS, count))})
+        return [(item["Key"], normal_etag(item["ETag"]), int(item["Size"]))
+                for item in page.get("Contents", ()) or ()]
+
     def head(self, bucket: str, key: str) -> tuple[str, int]:
         """HeadObject: the object's ETag and size."""
         try:

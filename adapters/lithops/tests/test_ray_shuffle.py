@@ -414,23 +414,40 @@ def test_reducers_of_a_job_on_nvme_take_extra_slots_and_mappers_do_not(
     assert _most_at_once(tmp_path, "mapper") <= 2
 
 
-def _received_bytes_by_node(cluster: LocalCluster) -> dict[str, int]:
-    """``node_id -> bytes received so far`` from each server's own counter (admin stats)."""
+def _own_stats(cluster: LocalCluster, field: str) -> dict[str, int]:
+    """``node_id -> field`` of each server's own stats (admin), not the control plane's copy."""
     from pocketflow.control.admin import AdminTokens
 
     tokens = AdminTokens(cluster.secret, tls_ca=cluster.tls_ca)
-    return {s.node_id: int(tokens.client(s.address).stats()["received_bytes_total"])
-            for s in cluster.servers}
+    return {s.node_id: int(tokens.client(s.address).stats()[field]) for s in cluster.servers}
+
+
+def _received_bytes_by_node(cluster: LocalCluster) -> dict[str, int]:
+    """``node_id -> bytes received so far`` from each server's own counter."""
+    return _own_stats(cluster, "received_bytes_total")
+
+
+def _dram_free_settled(cluster: LocalCluster) -> int:
+    """The DRAM bytes the control plane sees free, once its view of every server's used bytes
+    is the server's own (an earlier test's deletes reach it with the next heartbeat)."""
+    def settled() -> bool:
+        seen = used_bytes(cluster)
+        return all(seen.get(node) == own
+                   for node, own in _own_stats(cluster, "used_bytes").items())
+
+    assert wait_for(settled)
+    seen = used_bytes(cluster)
+    return sum(s.capacity_bytes - seen[s.node_id] for s in cluster.servers if s.tier == "dram")
 
 
 def test_a_sort_whose_inputs_fit_dram_once_writes_nothing_to_nvme(
     local_cluster: LocalCluster,
 ) -> None:
     # A sort with PERSIST outputs and DELETE reads holds its input's size at most: each
-    # reducer's output replaces the inputs it consumed. Hinted at 200 MiB, it fits the session
-    # cluster's DRAM (2 x 128 MiB) once but not twice: reserving the outputs beside the inputs
-    # (as the shuffle did) put 36% of its weight, and of its bytes, on the NVMe server.
-    hinted_bytes = 200 * 1024 * 1024
+    # reducer's output replaces the inputs it consumed. Hinted at about 200 MiB, it fits the
+    # session cluster's DRAM (2 x 128 MiB) once but not twice: reserving the outputs beside the
+    # inputs (as the shuffle did) put 36% of its weight, and of its bytes, on the NVMe server.
+    hinted_bytes = min(200 * 1024 * 1024, _dram_free_settled(local_cluster) - 16 * 1024 * 1024)
     config = SortConfig(mappers=4, reducers=4, records=200_000, seed=11, processes=2)
     before = _received_bytes_by_node(local_cluster)
     result = shuffle(RayShuffleExecutor(tasks_max=2), functools.partial(map_records, config),

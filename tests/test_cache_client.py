@@ -291,7 +291,14 @@ def test_a_revalidating_listing_renews_the_cached_keys_that_follow(
             k.encode() for i, k in enumerate(keys) if i >= 10 and i not in (30, 35)]
         assert second.stats.fresh == 28
         assert _gets() - gets == 1, "only the changed key is fetched"
-    # With a lease of 0 nothing is renewed ahead (it would be stale at once).
+    # A prefetch (a prewarm's, which goes on to the following keys itself) does not renew
+    # ahead; nor does a read with a lease of 0 (the renewal would be stale at once).
+    time.sleep(1.6)
+    with _cache(cache_spec, lease_ms=1500) as prewarm:
+        lists = _lists()
+        assert prewarm.prefetch(s3_bucket, keys[:10]) == 10
+        prewarm.flush()
+        assert _lists() - lists == 1 and prewarm.stats.renewed_ahead == 0
     with _cache(cache_spec, lease_ms=0) as zero:
         lists = _lists()
         zero.get_many(s3_bucket, keys[:10])

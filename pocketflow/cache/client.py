@@ -367,9 +367,10 @@ class CacheClient:
             index = list(range(start, min(start + ROUND_KEYS_MAX, len(key_list))))
             self._read_round(bucket, key_list, ckeys, index, results, want_data=want_data,
                              views=views, listed=listed)
-        if listed and LOOKAHEAD_KEYS > 0 and self.spec.lease_ms > 0:
+        if listed and want_data and LOOKAHEAD_KEYS > 0 and self.spec.lease_ms > 0:
             # After the reader has its bytes: its listing found its keys stale, so the keys
-            # that follow them (other tasks' shares of the same inputs) likely are too.
+            # that follow them (other tasks' shares of the same inputs) likely are too. Not
+            # after a prefetch: a prewarm goes on to the following keys itself.
             after = max(listed)
             self._later(lambda: self._renew_following(bucket, after))
         self._remove_done(everything=False)

@@ -44,6 +44,7 @@ __all__ = [
     "finished_key",
     "output_key",
     "raise_if_cluster_gone",
+    "reducer_input_keys",
     "reducer_prefix",
     "refresh_map",
     "run_map_function",
@@ -97,8 +98,17 @@ def reducer_prefix(reducer: int) -> str:
 
 
 def shuffle_key(*, mapper: int, reducer: int) -> str:
-    """Key of the object mapper ``mapper`` writes for reducer ``reducer``."""
-    return f"{reducer_prefix(reducer)}/m{mapper:05d}"
+    """Key of the object mapper ``mapper`` writes for reducer ``reducer``: its reducer's prefix
+    (:func:`reducer_prefix`), ``/m`` and the mapper. One format, not a call of
+    ``reducer_prefix``: a wide shuffle's mappers name one key per object."""
+    return f"{INPUT_KEY_PREFIX}{reducer:05d}/m{mapper:05d}"
+
+
+def reducer_input_keys(reducer: int, mappers: int) -> dict[int, str]:
+    """:func:`shuffle_key` of every mapper below ``mappers`` for ``reducer``, by mapper, the
+    reducer's part of the key formatted once (a wide shuffle's reducer names hundreds)."""
+    head = f"{reducer_prefix(reducer)}/m"
+    return {m: f"{head}{m:05d}" for m in range(mappers)}
 
 
 def output_key(reducer: int) -> str:
@@ -332,7 +342,7 @@ def cluster_gone(pf: Client, *, settle_s: float = 0.0) -> DataUnavailable | None
         time.sleep(CLUSTER_GONE_PROBE_PAUSE_S)
 
 
-def _write_all(pf: Client, spec: _Spec, items: list[tuple[str, memoryview]]) -> int:
+def _write_all(pf: Client, spec: _Spec, items: list[tuple[str, bytes | memoryview]]) -> int:
     """Write ``items`` to the shuffle bucket (write-once); after an unreachable server, wait for
     the new map and write what is missing again. Returns how many write rounds it took."""
     bucket = spec.bucket
@@ -406,11 +416,14 @@ def _map_task(call: _MapCall) -> _MapOutcome:
     spec = call.spec
     value, parts = run_map_function(call.map_function, call.item, spec.reducers)
     wanted = range(spec.reducers) if call.only_reducers is None else sorted(call.only_reducers)
-    items: list[tuple[str, memoryview]] = []
+    items: list[tuple[str, bytes | memoryview]] = []
+    mapper = call.mapper
     for r in wanted:
         chunks = parts[r]
         data = chunks[0] if len(chunks) == 1 else b"".join(memoryview(c) for c in chunks)
-        items.append((shuffle_key(mapper=call.mapper, reducer=r), memoryview(data).cast("B")))
+        # A bytes object is already flat bytes (and its len its size): no view made for it.
+        items.append((shuffle_key(mapper=mapper, reducer=r),
+                      data if type(data) is bytes else memoryview(data).cast("B")))
     started = time.perf_counter()
     attempts = _write_all(_client(spec), spec, items)
     return _MapOutcome(
@@ -446,7 +459,7 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
     from pocketflow.handle import JobHandle
 
     spec = call.spec
-    keys = {m: shuffle_key(mapper=m, reducer=call.reducer) for m in range(spec.mappers)}
+    keys = reducer_input_keys(call.reducer, spec.mappers)
     inputs: dict[int, bytes] = {}
     lost: set[int] = set()
     unreachable: set[str] = set()

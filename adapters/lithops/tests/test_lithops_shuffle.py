@@ -106,6 +106,19 @@ def test_a_task_process_imports_only_the_tasks_module() -> None:
     assert (retry.reducer, retry.attempt, retry.reduce_function) == (3, "a1", reduce_records)
 
 
+def test_every_input_key_is_its_reducer_s_prefix_and_its_mapper() -> None:
+    """The keys a reducer reads are the ones mappers write, and each lies under its reducer's
+    lease prefix (one f-string each side, kept apart for speed)."""
+    from pocketflow_lithops.shuffle_tasks import reducer_input_keys, reducer_prefix
+
+    assert shuffle_key(mapper=3, reducer=12) == "r00012/m00003"
+    for reducer in (0, 7, 4095):
+        keys = reducer_input_keys(reducer, 300)
+        assert keys == {m: shuffle_key(mapper=m, reducer=reducer) for m in range(300)}
+        assert all(k.startswith(reducer_prefix(reducer) + "/") for k in keys.values())
+    assert reducer_input_keys(1, 0) == {}
+
+
 @pytest.fixture
 def fexec() -> Iterator[Any]:
     """A Lithops localhost executor with 4 worker processes (reducers park while mappers run)."""

@@ -25,8 +25,9 @@ What it does, in Pocket's terms:
 
 - **Hints.** The shuffle registers its own pocketflow job with what it knows: mappers plus
   reducers as the most concurrent tasks (reducers start while mappers still run) and, as the
-  data size, the most bytes it holds at once (:func:`shuffle_data_bytes`): the input size, or
-  twice that when PERSIST outputs are written while the inputs are kept (no DELETE reads). The
+  data size, the most bytes it holds at once (:func:`shuffle_data_bytes`): the larger of the
+  input and the PERSIST outputs (``output_size_bytes``, by default the input's size), or their
+  sum when the inputs are kept (no DELETE reads). The
   job's weight map splits its data over the tiers in proportion to that reservation, so
   reserving the outputs as well as the inputs they replace would leave half of the DRAM share
   unused and send twice the bytes to NVMe. It deregisters the job at the end, also when a task
@@ -189,6 +190,7 @@ def shuffle(
     job: Job | None = None,
     name: str = "lithops-shuffle",
     input_size_bytes: int | None = None,
+    output_size_bytes: int | None = None,
     persist_output: bool = False,
     output_bucket: str = OUTPUT_BUCKET,
     input_wait_s: float = INPUT_WAIT_DEFAULT_S,
@@ -212,7 +214,10 @@ def shuffle(
     ``emit(partition, data)`` with ``0 <= partition < reducers`` and bytes-like ``data`` (several
     emits to one partition are concatenated in order); its return value comes back in
     :attr:`ShuffleResult.map_values`. ``reduce_function(partition, inputs)`` gets one ``bytes``
-    per mapper, in mapper order. See the module docstring for hints, flags, waiting and
+    per mapper, in mapper order. ``input_size_bytes`` (what the mappers emit in all) and
+    ``output_size_bytes`` (the PERSIST outputs in all; by default as large as the input) size
+    the job's reservation (:func:`shuffle_data_bytes`). See the module docstring for hints,
+    flags, waiting and
     regeneration. ``cluster`` is what :func:`pocketflow.register_job` takes; ``job`` runs the
     shuffle in an already registered job (not deregistered here). ``client_options`` are
     :class:`~pocketflow.config.ClientConfig` settings for the tasks' clients.
@@ -250,6 +255,10 @@ def shuffle(
         raise ValueError("reduce_retries must be >= 0")
     if map_retries < 0:
         raise ValueError("map_retries must be >= 0")
+    for what, size in (("input_size_bytes", input_size_bytes),
+                       ("output_size_bytes", output_size_bytes)):
+        if size is not None and size < 0:
+            raise ValueError(f"{what} must be >= 0, got {size}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     tasks = shuffle_executor(executor)
@@ -259,7 +268,8 @@ def shuffle(
                     reduce_retries, client_options, delete_inputs, timeout_s, layout,
                     prefix_lease_ms is not None, map_retries, input_size_bytes)
     hints = shuffle_hints(mappers, reducers, shuffle_data_bytes(
-        input_size_bytes, persist_output=persist_output, delete_inputs=delete_inputs))
+        input_size_bytes, output_size_bytes=output_size_bytes, persist_output=persist_output,
+        delete_inputs=delete_inputs))
     # The context manager deregisters the job also when a task (or this driver) fails.
     leases = {} if prefix_lease_ms is None else {"prefix_lease_ms": prefix_lease_ms}
     with register_job(name, hints, cluster=cluster, **leases) as own_job:
@@ -279,21 +289,26 @@ def shuffle_hints(mappers: int, reducers: int, data_size_bytes: int | None) -> H
 
 
 def shuffle_data_bytes(input_size_bytes: int | None, *, persist_output: bool,
-                       delete_inputs: bool) -> int | None:
-    """The most bytes a shuffle of ``input_size_bytes`` (what its mappers emit) holds at once,
-    taking each reducer's output to be as large as its inputs (``None``: not known).
+                       delete_inputs: bool, output_size_bytes: int | None = None) -> int | None:
+    """The most bytes a shuffle holds at once, from ``input_size_bytes`` (what its mappers
+    emit) and ``output_size_bytes`` (its PERSIST outputs; ``None``: as large as the input);
+    ``None`` when the input size is not known.
 
     With DELETE reads a reducer frees its inputs as it reads them and only then writes its
     output, and no reducer has all its inputs before every mapper has written its partition,
-    so the PERSIST outputs take the place of the inputs they replace: the input size. Without
-    DELETE reads the inputs stay until the job ends, beside the outputs: twice that. Outputs
-    that come back through the executor hold nothing on the servers.
+    so the outputs take the place of the inputs they replace: the larger of the two (outputs
+    in proportion to their inputs). Without DELETE reads the inputs stay until the job ends,
+    beside the outputs: their sum. Outputs that come back through the executor hold nothing on
+    the servers.
     """
     if input_size_bytes is None:
         return None
-    if persist_output and not delete_inputs:
-        return 2 * input_size_bytes
-    return input_size_bytes
+    if not persist_output:
+        return input_size_bytes
+    outputs = input_size_bytes if output_size_bytes is None else output_size_bytes
+    if delete_inputs:
+        return max(input_size_bytes, outputs)
+    return input_size_bytes + outputs
 
 
 def _run(

@@ -422,6 +422,11 @@ def _own_stats(cluster: LocalCluster, field: str) -> dict[str, int]:
     return {s.node_id: int(tokens.client(s.address).stats()[field]) for s in cluster.servers}
 
 
+def _emit_one(item: int, emit: Callable[[int, Any], None]) -> int:
+    emit(0, b"x" * 10)
+    return item
+
+
 def _received_bytes_by_node(cluster: LocalCluster) -> dict[str, int]:
     """``node_id -> bytes received so far`` from each server's own counter."""
     return _own_stats(cluster, "received_bytes_total")
@@ -448,7 +453,9 @@ def test_a_sort_whose_inputs_fit_dram_once_writes_nothing_to_nvme(
     # session cluster's DRAM (2 x 128 MiB) once but not twice: reserving the outputs beside the
     # inputs (as the shuffle did) put 36% of its weight, and of its bytes, on the NVMe server.
     hinted_bytes = min(200 * 1024 * 1024, _dram_free_settled(local_cluster) - 16 * 1024 * 1024)
-    config = SortConfig(mappers=4, reducers=4, records=200_000, seed=11, processes=2)
+    # Three tasks' bandwidth (3 x 75 MB/s) fits the DRAM tier's nominal throughput
+    # (2 x 125 MB/s), so the job is packed by capacity alone.
+    config = SortConfig(mappers=2, reducers=1, records=200_000, seed=11, processes=2)
     before = _received_bytes_by_node(local_cluster)
     result = shuffle(RayShuffleExecutor(tasks_max=2), functools.partial(map_records, config),
                      reduce_records, range(config.mappers), reducers=config.reducers,
@@ -469,6 +476,29 @@ def test_a_sort_whose_inputs_fit_dram_once_writes_nothing_to_nvme(
     nvme = sum(n for node, n in received.items() if weights.get(node, ("", 0))[0] == "nvme")
     dram = sum(n for node, n in received.items() if weights.get(node, ("", 0))[0] == "dram")
     assert dram >= 2 * config.input_bytes and nvme < config.input_bytes // 100, received
+
+
+def test_outputs_larger_than_the_input_are_reserved_and_a_negative_size_is_refused(
+    local_cluster: LocalCluster,
+) -> None:
+    # A shuffle whose PERSIST outputs (say, a join's) are larger than its input holds the
+    # outputs' size at its end: stated, it is reserved, so a job whose outputs outgrow the
+    # session cluster's DRAM (2 x 128 MiB) gets weight on its NVMe server (256 MiB). One
+    # mapper and one reducer: their bandwidth fits the DRAM tier's, so only capacity decides.
+    dram_free = _dram_free_settled(local_cluster)
+    result = shuffle(RayShuffleExecutor(tasks_max=2), _emit_one, _join, range(1), reducers=1,
+                     cluster=local_cluster, input_size_bytes=1024,
+                     output_size_bytes=dram_free + 128 * 1024 * 1024, persist_output=True,
+                     timeout_s=SHUFFLE_TIMEOUT_S)
+    weights = {s.node_id: (s.tier, s.weight)
+               for s in JobHandle.from_json(result.handle_json).servers}
+    assert sum(w for tier, w in weights.values() if tier == "nvme") > 0.2, weights
+    with pocketflow.connect(result.handle_json) as pf:
+        outputs = [pf.get(o.bucket, o.key, delete=True) for o in result.outputs]
+    assert outputs == [b"0:" + b"x" * 10]
+    with pytest.raises(ValueError, match="output_size_bytes must be >= 0"):
+        shuffle(RayShuffleExecutor(tasks_max=2), _emit_bytes, _join, range(2), reducers=3,
+                cluster=local_cluster, output_size_bytes=-1, persist_output=True)
 
 
 def test_reducers_of_a_job_in_dram_keep_to_tasks_max(

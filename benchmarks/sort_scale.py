@@ -251,7 +251,9 @@ class Run:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     tier_bytes: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per tier, bytes its servers received and sent, in the map phase
-    (``before``), after it and in ``all`` (:func:`tier_bytes`)."""
+    (``before``), after it and in ``all`` (:func:`tier_bytes`). The split is the shuffle's
+    ``map_s`` after the sampler's first sample, which precedes the map phase by the job's
+    registration (a fraction of a second), so the map phase's figures miss its last moment."""
     ok: bool = False
     skipped: str = ""
     problems: list[str] = field(default_factory=list)

@@ -187,6 +187,75 @@ def test_a_server_that_misses_a_new_epoch_is_told_again_until_it_confirms(
                 handle.job_id, handle.epoch, handle.weight_map())
 
 
+HUNG_SERVERS = 3
+"""Servers SIGSTOPped at once below: called one after another they would cost three admin
+deadlines, well past the bound the tests allow."""
+
+FAN_OUT_BOUND_S = 2 * ADMIN_TIMEOUT_S
+"""How long a fan-out over hung servers may take: one admin deadline, with generous slack for a
+loaded machine (a bound that ends the wait, not a speed)."""
+
+
+def test_a_registration_and_a_retry_pass_wait_one_deadline_however_many_servers_hang(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """The first epoch goes to the job's servers at once: with three of its four servers hung
+    (SIGSTOP), ``announce`` returns within about one admin deadline, the healthy server confirms
+    at once and the hung ones stay unconfirmed; a retry pass (``send``) also waits one deadline
+    for all of them, and once they run again the retries confirm them."""
+    _, secret_file = cluster_secret_file
+    with roles(secret_file) as built:
+        built.start("hg-0")
+        hung = [built.start(f"hg-{index}") for index in range(1, 1 + HUNG_SERVERS)]
+        hung_ids = [info.node_id for info in hung]
+        stopped: list[int] = []
+        try:
+            for info in hung:
+                sigstop(info.server_pid)
+                stopped.append(info.server_pid)
+            started = time.monotonic()
+            with built.lock:
+                handle = register(built, "hanging")
+            registered_s = time.monotonic() - started
+            assert {s.node_id for s in handle.servers} == {"hg-0", *hung_ids}
+            assert registered_s < FAN_OUT_BOUND_S, (
+                f"the registration waited {registered_s:.1f}s on {HUNG_SERVERS} hung servers")
+            assert built.epochs.unconfirmed() == {handle.job_id: hung_ids}
+
+            time.sleep(SET_EPOCH_RETRY_FIRST_S)
+            with built.lock:
+                due = built.epochs.due()
+            assert sorted(call.node_id for call in due) == hung_ids
+            started = time.monotonic()
+            confirmed, failed = Epochs.send(due, built.retry_admin)
+            sent_s = time.monotonic() - started
+            assert (confirmed, failed) == ([], hung_ids)
+            assert sent_s < FAN_OUT_BOUND_S, (
+                f"a retry pass waited {sent_s:.1f}s on {HUNG_SERVERS} hung servers")
+            with built.lock:
+                built.epochs.settle(confirmed, failed)
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while built.epochs.unconfirmed():
+            assert time.monotonic() < deadline, "the hung servers never confirmed"
+            time.sleep(0.2)
+            with built.lock:
+                due = built.epochs.due()
+            confirmed, failed = Epochs.send(due, built.retry_admin)
+            with built.lock:
+                built.epochs.settle(confirmed, failed)
+        # Every server holds the epoch: each takes the job's writes (a server not told of the
+        # job refuses them as job_not_registered).
+        with connect(handle, op_timeout_s="5s") as pf:
+            pf.create_bucket("b")
+            for node_id in ("hg-0", *hung_ids):
+                on, _ = keys_on(handle, node_id, on_min=1)
+                pf.put("b", on[0], node_id.encode())
+                assert pf.get("b", on[0]) == node_id.encode()
+
+
 def test_a_suspect_gets_weight_zero_and_its_weight_back_without_being_called(
     cluster_secret_file: tuple[bytes, Path],
 ) -> None:

@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from control_roles import register, roles, sigstop
+from control_roles import ADMIN_TIMEOUT_S, register, roles, sigstop
 
 from pocketflow.client import connect
+from pocketflow.control.job_ends import END_RETRY_FIRST_S
 from pocketflow.control.metadata import Metadata
 from pocketflow.errors import JobNotRegistered
 
@@ -95,3 +96,52 @@ def test_pending_ends_survive_a_controller_restart(
             assert after.metadata.endings() == {}
             stats = after.admin.client(stopped.address).stats()
             assert handle.job_id not in stats.get("jobs", {})
+
+
+HUNG_SERVERS = 3
+"""Servers SIGSTOPped at once below: called one after another they would cost three admin
+deadlines, well past ``FAN_OUT_BOUND_S``."""
+
+FAN_OUT_BOUND_S = 2 * ADMIN_TIMEOUT_S
+"""How long an end or a retry pass over hung servers may take: one admin deadline, with
+generous slack for a loaded machine (a bound that ends the wait, not a speed)."""
+
+
+def test_an_end_and_its_retries_wait_one_deadline_however_many_servers_hang(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """A job's end reaches its servers at once: with three of four hung (SIGSTOP), ``end``
+    and a retry pass each return within about one admin deadline, the healthy server confirms
+    at once, and the hung ones confirm after they run again."""
+    _, secret_file = cluster_secret_file
+    with roles(secret_file) as built:
+        built.start("jh-0")
+        hung = [built.start(f"jh-{index}") for index in range(1, 1 + HUNG_SERVERS)]
+        hung_ids = [info.node_id for info in hung]
+        handle = register(built, "ending-hung")
+        assert {s.node_id for s in handle.servers} == {"jh-0", *hung_ids}
+        stopped: list[int] = []
+        try:
+            for info in hung:
+                sigstop(info.server_pid)
+                stopped.append(info.server_pid)
+            built.jobs.remove(handle.job_id)
+            started = time.monotonic()
+            confirmed, unreachable = built.ends.end(handle.job_id, ["jh-0", *hung_ids])
+            ended_s = time.monotonic() - started
+            assert [n for n, _ in confirmed] == ["jh-0"] and unreachable == hung_ids
+            assert ended_s < FAN_OUT_BOUND_S, (
+                f"the end waited {ended_s:.1f}s on {HUNG_SERVERS} hung servers")
+            time.sleep(END_RETRY_FIRST_S)
+            started = time.monotonic()
+            assert built.ends.retry() == 0
+            retried_s = time.monotonic() - started
+            assert retried_s < FAN_OUT_BOUND_S, (
+                f"a retry pass waited {retried_s:.1f}s on {HUNG_SERVERS} hung servers")
+            assert built.ends.pending() == {handle.job_id: hung_ids}
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        _retry_until_ended(built.ends, handle.job_id)
+        for info in hung:
+            assert handle.job_id not in built.admin.client(info.address).stats().get("jobs", {})

@@ -5,6 +5,7 @@ it confirms), and moving jobs off a server that left or around one that hangs.""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from pocketflow.control.membership import Membership
 from pocketflow.control.prefix_grants import PrefixGrants, grants_record
 from pocketflow.errors import JobNotRegistered, PocketflowError, StaleEpoch
 from pocketflow.handle import JobHandle, LostServer, Routes, ServerInfo
+from pocketflow.transport import AdminClient
 
 log = logging.getLogger(__name__)
 
@@ -139,24 +141,31 @@ class Epochs:
         return handle
 
     def _publish(self, handle: JobHandle) -> None:
-        """Send a job's new map to each server of it; those that do not confirm (suspects are
-        not even asked) stay unconfirmed, retried by the monitor loop."""
+        """Send a job's new map to the servers of it at once (one deadline for all: a hung
+        server costs one admin call's timeout however many hang); those that do not confirm
+        (suspects are not even asked) stay unconfirmed, retried by the monitor loop. The
+        unconfirmed table is touched only here, in the calling thread."""
         weight_map = handle.weight_map()
         now_s = time.monotonic()
+        asked: list[ServerInfo] = []
         for server in handle.servers:
-            key = (handle.job_id, server.node_id)
             if self._membership.is_suspect(server.node_id):
-                self._unconfirmed[key] = _Unconfirmed(handle.epoch, now_s, SET_EPOCH_RETRY_FIRST_S)
-                continue
-            try:
-                self._admin.client(server.address).set_epoch(
-                    handle.job_id, handle.epoch, weight_map
+                self._unconfirmed[(handle.job_id, server.node_id)] = _Unconfirmed(
+                    handle.epoch, now_s, SET_EPOCH_RETRY_FIRST_S
                 )
-            except StaleEpoch:
-                pass  # it holds a newer map already
-            except PocketflowError as exc:
+            else:
+                asked.append(server)
+        outcomes = self._admin.fan_out(
+            (server.node_id, server.address, functools.partial(
+                _set_epoch, job_id=handle.job_id, epoch=handle.epoch, weight_map=weight_map))
+            for server in asked
+        )
+        for server in asked:
+            key = (handle.job_id, server.node_id)
+            outcome = outcomes[server.node_id]
+            if isinstance(outcome, PocketflowError):
                 log.warning("set_epoch %s/%d on %s failed: %s; retrying", handle.job_id,
-                            handle.epoch, server.node_id, exc)
+                            handle.epoch, server.node_id, outcome)
                 self._admin.forget(server.address)
                 self._unconfirmed[key] = _Unconfirmed(
                     handle.epoch, time.monotonic() + SET_EPOCH_RETRY_FIRST_S,
@@ -208,29 +217,31 @@ class Epochs:
 
     @staticmethod
     def send(calls: list[EpochCall], admin: AdminTokens) -> tuple[list[EpochCall], list[str]]:
-        """Make the ``set_epoch`` calls with ``admin`` (the monitor thread's connections), a
-        server that fails skipped for the rest of them; returns the calls that were confirmed
-        and the node ids that failed. Takes no lock."""
+        """Make the ``set_epoch`` calls with ``admin`` (the monitor thread's connections): the
+        servers at once, each server's calls one after another, a server that fails skipped for
+        the rest of its calls, all within one admin deadline (a server that has not answered by
+        then failed). Returns the calls that were confirmed and the node ids that failed. Takes
+        no lock."""
+        by_server: dict[str, list[EpochCall]] = {}
+        for call in calls:
+            by_server.setdefault(call.node_id, []).append(call)
+        outcomes = admin.fan_out(
+            (node_id, mine[0].address, functools.partial(_set_epochs, mine))
+            for node_id, mine in sorted(by_server.items())
+        )
         confirmed: list[EpochCall] = []
-        failed: set[str] = set()
-        for call in sorted(calls, key=lambda c: c.node_id):
-            if call.node_id in failed:
-                continue
-            try:
-                admin.client(call.address).set_epoch(call.job_id, call.epoch, call.weight_map)
-            except StaleEpoch:
-                pass  # it holds a newer map already
-            except JobNotRegistered as exc:
-                log.warning("set_epoch %s/%d on %s: %s", call.job_id, call.epoch, call.node_id,
-                            exc)
-            except PocketflowError as exc:
-                log.info("set_epoch %s/%d on %s failed again: %s", call.job_id, call.epoch,
-                         call.node_id, exc)
-                admin.forget(call.address)
-                failed.add(call.node_id)
-                continue
-            confirmed.append(call)
-        return confirmed, sorted(failed)
+        failed: list[str] = []
+        for node_id, mine in sorted(by_server.items()):
+            outcome = outcomes[node_id]
+            if isinstance(outcome, PocketflowError):
+                outcome = ([], outcome)
+            done, error = outcome
+            confirmed += done
+            if error is not None:
+                log.info("set_epoch on %s failed again: %s", node_id, error)
+                admin.forget(mine[0].address)
+                failed.append(node_id)
+        return confirmed, failed
 
     def settle(self, confirmed: list[EpochCall], failed: list[str]) -> None:
         """Take what :meth:`send` did: confirmed epochs leave the table (unless a newer one is
@@ -350,3 +361,29 @@ class Epochs:
             record = self._jobs.record(job_id)
             kept = tuple(s for s in record.handle.servers if s.node_id != node_id)
             self.move(job_id, kept)
+
+
+def _set_epoch(admin: AdminClient, *, job_id: str, epoch: int, weight_map: dict[str, Any]) -> None:
+    """One ``set_epoch`` (a pool thread's call): a ``StaleEpoch`` answer means the server holds a
+    newer map already, which confirms this one."""
+    try:
+        admin.set_epoch(job_id, epoch, weight_map)
+    except StaleEpoch:
+        pass
+
+
+def _set_epochs(
+    calls: list[EpochCall], admin: AdminClient
+) -> tuple[list[EpochCall], PocketflowError | None]:
+    """One server's ``set_epoch`` retries, one after another (a pool thread's calls): the calls it
+    confirmed, and the error that stopped them (the rest are not tried)."""
+    confirmed: list[EpochCall] = []
+    for call in calls:
+        try:
+            _set_epoch(admin, job_id=call.job_id, epoch=call.epoch, weight_map=call.weight_map)
+        except JobNotRegistered as exc:
+            log.warning("set_epoch %s/%d on %s: %s", call.job_id, call.epoch, call.node_id, exc)
+        except PocketflowError as exc:
+            return confirmed, exc
+        confirmed.append(call)
+    return confirmed, None

@@ -11,6 +11,7 @@ from pocketflow.control.admin import AdminTokens
 from pocketflow.control.membership import Membership
 from pocketflow.control.storage_node import StorageNodeInfo
 from pocketflow.errors import PocketflowError
+from pocketflow.transport import AdminClient
 
 log = logging.getLogger(__name__)
 
@@ -59,39 +60,55 @@ class FailureDetector:
     def gone(self) -> list[str]:
         """The silent servers that neither answer a probe nor have a running process; suspects
         are marked on the way (a suspect probed less than ``SUSPECT_RECHECK_S`` ago is
-        skipped)."""
+        skipped). The servers due are probed at once (:meth:`AdminTokens.fan_out`), so hung
+        servers cost one probe deadline together, not one each."""
         found = []
+        probed: list[StorageNodeInfo] = []
         for node_id in self.silent():
             info = self._membership.get(node_id)
-            if info is not None:
-                probed = self._membership.suspect_probed_at(node_id)
-                if probed is not None and time.monotonic() - probed < SUSPECT_RECHECK_S:
-                    continue
-                if self._answers(info):
-                    continue
-                if self._nodes.process_runs(self._membership.node(node_id), node_id):
-                    # Hung, stopped or overloaded, not gone: its data stays, it gets no new
-                    # jobs, and its clients' calls fail within their op timeout meanwhile.
-                    self._membership.mark_suspect(node_id)
-                    continue
-            found.append(node_id)
+            if info is None:
+                found.append(node_id)
+                continue
+            probed_at = self._membership.suspect_probed_at(node_id)
+            if probed_at is not None and time.monotonic() - probed_at < SUSPECT_RECHECK_S:
+                continue
+            probed.append(info)
+        answers = self._probe.fan_out(
+            (info.node_id, info.address, _sampled_stats) for info in probed
+        )
+        for info in probed:
+            if self._answered(info, answers[info.node_id]):
+                continue
+            if self._nodes.process_runs(self._membership.node(info.node_id), info.node_id):
+                # Hung, stopped or overloaded, not gone: its data stays, it gets no new
+                # jobs, and its clients' calls fail within their op timeout meanwhile.
+                self._membership.mark_suspect(info.node_id)
+                continue
+            found.append(info.node_id)
         return found
 
-    def _answers(self, info: StorageNodeInfo) -> bool:
-        """Whether a silent server still answers ``stats`` within the probe's deadline.
+    def _answered(self, info: StorageNodeInfo, answer: dict[str, Any] | PocketflowError) -> bool:
+        """Whether a silent server answered ``stats`` within the probe's deadline.
 
         Heartbeats travel through Ray and can be late on a loaded machine; a server that
         answers is alive and its answer counts as a heartbeat. A killed server refuses the
         connection at once, a hung one costs one probe deadline (``dead_after``).
         """
-        try:
-            stats = self._probe.sampled_stats(info.address)
-        except PocketflowError:
+        if isinstance(answer, PocketflowError):
             self._probe.forget(info.address)
             return False
         log.warning("heartbeats of %s are late but it answers; still alive", info.node_id)
-        self._membership.heartbeat(info.node_id, stats)
+        self._membership.heartbeat(info.node_id, answer)
         return True
 
     def close(self) -> None:
         self._probe.close()
+
+
+def _sampled_stats(admin: AdminClient) -> dict[str, Any]:
+    """A probe's ``stats`` (a pool thread's call), stamped with the time it started, as
+    :meth:`AdminTokens.sampled_stats` stamps it."""
+    sampled = time.time()
+    stats = admin.stats()
+    stats["sampled_at_unix_s"] = sampled
+    return stats

@@ -4,6 +4,7 @@ ended, retried on each server until it confirms, and the pending ends outlive a 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -14,6 +15,7 @@ from typing import Any
 from pocketflow.control.admin import AdminTokens
 from pocketflow.control.membership import Membership
 from pocketflow.errors import PocketflowError
+from pocketflow.transport import AdminClient
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +45,10 @@ class JobEnds:
     reports what it freed); the servers that did not answer stay pending, with their node ids
     logged through ``call_metadata`` (the ``Metadata`` record of the end), and ``retry`` (the
     monitor loop, outside the controller's lock) tries each of them again on its own deadline
-    (one admin call each, ``admin``'s timeout; a server that fails is not tried again in the same
-    pass). A server that leaves the cluster (declared dead, retired) is dropped: its process is
-    stopped, and a server process that starts anew refuses every job it was not told about.
+    (both call the servers at once, within one admin deadline for all, so hung servers cost one
+    timeout together; a server that fails is not tried again in the same pass). A server that
+    leaves the cluster (declared dead, retired) is dropped: its process is stopped, and a server
+    process that starts anew refuses every job it was not told about.
     A restarted controller takes the pending ends back with :meth:`restore`.
 
     ``retry_admin`` is used only by the monitor thread (admin connections are not shared between
@@ -96,8 +99,9 @@ class JobEnds:
             return {job_id: sorted(nodes) for job_id, nodes in self._pending.items()}
 
     def retry(self) -> int:
-        """Try the due pending ends once each (a server that fails is skipped for the rest of the
-        pass); returns how many were confirmed."""
+        """Try the due pending ends once each: the servers at once, each server's ends one after
+        another (a server that fails is skipped for the rest of the pass), within one admin
+        deadline; returns how many were confirmed."""
         now_s = time.monotonic()
         with self._lock:
             due = [
@@ -106,30 +110,38 @@ class JobEnds:
                 for node_id, retry in nodes.items()
                 if retry.next_try_s <= now_s
             ]
-        failed: set[str] = set()
-        confirmed = 0
-        touched: set[str] = set()
-        for job_id, node_id in sorted(due, key=lambda pair: pair[1]):
-            touched.add(job_id)
+        by_server: dict[str, list[str]] = {}
+        for job_id, node_id in due:
+            by_server.setdefault(node_id, []).append(job_id)
+        addresses: dict[str, str] = {}
+        for node_id, job_ids in by_server.items():
             info = self._membership.get(node_id)
             if info is None:
-                self._drop(job_id, node_id)  # gone from the cluster: nothing left to end there
-                continue
-            if node_id in failed:
-                self._backoff(job_id, node_id)
-                continue
-            try:
-                self._retry_admin.client(info.address).delete_job(job_id)
-            except PocketflowError as exc:
-                log.info("delete_job %s on %s failed again: %s", job_id, node_id, exc)
-                self._retry_admin.forget(info.address)
-                failed.add(node_id)
-                self._backoff(job_id, node_id)
-                continue
-            log.warning("job %s ended on %s at last", job_id, node_id)
-            self._drop(job_id, node_id)
-            confirmed += 1
-        for job_id in touched:
+                for job_id in job_ids:
+                    self._drop(job_id, node_id)  # gone from the cluster: nothing left to end
+            else:
+                addresses[node_id] = info.address
+        outcomes = self._retry_admin.fan_out(
+            (node_id, address, functools.partial(_end_jobs, by_server[node_id]))
+            for node_id, address in sorted(addresses.items())
+        )
+        confirmed = 0
+        for node_id, address in sorted(addresses.items()):
+            outcome = outcomes[node_id]
+            if isinstance(outcome, PocketflowError):
+                outcome = ([], outcome)
+            ended, error = outcome
+            for job_id in ended:
+                log.warning("job %s ended on %s at last", job_id, node_id)
+                self._drop(job_id, node_id)
+                confirmed += 1
+            if error is not None:
+                log.info("delete_job on %s failed again: %s", node_id, error)
+                self._retry_admin.forget(address)
+                for job_id in by_server[node_id]:
+                    if job_id not in ended:
+                        self._backoff(job_id, node_id)
+        for job_id in sorted({job_id for job_id, _ in due}):
             self._log(job_id)
         return confirmed
 
@@ -180,3 +192,16 @@ class JobEnds:
             log.error("giving up the end of job %s on %s: more than %d ends pending", job_id,
                       sorted(self._pending[job_id]), ENDING_JOBS_MAX)
             del self._pending[job_id]
+
+
+def _end_jobs(job_ids: list[str], admin: AdminClient) -> tuple[list[str], PocketflowError | None]:
+    """One server's pending ends, one after another (a pool thread's calls): the jobs it
+    confirmed, and the error that stopped them (the rest are not tried)."""
+    ended: list[str] = []
+    for job_id in job_ids:
+        try:
+            admin.delete_job(job_id)
+        except PocketflowError as exc:
+            return ended, exc
+        ended.append(job_id)
+    return ended, None

@@ -669,7 +669,9 @@ class Client:
         are not sent. A large object that fails leaves none of its blocks behind.
         """
         check_bucket(bucket)
-        checked = [(key, _as_view(data)) for key, data in items]
+        # A bytes object is already a flat view of bytes: no memoryview is made for it (a
+        # shuffle's mapper hands over hundreds of small partitions per call).
+        checked = [(key, data if type(data) is bytes else _as_view(data)) for key, data in items]
         check_keys(key for key, _ in checked)
         return self._core.put_many(bucket, checked, persist=persist, overwrite=overwrite)
 

@@ -577,6 +577,25 @@ def test_put_many_get_many(client: Client) -> None:
     assert client.get_many("b", []) == []
 
 
+def test_put_many_takes_any_flat_buffer_and_refuses_the_rest(client: Client) -> None:
+    """bytes go to the core as they are, other buffers as flat byte views (an array of 4-byte
+    ints is stored as its bytes); a value that is no buffer, or not contiguous, is refused with
+    InvalidRequest before anything is stored."""
+    import array
+
+    client.create_bucket("b")
+    ints = array.array("I", [1, 2, 3])
+    items = [("bytes", b"plain"), ("bytearray", bytearray(b"mutable")),
+             ("view", memoryview(b"0123456789")[2:5]), ("ints", ints), ("empty", b"")]
+    assert client.put_many("b", items) == len(items)
+    assert client.get_many("b", [key for key, _ in items]) == [
+        b"plain", b"mutable", b"234", ints.tobytes(), b""]
+    for bad in ("text", 42, memoryview(b"0123456789")[::2]):
+        with pytest.raises(InvalidRequest):
+            client.put_many("b", [("first", b"ok"), ("bad", bad)])  # type: ignore[list-item]
+        assert not client.exists("b", "first")
+
+
 def test_enumerate_merges_servers_and_pages(client: Client) -> None:
     client.create_bucket("b")
     keys = sorted(f"part-{i:05d}" for i in range(250))

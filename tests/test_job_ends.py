@@ -145,3 +145,33 @@ def test_an_end_and_its_retries_wait_one_deadline_however_many_servers_hang(
         _retry_until_ended(built.ends, handle.job_id)
         for info in hung:
             assert handle.job_id not in built.admin.client(info.address).stats().get("jobs", {})
+
+
+def test_a_suspects_end_waits_for_it_to_answer_without_waiting_on_it(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """A suspect (hung: SIGSTOPped, marked by the failure detector) is not asked for a job's
+    end, neither by the deregistration nor by the monitor's retries (each call would wait one
+    admin deadline); its end stays pending and reaches it once it answers again."""
+    _, secret_file = cluster_secret_file
+    with roles(secret_file) as built:
+        built.start("js-0")
+        hung = built.start("js-1")
+        handle = register(built, "ending-suspect")
+        sigstop(hung.server_pid)
+        try:
+            built.membership.mark_suspect("js-1")
+            built.jobs.remove(handle.job_id)
+            started = time.monotonic()
+            confirmed, unreachable = built.ends.end(handle.job_id, ["js-0", "js-1"])
+            assert [n for n, _ in confirmed] == ["js-0"] and unreachable == ["js-1"]
+            time.sleep(END_RETRY_FIRST_S)
+            assert built.ends.retry() == 0
+            waited_s = time.monotonic() - started - END_RETRY_FIRST_S
+            assert waited_s < ADMIN_TIMEOUT_S, f"the end waited {waited_s:.1f}s on the suspect"
+            assert built.ends.pending() == {handle.job_id: ["js-1"]}
+        finally:
+            os.kill(hung.server_pid, signal.SIGCONT)
+        built.membership.heartbeat("js-1", {})  # it answers again: no longer suspect
+        _retry_until_ended(built.ends, handle.job_id)
+        assert handle.job_id not in built.admin.client(hung.address).stats().get("jobs", {})

@@ -46,7 +46,8 @@ class JobEnds:
     logged through ``call_metadata`` (the ``Metadata`` record of the end), and ``retry`` (the
     monitor loop, outside the controller's lock) tries each of them again on its own deadline
     (both call the servers at once, within one admin deadline for all, so hung servers cost one
-    timeout together; a server that fails is not tried again in the same pass). A server that
+    timeout together; a server that fails is not tried again in the same pass; a suspect, hung,
+    is not called at all until it answers again). A server that
     leaves the cluster (declared dead, retired) is dropped: its process is stopped, and a server
     process that starts anew refuses every job it was not told about.
     A restarted controller takes the pending ends back with :meth:`restore`.
@@ -79,9 +80,14 @@ class JobEnds:
         already); returns ``[(node_id, delete_job result)]`` of those that confirmed and the node
         ids of those that did not (pending from now)."""
         targets = [info for info in (self._membership.get(n) for n in node_ids) if info]
+        # A suspect (hung) is not asked: the call would only wait. Its end is pending from now,
+        # sent once it answers again.
+        suspects = [i.node_id for i in targets if self._membership.is_suspect(i.node_id)]
         results, unreachable = self._admin.on_every_server(
-            targets, f"delete_job {job_id}", lambda admin: admin.delete_job(job_id)
+            [i for i in targets if i.node_id not in suspects], f"delete_job {job_id}",
+            lambda admin: admin.delete_job(job_id),
         )
+        unreachable = sorted([*unreachable, *suspects])
         self._settle(job_id, unreachable)
         return [(info.node_id, result) for info, result in results], unreachable
 
@@ -114,13 +120,17 @@ class JobEnds:
         for job_id, node_id in due:
             by_server.setdefault(node_id, []).append(job_id)
         addresses: dict[str, str] = {}
+        touched: set[str] = set()
         for node_id, job_ids in by_server.items():
             info = self._membership.get(node_id)
             if info is None:
+                touched.update(job_ids)
                 for job_id in job_ids:
                     self._drop(job_id, node_id)  # gone from the cluster: nothing left to end
-            else:
+            elif not self._membership.is_suspect(node_id):
+                # A suspect waits until it answers again (the call would only wait).
                 addresses[node_id] = info.address
+                touched.update(job_ids)
         outcomes = self._retry_admin.fan_out(
             (node_id, address, functools.partial(_end_jobs, by_server[node_id]))
             for node_id, address in sorted(addresses.items())
@@ -141,7 +151,7 @@ class JobEnds:
                 for job_id in by_server[node_id]:
                     if job_id not in ended:
                         self._backoff(job_id, node_id)
-        for job_id in sorted({job_id for job_id, _ in due}):
+        for job_id in sorted(touched):
             self._log(job_id)
         return confirmed
 

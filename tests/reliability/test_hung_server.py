@@ -83,6 +83,13 @@ def test_hung_server_gives_data_unavailable_within_the_failure_bound_and_is_not_
                     not in ray.get(controller.suspect_servers.remote(), timeout=30),
                     timeout_s=DEAD_AFTER_S + DETECTION_SLACK_S + 10,
                 )
+                # Its keys are readable once the job's map gives it back its weight (until
+                # then a read that needs it is ServerSuspect: the map says it hangs). That epoch
+                # follows the heartbeat that cleared it by one monitor pass.
+                assert wait_for(
+                    lambda: info.node_id not in _handle_of(job.job_id).suspects,
+                    timeout_s=REROUTE_BOUND_S,
+                ), "the job's map never gave the server back"
                 for key in on[:4] + off[:4]:
                     assert pf.get("b", key) == b"v"
             finally:

@@ -292,6 +292,20 @@ CONSUMED_WAIT_S = 20.0
 before it kills the bundle anyway (and fails)."""
 
 
+def _map_after_the_doomed_said_its_pid(flag_dir: str, config: SortConfig,
+                                       waiting: frozenset[int], mapper: int,
+                                       emit: Callable[[int, Any], None]) -> Any:
+    """:func:`_map_killed_once`; mappers in ``waiting`` first wait (bounded) until mapper 1 said
+    its pid, which it does once mapper 0, run before it in the same Ray task, has written."""
+    pid_file = Path(flag_dir) / "doomed-pid"
+    deadline = time.monotonic() + KILL_WAIT_S
+    while mapper in waiting and not (pid_file.exists() and pid_file.read_text()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"mapper {mapper}: mapper 1 never said its pid")
+        time.sleep(0.02)
+    return _map_killed_once(flag_dir, config, mapper, emit)
+
+
 def test_a_mapper_rerun_after_its_first_copies_were_consumed_leaves_no_input_behind(
     local_cluster: LocalCluster, tmp_path: Path,
 ) -> None:
@@ -303,7 +317,10 @@ def test_a_mapper_rerun_after_its_first_copies_were_consumed_leaves_no_input_beh
     Mappers 0-3 share one Ray task (16 x 16 on 2 slots: bundles of 4), so mapper 0 has written
     its partitions when mapper 1 says its pid. The other slot runs the other mappers and then
     reducers 0-3, whose reducer 0 consumes mapper 0's copy for it and waits for mappers 1-3.
-    Only then is the bundle's process SIGKILLed: mappers 0-3 run again."""
+    Only then is the bundle's process SIGKILLed: mappers 0-3 run again. Mappers 12-15, the last
+    bundle before the reducers, wait for mapper 1's pid: a reducer that started before mapper 0
+    wrote would wait for all of its inputs, consuming none (Ray may start the other slot's
+    worker first)."""
     config = SortConfig(mappers=16, reducers=16, records=8_000, seed=13)
     killed: list[int] = []
     consumed_before_kill: list[bool] = []
@@ -330,7 +347,8 @@ def test_a_mapper_rerun_after_its_first_copies_were_consumed_leaves_no_input_beh
                                   args=(job.connect,), daemon=True)
         killer.start()
         result = shuffle(RayShuffleExecutor(tasks_max=2),
-                         functools.partial(_map_killed_once, str(tmp_path), config),
+                         functools.partial(_map_after_the_doomed_said_its_pid, str(tmp_path),
+                                           config, frozenset(range(12, 16))),
                          reduce_records, range(config.mappers), reducers=config.reducers,
                          job=job, persist_output=True, timeout_s=SHUFFLE_TIMEOUT_S,
                          input_wait_s=REDUCER_INPUT_WAIT_S,

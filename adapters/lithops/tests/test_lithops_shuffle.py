@@ -50,7 +50,7 @@ from pocketflow.demo import (
     records_from,
     reduce_records,
 )
-from pocketflow.errors import BucketNotFound, DataUnavailable, ShuffleFailed
+from pocketflow.errors import BucketNotFound, DataUnavailable, ObjectNotFound, ShuffleFailed
 from pocketflow.handle import JobHandle
 from pocketflow.placement import Placement
 
@@ -466,20 +466,32 @@ def doomed_server(local_cluster: LocalCluster) -> Iterator[StorageNodeInfo]:
         yield info
 
 
-def _gated_map(config: SortConfig, handle_json: str, gate_key: str, mapper: int,
+def _gated_map(config: SortConfig, handle_json: str, gate_keys: tuple[str, ...], mapper: int,
                emit: Callable[[int, Any], None]) -> Any:
-    """The sort's mapper; mapper 0 first waits until the test opens the gate (puts a key)."""
-    if mapper == 0:
+    """The sort's mapper; mapper ``m`` below ``len(gate_keys)`` first waits until the test opens
+    its gate (puts ``gate_keys[m]``)."""
+    if mapper < len(gate_keys):
         with pocketflow.connect(handle_json) as pf:
             for _ in range(3):
                 try:
-                    missing = pf.wait_for("gate", [gate_key], timeout_s=GATE_TIMEOUT_S)
+                    missing = pf.wait_for("gate", [gate_keys[mapper]], timeout_s=GATE_TIMEOUT_S)
                     break
                 except DataUnavailable as exc:  # the gate's server is the one killed
                     refresh_map(pf, {exc.server or ""}, bucket="gate")
             if missing:
-                raise RuntimeError("the test never opened the gate")
+                raise RuntimeError(f"the test never opened mapper {mapper}'s gate")
     return map_records(config, mapper, emit)
+
+
+def _first_reads_found_nothing(pf: Any, reducers: int) -> bool:
+    """Whether ``reducers`` reducer attempts made their first read and consumed nothing: each
+    names every input in its marker before that read and no mapper once it found none."""
+    try:
+        markers = pf.list("shuffle", CONSUMING_PREFIX)
+        return len(markers) >= reducers and not any(
+            any(pf.get("shuffle", m.key)) for m in markers)
+    except (BucketNotFound, ObjectNotFound):  # no bucket yet, or a marker being replaced
+        return False
 
 
 def test_partitions_lost_with_a_killed_server_are_regenerated(
@@ -508,7 +520,8 @@ def test_partitions_lost_with_a_killed_server_are_regenerated(
             try:
                 outcome["result"] = shuffle(
                     fexec,
-                    functools.partial(_gated_map, config, job.handle.to_json(), "open"),
+                    functools.partial(_gated_map, config, job.handle.to_json(),
+                                      ("open", "mapper-1")),
                     reduce_records, range(2), reducers=reducers, job=job, persist_output=True,
                     client_options={"op_timeout_s": 5.0, "connect_timeout_s": 1.0},
                 )
@@ -518,17 +531,26 @@ def test_partitions_lost_with_a_killed_server_are_regenerated(
         driver = threading.Thread(target=run, daemon=True)
         driver.start()
         with job.connect() as pf:
-            # Mapper 1 has written; mapper 0 waits at the gate, so reducers are parked
-            # mid-shuffle when the server dies.
+            # A reducer reads every input already there before it waits for the others: mapper 1
+            # writes only once the running reducers (two: the fixture's 4 workers hold both
+            # mappers and two reducers) found nothing to read. They then wait for all of their
+            # inputs, consuming none, so mapper 1's partitions stay where they were written;
+            # mapper 0 waits at the gate, so reducers are parked mid-shuffle when the server
+            # dies.
+            assert wait_for(lambda: _first_reads_found_nothing(pf, 2), timeout_s=60)
+            pf.put("gate", "mapper-1", b"1")
             late = [shuffle_key(mapper=1, reducer=r) for r in range(reducers)]
             assert wait_for(lambda: _exists_all(pf, late), timeout_s=60)
             os.kill(info.server_pid, signal.SIGKILL)
-            for _ in range(3):
-                try:
-                    pf.put("gate", "open", b"1")
-                    break
-                except DataUnavailable as exc:
-                    refresh_map(pf, {exc.server or ""}, bucket="gate")
+            # Both gates open under the map without the dead server (mapper 1's rerun passes
+            # its gate again, whose key may have been on that server).
+            for gate in ("open", "mapper-1"):
+                for _ in range(3):
+                    try:
+                        pf.put("gate", gate, b"1", overwrite=True)
+                        break
+                    except DataUnavailable as exc:
+                        refresh_map(pf, {exc.server or ""}, bucket="gate")
         driver.join(SHUFFLE_TIMEOUT_S)
         assert not driver.is_alive(), "shuffle did not finish after the server was killed"
         if "error" in outcome:

@@ -158,9 +158,12 @@ def test_a_shuffle_whose_servers_are_all_gone_fails_within_seconds(
     killer = threading.Thread(target=kill_once_mapper_0_wrote, daemon=True)
     killer.start()
     with pytest.raises(DataUnavailable, match="no storage server of job") as failure:
+        # Reads without DELETE: a reducer reads every input already there before it waits for
+        # the others, and with DELETE it could consume mapper 0's object before the killer saw
+        # it (the killer then waited out its bound and the shuffle its timeout).
         shuffle(fexec, functools.partial(_write_then_wait, str(tmp_path)), _join_inputs,
                 [0, 1, 2], reducers=2, job=job, input_wait_s=SHUFFLE_TIMEOUT_S,
-                timeout_s=SHUFFLE_TIMEOUT_S)
+                timeout_s=SHUFFLE_TIMEOUT_S, delete_inputs=False)
     failed = time.monotonic()
     killer.join(SHUFFLE_TIMEOUT_S)
     assert killed, f"mapper 0 never wrote: {failure.value}"

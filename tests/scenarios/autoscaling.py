@@ -60,7 +60,14 @@ NODE_WAIT_S = 120.0
 loaded 2-core machine)."""
 JOB_HINTS = {"latency_sensitive": False, "data_size_bytes": 24 * MIB}
 """A job for one NVMe server of 32 MiB (75%: the sizing loop adds nothing for it)."""
-MAPPERS = 4
+MAPPERS = 6
+HELD_MAPPERS = 3
+"""The last mappers, held until the test killed the node holding the others' partitions."""
+LITHOPS_WORKERS = HELD_MAPPERS
+"""As many Lithops workers as held mappers: once the free mappers wrote, every worker holds a
+held one, so no reducer runs before the kill (a reducer reads, with DELETE, every input already
+there before it waits for the others, so a reducer running then would consume the partitions
+the kill is meant to lose)."""
 REDUCERS = 2
 PARTITION_BYTES = 64 * 1024
 SHUFFLE_TIMEOUT_S = 240.0
@@ -124,9 +131,9 @@ def record_bytes(mapper: int, reducer: int) -> bytes:
 
 
 def hold_last_mapper(directory: str, item: int, emit: Callable[[int, Any], None]) -> int:
-    """Every mapper emits one partition per reducer; the last one only once the test released
-    it (after it killed the node holding the others' partitions)."""
-    if item == MAPPERS - 1:
+    """Every mapper emits one partition per reducer; the last ``HELD_MAPPERS`` only once the
+    test released them (after it killed the node holding the others' partitions)."""
+    if item >= MAPPERS - HELD_MAPPERS:
         deadline = time.monotonic() + SHUFFLE_TIMEOUT_S
         while not (Path(directory) / "release").exists():
             if time.monotonic() > deadline:
@@ -211,7 +218,7 @@ def node_loss(cluster: LocalCluster, cluster_ray: AutoscalingRay, seen: dict[str
         try:
             with connect(job.handle, op_timeout_s="5s") as pf:
                 written = wait(lambda: len(_partitions(pf, SHUFFLE_BUCKET))
-                               >= (MAPPERS - 1) * REDUCERS, SHUFFLE_TIMEOUT_S / 2)
+                               >= (MAPPERS - HELD_MAPPERS) * REDUCERS, SHUFFLE_TIMEOUT_S / 2)
                 killer_seen["partitions_before_kill"] = len(_partitions(pf, SHUFFLE_BUCKET))
                 assert written, "the mappers never wrote"
                 some_key = _partitions(pf, SHUFFLE_BUCKET)[0]
@@ -232,7 +239,8 @@ def node_loss(cluster: LocalCluster, cluster_ray: AutoscalingRay, seen: dict[str
             release.touch()
 
     killer = threading.Thread(target=kill_when_written, daemon=True)
-    with lithops.FunctionExecutor(config=lithops_config(storage="localhost", workers=4)) as fexec:
+    config = lithops_config(storage="localhost", workers=LITHOPS_WORKERS)
+    with lithops.FunctionExecutor(config=config) as fexec:
         killer.start()
         try:
             result = shuffle(

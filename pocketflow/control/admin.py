@@ -88,10 +88,7 @@ class AdminTokens:
     def sampled_stats(self, address: str) -> dict[str, Any]:
         """The server's ``stats``, stamped ``sampled_at_unix_s`` with the time the call started
         (the controller keeps the latest sample of each server by it)."""
-        sampled = time.time()
-        stats = self.client(address).stats()
-        stats["sampled_at_unix_s"] = sampled
-        return stats
+        return sampled_stats(self.client(address))
 
     def forget(self, address: str) -> None:
         """Close and drop the connection to ``address`` (after the server failed or left)."""
@@ -175,3 +172,12 @@ class AdminTokens:
             else:
                 results.append((info, outcome))
         return results, unreachable
+
+
+def sampled_stats(admin: AdminClient) -> dict[str, Any]:
+    """``admin``'s server's ``stats``, stamped ``sampled_at_unix_s`` with the time the call
+    started (:meth:`AdminTokens.sampled_stats`; also a fan-out's call)."""
+    sampled = time.time()
+    stats = admin.stats()
+    stats["sampled_at_unix_s"] = sampled
+    return stats

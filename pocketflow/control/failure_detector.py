@@ -7,11 +7,10 @@ import logging
 import time
 from typing import Any
 
-from pocketflow.control.admin import AdminTokens
+from pocketflow.control.admin import AdminTokens, sampled_stats
 from pocketflow.control.membership import Membership
 from pocketflow.control.storage_node import StorageNodeInfo
 from pocketflow.errors import PocketflowError
-from pocketflow.transport import AdminClient
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ class FailureDetector:
                 continue
             probed.append(info)
         answers = self._probe.fan_out(
-            (info.node_id, info.address, _sampled_stats) for info in probed
+            (info.node_id, info.address, sampled_stats) for info in probed
         )
         for info in probed:
             if self._answered(info, answers[info.node_id]):
@@ -103,12 +102,3 @@ class FailureDetector:
 
     def close(self) -> None:
         self._probe.close()
-
-
-def _sampled_stats(admin: AdminClient) -> dict[str, Any]:
-    """A probe's ``stats`` (a pool thread's call), stamped with the time it started, as
-    :meth:`AdminTokens.sampled_stats` stamps it."""
-    sampled = time.time()
-    stats = admin.stats()
-    stats["sampled_at_unix_s"] = sampled
-    return stats

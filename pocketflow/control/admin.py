@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, Protocol, TypeVar
@@ -18,6 +19,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
+Item = TypeVar("Item")
 
 
 class Addressed(Protocol):
@@ -145,6 +147,22 @@ class AdminTokens:
                 raise exc
         return outcomes
 
+    def fan_out_in_order(
+        self,
+        groups: Iterable[tuple[K, str, Sequence[Item]]],
+        call: Callable[[AdminClient, Item], Any],
+    ) -> dict[K, tuple[list[Item], PocketflowError | None]]:
+        """For each ``(key, address, items)``, ``call`` each item on that server one after
+        another, stopping at the first ``PocketflowError``; the servers at once, within one
+        deadline (:meth:`fan_out`). Returns ``key -> (the items done, the error that stopped
+        the rest or None)``; a server that did not answer by the deadline has none done."""
+        outcomes = self.fan_out(
+            (key, address, functools.partial(_each_in_order, items, call))
+            for key, address, items in groups
+        )
+        return {key: ([], outcome) if isinstance(outcome, PocketflowError) else outcome
+                for key, outcome in outcomes.items()}
+
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
@@ -181,3 +199,18 @@ def sampled_stats(admin: AdminClient) -> dict[str, Any]:
     stats = admin.stats()
     stats["sampled_at_unix_s"] = sampled
     return stats
+
+
+def _each_in_order(
+    items: Sequence[Item], call: Callable[[AdminClient, Item], Any], admin: AdminClient
+) -> tuple[list[Item], PocketflowError | None]:
+    """One server's calls of :meth:`AdminTokens.fan_out_in_order` (a pool thread's): the items
+    done, and the error that stopped the rest."""
+    done: list[Item] = []
+    for item in items:
+        try:
+            call(admin, item)
+        except PocketflowError as exc:
+            return done, exc
+        done.append(item)
+    return done, None

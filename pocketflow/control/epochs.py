@@ -225,17 +225,14 @@ class Epochs:
         by_server: dict[str, list[EpochCall]] = {}
         for call in calls:
             by_server.setdefault(call.node_id, []).append(call)
-        outcomes = admin.fan_out(
-            (node_id, mine[0].address, functools.partial(_set_epochs, mine))
-            for node_id, mine in sorted(by_server.items())
+        outcomes = admin.fan_out_in_order(
+            ((node_id, mine[0].address, mine) for node_id, mine in sorted(by_server.items())),
+            _retry_set_epoch,
         )
         confirmed: list[EpochCall] = []
         failed: list[str] = []
         for node_id, mine in sorted(by_server.items()):
-            outcome = outcomes[node_id]
-            if isinstance(outcome, PocketflowError):
-                outcome = ([], outcome)
-            done, error = outcome
+            done, error = outcomes[node_id]
             confirmed += done
             if error is not None:
                 log.info("set_epoch on %s failed again: %s", node_id, error)
@@ -372,18 +369,10 @@ def _set_epoch(admin: AdminClient, *, job_id: str, epoch: int, weight_map: dict[
         pass
 
 
-def _set_epochs(
-    calls: list[EpochCall], admin: AdminClient
-) -> tuple[list[EpochCall], PocketflowError | None]:
-    """One server's ``set_epoch`` retries, one after another (a pool thread's calls): the calls it
-    confirmed, and the error that stopped them (the rest are not tried)."""
-    confirmed: list[EpochCall] = []
-    for call in calls:
-        try:
-            _set_epoch(admin, job_id=call.job_id, epoch=call.epoch, weight_map=call.weight_map)
-        except JobNotRegistered as exc:
-            log.warning("set_epoch %s/%d on %s: %s", call.job_id, call.epoch, call.node_id, exc)
-        except PocketflowError as exc:
-            return confirmed, exc
-        confirmed.append(call)
-    return confirmed, None
+def _retry_set_epoch(admin: AdminClient, call: EpochCall) -> None:
+    """One ``set_epoch`` retry (a pool thread's call): a ``JobNotRegistered`` answer is logged
+    and counts as confirmed (the job ended meanwhile); other errors stop the server's retries."""
+    try:
+        _set_epoch(admin, job_id=call.job_id, epoch=call.epoch, weight_map=call.weight_map)
+    except JobNotRegistered as exc:
+        log.warning("set_epoch %s/%d on %s: %s", call.job_id, call.epoch, call.node_id, exc)

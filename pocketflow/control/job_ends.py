@@ -4,7 +4,6 @@ ended, retried on each server until it confirms, and the pending ends outlive a 
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -15,7 +14,6 @@ from typing import Any
 from pocketflow.control.admin import AdminTokens
 from pocketflow.control.membership import Membership
 from pocketflow.errors import PocketflowError
-from pocketflow.transport import AdminClient
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +129,14 @@ class JobEnds:
                 # A suspect waits until it answers again (the call would only wait).
                 addresses[node_id] = info.address
                 touched.update(job_ids)
-        outcomes = self._retry_admin.fan_out(
-            (node_id, address, functools.partial(_end_jobs, by_server[node_id]))
-            for node_id, address in sorted(addresses.items())
+        outcomes = self._retry_admin.fan_out_in_order(
+            ((node_id, address, by_server[node_id])
+             for node_id, address in sorted(addresses.items())),
+            lambda admin, job_id: admin.delete_job(job_id),
         )
         confirmed = 0
         for node_id, address in sorted(addresses.items()):
-            outcome = outcomes[node_id]
-            if isinstance(outcome, PocketflowError):
-                outcome = ([], outcome)
-            ended, error = outcome
+            ended, error = outcomes[node_id]
             for job_id in ended:
                 log.warning("job %s ended on %s at last", job_id, node_id)
                 self._drop(job_id, node_id)
@@ -202,16 +198,3 @@ class JobEnds:
             log.error("giving up the end of job %s on %s: more than %d ends pending", job_id,
                       sorted(self._pending[job_id]), ENDING_JOBS_MAX)
             del self._pending[job_id]
-
-
-def _end_jobs(job_ids: list[str], admin: AdminClient) -> tuple[list[str], PocketflowError | None]:
-    """One server's pending ends, one after another (a pool thread's calls): the jobs it
-    confirmed, and the error that stopped them (the rest are not tried)."""
-    ended: list[str] = []
-    for job_id in job_ids:
-        try:
-            admin.delete_job(job_id)
-        except PocketflowError as exc:
-            return ended, exc
-        ended.append(job_id)
-    return ended, None

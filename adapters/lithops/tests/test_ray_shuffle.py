@@ -111,6 +111,18 @@ def _failing_map(item: int, emit: Callable[[int, Any], None]) -> None:
     emit(0, b"x")
 
 
+def _doomed_pid(flag_dir: Path) -> int | None:
+    """The pid a doomed mapper wrote to ``flag_dir/doomed-pid`` (its process, to be killed), once
+    it did; ``None`` if it did not within ``SHUFFLE_TIMEOUT_S``."""
+    pid_file = flag_dir / "doomed-pid"
+    deadline = time.monotonic() + SHUFFLE_TIMEOUT_S
+    while not pid_file.exists() or not pid_file.read_text():
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    return int(pid_file.read_text())
+
+
 def test_a_shuffle_on_ray_tasks_delivers_every_partition_and_leaves_nothing(
     local_cluster: LocalCluster,
 ) -> None:
@@ -182,13 +194,9 @@ def test_a_mapper_whose_ray_worker_is_killed_runs_again(
     killed: list[int] = []
 
     def kill_the_doomed_mapper() -> None:
-        pid_file = tmp_path / "doomed-pid"
-        deadline = time.monotonic() + SHUFFLE_TIMEOUT_S
-        while not pid_file.exists() or not pid_file.read_text():
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
-        pid = int(pid_file.read_text())
+        pid = _doomed_pid(tmp_path)
+        if pid is None:
+            return
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
 
@@ -255,13 +263,9 @@ def test_mappers_of_a_killed_ray_process_run_again_ahead_of_queued_reducers(
     killed: list[int] = []
 
     def kill_the_doomed_mapper() -> None:
-        pid_file = tmp_path / "doomed-pid"
-        deadline = time.monotonic() + SHUFFLE_TIMEOUT_S
-        while not pid_file.exists() or not pid_file.read_text():
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
-        pid = int(pid_file.read_text())
+        pid = _doomed_pid(tmp_path)
+        if pid is None:
+            return
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
 
@@ -327,18 +331,14 @@ def test_a_mapper_rerun_after_its_first_copies_were_consumed_leaves_no_input_beh
     first_copy = shuffle_key(mapper=0, reducer=0)
 
     def kill_after_reducer_0_consumed_mapper_0(job_connect: Callable[[], Any]) -> None:
-        pid_file = tmp_path / "doomed-pid"
-        deadline = time.monotonic() + SHUFFLE_TIMEOUT_S
-        while not pid_file.exists() or not pid_file.read_text():
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
+        pid = _doomed_pid(tmp_path)
+        if pid is None:
+            return
         with job_connect() as pf:
             consumed_by = time.monotonic() + CONSUMED_WAIT_S
             while pf.exists("shuffle", first_copy) and time.monotonic() < consumed_by:
                 time.sleep(0.05)
             consumed_before_kill.append(not pf.exists("shuffle", first_copy))
-        pid = int(pid_file.read_text())
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,11 @@ RUNNING_BEFORE_KILL_S = 2.0
 other moments by hand)."""
 EXIT_TIMEOUT_S = 120.0
 """Bound on the demo's exit after the kill (it is killed beyond, and the scenario says so)."""
+SWEEP_S = 3.0
+"""How long after the kill the scenario keeps ending the killed cluster's processes, as ``ray
+stop`` would: a worker the raylet forked between the scenario's last look and the raylet's
+death is an orphan no descendant walk finds, and one still starting can wait a minute for a GCS
+that is gone."""
 LEFTOVER_WAIT_S = 15.0
 """How long the demo's processes may take to be gone once it exited."""
 CLUSTER_PROCESSES = ("gcs_server", "raylet", "ray::", "default_worker.py", "dashboard",
@@ -63,6 +69,26 @@ def descendants(pid: int) -> set[tuple[int, str]]:
             if started is not None:
                 found.add((child, started))
                 todo.append(child)
+    return found
+
+
+SESSION = re.compile(r"session_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_\d+")
+"""A Ray session's name, in the command line of every process of that cluster."""
+
+
+def of_sessions(sessions: set[str]) -> set[tuple[int, str]]:
+    """The live processes of the Ray clusters named ``sessions`` (their cluster marks and their
+    session's name in the command line), wherever they were reparented."""
+    found: set[tuple[int, str]] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        line = cmdline(int(entry.name))
+        if (any(name in line for name in sessions)
+                and any(mark in line for mark in CLUSTER_PROCESSES)):
+            started = start_time(int(entry.name))
+            if started is not None:
+                found.add((int(entry.name), started))
     return found
 
 
@@ -108,11 +134,18 @@ def watch(demo: subprocess.Popen[bytes], said: Path, running_s: float) -> dict[s
         # ended) before it, so that a sort grown too fast shows as such.
         out["shuffle_running_at_kill"] = ("validate:" not in said.read_text()
                                           and demo.poll() is None)
+        sessions = {found.group() for pid, _ in cluster
+                    if (found := SESSION.search(cmdline(pid))) is not None}
         for pid, _ in cluster:
             os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         while demo.poll() is None and time.monotonic() - killed < EXIT_TIMEOUT_S:
             seen |= descendants(demo.pid)
+            if time.monotonic() - killed < SWEEP_S:
+                stragglers = of_sessions(sessions)
+                for pid, _ in stragglers:
+                    os.kill(pid, signal.SIGKILL)
+                seen |= stragglers
             time.sleep(0.1)
         out["exited"] = demo.poll() is not None
         out["exit_after_kill_s"] = round(time.monotonic() - killed, 1)

@@ -11,6 +11,7 @@ pub mod buffer;
 pub mod dram;
 pub mod nvme;
 mod uring;
+mod write_behind;
 
 use std::fmt;
 use std::future::Future;
@@ -22,6 +23,7 @@ use bytes::Bytes;
 
 use crate::allocator::{Extent, ExtentAllocator};
 use crate::error::StoreError;
+use write_behind::WriteBehind;
 
 /// A boxed, sendable future of an engine operation (keeps the traits dyn-compatible).
 pub type EngineFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
@@ -122,8 +124,10 @@ pub trait BlockWriter: Send {
         panic!("advance by {len} bytes on an engine without in-place writes");
     }
 
-    /// Wait until every byte is durable in the engine and return the block's handle; fails with
-    /// [`StoreError::LengthMismatch`] if fewer bytes than reserved were appended.
+    /// Return the block's handle once every byte is in the engine: in its memory (DRAM), or in
+    /// the kernel's hands within the engine's bounded staging memory (NVMe's write-behind: the
+    /// handle's reads wait for those writes); fails with [`StoreError::LengthMismatch`] if fewer
+    /// bytes than reserved were appended.
     fn finish(self: Box<Self>) -> EngineFuture<'static, StoredBlock>;
 }
 
@@ -137,14 +141,28 @@ pub struct StoredBlock {
 
 #[derive(Debug)]
 struct BlockInner {
-    extent: Extent,
+    /// Shared with the block's writes still in the kernel (write-behind), so that the extent is
+    /// freed only once the last of them and the last clone are gone.
+    extent: Arc<Extent>,
     len: u64,
     checksum: Checksum,
+    /// Writes still in the kernel when the block was handed back (NVMe write-behind).
+    writes: Option<WriteBehind>,
 }
 
 impl StoredBlock {
     /// A block of `len` bytes at the start of `extent`; `checksum` covers exactly those bytes.
     pub fn new(extent: Extent, len: u64, checksum: Checksum) -> Self {
+        Self::with_writes(Arc::new(extent), len, checksum, None)
+    }
+
+    /// A block whose `writes` may still be in the kernel; they hold clones of `extent`.
+    pub(crate) fn with_writes(
+        extent: Arc<Extent>,
+        len: u64,
+        checksum: Checksum,
+        writes: Option<WriteBehind>,
+    ) -> Self {
         assert!(
             len >= 1 && len <= extent.len(),
             "block of {len} bytes in an extent of {}",
@@ -155,8 +173,23 @@ impl StoredBlock {
                 extent,
                 len,
                 checksum,
+                writes,
             }),
         }
+    }
+
+    /// Wait until the block's writes are on the device (at once for a block written in full
+    /// before its handle was made); `Err` says why they are not.
+    pub(crate) async fn written(&self) -> Result<(), String> {
+        match &self.inner.writes {
+            Some(writes) => writes.wait().await,
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the block's writes have all completed, successfully or not.
+    pub fn writes_settled(&self) -> bool {
+        self.inner.writes.as_ref().is_none_or(WriteBehind::settled)
     }
 
     /// Length of the block's data in bytes.

@@ -21,6 +21,7 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::buffer::{AlignedBuf, BufferPool, IO_ALIGN_BYTES};
 use super::uring::{IoCompletion, IoKind, IoRequest, Uring};
+use super::write_behind::WriteBehind;
 use super::{assert_read_back, BlockWriter, Checksum, Engine, EngineFuture, StoredBlock, Tier};
 use crate::allocator::{Extent, ExtentAllocator};
 use crate::error::StoreError;
@@ -277,6 +278,13 @@ impl Engine for NvmeEngine {
         let shared = Arc::clone(&self.shared);
         let block = block.clone();
         Box::pin(async move {
+            block.written().await.map_err(|failure| {
+                StoreError::io(
+                    "write behind of the block",
+                    &shared.path,
+                    io::Error::other(failure),
+                )
+            })?;
             if len == 0 {
                 return Ok(Bytes::new());
             }
@@ -429,7 +437,7 @@ impl BlockWriter for NvmeWriter {
     }
 
     fn finish(self: Box<Self>) -> EngineFuture<'static, StoredBlock> {
-        let mut this = *self;
+        let this = *self;
         Box::pin(async move {
             if this.written != this.len {
                 return Err(StoreError::LengthMismatch {
@@ -441,18 +449,44 @@ impl BlockWriter for NvmeWriter {
                 this.chunk.is_none(),
                 "a complete block leaves no partial chunk"
             );
-            while !this.in_flight.is_empty() {
-                this.reap_oldest().await?;
-            }
+            // Write-behind: the last chunk writes (at most `writer_inflight_max`) complete
+            // after the handle is returned; their staging permits bound them and their
+            // completions are reaped by a task of their own, which settles the block's state.
             let NvmeWriter {
+                shared,
                 extent,
                 len,
                 checksum,
+                in_flight,
                 ..
             } = this;
-            let extent =
-                Arc::try_unwrap(extent).expect("no write holds the extent after completion");
-            Ok(StoredBlock::new(extent, len, checksum))
+            if in_flight.is_empty() {
+                return Ok(StoredBlock::with_writes(extent, len, checksum, None));
+            }
+            let (done, writes) = WriteBehind::start();
+            tokio::spawn(async move {
+                let mut outcome = Ok(());
+                // Every write is awaited, also after a failure, so that the block's reads are
+                // answered only once nothing of it is in the kernel any more.
+                for receiver in in_flight {
+                    let result = match receiver.await {
+                        Ok(completion) => shared
+                            .check("io_uring write", &completion)
+                            .map_err(|error| error.to_string()),
+                        Err(_) => Err(StoreError::EngineStopped.to_string()),
+                    };
+                    if outcome.is_ok() {
+                        outcome = result;
+                    }
+                }
+                done.settle(outcome);
+            });
+            Ok(StoredBlock::with_writes(
+                extent,
+                len,
+                checksum,
+                Some(writes),
+            ))
         })
     }
 }
@@ -483,7 +517,132 @@ mod tests {
         for piece in pieces {
             writer.append(piece.clone()).await?;
         }
-        writer.finish().await
+        let block = writer.finish().await?;
+        // Settled, so that the tests' figures of used bytes do not depend on the device's pace.
+        block.written().await.expect("the block's writes completed");
+        Ok(block)
+    }
+
+    /// A loop device over a sparse file on a tmpfs of `tmpfs_bytes`: writes beyond what the
+    /// tmpfs holds fail in the device (EIO) after the kernel took them. Removed on drop.
+    /// `None` where the test cannot make one (not root, no loop devices).
+    struct TinyDevice {
+        mount: tempfile::TempDir,
+        device: String,
+    }
+
+    impl TinyDevice {
+        fn make(tmpfs_bytes: u64, device_bytes: u64) -> Option<Self> {
+            use std::process::Command;
+            let mount = tempfile::tempdir_in("/tmp").unwrap();
+            let mounted = Command::new("mount")
+                .args(["-t", "tmpfs", "-o", &format!("size={tmpfs_bytes}"), "tmpfs"])
+                .arg(mount.path())
+                .status()
+                .is_ok_and(|status| status.success());
+            if !mounted {
+                return None;
+            }
+            let file = mount.path().join("backing");
+            File::create(&file).unwrap().set_len(device_bytes).unwrap();
+            let attached = Command::new("losetup")
+                .args(["--find", "--show"])
+                .arg(&file)
+                .output()
+                .ok()
+                .filter(|output| output.status.success());
+            let Some(output) = attached else {
+                let _ = Command::new("umount").arg(mount.path()).status();
+                return None;
+            };
+            let device = String::from_utf8(output.stdout).unwrap().trim().to_string();
+            Some(Self { mount, device })
+        }
+    }
+
+    /// Tries to unmount a tiny device's tmpfs before a lazy unmount.
+    const UNMOUNT_TRIES_MAX: usize = 50;
+
+    impl Drop for TinyDevice {
+        fn drop(&mut self) {
+            use std::process::Command;
+            let _ = Command::new("losetup").args(["-d", &self.device]).status();
+            // The loop device lets go of its file a moment after the detach: a few tries, then
+            // a lazy unmount, which completes once it has.
+            for _ in 0..UNMOUNT_TRIES_MAX {
+                let unmounted = Command::new("umount")
+                    .arg(self.mount.path())
+                    .stderr(std::process::Stdio::null())
+                    .status()
+                    .is_ok_and(|status| status.success());
+                if unmounted {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            let _ = Command::new("umount")
+                .arg("-l")
+                .arg(self.mount.path())
+                .status();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_write_failing_after_the_put_returned_fails_the_blocks_reads() {
+        // One page of tmpfs under a 4 MiB device: a block's 64 KiB chunk cannot be stored.
+        let Some(device) = TinyDevice::make(4096, 4 << 20) else {
+            eprintln!("skipped: no tmpfs mount or loop device here (needs root)");
+            return;
+        };
+        let mut config = small_config(&tempfile::tempdir_in("/tmp").unwrap(), 1 << 20);
+        config.path = PathBuf::from(&device.device);
+        let engine = NvmeEngine::open(config).unwrap();
+        let data = pattern(100_000, 9);
+        let mut writer = engine.begin_write(data.len() as u64).unwrap();
+        writer.append(data.clone()).await.unwrap();
+        // Its two chunks fit the writer's window: both are written behind the returned handle.
+        let block = writer
+            .finish()
+            .await
+            .expect("the put returns before its writes complete");
+        let read = engine.read(&block, 0, block.len()).await;
+        match read {
+            Err(StoreError::Io { op, path, .. }) => {
+                assert_eq!(op, "write behind of the block");
+                assert_eq!(path.as_deref(), Some(Path::new(&device.device)));
+            }
+            other => panic!("a read of a block whose write failed: {other:?}"),
+        }
+        assert!(block.writes_settled());
+        // The failed block's extent is freed with its last handle, as any other's.
+        drop(block);
+        assert_eq!(engine.used_bytes(), 0);
+        drop(engine);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_block_dropped_with_writes_in_flight_frees_its_extent_after_them() {
+        let dir = tempfile::tempdir_in("/tmp").unwrap();
+        let engine = NvmeEngine::open(small_config(&dir, 1 << 20)).unwrap();
+        for seed in 0..50u8 {
+            let mut writer = engine.begin_write(100_000).unwrap();
+            writer.append(pattern(100_000, seed)).await.unwrap();
+            let block = writer.finish().await.unwrap();
+            let settled_at_drop = block.writes_settled();
+            drop(block);
+            if settled_at_drop {
+                assert_eq!(engine.used_bytes(), 0);
+            }
+            // Bounded wait for the kernel to finish the writes that hold the extent.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while engine.used_bytes() != 0 {
+                assert!(std::time::Instant::now() < deadline, "extent never freed");
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+            // The whole capacity is free again for the next block (a 1 MiB engine).
+            let whole = engine.begin_write(1 << 20).unwrap();
+            drop(whole);
+        }
     }
 
     #[tokio::test]

@@ -366,6 +366,15 @@ def test_prewarm_plan_takes_benefit_per_byte_within_capacity() -> None:
     assert [u.key for u in plan_prewarm(uses, 64 * MiB)] == ["small-often", "big-once", "mid"]
 
 
+def test_prewarm_plan_keeps_the_first_read_order_among_equal_benefits() -> None:
+    """Keys of equal benefit (a run's same-size inputs, each read once) are fetched in the
+    order the last run first read them, so a prewarm reaches the keys its run's first tasks
+    ask for first."""
+    uses = [KeyUse("b", f"in/{i:05d}", 4096, 1) for i in range(2000)]
+    shuffled = uses[1000:] + uses[:1000]
+    assert plan_prewarm(shuffled, 64 * MiB) == shuffled
+
+
 def test_a_cache_larger_than_dram_keeps_entries_on_nvme(
     local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
 ) -> None:

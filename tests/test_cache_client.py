@@ -13,13 +13,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
 import pytest
 from fixtures_s3 import boto3_client
 
-from pocketflow.cache.client import CacheClient, create_buckets
+from pocketflow.cache import client as cache_client
+from pocketflow.cache.client import WAIT_HEAD_KEYS, CacheClient, create_buckets
 from pocketflow.cache.records import CLAIM_BUCKET, ENTRY_BUCKET, META_BUCKET, cache_key, entry_key
 from pocketflow.cache.source import S3Source, request_counts
 from pocketflow.cache.spec import CacheSpec
@@ -670,6 +672,45 @@ def test_claims_held_ahead_are_moved_on_until_their_fill(
         assert got == [data]
         assert reader.stats.steals == 0 and reader.stats.waited == 1
     assert _gets() - gets == 1
+
+
+def test_a_reader_waiting_on_a_prewarm_reads_its_fills_as_they_land(
+        cache_spec: CacheSpec, s3: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader of many keys a prewarm claimed reads the ones filled so far as soon as they
+    land (``WAIT_HEAD_KEYS`` at a time, in the order read), not only once all landed or its
+    wait slice ran out, so that when the last fill lands only the last head is left to read;
+    it still gets every key's bytes, each fetched once."""
+    # A slice longer than the test: whatever the reader reads before the rest is filled, it
+    # read because its head landed.
+    monkeypatch.setattr(cache_client, "WAIT_SLICE_S", 120.0)
+    count = 2 * WAIT_HEAD_KEYS + 64
+    keys = [f"w/{i:04d}" for i in range(count)]
+    datas = {k: os.urandom(512) for k in keys}
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: s3.put_object(Bucket=s3_bucket, Key=k, Body=datas[k]), keys))
+    gets = _gets()
+    with _cache(cache_spec) as prewarm, _cache(cache_spec) as reader:
+        assert prewarm.claim_ahead(s3_bucket, keys) == count
+        got: list[Any] = []
+        thread = threading.Thread(target=lambda: got.append(reader.get_many(s3_bucket, keys)))
+        thread.start()
+        try:
+            # Every key claimed by the prewarm: the reader parks on all of them.
+            assert _wait_until(lambda: reader.stats.wait_slices >= 1, 30.0)
+            # The first head and part of the second: the reader reads the first head now.
+            assert prewarm.prefetch(s3_bucket, keys[:WAIT_HEAD_KEYS + 64]) == WAIT_HEAD_KEYS + 64
+            prewarm.flush()
+            assert _wait_until(lambda: reader.stats.waited >= WAIT_HEAD_KEYS, 30.0), (
+                f"read {reader.stats.waited} waited-for keys while the rest were not filled")
+            assert thread.is_alive()
+            assert reader.stats.waited < count
+        finally:
+            assert prewarm.prefetch(s3_bucket, keys[WAIT_HEAD_KEYS + 64:]) == count - (
+                WAIT_HEAD_KEYS + 64)
+            thread.join(60.0)
+        assert got == [[datas[k] for k in keys]]
+        assert reader.stats.waited == count and reader.stats.steals == 0
+    assert _gets() - gets == count
 
 
 # -- helpers --------------------------------------------------------------------------------

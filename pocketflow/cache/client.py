@@ -48,7 +48,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, islice
 from typing import Any
 
 from pocketflow.cache.access_log import AccessRecorder
@@ -87,7 +87,8 @@ from pocketflow.errors import (
 
 __all__ = ["CacheClient", "CacheStats", "connect", "shared_client", "create_buckets",
            "ROUND_KEYS_MAX", "LIST_REVALIDATE_MIN", "WAIT_SLICE_S", "READ_ATTEMPTS_MAX",
-           "S3_PARALLEL_MAX", "DONE_LINGER_S", "PUBLISH_PENDING_BYTES_MAX", "LOOKAHEAD_KEYS"]
+           "S3_PARALLEL_MAX", "DONE_LINGER_S", "PUBLISH_PENDING_BYTES_MAX", "LOOKAHEAD_KEYS",
+           "WAIT_HEAD_KEYS"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,10 @@ HELD_CLAIM_MARGIN_MS = 2_000
 off (no waiter takes a claim over before its deadline; the margin covers clock skew)."""
 LANE_WAIT_SLICE_S = 1.0
 """A reader of S3 answers in order looks at least this often whether a lane failed."""
+WAIT_HEAD_KEYS = 256
+"""A reader waiting for other processes' fills of many keys waits for this many at a time, in
+the order it reads them, and reads their entries while the later ones are still being fetched
+(one pipelined wait and read per head: a prewarm fills in pieces of ``PUBLISH_PIECE_KEYS``)."""
 PUBLISH_PIECE_BYTES = 16 * 1024 * 1024
 PUBLISH_PIECE_KEYS = 256
 """A batch of fills goes to the publisher in pieces of at most this many bytes or keys, each as
@@ -1133,14 +1138,19 @@ class CacheClient:
                     waiting: list[tuple[int, Claim]], results: list[Result | None]) -> list[int]:
         """Wait for other processes' fills; returns keys to look at again."""
         give_up_s = time.monotonic() + self.spec.fill_wait_s
-        claims = dict(waiting)
+        claims = dict(waiting)  # in the order read
         waited_on = dict(waiting)
         again: list[int] = []
         while claims:
-            done = {i: done_key(ckeys[i], c.fill_id) for i, c in claims.items()}
+            # The first ``WAIT_HEAD_KEYS`` claims still waited on, in the order read (a prewarm
+            # fills in that order): their entries are read as soon as they all landed, while
+            # the later ones are still being fetched, so that once the last fill lands only its
+            # head is left to read.
+            head = dict(islice(claims.items(), WAIT_HEAD_KEYS))
+            done = {i: done_key(ckeys[i], c.fill_id) for i, c in head.items()}
             left_s = give_up_s - time.monotonic()
             # Claims all lapsed already (their owners died long ago): look, do not wait.
-            lapsed = all(c.deadline_ms < _now_ms() for c in claims.values())
+            lapsed = all(c.deadline_ms < _now_ms() for c in head.values())
             try:
                 if left_s > 0 and not lapsed:
                     self.stats.add(wait_slices=1)
@@ -1191,7 +1201,10 @@ class CacheClient:
                 for i in claims:
                     results[i] = self._bypass(bucket, keys[i])
                 break
-            again += self._recheck_claims(ckeys, claims)
+            if any(i in claims for i in head):
+                # The head did not all land within the slice: look at every claim still
+                # waited on (a lapsed or replaced one, wherever it is).
+                again += self._recheck_claims(ckeys, claims)
         return again
 
     def _recheck_claims(self, ckeys: list[str], claims: dict[int, Claim]) -> list[int]:
@@ -1288,6 +1301,11 @@ class CacheClient:
         landed = [False] * count
         ready = threading.Condition()
         next_index = iter(range(count))  # next() on a range iterator is atomic under the GIL
+        # The answer the reader is blocked on (-1: it is not blocked). A lane wakes the reader
+        # only when it lands that one: woken for every answer, the reader took the GIL once
+        # per GET, mostly for answers it was not waiting for yet (a fifth of a small-object
+        # prewarm's GIL-holding samples were those wake-ups).
+        blocked_on = [-1]
 
         def lane() -> None:
             try:
@@ -1296,10 +1314,11 @@ class CacheClient:
                     with ready:
                         answers[j] = answer
                         landed[j] = True
-                        ready.notify_all()
+                        if blocked_on[0] == j:
+                            ready.notify()
             finally:
                 with ready:
-                    ready.notify_all()  # a lane that failed wakes the reader to see it
+                    ready.notify()  # a lane that ended (or failed) wakes the reader to look
 
         pool = self._threads()
         lanes = [pool.submit(lane) for _ in range(min(count, self._s3_parallel))]
@@ -1311,7 +1330,9 @@ class CacheClient:
                         failed = next((f for f in lanes if f.done() and f.exception()), None)
                         if failed is not None:
                             raise failed.exception()  # type: ignore[misc]
+                        blocked_on[0] = j
                         ready.wait(LANE_WAIT_SLICE_S)
+                        blocked_on[0] = -1
                     answer, answers[j] = answers[j], None
                 yield answer
 

@@ -47,6 +47,10 @@ writing partitions; reads = reducers' time reading inputs and writing outputs; r
 parked for inputs; validation), peak storage-server RSS (sum of ``VmRSS`` over the server
 processes), peak DRAM and NVMe bytes held, and every tier's bytes in and out per second over
 time (the servers' ``stats``, sampled every ``SAMPLE_INTERVAL_S``), plotted per size into a PNG.
+For the pocketflow variants also, in the map phase and after it, the busy time of the block device
+under the cluster's work directory (where the NVMe server's file is: the kernel's ``io_ticks``)
+and the machine's busy CPU time, both machine-wide (every process's): on a quiet machine they
+say how far the job's computing and its device I/O overlap (:func:`busy_shares`).
 Results go to ``benchmarks/results/sort-scale-<date>-<sizes>.json``, ``.md`` and ``.png``.
 """
 
@@ -55,6 +59,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import threading
 import time
@@ -132,6 +137,17 @@ sent was read from it (O_DIRECT: no page cache in between), so these are its dev
 They count work, not time: the same on a loaded machine as on a quiet one."""
 
 
+def _value_at(points: list[tuple[float, float]], t_s: float) -> float:
+    """A cumulative counter's value at ``t_s``, interpolated linearly between the samples
+    ``(t_s, value)`` around it (the first or last value outside them)."""
+    if t_s <= points[0][0]:
+        return points[0][1]
+    for (t0, v0), (t1, v1) in zip(points, points[1:], strict=False):
+        if t_s <= t1:
+            return v0 + (v1 - v0) * ((t_s - t0) / (t1 - t0) if t1 > t0 else 1.0)
+    return points[-1][1]
+
+
 def tier_bytes(samples: list[dict[str, Any]], split_s: float) -> dict[str, dict[str, Any]]:
     """Each tier's counters (:data:`TIER_COUNTERS`) over ``samples``: ``before`` the instant
     ``split_s`` after the first sample (the map phase's end), ``after`` it, and in ``all``;
@@ -142,12 +158,7 @@ def tier_bytes(samples: list[dict[str, Any]], split_s: float) -> dict[str, dict[
 
     def at(tier: str, counter: str, t_s: float) -> float:
         points = [(s["t_s"], s["tiers"].get(tier, {}).get(counter, 0.0)) for s in samples]
-        if t_s <= points[0][0]:
-            return points[0][1]
-        for (t0, v0), (t1, v1) in zip(points, points[1:], strict=False):
-            if t_s <= t1:
-                return v0 + (v1 - v0) * ((t_s - t0) / (t1 - t0) if t1 > t0 else 1.0)
-        return points[-1][1]
+        return _value_at(points, t_s)
 
     start, end = samples[0]["t_s"], samples[-1]["t_s"]
     split = min(max(start + split_s, start), end)
@@ -160,6 +171,62 @@ def tier_bytes(samples: list[dict[str, Any]], split_s: float) -> dict[str, dict[
         }
         for tier in tiers
     }
+
+
+BUSY_COUNTERS = ("device_busy_s", "cpu_busy_s")
+"""Machine-wide busy times each sample holds (cumulative seconds; absent where unknown)."""
+
+
+def busy_shares(samples: list[dict[str, Any]], split_s: float) -> dict[str, dict[str, float]]:
+    """Per phase (``before``/``after`` the instant ``split_s`` after the first sample, as
+    :func:`tier_bytes`, and ``all``): its wall seconds and, for each of
+    :data:`BUSY_COUNTERS` that every sample holds, the busy seconds in it."""
+    if len(samples) < 2:
+        return {}
+    start, end = samples[0]["t_s"], samples[-1]["t_s"]
+    split = min(max(start + split_s, start), end)
+    counters = [c for c in BUSY_COUNTERS if all(s.get(c) is not None for s in samples)]
+    shares: dict[str, dict[str, float]] = {}
+    for phase, (a, b) in (("before", (start, split)), ("after", (split, end)),
+                          ("all", (start, end))):
+        row = {"wall_s": b - a}
+        for counter in counters:
+            points = [(s["t_s"], float(s[counter])) for s in samples]
+            row[counter] = _value_at(points, b) - _value_at(points, a)
+        shares[phase] = row
+    return shares
+
+
+def device_stat_path(path: Path) -> Path | None:
+    """The kernel's I/O statistics file of the block device holding ``path``, or ``None`` where
+    there is none (a file system on no block device: tmpfs, overlay)."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    return stat if stat.is_file() else None
+
+
+def _device_busy_s(stat: Path | None) -> float | None:
+    """The device's ``io_ticks``: milliseconds it had I/O in flight, as seconds."""
+    if stat is None:
+        return None
+    try:
+        return int(stat.read_text().split()[9]) / 1000.0
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cpu_busy_s() -> float | None:
+    """CPU seconds every core of the machine spent on anything but idling and I/O wait."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except OSError:
+        return None
+    # user nice system idle iowait irq softirq steal (guest times are inside user and nice).
+    ticks = [int(v) for v in fields[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _rss_bytes(pid: int) -> int:
@@ -182,6 +249,7 @@ class TierSampler:
 
         self._tokens = AdminTokens(cluster.secret, tls_ca=cluster.tls_ca)
         self._servers = list(cluster.servers)
+        self._device = device_stat_path(cluster.work_dir)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tier-sampler", daemon=True)
         self.started = time.monotonic()
@@ -223,7 +291,8 @@ class TierSampler:
             tier["received_bytes"] += float(stats.get("received_bytes_total") or 0.0)
             tier["sent_bytes"] += float(stats.get("sent_bytes_total") or 0.0)
         return {"t_s": time.monotonic() - self.started, "tiers": tiers,
-                "rss_bytes": sum(_rss_bytes(s.server_pid) for s in self._servers)}
+                "rss_bytes": sum(_rss_bytes(s.server_pid) for s in self._servers),
+                "device_busy_s": _device_busy_s(self._device), "cpu_busy_s": _cpu_busy_s()}
 
     def peak(self, tier: str) -> int:
         """Most bytes the tier held in any sample."""
@@ -254,6 +323,9 @@ class Run:
     (``before``), after it and in ``all`` (:func:`tier_bytes`). The split is the shuffle's
     ``map_s`` after the sampler's first sample, which precedes the map phase by the job's
     registration (a fraction of a second), so the map phase's figures miss its last moment."""
+    busy: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per phase as ``tier_bytes``, wall seconds and the machine's busy seconds
+    (:func:`busy_shares`)."""
     ok: bool = False
     skipped: str = ""
     problems: list[str] = field(default_factory=list)
@@ -340,6 +412,7 @@ def run_pocketflow(variant: str, executor: Any, config: SortConfig, cluster: Any
     run.peak_server_rss_bytes = sampler.peak_rss()
     run.timeline = sampler.samples
     run.tier_bytes = tier_bytes(sampler.samples, result.map_s)
+    run.busy = busy_shares(sampler.samples, result.map_s)
     return run
 
 
@@ -689,6 +762,25 @@ def markdown(results: dict[str, Any]) -> str:
                      for counter in TIER_COUNTERS]
             lines.append(f"| {format_bytes(r['input_bytes'])} | {r['variant']} | {tier} | "
                          + " | ".join(cells) + " |")
+    busy = [r for r in results["runs"] if r.get("busy")]
+    if busy:
+        lines += ["", "Machine-wide busy time, in the map phase / after it (the block device "
+                  "under the cluster's work directory, which holds the NVMe file; CPU over "
+                  f"{m['cores']} cores; every process's, so only a quiet run's say how far "
+                  "computing and device I/O overlap):", "",
+                  "| size | variant | wall s | device busy s (share) | CPU busy s (share) |",
+                  "|---|---|---|---|---|"]
+    for r in busy:
+        phases = [r["busy"][phase] for phase in ("before", "after")]
+
+        def cell(counter: str, cores: int, phases: list[dict[str, float]] = phases) -> str:
+            return " / ".join(
+                f"{p[counter]:.1f} ({p[counter] / p['wall_s'] / cores:.0%})"
+                if counter in p and p["wall_s"] > 0 else "-" for p in phases)
+
+        lines.append(f"| {format_bytes(r['input_bytes'])} | {r['variant']} | "
+                     + " / ".join(f"{p['wall_s']:.1f}" for p in phases) + " | "
+                     + cell("device_busy_s", 1) + " | " + cell("cpu_busy_s", m["cores"]) + " |")
     lines += ["", "Goals:"]
     for size, row in results["summary"].items():
         if isinstance(row, dict) and "speedup_vs_fastest_peer" in row:

@@ -11,6 +11,8 @@ from pathlib import Path
 import pocketflow
 from benchmarks.sort_scale import (
     VARIANTS,
+    busy_shares,
+    device_stat_path,
     report,
     run_sizes,
     sort_config,
@@ -47,6 +49,11 @@ def test_the_sort_benchmark_runs_every_variant_at_a_tiny_size(
         assert done.peak_server_rss_bytes > 0, variant
         assert {"map", "shuffle_writes_per_mapper", "reads_per_reducer",
                 "validate"} <= done.phase_s.keys(), variant
+        # Busy times per phase: the machine's CPU always, the device where the cluster's work
+        # directory (the NVMe server's file) is on one.
+        assert done.busy["all"]["wall_s"] > 0 and done.busy["all"]["cpu_busy_s"] > 0, variant
+        if device_stat_path(local_cluster.work_dir) is not None:
+            assert done.busy["all"]["device_busy_s"] >= 0, variant
     results = report(runs, [TINY_BYTES], VARIANTS, cluster_shape={"session": True},
                      redis_max_bytes=64 * MiB, started_iso="now", duration_s=1.0)
     assert "speedup_vs_fastest_peer" in results["summary"][str(TINY_BYTES)]
@@ -54,7 +61,22 @@ def test_the_sort_benchmark_runs_every_variant_at_a_tiny_size(
     assert json.loads(written.read_text())["summary"] == json.loads(json.dumps(
         results["summary"]))
     assert "Goals:" in written.with_suffix(".md").read_text()
+    assert "Machine-wide busy time" in written.with_suffix(".md").read_text()
     assert written.with_suffix(".png").stat().st_size > 0
+
+
+def test_busy_shares_split_the_machines_busy_time_at_the_map_phases_end() -> None:
+    samples = [{"t_s": 0.0, "device_busy_s": 10.0, "cpu_busy_s": 100.0},
+               {"t_s": 2.0, "device_busy_s": 11.0, "cpu_busy_s": 103.0},
+               {"t_s": 4.0, "device_busy_s": 13.0, "cpu_busy_s": 104.0}]
+    shares = busy_shares(samples, 1.0)
+    assert shares["before"] == {"wall_s": 1.0, "device_busy_s": 0.5, "cpu_busy_s": 1.5}
+    assert shares["after"] == {"wall_s": 3.0, "device_busy_s": 2.5, "cpu_busy_s": 2.5}
+    assert shares["all"] == {"wall_s": 4.0, "device_busy_s": 3.0, "cpu_busy_s": 4.0}
+    # A counter some sample lacks (no block device under the work directory) is left out.
+    samples[1]["device_busy_s"] = None
+    assert "device_busy_s" not in busy_shares(samples, 1.0)["all"]
+    assert device_stat_path(Path("/nonexistent/path")) is None
 
 
 def test_a_sort_whose_job_is_on_nvme_gives_every_variant_the_same_extra_tasks(

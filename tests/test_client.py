@@ -596,6 +596,30 @@ def test_put_many_takes_any_flat_buffer_and_refuses_the_rest(client: Client) -> 
         assert not client.exists("b", "first")
 
 
+def test_put_many_sends_bytes_values_uncopied_and_lets_go_of_them(client: Client) -> None:
+    """The core sends a ``bytes`` value as it is (it cannot change), holding a reference to it
+    while it does; every such reference is dropped by the time put_many returns, stored or
+    refused, so a mapper's partitions are freed with its own references to them."""
+    import sys
+
+    class Tagged(bytes):
+        pass
+
+    client.create_bucket("b")
+    values = [bytes([i]) * (1000 + i) for i in range(64)] + [Tagged(b"subclass")]
+    items = [(f"k{i:03d}", v) for i, v in enumerate(values)]
+    before = [sys.getrefcount(v) for v in values]
+    assert client.put_many("b", items) == len(items)
+    assert [sys.getrefcount(v) for v in values] == before
+    assert client.get_many("b", [key for key, _ in items]) == values
+    with pytest.raises(InvalidRequest):
+        client.put_many("b", [("again", values[0]), ("bad", memoryview(b"0123")[::2])])
+    assert [sys.getrefcount(v) for v in values] == before
+    with pytest.raises(ObjectExists):
+        client.put_many("b", items[:2])
+    assert [sys.getrefcount(v) for v in values] == before
+
+
 def test_enumerate_merges_servers_and_pages(client: Client) -> None:
     client.create_bucket("b")
     keys = sorted(f"part-{i:05d}" for i in range(250))

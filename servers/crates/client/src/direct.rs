@@ -10,7 +10,7 @@ use std::os::fd::AsRawFd;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use pocketflow_protocol::batch::GetPieceMeta;
 use pocketflow_protocol::direct::{
     decode_head, decode_status, encode_head, Kind, DATA_META_BYTES, DIRECT_MAGIC,
@@ -183,11 +183,18 @@ impl DirectSession {
 
     fn read_message_inner(&mut self, timeout: Duration) -> Result<(Kind, Bytes), ClientError> {
         let (kind, len) = self.read_head(timeout)?;
-        let mut payload = BytesMut::zeroed(len);
-        self.reader
-            .read_exact(&mut payload)
+        // Read into spare capacity: a zeroed buffer of a reply frame (up to about 1 MiB of
+        // small objects' bodies) cost a memset of every byte before the read overwrote it.
+        let mut payload = Vec::with_capacity(len);
+        (&mut self.reader)
+            .take(len as u64)
+            .read_to_end(&mut payload)
             .map_err(|e| read_error(e, timeout))?;
-        Ok((kind, payload.freeze()))
+        if payload.len() < len {
+            let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+            return Err(read_error(eof, timeout));
+        }
+        Ok((kind, Bytes::from(payload)))
     }
 
     /// Read a message head within `timeout` (the payload is the caller's to read).

@@ -49,4 +49,4 @@ pub use records::Record;
 pub use runtime::{block_on, runtime_handle};
 pub use tls::ClientTls;
 pub use upload::StreamUpload;
-pub use writes::NewRecord;
+pub use writes::{NewRecord, PutItem};

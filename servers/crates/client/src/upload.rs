@@ -216,6 +216,7 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
                 ..header
             },
             value: &value,
+            shared: None,
         };
         let stored = self
             .objects

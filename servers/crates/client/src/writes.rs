@@ -48,7 +48,16 @@ pub struct NewRecord<'a> {
     pub header: ObjectHeader,
     /// A small object's bytes (empty for a manifest).
     pub value: &'a [u8],
+    /// The same bytes as `value`, when the caller holds them where nobody can change them (a
+    /// Python `bytes`): sent as they are. `None`: `value` is copied once before the first
+    /// attempt, so that a retry sends what the first attempt sent even if the caller's buffer
+    /// changed meanwhile.
+    pub shared: Option<Bytes>,
 }
+
+/// One object of [`Objects::put_many_shared`]: its key, its bytes and, when the caller holds
+/// them immutably, the same bytes to send without a copy (see [`NewRecord::shared`]).
+pub type PutItem<'a> = (&'a str, &'a [u8], Option<&'a Bytes>);
 
 /// A random non-zero version for a new object (from the kernel, so two writers of one key never
 /// pick the same one, whatever a program does to its own random generators).
@@ -62,6 +71,25 @@ pub fn new_version() -> u64 {
         }
     }
     u64::from_le_bytes(raw).max(1)
+}
+
+/// `count` versions as [`new_version`] picks them, from one `getrandom` call instead of one
+/// each (a wide shuffle's mapper puts hundreds of small objects per call).
+pub fn new_versions(count: usize) -> Vec<u64> {
+    let mut raw = vec![0u8; count * 8];
+    let mut filled = 0;
+    while filled < raw.len() {
+        // SAFETY: the pointer and length are the unfilled tail of `raw`.
+        let got =
+            unsafe { libc::getrandom(raw[filled..].as_mut_ptr().cast(), raw.len() - filled, 0) };
+        // Requests above 256 bytes may return short (a signal); a failure (EINTR) is retried.
+        if got > 0 {
+            filled += got as usize;
+        }
+    }
+    raw.chunks_exact(8)
+        .map(|chunk| u64::from_le_bytes(chunk.try_into().expect("8 bytes")).max(1))
+        .collect()
 }
 
 /// The header of a small object of `size` bytes.
@@ -159,7 +187,12 @@ impl Objects {
         // repaired) sends the bytes the first attempt sent, even if the caller's buffer changed.
         let values: Vec<Bytes> = records
             .iter()
-            .map(|record| Bytes::copy_from_slice(record.value))
+            .map(|record| {
+                record
+                    .shared
+                    .clone()
+                    .unwrap_or_else(|| Bytes::copy_from_slice(record.value))
+            })
             .collect();
         for attempt in 0..=STALE_EPOCH_RETRIES_MAX {
             let view = self.view();
@@ -600,6 +633,7 @@ impl Objects {
                 key,
                 header: small_header(new_version(), data.len() as u64, persist),
                 value: data,
+                shared: None,
             };
             let outcome = self.put_records_each(bucket, &[record], persist, overwrite);
             return match outcome.into_iter().flatten().next() {
@@ -687,6 +721,7 @@ impl Objects {
                 key,
                 header,
                 value: &[],
+                shared: None,
             };
             match self.put_committed(bucket, &record, data, overwrite) {
                 None => {}
@@ -734,6 +769,7 @@ impl Objects {
                 ..header
             },
             value: &value,
+            shared: None,
         };
         self.put_records(bucket, &[record], persist, overwrite)
             .inspect_err(|failure| {
@@ -859,15 +895,28 @@ impl Objects {
         persist: bool,
         overwrite: bool,
     ) -> Result<usize, Failure> {
+        let items: Vec<PutItem<'_>> = items.iter().map(|&(key, data)| (key, data, None)).collect();
+        self.put_many_shared(bucket, &items, persist, overwrite)
+    }
+
+    /// [`Objects::put_many`] of items that may carry their bytes as shared [`Bytes`] (see
+    /// [`NewRecord::shared`]): those small objects are sent without a copy of their own.
+    pub fn put_many_shared(
+        &self,
+        bucket: &str,
+        items: &[PutItem<'_>],
+        persist: bool,
+        overwrite: bool,
+    ) -> Result<usize, Failure> {
         let mut large: Vec<(&str, &[u8])> = Vec::new();
-        let mut round: Vec<(&str, &[u8])> = Vec::new();
+        let mut round: Vec<PutItem<'_>> = Vec::new();
         let mut round_bytes = 0usize;
-        for &(key, data) in items {
+        for &(key, data, shared) in items {
             if data.len() as u64 > SMALL_OBJECT_MAX_BYTES {
                 large.push((key, data));
                 continue;
             }
-            round.push((key, data));
+            round.push((key, data, shared));
             round_bytes += data.len();
             if round.len() >= PUT_MANY_CHUNK_OPS || round_bytes >= PUT_MANY_CHUNK_BYTES {
                 self.put_small_round(bucket, &round, persist, overwrite)?;
@@ -894,7 +943,7 @@ impl Objects {
     fn put_small_round(
         &self,
         bucket: &str,
-        items: &[(&str, &[u8])],
+        items: &[PutItem<'_>],
         persist: bool,
         overwrite: bool,
     ) -> Result<(), Failure> {
@@ -904,7 +953,9 @@ impl Objects {
         // Without a server full lately (the usual case) no key's home is looked up here: each
         // costs a placement hash, and `put_records_each` finds the homes (and any error) anyway.
         let any_full = self.any_recently_full();
-        for (index, &(key, data)) in items.iter().enumerate() {
+        let mut versions = new_versions(items.len()).into_iter();
+        for (index, &(key, data, shared)) in items.iter().enumerate() {
+            let version = versions.next().expect("one version per item");
             if any_full && !data.is_empty() {
                 let full = match home(&view, key.as_bytes(), 0, persist) {
                     Ok(server) => self.recently_full(&view, key.as_bytes(), 1, persist, [server]),
@@ -919,13 +970,14 @@ impl Objects {
                     continue;
                 }
             }
-            let header = small_header(new_version(), data.len() as u64, persist);
+            let header = small_header(version, data.len() as u64, persist);
             records.push((
                 index,
                 NewRecord {
                     key,
                     header,
                     value: data,
+                    shared: shared.cloned(),
                 },
             ));
         }
@@ -1116,5 +1168,23 @@ impl BlockUpload<'_> {
             self.send(address, group, attempts_left)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_of_one_call_are_non_zero_and_distinct() {
+        // 4096 versions are 32 KiB of one getrandom call, above the 256 bytes it always
+        // returns whole: a short read is filled up, not left as zeros.
+        for count in [0, 1, 33, 4096] {
+            let versions = new_versions(count);
+            assert_eq!(versions.len(), count);
+            assert!(versions.iter().all(|&v| v != 0));
+            let distinct: BTreeSet<u64> = versions.iter().copied().collect();
+            assert_eq!(distinct.len(), count);
+        }
     }
 }

@@ -7,12 +7,13 @@ use bytes::Bytes;
 use pocketflow_client::channels::check_placed_ops;
 use pocketflow_client::waits::Stop;
 use pocketflow_client::{
-    ClientError, Failure, Layout, Listing, Objects, Record, StreamUpload, Tuning,
+    ClientError, Failure, Layout, Listing, Objects, PutItem, Record, StreamUpload, Tuning,
 };
 use pocketflow_protocol::frame::OpCode;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use crate::connection::PyConnection;
@@ -208,23 +209,45 @@ impl PyObjects {
         persist: bool,
         overwrite: bool,
     ) -> PyResult<usize> {
-        let mut held = Vec::with_capacity(items.len());
+        // A `bytes` cannot change: the core sends it as it is (shared, no copy of its own). Any
+        // other buffer stays exported while the call runs and is copied once by the core.
+        let mut shared: Vec<Option<Bytes>> = Vec::with_capacity(items.len());
+        let mut held: Vec<Option<PyBuffer<u8>>> = Vec::with_capacity(items.len());
         for (_, data) in &items {
-            held.push(PyBuffer::<u8>::get(data)?);
+            match data.cast::<PyBytes>() {
+                Ok(bytes) => {
+                    shared.push(Some(Bytes::from_owner(PyBackedBytes::from(bytes.clone()))));
+                    held.push(None);
+                }
+                Err(_) => {
+                    shared.push(None);
+                    held.push(Some(PyBuffer::<u8>::get(data)?));
+                }
+            }
         }
         let mut lent = Vec::with_capacity(held.len());
-        for ((key, _), buffer) in items.iter().zip(&held) {
-            lent.push((key.as_str(), readable(buffer)?));
+        for buffer in &held {
+            lent.push(buffer.as_ref().map(readable).transpose()?);
         }
+        let keys: Vec<&str> = items.iter().map(|(key, _)| key.as_str()).collect();
         let objects = &self.objects;
+        // Borrowed, not moved: the shared values are dropped below, with the GIL held.
+        let (keys_ref, shared_ref) = (&keys, &shared);
         let outcome = py.detach(move || {
-            // SAFETY: `held` keeps every buffer exported until this call returns.
-            let slices: Vec<(&str, &[u8])> = lent
+            let values: Vec<PutItem<'_>> = keys_ref
                 .iter()
-                .map(|(key, memory)| (*key, unsafe { memory.slice() }))
+                .zip(shared_ref)
+                .zip(&lent)
+                .map(|((&key, shared), memory)| match (shared, memory) {
+                    (Some(bytes), _) => (key, bytes.as_ref(), Some(bytes)),
+                    // SAFETY: `held` keeps every buffer exported until this call returns.
+                    (None, Some(memory)) => (key, unsafe { memory.slice() }, None),
+                    (None, None) => unreachable!("every item is shared or held"),
+                })
                 .collect();
-            objects.put_many(bucket, &slices, persist, overwrite)
+            objects.put_many_shared(bucket, &values, persist, overwrite)
         });
+        drop(shared);
         drop(held);
         outcome.map_err(|f| failure_to_py(py, &f))
     }

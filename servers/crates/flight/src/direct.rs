@@ -3,6 +3,7 @@
 //! tickets answered with raw block bytes. The session itself, its bounds and its replies are the
 //! DoExchange session's (`exchange.rs`); a ticket's checks, slot and pieces are DoGet's.
 
+use std::io::IoSlice;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -86,13 +87,10 @@ impl StorageService {
                 Err(status) => return write_status(&mut writer, status).await,
             };
             // A frame dropped unsent puts the queue items it carries back.
-            let Some(bytes) = frame.to_send() else {
+            let Some(pieces) = frame.to_send() else {
                 continue;
             };
-            if write_message(&mut writer, Kind::Frame, &bytes)
-                .await
-                .is_err()
-            {
+            if write_frame(&mut writer, pieces).await.is_err() {
                 return; // The client went away; dropping `replies` ends the session.
             }
             frame.delivered();
@@ -271,6 +269,61 @@ where
     writer.flush().await
 }
 
+/// Most pieces one vectored write hands the kernel (Linux's `IOV_MAX`).
+const WRITE_PIECES_MAX: usize = 1024;
+
+/// Send a FRAME message of a reply frame's `pieces` with vectored writes: its head and large
+/// bodies go from where they are to the socket, without a copy into one buffer first.
+async fn write_frame<W>(writer: &mut BufWriter<W>, pieces: &[Bytes]) -> std::io::Result<()>
+where
+    W: AsyncWrite + Unpin,
+{
+    let len_bytes = pieces.iter().map(Bytes::len).sum();
+    let head = encode_head(Kind::Frame, len_bytes);
+    let mut parts: Vec<&[u8]> = Vec::with_capacity(pieces.len() + 1);
+    parts.push(&head);
+    parts.extend(pieces.iter().map(|piece| &piece[..]));
+    write_all_vectored(writer, &parts).await?;
+    writer.flush().await
+}
+
+/// Write every byte of `parts`, in order, with as few vectored writes as the writer takes.
+async fn write_all_vectored<W>(writer: &mut W, parts: &[&[u8]]) -> std::io::Result<()>
+where
+    W: AsyncWrite + Unpin,
+{
+    // The first part not wholly written, and how much of it was.
+    let (mut at, mut offset) = (0usize, 0usize);
+    loop {
+        while at < parts.len() && offset == parts[at].len() {
+            (at, offset) = (at + 1, 0);
+        }
+        if at == parts.len() {
+            return Ok(());
+        }
+        let slices: Vec<IoSlice<'_>> = std::iter::once(&parts[at][offset..])
+            .chain(parts[at + 1..].iter().copied())
+            .take(WRITE_PIECES_MAX)
+            .map(IoSlice::new)
+            .collect();
+        let mut written = writer.write_vectored(&slices).await?;
+        if written == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        // Each round moves past at least one byte, so the loop ends after at most as many
+        // rounds as the parts hold bytes.
+        while written > 0 {
+            let left = parts[at].len() - offset;
+            if written < left {
+                offset += written;
+                break;
+            }
+            written -= left;
+            (at, offset) = (at + 1, 0);
+        }
+    }
+}
+
 /// End a block connection with `error`: send its STATUS, then read and drop what the client
 /// still sends (the rest of an upload) for a bounded time, so that closing does not reset the
 /// connection before the client read the status.
@@ -339,6 +392,37 @@ mod tests {
         assert_eq!(kind, Kind::Frame);
         assert_eq!(got.len(), payload.len());
         assert!(got == payload, "the payload's bytes changed on the way");
+        let (_, next) = read_message(&mut reader).await.ok().flatten().unwrap();
+        assert_eq!(&next[..], b"next");
+        drop(writer.await.unwrap());
+        assert!(matches!(read_message(&mut reader).await, Ok(None)));
+    }
+
+    /// Bytes a duplex pipe takes per write in the vectored-write test: far fewer than a
+    /// frame's pieces, so every write is short and most split a piece.
+    const PIPE_BYTES: usize = 1000;
+
+    #[tokio::test]
+    async fn a_frame_written_in_pieces_arrives_whole_through_short_writes() {
+        let pieces: Vec<Bytes> = [0usize, 5, 4096, 0, 1, 20_000, 3, 8192]
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| Bytes::from((0..len).map(|b| (b + i) as u8).collect::<Vec<u8>>()))
+            .collect();
+        let joined: Vec<u8> = pieces.iter().flat_map(|p| p.iter().copied()).collect();
+        let (server, client) = tokio::io::duplex(PIPE_BYTES);
+        let writer = tokio::spawn(async move {
+            let mut writer = BufWriter::new(server);
+            write_frame(&mut writer, &pieces).await.unwrap();
+            write_frame(&mut writer, &[Bytes::from_static(b"next")])
+                .await
+                .unwrap();
+            writer
+        });
+        let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, client);
+        let (kind, got) = read_message(&mut reader).await.ok().flatten().unwrap();
+        assert_eq!(kind, Kind::Frame);
+        assert!(got == joined, "the frame's bytes changed on the way");
         let (_, next) = read_message(&mut reader).await.ok().flatten().unwrap();
         assert_eq!(&next[..], b"next");
         drop(writer.await.unwrap());

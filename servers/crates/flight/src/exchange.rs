@@ -13,12 +13,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use arrow_flight::FlightData;
-use bytes::Bytes;
+use bytes::{BufMut, Bytes, BytesMut};
 use futures::stream::{BoxStream, FuturesUnordered};
 use futures::{FutureExt, StreamExt};
 use pocketflow_protocol::descriptor::ExchangeDescriptor;
 use pocketflow_protocol::frame::{
-    decode_request_frame, ChannelArgs, OpCode, Reply, ReplyFrameBuilder, RequestOp, OP_FLAG_SEAL,
+    decode_request_frame, ChannelArgs, OpCode, Reply, ReplyFramePieces, RequestOp, OP_FLAG_SEAL,
     REPLY_FRAME_HEAD_BYTES, STATUS_OK,
 };
 use pocketflow_protocol::limits::SESSION_INFLIGHT_MAX;
@@ -52,19 +52,34 @@ pub(crate) type ReplyFrames = mpsc::Receiver<Result<ReplyFrame, Status>>;
 
 /// One reply frame, with the queue items its replies carry until the frame is out.
 pub(crate) struct ReplyFrame {
-    bytes: Bytes,
+    /// The frame's bytes, in pieces to write one after the other: large bodies are the store's
+    /// own bytes, not copied into a frame buffer ([`ReplyFramePieces`]).
+    pieces: Vec<Bytes>,
+    len_bytes: usize,
     deliveries: Vec<Undelivered>,
     /// Set once the session's client closed its side of the session.
     client_closed: Arc<AtomicBool>,
 }
 
 impl ReplyFrame {
-    /// The frame's bytes to send, or `None` when the frame carries queue items and its client
-    /// closed its side (a consumer that went away): dropping the frame then puts them back.
-    pub(crate) fn to_send(&self) -> Option<Bytes> {
+    /// The frame's pieces to send (a vectored write sends them without a copy), or `None` when
+    /// the frame carries queue items and its client closed its side (a consumer that went
+    /// away): dropping the frame then puts them back.
+    pub(crate) fn to_send(&self) -> Option<&[Bytes]> {
         let undeliverable =
             !self.deliveries.is_empty() && self.client_closed.load(Ordering::Acquire);
-        (!undeliverable).then(|| self.bytes.clone())
+        (!undeliverable).then_some(self.pieces.as_slice())
+    }
+
+    /// [`ReplyFrame::to_send`] as one buffer (DoExchange's `app_metadata`): the pieces joined.
+    pub(crate) fn to_send_joined(&self) -> Option<Bytes> {
+        let pieces = self.to_send()?;
+        if let [only] = pieces {
+            return Some(only.clone());
+        }
+        let mut joined = BytesMut::with_capacity(self.len_bytes);
+        pieces.iter().for_each(|piece| joined.put_slice(piece));
+        Some(joined.freeze())
     }
 
     /// The frame went out: the items it carries stay taken.
@@ -110,7 +125,7 @@ pub(crate) async fn open(
         .filter_map(|reply| async move {
             match reply {
                 Ok(frame) => {
-                    let bytes = frame.to_send()?;
+                    let bytes = frame.to_send_joined()?;
                     frame.delivered();
                     Some(Ok(FlightData {
                         app_metadata: bytes,
@@ -295,14 +310,16 @@ impl Session {
 /// Pack `first` and every other reply that is ready now into one frame of about
 /// `REPLY_FRAME_TARGET_BYTES`, with the queue items the replies carry.
 ///
-/// The ready replies are gathered first and the frame is then written once at its final size:
-/// grown reply by reply, a frame of many small objects' bodies was copied again at every
-/// doubling of its buffer.
+/// The ready replies are gathered first and the frame's heads are then written once at their
+/// final size (grown reply by reply, a frame of many small objects' bodies was copied again at
+/// every doubling of its buffer); large bodies stay where the store holds them, as pieces of
+/// their own that a direct connection writes with one vectored write.
 fn coalesce<S>(first: Answer, inflight: &mut S, client_closed: &Arc<AtomicBool>) -> ReplyFrame
 where
     S: futures::Stream<Item = Option<Answer>> + Unpin,
 {
     let mut frame_bytes = REPLY_FRAME_HEAD_BYTES + first.0.encoded_len();
+    let mut heads_bytes = ReplyFramePieces::unshared_len(&first.0);
     let mut answers = vec![first];
     // At most SESSION_INFLIGHT_MAX replies are ready, each under EPOCH_MAP_MAX_BYTES plus a
     // small prefix, so a frame below the target always has room for one more.
@@ -313,17 +330,21 @@ where
             _ => break,
         };
         frame_bytes += answer.0.encoded_len();
+        heads_bytes += ReplyFramePieces::unshared_len(&answer.0);
         answers.push(answer);
     }
-    let mut builder = ReplyFrameBuilder::with_capacity(frame_bytes);
+    let mut builder = ReplyFramePieces::with_capacity(heads_bytes);
     let mut deliveries = Vec::new();
     for (reply, taken) in answers {
         assert!(builder.fits(&reply), "reply frame bound exceeded");
         builder.push(&reply);
         deliveries.extend(taken);
     }
+    let (pieces, len_bytes) = builder.finish();
+    debug_assert_eq!(len_bytes, frame_bytes);
     ReplyFrame {
-        bytes: builder.finish(),
+        pieces,
+        len_bytes,
         deliveries,
         client_closed: client_closed.clone(),
     }

@@ -526,18 +526,7 @@ impl ReplyFrameBuilder {
     /// Append a reply; the caller checks [`ReplyFrameBuilder::fits`] first.
     pub fn push(&mut self, reply: &Reply) {
         debug_assert!(self.fits(reply), "reply frame overflow");
-        self.buf.put_u64_le(reply.request_id);
-        self.buf.put_u8(reply.status);
-        self.buf.put_u8(if reply.header.is_some() {
-            REPLY_FLAG_HEADER
-        } else {
-            0
-        });
-        self.buf.put_u16_le(0);
-        self.buf.put_u32_le(reply.body.len() as u32);
-        if let Some(header) = &reply.header {
-            self.buf.put_slice(&header.encode());
-        }
+        put_reply_head(&mut self.buf, reply);
         self.buf.put_slice(&reply.body);
         self.count += 1;
     }
@@ -546,6 +535,101 @@ impl ReplyFrameBuilder {
     pub fn finish(mut self) -> Bytes {
         self.buf[4..8].copy_from_slice(&self.count.to_le_bytes());
         self.buf.freeze()
+    }
+}
+
+/// A reply's head (and object header, if any), as a reply frame carries it before the body.
+fn put_reply_head(buf: &mut BytesMut, reply: &Reply) {
+    buf.put_u64_le(reply.request_id);
+    buf.put_u8(reply.status);
+    buf.put_u8(if reply.header.is_some() {
+        REPLY_FLAG_HEADER
+    } else {
+        0
+    });
+    buf.put_u16_le(0);
+    buf.put_u32_le(reply.body.len() as u32);
+    if let Some(header) = &reply.header {
+        buf.put_slice(&header.encode());
+    }
+}
+
+/// Reply bodies of at least this many bytes are pieces of their own in a [`ReplyFramePieces`]
+/// (the bytes the store holds, not a copy); smaller ones are copied beside the reply heads, where
+/// a piece of their own would cost more to write than the copy.
+pub const REPLY_BODY_SHARED_MIN_BYTES: usize = 4096;
+
+/// A reply frame as pieces that, written one after the other (a vectored write), are byte for
+/// byte the frame [`ReplyFrameBuilder`] builds: a server that sends it this way does not copy
+/// large bodies (a wide shuffle's small objects) into a frame buffer first.
+#[derive(Debug)]
+pub struct ReplyFramePieces {
+    /// Reply heads and small bodies since the last shared body.
+    heads: BytesMut,
+    pieces: Vec<Bytes>,
+    count: u32,
+    len_bytes: usize,
+}
+
+impl ReplyFramePieces {
+    /// The bytes `reply` adds to the heads' buffer (all of it but a shared body).
+    pub fn unshared_len(reply: &Reply) -> usize {
+        match reply.body.len() >= REPLY_BODY_SHARED_MIN_BYTES {
+            true => reply.encoded_len() - reply.body.len(),
+            false => reply.encoded_len(),
+        }
+    }
+
+    /// An empty frame whose heads' buffer holds `heads_capacity_bytes` (the sum of
+    /// [`ReplyFramePieces::unshared_len`] of its replies) before it grows.
+    pub fn with_capacity(heads_capacity_bytes: usize) -> Self {
+        Self {
+            heads: BytesMut::with_capacity(heads_capacity_bytes),
+            pieces: Vec::new(),
+            count: 0,
+            len_bytes: REPLY_FRAME_HEAD_BYTES,
+        }
+    }
+
+    /// Number of replies so far.
+    pub fn count(&self) -> u32 {
+        self.count
+    }
+
+    /// Whether `reply` still fits in this frame.
+    pub fn fits(&self, reply: &Reply) -> bool {
+        self.count < REPLY_FRAME_REPLIES_MAX
+            && self.len_bytes + reply.encoded_len() <= FRAME_MAX_BYTES
+    }
+
+    /// Append a reply; the caller checks [`ReplyFramePieces::fits`] first.
+    pub fn push(&mut self, reply: &Reply) {
+        debug_assert!(self.fits(reply), "reply frame overflow");
+        put_reply_head(&mut self.heads, reply);
+        if reply.body.len() >= REPLY_BODY_SHARED_MIN_BYTES {
+            // Split off what is written so far; the rest of the buffer stays for what follows.
+            self.pieces.push(self.heads.split().freeze());
+            self.pieces.push(reply.body.clone());
+        } else {
+            self.heads.put_slice(&reply.body);
+        }
+        self.count += 1;
+        self.len_bytes += reply.encoded_len();
+    }
+
+    /// The finished frame's pieces, in order (none empty), and its length in bytes.
+    pub fn finish(mut self) -> (Vec<Bytes>, usize) {
+        let mut head = BytesMut::with_capacity(REPLY_FRAME_HEAD_BYTES);
+        head.put_u8(FRAME_VERSION);
+        head.put_bytes(0, 3);
+        head.put_u32_le(self.count);
+        let mut pieces = Vec::with_capacity(self.pieces.len() + 2);
+        pieces.push(head.freeze());
+        pieces.extend(self.pieces.drain(..).filter(|piece| !piece.is_empty()));
+        if !self.heads.is_empty() {
+            pieces.push(self.heads.freeze());
+        }
+        (pieces, self.len_bytes)
     }
 }
 
@@ -601,6 +685,74 @@ pub fn decode_reply_frame(buf: &Bytes) -> Result<Vec<Reply>, ProtocolError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reply_frame_pieces_are_the_builders_frame_with_large_bodies_shared() {
+        let header = ObjectHeader {
+            version: 7,
+            size: 5000,
+            block_count: 0,
+            block_size: 0,
+            flags: 0,
+        };
+        let large = Bytes::from(vec![3u8; REPLY_BODY_SHARED_MIN_BYTES]);
+        let replies: Vec<Reply> = [
+            (None, Bytes::from_static(b"not_found: b/k")),
+            (Some(header), large.clone()),
+            (Some(header), large.clone()),
+            (Some(header), Bytes::new()),
+            (
+                None,
+                Bytes::from(vec![9u8; REPLY_BODY_SHARED_MIN_BYTES - 1]),
+            ),
+            (Some(header), large.clone()),
+        ]
+        .into_iter()
+        .enumerate()
+        .map(|(id, (header, body))| Reply {
+            request_id: id as u64,
+            status: if header.is_some() { STATUS_OK } else { 5 },
+            header,
+            body,
+        })
+        .collect();
+        for count in 0..=replies.len() {
+            let mut builder = ReplyFrameBuilder::new();
+            let heads: usize = replies[..count]
+                .iter()
+                .map(ReplyFramePieces::unshared_len)
+                .sum();
+            let mut pieces = ReplyFramePieces::with_capacity(heads);
+            for reply in &replies[..count] {
+                assert!(pieces.fits(reply));
+                builder.push(reply);
+                pieces.push(reply);
+            }
+            assert_eq!(pieces.count(), count as u32);
+            let (parts, len_bytes) = pieces.finish();
+            let joined: Vec<u8> = parts.iter().flat_map(|p| p.iter().copied()).collect();
+            let built = builder.finish();
+            assert_eq!(len_bytes, built.len());
+            assert_eq!(joined, built.to_vec());
+            assert!(parts.iter().all(|p| !p.is_empty()));
+            // Each large body is a piece of its own, the very bytes of the reply.
+            let shared = parts
+                .iter()
+                .filter(|p| p.as_ptr() == large.as_ptr())
+                .count();
+            assert_eq!(
+                shared,
+                replies[..count]
+                    .iter()
+                    .filter(|r| r.body.len() == large.len())
+                    .count()
+            );
+            assert_eq!(
+                decode_reply_frame(&Bytes::from(joined)).unwrap(),
+                replies[..count]
+            );
+        }
+    }
     use crate::error::ErrorKind;
 
     fn put_op(id: u64, value: &'static [u8]) -> RequestOp {

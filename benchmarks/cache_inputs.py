@@ -35,7 +35,11 @@ time (submission to the last result; for ``prewarmed`` from opening the
 cache, so the prewarm counts), the hit ratio (reads served from the cache: fresh, revalidated,
 or filled by another process while the task waited; over every read of every call), the S3
 requests of the run by operation (every call's and the driver's, which prewarms), and bytes
-checked (each call verifies its inputs' contents). Results go to
+checked (each call verifies its inputs' contents). For ``prewarmed`` also what bounds the
+prewarm's rate, from CPU times, which load changes far less than wall times: its workers' CPU
+per object (their start included), the S3 server's CPU per GET, and the machine's busy cores
+over the run, whoever's work (every core busy means the prewarm is bound by CPU: a faster one
+needs less CPU per object rather than more GETs in flight). Results go to
 ``benchmarks/results/cache-inputs-<date>[-quick|-scale<F>].json`` and ``.md`` (the full run's,
 on a quiet machine, are the ones committed).
 """
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -234,9 +239,46 @@ def _report(mix: Mix, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     rows.append({"mix": mix.name, "objects": mix.count, "object_bytes": mix.size, **row})
 
 
-def run_ways(mixes: list[Mix], source: Any, fexec: Any) -> list[dict[str, Any]]:
+def _process_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user and system) process ``pid`` used so far; None if it is unknown."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds every core of the machine spent busy (not idle, not waiting for I/O) so
+    far, whoever's work it was."""
+    with open("/proc/stat") as f:
+        ticks = [int(t) for t in f.readline().split()[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _prewarm_cpu(status: dict[str, Any], gets: int, s3_cpu_s: float | None,
+                 busy_s: float, wall_s: float) -> dict[str, Any]:
+    """What bounds a prewarm's rate, from CPU times (which load changes far less than wall
+    times): its workers' CPU per object fetched, the S3 server's CPU per GET of the run, and
+    how many of the machine's cores were busy on average (all of them: CPU-bound)."""
+    fetched = status.get("prewarm_fetched") or 0
+    cpu_s = status.get("prewarm_cpu_s")
+    return {
+        "prewarm_cpu_us_per_object": (1e6 * cpu_s / fetched if cpu_s and fetched else None),
+        "s3_server_cpu_us_per_get": (1e6 * s3_cpu_s / gets if s3_cpu_s is not None and gets
+                                     else None),
+        "machine_busy_cores": busy_s / wall_s if wall_s > 0 else None,
+    }
+
+
+def run_ways(mixes: list[Mix], source: Any, fexec: Any,
+             s3_pid: int | None = None) -> list[dict[str, Any]]:
     """The four ways over every mix: straight; cold then cached on one local cluster; prewarmed
-    on a fresh one."""
+    on a fresh one (with the CPU times of its prewarm and of the S3 server, ``s3_pid``)."""
     import pocketflow
     from pocketflow.cache import open_cache
     from pocketflow.cache.source import request_counts
@@ -267,6 +309,7 @@ def run_ways(mixes: list[Mix], source: Any, fexec: Any) -> list[dict[str, Any]]:
     with pocketflow.LocalCluster(**CLUSTER_SHAPE) as cluster:
         for mix in mixes:
             before = Counter(request_counts())
+            s3_cpu_before, busy_before = _process_cpu_s(s3_pid), _machine_busy_s()
             started = time.perf_counter()
             with open_cache(mix.cache, source, app=mix.cache, cluster=cluster, prewarm=True,
                             working_set_url=mix.ws_url, idle="10min") as cache:
@@ -275,9 +318,16 @@ def run_ways(mixes: list[Mix], source: Any, fexec: Any) -> list[dict[str, Any]]:
                                   [(spec, mix.bucket, share, mix.size) for share in mix.shares])
                 job_s = time.perf_counter() - started
                 cache.wait_prewarmed(600.0)
+                wall_s = time.perf_counter() - started
+                s3_cpu_after, busy_after = _process_cpu_s(s3_pid), _machine_busy_s()
                 status = cache.close()
-            _report(mix, _summary("prewarmed", results, job_s,
-                                  Counter(request_counts()) - before, {"cache": status}), rows)
+            requests = Counter(request_counts()) - before
+            s3_cpu_s = (s3_cpu_after - s3_cpu_before
+                        if s3_cpu_before is not None and s3_cpu_after is not None else None)
+            cpu = _prewarm_cpu(status, requests.get("GetObject", 0), s3_cpu_s,
+                               busy_after - busy_before, wall_s)
+            _report(mix, _summary("prewarmed", results, job_s, requests,
+                                  {"cache": status, **cpu}), rows)
     return rows
 
 
@@ -344,6 +394,18 @@ def markdown(results: dict[str, Any]) -> str:
             f"revalidated; {g['cached_listings']} listings held {g['cached_listed_keys']} keys "
             f"and renewed {g['cached_renewed_ahead']} keys ahead of the calls that read them",
         ]
+    for r in results["runs"]:
+        if r["way"] == "prewarmed" and r.get("prewarm_cpu_us_per_object") is not None:
+            s3_cpu = r.get("s3_server_cpu_us_per_get")
+            lines.append(
+                f"- {r['mix']}, prewarmed run: the prewarm fetched "
+                f"{r['cache'].get('prewarm_objects_per_s') or 0:.0f} objects/s at "
+                f"{r['prewarm_cpu_us_per_object']:.0f} us of its workers' CPU per object (their "
+                f"start included); the "
+                f"S3 server spent "
+                f"{'?' if s3_cpu is None else format(s3_cpu, '.0f')} us of CPU per GET; the "
+                f"machine's cores were {r['machine_busy_cores']:.2f} busy on average of "
+                f"{m['cores']} (from opening the cache to the prewarm's end)")
     lines += ["", "Side by side with Faa$T (SoCC'21: runs up to 92% and on average 57% faster "
               "with its cache; every read first checks the object's version in blob storage):"]
     for mix, g in results["goals"].items():
@@ -411,7 +473,7 @@ def run(shape: str, mixes: tuple[str, ...], out_dir: Path,
         S3Store(source).create_bucket(WS_BUCKET)
         uploaded = [Mix(name, *sizes[name], TASKS[shape], source) for name in mixes]
         with _executor() as fexec:
-            rows = run_ways(uploaded, source, fexec)
+            rows = run_ways(uploaded, source, fexec, s3_pid=peer.pid)
     finally:
         peer.stop()
     results = {

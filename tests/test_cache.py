@@ -207,6 +207,7 @@ def test_tasks_wait_for_keys_the_prewarm_claimed_ahead(
         status = cache.status()
         assert status["prewarm_fetched"] == len(keys)
         assert status["prewarm_objects_per_s"] > 0
+        assert status["prewarm_cpu_s"] > 0, "the workers' CPU time, reported at their end"
         assert request_counts().get("GetObject", 0) - gets == len(keys), "each key once"
         job_id = cache.job_id
     _wait_ended(local_cluster, job_id)  # its capacity goes back for the tests after it

@@ -203,6 +203,11 @@ class Cache:
                                       if self.prewarm_done_s else None),
             "prewarm_stats": (dict(self._prewarm.stats)
                               if self._prewarm is not None else None),
+            # The workers' CPU seconds (those that ended): with ``prewarm_fetched`` the
+            # prewarm's CPU per object, which bounds its rate on a machine whose cores it
+            # shares with the run (and, in the benchmarks, with the S3 server).
+            "prewarm_cpu_s": (self._prewarm.cpu_ms / 1000
+                              if self._prewarm is not None else None),
         }
 
     def wait_prewarmed(self, timeout_s: float) -> bool:

@@ -153,7 +153,8 @@ def fetch_batches(client: Any, batches: list[list[KeyUse]], *, stop: threading.E
 class Workers:
     """The driver's side of a prewarm's worker processes (it started them: it ends them, by
     their pids). ``fetched`` counts the keys they fetched; ``done`` is set once every worker
-    ended; ``stats`` and ``requests`` sum what the workers reported at their end."""
+    ended; ``stats`` and ``requests`` sum what the workers reported at their end, ``cpu_ms``
+    their CPU time (user and system, from their start to their end line)."""
 
     def __init__(self, spec_json: str, batches: list[list[KeyUse]], *,
                  processes: int = PREWARM_PROCESSES,
@@ -162,6 +163,7 @@ class Workers:
         self.fetched = 0
         self.stats: dict[str, int] = {}
         self.requests: dict[str, int] = {}
+        self.cpu_ms = 0
         self.done = threading.Event()
         self._on_requests = on_requests
         shares = [batches[w::processes] for w in range(processes)]
@@ -212,7 +214,8 @@ class Workers:
                         self.fetched += int(message["fetched"])
                 elif message.get("end") and not ended:
                     ended = True
-                    self._add(message.get("stats") or {}, message.get("requests") or {})
+                    self._add(message.get("stats") or {}, message.get("requests") or {},
+                              int(message.get("cpu_ms") or 0))
                     self._one_ended()
         finally:
             started.set()
@@ -230,8 +233,9 @@ class Workers:
         if last:
             self.done.set()
 
-    def _add(self, stats: dict[str, int], requests: dict[str, int]) -> None:
+    def _add(self, stats: dict[str, int], requests: dict[str, int], cpu_ms: int) -> None:
         with self._lock:
+            self.cpu_ms += cpu_ms
             for name, value in stats.items():
                 self.stats[name] = self.stats.get(name, 0) + int(value)
             for name, value in requests.items():
@@ -295,7 +299,9 @@ def main() -> int:
     try:
         fetch_batches(client, batches, stop=stop, on_batch=lambda n: _say({"fetched": n}),
                       on_claimed=lambda: _say({"started": True}))
-        _say({"end": True, "stats": client.stats.to_dict(), "requests": request_counts()})
+        times = os.times()
+        _say({"end": True, "stats": client.stats.to_dict(), "requests": request_counts(),
+              "cpu_ms": round(1000 * (times.user + times.system))})
         # The last fills' claims and outcomes stay their linger (readers that just missed a
         # fill find them), unless the driver stops the worker first.
         while client.outcomes_pending and not stop.wait(LINGER_CHECK_S):

@@ -1,6 +1,7 @@
 //! Block-0 records (small objects and manifests): put, get with DELETE-on-read, lookup,
 //! deletion, parked readers of absent keys, enumeration and prefix deletion.
 
+use std::collections::btree_map::Entry;
 use std::ops::Bound;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -74,16 +75,17 @@ impl Store {
                 header,
                 stored: Arc::clone(&stored),
             };
-            let replaced = match guard.records.get_mut(key) {
-                Some(_) if !overwrite => {
+            // One search of the index (an entry), not a lookup and then an insert.
+            let replaced = match guard.records.entry(key.to_string()) {
+                Entry::Occupied(_) if !overwrite => {
                     return Err(StoreError::AlreadyExists {
                         bucket: bucket.to_string(),
                         key: key.to_string(),
                     });
                 }
-                Some(existing) => Some(std::mem::replace(existing, record)),
-                None => {
-                    guard.records.insert(key.to_string(), record);
+                Entry::Occupied(mut existing) => Some(existing.insert(record)),
+                Entry::Vacant(vacant) => {
+                    vacant.insert(record);
                     job_index.account.objects.fetch_add(1, Ordering::AcqRel);
                     job_index.account.entries.fetch_add(1, Ordering::AcqRel);
                     None
@@ -130,6 +132,11 @@ impl Store {
     ) -> Result<(ObjectHeader, Bytes, bool), StoreError> {
         check_names(job, bucket, Some(key))?;
         let (header, stored, claimed) = self.with_bucket(job, bucket, |b, account| {
+            if claim == Claim::Always {
+                // A DELETE read takes the record in one search of the index.
+                let record = self.take_record(b, account, job, bucket, key)?;
+                return Ok((record.header, record.stored, true));
+            }
             let found = b.records.get(key).ok_or_else(|| not_found(bucket, key))?;
             let takes = match claim {
                 Claim::Never => false,

@@ -41,7 +41,14 @@ BATCH_OPS_MAX = 4096
 """Most operations one pipelined client call sends before reading replies."""
 
 SOCKET_TIMEOUT_S = 60.0
-"""Deadline of every blocking socket call, on both sides."""
+"""Deadline of every blocking socket call of the client."""
+
+IDLE_TIMEOUT_S = 30 * 60.0
+"""Deadline of every blocking socket call of the server, the wait for a client's next request
+included: longer than a connection idles in the side-by-side runner, whose clients keep their
+connections while the other peers take their rounds of a cell (over a minute for the 64 KiB cells
+of a full run, which a 60 s deadline cut). The parent check and the lifetime still end the
+server."""
 
 LIFETIME_S_DEFAULT = 3600.0
 """The server exits by itself after this long."""
@@ -72,7 +79,7 @@ def _serve_connection(sock: socket.socket, source: memoryview, slots: threading.
     try:
         with sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(SOCKET_TIMEOUT_S)
+            sock.settimeout(IDLE_TIMEOUT_S)
             while True:
                 try:
                     received = sock.recv_into(view[end:])

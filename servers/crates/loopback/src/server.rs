@@ -23,8 +23,14 @@ const READ_BUFFER_BYTES: usize = 64 * 1024;
 const WRITE_BUFFER_BYTES: usize = 64 * 1024;
 /// Where a PUT's bytes are dropped, this much per receive.
 const SCRATCH_BYTES: usize = 4 * 1024 * 1024;
-/// Deadline of every blocking socket call.
+/// Deadline of every blocking send.
 const SOCKET_TIMEOUT_MS: u64 = 60_000;
+/// Deadline of every blocking receive, the wait for a client's next request included: longer
+/// than a connection idles in the side-by-side runner, whose clients keep their connections
+/// while the other peers take their rounds of a cell (over a minute for the 64 KiB cells of a
+/// full run, which a 60 s receive deadline cut). The parent watch and the lifetime still end
+/// the server.
+const IDLE_TIMEOUT_MS: u64 = 30 * 60 * 1000;
 /// How often the server checks that its parent still lives and its lifetime is not over.
 const WATCH_INTERVAL_MS: u64 = 500;
 
@@ -110,7 +116,7 @@ fn watch(parent_pid: Option<u32>, lifetime_ms: u64) {
 /// Answer one connection's requests until it closes; a malformed request ends it.
 fn serve_connection(stream: &TcpStream, source: &[u8]) -> Result<(), Error> {
     stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(Duration::from_millis(SOCKET_TIMEOUT_MS)))?;
+    stream.set_read_timeout(Some(Duration::from_millis(IDLE_TIMEOUT_MS)))?;
     stream.set_write_timeout(Some(Duration::from_millis(SOCKET_TIMEOUT_MS)))?;
     let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
     let mut writer = BufWriter::with_capacity(WRITE_BUFFER_BYTES, stream);

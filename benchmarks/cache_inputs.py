@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -62,7 +61,15 @@ from typing import Any
 
 import cloudpickle
 
-from benchmarks.machine import git_commit, machine, now_iso, package_versions, today
+from benchmarks.machine import (
+    git_commit,
+    machine,
+    machine_busy_cpu_s,
+    now_iso,
+    package_versions,
+    process_cpu_s,
+    today,
+)
 from benchmarks.peers import S3Peer
 from pocketflow.demo import forget_inherited_lithops_session, lithops_config
 
@@ -244,20 +251,9 @@ def _process_cpu_s(pid: int | None) -> float | None:
     if pid is None:
         return None
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        return process_cpu_s(pid)
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _machine_busy_s() -> float:
-    """CPU seconds every core of the machine spent busy (not idle, not waiting for I/O) so
-    far, whoever's work it was."""
-    with open("/proc/stat") as f:
-        ticks = [int(t) for t in f.readline().split()[1:]]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _prewarm_cpu(status: dict[str, Any], gets: int, s3_cpu_s: float | None,
@@ -309,7 +305,7 @@ def run_ways(mixes: list[Mix], source: Any, fexec: Any,
     with pocketflow.LocalCluster(**CLUSTER_SHAPE) as cluster:
         for mix in mixes:
             before = Counter(request_counts())
-            s3_cpu_before, busy_before = _process_cpu_s(s3_pid), _machine_busy_s()
+            s3_cpu_before, busy_before = _process_cpu_s(s3_pid), machine_busy_cpu_s()
             started = time.perf_counter()
             with open_cache(mix.cache, source, app=mix.cache, cluster=cluster, prewarm=True,
                             working_set_url=mix.ws_url, idle="10min") as cache:
@@ -319,7 +315,7 @@ def run_ways(mixes: list[Mix], source: Any, fexec: Any,
                 job_s = time.perf_counter() - started
                 cache.wait_prewarmed(600.0)
                 wall_s = time.perf_counter() - started
-                s3_cpu_after, busy_after = _process_cpu_s(s3_pid), _machine_busy_s()
+                s3_cpu_after, busy_after = _process_cpu_s(s3_pid), machine_busy_cpu_s()
                 status = cache.close()
             requests = Counter(request_counts()) - before
             s3_cpu_s = (s3_cpu_after - s3_cpu_before

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pyarrow.flight as flight
 
+from benchmarks.machine import process_cpu_s
 from benchmarks.peers import standalone_job
 from pocketflow.auth import write_secret_file
 from pocketflow.client import connect
@@ -53,12 +54,6 @@ def _ticket(handle: JobHandle, key: str) -> tuple[str, bytes]:
         ranges.append((index, 0, min(header.block_size, header.size - start)))
     return server.address, get_ticket(handle.context(), bucket="bench", key=key,
                                       version=header.version, ranges=ranges, delete=False)
-
-
-def _cpu_s(pid: int) -> float:
-    """User plus system CPU seconds a process has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _read(client: flight.FlightClient, ticket: bytes) -> int:
@@ -118,12 +113,12 @@ def main() -> None:
                     order = list(clients.items())
                     for name, client in order if round_at % 2 == 0 else order[::-1]:
                         pid = processes[name].pid
-                        cpu_before = _cpu_s(pid)
+                        cpu_before = process_cpu_s(pid)
                         started = time.perf_counter()
                         for _ in range(repeat):
                             assert _read(client, tickets[name][1]) == size
                         elapsed = time.perf_counter() - started
-                        cpu_s[name] += _cpu_s(pid) - cpu_before
+                        cpu_s[name] += process_cpu_s(pid) - cpu_before
                         rates[name].append(size * repeat / elapsed / 1e6)
             finally:
                 for client in clients.values():

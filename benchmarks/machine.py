@@ -24,6 +24,21 @@ def _run(argv: list[str], cwd: Path | None = None) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def process_cpu_s(pid: int) -> float:
+    """User plus system CPU seconds process ``pid`` has used so far (Linux ``/proc``); raises
+    ``OSError`` when it is gone."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_cpu_s() -> float:
+    """CPU seconds every core of the machine spent on anything but idling and I/O wait so far,
+    whoever's work it was (``/proc/stat``: user nice system idle iowait irq softirq steal; guest
+    times are inside user and nice); raises ``OSError`` when it cannot be read."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def git_commit() -> dict[str, Any]:
     """``git rev-parse HEAD``, whether tracked files changed since, and how many are untracked."""
     commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import resource
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from benchmarks.machine import process_cpu_s
 from benchmarks.many_objects import CLUSTER_SHAPE, MiB, map_fixed, reduce_check
 
 INPUT_WAIT_S = 60.0
@@ -49,11 +48,6 @@ METRICS_TIMEOUT_S = 10.0
 def _process_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def _pid_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _requests_served(cluster: Any) -> int:
@@ -100,7 +94,7 @@ def run_round(cluster: Any, *, tasks: int, object_bytes: int, name: str) -> dict
         map_function = functools.partial(map_fixed, object_bytes, tasks)
         reduce_function = functools.partial(reduce_check, object_bytes)
         requests_before = _requests_served(cluster)
-        servers_before = sum(_pid_cpu_s(pid) for pid in servers)
+        servers_before = sum(process_cpu_s(pid) for pid in servers)
         started, wall_started = _process_cpu_s(), time.perf_counter()
         for mapper in range(tasks):
             st._map_task(st._MapCall(spec, map_function, mapper, mapper, None))
@@ -110,7 +104,7 @@ def run_round(cluster: Any, *, tasks: int, object_bytes: int, name: str) -> dict
             good += outcome.value[0] if outcome.value is not None else 0
         tasks_cpu_s = _process_cpu_s() - started
         wall_s = time.perf_counter() - wall_started
-        servers_cpu_s = sum(_pid_cpu_s(pid) for pid in servers) - servers_before
+        servers_cpu_s = sum(process_cpu_s(pid) for pid in servers) - servers_before
         requests = _requests_served(cluster) - requests_before
     return {"objects": tasks * tasks, "valid": good == tasks * tasks, "wall_s": wall_s,
             "tasks_cpu_s": tasks_cpu_s, "servers_cpu_s": servers_cpu_s, "requests": requests}

@@ -71,7 +71,14 @@ from typing import Any
 import cloudpickle
 import ray.cloudpickle
 
-from benchmarks.machine import git_commit, machine, now_iso, package_versions, today
+from benchmarks.machine import (
+    git_commit,
+    machine,
+    machine_busy_cpu_s,
+    now_iso,
+    package_versions,
+    today,
+)
 from pocketflow.config import parse_size
 from pocketflow.demo import (
     _MASK64,
@@ -219,14 +226,11 @@ def _device_busy_s(stat: Path | None) -> float | None:
 
 
 def _cpu_busy_s() -> float | None:
-    """CPU seconds every core of the machine spent on anything but idling and I/O wait."""
+    """:func:`benchmarks.machine.machine_busy_cpu_s`, or None where it cannot be read."""
     try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        return machine_busy_cpu_s()
     except OSError:
         return None
-    # user nice system idle iowait irq softirq steal (guest times are inside user and nice).
-    ticks = [int(v) for v in fields[1:9]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _rss_bytes(pid: int) -> int:

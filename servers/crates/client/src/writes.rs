@@ -63,13 +63,7 @@ pub type PutItem<'a> = (&'a str, &'a [u8], Option<&'a Bytes>);
 /// pick the same one, whatever a program does to its own random generators).
 pub fn new_version() -> u64 {
     let mut raw = [0u8; 8];
-    loop {
-        // SAFETY: the buffer is 8 writable bytes.
-        let got = unsafe { libc::getrandom(raw.as_mut_ptr().cast(), raw.len(), 0) };
-        if got == raw.len() as isize {
-            break;
-        }
-    }
+    fill_from_kernel(&mut raw);
     u64::from_le_bytes(raw).max(1)
 }
 
@@ -77,19 +71,24 @@ pub fn new_version() -> u64 {
 /// each (a wide shuffle's mapper puts hundreds of small objects per call).
 pub fn new_versions(count: usize) -> Vec<u64> {
     let mut raw = vec![0u8; count * 8];
+    fill_from_kernel(&mut raw);
+    raw.chunks_exact(8)
+        .map(|chunk| u64::from_le_bytes(chunk.try_into().expect("8 bytes")).max(1))
+        .collect()
+}
+
+/// Fill `raw` with random bytes from the kernel (`getrandom`). Requests above 256 bytes may
+/// return short (a signal), and a failure (EINTR) is retried.
+fn fill_from_kernel(raw: &mut [u8]) {
     let mut filled = 0;
     while filled < raw.len() {
         // SAFETY: the pointer and length are the unfilled tail of `raw`.
         let got =
             unsafe { libc::getrandom(raw[filled..].as_mut_ptr().cast(), raw.len() - filled, 0) };
-        // Requests above 256 bytes may return short (a signal); a failure (EINTR) is retried.
         if got > 0 {
             filled += got as usize;
         }
     }
-    raw.chunks_exact(8)
-        .map(|chunk| u64::from_le_bytes(chunk.try_into().expect("8 bytes")).max(1))
-        .collect()
 }
 
 /// The header of a small object of `size` bytes.

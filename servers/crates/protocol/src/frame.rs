@@ -501,9 +501,7 @@ impl ReplyFrameBuilder {
     /// grows: a frame built at its final size is written once, not copied at each doubling.
     pub fn with_capacity(capacity_bytes: usize) -> Self {
         let mut buf = BytesMut::with_capacity(capacity_bytes.max(REPLY_FRAME_HEAD_BYTES));
-        buf.put_u8(FRAME_VERSION);
-        buf.put_bytes(0, 3);
-        buf.put_u32_le(0);
+        put_reply_frame_head(&mut buf, 0);
         Self { buf, count: 0 }
     }
 
@@ -536,6 +534,13 @@ impl ReplyFrameBuilder {
         self.buf[4..8].copy_from_slice(&self.count.to_le_bytes());
         self.buf.freeze()
     }
+}
+
+/// A reply frame's head: its version, three zero bytes and its count of replies.
+fn put_reply_frame_head(buf: &mut BytesMut, count: u32) {
+    buf.put_u8(FRAME_VERSION);
+    buf.put_bytes(0, 3);
+    buf.put_u32_le(count);
 }
 
 /// A reply's head (and object header, if any), as a reply frame carries it before the body.
@@ -620,9 +625,7 @@ impl ReplyFramePieces {
     /// The finished frame's pieces, in order (none empty), and its length in bytes.
     pub fn finish(mut self) -> (Vec<Bytes>, usize) {
         let mut head = BytesMut::with_capacity(REPLY_FRAME_HEAD_BYTES);
-        head.put_u8(FRAME_VERSION);
-        head.put_bytes(0, 3);
-        head.put_u32_le(self.count);
+        put_reply_frame_head(&mut head, self.count);
         let mut pieces = Vec::with_capacity(self.pieces.len() + 2);
         pieces.push(head.freeze());
         pieces.extend(self.pieces.drain(..).filter(|piece| !piece.is_empty()));

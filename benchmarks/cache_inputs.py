@@ -26,7 +26,9 @@ keys, each call reading a contiguous share of them, four ways, one after the oth
   after its read renews the cached keys that follow its share with one more page: the calls
   that read those within the 5 s lease find them fresh).
 - ``prewarmed``: a fresh local cluster (nothing cached), the cache opened with ``prewarm=True``
-  from the working set's copy in S3; the map is submitted at once, while the prewarm runs.
+  from the working set's copy in S3 (its objects of 64 KiB or less from the pack the cold run
+  wrote next to it, :mod:`pocketflow.cache.pack`: a listing and ranged GETs per batch instead of
+  a GET per object); the map is submitted at once, while the prewarm runs.
 
 Reported per run: input I/O per task (the time a call spends getting its inputs: mean and p95
 over calls; a miss's bytes are the call's when S3 answered, and its entry is written after, by
@@ -37,7 +39,8 @@ or filled by another process while the task waited; over every read of every cal
 requests of the run by operation (every call's and the driver's, which prewarms), and bytes
 checked (each call verifies its inputs' contents). For ``prewarmed`` also what bounds the
 prewarm's rate, from CPU times, which load changes far less than wall times: its workers' CPU
-per object (their start included), the S3 server's CPU per GET, and the machine's busy cores
+per object (their start included), the S3 server's CPU per object, the objects taken from
+the pack, and the machine's busy cores
 over the run, whoever's work (every core busy means the prewarm is bound by CPU: a faster one
 needs less CPU per object rather than more GETs in flight). Results go to
 ``benchmarks/results/cache-inputs-<date>[-quick|-scale<F>].json`` and ``.md`` (the full run's,
@@ -259,14 +262,18 @@ def _process_cpu_s(pid: int | None) -> float | None:
 def _prewarm_cpu(status: dict[str, Any], gets: int, s3_cpu_s: float | None,
                  busy_s: float, wall_s: float) -> dict[str, Any]:
     """What bounds a prewarm's rate, from CPU times (which load changes far less than wall
-    times): its workers' CPU per object fetched, the S3 server's CPU per GET of the run, and
-    how many of the machine's cores were busy on average (all of them: CPU-bound)."""
+    times): its workers' CPU per object fetched, the S3 server's CPU per object fetched (the
+    run's GETs, listings and the tasks' requests included), the objects taken from the last
+    run's pack (:mod:`pocketflow.cache.pack`) and the run's GETs, and how many of the
+    machine's cores were busy on average (all of them: CPU-bound)."""
     fetched = status.get("prewarm_fetched") or 0
     cpu_s = status.get("prewarm_cpu_s")
     return {
         "prewarm_cpu_us_per_object": (1e6 * cpu_s / fetched if cpu_s and fetched else None),
-        "s3_server_cpu_us_per_get": (1e6 * s3_cpu_s / gets if s3_cpu_s is not None and gets
-                                     else None),
+        "s3_server_cpu_us_per_object": (1e6 * s3_cpu_s / fetched
+                                        if s3_cpu_s is not None and fetched else None),
+        "prewarm_packed": (status.get("prewarm_stats") or {}).get("packed", 0),
+        "gets": gets,
         "machine_busy_cores": busy_s / wall_s if wall_s > 0 else None,
     }
 
@@ -392,14 +399,16 @@ def markdown(results: dict[str, Any]) -> str:
         ]
     for r in results["runs"]:
         if r["way"] == "prewarmed" and r.get("prewarm_cpu_us_per_object") is not None:
-            s3_cpu = r.get("s3_server_cpu_us_per_get")
+            s3_cpu = r.get("s3_server_cpu_us_per_object")
             lines.append(
                 f"- {r['mix']}, prewarmed run: the prewarm fetched "
-                f"{r['cache'].get('prewarm_objects_per_s') or 0:.0f} objects/s at "
+                f"{r['cache'].get('prewarm_objects_per_s') or 0:.0f} objects/s "
+                f"({r.get('prewarm_packed', 0)} of {r['cache'].get('prewarm_fetched') or 0} from "
+                f"the last run's pack; {r.get('gets', 0)} GETs in the run) at "
                 f"{r['prewarm_cpu_us_per_object']:.0f} us of its workers' CPU per object (their "
                 f"start included); the "
                 f"S3 server spent "
-                f"{'?' if s3_cpu is None else format(s3_cpu, '.0f')} us of CPU per GET; the "
+                f"{'?' if s3_cpu is None else format(s3_cpu, '.0f')} us of CPU per object; the "
                 f"machine's cores were {r['machine_busy_cores']:.2f} busy on average of "
                 f"{m['cores']} (from opening the cache to the prewarm's end)")
     lines += ["", "Side by side with Faa$T (SoCC'21: runs up to 92% and on average 57% faster "
@@ -418,7 +427,10 @@ def markdown(results: dict[str, Any]) -> str:
         "small "
         "objects, whose reads are mostly the round trip, gain as much as large ones (Faa$T's "
         "per-read check erased the gain at 64 KB and below); a miss is fetched once however "
-        "many tasks ask; and the cached bytes come from pocketflow's storage servers over "
+        "many tasks ask; a prewarm of small objects takes them from the last run's pack (a "
+        "listing page and a ranged GET per 256 objects, each checked against the listing's "
+        "ETag, instead of a GET each), so it is not held by per-request CPU, ours or the S3 "
+        "server's; and the cached bytes come from pocketflow's storage servers over "
         "pipelined sessions. On this one machine the S3 server is local, so S3 is far faster "
         "than a remote store and every ratio here understates the gain against real S3.",
     ]
@@ -435,8 +447,12 @@ def markdown(results: dict[str, Any]) -> str:
         "without the cache.",
         "",
         "S3 requests count every call's and the driver's: the driver's are the working set's copy "
-        "in S3 (one PutObject when a cached run ends, one GetObject when one starts: none is "
-        "there yet for the cold run) and, in the prewarmed run, the prewarm's GETs. A read "
+        "in S3 (one PutObject when a run ends, one GetObject when one starts: none is "
+        "there yet for the cold run), the pack of the small entries (objects of 64 KiB or "
+        "less) that the cold run writes next to it (one more PutObject; the cached run holds "
+        "the same entries and keeps that pack) and, in the prewarmed run, the prewarm's "
+        "requests: for the packed keys one listing page and ranged GETs of the pack per batch "
+        "of 256 keys, for the others a GET each. A read "
         "counts as a hit when the cache served it: fresh (within the 5 s validation lease, "
         "from its own listing or another call's listing ahead), revalidated (a listing page per "
         "1000 keys once the lease has run out), or filled by another process "

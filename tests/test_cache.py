@@ -21,11 +21,14 @@ from fixtures_s3 import boto3_client
 
 from pocketflow.cache import open_cache
 from pocketflow.cache.cache import Cache, working_set_key
+from pocketflow.cache.client import WAIT_HEAD_KEYS
+from pocketflow.cache.pack import PACK_OBJECT_BYTES_MAX
+from pocketflow.cache.prewarm import PREWARM_BATCH_KEYS
 from pocketflow.cache.records import RECORD_BUCKET
 from pocketflow.cache.source import S3Source, request_counts
-from pocketflow.cache.working_set import KeyUse, RunRecord, plan_prewarm
+from pocketflow.cache.working_set import KeyUse, PackEntry, PackRef, RunRecord, plan_prewarm
 from pocketflow.cluster import LocalCluster
-from pocketflow.errors import JobNotRegistered
+from pocketflow.errors import JobNotRegistered, S3ObjectNotFound
 
 MiB = 1024 * 1024
 PROCESS_TIMEOUT_S = 120.0
@@ -238,6 +241,126 @@ def test_a_prewarm_worker_killed_leaves_its_keys_to_the_tasks(
         assert result["stats"]["steals"] + result["stats"]["filled"] >= 1, result["stats"]
         job_id = cache.job_id
     _wait_ended(local_cluster, job_id)
+
+
+def test_a_reader_waiting_on_many_claimed_keys_outlives_the_prewarm_workers_killed(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    """The worst moment of a prewarm's claims: both workers stopped (SIGSTOP) right after
+    claiming their first windows, a task reading every key (more than ``WAIT_HEAD_KEYS``, so
+    it waits in several heads) parks on their claims, then both workers are SIGKILLed while it
+    waits. Nobody renews or fills those claims: the task takes them over once they lapse
+    (``claim_ms``), fetches the keys itself and returns every key whole within a bound."""
+    sizes = {f"s/{i:04d}": 4096 for i in range(3 * WAIT_HEAD_KEYS + 100)}
+    _upload(s3, s3_bucket, sizes)
+    keys = sorted(sizes)
+    _record_working_set(local_cluster, s3_server, s3_bucket, "t-stop", "stop", keys)
+    with open_cache("t-stop", s3_server, app="stop", prewarm=True, idle="1s", claim_ms=3000,
+                    cluster=local_cluster) as cache:
+        pids = cache.prewarm_pids
+        assert len(pids) == 2
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        task = _task(cache, s3_bucket, keys)
+        time.sleep(2.0)
+        assert task.poll() is None, "the task waits for the stopped workers' claims"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        result = _result(task)
+        took_s = time.monotonic() - started
+        assert result["sizes"] == [4096] * len(keys)
+        assert result["stats"]["steals"] >= 1, result["stats"]
+        assert result["stats"]["hits"] + result["stats"]["filled"] == len(keys)
+        assert took_s < 60.0, f"the task took {took_s:.1f} s"
+        assert cache.wait_prewarmed(30.0), "killed workers end the prewarm"
+        job_id = cache.job_id
+    _wait_ended(local_cluster, job_id)
+
+
+def _pack_of(s3: Any, bucket: str, key: str) -> PackRef:
+    record = RunRecord.decode(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    assert record.pack is not None
+    return record.pack
+
+
+def test_prewarm_takes_small_objects_from_the_last_runs_pack(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    """Run 1 (with ``working_set_url``) packs its small entries next to its working set's
+    copy in S3. Before run 2, one packed key changes in S3, one is deleted and one's packed
+    bytes go bad: run 2's prewarm fills every other small key from the pack (a listing and
+    ranged GETs per batch, not a GET each), and GETs those three and the object too large to
+    pack on their own; its tasks read every key without S3, the changed key at its new
+    version. Run 2 writes a new pack and deletes the old one; run 3, whose entries are run 2's,
+    keeps run 2's pack and PUTs no new one."""
+    small = {f"p/{i:04d}": 4096 for i in range(2 * PREWARM_BATCH_KEYS + 100)}
+    sizes = {**small, "p/large": PACK_OBJECT_BYTES_MAX + 1}
+    _upload(s3, s3_bucket, sizes)
+    keys = sorted(sizes)
+    url = f"s3://{s3_bucket}/ws/packed"
+    with open_cache("t-pack", s3_server, app="packed", idle="1s", working_set_url=url,
+                    cluster=local_cluster) as cache:
+        cache.client.get_many(s3_bucket, keys)
+        job_id = cache.job_id
+    _wait_ended(local_cluster, job_id)
+    first = _pack_of(s3, s3_bucket, "ws/packed")
+    assert first.bucket == s3_bucket and first.key.startswith("ws/packed.pack-")
+    assert sorted(e.key for e in first.entries) == sorted(small)
+    changed, gone, bad = "p/0005", "p/0006", "p/0007"
+    s3.put_object(Bucket=s3_bucket, Key=changed, Body=b"new".ljust(4096, b"!"))
+    s3.delete_object(Bucket=s3_bucket, Key=gone)
+    body = bytearray(s3.get_object(Bucket=s3_bucket, Key=first.key)["Body"].read())
+    body[next(e.offset for e in first.entries if e.key == bad)] ^= 0xFF
+    s3.put_object(Bucket=s3_bucket, Key=first.key, Body=bytes(body))
+    before = request_counts()
+    readable = [k for k in keys if k != gone]
+    with open_cache("t-pack", s3_server, app="packed", prewarm=True, idle="2s",
+                    working_set_url=url, cluster=local_cluster) as cache:
+        assert cache.wait_prewarmed(120.0)
+        status = cache.status()
+        assert status["prewarm_fetched"] == len(keys)
+        assert status["prewarm_stats"]["packed"] == len(small) - 3, status["prewarm_stats"]
+        gets = request_counts().get("GetObject", 0) - before.get("GetObject", 0)
+        batches = -(-len(keys) // PREWARM_BATCH_KEYS)
+        # One ranged GET per batch (its packed keys lie together), one GET for each of the
+        # four keys not taken from the pack.
+        assert 4 < gets <= 4 + batches, gets
+        result = _result(_task(cache, s3_bucket, readable))
+        assert result["gets"] == 0, result["stats"]
+        assert result["sizes"] == [sizes[k] for k in readable]
+        assert cache.client.get(s3_bucket, changed) == b"new".ljust(4096, b"!")
+        assert cache.client.get(s3_bucket, bad) == bad.encode().ljust(4096, b".")
+        with pytest.raises(S3ObjectNotFound):
+            cache.client.get(s3_bucket, gone)
+    second = _pack_of(s3, s3_bucket, "ws/packed")
+    assert second.key != first.key
+    assert {e.key: e.etag for e in second.entries}[changed] != {
+        e.key: e.etag for e in first.entries}[changed]
+    with pytest.raises(Exception, match="404|Not Found"):
+        s3.head_object(Bucket=s3_bucket, Key=first.key)
+    puts = request_counts().get("PutObject", 0)
+    with open_cache("t-pack", s3_server, app="packed", idle="1s", working_set_url=url,
+                    cluster=local_cluster) as cache:
+        assert cache.client.get_many(s3_bucket, readable) == [
+            b"new".ljust(4096, b"!") if k == changed else k.encode().ljust(sizes[k], b".")
+            for k in readable]
+        job_id = cache.job_id
+    assert _pack_of(s3, s3_bucket, "ws/packed") == second
+    assert request_counts().get("PutObject", 0) - puts == 1, "the record's copy only"
+    _wait_ended(local_cluster, job_id)
+
+
+def test_a_run_record_carries_its_pack() -> None:
+    """A record's pack lists each packed key by its index in the record and its ETag; the
+    offsets come back as the sums of the sizes packed before, in the pack's order."""
+    keys = (KeyUse("b", "x", 10, 1), KeyUse("b", "y", 20, 2), KeyUse("c", "z", 5, 1))
+    pack = PackRef("b", "ws.pack-1", (PackEntry("c", "z", "e" * 32, 0, 5),
+                                      PackEntry("b", "x", "f" * 32, 5, 10)))
+    record = RunRecord("app", "run", 1, 2.0, keys, pack)
+    assert RunRecord.decode(record.encode()) == record
+    plain = RunRecord("app", "run", 1, 2.0, keys)
+    assert RunRecord.decode(plain.encode()).pack is None
 
 
 def test_eviction_by_recency(

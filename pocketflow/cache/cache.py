@@ -15,6 +15,7 @@ from typing import Any
 from pocketflow.auth import token_expiry_unix_ms
 from pocketflow.cache.client import CacheClient, create_buckets
 from pocketflow.cache.maintainer import Maintainer
+from pocketflow.cache.pack import build_pack, pack_key
 from pocketflow.cache.prewarm import (
     PREWARM_BATCH_KEYS,
     PREWARM_CLAIM_AHEAD_KEYS,
@@ -33,6 +34,7 @@ from pocketflow.cache.spec import (
 )
 from pocketflow.cache.working_set import (
     CAPACITY_MIN_BYTES,
+    PackRef,
     RunRecord,
     WorkingSet,
     plan_prewarm,
@@ -301,7 +303,8 @@ class Cache:
             self._prewarm_done.set()
 
         workers = Workers(self.spec.to_json(), batches_of(plan),
-                          on_requests=add_request_counts)
+                          on_requests=add_request_counts,
+                          pack=self._previous.pack if self._previous is not None else None)
         self._prewarm = workers
         if not workers.wait_started(WORKER_START_TIMEOUT_S):
             log.warning("cache %s: a prewarm worker did not claim its first keys within %.0f s",
@@ -437,8 +440,12 @@ class Cache:
     def _record(self, working_set: WorkingSet) -> None:
         assert self.app is not None
         duration_s = time.monotonic() - self._started_s
-        record = RunRecord(self.app, self.run_id, int(time.time() * 1000), duration_s,
-                           tuple(working_set.uses()))
+        uses = tuple(working_set.uses())
+        pack = None
+        if self._working_set_url is not None:
+            pack = self._pack(uses)
+        record = RunRecord(self.app, self.run_id, int(time.time() * 1000), duration_s, uses,
+                           pack)
         raw = record.encode()
         try:
             self._client.client.put(RECORD_BUCKET, working_set_key(self.app), raw,
@@ -458,11 +465,34 @@ class Cache:
             except S3Error as exc:
                 log.warning("cache %s: copying the working set to %s failed: %s", self.name,
                             self._working_set_url, exc)
+        previous_pack = self._previous.pack if self._previous is not None else None
+        if (previous_pack is not None and pack is not None
+                and previous_pack.key != pack.key and previous_pack.bucket == pack.bucket):
+            try:  # the record that named it is replaced; a prewarm still reading it GETs alone
+                S3Store(self.spec.source).delete(previous_pack.bucket, previous_pack.key)
+            except S3Error as exc:
+                log.info("cache %s: the last pack %s stays: %s", self.name, previous_pack.key,
+                         exc)
         if self._autosize:
             wanted = target_capacity_bytes(record.distinct_bytes,
                                            capacity_max_bytes=self._capacity_max_bytes)
             if resize_wanted(self.capacity_bytes, wanted):
                 self._resize(wanted, record.read_bytes_per_s)
+
+    def _pack(self, uses: tuple[Any, ...]) -> PackRef | None:
+        """The run's small entries packed next to the working set's S3 copy
+        (:mod:`pocketflow.cache.pack`), or the last run's pack if it holds the same; None
+        when there is nothing to pack or packing failed (the next prewarm GETs each key)."""
+        assert self._working_set_url is not None
+        bucket, key = _s3_url(self._working_set_url)
+        previous = self._previous.pack if self._previous is not None else None
+        try:
+            return build_pack(self._client.client, S3Store(self.spec.source), uses, bucket,
+                              pack_key(key, self.run_id), previous=previous)
+        except PocketflowError as exc:
+            log.warning("cache %s: packing the small entries of %s failed: %s", self.name,
+                        self.app, exc)
+            return None
 
     def __enter__(self) -> Cache:
         return self

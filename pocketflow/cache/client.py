@@ -156,7 +156,9 @@ class CacheStats:
     ``wait_slices`` the waits parked on the servers for other processes' fills;
     ``fill_round_trips`` the calls to the cache a reader made for its misses between reading
     their ``meta`` and having their bytes (the claim's put, its read back if a rival's claim was
-    met); the writes of a fill happen after, on the publisher thread."""
+    met); the writes of a fill happen after, on the publisher thread. ``packed`` counts the
+    fills (within ``filled``) whose bytes a prewarm took from a pack
+    (:mod:`pocketflow.cache.pack`) instead of a GET of their own."""
 
     fresh: int = 0
     revalidated: int = 0
@@ -172,6 +174,7 @@ class CacheStats:
     steals: int = 0
     wait_slices: int = 0
     fill_round_trips: int = 0
+    packed: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -193,7 +196,7 @@ class CacheStats:
                 "fresh", "revalidated", "waited", "filled", "bypassed", "missing",
                 "validations", "listings", "listed_keys", "renewed_ahead", "bytes_read", "steals",
                 "wait_slices",
-                "fill_round_trips")}
+                "fill_round_trips", "packed")}
         out["hits"] = out["fresh"] + out["revalidated"] + out["waited"]
         return out
 
@@ -258,6 +261,9 @@ class CacheClient:
         self._pending = threading.Condition()
         self._pending_bytes = 0
         self._pending_fills = 0
+        self._known_lock = threading.Lock()
+        # Bytes a prefetch's caller already has, validated at the time given (a prewarm's pack).
+        self._known: dict[str, tuple[Fetched, int]] = {}
         self._closed = False
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -420,11 +426,26 @@ class CacheClient:
         (listings are not cached)."""
         return self._s3.list_objects(bucket, prefix)
 
-    def prefetch(self, bucket: str, keys: Sequence[str]) -> int:
+    def prefetch(self, bucket: str, keys: Sequence[str], *,
+                 known: dict[str, Fetched] | None = None, known_ms: int = 0) -> int:
         """Make ``keys`` fresh in the cache (fill or revalidate them) without reading their
         cached bytes; returns how many of them S3 holds. Other readers of a key being fetched
-        wait for this fetch instead of starting their own."""
-        results = self._read(bucket, keys, want_data=False)
+        wait for this fetch instead of starting their own. ``known``: the current version of
+        some of the keys, which S3 confirmed with a request sent at ``known_ms`` (unix ms): a
+        key of them that needs a fill is filled with those bytes, dated ``known_ms``, without
+        a GET (a prewarm's pack, :mod:`pocketflow.cache.pack`)."""
+        ckeys_known = [cache_key(bucket, k) for k in known or ()]
+        if known:
+            with self._known_lock:
+                for ckey, fetched in zip(ckeys_known, known.values(), strict=True):
+                    self._known[ckey] = (fetched, known_ms)
+        try:
+            results = self._read(bucket, keys, want_data=False)
+        finally:
+            if ckeys_known:
+                with self._known_lock:
+                    for ckey in ckeys_known:
+                        self._known.pop(ckey, None)
         # Claims held ahead for keys that needed no fill (hits): nobody waits on them now.
         unused = self._take_held([cache_key(bucket, k) for k in keys])
         if unused:
@@ -958,7 +979,18 @@ class CacheClient:
         """Fetch the keys whose claims this client won; their results are set as soon as S3
         answered, and the fill is handed to the publisher thread (:meth:`_publish`) in pieces
         of at most ``PUBLISH_PIECE_BYTES`` / ``PUBLISH_PIECE_KEYS`` as their answers come (in
-        order), so that writing the first keys to the cache overlaps fetching the others."""
+        order), so that writing the first keys to the cache overlaps fetching the others.
+        Keys whose bytes a prefetch was given (``known``) are filled with them first."""
+        if self._known:
+            with self._known_lock:
+                known = {i: self._known.pop(ckeys[i]) for i, _, _ in won
+                         if ckeys[i] in self._known}
+            if known:
+                self._fill_known(bucket, keys, ckeys,
+                                 [w for w in won if w[0] in known], known, results)
+                won = [w for w in won if w[0] not in known]
+                if not won:
+                    return
         sent_ms = _now_ms()
         fetched = self._s3_iter(bucket, [(keys[i], None) for i, _, _ in won],
                                 renew=[(ckeys[i], claim) for i, _, claim in won])
@@ -980,6 +1012,30 @@ class CacheClient:
                 self.stats.add(filled=1, bytes_read=answer.size)
             fill.append((i, keys[i], ckeys[i], old, claim, answer))
         self._publish_later(bucket, fill, sent_ms, held_bytes)
+
+    def _fill_known(self, bucket: str, keys: list[str], ckeys: list[str],
+                    won: list[tuple[int, Meta | None, Claim]],
+                    known: dict[int, tuple[Fetched, int]],
+                    results: list[Result | None]) -> None:
+        """Fill the claimed keys ``won`` with the bytes ``known`` of them, each dated when S3
+        confirmed it, in pieces as :meth:`_fetch_and_fill` does."""
+        by_ms: dict[int, list[tuple[int, Meta | None, Claim]]] = {}
+        for w in won:
+            by_ms.setdefault(known[w[0]][1], []).append(w)
+        for sent_ms, group in by_ms.items():
+            fill: list[tuple[int, str, str, Meta | None, Claim, Any]] = []
+            held_bytes = 0
+            for i, old, claim in group:
+                if fill and (held_bytes >= PUBLISH_PIECE_BYTES
+                             or len(fill) >= PUBLISH_PIECE_KEYS):
+                    self._publish_later(bucket, fill, sent_ms, held_bytes)
+                    fill, held_bytes = [], 0
+                answer = known[i][0]
+                results[i] = answer.data
+                held_bytes += answer.size
+                self.stats.add(filled=1, packed=1, bytes_read=answer.size)
+                fill.append((i, keys[i], ckeys[i], old, claim, answer))
+            self._publish_later(bucket, fill, sent_ms, held_bytes)
 
     # -- publishing fills (the publisher thread) -------------------------------------------------
 

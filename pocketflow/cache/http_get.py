@@ -89,13 +89,17 @@ class RawGetter:
     def get(self, bucket: str, key: str, *, if_none_match: str | None,
             on_progress: Callable[[], None] | None,
             read_body: Callable[[Any, int, Callable[[], None] | None], bytes],
+            byte_range: tuple[int, int] | None = None,
             ) -> tuple[int, str, bytes] | None:
-        """GetObject, whole: ``(Content-Length, ETag, body)``, or None for a 304 answer to
-        ``if_none_match``. Raises the typed :class:`~pocketflow.errors.S3Error` of a failure.
-        ``read_body(response, size, on_progress)`` reads a 200 answer's body."""
+        """GetObject, whole (or ``byte_range``, ``(first, last)`` inclusive, answered 206):
+        ``(Content-Length, ETag, body)``, or None for a 304 answer to ``if_none_match``.
+        Raises the typed :class:`~pocketflow.errors.S3Error` of a failure.
+        ``read_body(response, size, on_progress)`` reads a 200 (206) answer's body."""
         headers: dict[str, str] = {}
         if if_none_match is not None:
             headers["If-None-Match"] = if_none_match
+        if byte_range is not None:
+            headers["Range"] = f"bytes={byte_range[0]}-{byte_range[1]}"
         return self._send("GetObject", bucket, key, f"/{bucket}/{quote(key, safe='/~')}",
                           headers, on_progress, read_body)
 
@@ -146,7 +150,7 @@ class RawGetter:
                     raise _Stale() from None
                 raise
             status = answer.status
-            if status == 200:
+            if status == 200 or (status == 206 and "Range" in headers):
                 etag = (answer.getheader("ETag") or "").strip().strip('"')
                 length = answer.getheader("Content-Length")
                 size = int(length) if length is not None else -1

@@ -25,10 +25,11 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-from pocketflow.cache.working_set import KeyUse
+from pocketflow.cache.working_set import KeyUse, PackEntry, PackRef
 from pocketflow.errors import PocketflowError
 
 __all__ = ["PREWARM_PROCESSES", "PREWARM_STREAMS", "PREWARM_S3_PARALLEL",
@@ -94,13 +95,42 @@ def _by_bucket(uses: list[KeyUse]) -> dict[str, list[str]]:
     return out
 
 
+def _from_pack(client: Any, pack: PackRef, bucket: str, keys: list[str],
+               ) -> tuple[dict[str, Any], int]:
+    """The bytes of those of ``keys`` that ``pack`` holds and S3 still holds at the packed
+    version, with the time their validation (one listing) was sent (:mod:`.pack`): ``({key:
+    Fetched}, sent_ms)``; none if the listing or the pack's GETs failed."""
+    from pocketflow.cache.pack import read_packed
+    from pocketflow.cache.source import Fetched
+    from pocketflow.errors import S3Error
+
+    held = {(e.bucket, e.key): e for e in pack.entries}
+    packed = [held[(bucket, k)] for k in keys if (bucket, k) in held]
+    if not packed:
+        return {}, 0
+    store = client.source_store
+    sent_ms = int(time.time() * 1000)
+    try:
+        listed = store.list_keys(bucket, [e.key for e in packed])
+        datas = read_packed(store, pack.bucket, pack.key, packed)
+    except S3Error as exc:
+        log.warning("prewarming %d keys from the pack failed, fetching them one by one: %s",
+                    len(packed), exc)
+        return {}, 0
+    known = {e.key: Fetched(e.etag, e.size, datas[e.key]) for e in packed
+             if e.key in datas and listed.found.get(e.key) == (e.etag, e.size)}
+    return known, sent_ms
+
+
 def fetch_batches(client: Any, batches: list[list[KeyUse]], *, stop: threading.Event,
-                  on_batch: Callable[[int], None], on_claimed: Callable[[], None]) -> None:
+                  on_batch: Callable[[int], None], on_claimed: Callable[[], None],
+                  pack: PackRef | None = None) -> None:
     """Fetch ``batches`` in order through ``client`` (a :class:`CacheClient`),
     ``PREWARM_STREAMS`` at a time, with the next ``PREWARM_CLAIM_AHEAD_KEYS`` claimed ahead;
     ``on_claimed`` runs once the first window is claimed, ``on_batch(keys)`` after each batch.
-    Returns when every batch is fetched and written to the cache, or ``stop`` is set and the
-    batches in flight are."""
+    A batch's keys that ``pack`` holds are taken from it (validated by a listing) instead of
+    one GET each. Returns when every batch is fetched and written to the cache, or ``stop`` is
+    set and the batches in flight are."""
     lock = threading.Lock()
     next_batch = iter(enumerate(batches))
     claimed_upto = [0]  # batches [0, claimed_upto) are claimed (or being fetched)
@@ -135,8 +165,10 @@ def fetch_batches(client: Any, batches: list[list[KeyUse]], *, stop: threading.E
             index, batch = item
             claim_window(index + 1)
             for bucket, keys in _by_bucket(batch).items():
+                known, known_ms = (_from_pack(client, pack, bucket, keys) if pack is not None
+                                   else ({}, 0))
                 try:
-                    client.prefetch(bucket, keys)
+                    client.prefetch(bucket, keys, known=known, known_ms=known_ms)
                 except PocketflowError as exc:
                     log.warning("prewarming %d keys failed: %s", len(keys), exc)
             on_batch(len(batch))
@@ -158,7 +190,8 @@ class Workers:
 
     def __init__(self, spec_json: str, batches: list[list[KeyUse]], *,
                  processes: int = PREWARM_PROCESSES,
-                 on_requests: Callable[[dict[str, int]], None] | None = None) -> None:
+                 on_requests: Callable[[dict[str, int]], None] | None = None,
+                 pack: PackRef | None = None) -> None:
         self._lock = threading.Lock()
         self.fetched = 0
         self.stats: dict[str, int] = {}
@@ -187,8 +220,14 @@ class Workers:
             self._readers.append(reader)
             reader.start()
             assert proc.stdin is not None
+            order: dict[str, Any] = {"spec": spec_json, "batches": share}
+            if pack is not None:
+                mine = {(u.bucket, u.key) for batch in share for u in batch}
+                order["pack"] = {"bucket": pack.bucket, "key": pack.key,
+                                 "entries": [list(e) for e in pack.entries
+                                             if (e.bucket, e.key) in mine]}
             try:
-                proc.stdin.write(json.dumps({"spec": spec_json, "batches": share}))
+                proc.stdin.write(json.dumps(order))
                 proc.stdin.close()
             except OSError as exc:  # the worker died at once; its reader sees it end
                 log.warning("prewarm worker %d did not take its batches: %s", proc.pid, exc)
@@ -290,6 +329,11 @@ def main() -> int:
     spec = CacheSpec.from_json(order["spec"])
     batches = [[KeyUse(str(b), str(k), int(n), int(r)) for b, k, n, r in batch]
                for batch in order["batches"]]
+    pack = None
+    if order.get("pack"):
+        pack = PackRef(str(order["pack"]["bucket"]), str(order["pack"]["key"]),
+                       tuple(PackEntry(str(b), str(k), str(e), int(o), int(n))
+                             for b, k, e, o, n in order["pack"]["entries"]))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     # Its fills are logged (the driver's maintainer counts the bytes), its reads are not the
@@ -298,7 +342,7 @@ def main() -> int:
                          linger_claims=True)
     try:
         fetch_batches(client, batches, stop=stop, on_batch=lambda n: _say({"fetched": n}),
-                      on_claimed=lambda: _say({"started": True}))
+                      on_claimed=lambda: _say({"started": True}), pack=pack)
         times = os.times()
         _say({"end": True, "stats": client.stats.to_dict(), "requests": request_counts(),
               "cpu_ms": round(1000 * (times.user + times.system))})

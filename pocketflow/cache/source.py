@@ -282,6 +282,27 @@ class S3Store:
             )
         return Fetched(etag, size, data)
 
+    def get_range(self, bucket: str, key: str, first: int, last: int) -> bytes:
+        """Bytes ``first..last`` (inclusive) of an object: one ranged GetObject."""
+        getter = _getter(self.source)
+        if getter is not None:
+            answer = getter.get(bucket, key, if_none_match=None, on_progress=None,
+                                read_body=_read_body, byte_range=(first, last))
+            assert answer is not None
+            _, _, data = answer
+        else:
+            try:
+                got = _client(self.source).get_object(Bucket=bucket, Key=key,
+                                                      Range=f"bytes={first}-{last}")
+                data = _read_body(got["Body"], int(got["ContentLength"]), None)
+            except Exception as exc:
+                raise error_from_s3(exc, bucket=bucket, key=key) from exc
+        if len(data) != last - first + 1:
+            raise error_from_s3(
+                OSError(f"range of {len(data)} bytes, asked for {last - first + 1}"),
+                bucket=bucket, key=key)
+        return data
+
     def _boto3_get(self, bucket: str, key: str, if_none_match: str | None,
                    on_progress: Callable[[], None] | None) -> tuple[int, str, bytes] | None:
         """GetObject through boto3: ``(size, etag, body)``, None for a 304 answer."""

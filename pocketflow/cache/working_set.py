@@ -22,7 +22,7 @@ __all__ = [
     "KeyUse", "WorkingSet", "RunRecord", "plan_prewarm", "benefit_s", "target_capacity_bytes",
     "resize_wanted", "S3_REQUEST_S", "S3_STREAM_BYTES_PER_S", "WORKING_SET_KEYS_MAX",
     "CAPACITY_HEADROOM", "CAPACITY_MIN_BYTES", "GROW_WHEN_SHORT", "SHRINK_WHEN_UNDER",
-    "RECORD_BYTES_MAX",
+    "RECORD_BYTES_MAX", "PackEntry", "PackRef",
 ]
 
 S3_REQUEST_S = 0.010
@@ -98,6 +98,31 @@ class WorkingSet:
         return sum(size for size, _ in self._keys.values())
 
 
+class PackEntry(NamedTuple):
+    """One object held in a pack: its S3 bucket and key, the ETag of the bytes packed, and
+    where they are in the pack."""
+
+    bucket: str
+    key: str
+    etag: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class PackRef:
+    """A run's pack (:mod:`pocketflow.cache.pack`): the S3 object ``bucket/key`` holding the
+    bytes of its small entries one after another, as ``entries`` say."""
+
+    bucket: str
+    key: str
+    entries: tuple[PackEntry, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(e.size for e in self.entries)
+
+
 @dataclass(frozen=True)
 class RunRecord:
     """What a run of an application leaves for the next one: its working set, how long it ran
@@ -108,6 +133,7 @@ class RunRecord:
     recorded_ms: int
     duration_s: float
     keys: tuple[KeyUse, ...]
+    pack: PackRef | None = None
 
     @property
     def bytes_read(self) -> int:
@@ -122,8 +148,15 @@ class RunRecord:
         return int(self.bytes_read / self.duration_s) if self.duration_s > 0 else 0
 
     def encode(self) -> bytes:
-        body = {"v": 1, "app": self.app, "run": self.run_id, "t": self.recorded_ms,
-                "d": self.duration_s, "k": [list(u) for u in self.keys]}
+        body: dict[str, Any] = {"v": 1, "app": self.app, "run": self.run_id,
+                                "t": self.recorded_ms, "d": self.duration_s,
+                                "k": [list(u) for u in self.keys]}
+        if self.pack is not None:
+            # Each packed entry as its index in ``k`` and its ETag; its offset is the sum of
+            # the sizes packed before it.
+            index = {(u.bucket, u.key): i for i, u in enumerate(self.keys)}
+            body["p"] = {"b": self.pack.bucket, "k": self.pack.key,
+                         "e": [[index[(e.bucket, e.key)], e.etag] for e in self.pack.entries]}
         return zlib.compress(json.dumps(body, separators=(",", ":")).encode(), 6)
 
     @classmethod
@@ -133,9 +166,19 @@ class RunRecord:
             body: dict[str, Any] = json.loads(text)
             if body.get("v") != 1:
                 raise ValueError("version")
+            keys = tuple(KeyUse(str(b), str(k), int(n), int(r)) for b, k, n, r in body["k"])
+            pack = None
+            if body.get("p") is not None:
+                entries: list[PackEntry] = []
+                offset = 0
+                for i, etag in body["p"]["e"]:
+                    use = keys[int(i)]
+                    entries.append(PackEntry(use.bucket, use.key, str(etag), offset, use.size))
+                    offset += use.size
+                pack = PackRef(str(body["p"]["b"]), str(body["p"]["k"]), tuple(entries))
             return cls(str(body["app"]), str(body["run"]), int(body["t"]), float(body["d"]),
-                       tuple(KeyUse(str(b), str(k), int(n), int(r)) for b, k, n, r in body["k"]))
-        except (ValueError, TypeError, KeyError, zlib.error):
+                       keys, pack)
+        except (ValueError, TypeError, KeyError, IndexError, zlib.error):
             raise InvalidRequest("not a cache run record") from None
 
 

@@ -20,6 +20,7 @@ from fixtures_cluster import used_bytes, wait_for
 from fixtures_s3 import boto3_client
 
 from pocketflow.cache import open_cache
+from pocketflow.cache import pack as pack_module
 from pocketflow.cache.cache import Cache, working_set_key
 from pocketflow.cache.client import WAIT_HEAD_KEYS
 from pocketflow.cache.pack import PACK_OBJECT_BYTES_MAX
@@ -348,6 +349,72 @@ def test_prewarm_takes_small_objects_from_the_last_runs_pack(
         job_id = cache.job_id
     assert _pack_of(s3, s3_bucket, "ws/packed") == second
     assert request_counts().get("PutObject", 0) - puts == 1, "the record's copy only"
+    _wait_ended(local_cluster, job_id)
+
+
+def test_a_batch_of_packed_keys_in_two_ranges_is_validated_by_a_listing_each(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    """Run 1 reads two ranges of keys far apart in S3's order (1,000 keys it does not read lie
+    between them), so one prewarm batch holds both. The first listing stops within its bound
+    before the second range; a second listing from that range's first key validates it, and
+    every key is taken from the pack (before, the second range was fetched a GET per key)."""
+    sizes = {**{f"a/{i:03d}": 4096 for i in range(100)},
+             **{f"z/{i:03d}": 4096 for i in range(100)}}
+    _upload(s3, s3_bucket, {**sizes, **{f"m/{i:04d}": 1 for i in range(1000)}})
+    keys = sorted(sizes)
+    url = f"s3://{s3_bucket}/ws/ranges"
+    with open_cache("t-ranges", s3_server, app="ranges", idle="1s", working_set_url=url,
+                    cluster=local_cluster) as cache:
+        cache.client.get_many(s3_bucket, keys)
+        job_id = cache.job_id
+    _wait_ended(local_cluster, job_id)
+    before = request_counts()
+    with open_cache("t-ranges", s3_server, app="ranges", prewarm=True, idle="1s",
+                    working_set_url=url, cluster=local_cluster) as cache:
+        assert cache.wait_prewarmed(120.0)
+        assert cache.status()["prewarm_stats"]["packed"] == len(keys)
+        sent = {op: n - before.get(op, 0) for op, n in request_counts().items()}
+        assert sent.get("GetObject", 0) == 1, sent  # the pack's range: both lie together
+        # The first listing's two pages (up to its bound of 4 x 200 + 16 keys), then one.
+        assert sent.get("ListObjectsV2", 0) == 3, sent
+        job_id = cache.job_id
+    _wait_ended(local_cluster, job_id)
+
+
+def test_a_pack_larger_than_a_part_is_uploaded_in_parts(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pack is built a part at a time (``PACK_PART_BYTES``, lowered here to S3's 5 MiB
+    minimum so that 6.25 MiB of entries make two parts) and uploaded as one multipart object:
+    each packed entry's bytes are where the record says, and the next run's prewarm takes
+    every key from it."""
+    monkeypatch.setattr(pack_module, "PACK_PART_BYTES", 5 * MiB)
+    sizes = {f"m/{i:03d}": PACK_OBJECT_BYTES_MAX for i in range(100)}
+    _upload(s3, s3_bucket, sizes)
+    keys = sorted(sizes)
+    url = f"s3://{s3_bucket}/ws/parts"
+    before = request_counts()
+    with open_cache("t-parts", s3_server, app="parts", idle="1s", working_set_url=url,
+                    cluster=local_cluster) as cache:
+        cache.client.get_many(s3_bucket, keys)
+        job_id = cache.job_id
+    assert request_counts().get("UploadPart", 0) - before.get("UploadPart", 0) == 2
+    _wait_ended(local_cluster, job_id)
+    pack = _pack_of(s3, s3_bucket, "ws/parts")
+    body = s3.get_object(Bucket=s3_bucket, Key=pack.key)["Body"].read()
+    assert len(body) == sum(sizes.values()) and len(pack.entries) == len(keys)
+    for entry in pack.entries:
+        assert body[entry.offset:entry.offset + entry.size] == entry.key.encode().ljust(
+            entry.size, b".")
+    with open_cache("t-parts", s3_server, app="parts", prewarm=True, idle="1s",
+                    working_set_url=url, cluster=local_cluster) as cache:
+        assert cache.wait_prewarmed(120.0)
+        assert cache.status()["prewarm_stats"]["packed"] == len(keys)
+        result = _result(_task(cache, s3_bucket, keys))
+        assert result["gets"] == 0 and result["sizes"] == [sizes[k] for k in keys]
+        job_id = cache.job_id
     _wait_ended(local_cluster, job_id)
 
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from itertools import chain
 from typing import Any
 
 from pocketflow.cache.records import ENTRY_BUCKET, META_BUCKET, STATE_VALUE, Meta, cache_key
@@ -33,8 +34,8 @@ from pocketflow.cache.working_set import KeyUse, PackEntry, PackRef
 from pocketflow.errors import InvalidRequest, PocketflowError
 
 __all__ = ["PACK_OBJECT_BYTES_MAX", "PACK_BYTES_MAX", "PACK_RANGE_BYTES_MAX",
-           "PACK_RANGE_GAP_BYTES", "PACK_READ_KEYS", "pack_key", "build_pack", "read_packed",
-           "md5_etag"]
+           "PACK_RANGE_GAP_BYTES", "PACK_READ_KEYS", "PACK_PART_BYTES", "pack_key", "build_pack",
+           "read_packed", "listed_versions", "md5_etag", "PACK_LISTINGS_MAX"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,13 @@ PACK_RANGE_GAP_BYTES = 256 * 1024
 apart, a second range is asked)."""
 PACK_READ_KEYS = 4096
 """Entries read from the cache at once while a pack is built."""
+PACK_LISTINGS_MAX = 4
+"""Listings that validate one batch's packed keys at most: a batch whose keys lie in a few
+ranges of S3's order (a run whose tasks read two shares at once) gets one listing from the
+first key not reached yet, up to this many; keys still not reached are fetched alone."""
+PACK_PART_BYTES = 16 * 1024 * 1024
+"""A pack is uploaded in parts of this many bytes (one multipart upload; one PUT when it fits
+in one part), so building it holds a few parts' bytes at most, not the whole pack."""
 
 _MD5 = re.compile(r"^[0-9a-f]{32}$")
 
@@ -96,10 +104,32 @@ def build_pack(pf: Any, store: S3Store, uses: Sequence[KeyUse], bucket: str, key
             {(e.bucket, e.key, e.etag, e.size) for e in previous.entries}
             == {(u.bucket, u.key, etag, u.size) for u, etag in wanted}):
         return previous
-    body = bytearray()
     entries: list[PackEntry] = []
-    for start in range(0, len(wanted), PACK_READ_KEYS):
-        piece = wanted[start:start + PACK_READ_KEYS]
+    parts = _parts(pf, wanted, entries)
+    first = next(parts, None)
+    if not entries:
+        return None  # every entry evicted since its meta was read: nothing is written
+    store.put_parts(bucket, key, chain([first or b""], parts))
+    return PackRef(bucket, key, tuple(entries))
+
+
+def _parts(pf: Any, wanted: list[tuple[KeyUse, str]], entries: list[PackEntry],
+           ) -> Iterator[bytes]:
+    """The pack's bytes in parts of about ``PACK_PART_BYTES`` (the last one shorter), read
+    from the cache a piece of at most ``PACK_READ_KEYS`` keys and ``PACK_PART_BYTES`` at a
+    time; each entry packed is appended to ``entries`` as its part is made (an entry evicted
+    meanwhile, or whose bytes are not its ETag's MD5, is left out)."""
+    body = bytearray()
+    offset = 0
+    start = 0
+    while start < len(wanted):
+        piece: list[tuple[KeyUse, str]] = []
+        piece_bytes = 0
+        while (start < len(wanted) and len(piece) < PACK_READ_KEYS
+               and (not piece or piece_bytes + wanted[start][0].size <= PACK_PART_BYTES)):
+            piece.append(wanted[start])
+            piece_bytes += wanted[start][0].size
+            start += 1
         datas = pf.get_each(ENTRY_BUCKET, [_entry_key(cache_key(u.bucket, u.key), etag)
                                            for u, etag in piece])
         for (use, etag), data in zip(piece, datas, strict=True):
@@ -107,12 +137,30 @@ def build_pack(pf: Any, store: S3Store, uses: Sequence[KeyUse], bucket: str, key
                 continue  # evicted since its meta was read
             if hashlib.md5(data, usedforsecurity=False).hexdigest() != etag:
                 continue
-            entries.append(PackEntry(use.bucket, use.key, etag, len(body), use.size))
+            entries.append(PackEntry(use.bucket, use.key, etag, offset, use.size))
+            offset += use.size
             body += data
-    if not entries:
-        return None
-    store.put(bucket, key, bytes(body))
-    return PackRef(bucket, key, tuple(entries))
+            if len(body) >= PACK_PART_BYTES:
+                yield bytes(body)
+                body = bytearray()
+    if body or not offset:
+        yield bytes(body)
+
+
+def listed_versions(store: S3Store, bucket: str, keys: Sequence[str],
+                    ) -> dict[str, tuple[str, int]]:
+    """``(etag, size)`` of those of ``keys`` S3 lists, from at most ``PACK_LISTINGS_MAX``
+    listings (:meth:`S3Store.list_keys`), each from the first key the ones before did not
+    reach. Raises the :class:`~pocketflow.errors.S3Error` of a failed listing."""
+    found: dict[str, tuple[str, int]] = {}
+    remaining = list(keys)
+    for _ in range(PACK_LISTINGS_MAX):
+        if not remaining:
+            break
+        listed = store.list_keys(bucket, remaining)
+        found.update(listed.found)
+        remaining = [k for k in remaining if k not in listed.found and k not in listed.absent]
+    return found
 
 
 def read_packed(store: S3Store, pack_bucket: str, pack_object: str,

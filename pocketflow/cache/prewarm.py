@@ -98,9 +98,10 @@ def _by_bucket(uses: list[KeyUse]) -> dict[str, list[str]]:
 def _from_pack(client: Any, pack: PackRef, bucket: str, keys: list[str],
                ) -> tuple[dict[str, Any], int]:
     """The bytes of those of ``keys`` that ``pack`` holds and S3 still holds at the packed
-    version, with the time their validation (one listing) was sent (:mod:`.pack`): ``({key:
-    Fetched}, sent_ms)``; none if the listing or the pack's GETs failed."""
-    from pocketflow.cache.pack import read_packed
+    version, with the time their validation (a listing or a few) was first sent
+    (:mod:`.pack`): ``({key: Fetched}, sent_ms)``; none if a listing or the pack's GETs
+    failed."""
+    from pocketflow.cache.pack import listed_versions, read_packed
     from pocketflow.cache.source import Fetched
     from pocketflow.errors import S3Error
 
@@ -111,14 +112,14 @@ def _from_pack(client: Any, pack: PackRef, bucket: str, keys: list[str],
     store = client.source_store
     sent_ms = int(time.time() * 1000)
     try:
-        listed = store.list_keys(bucket, [e.key for e in packed])
+        listed = listed_versions(store, bucket, [e.key for e in packed])
         datas = read_packed(store, pack.bucket, pack.key, packed)
     except S3Error as exc:
         log.warning("prewarming %d keys from the pack failed, fetching them one by one: %s",
                     len(packed), exc)
         return {}, 0
     known = {e.key: Fetched(e.etag, e.size, datas[e.key]) for e in packed
-             if e.key in datas and listed.found.get(e.key) == (e.etag, e.size)}
+             if e.key in datas and listed.get(e.key) == (e.etag, e.size)}
     return known, sent_ms
 
 

@@ -4,15 +4,17 @@ boto3's failures become typed errors (:func:`pocketflow.errors.error_from_s3`)."
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from itertools import chain
 from typing import Any, NamedTuple
 
-from pocketflow.errors import InvalidRequest, error_from_s3
+from pocketflow.errors import InvalidRequest, PocketflowError, error_from_s3
 
 __all__ = [
     "S3Source",
@@ -27,6 +29,8 @@ __all__ = [
     "LIST_KEYS_MAX",
     "request_counts", "add_request_counts",
 ]
+
+log = logging.getLogger(__name__)
 
 BODY_CHUNK_BYTES = 8 * 1024 * 1024
 """A GET's body is read in pieces of this size, and ``on_progress`` runs between them (a fill
@@ -449,6 +453,38 @@ class S3Store:
         except Exception as exc:
             raise error_from_s3(exc, bucket=bucket, key=key) from exc
         return normal_etag(answer["ETag"])
+
+    def put_parts(self, bucket: str, key: str, parts: Iterable[bytes]) -> None:
+        """PutObject of ``parts`` one after another (each but the last at least 5 MiB, as S3
+        wants): one PUT if there is one part, else one multipart upload that takes each part as
+        it comes (the caller holds one part at a time), aborted if anything fails."""
+        pieces = iter(parts)
+        first = next(pieces, b"")
+        second = next(pieces, None)
+        if second is None:
+            self.put(bucket, key, first)
+            return
+        client = _client(self.source)
+        try:
+            upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        except Exception as exc:
+            raise error_from_s3(exc, bucket=bucket, key=key) from exc
+        done: list[dict[str, Any]] = []
+        try:
+            for number, part in enumerate(chain([first, second], pieces), 1):
+                answer = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id,
+                                            PartNumber=number, Body=part)
+                done.append({"ETag": answer["ETag"], "PartNumber": number})
+            client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id,
+                                             MultipartUpload={"Parts": done})
+        except BaseException as exc:
+            try:
+                client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+            except Exception as abort_exc:  # noqa: BLE001 - the upload's own error is raised
+                log.info("aborting the upload of %s/%s failed: %s", bucket, key, abort_exc)
+            if isinstance(exc, PocketflowError) or not isinstance(exc, Exception):
+                raise
+            raise error_from_s3(exc, bucket=bucket, key=key) from exc
 
     def delete(self, bucket: str, key: str) -> None:
         """DeleteObject (deleting a missing key is not an error in S3)."""

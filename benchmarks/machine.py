@@ -31,6 +31,73 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_times(pid: int) -> tuple[float, float, int, float, float]:
+    """Process ``pid``'s user and system CPU seconds so far (all its threads), its minor page
+    faults, and of its main thread alone: seconds on a core, and seconds ready to run but
+    waiting for one (the scheduler's run delay: what a loaded machine costs it); from Linux
+    ``/proc``; raises ``OSError`` when it is gone. A main thread's wall time beyond the two
+    is time it was blocked (on I/O, on other threads, asleep)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    on_cpu_ns, run_delay_ns = Path(f"/proc/{pid}/schedstat").read_text().split()[:2]
+    return (int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7]),
+            int(on_cpu_ns) / 1e9, int(run_delay_ns) / 1e9)
+
+
+def machine_cpu_split_s() -> dict[str, float]:
+    """CPU seconds every core of the machine spent so far, split as ``/proc/stat`` does:
+    ``user_s`` (with nice), ``system_s``, ``irq_s`` (hard and soft interrupts), ``steal_s``
+    (the hypervisor ran something else on this VM's cores), ``iowait_s``; raises ``OSError``
+    when it cannot be read."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    tick = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, iowait, irq, softirq, steal = ticks
+    return {"user_s": (user + nice) / tick, "system_s": system / tick,
+            "irq_s": (irq + softirq) / tick, "steal_s": steal / tick, "iowait_s": iowait / tick}
+
+
+def kernel_threads_cpu_s() -> float:
+    """CPU seconds the kernel's own threads (children of ``kthreadd``, pid 2: block-device
+    workers, ``ksoftirqd``, reclaim) have spent so far, whoever they worked for."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == "2":
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Every live process below ``root`` (and ``root``), by pid: its command line (arguments
+    joined by spaces; its name where it has none), from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: dict[int, str] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+            found[pid] = (raw.replace(b"\0", b" ").decode(errors="replace").strip()
+                          or Path(f"/proc/{pid}/comm").read_text().strip())
+        except OSError:
+            continue
+        todo.extend(children.get(pid, ()))
+    return found
+
+
 def machine_busy_cpu_s() -> float:
     """CPU seconds every core of the machine spent on anything but idling and I/O wait so far,
     whoever's work it was (``/proc/stat``: user nice system idle iowait irq softirq steal; guest

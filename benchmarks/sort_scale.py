@@ -41,16 +41,21 @@ job time covers: generating, partitioning, shuffling and sorting the records, fo
 with the same record functions of :mod:`pocketflow.demo`; for pocketflow also the job's
 registration and deregistration; for the pocketflow and Lithops variants also the input's
 checksum, which their mappers compute (some 15 ms of CPU per 32 MiB mapper) and Ray Data's
-driver computes apart. Reading the output back to validate it is timed apart. Per run: job
-time, GB/s of input sorted, per-phase times (map; shuffle writes = mappers' time
-writing partitions; reads = reducers' time reading inputs and writing outputs; reducers' time
-parked for inputs; validation), peak storage-server RSS (sum of ``VmRSS`` over the server
-processes), peak DRAM and NVMe bytes held, and every tier's bytes in and out per second over
-time (the servers' ``stats``, sampled every ``SAMPLE_INTERVAL_S``), plotted per size into a PNG.
+driver computes apart. Reading the output back to validate it is timed apart. Per run: job time,
+GB/s of input sorted, per-phase times (map; shuffle writes = mappers' time writing partitions; reads
+= reducers' time reading inputs and writing outputs, and of it the outputs' writes; reducers' time
+sorting; reducers' time parked for inputs; validation), peak storage-server RSS (sum of ``VmRSS``
+over the server processes), peak DRAM and NVMe bytes held, and every tier's bytes in and out per
+second over time (the servers' ``stats``, sampled every ``SAMPLE_INTERVAL_S``), plotted per size
+into a PNG.
 For the pocketflow variants also, in the map phase and after it, the busy time of the block device
 under the cluster's work directory (where the NVMe server's file is: the kernel's ``io_ticks``)
 and the machine's busy CPU time, both machine-wide (every process's): on a quiet machine they
-say how far the job's computing and its device I/O overlap (:func:`busy_shares`).
+say how far the job's computing and its device I/O overlap (:func:`busy_shares`), split by kind
+(user, system, interrupts, steal, I/O wait, the kernel's threads); and per group of the run's
+own processes, load or not, their CPU per GB, page faults, and their main threads' time on a
+core and waiting for one (:func:`process_cpu`). ``--object-size`` shapes each sort by the size
+of its shuffle's objects instead of one mapper per 32 MiB (:func:`sort_config`).
 Results go to ``benchmarks/results/sort-scale-<date>-<sizes>.json``, ``.md`` and ``.png``.
 """
 
@@ -59,6 +64,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import sys
 import threading
@@ -72,11 +78,15 @@ import cloudpickle
 import ray.cloudpickle
 
 from benchmarks.machine import (
+    descendants,
     git_commit,
+    kernel_threads_cpu_s,
     machine,
     machine_busy_cpu_s,
+    machine_cpu_split_s,
     now_iso,
     package_versions,
+    process_times,
     today,
 )
 from pocketflow.config import parse_size
@@ -127,9 +137,17 @@ SETTLE_SLACK_BYTES = 1024 * 1024
 """How far the control plane's view of a server's used bytes may be from the server's own."""
 
 
-def sort_config(input_bytes: int, seed: int = 42) -> SortConfig:
-    """The sort of ``input_bytes`` of records: one mapper per ``BYTES_PER_MAPPER``."""
-    mappers = max(2, min(TASKS_MAX, input_bytes // BYTES_PER_MAPPER))
+def sort_config(input_bytes: int, seed: int = 42, *,
+                object_bytes: int | None = None) -> SortConfig:
+    """The sort of ``input_bytes`` of records, half as many reducers as mappers: one mapper per
+    ``BYTES_PER_MAPPER``; or, with ``object_bytes``, as many mappers as make the shuffle's
+    (mapper, reducer) objects about that size (``mappers * reducers * object_bytes`` is the
+    input: the mappers grow as the square root of the input, and the objects as the input)."""
+    if object_bytes is None:
+        mappers = input_bytes // BYTES_PER_MAPPER
+    else:
+        mappers = math.isqrt(2 * input_bytes // object_bytes)
+    mappers = max(2, min(TASKS_MAX, mappers))
     return SortConfig(mappers=mappers, reducers=max(2, mappers // 2),
                       records=input_bytes // 100, seed=seed, processes=WORKERS)
 
@@ -180,7 +198,9 @@ def tier_bytes(samples: list[dict[str, Any]], split_s: float) -> dict[str, dict[
     }
 
 
-BUSY_COUNTERS = ("device_busy_s", "cpu_busy_s")
+CPU_SPLIT_COUNTERS = ("user_s", "system_s", "irq_s", "steal_s", "iowait_s")
+"""The machine's CPU time by kind (:func:`benchmarks.machine.machine_cpu_split_s`)."""
+BUSY_COUNTERS = ("device_busy_s", "cpu_busy_s", "kernel_threads_s", *CPU_SPLIT_COUNTERS)
 """Machine-wide busy times each sample holds (cumulative seconds; absent where unknown)."""
 
 
@@ -233,6 +253,82 @@ def _cpu_busy_s() -> float | None:
         return None
 
 
+PROCESS_COUNTERS = ("user_s", "system_s", "minor_faults", "main_cpu_s", "run_delay_s")
+"""Per group of processes (:func:`process_group`), what :func:`process_cpu` reports
+(:func:`benchmarks.machine.process_times`)."""
+
+
+def process_group(pid: int, command: str, *, servers: dict[int, str], driver: int) -> str:
+    """The group of this run's process ``pid`` (command line ``command``): ``<tier> servers``,
+    ``task workers`` (Ray workers running the shuffle's or Ray Data's tasks), ``actors``
+    (pocketflow's control-plane actors), ``raylet``, ``gcs``, ``driver`` (this process), or
+    ``other`` (Ray's dashboard and monitors, Lithops' workers)."""
+    if pid in servers:
+        return f"{servers[pid]} servers"
+    if pid == driver:
+        return "driver"
+    if "default_worker.py" in command:
+        # A Ray worker before it names itself (``ray::IDLE``, ``ray::<actor>``): its group is
+        # the one of its latest sample (see :func:`process_cpu`).
+        return "task workers"
+    if command.startswith("ray::"):
+        name = (command[5:].split(None, 1)[0] if len(command) > 5 else "").split(".", 1)[0]
+        if name in RAY_AGENT_NAMES:
+            return "other"
+        return "actors" if name in ACTOR_NAMES else "task workers"
+    program = command.split(None, 1)[0] if command else ""
+    if program.endswith("raylet"):
+        return "raylet"
+    if "gcs_server" in command:
+        return "gcs"
+    return "other"
+
+
+ACTOR_NAMES = ("Controller", "Metadata", "StorageNode")
+"""Ray actor classes of pocketflow's control plane (their workers' titles start with these)."""
+RAY_AGENT_NAMES = ("RuntimeEnvAgent", "DashboardAgent")
+"""Ray's own per-node agents, whose titles also start with ``ray::``."""
+
+
+def process_cpu(samples: list[dict[str, Any]], split_s: float) -> dict[str, dict[str, Any]]:
+    """Per phase (``before``/``after``/``all`` as :func:`tier_bytes`), per process group, the
+    CPU seconds (user, system), minor page faults, and main threads' CPU and run delay of its
+    processes, from samples holding ``{"t_s", "procs": {pid: [group, *PROCESS_COUNTERS]}}``. A
+    process first seen in a later sample started after the one before it (counted from zero
+    there); one gone keeps its last reading. A process counts in the group of its latest
+    sample (a Ray worker names itself once it starts)."""
+    if len(samples) < 2:
+        return {}
+    start, end = samples[0]["t_s"], samples[-1]["t_s"]
+    split = min(max(start + split_s, start), end)
+    points: dict[int, list[tuple[float, list[Any]]]] = {}
+    groups: dict[int, str] = {}
+    previous_t = start
+    for sample in samples:
+        for pid, (group, *values) in sample["procs"].items():
+            groups[pid] = group
+            if pid not in points:
+                points[pid] = ([] if sample is samples[0] else
+                               [(previous_t, [0.0] * len(PROCESS_COUNTERS))])
+            points[pid].append((sample["t_s"], values))
+        previous_t = sample["t_s"]
+    out: dict[str, dict[str, Any]] = {}
+    for phase, (a, b) in (("before", (start, split)), ("after", (split, end)),
+                          ("all", (start, end))):
+        rows: dict[str, Any] = {}
+        for pid, series in points.items():
+            row = rows.setdefault(groups[pid], {c: 0.0 for c in PROCESS_COUNTERS})
+            for i, counter in enumerate(PROCESS_COUNTERS):
+                line = [(t, float(v[i])) for t, v in series]
+                row[counter] += _value_at(line, b) - _value_at(line, a)
+        out[phase] = rows
+    return out
+
+
+SPLIT_COLUMNS = (*CPU_SPLIT_COUNTERS, "kernel_threads_s")
+"""The busy table's columns after the busy shares."""
+
+
 def _rss_bytes(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -254,6 +350,10 @@ class TierSampler:
         self._tokens = AdminTokens(cluster.secret, tls_ca=cluster.tls_ca)
         self._servers = list(cluster.servers)
         self._device = device_stat_path(cluster.work_dir)
+        self._server_tiers = {s.server_pid: s.tier for s in self._servers}
+        self._driver = os.getpid()
+        self.process_samples: list[dict[str, Any]] = []
+        """Per sample, the CPU of every process below this one (:func:`process_cpu`)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tier-sampler", daemon=True)
         self.started = time.monotonic()
@@ -274,8 +374,21 @@ class TierSampler:
     def _take(self) -> None:
         try:
             self.samples.append(self._sample())
+            self.process_samples.append({"t_s": self.samples[-1]["t_s"],
+                                         "procs": self._processes()})
         except Exception:  # noqa: BLE001 - a failed sample must not end the run
             self.errors += 1
+
+    def _processes(self) -> dict[int, list[Any]]:
+        procs: dict[int, list[Any]] = {}
+        for pid, command in descendants(self._driver).items():
+            group = process_group(pid, command, servers=self._server_tiers,
+                                  driver=self._driver)
+            try:
+                procs[pid] = [group, *process_times(pid)]
+            except OSError:
+                continue
+        return procs
 
     def _run(self) -> None:
         while len(self.samples) < SAMPLES_MAX - 1 and not self._stop.wait(SAMPLE_INTERVAL_S):
@@ -296,7 +409,8 @@ class TierSampler:
             tier["sent_bytes"] += float(stats.get("sent_bytes_total") or 0.0)
         return {"t_s": time.monotonic() - self.started, "tiers": tiers,
                 "rss_bytes": sum(_rss_bytes(s.server_pid) for s in self._servers),
-                "device_busy_s": _device_busy_s(self._device), "cpu_busy_s": _cpu_busy_s()}
+                "device_busy_s": _device_busy_s(self._device), "cpu_busy_s": _cpu_busy_s(),
+                "kernel_threads_s": kernel_threads_cpu_s(), **machine_cpu_split_s()}
 
     def peak(self, tier: str) -> int:
         """Most bytes the tier held in any sample."""
@@ -330,6 +444,9 @@ class Run:
     busy: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per phase as ``tier_bytes``, wall seconds and the machine's busy seconds
     (:func:`busy_shares`)."""
+    process_cpu: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per phase as ``tier_bytes``, per group of this run's processes, their user and system
+    CPU seconds and minor page faults (:func:`process_cpu`)."""
     ok: bool = False
     skipped: str = ""
     problems: list[str] = field(default_factory=list)
@@ -404,6 +521,8 @@ def run_pocketflow(variant: str, executor: Any, config: SortConfig, cluster: Any
         "shuffle_writes_per_mapper": _mean(result.map_io_s),
         "reads_per_reducer": _mean(result.io_s),
         "reducer_parked_per_reducer": _mean(result.input_wait_s),
+        "reduce_per_reducer": _mean(result.reduce_s),
+        "output_write_per_reducer": _mean(result.output_write_s),
         "shuffle_and_reduce": result.elapsed_s - result.map_s,
         "validate": time.perf_counter() - validating,
     }
@@ -417,6 +536,7 @@ def run_pocketflow(variant: str, executor: Any, config: SortConfig, cluster: Any
     run.timeline = sampler.samples
     run.tier_bytes = tier_bytes(sampler.samples, result.map_s)
     run.busy = busy_shares(sampler.samples, result.map_s)
+    run.process_cpu = process_cpu(sampler.process_samples, result.map_s)
     return run
 
 
@@ -505,7 +625,7 @@ def run_lithops_storage(variant: str, fexec: Any, config: SortConfig,
 
 def run(sizes: list[int], variants: tuple[str, ...], out_dir: Path, *, dram_bytes: int,
         nvme_bytes: int, redis_max_bytes: int, object_store_bytes: int,
-        storage_tasks_extra: int = 0) -> dict[str, Any]:
+        storage_tasks_extra: int = 0, object_bytes: int | None = None) -> dict[str, Any]:
     """Every variant at every size, one after the other; JSON, Markdown and a PNG."""
     import pocketflow
 
@@ -515,10 +635,11 @@ def run(sizes: list[int], variants: tuple[str, ...], out_dir: Path, *, dram_byte
                      "object_store_memory": object_store_bytes}
     with pocketflow.LocalCluster(**cluster_shape) as cluster:
         runs = run_sizes(cluster, sizes, variants, redis_max_bytes=redis_max_bytes,
-                         warmup_bytes=WARMUP_BYTES, storage_tasks_extra=storage_tasks_extra)
+                         warmup_bytes=WARMUP_BYTES, storage_tasks_extra=storage_tasks_extra,
+                         object_bytes=object_bytes)
     results = report(runs, sizes, variants, cluster_shape=cluster_shape,
                      redis_max_bytes=redis_max_bytes, started_iso=started_iso,
-                     storage_tasks_extra=storage_tasks_extra,
+                     storage_tasks_extra=storage_tasks_extra, object_bytes=object_bytes,
                      duration_s=time.perf_counter() - started)
     write(results, runs, out_dir)
     return results
@@ -526,7 +647,8 @@ def run(sizes: list[int], variants: tuple[str, ...], out_dir: Path, *, dram_byte
 
 def report(runs: list[Run], sizes: list[int], variants: tuple[str, ...], *,
            cluster_shape: dict[str, Any], redis_max_bytes: int, started_iso: str,
-           duration_s: float, storage_tasks_extra: int = 0) -> dict[str, Any]:
+           duration_s: float, storage_tasks_extra: int = 0,
+           object_bytes: int | None = None) -> dict[str, Any]:
     """The results document of ``runs``."""
     return {
         "benchmark": "sort-scale",
@@ -537,7 +659,9 @@ def report(runs: list[Run], sizes: list[int], variants: tuple[str, ...], *,
         "versions": package_versions(("pocketflow", "ray", "lithops", "redis", "numpy")),
         "config": {"sizes": sizes, "variants": list(variants), "cluster": cluster_shape,
                    "bytes_per_mapper": BYTES_PER_MAPPER, "workers": WORKERS,
-                   "storage_tasks_extra": storage_tasks_extra,
+                   "storage_tasks_extra": storage_tasks_extra, "object_bytes": object_bytes,
+                   "shapes": {str(size): [c.mappers, c.reducers] for size in sizes
+                              for c in [sort_config(size, object_bytes=object_bytes)]},
                    "redis_max_bytes": redis_max_bytes, "sample_interval_s": SAMPLE_INTERVAL_S},
         "summary": summarize(runs, sizes),
         "runs": [asdict(r) | {"gb_per_s": r.gb_per_s} for r in runs],
@@ -558,7 +682,7 @@ def write(results: dict[str, Any], runs: list[Run], out_dir: Path) -> Path:
 
 def run_sizes(cluster: Any, sizes: list[int], variants: tuple[str, ...], *,
               redis_max_bytes: int, warmup_bytes: int = 0,
-              storage_tasks_extra: int = 0) -> list[Run]:
+              storage_tasks_extra: int = 0, object_bytes: int | None = None) -> list[Run]:
     """Every variant at every size on ``cluster``, one after the other; with ``warmup_bytes``,
     each variant first sorts that much once, unreported (its workers, Ray Data's and Lithops'
     machinery start there, not in the first measured run)."""
@@ -567,7 +691,7 @@ def run_sizes(cluster: Any, sizes: list[int], variants: tuple[str, ...], *,
                      storage_tasks_extra)
     runs: list[Run] = []
     for size in sizes:
-        config = sort_config(size)
+        config = sort_config(size, object_bytes=object_bytes)
         for variant in variants:
             try:
                 done = _run_variant(variant, config, cluster, redis_max_bytes,
@@ -735,15 +859,21 @@ def markdown(results: dict[str, Any]) -> str:
         f"{cfg.get('storage_tasks_extra', 0)} extra slots for reducers of a job on NVMe; "
         "tasks: most tasks of the variant at once (the Lithops variants: as many worker "
         "processes)",
+        "- shape (mappers x reducers) per size: "
+        + ", ".join(f"{format_bytes(int(size))}: {m} x {r}"
+                    for size, (m, r) in cfg.get("shapes", {}).items())
+        + (f" (objects of about {format_bytes(cfg['object_bytes'])})"
+           if cfg.get("object_bytes") else " (one mapper per 32 MiB)"),
         "",
         "| size | variant | tasks | job s | GB/s | map s | writes/mapper s | reads/reducer s | "
-        "parked/reducer s | peak DRAM | peak NVMe | peak server RSS | valid |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "of which output write s | sort/reducer s | parked/reducer s | peak DRAM | peak NVMe | "
+        "peak server RSS | valid |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["runs"]:
         if r["skipped"]:
             lines.append(f"| {format_bytes(r['input_bytes'])} | {r['variant']} | | skipped: "
-                         f"{r['skipped']} |||||||||| |")
+                         f"{r['skipped']} |||||||||||| |")
             continue
         p = r["phase_s"]
         lines.append(
@@ -751,6 +881,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"{r['job_s']:.2f} | "
             f"{r['gb_per_s']:.3f} | {p.get('map', 0):.2f} | "
             f"{p.get('shuffle_writes_per_mapper', 0):.3f} | {p.get('reads_per_reducer', 0):.3f} | "
+            f"{p.get('output_write_per_reducer', 0):.3f} | {p.get('reduce_per_reducer', 0):.3f} | "
             f"{p.get('reducer_parked_per_reducer', 0):.3f} | "
             f"{format_bytes(r['peak_dram_bytes'])} | {format_bytes(r['peak_nvme_bytes'])} | "
             f"{format_bytes(r['peak_server_rss_bytes'])} | {'yes' if r['ok'] else 'NO'} |")
@@ -772,8 +903,9 @@ def markdown(results: dict[str, Any]) -> str:
                   "under the cluster's work directory, which holds the NVMe file; CPU over "
                   f"{m['cores']} cores; every process's, so only a quiet run's say how far "
                   "computing and device I/O overlap):", "",
-                  "| size | variant | wall s | device busy s (share) | CPU busy s (share) |",
-                  "|---|---|---|---|---|"]
+                  "| size | variant | wall s | device busy s (share) | CPU busy s (share) | "
+                  "user s | system s | irq s | steal s | iowait s | kernel threads s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in busy:
         phases = [r["busy"][phase] for phase in ("before", "after")]
 
@@ -784,7 +916,34 @@ def markdown(results: dict[str, Any]) -> str:
 
         lines.append(f"| {format_bytes(r['input_bytes'])} | {r['variant']} | "
                      + " / ".join(f"{p['wall_s']:.1f}" for p in phases) + " | "
-                     + cell("device_busy_s", 1) + " | " + cell("cpu_busy_s", m["cores"]) + " |")
+                     + cell("device_busy_s", 1) + " | " + cell("cpu_busy_s", m["cores"]) + " | "
+                     + " | ".join(" / ".join(f"{p[c]:.1f}" if c in p else "-" for p in phases)
+                                  for c in SPLIT_COLUMNS) + " |")
+    per_process = [r for r in results["runs"] if r.get("process_cpu")]
+    if per_process:
+        lines += ["", "CPU seconds per GB of input by the run's processes, in the map phase / "
+                  "after it (user, system; minor page faults in thousands per GB; of the "
+                  "processes' main threads alone: seconds per GB on a core, and ready but "
+                  "waiting for one, what other load costs them; a task worker's main thread "
+                  "runs its task, and is blocked for the rest of the phase): the processes "
+                  "below the benchmark's, so other users' work is not in it:", "",
+                  "| size | variant | processes | user s/GB | system s/GB | faults k/GB | "
+                  "main thread on CPU s/GB | main thread run delay s/GB |",
+                  "|---|---|---|---|---|---|---|---|"]
+    for r in per_process:
+        gb = r["input_bytes"] / 1e9
+        phases = [r["process_cpu"][phase] for phase in ("before", "after")]
+        groups = sorted({g for p in phases for g in p},
+                        key=lambda g: -sum(p.get(g, {}).get("user_s", 0)
+                                           + p.get(g, {}).get("system_s", 0) for p in phases))
+        for group in groups:
+            cells = [" / ".join(f"{p.get(group, {}).get(c, 0) / gb / scale:.{digits}f}"
+                                for p in phases)
+                     for c, scale, digits in (("user_s", 1, 2), ("system_s", 1, 2),
+                                              ("minor_faults", 1000, 0),
+                                              ("main_cpu_s", 1, 2), ("run_delay_s", 1, 2))]
+            lines.append(f"| {format_bytes(r['input_bytes'])} | {r['variant']} | {group} | "
+                         + " | ".join(cells) + " |")
     lines += ["", "Goals:"]
     for size, row in results["summary"].items():
         if isinstance(row, dict) and "speedup_vs_fastest_peer" in row:
@@ -843,6 +1002,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--storage-tasks-extra", type=int, default=0,
                         help="slots beyond the cores for pocketflow-ray's reducers of a job on "
                              "NVMe, and as many more Lithops worker processes there (default 0)")
+    parser.add_argument("--object-size", default=None,
+                        help="shape each sort so that its shuffle's objects are about this size "
+                             "(mappers grow as the square root of the input); default: one "
+                             "mapper per 32 MiB")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
     args = parser.parse_args(argv)
     variants = tuple(v for v in args.variants.split(",") if v)
@@ -853,6 +1016,8 @@ def main(argv: list[str] | None = None) -> int:
         dram, nvme = parse_size(args.dram, name="--dram"), parse_size(args.nvme, name="--nvme")
         redis_max = parse_size(args.redis_max, name="--redis-max")
         store = parse_size(args.object_store, name="--object-store")
+        object_bytes = (None if args.object_size is None else
+                        parse_size(args.object_size, name="--object-size"))
     except ConfigError as exc:
         parser.error(str(exc))
     if any("lithops" in v for v in variants):
@@ -861,7 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
         forget_inherited_lithops_session()
     results = run(sizes, variants, args.out, dram_bytes=dram, nvme_bytes=nvme,
                   redis_max_bytes=redis_max, object_store_bytes=store,
-                  storage_tasks_extra=args.storage_tasks_extra)
+                  storage_tasks_extra=args.storage_tasks_extra, object_bytes=object_bytes)
     ok = all(r["ok"] for r in results["runs"] if not r["skipped"])
     return 0 if ok else 1
 

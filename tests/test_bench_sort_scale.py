@@ -13,6 +13,8 @@ from benchmarks.sort_scale import (
     VARIANTS,
     busy_shares,
     device_stat_path,
+    process_cpu,
+    process_group,
     report,
     run_sizes,
     sort_config,
@@ -62,6 +64,15 @@ def test_the_sort_benchmark_runs_every_variant_at_a_tiny_size(
         results["summary"]))
     assert "Goals:" in written.with_suffix(".md").read_text()
     assert "Machine-wide busy time" in written.with_suffix(".md").read_text()
+    # This process's children ran the tasks and served the bytes: their CPU is in the run's
+    # per-process table, by group.
+    for variant in ("pocketflow-ray", "pocketflow-lithops"):
+        groups = by_variant[variant].process_cpu["all"]
+        assert groups["driver"]["user_s"] + groups["driver"]["system_s"] > 0, variant
+        assert sum(g["user_s"] + g["system_s"] for name, g in groups.items()
+                   if name.endswith(" servers")) > 0, (variant, groups)
+    assert by_variant["pocketflow-ray"].process_cpu["all"]["task workers"]["main_cpu_s"] > 0
+    assert "by the run's processes" in written.with_suffix(".md").read_text()
     assert written.with_suffix(".png").stat().st_size > 0
 
 
@@ -92,6 +103,47 @@ def test_a_sort_whose_job_is_on_nvme_gives_every_variant_the_same_extra_tasks(
     assert tasks_in_flight(local_cluster, sort_config(TINY_BYTES), 2) == 2
 
 
+def test_process_cpu_splits_each_groups_cpu_at_the_map_phases_end() -> None:
+    # Two samples 2 s apart and one more at 4 s: a server there from the start, a worker that
+    # starts after the first sample (counted from zero there) and one that is gone at the end
+    # (it keeps its last reading).
+    samples = [
+        {"t_s": 0.0, "procs": {10: ["dram servers", 1.0, 2.0, 100, 0.0, 0.0],
+                               30: ["task workers", 5.0, 0.0, 0, 5.0, 1.0]}},
+        {"t_s": 2.0, "procs": {10: ["dram servers", 2.0, 2.0, 300, 0.0, 0.0],
+                               20: ["task workers", 1.0, 1.0, 50, 1.0, 0.5],
+                               30: ["task workers", 6.0, 0.0, 0, 6.0, 1.0]}},
+        {"t_s": 4.0, "procs": {10: ["dram servers", 4.0, 3.0, 300, 0.0, 0.0],
+                               20: ["task workers", 3.0, 1.0, 50, 3.0, 0.5],
+                               40: ["other", 0.5, 0.0, 0, 0.5, 0.0]}},
+        # A Ray worker first seen unnamed counts in the group it names itself into.
+        {"t_s": 4.0, "procs": {40: ["actors", 0.5, 0.0, 0, 0.5, 0.0]}},
+    ]
+    cpu = process_cpu(samples, 2.0)
+    assert cpu["before"]["dram servers"] == {"user_s": 1.0, "system_s": 0.0,
+                                             "minor_faults": 200.0, "main_cpu_s": 0.0,
+                                             "run_delay_s": 0.0}
+    assert cpu["after"]["dram servers"]["user_s"] == 2.0
+    assert cpu["before"]["task workers"]["user_s"] == 2.0  # 1 s each
+    assert cpu["after"]["task workers"]["user_s"] == 2.0   # the live one's 2 s
+    assert cpu["all"]["task workers"]["run_delay_s"] == 0.5
+    assert cpu["after"]["actors"]["user_s"] == 0.5 and "other" not in cpu["after"]
+    assert process_cpu(samples[:1], 1.0) == {}
+    servers = {7: "nvme"}
+    assert process_group(7, "/x/pocketflow-server --tier nvme", servers=servers,
+                         driver=1) == "nvme servers"
+    assert process_group(1, "python -m benchmarks.sort_scale", servers=servers,
+                         driver=1) == "driver"
+    assert process_group(8, "ray::run_calls", servers=servers, driver=1) == "task workers"
+    assert process_group(8, "ray::IDLE", servers=servers, driver=1) == "task workers"
+    assert process_group(8, "ray::StorageNode.start", servers=servers, driver=1) == "actors"
+    assert process_group(8, "ray::RuntimeEnvAgent", servers=servers, driver=1) == "other"
+    assert process_group(8, "python /x/ray/_private/workers/default_worker.py --a",
+                         servers=servers, driver=1) == "task workers"
+    assert process_group(8, "/x/ray/core/src/ray/raylet/raylet --a", servers=servers,
+                         driver=1) == "raylet"
+
+
 def test_the_sort_is_shaped_like_the_issues_demo() -> None:
     # 32 MiB per mapper and half as many reducers (the issue's 1 GB demo ran 32 x 16): 1 GB is
     # 29 x 14, and 10 GB stays within the shuffle's bound on tasks per stage.
@@ -100,6 +152,12 @@ def test_the_sort_is_shaped_like_the_issues_demo() -> None:
     ten = sort_config(10_000_000_000)
     assert ten.records == 100_000_000 and 2 * ten.reducers <= ten.mappers <= 4096
     assert sort_config(TINY_BYTES).mappers == 2
+    # Shaped by object size instead: objects of about 2 MiB at every size, the mappers growing
+    # as the square root of the input (1 GB: 30 x 15, close to the demo's 32 x 16).
+    for size, shape in ((1_000_000_000, (30, 15)), (10_000_000_000, (97, 48))):
+        config = sort_config(size, object_bytes=2 * MiB)
+        assert (config.mappers, config.reducers) == shape
+        assert 1.9 * MiB < size / (config.mappers * config.reducers) < 2.3 * MiB
 
 
 def test_a_run_registers_once_the_control_plane_sees_the_previous_runs_bytes_freed(

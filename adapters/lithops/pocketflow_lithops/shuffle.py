@@ -466,6 +466,8 @@ def _run_stages(
         input_wait_s=[o.wait_s for o in ordered],
         io_s=[o.io_s for o in ordered],
         map_io_s=[o.io_s for o in sorted(map_outcomes, key=lambda o: o.mapper)],
+        reduce_s=[o.reduce_s for o in ordered],
+        output_write_s=[o.write_s for o in ordered],
         regenerated=regenerated,
         retried=retried,
     )

@@ -21,6 +21,8 @@ class ShuffleResult:
     storage server was lost or a failed reducer attempt had consumed them; ``retried`` names the
     reducer of each resubmission after a failed task. ``input_wait_s`` and ``io_s`` are per
     reducer: time parked waiting for inputs and time reading inputs and writing the output;
+    ``reduce_s`` and ``output_write_s``, where the layout measures them (empty otherwise), are
+    per reducer too: time in the reduce function and time writing the output (inside ``io_s``);
     ``map_io_s`` is per mapper, time writing its partitions.
     """
 
@@ -35,5 +37,7 @@ class ShuffleResult:
     input_wait_s: list[float] = field(default_factory=list)
     io_s: list[float] = field(default_factory=list)
     map_io_s: list[float] = field(default_factory=list)
+    reduce_s: list[float] = field(default_factory=list)
+    output_write_s: list[float] = field(default_factory=list)
     regenerated: list[list[tuple[int, int]]] = field(default_factory=list)
     retried: list[int] = field(default_factory=list)

@@ -234,6 +234,8 @@ class _ReduceOutcome(NamedTuple):
     bytes_read: int = 0
     wait_s: float = 0.0
     io_s: float = 0.0
+    reduce_s: float = 0.0
+    write_s: float = 0.0
 
 
 _CLIENTS: ClientCache | None = None
@@ -587,17 +589,21 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
                               unreachable=tuple(sorted(unreachable - {""})),
                               wait_s=wait_s, io_s=io_s)
     bytes_read = sum(len(v) for v in inputs.values())
+    started = time.perf_counter()
     value = call.reduce_function(call.reducer, [inputs[m] for m in range(spec.mappers)])
     inputs.clear()
+    reduce_s = time.perf_counter() - started
+    write_s = 0.0
     if spec.persist_output:
         started = time.perf_counter()
         key = output_key(call.reducer)
         data = memoryview(value).cast("B")
         pf.put(spec.output_bucket, key, data, persist=True, overwrite=True)
-        io_s += time.perf_counter() - started
+        write_s = time.perf_counter() - started
+        io_s += write_s
         value = OutputInfo(spec.output_bucket, key, len(data))
     return _ReduceOutcome(call.reducer, value=value, bytes_read=bytes_read, wait_s=wait_s,
-                          io_s=io_s)
+                          io_s=io_s, reduce_s=reduce_s, write_s=write_s)
 
 
 def _marked_by_earlier_attempts(pf: Client, spec: _Spec, reducer: int) -> set[int]:

@@ -161,6 +161,11 @@ def test_a_sort_on_ray_tasks_validates_with_delete_on_read_and_persist_outputs(
     assert result.bytes_shuffled == result.bytes_read == config.input_bytes
     input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
     assert check_output(config, input_checksum=input_checksum, checks=checks) == []
+    # Per reducer, its time sorting and its time writing the PERSIST output, the latter inside
+    # its I/O time.
+    assert len(result.reduce_s) == len(result.output_write_s) == config.reducers
+    assert all(s > 0 for s in result.reduce_s + result.output_write_s)
+    assert all(w <= io for w, io in zip(result.output_write_s, result.io_s, strict=True))
 
 
 @pytest.mark.parametrize("how", ["raise", "exit"])

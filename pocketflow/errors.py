@@ -51,6 +51,7 @@ __all__ = [
     "PersistNotSupported",
     "SegmentSealed",
     "InternalError",
+    "DataLost",
     "ServerStartError",
     "ClusterError",
     "ConfigError",
@@ -82,6 +83,7 @@ GRPC_CODE_RESOURCE_EXHAUSTED = 8
 GRPC_CODE_FAILED_PRECONDITION = 9
 GRPC_CODE_INTERNAL = 13
 GRPC_CODE_UNAVAILABLE = 14
+GRPC_CODE_DATA_LOSS = 15
 GRPC_CODE_UNAUTHENTICATED = 16
 
 
@@ -270,6 +272,16 @@ class InternalError(PocketflowError):
     grpc_code = GRPC_CODE_INTERNAL
 
 
+class DataLost(PocketflowError):
+    """The server accepted the object (its put succeeded) and then lost its bytes: a write the
+    NVMe engine made behind the put failed in the device. Every read of the object fails so until
+    it is written again; whoever can make it again (its writer, a shuffle's lineage) should, as
+    after a dead server. Not a transport failure: the server answered."""
+
+    kind = "data_lost"
+    grpc_code = GRPC_CODE_DATA_LOSS
+
+
 class ServerStartError(PocketflowError):
     """A storage server process could not be found, started, or did not become ready."""
 
@@ -402,6 +414,7 @@ _KIND_TO_CLASS: dict[str, type[PocketflowError]] = {
         QueueFull,
         SegmentSealed,
         LeaseTableFull,
+        DataLost,
     )
     if cls.kind is not None
 }
@@ -418,6 +431,7 @@ _CODE_TO_CLASS: dict[int, type[PocketflowError]] = {
     GRPC_CODE_FAILED_PRECONDITION: InternalError,
     GRPC_CODE_INTERNAL: InternalError,
     GRPC_CODE_UNAVAILABLE: DataUnavailable,
+    GRPC_CODE_DATA_LOSS: DataLost,
     GRPC_CODE_UNAUTHENTICATED: PermissionDenied,
 }
 

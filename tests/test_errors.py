@@ -47,6 +47,7 @@ PROTOCOL_TABLE = [
     ("queue_full", 8, QueueFull),
     ("sealed", 9, SegmentSealed),
     ("lease_table_full", 8, errors.LeaseTableFull),
+    ("data_lost", 15, errors.DataLost),
 ]
 
 

@@ -57,6 +57,9 @@ What it does, in Pocket's terms:
   reruns exactly those mappers, writing only the lost partitions, and reruns the reducer, at most
   ``regenerate_rounds_max`` times. A mapper whose write fails the same way waits for the new map
   and writes again (keys it already wrote are kept: ``ObjectExists`` is expected there).
+  An input whose server answers :class:`~pocketflow.errors.DataLost` (it accepted the bytes,
+  then a write behind the put failed in its NVMe device) is lost the same way: the reducer
+  deletes its record, so that the rerun's write-once put writes it again, and reports it.
 - **A retried reducer recovers what its earlier attempt consumed.** Before each round of DELETE
   reads a reducer writes a small marker, ``consuming/r{r:05d}/<attempt>``, naming the mappers
   whose inputs it is about to consume. A reducer first reads every input that is there (its

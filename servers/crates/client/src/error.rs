@@ -28,6 +28,10 @@ pub enum ClientError {
     /// sent, so nothing happened).
     #[error("client_busy: {0}")]
     Busy(String),
+    /// The kernel gave no random bytes for a new object's version within its bounded retries
+    /// (nothing was sent).
+    #[error("internal: no random version: {0}")]
+    Randomness(String),
 }
 
 impl ClientError {
@@ -39,6 +43,7 @@ impl ClientError {
             ClientError::Protocol(_) => Code::Internal as i32,
             ClientError::InvalidArgument(_) => Code::InvalidArgument as i32,
             ClientError::Busy(_) => Code::Unavailable as i32,
+            ClientError::Randomness(_) => Code::Internal as i32,
         }
     }
 
@@ -70,6 +75,13 @@ impl ClientError {
     /// Whether the server said a block or record is not there.
     pub fn is_not_found(&self) -> bool {
         matches!(self, ClientError::Server { code, .. } if *code == Code::NotFound as i32)
+    }
+
+    /// Whether the server said it accepted the object's bytes and then lost them (`data_lost`,
+    /// DATA_LOSS: a write behind the put failed in the device). The object stays unreadable
+    /// until written again; it is a definite answer, not a transport failure.
+    pub fn is_data_lost(&self) -> bool {
+        matches!(self, ClientError::Server { code, .. } if *code == Code::DataLoss as i32)
     }
 
     /// Whether the server (or a write-once check) said the key already holds an object.
@@ -122,6 +134,19 @@ impl From<tonic::Status> for ClientError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn data_lost_is_its_own_answer() {
+        let err = ClientError::from(tonic::Status::data_loss(
+            "data_lost: the block's bytes were accepted but never reached /dev/loop0: EIO",
+        ));
+        assert!(err.is_data_lost());
+        assert_eq!(err.code(), 15);
+        assert!(!err.is_unavailable());
+        assert!(!err.is_not_found());
+        assert!(crate::writes::refused(&err));
+        assert!(!ClientError::Unavailable("reset".into()).is_data_lost());
+    }
 
     #[test]
     fn statuses_with_a_kind_stay_server_errors() {

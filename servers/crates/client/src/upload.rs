@@ -73,8 +73,15 @@ pub struct StreamUpload<B: AsRef<[u8]> + Send + 'static> {
 }
 
 impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
-    /// A new upload of `bucket/key` in the job's block size.
-    pub fn new(objects: Arc<Objects>, bucket: &str, key: &str, persist: bool) -> Self {
+    /// A new upload of `bucket/key` in the job's block size; fails only when the kernel gives
+    /// no random bytes for its version.
+    pub fn new(
+        objects: Arc<Objects>,
+        bucket: &str,
+        key: &str,
+        persist: bool,
+    ) -> Result<Self, Failure> {
+        let version = new_version().map_err(Failure::local)?;
         let view = objects.view();
         let block_size = view.block_size;
         let in_flight_max = objects.io_threads.max(1);
@@ -86,11 +93,11 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
             persist,
             view.servers.iter(),
         );
-        StreamUpload {
+        Ok(StreamUpload {
             objects,
             bucket: bucket.to_string(),
             key: key.to_string(),
-            version: new_version(),
+            version,
             block_size,
             persist,
             group_bytes: STREAM_GROUP_BYTES_MIN.max(block_size as usize),
@@ -104,7 +111,7 @@ impl<B: AsRef<[u8]> + Send + 'static> StreamUpload<B> {
             overflow: Arc::new(full),
             failures: Vec::new(),
             done: false,
-        }
+        })
     }
 
     /// The version the object gets.

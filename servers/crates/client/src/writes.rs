@@ -61,34 +61,77 @@ pub type PutItem<'a> = (&'a str, &'a [u8], Option<&'a Bytes>);
 
 /// A random non-zero version for a new object (from the kernel, so two writers of one key never
 /// pick the same one, whatever a program does to its own random generators).
-pub fn new_version() -> u64 {
+pub fn new_version() -> Result<u64, ClientError> {
     let mut raw = [0u8; 8];
-    fill_from_kernel(&mut raw);
-    u64::from_le_bytes(raw).max(1)
+    fill_from_kernel(&mut raw)?;
+    Ok(u64::from_le_bytes(raw).max(1))
 }
 
 /// `count` versions as [`new_version`] picks them, from one `getrandom` call instead of one
 /// each (a wide shuffle's mapper puts hundreds of small objects per call).
-pub fn new_versions(count: usize) -> Vec<u64> {
+pub fn new_versions(count: usize) -> Result<Vec<u64>, ClientError> {
     let mut raw = vec![0u8; count * 8];
-    fill_from_kernel(&mut raw);
-    raw.chunks_exact(8)
+    fill_from_kernel(&mut raw)?;
+    Ok(raw
+        .chunks_exact(8)
         .map(|chunk| u64::from_le_bytes(chunk.try_into().expect("8 bytes")).max(1))
-        .collect()
+        .collect())
 }
 
-/// Fill `raw` with random bytes from the kernel (`getrandom`). Requests above 256 bytes may
-/// return short (a signal), and a failure (EINTR) is retried.
-fn fill_from_kernel(raw: &mut [u8]) {
+/// Most `getrandom` calls that one fill makes: requests above 256 bytes may return short (a
+/// signal) and a call interrupted before any byte fails with EINTR; both are retried, this
+/// many calls in all, and then the fill fails instead of spinning.
+pub const GETRANDOM_CALLS_MAX: usize = 32;
+
+/// Fill `raw` with random bytes from the kernel (`getrandom`), in at most
+/// [`GETRANDOM_CALLS_MAX`] calls.
+fn fill_from_kernel(raw: &mut [u8]) -> Result<(), ClientError> {
+    fill_with(raw, |tail| {
+        // SAFETY: the pointer and length are those of `tail`, a live mutable slice.
+        let got = unsafe { libc::getrandom(tail.as_mut_ptr().cast(), tail.len(), 0) };
+        if got < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(got as usize)
+        }
+    })
+}
+
+/// Fill `raw` by calls of `source` on its unfilled tail (each returns how many bytes it wrote
+/// there), retrying short and interrupted calls, at most [`GETRANDOM_CALLS_MAX`] calls; an
+/// error other than EINTR or EAGAIN fails at once.
+fn fill_with(
+    raw: &mut [u8],
+    mut source: impl FnMut(&mut [u8]) -> std::io::Result<usize>,
+) -> Result<(), ClientError> {
     let mut filled = 0;
-    while filled < raw.len() {
-        // SAFETY: the pointer and length are the unfilled tail of `raw`.
-        let got =
-            unsafe { libc::getrandom(raw[filled..].as_mut_ptr().cast(), raw.len() - filled, 0) };
-        if got > 0 {
-            filled += got as usize;
+    let mut last_failure = String::from("short reads");
+    for _ in 0..GETRANDOM_CALLS_MAX {
+        if filled == raw.len() {
+            return Ok(());
+        }
+        match source(&mut raw[filled..]) {
+            Ok(got) => filled += got.min(raw.len() - filled),
+            Err(error)
+                if matches!(error.raw_os_error(), Some(libc::EINTR) | Some(libc::EAGAIN)) =>
+            {
+                last_failure = error.to_string();
+            }
+            Err(error) => {
+                return Err(ClientError::Randomness(format!(
+                    "getrandom failed after {filled} of {} bytes: {error}",
+                    raw.len()
+                )))
+            }
         }
     }
+    if filled == raw.len() {
+        return Ok(());
+    }
+    Err(ClientError::Randomness(format!(
+        "getrandom gave {filled} of {} bytes in {GETRANDOM_CALLS_MAX} calls ({last_failure})",
+        raw.len()
+    )))
 }
 
 /// The header of a small object of `size` bytes.
@@ -630,7 +673,11 @@ impl Objects {
             }
             let record = NewRecord {
                 key,
-                header: small_header(new_version(), data.len() as u64, persist),
+                header: small_header(
+                    new_version().map_err(Failure::local)?,
+                    data.len() as u64,
+                    persist,
+                ),
                 value: data,
                 shared: None,
             };
@@ -641,7 +688,8 @@ impl Objects {
             };
         }
         let block_size = self.view().block_size;
-        let header = large_header(new_version(), data.len() as u64, block_size, persist);
+        let version = new_version().map_err(Failure::local)?;
+        let header = large_header(version, data.len() as u64, block_size, persist);
         self.put_large(bucket, key, header, data, overwrite)
     }
 
@@ -679,7 +727,8 @@ impl Objects {
         overflow: Overflowing,
     ) -> Result<(), Failure> {
         let block_size = self.view().block_size;
-        let header = large_header(new_version(), data.len() as u64, block_size, persist);
+        let version = new_version().map_err(Failure::local)?;
+        let header = large_header(version, data.len() as u64, block_size, persist);
         self.put_blocks_then_manifest(bucket, key, header, data, overwrite, overflow)
     }
 
@@ -952,7 +1001,9 @@ impl Objects {
         // Without a server full lately (the usual case) no key's home is looked up here: each
         // costs a placement hash, and `put_records_each` finds the homes (and any error) anyway.
         let any_full = self.any_recently_full();
-        let mut versions = new_versions(items.len()).into_iter();
+        let mut versions = new_versions(items.len())
+            .map_err(Failure::local)?
+            .into_iter();
         for (index, &(key, data, shared)) in items.iter().enumerate() {
             let version = versions.next().expect("one version per item");
             if any_full && !data.is_empty() {
@@ -1179,11 +1230,67 @@ mod tests {
         // 4096 versions are 32 KiB of one getrandom call, above the 256 bytes it always
         // returns whole: a short read is filled up, not left as zeros.
         for count in [0, 1, 33, 4096] {
-            let versions = new_versions(count);
+            let versions = new_versions(count).unwrap();
             assert_eq!(versions.len(), count);
             assert!(versions.iter().all(|&v| v != 0));
             let distinct: BTreeSet<u64> = versions.iter().copied().collect();
             assert_eq!(distinct.len(), count);
         }
+    }
+
+    #[test]
+    fn fills_take_short_and_interrupted_reads_within_their_bound() {
+        // Short reads and EINTR are retried until the buffer is full.
+        let mut raw = [0u8; 40];
+        let mut calls = 0;
+        fill_with(&mut raw, |tail| {
+            calls += 1;
+            if calls % 2 == 0 {
+                return Err(std::io::Error::from_raw_os_error(libc::EINTR));
+            }
+            let n = tail.len().min(8);
+            tail[..n].fill(7);
+            Ok(n)
+        })
+        .unwrap();
+        assert_eq!(raw, [7u8; 40]);
+        assert_eq!(calls, 9);
+    }
+
+    #[test]
+    fn fills_that_never_finish_fail_typed_after_their_bound() {
+        // A source that always returns short (one byte of many) or keeps being interrupted
+        // fails after GETRANDOM_CALLS_MAX calls instead of spinning.
+        for interrupted in [false, true] {
+            let mut raw = vec![0u8; 4 * GETRANDOM_CALLS_MAX];
+            let mut calls = 0;
+            let error = fill_with(&mut raw, |tail| {
+                calls += 1;
+                if interrupted {
+                    return Err(std::io::Error::from_raw_os_error(libc::EINTR));
+                }
+                tail[0] = 1;
+                Ok(1)
+            })
+            .unwrap_err();
+            assert_eq!(calls, GETRANDOM_CALLS_MAX);
+            assert!(matches!(error, ClientError::Randomness(_)), "{error:?}");
+            assert!(error.to_string().starts_with("internal: "), "{error}");
+            assert_eq!(error.code(), tonic::Code::Internal as i32);
+        }
+        // Any other failure ends the fill at once.
+        let mut calls = 0;
+        let error = fill_with(&mut [0u8; 8], |_| {
+            calls += 1;
+            Err(std::io::Error::from_raw_os_error(libc::ENOSYS))
+        })
+        .unwrap_err();
+        assert_eq!(calls, 1);
+        assert!(
+            error
+                .to_string()
+                .contains("getrandom failed after 0 of 8 bytes"),
+            "{error}"
+        );
     }
 }

@@ -569,7 +569,7 @@ fn an_object_of_one_data_block_lives_with_its_manifest() {
         objects.put("b", key, &one, false, false).unwrap();
     }
     // Streamed: block 1 waits for a second one, and goes with the manifest when none comes.
-    let mut upload = StreamUpload::new(objects.clone(), "b", &keys[4], false);
+    let mut upload = StreamUpload::new(objects.clone(), "b", &keys[4], false).unwrap();
     upload.add(1, one.clone()).unwrap();
     upload.commit(one.len() as u64, false).unwrap();
     for key in &keys {
@@ -642,7 +642,7 @@ fn objects_of_more_data_blocks_stay_striped() {
     let two = payload(BLOCK_SIZE as usize + 7, 5);
     objects.put("b", &key, &two, false, false).unwrap();
     let streamed = format!("{key}-streamed");
-    let mut upload = StreamUpload::new(objects.clone(), "b", &streamed, false);
+    let mut upload = StreamUpload::new(objects.clone(), "b", &streamed, false).unwrap();
     let (first, second) = two.split_at(BLOCK_SIZE as usize);
     upload.add(1, first.to_vec()).unwrap();
     upload.add(2, second.to_vec()).unwrap();
@@ -658,7 +658,7 @@ fn objects_of_more_data_blocks_stay_striped() {
     }
 
     // A commit whose size disagrees with the blocks added is refused; nothing of it stays.
-    let mut upload = StreamUpload::new(objects.clone(), "b", "short", false);
+    let mut upload = StreamUpload::new(objects.clone(), "b", "short", false).unwrap();
     let version = upload.version();
     upload.add(1, first.to_vec()).unwrap();
     upload.add(2, second.to_vec()).unwrap();

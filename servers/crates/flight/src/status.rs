@@ -183,6 +183,7 @@ fn code_of(kind: ErrorKind) -> Code {
         grpc_code::RESOURCE_EXHAUSTED => Code::ResourceExhausted,
         grpc_code::FAILED_PRECONDITION => Code::FailedPrecondition,
         grpc_code::UNAVAILABLE => Code::Unavailable,
+        grpc_code::DATA_LOSS => Code::DataLoss,
         _ => Code::Internal,
     }
 }

@@ -39,6 +39,10 @@ pub enum ErrorKind {
     /// A renewal named new prefixes past the job's share of the server's lease table, or past
     /// the table's bound: those were refused, every lease the job held was renewed.
     LeaseTableFull,
+    /// The server accepted the object's bytes (the put succeeded) and then lost them: a write
+    /// behind the put failed in the device. The object cannot be read; its writer (or its
+    /// lineage) must write it again.
+    DataLost,
 }
 
 /// gRPC status code numbers used by [`ErrorKind::grpc_code`].
@@ -59,11 +63,13 @@ pub mod grpc_code {
     pub const INTERNAL: u8 = 13;
     /// UNAVAILABLE.
     pub const UNAVAILABLE: u8 = 14;
+    /// DATA_LOSS.
+    pub const DATA_LOSS: u8 = 15;
 }
 
 impl ErrorKind {
     /// Every kind, in the order of the table in docs/PROTOCOL.md.
-    pub const ALL: [ErrorKind; 15] = [
+    pub const ALL: [ErrorKind; 16] = [
         ErrorKind::NotFound,
         ErrorKind::BucketNotFound,
         ErrorKind::JobNotRegistered,
@@ -79,6 +85,7 @@ impl ErrorKind {
         ErrorKind::QueueFull,
         ErrorKind::Sealed,
         ErrorKind::LeaseTableFull,
+        ErrorKind::DataLost,
     ];
 
     /// The kind's wire name, e.g. `"not_found"`.
@@ -99,6 +106,7 @@ impl ErrorKind {
             ErrorKind::QueueFull => "queue_full",
             ErrorKind::Sealed => "sealed",
             ErrorKind::LeaseTableFull => "lease_table_full",
+            ErrorKind::DataLost => "data_lost",
         }
     }
 
@@ -126,6 +134,7 @@ impl ErrorKind {
                 grpc_code::FAILED_PRECONDITION
             }
             ErrorKind::Internal => grpc_code::INTERNAL,
+            ErrorKind::DataLost => grpc_code::DATA_LOSS,
         }
     }
 }
@@ -315,6 +324,8 @@ mod tests {
         assert_eq!(ErrorKind::PersistRefused.grpc_code(), 9);
         assert_eq!(ErrorKind::Internal.grpc_code(), 13);
         assert_eq!(ErrorKind::InvalidArgument.grpc_code(), 3);
+        assert_eq!(ErrorKind::DataLost.grpc_code(), 15);
+        assert_eq!(ErrorKind::DataLost.as_str(), "data_lost");
     }
 
     #[test]

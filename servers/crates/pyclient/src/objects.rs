@@ -268,13 +268,10 @@ impl PyObjects {
 
     /// A streamed upload of `bucket/key`: add its data blocks as they come, then commit.
     #[pyo3(signature = (bucket, key, *, persist))]
-    fn upload(&self, bucket: &str, key: &str, persist: bool) -> PyUpload {
-        PyUpload::new(StreamUpload::new(
-            self.objects.clone(),
-            bucket,
-            key,
-            persist,
-        ))
+    fn upload(&self, py: Python<'_>, bucket: &str, key: &str, persist: bool) -> PyResult<PyUpload> {
+        let upload = StreamUpload::new(self.objects.clone(), bucket, key, persist)
+            .map_err(|failure| failure_to_py(py, &failure))?;
+        Ok(PyUpload::new(upload))
     }
 
     /// A listing of `bucket` under `prefix`: an iterator of pages of `(key, size)`, merged from

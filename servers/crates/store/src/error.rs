@@ -201,6 +201,16 @@ pub enum StoreError {
         #[source]
         source: io::Error,
     },
+    /// A block's bytes were accepted (its put returned) but a write behind the put failed, so
+    /// they are not on the device: the block cannot be read, ever. Its writer (or the lineage
+    /// that made it) must write it again.
+    #[error("the block's bytes were accepted but never reached {}: {cause}", .path.display())]
+    DataLost {
+        /// The engine's file or device.
+        path: PathBuf,
+        /// The first failure of the block's writes.
+        cause: String,
+    },
     /// The engine's I/O ring has stopped (the engine is shutting down or crashed).
     #[error("the storage engine's I/O ring has stopped")]
     EngineStopped,
@@ -336,6 +346,7 @@ impl StoreError {
             Self::LeaseTableFull { .. } => "lease_table_full",
             Self::PersistRefused => "persist_refused",
             Self::Io { .. } | Self::EngineStopped => "internal",
+            Self::DataLost { .. } => "data_lost",
         }
     }
 
@@ -406,5 +417,14 @@ mod tests {
         };
         assert_eq!(io.kind(), "internal");
         assert_eq!(io.to_string(), "open /x: boom");
+        let lost = StoreError::DataLost {
+            path: "/dev/loop0".into(),
+            cause: "io_uring write: EIO".into(),
+        };
+        assert_eq!(lost.kind(), "data_lost");
+        assert_eq!(
+            lost.to_string(),
+            "the block's bytes were accepted but never reached /dev/loop0: io_uring write: EIO"
+        );
     }
 }

@@ -278,13 +278,13 @@ impl Engine for NvmeEngine {
         let shared = Arc::clone(&self.shared);
         let block = block.clone();
         Box::pin(async move {
-            block.written().await.map_err(|failure| {
-                StoreError::io(
-                    "write behind of the block",
-                    &shared.path,
-                    io::Error::other(failure),
-                )
-            })?;
+            block
+                .written()
+                .await
+                .map_err(|cause| StoreError::DataLost {
+                    path: shared.path.clone(),
+                    cause,
+                })?;
             if len == 0 {
                 return Ok(Bytes::new());
             }
@@ -607,12 +607,21 @@ mod tests {
             .expect("the put returns before its writes complete");
         let read = engine.read(&block, 0, block.len()).await;
         match read {
-            Err(StoreError::Io { op, path, .. }) => {
-                assert_eq!(op, "write behind of the block");
-                assert_eq!(path.as_deref(), Some(Path::new(&device.device)));
+            Err(error @ StoreError::DataLost { .. }) => {
+                assert_eq!(error.kind(), "data_lost");
+                let StoreError::DataLost { path, cause } = error else {
+                    unreachable!()
+                };
+                assert_eq!(path, Path::new(&device.device));
+                assert!(cause.starts_with("io_uring write"), "{cause}");
             }
             other => panic!("a read of a block whose write failed: {other:?}"),
         }
+        // Every later read says the same: the bytes are gone, not late.
+        assert!(matches!(
+            engine.read(&block, 0, 1).await,
+            Err(StoreError::DataLost { .. })
+        ));
         assert!(block.writes_settled());
         // The failed block's extent is freed with its last handle, as any other's.
         drop(block);

@@ -447,6 +447,7 @@ pub(crate) mod tests {
     pub(crate) async fn put_block(store: &Store, index: u32, value: Bytes) {
         let mut write = store
             .begin_block(JOB, "b", "k", 7, index, value.len() as u64, false)
+            .await
             .unwrap();
         write.append(value).await.unwrap();
         write.commit().await.unwrap();

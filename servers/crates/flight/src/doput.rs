@@ -82,14 +82,14 @@ impl Upload {
 
     async fn write_piece(&mut self, meta: PutPieceMeta, piece: Bytes) -> Result<(), ServiceError> {
         let piece_len = piece.len() as u64;
-        let open = self.open_for(meta, piece_len)?;
+        let open = self.open_for(meta, piece_len).await?;
         open.writer.append(piece).await?;
         self.appended(piece_len).await
     }
 
     /// Check the next piece's place (`piece_len` bytes of the block `meta` names) and return the
     /// block it goes to, opened (space reserved) if it is the first piece of its block.
-    fn open_for(
+    async fn open_for(
         &mut self,
         meta: PutPieceMeta,
         piece_len: u64,
@@ -128,15 +128,19 @@ impl Upload {
             }
             self.state.auth.check_may_write(&self.job)?;
             let d = &self.descriptor;
-            let writer = self.state.store.begin_block(
-                &self.job,
-                &d.bucket,
-                &d.key,
-                d.version,
-                meta.block_index,
-                meta.block_len,
-                d.persist,
-            )?;
+            let writer = self
+                .state
+                .store
+                .begin_block(
+                    &self.job,
+                    &d.bucket,
+                    &d.key,
+                    d.version,
+                    meta.block_index,
+                    meta.block_len,
+                    d.persist,
+                )
+                .await?;
             self.open = Some(OpenBlock {
                 index: meta.block_index,
                 declared: meta.block_len,
@@ -389,7 +393,7 @@ where
             block_len: u64::from_le_bytes(raw_meta[4..].try_into().expect("8 bytes")),
         };
         let piece_len = (len - PIECE_META_BYTES) as u64;
-        let open = upload.open_for(meta, piece_len).map_err(Some)?;
+        let open = upload.open_for(meta, piece_len).await.map_err(Some)?;
         if let Some(spare) = open.writer.spare(piece_len) {
             // The engine's memory (the DRAM arena) takes the piece straight from the socket.
             read_within(reader, spare, idle).await?;

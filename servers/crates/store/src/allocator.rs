@@ -8,8 +8,11 @@
 //! `capacity / granularity`.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
 
 use crate::error::{CapacityLimit, StoreError};
 
@@ -20,6 +23,11 @@ pub struct ExtentAllocator {
     capacity_bytes: u64,
     /// Mirror of the allocated bytes, readable without the lock.
     used_bytes: AtomicU64,
+    /// Of `used_bytes`, extents whose block is gone but whose writes are still in the kernel
+    /// (NVMe write-behind): free as soon as the device completes them.
+    freeing_bytes: AtomicU64,
+    /// Woken after every free, for allocations that wait for freeing extents.
+    freed: Notify,
     free: Mutex<FreeSpace>,
 }
 
@@ -52,6 +60,8 @@ pub struct Extent {
     offset: u64,
     len: u64,
     allocator: Arc<ExtentAllocator>,
+    /// Counted in the allocator's `freeing_bytes` (see [`Extent::mark_freeing`]).
+    freeing: AtomicBool,
 }
 
 impl Extent {
@@ -74,11 +84,30 @@ impl Extent {
     pub fn belongs_to(&self, allocator: &Arc<ExtentAllocator>) -> bool {
         Arc::ptr_eq(&self.allocator, allocator)
     }
+
+    /// Count the extent as being freed: its block is gone and only writes still in the kernel
+    /// hold it, so an allocation that needs its space waits for them
+    /// ([`ExtentAllocator::allocate_waiting`]). Counted once, until the extent is freed.
+    pub(crate) fn mark_freeing(&self) {
+        if !self.freeing.swap(true, Ordering::AcqRel) {
+            self.allocator
+                .freeing_bytes
+                .fetch_add(self.len, Ordering::AcqRel);
+        }
+    }
 }
 
 impl Drop for Extent {
     fn drop(&mut self) {
         self.allocator.free(self.offset, self.len);
+        // Uncounted only once free, so that a waiting allocation never sees the bytes neither
+        // free nor freeing.
+        if *self.freeing.get_mut() {
+            self.allocator
+                .freeing_bytes
+                .fetch_sub(self.len, Ordering::AcqRel);
+        }
+        self.allocator.freed.notify_waiters();
     }
 }
 
@@ -99,6 +128,8 @@ impl ExtentAllocator {
             granularity_bytes,
             capacity_bytes,
             used_bytes: AtomicU64::new(0),
+            freeing_bytes: AtomicU64::new(0),
+            freed: Notify::new(),
             free: Mutex::new(free),
         })
     }
@@ -111,6 +142,11 @@ impl ExtentAllocator {
     /// Bytes currently allocated.
     pub fn used_bytes(&self) -> u64 {
         self.used_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Of the allocated bytes, those of deleted blocks that writes still in the kernel hold.
+    pub fn freeing_bytes(&self) -> u64 {
+        self.freeing_bytes.load(Ordering::Acquire)
     }
 
     /// Allocation unit in bytes.
@@ -154,7 +190,61 @@ impl ExtentAllocator {
             offset,
             len: rounded,
             allocator: Arc::clone(self),
+            freeing: AtomicBool::new(false),
         })
+    }
+
+    /// [`ExtentAllocator::allocate`], but when it fails and the bytes still being freed would
+    /// make room (extents of deleted blocks whose writes are in the kernel), wait for them to
+    /// be freed, at most `wait_max`. Fails as `allocate` does when waiting cannot help, and with
+    /// [`CapacityLimit::Freeing`] (which names the bytes being freed) when the wait ran out.
+    pub async fn allocate_waiting(
+        self: &Arc<Self>,
+        len: u64,
+        wait_max: Duration,
+    ) -> Result<Extent, StoreError> {
+        let deadline = tokio::time::Instant::now() + wait_max;
+        loop {
+            // Registered before the attempt, so that a free between the two is not missed.
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            let full = match self.allocate(len) {
+                Ok(extent) => return Ok(extent),
+                Err(full) => full,
+            };
+            let StoreError::CapacityExhausted {
+                requested,
+                available,
+                limit,
+            } = full
+            else {
+                return Err(full);
+            };
+            let freeing_bytes = self.freeing_bytes();
+            if freeing_bytes == 0 || available.saturating_add(freeing_bytes) < requested {
+                return Err(StoreError::CapacityExhausted {
+                    requested,
+                    available,
+                    limit,
+                });
+            }
+            if tokio::time::timeout_at(deadline, freed).await.is_err() {
+                let largest_free_bytes = match limit {
+                    CapacityLimit::Extent { largest_free_bytes } => largest_free_bytes,
+                    _ => 0,
+                };
+                return Err(StoreError::CapacityExhausted {
+                    requested,
+                    available,
+                    limit: CapacityLimit::Freeing {
+                        freeing_bytes,
+                        largest_free_bytes,
+                        waited_ms: wait_max.as_millis() as u64,
+                    },
+                });
+            }
+        }
     }
 
     fn free(&self, offset: u64, len: u64) {
@@ -208,6 +298,84 @@ impl ExtentAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn allocations_wait_for_extents_being_freed_bounded() {
+        use std::time::{Duration, Instant};
+        const WHOLE: u64 = 64 * 1024;
+        let allocator = ExtentAllocator::new(WHOLE, 4096);
+        // A deleted block whose write is still in the kernel: the write holds the extent.
+        let block = Arc::new(allocator.allocate(WHOLE).unwrap());
+        let write = Arc::clone(&block);
+        block.mark_freeing();
+        block.mark_freeing();
+        drop(block);
+        assert_eq!(allocator.freeing_bytes(), WHOLE);
+        assert!(matches!(
+            allocator.allocate(4096),
+            Err(StoreError::CapacityExhausted { .. })
+        ));
+        // A write that needs the room waits for the write to complete, and gets it.
+        let completes = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            drop(write);
+        });
+        let extent = allocator
+            .allocate_waiting(WHOLE, Duration::from_secs(10))
+            .await
+            .unwrap();
+        completes.await.unwrap();
+        assert_eq!((extent.len(), allocator.freeing_bytes()), (WHOLE, 0));
+        // A write that never completes: the wait is bounded, and the error says what holds the
+        // room instead of calling the free space fragmented.
+        let block = Arc::new(extent);
+        let write = Arc::clone(&block);
+        block.mark_freeing();
+        drop(block);
+        let started = Instant::now();
+        let error = allocator
+            .allocate_waiting(8192, Duration::from_millis(100))
+            .await
+            .unwrap_err();
+        assert!(started.elapsed() >= Duration::from_millis(100));
+        assert!(
+            matches!(
+                error,
+                StoreError::CapacityExhausted {
+                    requested: 8192,
+                    available: 0,
+                    limit: CapacityLimit::Freeing {
+                        freeing_bytes: WHOLE,
+                        largest_free_bytes: 0,
+                        waited_ms: 100,
+                    },
+                }
+            ),
+            "{error:?}"
+        );
+        assert_eq!(
+            error.to_string(),
+            "tier has no free extent of 8192 bytes: 0 bytes free (the largest extent 0 bytes), \
+             and 65536 bytes of deleted blocks are still held by their writes to the device \
+             after a wait of 100 ms"
+        );
+        // Room that the bytes being freed cannot make: refused at once, as before.
+        let started = Instant::now();
+        let too_big = allocator
+            .allocate_waiting(2 * WHOLE, Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(matches!(
+            too_big,
+            StoreError::CapacityExhausted {
+                limit: CapacityLimit::Extent { .. },
+                ..
+            }
+        ));
+        drop(write);
+        assert_eq!((allocator.used_bytes(), allocator.freeing_bytes()), (0, 0));
+    }
 
     #[test]
     fn rounds_to_granularity_and_coalesces() {

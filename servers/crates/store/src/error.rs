@@ -293,6 +293,16 @@ pub enum CapacityLimit {
         /// The largest free extent, in bytes.
         largest_free_bytes: u64,
     },
+    /// The room is held by deleted blocks whose writes are still in the kernel (NVMe
+    /// write-behind), and they did not complete within the write's wait for them.
+    Freeing {
+        /// Bytes of deleted blocks still held by their writes.
+        freeing_bytes: u64,
+        /// The largest free extent, in bytes.
+        largest_free_bytes: u64,
+        /// How long the write waited for them.
+        waited_ms: u64,
+    },
 }
 
 fn describe_full(requested: u64, available: u64, limit: &CapacityLimit) -> String {
@@ -311,6 +321,15 @@ fn describe_full(requested: u64, available: u64, limit: &CapacityLimit) -> Strin
         CapacityLimit::Extent { largest_free_bytes } => format!(
             "tier has no free extent of {requested} bytes: {available} bytes free in pieces, \
              the largest {largest_free_bytes} bytes"
+        ),
+        CapacityLimit::Freeing {
+            freeing_bytes,
+            largest_free_bytes,
+            waited_ms,
+        } => format!(
+            "tier has no free extent of {requested} bytes: {available} bytes free (the largest \
+             extent {largest_free_bytes} bytes), and {freeing_bytes} bytes of deleted blocks are \
+             still held by their writes to the device after a wait of {waited_ms} ms"
         ),
     }
 }

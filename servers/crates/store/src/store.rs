@@ -286,7 +286,7 @@ impl Store {
         let block = if len == 0 {
             None
         } else {
-            let mut writer = engine.begin_write(len)?;
+            let mut writer = engine.begin_write_waiting(len).await?;
             writer.append(value).await?;
             Some(writer.finish().await?)
         };

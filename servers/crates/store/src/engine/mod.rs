@@ -95,6 +95,13 @@ pub trait Engine: Send + Sync {
     /// before [`BlockWriter::finish`] frees the reservation.
     fn begin_write(&self, len: u64) -> Result<Box<dyn BlockWriter>, StoreError>;
 
+    /// [`Engine::begin_write`], except that a write that finds no room only because deleted
+    /// blocks' writes still hold it (NVMe write-behind) waits for them, bounded, instead of
+    /// failing at once. Engines whose frees are immediate (the default) answer at once.
+    fn begin_write_waiting(&self, len: u64) -> EngineFuture<'_, Box<dyn BlockWriter>> {
+        Box::pin(async move { self.begin_write(len) })
+    }
+
     /// Read `len` bytes at `offset` of `block`; the range must lie inside the block.
     ///
     /// The returned bytes stay valid however long they are held, even if the block is removed
@@ -148,6 +155,17 @@ struct BlockInner {
     checksum: Checksum,
     /// Writes still in the kernel when the block was handed back (NVMe write-behind).
     writes: Option<WriteBehind>,
+}
+
+impl Drop for BlockInner {
+    fn drop(&mut self) {
+        // Writes behind the block still hold its extent: count it as being freed, so that a
+        // write that needs its room waits for them rather than fails with a tier that is full
+        // only for the moment.
+        if Arc::strong_count(&self.extent) > 1 {
+            self.extent.mark_freeing();
+        }
+    }
 }
 
 impl StoredBlock {

@@ -36,7 +36,7 @@ impl Store {
     /// writer. Fails with `CapacityExhausted` (nothing reserved), `BucketNotFound`,
     /// `PersistRefused`, `BlockTooLarge` or `BlockExists`.
     #[allow(clippy::too_many_arguments)]
-    pub fn begin_block(
+    pub async fn begin_block(
         &self,
         job: &str,
         bucket: &str,
@@ -82,7 +82,7 @@ impl Store {
             .shared
             .budget
             .charge(&job_index.account, cost, ChargeKind::Data)?;
-        let writer = engine.begin_write(len)?;
+        let writer = engine.begin_write_waiting(len).await?;
         Ok(BlockWrite {
             job: job_index,
             bucket: bucket_ref,

@@ -102,7 +102,10 @@ async fn put_persist(
 
 /// The PERSIST data block 1 of "big" (version 9) in bucket "b": `abc`.
 async fn put_persist_block(store: &Store) {
-    let mut write = store.begin_block(JOB, "b", "big", 9, 1, 3, true).unwrap();
+    let mut write = store
+        .begin_block(JOB, "b", "big", 9, 1, 3, true)
+        .await
+        .unwrap();
     write.append(Bytes::from_static(b"abc")).await.unwrap();
     write.commit().await.unwrap();
 }
@@ -114,7 +117,9 @@ async fn put_block(
     index: u32,
     data: &Bytes,
 ) -> Result<(), StoreError> {
-    let mut write = store.begin_block(JOB, "b", key, version, index, data.len() as u64, false)?;
+    let mut write = store
+        .begin_block(JOB, "b", key, version, index, data.len() as u64, false)
+        .await?;
     for piece in data.chunks(7000) {
         write.append(data.slice_ref(piece)).await?;
     }
@@ -237,7 +242,7 @@ async fn invalid_puts_are_refused(tier: Tier) {
     let refused = put_persist(&store, "k", b"x", false).await;
     assert!(matches!(refused, Err(StoreError::PersistRefused)));
     assert!(matches!(
-        store.begin_block(JOB, "b", "k", 1, 1, 10, true),
+        store.begin_block(JOB, "b", "k", 1, 1, 10, true).await,
         Err(StoreError::PersistRefused)
     ));
     let mismatch = store
@@ -291,22 +296,24 @@ async fn invalid_puts_are_refused(tier: Tier) {
         Err(StoreError::InvalidName { what: "key", .. })
     ));
     assert!(matches!(
-        store.begin_block(JOB, "b", "k", 1, 0, 10, false),
+        store.begin_block(JOB, "b", "k", 1, 0, 10, false).await,
         Err(StoreError::InvalidBlockAddress { .. })
     ));
     assert!(matches!(
-        store.begin_block(JOB, "b", "k", 1, 1, 0, false),
+        store.begin_block(JOB, "b", "k", 1, 1, 0, false).await,
         Err(StoreError::EmptyBlock)
     ));
-    let too_large = store.begin_block(
-        JOB,
-        "b",
-        "k",
-        1,
-        1,
-        u64::from(BLOCK_SIZE_MAX_BYTES) + 1,
-        false,
-    );
+    let too_large = store
+        .begin_block(
+            JOB,
+            "b",
+            "k",
+            1,
+            1,
+            u64::from(BLOCK_SIZE_MAX_BYTES) + 1,
+            false,
+        )
+        .await;
     assert!(matches!(too_large, Err(StoreError::BlockTooLarge { .. })));
     assert_eq!(store.used_bytes(), 0);
     assert!(store.is_empty());
@@ -442,6 +449,7 @@ async fn data_blocks(tier: Tier) {
     let before = store.used_bytes();
     let mut short = store
         .begin_block(JOB, "b", "obj", 7, 1, 100, false)
+        .await
         .unwrap();
     short.append(pattern(50, 0)).await.unwrap();
     assert!(matches!(
@@ -509,7 +517,9 @@ async fn exhaustion_leaves_nothing(tier: Tier) {
     assert_eq!(store.usage().objects, 4);
     let used = store.used_bytes();
     assert!(matches!(
-        store.begin_block(JOB, "b", "big", 1, 1, 100_000, false),
+        store
+            .begin_block(JOB, "b", "big", 1, 1, 100_000, false)
+            .await,
         Err(StoreError::CapacityExhausted { .. })
     ));
     assert_eq!(store.used_bytes(), used);
@@ -560,7 +570,9 @@ async fn manifests_still_fit_a_tier_full_of_data(tier: Tier) {
         other => panic!("expected the data limit, got {other}"),
     }
     assert!(matches!(
-        store.begin_block(JOB, "b", "blocks", 7, 1, 100_000, false),
+        store
+            .begin_block(JOB, "b", "blocks", 7, 1, 100_000, false)
+            .await,
         Err(StoreError::CapacityExhausted { .. })
     ));
     store
@@ -791,6 +803,7 @@ async fn deleting_a_bucket_under_a_write_leaks_nothing(tier: Tier) {
     store.create_bucket(JOB, "b").unwrap();
     let mut write = store
         .begin_block(JOB, "b", "k", 1, 1, 10_000, false)
+        .await
         .unwrap();
     write.append(pattern(10_000, 1)).await.unwrap();
     assert!(store.used_bytes() > 10_000);
@@ -816,6 +829,7 @@ async fn futures_are_send(tier: Tier) {
         put(&task_store, "b", "k", b"v").await.unwrap();
         let mut write = task_store
             .begin_block(JOB, "b", "k", 1, 1, 1, false)
+            .await
             .unwrap();
         write.append(Bytes::from_static(b"z")).await.unwrap();
         write.commit().await.unwrap();

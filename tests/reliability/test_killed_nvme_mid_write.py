@@ -114,4 +114,11 @@ def test_puts_in_flight_when_an_nvme_server_is_killed_end_typed_and_bounded(
         # And it works: a put and its read round-trip on the file the killed server wrote.
         pf.put("b", "after", _payload(99, 0))
         assert pf.get("b", "after") == _payload(99, 0)
+        pf.delete("b", "after")
+    # Its stats name the room deleted blocks' writes still hold: none, once they completed.
+    deadline = time.monotonic() + ENDED_WITHIN_S
+    with servers.admin(restarted.address) as admin:
+        while (stats := admin.stats())["freeing_bytes"] != 0:
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.01)
     servers.delete_job(handle)

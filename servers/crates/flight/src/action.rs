@@ -287,6 +287,7 @@ pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
         used_bytes: usage.used_bytes,
         objects: usage.objects,
         channel_entries: usage.channel_entries,
+        freeing_bytes: usage.freeing_bytes,
         jobs: usage
             .per_job
             .into_iter()

@@ -787,6 +787,11 @@ pub struct StatsReport {
     /// bytes are in `used_bytes`.
     #[serde(default)]
     pub channel_entries: u64,
+    /// Of the tier's bytes, those of deleted blocks still held by their writes to the device
+    /// (NVMe write-behind): free once the device completes them, and a write that needs them
+    /// waits for them. Not in `used_bytes`, which counts what the index holds.
+    #[serde(default)]
+    pub freeing_bytes: u64,
     /// Usage per job.
     pub jobs: BTreeMap<String, JobUsageJson>,
     /// CPU cores the server runs on now (see `set_cores`).

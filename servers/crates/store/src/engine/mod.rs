@@ -85,6 +85,12 @@ pub trait Engine: Send + Sync {
     /// Bytes allocated to blocks and to writes in progress.
     fn used_bytes(&self) -> u64;
 
+    /// Of [`Engine::used_bytes`], those of deleted blocks that their writes still hold (NVMe
+    /// write-behind); 0 for engines whose frees are immediate.
+    fn freeing_bytes(&self) -> u64 {
+        0
+    }
+
     /// Bytes of capacity a block of `len` bytes occupies (its length rounded up to the engine's
     /// allocation granularity).
     fn allocation_bytes(&self, len: u64) -> u64;

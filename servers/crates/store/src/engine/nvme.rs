@@ -269,6 +269,10 @@ impl Engine for NvmeEngine {
         self.allocator.used_bytes()
     }
 
+    fn freeing_bytes(&self) -> u64 {
+        self.allocator.freeing_bytes()
+    }
+
     fn allocation_bytes(&self, len: u64) -> u64 {
         self.allocator.rounded_len(len)
     }
@@ -696,7 +700,7 @@ mod tests {
         let last = engine.begin_write_waiting(1 << 20).await.unwrap();
         drop(last);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while engine.used_bytes() != 0 || engine.allocator.freeing_bytes() != 0 {
+        while engine.used_bytes() != 0 || engine.freeing_bytes() != 0 {
             assert!(std::time::Instant::now() < deadline, "extent never freed");
             tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }

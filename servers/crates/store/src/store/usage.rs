@@ -21,6 +21,9 @@ pub struct Usage {
     /// Channel entries in the index: queue and append-file segments, queue items and append
     /// records (their bytes are in `used_bytes`). A server holding any holds channel data.
     pub channel_entries: u64,
+    /// Bytes of deleted blocks that their writes to the device still hold (NVMe write-behind;
+    /// not in `used_bytes`): free once those writes complete.
+    pub freeing_bytes: u64,
     /// The same per job, for every job with buckets on this server.
     pub per_job: BTreeMap<String, JobUsage>,
 }
@@ -78,6 +81,7 @@ impl Store {
             used_bytes: self.used_bytes(),
             objects: per_job.values().map(|j| j.objects).sum(),
             channel_entries: per_job.values().map(|j| j.channel_entries).sum(),
+            freeing_bytes: self.shared.engine.freeing_bytes(),
             per_job,
         }
     }

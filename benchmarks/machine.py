@@ -31,17 +31,24 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def process_times(pid: int) -> tuple[float, float, int, float, float]:
+def process_times(pid: int) -> tuple[float, float, int, float, float, float]:
     """Process ``pid``'s user and system CPU seconds so far (all its threads), its minor page
-    faults, and of its main thread alone: seconds on a core, and seconds ready to run but
-    waiting for one (the scheduler's run delay: what a loaded machine costs it); from Linux
-    ``/proc``; raises ``OSError`` when it is gone. A main thread's wall time beyond the two
-    is time it was blocked (on I/O, on other threads, asleep)."""
+    faults; of its main thread alone, seconds on a core and seconds ready to run but waiting
+    for one (the scheduler's run delay: what a loaded machine costs it); and the run delay of
+    all its live threads together. From Linux ``/proc``; raises ``OSError`` when it is gone. A
+    main thread's wall time beyond its time on a core and its run delay is time it was blocked
+    (on I/O, on other threads, asleep)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
     on_cpu_ns, run_delay_ns = Path(f"/proc/{pid}/schedstat").read_text().split()[:2]
+    threads_delay_ns = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            threads_delay_ns += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # A thread that ended while listed.
     return (int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7]),
-            int(on_cpu_ns) / 1e9, int(run_delay_ns) / 1e9)
+            int(on_cpu_ns) / 1e9, int(run_delay_ns) / 1e9, threads_delay_ns / 1e9)
 
 
 def machine_cpu_split_s() -> dict[str, float]:

@@ -253,7 +253,8 @@ def _cpu_busy_s() -> float | None:
         return None
 
 
-PROCESS_COUNTERS = ("user_s", "system_s", "minor_faults", "main_cpu_s", "run_delay_s")
+PROCESS_COUNTERS = ("user_s", "system_s", "minor_faults", "main_cpu_s", "run_delay_s",
+                    "threads_run_delay_s")
 """Per group of processes (:func:`process_group`), what :func:`process_cpu` reports
 (:func:`benchmarks.machine.process_times`)."""
 
@@ -925,11 +926,13 @@ def markdown(results: dict[str, Any]) -> str:
                   "after it (user, system; minor page faults in thousands per GB; of the "
                   "processes' main threads alone: seconds per GB on a core, and ready but "
                   "waiting for one, what other load costs them; a task worker's main thread "
-                  "runs its task, and is blocked for the rest of the phase): the processes "
-                  "below the benchmark's, so other users' work is not in it:", "",
+                  "runs its task, and is blocked for the rest of the phase; and the run delay "
+                  "of all their threads, a server's included): the processes below the "
+                  "benchmark's, so other users' work is not in it:", "",
                   "| size | variant | processes | user s/GB | system s/GB | faults k/GB | "
-                  "main thread on CPU s/GB | main thread run delay s/GB |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "main thread on CPU s/GB | main thread run delay s/GB | "
+                  "all threads' run delay s/GB |",
+                  "|---|---|---|---|---|---|---|---|---|"]
     for r in per_process:
         gb = r["input_bytes"] / 1e9
         phases = [r["process_cpu"][phase] for phase in ("before", "after")]
@@ -941,7 +944,8 @@ def markdown(results: dict[str, Any]) -> str:
                                 for p in phases)
                      for c, scale, digits in (("user_s", 1, 2), ("system_s", 1, 2),
                                               ("minor_faults", 1000, 0),
-                                              ("main_cpu_s", 1, 2), ("run_delay_s", 1, 2))]
+                                              ("main_cpu_s", 1, 2), ("run_delay_s", 1, 2),
+                                              ("threads_run_delay_s", 1, 2))]
             lines.append(f"| {format_bytes(r['input_bytes'])} | {r['variant']} | {group} | "
                          + " | ".join(cells) + " |")
     lines += ["", "Goals:"]

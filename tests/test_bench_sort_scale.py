@@ -108,25 +108,26 @@ def test_process_cpu_splits_each_groups_cpu_at_the_map_phases_end() -> None:
     # starts after the first sample (counted from zero there) and one that is gone at the end
     # (it keeps its last reading).
     samples = [
-        {"t_s": 0.0, "procs": {10: ["dram servers", 1.0, 2.0, 100, 0.0, 0.0],
-                               30: ["task workers", 5.0, 0.0, 0, 5.0, 1.0]}},
-        {"t_s": 2.0, "procs": {10: ["dram servers", 2.0, 2.0, 300, 0.0, 0.0],
-                               20: ["task workers", 1.0, 1.0, 50, 1.0, 0.5],
-                               30: ["task workers", 6.0, 0.0, 0, 6.0, 1.0]}},
-        {"t_s": 4.0, "procs": {10: ["dram servers", 4.0, 3.0, 300, 0.0, 0.0],
-                               20: ["task workers", 3.0, 1.0, 50, 3.0, 0.5],
-                               40: ["other", 0.5, 0.0, 0, 0.5, 0.0]}},
+        {"t_s": 0.0, "procs": {10: ["dram servers", 1.0, 2.0, 100, 0.0, 0.0, 0.0],
+                               30: ["task workers", 5.0, 0.0, 0, 5.0, 1.0, 1.0]}},
+        {"t_s": 2.0, "procs": {10: ["dram servers", 2.0, 2.0, 300, 0.0, 0.0, 0.0],
+                               20: ["task workers", 1.0, 1.0, 50, 1.0, 0.5, 0.5],
+                               30: ["task workers", 6.0, 0.0, 0, 6.0, 1.0, 1.0]}},
+        {"t_s": 4.0, "procs": {10: ["dram servers", 4.0, 3.0, 300, 0.0, 0.0, 0.0],
+                               20: ["task workers", 3.0, 1.0, 50, 3.0, 0.5, 0.5],
+                               40: ["other", 0.5, 0.0, 0, 0.5, 0.0, 0.0]}},
         # A Ray worker first seen unnamed counts in the group it names itself into.
-        {"t_s": 4.0, "procs": {40: ["actors", 0.5, 0.0, 0, 0.5, 0.0]}},
+        {"t_s": 4.0, "procs": {40: ["actors", 0.5, 0.0, 0, 0.5, 0.0, 0.0]}},
     ]
     cpu = process_cpu(samples, 2.0)
     assert cpu["before"]["dram servers"] == {"user_s": 1.0, "system_s": 0.0,
                                              "minor_faults": 200.0, "main_cpu_s": 0.0,
-                                             "run_delay_s": 0.0}
+                                             "run_delay_s": 0.0, "threads_run_delay_s": 0.0}
     assert cpu["after"]["dram servers"]["user_s"] == 2.0
     assert cpu["before"]["task workers"]["user_s"] == 2.0  # 1 s each
     assert cpu["after"]["task workers"]["user_s"] == 2.0   # the live one's 2 s
     assert cpu["all"]["task workers"]["run_delay_s"] == 0.5
+    assert cpu["all"]["task workers"]["threads_run_delay_s"] == 0.5
     assert cpu["after"]["actors"]["user_s"] == 0.5 and "other" not in cpu["after"]
     assert process_cpu(samples[:1], 1.0) == {}
     servers = {7: "nvme"}

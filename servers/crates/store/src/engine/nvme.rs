@@ -124,7 +124,7 @@ impl NvmeEngine {
     fn writer(&self, extent: Extent, len: u64) -> Box<dyn BlockWriter> {
         Box::new(NvmeWriter {
             shared: Arc::clone(&self.shared),
-            extent: Arc::new(extent),
+            extent: WriterExtent(Some(Arc::new(extent))),
             len,
             written: 0,
             chunk: None,
@@ -360,10 +360,40 @@ struct Chunk {
 }
 
 /// Writes one block as a sequence of aligned chunk writes.
+/// A writer's hold on its extent. Dropped unfinished (a failed or abandoned put) while chunk
+/// writes are still in the kernel, which hold the extent too, it counts the extent as being
+/// freed, as a deleted block's: a write that needs the room waits for those writes.
+struct WriterExtent(Option<Arc<Extent>>);
+
+impl WriterExtent {
+    fn get(&self) -> &Arc<Extent> {
+        self.0
+            .as_ref()
+            .expect("a writer holds its extent until finished")
+    }
+
+    /// The extent, for the block the finished writer hands back.
+    fn into_block(mut self) -> Arc<Extent> {
+        self.0
+            .take()
+            .expect("a writer holds its extent until finished")
+    }
+}
+
+impl Drop for WriterExtent {
+    fn drop(&mut self) {
+        if let Some(extent) = &self.0 {
+            if Arc::strong_count(extent) > 1 {
+                extent.mark_freeing();
+            }
+        }
+    }
+}
+
 struct NvmeWriter {
     shared: Arc<Shared>,
     /// Shared with in-flight writes, so a dropped writer's extent is not reused under them.
-    extent: Arc<Extent>,
+    extent: WriterExtent,
     len: u64,
     written: u64,
     chunk: Option<Chunk>,
@@ -376,7 +406,7 @@ impl NvmeWriter {
     async fn start_chunk(&mut self) -> Result<(), StoreError> {
         let data_len = (self.len - self.written).min(self.shared.write_chunk_bytes);
         let (buf, permit) = self.shared.buffer(align_up(data_len)).await?;
-        let file_offset = self.extent.offset() + self.written;
+        let file_offset = self.extent.get().offset() + self.written;
         self.chunk = Some(Chunk {
             buf,
             permit,
@@ -397,7 +427,7 @@ impl NvmeWriter {
         } = self.chunk.take().expect("a full chunk");
         // The padding up to the alignment is zeroed so no stale bytes reach the disk.
         buf[filled..].fill(0);
-        let keep_alive: Box<dyn std::any::Any + Send> = Box::new(Arc::clone(&self.extent));
+        let keep_alive: Box<dyn std::any::Any + Send> = Box::new(Arc::clone(self.extent.get()));
         let request = IoRequest {
             kind: IoKind::Write,
             file_offset,
@@ -485,6 +515,7 @@ impl BlockWriter for NvmeWriter {
                 in_flight,
                 ..
             } = this;
+            let extent = extent.into_block();
             if in_flight.is_empty() {
                 return Ok(StoredBlock::with_writes(extent, len, checksum, None));
             }
@@ -705,6 +736,27 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
         eprintln!("{waited} of 50 rounds dropped a block with writes in flight");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_needing_an_abandoned_writers_room_waits_for_its_writes() {
+        // Each round writes all but the last byte of a block as large as the 1 MiB engine (its
+        // last chunk writes in the kernel) and drops the writer, as a put that failed midway:
+        // the next write of the whole engine waits for those writes instead of failing.
+        let dir = tempfile::tempdir_in("/tmp").unwrap();
+        let engine = NvmeEngine::open(small_config(&dir, 1 << 20)).unwrap();
+        for seed in 0..50u8 {
+            let mut writer = engine.begin_write_waiting(1 << 20).await.unwrap();
+            writer.append(pattern((1 << 20) - 1, seed)).await.unwrap();
+            drop(writer);
+        }
+        let whole = engine.begin_write_waiting(1 << 20).await.unwrap();
+        drop(whole);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while engine.used_bytes() != 0 || engine.freeing_bytes() != 0 {
+            assert!(std::time::Instant::now() < deadline, "extent never freed");
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
     }
 
     #[tokio::test]

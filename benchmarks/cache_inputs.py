@@ -39,7 +39,8 @@ or filled by another process while the task waited; over every read of every cal
 requests of the run by operation (every call's and the driver's, which prewarms), and bytes
 checked (each call verifies its inputs' contents). For ``prewarmed`` also what bounds the
 prewarm's rate, from CPU times, which load changes far less than wall times: its workers' CPU
-per object (their start included), the S3 server's CPU per object, the objects taken from
+per object (their start included; without it; and the kernel's part, the receives from S3 and
+the sends into the cache), the S3 server's CPU per object, the objects taken from
 the pack, and the machine's busy cores
 over the run, whoever's work (every core busy means the prewarm is bound by CPU: a faster one
 needs less CPU per object rather than more GETs in flight). Results go to
@@ -222,6 +223,12 @@ def _summary(way: str, results: list[dict[str, Any]], job_s: float,
     return row
 
 
+def _or_unknown(value: float | None, scale: float = 1.0) -> str:
+    """``value * scale`` rounded for a report line, ``?`` if it is not known (a result file
+    written before it was measured)."""
+    return "?" if value is None else format(value * scale, ".0f")
+
+
 def _p95(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
@@ -268,8 +275,16 @@ def _prewarm_cpu(status: dict[str, Any], gets: int, s3_cpu_s: float | None,
     machine's cores were busy on average (all of them: CPU-bound)."""
     fetched = status.get("prewarm_fetched") or 0
     cpu_s = status.get("prewarm_cpu_s")
+    start_s = status.get("prewarm_start_cpu_s") or 0.0
+    system_s = status.get("prewarm_cpu_system_s") or 0.0
     return {
         "prewarm_cpu_us_per_object": (1e6 * cpu_s / fetched if cpu_s and fetched else None),
+        # Without the workers' start (interpreter, imports, first claims), user and kernel.
+        "prewarm_fetch_cpu_us_per_object": (1e6 * (cpu_s - start_s) / fetched
+                                            if cpu_s and fetched else None),
+        "prewarm_system_cpu_us_per_object": (1e6 * system_s / fetched
+                                             if cpu_s and fetched else None),
+        "prewarm_start_cpu_s": start_s,
         "s3_server_cpu_us_per_object": (1e6 * s3_cpu_s / fetched
                                         if s3_cpu_s is not None and fetched else None),
         "prewarm_packed": (status.get("prewarm_stats") or {}).get("packed", 0),
@@ -406,7 +421,11 @@ def markdown(results: dict[str, Any]) -> str:
                 f"({r.get('prewarm_packed', 0)} of {r['cache'].get('prewarm_fetched') or 0} from "
                 f"the last run's pack; {r.get('gets', 0)} GETs in the run) at "
                 f"{r['prewarm_cpu_us_per_object']:.0f} us of its workers' CPU per object (their "
-                f"start included); the "
+                f"start included; "
+                f"{_or_unknown(r.get('prewarm_fetch_cpu_us_per_object'))} us without it, their "
+                f"starts took {_or_unknown(r.get('prewarm_start_cpu_s'), 1000)} ms together; "
+                f"{_or_unknown(r.get('prewarm_system_cpu_us_per_object'))} us per object in "
+                f"the kernel); the "
                 f"S3 server spent "
                 f"{'?' if s3_cpu is None else format(s3_cpu, '.0f')} us of CPU per object; the "
                 f"machine's cores were {r['machine_busy_cores']:.2f} busy on average of "

@@ -212,6 +212,9 @@ def test_tasks_wait_for_keys_the_prewarm_claimed_ahead(
         assert status["prewarm_fetched"] == len(keys)
         assert status["prewarm_objects_per_s"] > 0
         assert status["prewarm_cpu_s"] > 0, "the workers' CPU time, reported at their end"
+        # ... of which their start (interpreter, imports, first claims) and the kernel's part.
+        assert 0 < status["prewarm_start_cpu_s"] < status["prewarm_cpu_s"], status
+        assert 0 < status["prewarm_cpu_system_s"] <= status["prewarm_cpu_s"], status
         assert request_counts().get("GetObject", 0) - gets == len(keys), "each key once"
         job_id = cache.job_id
     _wait_ended(local_cluster, job_id)  # its capacity goes back for the tests after it

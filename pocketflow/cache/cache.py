@@ -210,6 +210,11 @@ class Cache:
             # shares with the run (and, in the benchmarks, with the S3 server).
             "prewarm_cpu_s": (self._prewarm.cpu_ms / 1000
                               if self._prewarm is not None else None),
+            # ... of which in the kernel, and before the workers fetched (their start).
+            "prewarm_cpu_system_s": (self._prewarm.cpu_system_ms / 1000
+                                     if self._prewarm is not None else None),
+            "prewarm_start_cpu_s": (self._prewarm.start_cpu_ms / 1000
+                                    if self._prewarm is not None else None),
         }
 
     def wait_prewarmed(self, timeout_s: float) -> bool:

@@ -187,7 +187,11 @@ class Workers:
     """The driver's side of a prewarm's worker processes (it started them: it ends them, by
     their pids). ``fetched`` counts the keys they fetched; ``done`` is set once every worker
     ended; ``stats`` and ``requests`` sum what the workers reported at their end, ``cpu_ms``
-    their CPU time (user and system, from their start to their end line)."""
+    their CPU time (user and system, from their start to their end line), ``cpu_system_ms``
+    the part of it spent in the kernel (a fetch's receive from S3 and send into the cache) and
+    ``start_cpu_ms`` the part spent before they fetched (the interpreter, imports, connecting,
+    the first window's claims), so that a benchmark tells a prewarm's CPU per object from its
+    start."""
 
     def __init__(self, spec_json: str, batches: list[list[KeyUse]], *,
                  processes: int = PREWARM_PROCESSES,
@@ -198,6 +202,8 @@ class Workers:
         self.stats: dict[str, int] = {}
         self.requests: dict[str, int] = {}
         self.cpu_ms = 0
+        self.cpu_system_ms = 0
+        self.start_cpu_ms = 0
         self.done = threading.Event()
         self._on_requests = on_requests
         shares = [batches[w::processes] for w in range(processes)]
@@ -255,7 +261,9 @@ class Workers:
                 elif message.get("end") and not ended:
                     ended = True
                     self._add(message.get("stats") or {}, message.get("requests") or {},
-                              int(message.get("cpu_ms") or 0))
+                              cpu_ms=int(message.get("cpu_ms") or 0),
+                              cpu_system_ms=int(message.get("cpu_system_ms") or 0),
+                              start_cpu_ms=int(message.get("start_cpu_ms") or 0))
                     self._one_ended()
         finally:
             started.set()
@@ -273,9 +281,12 @@ class Workers:
         if last:
             self.done.set()
 
-    def _add(self, stats: dict[str, int], requests: dict[str, int], cpu_ms: int) -> None:
+    def _add(self, stats: dict[str, int], requests: dict[str, int], *, cpu_ms: int,
+             cpu_system_ms: int, start_cpu_ms: int) -> None:
         with self._lock:
             self.cpu_ms += cpu_ms
+            self.cpu_system_ms += cpu_system_ms
+            self.start_cpu_ms += start_cpu_ms
             for name, value in stats.items():
                 self.stats[name] = self.stats.get(name, 0) + int(value)
             for name, value in requests.items():
@@ -320,6 +331,11 @@ def _say(message: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _cpu_ms(times: os.times_result) -> int:
+    """This process's CPU time so far, user and system, in ms."""
+    return round(1000 * (times.user + times.system))
+
+
 def main() -> int:
     """A worker: fetch the batches given on stdin through the cache of the given spec."""
     from pocketflow.cache.client import CacheClient
@@ -341,12 +357,19 @@ def main() -> int:
     # run's working set.
     client = CacheClient(spec, record_reads=False, s3_parallel=PREWARM_S3_PARALLEL,
                          linger_claims=True)
+    start_cpu_ms = [0]
+
+    def started() -> None:
+        start_cpu_ms[0] = _cpu_ms(os.times())
+        _say({"started": True})
+
     try:
         fetch_batches(client, batches, stop=stop, on_batch=lambda n: _say({"fetched": n}),
-                      on_claimed=lambda: _say({"started": True}), pack=pack)
+                      on_claimed=started, pack=pack)
         times = os.times()
         _say({"end": True, "stats": client.stats.to_dict(), "requests": request_counts(),
-              "cpu_ms": round(1000 * (times.user + times.system))})
+              "cpu_ms": _cpu_ms(times), "cpu_system_ms": round(1000 * times.system),
+              "start_cpu_ms": start_cpu_ms[0]})
         # The last fills' claims and outcomes stay their linger (readers that just missed a
         # fill find them), unless the driver stops the worker first.
         while client.outcomes_pending and not stop.wait(LINGER_CHECK_S):

@@ -222,5 +222,8 @@ def test_the_benchmark_runs_every_way(tmp_path: Path) -> None:
             assert packed == (0 if mix == "1MiB" else count), (mix, r["cache"])
             ranged = gets - 1 - (count - packed)
             assert 0 <= ranged <= -(-packed // 256), (mix, r["s3_requests"])
+            # The workers' CPU per object without their start, and their start's CPU.
+            assert r["prewarm_start_cpu_s"] > 0, (mix, r)
+            assert 0 < r["prewarm_fetch_cpu_us_per_object"] < r["prewarm_cpu_us_per_object"], r
     assert set(results["goals"]) == {"1MiB", "4KiB"}
     assert (tmp_path / result_file.name.replace(".json", ".md")).exists()

@@ -682,7 +682,9 @@ class Client:
 
         All of it runs in the native core with the GIL released: block-0 reads are pipelined
         over one session per server, all servers in parallel; large objects' blocks are fetched
-        afterwards, up to ``LARGE_OBJECTS_IN_FLIGHT_MAX`` objects at once. Every object is read
+        afterwards, up to ``LARGE_OBJECTS_IN_FLIGHT_MAX`` objects at once; with ``delete``, an
+        object of one data block is read again by a READ that claims its record with the block
+        (as :meth:`get` does), ``io_threads`` of them at once. Every object is read
         before an error is raised: the first failure in key order (with ``delete``, the objects
         read are gone).
         """

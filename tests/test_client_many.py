@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 from fixtures_cluster import wait_for
-from fixtures_servers import CLIENT_OPTIONS, ServerSet, run_with_handle
+from fixtures_servers import CLIENT_OPTIONS, TEST_BLOCK_SIZE_BYTES, ServerSet, run_with_handle
 
 from pocketflow.client import LARGE_OBJECTS_IN_FLIGHT_MAX, Client, connect
 from pocketflow.errors import CapacityExhausted, InvalidRequest, ObjectExists, ObjectNotFound
@@ -205,6 +205,39 @@ def test_get_each_gives_every_key_its_own_outcome(client: Client) -> None:
     assert not any(client.exists("b", key) for key in keys)
     again = client.get_each("b", keys)
     assert all(isinstance(r, ObjectNotFound) for r in again)
+
+
+def test_get_each_delete_of_one_block_objects_gives_each_to_one_reader(
+    storage_servers: ServerSet, job_handle: JobHandle, client: Client
+) -> None:
+    """Objects of one data block (a wide shuffle's partitions) read with get_each(delete) by
+    several readers at once over the same keys (each object is claimed with its block by one
+    READ): every object reaches exactly one reader, whole, the others get ObjectNotFound in its
+    place, and nothing of the objects is left on the servers."""
+    client.create_bucket("b")
+    size = SMALL_OBJECT_MAX_BYTES * 3
+    assert size < TEST_BLOCK_SIZE_BYTES
+    items = [(f"one-{i}", payload(size + i, i)) for i in range(24)]
+    client.put_many("b", items)
+    keys = [key for key, _ in items]
+    readers = 4
+    outcomes: list[list[bytes | Exception]] = [[] for _ in range(readers)]
+    start = threading.Barrier(readers)
+
+    def read(reader: int) -> None:
+        start.wait(10)
+        outcomes[reader] = client.get_each("b", keys, delete=True)
+
+    threads = [threading.Thread(target=read, args=(r,)) for r in range(readers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    for at, (_, value) in enumerate(items):
+        got = [outcome[at] for outcome in outcomes]
+        assert [g for g in got if isinstance(g, bytes)] == [value]
+        assert sum(isinstance(g, ObjectNotFound) for g in got) == readers - 1
+    assert wait_until(lambda: job_used_bytes(storage_servers, job_handle) == 0)
 
 
 def test_batch_calls_check_keys_as_single_calls_do(client: Client) -> None:

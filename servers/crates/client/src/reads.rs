@@ -10,6 +10,7 @@ use crate::connection::{ExchangeReply, ExchangeRequest};
 use crate::error::ClientError;
 use crate::failure::{body, failure_reply, Failure};
 use crate::objects::Objects;
+use crate::parallel::run_parallel;
 use crate::records::record_request;
 use crate::view::{Server, View};
 
@@ -59,6 +60,24 @@ impl Objects {
             }
         }
         unreachable!("the last attempt returns")
+    }
+
+    /// [`Objects::get`] of each of `keys`, `io_threads` at once, each into a destination of its
+    /// own made by `new_dest`: each key's destination once it holds the object, or the key's
+    /// failure, in order. For a DELETE reader of many objects of one data block: each is one
+    /// READ that claims the record with its block, where `get_many`'s read of a striped object
+    /// takes a block read, then a delete action and a block-delete action per object.
+    pub fn get_each<D: Destination + Send>(
+        &self,
+        bucket: &str,
+        keys: &[&str],
+        delete: bool,
+        new_dest: impl Fn() -> D + Sync,
+    ) -> Vec<Result<D, Failure>> {
+        run_parallel(keys, self.io_threads.max(1), |key| {
+            let mut dest = new_dest();
+            self.get(bucket, key, delete, &mut dest).map(|_| dest)
+        })
     }
 
     fn get_once(

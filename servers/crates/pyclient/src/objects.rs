@@ -357,9 +357,16 @@ impl PyObjects {
         let mut large: Vec<(usize, Layout, Lent)> = Vec::new();
         // A DELETE read's striped objects: their records, taken once their blocks are read.
         let mut striped: Vec<(usize, Record)> = Vec::new();
+        // A DELETE read's objects of one data block: read again by a READ each, which claims
+        // the record with its block in one exchange (no delete and block-delete actions).
+        let mut single: Vec<usize> = Vec::new();
         for (index, record) in records.into_iter().enumerate() {
             match record {
                 Ok(record) => match record.header {
+                    Some(header) if delete && header.block_count == 1 => {
+                        single.push(index);
+                        out.append(py.None())?;
+                    }
                     Some(header) if header.block_count > 0 => {
                         if delete {
                             striped.push((index, record.clone()));
@@ -428,6 +435,26 @@ impl PyObjects {
                         out.set_item(index, failure_to_py(py, &failure).into_value(py))?;
                     } else {
                         first_error.get_or_insert(failure);
+                    }
+                }
+            }
+        }
+        if !single.is_empty() {
+            let single_keys: Vec<&str> = single.iter().map(|&index| key_refs[index]).collect();
+            let outcomes =
+                py.detach(|| objects.get_each(bucket, &single_keys, true, NewBytes::default));
+            for (index, outcome) in single.into_iter().zip(outcomes) {
+                match outcome {
+                    Ok(mut dest) => {
+                        let made = dest.made.take().expect("a read allocated its bytes");
+                        out.set_item(index, made.into_bound(py))?;
+                    }
+                    Err(failure) if each => {
+                        out.set_item(index, failure_to_py(py, &failure).into_value(py))?;
+                    }
+                    Err(failure) => {
+                        first_error.get_or_insert(failure);
+                        out.set_item(index, PyBytes::new(py, b""))?;
                     }
                 }
             }

@@ -44,6 +44,7 @@ from pocketflow.config import ClientConfig
 from pocketflow.errors import (
     BucketExists,
     BucketNotFound,
+    DataLost,
     DataUnavailable,
     InvalidRequest,
     ObjectNotFound,
@@ -68,6 +69,7 @@ from pocketflow.protocol import (
     OP_FLAG_CLAIM_WHOLE,
     OP_FLAG_DELETE,
     OP_GET,
+    OP_LOOKUP,
     SMALL_OBJECT_MAX_BYTES,
     SUBSCRIBER_EVENTS_DEFAULT,
     ZERO_HEADER,
@@ -520,6 +522,30 @@ class Client:
         _, reply = self._fetch_record(bucket, bucket_raw, key_raw, OP_DELETE, 0)
         if reply.header is not None and reply.header.block_count:
             self._delete_blocks(bucket, key, key_raw, reply.header)
+
+    def delete_if_lost(self, bucket: str, key: str) -> bool:
+        """Delete the object only if its bytes are lost (a read raises :class:`DataLost`);
+        returns whether it deleted it.
+
+        Only the version that read lost is deleted: the record's version is looked up first,
+        then the object is read, and only if that read raises :class:`DataLost` is a delete
+        conditional on the looked-up version sent. A version written since (its writer's rerun,
+        after another reader deleted the lost one) is a different version, which the conditional
+        delete leaves in place. Raises what :meth:`lookup` raises (:class:`ObjectNotFound`,
+        :class:`DataUnavailable`, ...) and any error of the read other than :class:`DataLost`.
+        """
+        bucket_raw = check_bucket(bucket)
+        key_raw = check_key(key)
+        server, reply = self._fetch_record(bucket, bucket_raw, key_raw, OP_LOOKUP, 0)
+        if reply.header is None:
+            raise ObjectNotFound(f"{bucket}/{key}")
+        try:
+            self._core.get(bucket, key, delete=False)
+        except DataLost:
+            return bool(self._core.claim_record(
+                server, bucket, key, reply.header.encode(), bytes(reply.body)
+            ))
+        return False
 
     # -- files -------------------------------------------------------------------------------
 

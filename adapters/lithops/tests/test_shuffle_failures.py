@@ -28,10 +28,18 @@ import cloudpickle
 import pytest
 from fixtures_servers import ServerSet
 from pocketflow_lithops.shuffle import shuffle
+from pocketflow_lithops.shuffle_tasks import SHUFFLE_BUCKET, _drop_lost, shuffle_key
 
+import pocketflow
 from pocketflow.cluster import LocalCluster
 from pocketflow.demo import lithops_config
-from pocketflow.errors import BucketNotFound, CapacityExhausted, DataUnavailable
+from pocketflow.errors import (
+    BucketNotFound,
+    CapacityExhausted,
+    DataLost,
+    DataUnavailable,
+    ObjectNotFound,
+)
 from pocketflow.handle import ServerInfo
 from pocketflow.job import Job
 
@@ -218,6 +226,44 @@ def test_inputs_an_nvme_server_lost_behind_the_put_are_regenerated(
     assert result.regenerated, "no partition was regenerated: the device lost nothing?"
     lost = {m for round_ in result.regenerated for m, _ in round_}
     assert all(_calls(calls, f"mapper{m}") >= 2 for m in lost)
+    servers.delete_job(handle)
+
+
+def test_dropping_a_lost_input_deletes_only_the_version_that_read_lost(
+    server_factory: Callable[..., tuple[ServerSet, ServerInfo]], failing_device: FailingDevice,
+) -> None:
+    # Two attempts of one reducer both read data_lost on an input. The first drops it and the
+    # mapper's rerun writes it again, good; the slower attempt's drop then finds the good
+    # version and must leave it. Before the fix the drop was an unconditional delete, and the
+    # rerun's good input was deleted (the reducer's retry then waits for it in vain).
+    servers, _ = server_factory("drop-outputs-0", capacity_bytes=8 * MiB, long_running=True,
+                                weight=0.0)
+    nvme = servers.start("drop-nvme-0", "nvme", 16 * MiB, nvme_path=failing_device.device)
+    failing_device.break_writes()
+    handle = servers.handle(servers=[*servers.infos[:1], nvme])
+    lost_key, raced_key = shuffle_key(mapper=0, reducer=0), shuffle_key(mapper=1, reducer=0)
+    good = b"g" * 10_000
+    with pocketflow.connect(handle) as pf:
+        pf.create_bucket(SHUFFLE_BUCKET)
+        for key in (lost_key, raced_key):
+            pf.put(SHUFFLE_BUCKET, key, b"x" * 10_000)
+            with pytest.raises(DataLost):
+                pf.get(SHUFFLE_BUCKET, key)
+        # The first attempt's drop of a lost input deletes it.
+        _drop_lost(pf, SHUFFLE_BUCKET, [lost_key])
+        with pytest.raises(ObjectNotFound):
+            pf.lookup(SHUFFLE_BUCKET, lost_key)
+        # The rerun (on a healed device) writes the raced input again after the first attempt
+        # dropped it; the second attempt's drop comes after.
+        subprocess.run(["mount", "-o", f"remount,size={HEALED_TMPFS_BYTES}",
+                        str(failing_device.mount)], check=True)
+        _drop_lost(pf, SHUFFLE_BUCKET, [raced_key])
+        pf.put(SHUFFLE_BUCKET, raced_key, good)
+        assert pf.get(SHUFFLE_BUCKET, raced_key) == good
+        _drop_lost(pf, SHUFFLE_BUCKET, [raced_key])
+        assert pf.get(SHUFFLE_BUCKET, raced_key) == good
+        # Dropping what is already gone is not an error.
+        _drop_lost(pf, SHUFFLE_BUCKET, [lost_key])
     servers.delete_job(handle)
 
 

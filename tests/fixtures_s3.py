@@ -8,6 +8,7 @@ is a directory of the source checkout, not an installed package a worker can imp
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import uuid
 from collections.abc import Iterator
@@ -72,3 +73,88 @@ def s3_bucket(s3_server: S3Source) -> Iterator[str]:
                 s3.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
         s3.delete_bucket(Bucket=name)
         s3.close()
+
+
+class FaultyS3Proxy:
+    """A real HTTP proxy on 127.0.0.1 in front of the S3 server that misbehaves as told: it
+    drops the ``Range`` header of GETs (a server that ignores ranges answers 200 with the whole
+    object) while :attr:`drop_ranges`, and answers ``AccessDenied`` to PUTs of the paths in
+    :attr:`refused_puts` (``/bucket/key``); both may change while it runs. Everything else is
+    forwarded as it came. Use as a context manager; :attr:`source` is the :class:`S3Source` to
+    give a cache instead of the server's."""
+
+    def __init__(self, upstream: S3Source, *, drop_ranges: bool = False,
+                 refused_puts: frozenset[str] = frozenset()) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        target = urlsplit(upstream.endpoint_url)
+        proxy = self
+        self.drop_ranges = drop_ranges
+        self.refused_puts = set(refused_puts)
+        self.ranges_dropped = 0
+        self.puts_refused = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if self.command == "PUT" and self.path.split("?")[0] in proxy.refused_puts:
+                    proxy.puts_refused += 1
+                    error = (b"<?xml version=\"1.0\"?><Error><Code>AccessDenied</Code>"
+                             b"<Message>refused by the test's proxy</Message></Error>")
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("host", "connection")}
+                if proxy.drop_ranges and self.command == "GET" and "Range" in self.headers:
+                    proxy.ranges_dropped += 1
+                    headers = {k: v for k, v in headers.items() if k.lower() != "range"}
+                connection = http.client.HTTPConnection(target.hostname, target.port,
+                                                        timeout=30)
+                try:
+                    connection.request(self.command, self.path, body=body, headers=headers)
+                    answer = connection.getresponse()
+                    data = answer.read()
+                    self.send_response(answer.status, answer.reason)
+                    for name, value in answer.getheaders():
+                        if name.lower() not in ("connection", "transfer-encoding",
+                                                "content-length"):
+                            self.send_header(name, value)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        try:
+                            self.wfile.write(data)
+                        except (BrokenPipeError, ConnectionResetError):
+                            self.close_connection = True
+                finally:
+                    connection.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        port = self._server.server_address[1]
+        self.source = dataclasses.replace(upstream, endpoint_url=f"http://127.0.0.1:{port}")
+
+    def __enter__(self) -> FaultyS3Proxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

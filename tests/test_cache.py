@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from fixtures_cluster import used_bytes, wait_for
-from fixtures_s3 import boto3_client
+from fixtures_s3 import FaultyS3Proxy, boto3_client
 
 from pocketflow.cache import open_cache
 from pocketflow.cache import pack as pack_module
@@ -353,6 +353,86 @@ def test_prewarm_takes_small_objects_from_the_last_runs_pack(
     assert _pack_of(s3, s3_bucket, "ws/packed") == second
     assert request_counts().get("PutObject", 0) - puts == 1, "the record's copy only"
     _wait_ended(local_cluster, job_id)
+
+
+def test_a_kept_pack_is_one_that_is_still_there(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    """Run 2's entries are run 1's, but its pack is gone from S3 (another run from the same
+    record replaced and deleted it): run 2 writes a new pack instead of keeping a record that
+    names a deleted one (before, it kept the gone pack, and every later prewarm fetched each
+    key alone)."""
+    sizes = {f"g/{i:03d}": 4096 for i in range(50)}
+    _upload(s3, s3_bucket, sizes)
+    keys = sorted(sizes)
+    url = f"s3://{s3_bucket}/ws/gone"
+    first: PackRef | None = None
+    for _ in range(2):
+        if first is not None:
+            s3.delete_object(Bucket=s3_bucket, Key=first.key)
+        with open_cache("t-gone", s3_server, app="gone", idle="1s", working_set_url=url,
+                        cluster=local_cluster) as cache:
+            cache.client.get_many(s3_bucket, keys)
+            job_id = cache.job_id
+        _wait_ended(local_cluster, job_id)
+        if first is None:
+            first = _pack_of(s3, s3_bucket, "ws/gone")
+    assert first is not None
+    second = _pack_of(s3, s3_bucket, "ws/gone")
+    assert second.key != first.key
+    assert s3.head_object(Bucket=s3_bucket, Key=second.key)["ContentLength"] == second.size
+
+
+def test_a_run_that_packs_nothing_deletes_the_last_pack(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    """Run 2 reads only an object too large to pack: its record names no pack, and run 1's
+    pack, which no record names any more, is deleted (before, it stayed in S3 for good)."""
+    sizes = {**{f"n/{i:03d}": 4096 for i in range(20)}, "n/large": PACK_OBJECT_BYTES_MAX + 1}
+    _upload(s3, s3_bucket, sizes)
+    url = f"s3://{s3_bucket}/ws/none"
+    first: PackRef | None = None
+    for keys in (sorted(sizes), ["n/large"]):
+        with open_cache("t-none", s3_server, app="none", idle="1s", working_set_url=url,
+                        cluster=local_cluster) as cache:
+            cache.client.get_many(s3_bucket, keys)
+            job_id = cache.job_id
+        _wait_ended(local_cluster, job_id)
+        if first is None:
+            first = _pack_of(s3, s3_bucket, "ws/none")
+    assert first is not None
+    record = RunRecord.decode(s3.get_object(Bucket=s3_bucket, Key="ws/none")["Body"].read())
+    assert record.pack is None and [u.key for u in record.keys] == ["n/large"]
+    with pytest.raises(Exception, match="404|Not Found"):
+        s3.head_object(Bucket=s3_bucket, Key=first.key)
+
+
+def test_the_last_pack_stays_while_a_record_still_names_it(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    """Run 2 packs other entries than run 1, but its record's copy in S3 cannot be written (a
+    proxy refuses that PUT): the S3 copy still names run 1's pack, which therefore stays
+    (before, it was deleted anyway, and the next run from the S3 copy found no pack)."""
+    sizes = {f"c/{i:03d}": 4096 for i in range(50)}
+    _upload(s3, s3_bucket, sizes)
+    keys = sorted(sizes)
+    url = f"s3://{s3_bucket}/ws/copy"
+    with FaultyS3Proxy(s3_server) as proxy:
+        with open_cache("t-copy", proxy.source, app="copy", idle="1s", working_set_url=url,
+                        cluster=local_cluster) as cache:
+            cache.client.get_many(s3_bucket, keys[:40])
+            job_id = cache.job_id
+        _wait_ended(local_cluster, job_id)
+        first = _pack_of(s3, s3_bucket, "ws/copy")
+        proxy.refused_puts.add(f"/{s3_bucket}/ws/copy")
+        with open_cache("t-copy", proxy.source, app="copy", idle="1s", working_set_url=url,
+                        cluster=local_cluster) as cache:
+            cache.client.get_many(s3_bucket, keys)
+            job_id = cache.job_id
+        _wait_ended(local_cluster, job_id)
+        assert proxy.puts_refused == 1
+    assert _pack_of(s3, s3_bucket, "ws/copy") == first
+    assert s3.head_object(Bucket=s3_bucket, Key=first.key)["ContentLength"] == first.size
 
 
 def test_a_batch_of_packed_keys_in_two_ranges_is_validated_by_a_listing_each(

@@ -452,15 +452,24 @@ class Cache:
         record = RunRecord(self.app, self.run_id, int(time.time() * 1000), duration_s, uses,
                            pack)
         raw = record.encode()
+        # Whether both copies of the record (the cache's and S3's) now name this run's pack:
+        # only then may the pack the last record named go (a copy that failed still names it).
+        replaced = True
         try:
             self._client.client.put(RECORD_BUCKET, working_set_key(self.app), raw,
                                     persist=True, overwrite=True)
         except PersistNotSupported:
             log.warning("cache %s: no long-running server: the working set of %s is kept "
                         "only while the cache lives", self.name, self.app)
-            self._client.client.put(RECORD_BUCKET, working_set_key(self.app), raw,
-                                    overwrite=True)
+            try:
+                self._client.client.put(RECORD_BUCKET, working_set_key(self.app), raw,
+                                        overwrite=True)
+            except PocketflowError as exc:
+                replaced = False
+                log.warning("cache %s: recording the working set of %s failed: %s",
+                            self.name, self.app, exc)
         except PocketflowError as exc:
+            replaced = False
             log.warning("cache %s: recording the working set of %s failed: %s", self.name,
                         self.app, exc)
         if self._working_set_url is not None:
@@ -468,16 +477,23 @@ class Cache:
             try:
                 S3Store(self.spec.source).put(bucket, key, raw)
             except S3Error as exc:
+                replaced = False
                 log.warning("cache %s: copying the working set to %s failed: %s", self.name,
                             self._working_set_url, exc)
-        previous_pack = self._previous.pack if self._previous is not None else None
-        if (previous_pack is not None and pack is not None
-                and previous_pack.key != pack.key and previous_pack.bucket == pack.bucket):
-            try:  # the record that named it is replaced; a prewarm still reading it GETs alone
-                S3Store(self.spec.source).delete(previous_pack.bucket, previous_pack.key)
-            except S3Error as exc:
-                log.info("cache %s: the last pack %s stays: %s", self.name, previous_pack.key,
-                         exc)
+            previous_pack = self._previous.pack if self._previous is not None else None
+            if (replaced and previous_pack is not None
+                    and (pack is None or (pack.bucket, pack.key)
+                         != (previous_pack.bucket, previous_pack.key))
+                    and previous_pack.bucket == bucket
+                    and previous_pack.key.startswith(pack_key(key, ""))):
+                # No record names it any more (this run packed other entries, or nothing). A
+                # prewarm still reading it GETs its keys alone; a run that started from the
+                # same record and keeps it may still name it (docs/ARCHITECTURE.md, Packs).
+                try:
+                    S3Store(self.spec.source).delete(previous_pack.bucket, previous_pack.key)
+                except S3Error as exc:
+                    log.info("cache %s: the last pack %s stays: %s", self.name,
+                             previous_pack.key, exc)
         if self._autosize:
             wanted = target_capacity_bytes(record.distinct_bytes,
                                            capacity_max_bytes=self._capacity_max_bytes)

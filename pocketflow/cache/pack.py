@@ -78,7 +78,8 @@ def build_pack(pf: Any, store: S3Store, uses: Sequence[KeyUse], bucket: str, key
     (:data:`PACK_OBJECT_BYTES_MAX`, :data:`PACK_BYTES_MAX`) into the S3 object ``bucket/key``,
     reading them from the cache through ``pf`` (the cache job's client); returns the pack, or
     ``previous`` when it holds exactly those entries, in any order (nothing is written then),
-    or None when none is cached. Raises the :class:`PocketflowError` of a failed read or PUT."""
+    or None when none is cached. ``previous`` is kept only if a HEAD finds it at its size.
+    Raises the :class:`PocketflowError` of a failed read or PUT."""
     chosen: list[KeyUse] = []
     room = PACK_BYTES_MAX
     for use in uses:
@@ -102,7 +103,8 @@ def build_pack(pf: Any, store: S3Store, uses: Sequence[KeyUse], bucket: str, key
         return None
     if previous is not None and len(previous.entries) == len(wanted) and (
             {(e.bucket, e.key, e.etag, e.size) for e in previous.entries}
-            == {(u.bucket, u.key, etag, u.size) for u, etag in wanted}):
+            == {(u.bucket, u.key, etag, u.size) for u, etag in wanted}) and _still_there(
+            store, previous):
         return previous
     entries: list[PackEntry] = []
     parts = _parts(pf, wanted, entries)
@@ -111,6 +113,17 @@ def build_pack(pf: Any, store: S3Store, uses: Sequence[KeyUse], bucket: str, key
         return None  # every entry evicted since its meta was read: nothing is written
     store.put_parts(bucket, key, chain([first or b""], parts))
     return PackRef(bucket, key, tuple(entries))
+
+
+def _still_there(store: S3Store, pack: PackRef) -> bool:
+    """Whether S3 still holds ``pack`` at its size (a HEAD): another run from the same record
+    may have replaced and deleted it, and a record must not name a pack that is gone."""
+    try:
+        _, size = store.head(pack.bucket, pack.key)
+    except PocketflowError as exc:
+        log.info("the last pack %s is not kept: %s", pack.key, exc)
+        return False
+    return size == pack.size
 
 
 def _parts(pf: Any, wanted: list[tuple[KeyUse, str]], entries: list[PackEntry],

@@ -26,10 +26,11 @@ from pocketflow.cache.client import WAIT_HEAD_KEYS
 from pocketflow.cache.pack import PACK_OBJECT_BYTES_MAX
 from pocketflow.cache.prewarm import PREWARM_BATCH_KEYS
 from pocketflow.cache.records import RECORD_BUCKET
-from pocketflow.cache.source import S3Source, request_counts
+from pocketflow.cache.http_get import RANGE_IGNORED
+from pocketflow.cache.source import S3Source, S3Store, request_counts
 from pocketflow.cache.working_set import KeyUse, PackEntry, PackRef, RunRecord, plan_prewarm
 from pocketflow.cluster import LocalCluster
-from pocketflow.errors import JobNotRegistered, S3ObjectNotFound
+from pocketflow.errors import JobNotRegistered, S3InvalidRequest, S3ObjectNotFound
 
 MiB = 1024 * 1024
 PROCESS_TIMEOUT_S = 120.0
@@ -433,6 +434,41 @@ def test_the_last_pack_stays_while_a_record_still_names_it(
         assert proxy.puts_refused == 1
     assert _pack_of(s3, s3_bucket, "ws/copy") == first
     assert s3.head_object(Bucket=s3_bucket, Key=first.key)["ContentLength"] == first.size
+
+
+def test_a_server_that_ignores_ranges_is_not_read_a_whole_pack_per_batch(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    """Behind a proxy that drops the Range header (a server that ignores ranges answers 200
+    with the whole object), a ranged GET of the pack is refused unread (``RangeIgnored``, not
+    retried; before, the whole pack was read and only then found too long), and the prewarm
+    fetches each key on its own: every key is prewarmed and none from the pack."""
+    sizes = {f"r/{i:03d}": 4096 for i in range(100)}
+    _upload(s3, s3_bucket, sizes)
+    keys = sorted(sizes)
+    url = f"s3://{s3_bucket}/ws/ranged"
+    with FaultyS3Proxy(s3_server) as proxy:
+        with open_cache("t-ranged", proxy.source, app="ranged", idle="1s",
+                        working_set_url=url, cluster=local_cluster) as cache:
+            cache.client.get_many(s3_bucket, keys)
+            job_id = cache.job_id
+        _wait_ended(local_cluster, job_id)
+        pack = _pack_of(s3, s3_bucket, "ws/ranged")
+        proxy.drop_ranges = True
+        with pytest.raises(S3InvalidRequest) as refused:
+            S3Store(proxy.source).get_range(s3_bucket, pack.key, 0, 4095)
+        assert (refused.value.code, refused.value.status) == (RANGE_IGNORED, 200)
+        with open_cache("t-ranged", proxy.source, app="ranged", prewarm=True, idle="1s",
+                        working_set_url=url, cluster=local_cluster) as cache:
+            assert cache.wait_prewarmed(120.0)
+            status = cache.status()
+            assert status["prewarm_fetched"] == len(keys)
+            assert status["prewarm_stats"]["packed"] == 0, status["prewarm_stats"]
+            result = _result(_task(cache, s3_bucket, keys))
+            assert result["gets"] == 0 and result["sizes"] == [4096] * len(keys)
+            job_id = cache.job_id
+        _wait_ended(local_cluster, job_id)
+        assert proxy.ranges_dropped >= 2
 
 
 def test_a_batch_of_packed_keys_in_two_ranges_is_validated_by_a_listing_each(

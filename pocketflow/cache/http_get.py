@@ -29,13 +29,17 @@ from urllib.parse import quote, urlencode, urlsplit
 
 from pocketflow.errors import InvalidRequest, S3Error, s3_error
 
-__all__ = ["RawGetter", "RETRY_STATUSES", "ERROR_BODY_BYTES_MAX", "BACKOFF_MAX_S"]
+__all__ = ["RawGetter", "RETRY_STATUSES", "ERROR_BODY_BYTES_MAX", "BACKOFF_MAX_S",
+           "RANGE_IGNORED"]
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 """Answers that are retried (within the source's ``attempts``), as botocore's standard mode
 retries throttling and server errors."""
 ERROR_BODY_BYTES_MAX = 64 * 1024
 """Most bytes of an error answer read to find its S3 error code."""
+RANGE_IGNORED = "RangeIgnored"
+"""Code of the :class:`~pocketflow.errors.S3Error` (an ``S3InvalidRequest``, not retried) of a
+ranged GET that the server answered 200, with the whole object: refused without its body."""
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 1.0
 """A retry waits a random time up to ``BACKOFF_BASE_S * 2**attempt``, at most this."""
@@ -150,6 +154,12 @@ class RawGetter:
                     raise _Stale() from None
                 raise
             status = answer.status
+            if status == 200 and "Range" in headers:
+                # A server that ignores Range sends the whole object (a pack: up to 256 MiB
+                # per ranged GET): refused unread, its connection closed.
+                raise s3_error(RANGE_IGNORED, status,
+                               "the server answered a ranged GET with the whole object",
+                               bucket=bucket, key=key)
             if status == 200 or (status == 206 and "Range" in headers):
                 etag = (answer.getheader("ETag") or "").strip().strip('"')
                 length = answer.getheader("Content-Length")

@@ -287,7 +287,9 @@ class S3Store:
         return Fetched(etag, size, data)
 
     def get_range(self, bucket: str, key: str, first: int, last: int) -> bytes:
-        """Bytes ``first..last`` (inclusive) of an object: one ranged GetObject."""
+        """Bytes ``first..last`` (inclusive) of an object: one ranged GetObject. A server that
+        answers it with the whole object (200, ignoring the range) gets an ``S3InvalidRequest``
+        of code ``RangeIgnored`` (not retried), its body unread."""
         getter = _getter(self.source)
         if getter is not None:
             answer = getter.get(bucket, key, if_none_match=None, on_progress=None,
@@ -298,9 +300,19 @@ class S3Store:
             try:
                 got = _client(self.source).get_object(Bucket=bucket, Key=key,
                                                       Range=f"bytes={first}-{last}")
-                data = _read_body(got["Body"], int(got["ContentLength"]), None)
+                ranged = "ContentRange" in got
+                if ranged:
+                    data = _read_body(got["Body"], int(got["ContentLength"]), None)
+                else:  # a 200: the whole object, refused unread
+                    got["Body"].close()
             except Exception as exc:
                 raise error_from_s3(exc, bucket=bucket, key=key) from exc
+            if not ranged:
+                from pocketflow.cache.http_get import RANGE_IGNORED
+                from pocketflow.errors import s3_error
+
+                raise s3_error(RANGE_IGNORED, 200, "the server answered a ranged GET with "
+                               "the whole object", bucket=bucket, key=key)
         if len(data) != last - first + 1:
             raise error_from_s3(
                 OSError(f"range of {len(data)} bytes, asked for {last - first + 1}"),

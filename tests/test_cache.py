@@ -23,10 +23,10 @@ from pocketflow.cache import open_cache
 from pocketflow.cache import pack as pack_module
 from pocketflow.cache.cache import Cache, working_set_key
 from pocketflow.cache.client import WAIT_HEAD_KEYS
+from pocketflow.cache.http_get import RANGE_IGNORED
 from pocketflow.cache.pack import PACK_OBJECT_BYTES_MAX
 from pocketflow.cache.prewarm import PREWARM_BATCH_KEYS
 from pocketflow.cache.records import RECORD_BUCKET
-from pocketflow.cache.http_get import RANGE_IGNORED
 from pocketflow.cache.source import S3Source, S3Store, request_counts
 from pocketflow.cache.working_set import KeyUse, PackEntry, PackRef, RunRecord, plan_prewarm
 from pocketflow.cluster import LocalCluster

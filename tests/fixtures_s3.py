@@ -79,7 +79,9 @@ class FaultyS3Proxy:
     """A real HTTP proxy on 127.0.0.1 in front of the S3 server that misbehaves as told: it
     drops the ``Range`` header of GETs (a server that ignores ranges answers 200 with the whole
     object) while :attr:`drop_ranges`, and answers ``AccessDenied`` to PUTs of the paths in
-    :attr:`refused_puts` (``/bucket/key``); both may change while it runs. Everything else is
+    :attr:`refused_puts` (``/bucket/key``), and while :attr:`garble_range_lengths` it answers
+    ranged GETs with a ``Content-Length`` that is not a number (the body framed by closing the
+    connection); these may change while it runs. Everything else is
     forwarded as it came. Use as a context manager; :attr:`source` is the :class:`S3Source` to
     give a cache instead of the server's."""
 
@@ -94,6 +96,8 @@ class FaultyS3Proxy:
         proxy = self
         self.drop_ranges = drop_ranges
         self.refused_puts = set(refused_puts)
+        self.garble_range_lengths = False
+        self.lengths_garbled = 0
         self.ranges_dropped = 0
         self.puts_refused = 0
 
@@ -127,12 +131,20 @@ class FaultyS3Proxy:
                     connection.request(self.command, self.path, body=body, headers=headers)
                     answer = connection.getresponse()
                     data = answer.read()
+                    garble = (proxy.garble_range_lengths and self.command == "GET"
+                              and "Range" in self.headers)
                     self.send_response(answer.status, answer.reason)
                     for name, value in answer.getheaders():
                         if name.lower() not in ("connection", "transfer-encoding",
                                                 "content-length"):
                             self.send_header(name, value)
-                    self.send_header("Content-Length", str(len(data)))
+                    if garble:
+                        proxy.lengths_garbled += 1
+                        self.send_header("Content-Length", "garbled")
+                        self.send_header("Connection", "close")
+                        self.close_connection = True
+                    else:
+                        self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     if self.command != "HEAD":
                         try:

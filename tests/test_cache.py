@@ -471,6 +471,39 @@ def test_a_server_that_ignores_ranges_is_not_read_a_whole_pack_per_batch(
         assert proxy.ranges_dropped >= 2
 
 
+def test_a_pack_read_failing_with_any_error_leaves_the_prewarm_streams_running(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    """Behind a proxy whose ranged GETs answer with a Content-Length that is not a number, each
+    batch's pack read fails with an error that is not an ``S3Error`` (a ``ValueError`` in the
+    raw getter). The prewarm streams log it and fetch each batch's keys on their own, so every
+    key is prewarmed and its claims released (before, the first such error ended each stream
+    thread: nothing was prewarmed, and the claimed-ahead keys stayed claimed until the worker
+    closed)."""
+    sizes = {f"v/{i:04d}": 4096 for i in range(3 * PREWARM_BATCH_KEYS)}
+    _upload(s3, s3_bucket, sizes)
+    keys = sorted(sizes)
+    url = f"s3://{s3_bucket}/ws/garbled"
+    with FaultyS3Proxy(s3_server) as proxy:
+        with open_cache("t-garbled", proxy.source, app="garbled", idle="1s",
+                        working_set_url=url, cluster=local_cluster) as cache:
+            cache.client.get_many(s3_bucket, keys)
+            job_id = cache.job_id
+        _wait_ended(local_cluster, job_id)
+        proxy.garble_range_lengths = True
+        with open_cache("t-garbled", proxy.source, app="garbled", prewarm=True, idle="1s",
+                        working_set_url=url, cluster=local_cluster) as cache:
+            assert cache.wait_prewarmed(120.0)
+            status = cache.status()
+            assert status["prewarm_fetched"] == len(keys)
+            assert status["prewarm_stats"]["packed"] == 0, status["prewarm_stats"]
+            result = _result(_task(cache, s3_bucket, keys))
+            assert result["gets"] == 0 and result["sizes"] == [4096] * len(keys)
+            job_id = cache.job_id
+        _wait_ended(local_cluster, job_id)
+        assert proxy.lengths_garbled >= 3
+
+
 def test_a_batch_of_packed_keys_in_two_ranges_is_validated_by_a_listing_each(
     local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
 ) -> None:

@@ -446,10 +446,11 @@ class CacheClient:
                 with self._known_lock:
                     for ckey in ckeys_known:
                         self._known.pop(ckey, None)
-        # Claims held ahead for keys that needed no fill (hits): nobody waits on them now.
-        unused = self._take_held([cache_key(bucket, k) for k in keys])
-        if unused:
-            self._release_claims(list(unused.items()))
+            # Claims held ahead for keys that needed no fill (hits), or that a failed read
+            # left unfilled: released, so nobody waits on them until they lapse.
+            unused = self._take_held([cache_key(bucket, k) for k in keys])
+            if unused:
+                self._release_claims(list(unused.items()))
         return sum(1 for r in results if not isinstance(r, PocketflowError))
 
     def claim_ahead(self, bucket: str, keys: Sequence[str]) -> int:

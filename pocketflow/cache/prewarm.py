@@ -100,10 +100,10 @@ def _from_pack(client: Any, pack: PackRef, bucket: str, keys: list[str],
     """The bytes of those of ``keys`` that ``pack`` holds and S3 still holds at the packed
     version, with the time their validation (a listing or a few) was first sent
     (:mod:`.pack`): ``({key: Fetched}, sent_ms)``; none if a listing or the pack's GETs
-    failed."""
+    failed, with any error (a pack is an optimisation: whatever goes wrong reading it, the
+    keys are fetched on their own)."""
     from pocketflow.cache.pack import listed_versions, read_packed
     from pocketflow.cache.source import Fetched
-    from pocketflow.errors import S3Error
 
     held = {(e.bucket, e.key): e for e in pack.entries}
     packed = [held[(bucket, k)] for k in keys if (bucket, k) in held]
@@ -114,9 +114,9 @@ def _from_pack(client: Any, pack: PackRef, bucket: str, keys: list[str],
     try:
         listed = listed_versions(store, bucket, [e.key for e in packed])
         datas = read_packed(store, pack.bucket, pack.key, packed)
-    except S3Error as exc:
-        log.warning("prewarming %d keys from the pack failed, fetching them one by one: %s",
-                    len(packed), exc)
+    except Exception as exc:
+        log.warning("prewarming %d keys from the pack failed, fetching them one by one: "
+                    "%s: %s", len(packed), type(exc).__name__, exc)
         return {}, 0
     known = {e.key: Fetched(e.etag, e.size, datas[e.key]) for e in packed
              if e.key in datas and listed.get(e.key) == (e.etag, e.size)}
@@ -166,12 +166,18 @@ def fetch_batches(client: Any, batches: list[list[KeyUse]], *, stop: threading.E
             index, batch = item
             claim_window(index + 1)
             for bucket, keys in _by_bucket(batch).items():
-                known, known_ms = (_from_pack(client, pack, bucket, keys) if pack is not None
-                                   else ({}, 0))
+                # Any error ends this batch's keys, not the stream: a stream that ended would
+                # leave the batches it had claimed ahead claimed (renewed while the worker
+                # lives), and its readers waiting on them. A prefetch that fails releases its
+                # keys' claims held ahead.
                 try:
+                    known, known_ms = (_from_pack(client, pack, bucket, keys)
+                                       if pack is not None else ({}, 0))
                     client.prefetch(bucket, keys, known=known, known_ms=known_ms)
                 except PocketflowError as exc:
                     log.warning("prewarming %d keys failed: %s", len(keys), exc)
+                except Exception:
+                    log.exception("prewarming %d keys failed", len(keys))
             on_batch(len(batch))
 
     threads = [threading.Thread(target=stream, name=f"pocketflow-prewarm-{i}", daemon=True)

@@ -208,7 +208,10 @@ def test_this_reads_its_video_through_the_cache(
         assert _boxes(result.outputs) == expected
         cache = summary["input_cache"]
         assert cache["working_set_keys"] == len(segments), "every segment read through it"
-        assert cache["held_bytes"] >= sum(Path(s.path).stat().st_size for s in segments)
+        # Each run encodes and uploads its own copy of the video, and x264's output differs by
+        # up to a few hundred bytes from one process to the next (the frames are the same), so
+        # what the cache must hold is that run's video, not this module's copy.
+        assert cache["held_bytes"] >= summary["video"]["h264_bytes"]
     assert cache["prewarm_from"] == "cache"
     assert cache["prewarm_planned"] == cache["prewarm_fetched"] == len(segments)
 

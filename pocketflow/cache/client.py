@@ -868,14 +868,9 @@ class CacheClient:
             metas = self._metas_mostly_missing(ckeys)
             records: list[tuple[str, bytes]] = []
             for ckey, (_, etag, size), raw in zip(ckeys, following, metas, strict=True):
-                if isinstance(raw, PocketflowError):
-                    continue
-                try:
-                    meta = Meta.decode(raw)
-                except InvalidRequest:
-                    continue
-                if (meta.state == STATE_VALUE and meta.etag == etag and meta.size == size
-                        and meta.validated_ms < sent_ms):
+                meta = Meta.of_reply(raw)
+                if (meta is not None and meta.state == STATE_VALUE and meta.etag == etag
+                        and meta.size == size and meta.validated_ms < sent_ms):
                     records.append((ckey, Meta(STATE_VALUE, etag, size, sent_ms).encode()))
             if records:
                 self._put_all(META_BUCKET, records, overwrite=True)

@@ -31,7 +31,7 @@ from pocketflow.cache.records import ENTRY_BUCKET, META_BUCKET, STATE_VALUE, Met
 from pocketflow.cache.records import entry_key as _entry_key
 from pocketflow.cache.source import S3Store
 from pocketflow.cache.working_set import KeyUse, PackEntry, PackRef
-from pocketflow.errors import InvalidRequest, PocketflowError
+from pocketflow.errors import PocketflowError
 
 __all__ = ["PACK_OBJECT_BYTES_MAX", "PACK_BYTES_MAX", "PACK_RANGE_BYTES_MAX",
            "PACK_RANGE_GAP_BYTES", "PACK_READ_KEYS", "PACK_PART_BYTES", "pack_key", "build_pack",
@@ -91,13 +91,9 @@ def build_pack(pf: Any, store: S3Store, uses: Sequence[KeyUse], bucket: str, key
         piece = chosen[start:start + PACK_READ_KEYS]
         metas = pf.get_each(META_BUCKET, [cache_key(u.bucket, u.key) for u in piece])
         for use, raw in zip(piece, metas, strict=True):
-            if isinstance(raw, PocketflowError):
-                continue
-            try:
-                meta = Meta.decode(raw)
-            except InvalidRequest:
-                continue
-            if meta.state == STATE_VALUE and meta.size == use.size and md5_etag(meta.etag):
+            meta = Meta.of_reply(raw)
+            if (meta is not None and meta.state == STATE_VALUE and meta.size == use.size
+                    and md5_etag(meta.etag)):
                 wanted.append((use, meta.etag))
     if not wanted:
         return None

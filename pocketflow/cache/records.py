@@ -25,7 +25,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from pocketflow.errors import InvalidRequest
+from pocketflow.errors import InvalidRequest, PocketflowError
 from pocketflow.protocol import KEY_MAX_BYTES
 
 __all__ = [
@@ -148,6 +148,17 @@ class Meta:
         if meta.state not in _STATES_META or meta.size < 0:
             raise InvalidRequest(f"a cache meta record of state {meta.state!r}")
         return meta
+
+    @classmethod
+    def of_reply(cls, raw: Any) -> Meta | None:
+        """The meta in one reply of a batched read (``get_each``), or ``None`` where the read
+        failed (its ``PocketflowError`` in place of the bytes) or the record does not decode."""
+        if isinstance(raw, PocketflowError):
+            return None
+        try:
+            return cls.decode(raw)
+        except InvalidRequest:
+            return None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,11 @@ Before the fix the record was claimed before the blocks were read, so every roun
 and orphaned its blocks. At the end the job's used bytes on every server are back to what they
 were before the first put.
 
+The ``get_each`` kill test reads 160 objects of one data block with ``get_each(delete=True)``
+in a reader process, SIGSTOPs it 0-60 ms into the call and SIGKILLs it. A claim is final (see
+docs/ARCHITECTURE.md, DELETE on read): what the reader claimed is gone with it, every other object
+stays whole, and the server counts exactly the objects left, in objects and used bytes.
+
 The race test starts DELETE readers of one striped object behind a barrier (``get``,
 ``get_each`` and ``get_file`` with ``delete=True``, over the direct and the gRPC small-op path):
 exactly one gets the bytes, the others ``ObjectNotFound``, and no block is left behind.
@@ -200,3 +205,103 @@ def test_concurrent_delete_readers_one_gets_it(
     finally:
         for reader in readers:
             reader.close()
+
+
+EACH_KILL_ROUNDS = 6
+EACH_OBJECTS = 160
+EACH_OBJECT_BYTES = 256 * 1024
+"""One data block each (a wide shuffle's partitions): claimed with their block by one READ."""
+EACH_IO_THREADS = 4
+EACH_STOP_AFTER_S_MAX = 0.06
+
+_EACH_READER = """
+import sys
+from pocketflow.client import connect
+from pocketflow.handle import JobHandle
+handle = JobHandle.from_json(sys.stdin.readline())
+keys = sys.argv[1].split(",")
+with connect(handle, op_timeout_s="10s", io_threads=int(sys.argv[2])) as pf:
+    pf.exists("b", keys[0])
+    print("start", flush=True)
+    sys.stdin.readline()  # "go"
+    got = pf.get_each("b", keys, delete=True)
+    print("done", sum(isinstance(g, bytes) for g in got), flush=True)
+"""
+
+
+def test_a_get_each_delete_reader_killed_mid_call_loses_only_what_it_claimed(
+    server_factory: Callable[..., tuple[ServerSet, ServerInfo]],
+) -> None:
+    """A reader process SIGSTOPped 0-60 ms into ``get_each(delete=True)`` over one-block objects,
+    then SIGKILLed: every object it had not claimed stays whole and DELETE-readable, every object
+    it claimed (returned to the dead call, or in flight, at most ``io_threads`` of those) is gone
+    with it, and the server's accounting (the job's objects and used bytes) is exactly that of the
+    objects left once the killed connection is gone: no block of a cut transfer stays held."""
+    servers, info = server_factory("eachkill-0", capacity_bytes=PRIVATE_SERVER_BYTES)
+    handle = servers.handle()
+    rng = random.Random(20261130)
+    rounds_mid_call = 0
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        pf.create_bucket("b")
+        empty = _job_usage(servers, handle)[info.node_id]
+        for round_ in range(EACH_KILL_ROUNDS):
+            data = {f"each-{round_}-{i:03d}": rng.randbytes(EACH_OBJECT_BYTES)
+                    for i in range(EACH_OBJECTS)}
+            pf.put_many("b", list(data.items()))
+            full = _job_usage(servers, handle)[info.node_id]
+            assert full.get("objects") == EACH_OBJECTS + empty.get("objects", 0), full
+            # Objects of one size: keys of one length: each is charged the same bytes.
+            per_object_bytes, rest = divmod(full["used_bytes"] - empty.get("used_bytes", 0),
+                                            EACH_OBJECTS)
+            assert rest == 0 and per_object_bytes >= EACH_OBJECT_BYTES, full
+            reader = subprocess.Popen(
+                [sys.executable, "-c", _EACH_READER, ",".join(data), str(EACH_IO_THREADS)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )
+            try:
+                assert reader.stdin is not None and reader.stdout is not None
+                reader.stdin.write(handle.to_json() + "\n")
+                reader.stdin.flush()
+                assert reader.stdout.readline().strip() == "start", f"round {round_}"
+                reader.stdin.write("go\n")
+                reader.stdin.flush()
+                time.sleep(rng.uniform(0.0, EACH_STOP_AFTER_S_MAX))
+                os.kill(reader.pid, signal.SIGSTOP)
+                stopped = _job_usage(servers, handle)[info.node_id]
+            finally:
+                os.kill(reader.pid, signal.SIGKILL)
+                reader.wait(timeout=READER_START_TIMEOUT_S)
+            said = reader.stdout.read()
+            reader.stdout.close()
+            reader.stdin.close()
+            left = {key: value for key, value in data.items()
+                    if _still_whole(pf, key, value, round_)}
+            if 0 < len(left) < EACH_OBJECTS and "done" not in said:
+                rounds_mid_call += 1
+            # Once the killed connection is gone, the server counts exactly the objects left.
+            expected_objects = len(left) + empty.get("objects", 0)
+            expected_bytes = empty.get("used_bytes", 0) + len(left) * per_object_bytes
+            deadline = time.monotonic() + USAGE_SETTLE_TIMEOUT_S
+            usage = _job_usage(servers, handle)[info.node_id]
+            while ((usage.get("objects", 0), usage.get("used_bytes", 0))
+                   != (expected_objects, expected_bytes) and time.monotonic() < deadline):
+                time.sleep(0.1)
+                usage = _job_usage(servers, handle)[info.node_id]
+            assert (usage.get("objects", 0), usage.get("used_bytes", 0)) == (
+                expected_objects, expected_bytes
+            ), f"round {round_}: {usage} with {len(left)} objects left (stopped at {stopped})"
+            # The objects left are DELETE-readable whole by the next reader, which frees them.
+            got = pf.get_each("b", list(left), delete=True)
+            assert got == list(left.values()), f"round {round_}"
+            assert _used_bytes(servers, handle)[info.node_id] == empty.get("used_bytes", 0)
+    assert rounds_mid_call > 0, "no round stopped the reader between its first and last claim"
+
+
+def _still_whole(pf: Client, key: str, value: bytes, round_: int) -> bool:
+    """Whether ``key`` is still there (then it must be whole); gone is the only other answer."""
+    try:
+        got = pf.get("b", key)
+    except ObjectNotFound:
+        return False
+    assert got == value, f"round {round_}: {key} is there but not whole"
+    return True

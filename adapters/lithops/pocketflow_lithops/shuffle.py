@@ -59,7 +59,10 @@ What it does, in Pocket's terms:
   and writes again (keys it already wrote are kept: ``ObjectExists`` is expected there).
   An input whose server answers :class:`~pocketflow.errors.DataLost` (it accepted the bytes,
   then a write behind the put failed in its NVMe device) is lost the same way: the reducer
-  deletes its record, so that the rerun's write-once put writes it again, and reports it.
+  deletes its record, so that the rerun's write-once put writes it again, and reports it with
+  the server the error names; the driver avoids that server for the rest of the job, writing
+  each partition it regenerates under a key whose home is another server
+  (:func:`~pocketflow_lithops.shuffle_tasks.steered_key`).
 - **A retried reducer recovers what its earlier attempt consumed.** Before each round of DELETE
   reads a reducer writes a small marker, ``consuming/r{r:05d}/<attempt>``, naming the mappers
   whose inputs it is about to consume. A reducer first reads every input that is there (its
@@ -112,6 +115,7 @@ from pocketflow.errors import (
     PocketflowError,
     ShuffleFailed,
 )
+from pocketflow.placement import Placement
 from pocketflow_lithops.append_shuffle import run_append_layout
 from pocketflow_lithops.shuffle_executors import (
     ShuffleExecutor,
@@ -143,6 +147,7 @@ from pocketflow_lithops.shuffle_tasks import (
     reducer_prefix,
     refresh_map,
     shuffle_key,
+    steered_key,
 )
 
 if TYPE_CHECKING:
@@ -396,6 +401,10 @@ def _run_stages(
             done = {o.reducer: o for o in reduce_outcomes if not o.lost_mappers}
             failed = [o for o in reduce_outcomes if o.lost_mappers]
             regenerated: list[list[tuple[int, int]]] = []
+            # Servers that lost data behind their puts (DataLost), for the rest of the job (at
+            # most the job's servers), and the keys of the partitions steered off them.
+            lossy: set[str] = set()
+            steered: dict[tuple[int, int], str] = {}
             rewritten_bytes = 0
             while failed:
                 if len(regenerated) == regenerate_rounds_max:
@@ -414,6 +423,9 @@ def _run_stages(
                 for outcome in failed:
                     for mapper in outcome.lost_mappers:
                         lost_by_mapper.setdefault(mapper, set()).add(outcome.reducer)
+                lossy |= {a for o in failed for a in o.lossy}
+                if lossy:
+                    spec = _steer(spec, pf, lossy, lost_by_mapper, steered)
                 regenerated.append(
                     sorted((m, r) for m, rs in lost_by_mapper.items() for r in rs)
                 )
@@ -453,7 +465,8 @@ def _run_stages(
         pf.delete_prefix(SHUFFLE_BUCKET, CONSUMING_PREFIX)
         pf.delete_prefix(SHUFFLE_BUCKET, FINISHED_PREFIX)
         if delete_inputs:
-            _delete_inputs_written_again(pf, mappers=len(map_inputs), reducers=reducers)
+            _delete_inputs_written_again(pf, mappers=len(map_inputs), reducers=reducers,
+                                         steered=spec.steered)
         handle_json = pf.handle.to_json()
 
     ordered = [done[r] for r in range(reducers)]
@@ -476,7 +489,28 @@ def _run_stages(
     )
 
 
-def _delete_inputs_written_again(pf: Client, *, mappers: int, reducers: int) -> None:
+def _steer(spec: _Spec, pf: Client, lossy: set[str], lost_by_mapper: dict[int, set[int]],
+           steered: dict[tuple[int, int], str]) -> _Spec:
+    """``spec`` naming, for each partition about to be regenerated, a key whose home under
+    ``pf``'s map is none of the ``lossy`` servers (:func:`steered_key`), so that the rerun does
+    not write it again where its bytes were lost; ``steered`` keeps every partition's choice for
+    the rest of the job (the latest one wins)."""
+    placement = Placement.of_handle(pf.handle)
+    avoid = frozenset(lossy)
+    for mapper, reducers_lost in lost_by_mapper.items():
+        for reducer in reducers_lost:
+            key = steered_key(mapper=mapper, reducer=reducer, avoid=avoid, placement=placement)
+            if key == shuffle_key(mapper=mapper, reducer=reducer):
+                steered.pop((mapper, reducer), None)
+            else:
+                steered[(mapper, reducer)] = key
+    log.warning("shuffle: avoiding %s (lost data) for %d regenerated partitions",
+                sorted(lossy), len(steered))
+    return spec._replace(steered=tuple(sorted((m, r, k) for (m, r), k in steered.items())))
+
+
+def _delete_inputs_written_again(pf: Client, *, mappers: int, reducers: int,
+                                 steered: tuple[tuple[int, int, str], ...] = ()) -> None:
     """Delete this shuffle's inputs still in the shuffle bucket once every reducer committed.
 
     A mapper whose process died after writing its partitions runs again, and its rerun writes
@@ -489,6 +523,7 @@ def _delete_inputs_written_again(pf: Client, *, mappers: int, reducers: int) -> 
     if not left:
         return  # the common case: no key set to build (mappers x reducers names)
     mine = {shuffle_key(mapper=m, reducer=r) for m in range(mappers) for r in range(reducers)}
+    mine |= {key for _, _, key in steered}
     for info in left:
         if info.key in mine:
             try:

@@ -31,6 +31,7 @@ from pocketflow.errors import (
 if TYPE_CHECKING:
     from pocketflow.client import Client
     from pocketflow.handle import JobHandle
+    from pocketflow.placement import Placement
     from pocketflow_lithops.worker_clients import ClientCache
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "refresh_map",
     "run_map_function",
     "shuffle_key",
+    "steered_key",
 ]
 
 SHUFFLE_BUCKET = "shuffle"
@@ -85,6 +87,10 @@ reserve twice their input, 8 and 20 GB, of which its DRAM (capped at 2 GiB) hold
 quarter and a tenth; its 1 GB job's 2 GB fit in DRAM."""
 WORKER_CLIENTS_MAX = 4
 """Most pocketflow clients one worker process keeps open between tasks."""
+STEER_SALTS_MAX = 64
+"""Most other names :func:`steered_key` tries for a regenerated partition whose own key's home
+is a server that lost data; with one of two servers avoided, all of them land there once in
+2**64."""
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +116,23 @@ def reducer_input_keys(reducer: int, mappers: int) -> dict[int, str]:
     reducer's part of the key formatted once (a wide shuffle's reducer names hundreds)."""
     head = f"{reducer_prefix(reducer)}/m"
     return {m: f"{head}{m:05d}" for m in range(mappers)}
+
+
+def steered_key(*, mapper: int, reducer: int, avoid: frozenset[str],
+                placement: Placement) -> str:
+    """The key a regenerated partition is written under so that ``placement`` puts its block 0
+    (a small or one-block object's every byte) on none of the servers (addresses) in
+    ``avoid``, which lost data behind their puts (:class:`~pocketflow.errors.DataLost`): its
+    :func:`shuffle_key` when that key's home is not one of them, else that key with ``~n``
+    for the first ``n`` up to ``STEER_SALTS_MAX`` whose home is not. The driver names the
+    chosen key in the spec, so a rerun mapper and the reducer agree on it. The data blocks of a
+    partition of several blocks are placed by their own hashes and may still land there."""
+    key = shuffle_key(mapper=mapper, reducer=reducer)
+    for salt in range(STEER_SALTS_MAX + 1):
+        candidate = key if salt == 0 else f"{key}~{salt}"
+        if placement.server_for(candidate.encode(), 0).address not in avoid:
+            return candidate
+    return key
 
 
 def output_key(reducer: int) -> str:
@@ -168,6 +191,20 @@ class _Spec(NamedTuple):
     on_nvme: bool = False
     """Whether the job's map places most of its new data on NVMe servers (see
     :func:`data_on_nvme`): its reducers then mostly wait on the device."""
+    steered: tuple[tuple[int, int, str], ...] = ()
+    """``(mapper, reducer, key)`` of each partition regenerated under another key than its
+    :func:`shuffle_key` (:func:`steered_key`): its rerun writes it there and its reducer reads
+    it there. Empty until a server lost data."""
+
+
+def _keys_of(spec: _Spec, reducer: int) -> dict[int, str]:
+    """The key of each of ``reducer``'s inputs, by mapper: :func:`reducer_input_keys`, but for
+    the partitions the driver steered away from servers that lost data."""
+    keys = reducer_input_keys(reducer, spec.mappers)
+    for mapper, steered_reducer, key in spec.steered:
+        if steered_reducer == reducer:
+            keys[mapper] = key
+    return keys
 
 
 # The calls are plain classes, not NamedTuples: Lithops finds the user's map and reduce
@@ -231,6 +268,8 @@ class _ReduceOutcome(NamedTuple):
     reducer: int
     lost_mappers: tuple[int, ...] = ()
     unreachable: tuple[str, ...] = ()
+    lossy: tuple[str, ...] = ()
+    """Addresses of the servers whose reads said :class:`~pocketflow.errors.DataLost`."""
     value: Any = None
     bytes_read: int = 0
     wait_s: float = 0.0
@@ -421,11 +460,12 @@ def _map_task(call: _MapCall) -> _MapOutcome:
     wanted = range(spec.reducers) if call.only_reducers is None else sorted(call.only_reducers)
     items: list[tuple[str, bytes | memoryview]] = []
     mapper = call.mapper
+    steered = {r: key for m, r, key in spec.steered if m == mapper}
     for r in wanted:
         chunks = parts[r]
         data = chunks[0] if len(chunks) == 1 else b"".join(memoryview(c) for c in chunks)
         # A bytes object is already flat bytes (and its len its size): no view made for it.
-        items.append((shuffle_key(mapper=mapper, reducer=r),
+        items.append((steered.get(r) or shuffle_key(mapper=mapper, reducer=r),
                       data if type(data) is bytes else memoryview(data).cast("B")))
     started = time.perf_counter()
     attempts = _write_all(_client(spec), spec, items)
@@ -462,9 +502,11 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
     from pocketflow.handle import JobHandle
 
     spec = call.spec
-    keys = reducer_input_keys(call.reducer, spec.mappers)
+    keys = _keys_of(spec, call.reducer)
     inputs: dict[int, bytes] = {}
     lost: set[int] = set()
+    # Servers that read DataLost: the driver steers the regenerated partitions off them.
+    lossy: set[str] = set()
     # Lost inputs whose server still holds their record (their bytes lost behind the put):
     # deleted before the regeneration, whose write-once puts would otherwise find them there.
     dropped: set[int] = set()
@@ -503,6 +545,7 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
             # Its server accepted it and then lost its bytes: gone as with a dead server.
             lost.add(m)
             dropped.add(m)
+            lossy.add(result.server or "")
             del pending[m]
         # Any other error (not there yet, consumed by another attempt, a bucket a server
         # lacks, ...) is the loop's to sort out, as after its first look.
@@ -590,6 +633,7 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
                     unreachable.add(result.server or "")
                 elif isinstance(result, DataLost):
                     dropped.add(m)
+                    lossy.add(result.server or "")
                 # ObjectNotFound on a live server: another reader (a concurrent attempt of
                 # this reducer) consumed it; regenerated by lineage like a lost one.
     if lost:
@@ -598,10 +642,11 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
             _drop_lost(pf, spec.bucket, [keys[m] for m in sorted(dropped)])
         finally:
             # What this attempt consumed goes back whatever the drops did.
-            _put_back(pf, spec, call.reducer, inputs, unreachable)
+            _put_back(pf, spec, keys, inputs, unreachable)
         io_s += time.perf_counter() - started
         return _ReduceOutcome(call.reducer, lost_mappers=tuple(sorted(lost)),
                               unreachable=tuple(sorted(unreachable - {""})),
+                              lossy=tuple(sorted(lossy - {""})),
                               wait_s=wait_s, io_s=io_s)
     bytes_read = sum(len(v) for v in inputs.values())
     started = time.perf_counter()
@@ -695,14 +740,14 @@ def _drop_lost(pf: Client, bucket: str, keys: list[str]) -> None:
             log.warning("could not drop lost input %s/%s: %s", bucket, key, exc)
 
 
-def _put_back(pf: Client, spec: _Spec, reducer: int, inputs: dict[int, bytes],
+def _put_back(pf: Client, spec: _Spec, keys: dict[int, str], inputs: dict[int, bytes],
               unreachable: set[str]) -> None:
-    """Write the inputs a failed reducer already consumed back under the job's new map, so that
-    its retry finds them and only the lost ones are regenerated."""
+    """Write the inputs a failed reducer already consumed back under the job's new map (each
+    under its key in ``keys``), so that its retry finds them and only the lost ones are
+    regenerated."""
     unreachable.discard("")
     if unreachable:
         refresh_map(pf, unreachable, bucket=spec.bucket)
-    items = [(shuffle_key(mapper=m, reducer=reducer), memoryview(data))
-             for m, data in sorted(inputs.items())]
+    items = [(keys[m], memoryview(data)) for m, data in sorted(inputs.items())]
     if items:
         _write_all(pf, spec, items)

@@ -119,6 +119,50 @@ def test_every_input_key_is_its_reducer_s_prefix_and_its_mapper() -> None:
     assert reducer_input_keys(1, 0) == {}
 
 
+def test_a_steered_key_is_its_reducer_s_and_avoids_the_servers_named() -> None:
+    """A partition regenerated after a server lost data goes under its own key when that key's
+    home is another server, else under the first ``~n`` variant whose home is; the reducer's
+    keys name it; with every server avoided it keeps its own key."""
+    from pocketflow_lithops.shuffle_tasks import (
+        STEER_SALTS_MAX,
+        _keys_of,
+        reducer_prefix,
+        steered_key,
+    )
+
+    from pocketflow.handle import ServerInfo
+
+    servers = [ServerInfo(f"s-{i}", f"127.0.0.1:{7000 + i}", "dram", 1.0, False)
+               for i in range(3)]
+    placement = Placement(servers)
+    lossy = servers[1].address
+    steered = 0
+    for m in range(40):
+        key = steered_key(mapper=m, reducer=5, avoid=frozenset({lossy}), placement=placement)
+        own = shuffle_key(mapper=m, reducer=5)
+        assert placement.server_for(key.encode(), 0).address != lossy
+        assert key.startswith(reducer_prefix(5) + "/")
+        if placement.server_for(own.encode(), 0).address == lossy:
+            steered += 1
+            salt = int(key.rsplit("~", 1)[1])
+            assert 1 <= salt <= STEER_SALTS_MAX and key == f"{own}~{salt}"
+            assert all(placement.server_for(f"{own}~{n}".encode(), 0).address == lossy
+                       for n in range(1, salt))
+        else:
+            assert key == own
+    assert steered > 0, "no key of 40 had its home on one server of three"
+    every = frozenset(s.address for s in servers)
+    assert steered_key(mapper=1, reducer=5, avoid=every, placement=placement) == shuffle_key(
+        mapper=1, reducer=5)
+    spec = _Spec("{}", 3, 6, "b", "o", False, 1.0, (), steered=((1, 5, "r00005/m00001~2"),))
+    assert _keys_of(spec, 5) == {0: "r00005/m00000", 1: "r00005/m00001~2", 2: "r00005/m00002"}
+    assert _keys_of(spec, 4) == _own_keys(4, 3)
+
+
+def _own_keys(reducer: int, mappers: int) -> dict[int, str]:
+    return {m: shuffle_key(mapper=m, reducer=reducer) for m in range(mappers)}
+
+
 @pytest.fixture
 def fexec() -> Iterator[Any]:
     """A Lithops localhost executor with 4 worker processes (reducers park while mappers run)."""

@@ -42,6 +42,7 @@ from pocketflow.errors import (
 )
 from pocketflow.handle import ServerInfo
 from pocketflow.job import Job
+from pocketflow.placement import Placement
 
 # Lithops pickles the task functions; the ones defined here travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -264,6 +265,67 @@ def test_dropping_a_lost_input_deletes_only_the_version_that_read_lost(
         assert pf.get(SHUFFLE_BUCKET, raced_key) == good
         # Dropping what is already gone is not an error.
         _drop_lost(pf, SHUFFLE_BUCKET, [lost_key])
+    servers.delete_job(handle)
+
+
+STEER_MAPPERS = 4
+STEER_REDUCERS = 3
+
+
+def _counted_map_of_three(directory: str, item: int, emit: Callable[[int, Any], None]) -> int:
+    """Mapper ``item``: one small partition for each of three reducers, its calls counted."""
+    _count_call(directory, f"mapper{item}")
+    for partition in range(STEER_REDUCERS):
+        emit(partition, bytes([item + 1]) * (10_000 + partition))
+    return item
+
+
+def test_regenerated_partitions_avoid_the_server_that_lost_them(
+    local_cluster: LocalCluster, server_factory: Callable[..., tuple[ServerSet, ServerInfo]],
+    failing_device: FailingDevice, fexec: Any, tmp_path: Path,
+) -> None:
+    # Two data servers: a DRAM one and an NVMe one on a device whose writes keep failing (it is
+    # never healed). Reads of what the NVMe server accepted say data_lost and name it; the
+    # driver then regenerates those partitions under keys whose home is the DRAM server, so one
+    # round of regeneration is enough. Before, the rerun wrote the same keys to the same
+    # device, lost them again, and the shuffle failed once its rounds ran out.
+    servers, _ = server_factory("steer-outputs-0", capacity_bytes=8 * MiB, long_running=True,
+                                weight=0.0)
+    dram = servers.start("steer-dram-0", "dram", 32 * MiB)
+    nvme = servers.start("steer-nvme-0", "nvme", 16 * MiB, nvme_path=failing_device.device)
+    failing_device.break_writes()
+    handle = servers.handle(servers=[*servers.infos[:1], dram, nvme])
+    placement = Placement.of_handle(handle)
+    on_nvme = {(m, r) for m in range(STEER_MAPPERS) for r in range(STEER_REDUCERS)
+               if placement.server_for(shuffle_key(mapper=m, reducer=r).encode(), 0).node_id
+               == nvme.node_id}
+    assert on_nvme, "no partition's home is the NVMe server: the test would not lose any"
+
+    # A read of what the device lost names the server.
+    with pocketflow.connect(handle) as pf:
+        pf.create_bucket("probe")
+        key = next(k for k in (f"probe-{i}" for i in range(64))
+                   if placement.server_for(k.encode(), 0).node_id == nvme.node_id)
+        pf.put("probe", key, b"p" * 10_000)
+        with pytest.raises(DataLost) as lost:
+            pf.get("probe", key)
+        assert lost.value.server == nvme.address and nvme.address in str(lost.value)
+        pf.delete_if_lost("probe", key)
+
+    job = Job(handle, local_cluster.control)
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    result = shuffle(fexec, functools.partial(_counted_map_of_three, str(calls)),
+                     _join_inputs, list(range(STEER_MAPPERS)), reducers=STEER_REDUCERS, job=job,
+                     input_wait_s=60, regenerate_rounds_max=1, timeout_s=SHUFFLE_TIMEOUT_S)
+    for r in range(STEER_REDUCERS):
+        assert result.outputs[r] == b"".join(
+            bytes([m + 1]) * (10_000 + r) for m in range(STEER_MAPPERS))
+    # Exactly the partitions placed on the failing device were lost, in one round.
+    assert len(result.regenerated) == 1
+    assert set(result.regenerated[0]) == on_nvme
+    for m in range(STEER_MAPPERS):
+        assert _calls(calls, f"mapper{m}") == (2 if any(p[0] == m for p in on_nvme) else 1)
     servers.delete_job(handle)
 
 

@@ -10,9 +10,10 @@ and orphaned its blocks. At the end the job's used bytes on every server are bac
 were before the first put.
 
 The ``get_each`` kill test reads 160 objects of one data block with ``get_each(delete=True)``
-in a reader process, SIGSTOPs it 0-60 ms into the call and SIGKILLs it. A claim is final (see
-docs/ARCHITECTURE.md, DELETE on read): what the reader claimed is gone with it, every other object
-stays whole, and the server counts exactly the objects left, in objects and used bytes.
+in a reader process, SIGSTOPs it 0-60 ms (adapted per round) into the call and SIGKILLs it. A
+claim is final (see docs/ARCHITECTURE.md, DELETE on read): what the reader claimed is gone with
+it, every other object stays whole, and the server counts exactly the objects left, in objects
+and used bytes.
 
 The race test starts DELETE readers of one striped object behind a barrier (``get``,
 ``get_each`` and ``get_file`` with ``delete=True``, over the direct and the gRPC small-op path):
@@ -212,7 +213,11 @@ EACH_OBJECTS = 160
 EACH_OBJECT_BYTES = 256 * 1024
 """One data block each (a wide shuffle's partitions): claimed with their block by one READ."""
 EACH_IO_THREADS = 4
-EACH_STOP_AFTER_S_MAX = 0.06
+EACH_STOP_AFTER_S_FIRST = 0.06
+"""The first round stops the reader up to this long into its call; a round that stopped it
+after its last claim halves the bound, one that stopped it before its first doubles it (up to
+``EACH_STOP_AFTER_S_LIMIT``), so the rounds land mid-call on a quiet machine as on a loaded one."""
+EACH_STOP_AFTER_S_LIMIT = 1.0
 
 _EACH_READER = """
 import sys
@@ -232,15 +237,17 @@ with connect(handle, op_timeout_s="10s", io_threads=int(sys.argv[2])) as pf:
 def test_a_get_each_delete_reader_killed_mid_call_loses_only_what_it_claimed(
     server_factory: Callable[..., tuple[ServerSet, ServerInfo]],
 ) -> None:
-    """A reader process SIGSTOPped 0-60 ms into ``get_each(delete=True)`` over one-block objects,
-    then SIGKILLed: every object it had not claimed stays whole and DELETE-readable, every object
-    it claimed (returned to the dead call, or in flight, at most ``io_threads`` of those) is gone
-    with it, and the server's accounting (the job's objects and used bytes) is exactly that of the
-    objects left once the killed connection is gone: no block of a cut transfer stays held."""
+    """A reader process SIGSTOPped 0-60 ms (adapted per round) into ``get_each(delete=True)``
+    over one-block objects, then SIGKILLed: every object it had not claimed stays whole and
+    DELETE-readable, every object it claimed (returned to the dead call, or in flight, at most
+    ``io_threads`` of those) is gone with it, and the server's accounting (the job's objects
+    and used bytes) is exactly that of the objects left once the killed connection is gone: no
+    block of a cut transfer stays held."""
     servers, info = server_factory("eachkill-0", capacity_bytes=PRIVATE_SERVER_BYTES)
     handle = servers.handle()
     rng = random.Random(20261130)
     rounds_mid_call = 0
+    stop_after_s_max = EACH_STOP_AFTER_S_FIRST
     with connect(handle, **CLIENT_OPTIONS) as pf:
         pf.create_bucket("b")
         empty = _job_usage(servers, handle)[info.node_id]
@@ -265,7 +272,7 @@ def test_a_get_each_delete_reader_killed_mid_call_loses_only_what_it_claimed(
                 assert reader.stdout.readline().strip() == "start", f"round {round_}"
                 reader.stdin.write("go\n")
                 reader.stdin.flush()
-                time.sleep(rng.uniform(0.0, EACH_STOP_AFTER_S_MAX))
+                time.sleep(rng.uniform(0.0, stop_after_s_max))
                 os.kill(reader.pid, signal.SIGSTOP)
                 stopped = _job_usage(servers, handle)[info.node_id]
             finally:
@@ -278,6 +285,10 @@ def test_a_get_each_delete_reader_killed_mid_call_loses_only_what_it_claimed(
                     if _still_whole(pf, key, value, round_)}
             if 0 < len(left) < EACH_OBJECTS and "done" not in said:
                 rounds_mid_call += 1
+            elif not left:
+                stop_after_s_max /= 2
+            elif len(left) == EACH_OBJECTS:
+                stop_after_s_max = min(2 * stop_after_s_max, EACH_STOP_AFTER_S_LIMIT)
             # Once the killed connection is gone, the server counts exactly the objects left.
             expected_objects = len(left) + empty.get("objects", 0)
             expected_bytes = empty.get("used_bytes", 0) + len(left) * per_object_bytes

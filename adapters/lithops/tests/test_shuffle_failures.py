@@ -28,7 +28,15 @@ import cloudpickle
 import pytest
 from fixtures_servers import ServerSet
 from pocketflow_lithops.shuffle import shuffle
-from pocketflow_lithops.shuffle_tasks import SHUFFLE_BUCKET, _drop_lost, shuffle_key
+from pocketflow_lithops.shuffle_tasks import (
+    SHUFFLE_BUCKET,
+    _drop_lost,
+    _ReduceCall,
+    _ReduceOutcome,
+    _shuffle_task,
+    _Spec,
+    shuffle_key,
+)
 
 import pocketflow
 from pocketflow.cluster import LocalCluster
@@ -326,6 +334,54 @@ def test_regenerated_partitions_avoid_the_server_that_lost_them(
     assert set(result.regenerated[0]) == on_nvme
     for m in range(STEER_MAPPERS):
         assert _calls(calls, f"mapper{m}") == (2 if any(p[0] == m for p in on_nvme) else 1)
+    servers.delete_job(handle)
+
+
+def test_a_reducer_reports_consumed_inputs_whose_server_lost_data_instead_of_putting_them_back(
+    local_cluster: LocalCluster, server_factory: Callable[..., tuple[ServerSet, ServerInfo]],
+    failing_device: FailingDevice,
+) -> None:
+    # Inputs on the NVMe server written while its device worked are read whole; one written
+    # after it broke reads data_lost. Putting the consumed ones back would write them to the
+    # same device: the reducer reports them lost with the lost one (the driver regenerates them
+    # on another server) and puts back only those whose home is another server.
+    servers, _ = server_factory("back-outputs-0", capacity_bytes=8 * MiB, long_running=True,
+                                weight=0.0)
+    dram = servers.start("back-dram-0", "dram", 32 * MiB)
+    nvme = servers.start("back-nvme-0", "nvme", 16 * MiB, nvme_path=failing_device.device)
+    handle = servers.handle(servers=[*servers.infos[:1], dram, nvme])
+    placement = Placement.of_handle(handle)
+    mappers = 8
+    homes = {m: placement.server_for(shuffle_key(mapper=m, reducer=0).encode(), 0).node_id
+             for m in range(mappers)}
+    on_nvme = sorted(m for m, node in homes.items() if node == nvme.node_id)
+    assert len(on_nvme) >= 2 and len(on_nvme) < mappers, homes
+    broken_after = on_nvme[-1]
+    data = {m: bytes([m + 1]) * 10_000 for m in range(mappers)}
+    with pocketflow.connect(handle) as pf:
+        pf.create_bucket(SHUFFLE_BUCKET)
+        for m in range(mappers):
+            if m != broken_after:
+                pf.put(SHUFFLE_BUCKET, shuffle_key(mapper=m, reducer=0), data[m])
+                # A read waits for the writes behind the put: these reached the device.
+                assert pf.get(SHUFFLE_BUCKET, shuffle_key(mapper=m, reducer=0)) == data[m]
+        failing_device.break_writes()
+        pf.put(SHUFFLE_BUCKET, shuffle_key(mapper=broken_after, reducer=0), data[broken_after])
+        spec = _Spec(handle_json=handle.to_json(), mappers=mappers, reducers=1,
+                     bucket=SHUFFLE_BUCKET, output_bucket="output", persist_output=False,
+                     input_wait_s=60.0, client_options=())
+        outcome = _shuffle_task(_ReduceCall(spec, _join_inputs, 0))
+        assert isinstance(outcome, _ReduceOutcome)
+        assert outcome.lost_mappers == tuple(on_nvme)
+        assert outcome.lossy == (nvme.address,)
+        for m in range(mappers):
+            key = shuffle_key(mapper=m, reducer=0)
+            if m in on_nvme:
+                # Neither put back nor left: the regeneration writes it again, elsewhere.
+                with pytest.raises(ObjectNotFound):
+                    pf.lookup(SHUFFLE_BUCKET, key)
+            else:
+                assert pf.get(SHUFFLE_BUCKET, key) == data[m], m
     servers.delete_job(handle)
 
 

@@ -215,6 +215,10 @@ def _keys_of(spec: _Spec, reducer: int) -> dict[int, str]:
 class _MapCall:
     """One mapper's Lithops call."""
 
+    parks = False
+    """A mapper never waits for another call's writes: an executor may queue it ahead of a free
+    slot (see :class:`~pocketflow_lithops.shuffle_executors.RayShuffleExecutor`)."""
+
     def __init__(self, spec: _Spec, map_function: Callable[..., Any], item: Any, mapper: int,
                  only_reducers: frozenset[int] | None) -> None:
         self.spec = spec
@@ -239,6 +243,10 @@ class _MapOutcome(NamedTuple):
 
 class _ReduceCall:
     """One reducer's Lithops call."""
+
+    parks = True
+    """A reducer may wait for mappers' writes: an executor queues it ahead of a free slot only
+    once no mapper is outstanding."""
 
     def __init__(self, spec: _Spec, reduce_function: Callable[[int, list[bytes]], Any],
                  reducer: int, attempt: str = "") -> None:

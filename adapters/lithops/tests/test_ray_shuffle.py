@@ -539,6 +539,31 @@ def test_reducers_of_a_job_in_dram_keep_to_tasks_max(
     assert _most_at_once(tmp_path, "mapper") <= 2
 
 
+def test_calls_handed_to_ray_ahead_of_free_slots_still_keep_to_tasks_max(
+    local_cluster: LocalCluster, tmp_path: Path,
+) -> None:
+    # One slot per CPU of the session cluster (2) and no extra slots: Ray cannot run a third
+    # task at once, so the executor hands it calls before a slot frees and Ray starts them as
+    # slots free. Mappers and reducers (4 each, each holding its slot) must still run at most
+    # 2 at once, and the reducers, queued in Ray only once no
+    # mapper is outstanding, must never wait there ahead of a mapper they need.
+    executor = RayShuffleExecutor(tasks_max=2)
+    assert executor.queued_ahead_max == 2
+    result = shuffle(executor, functools.partial(_map_recorded, str(tmp_path), MAPPER_HOLD_S),
+                     functools.partial(_reduce_meeting, str(tmp_path), 0, MAPPER_HOLD_S),
+                     range(MEETING_REDUCERS), reducers=MEETING_REDUCERS,
+                     cluster=local_cluster, input_size_bytes=1 << 20,
+                     timeout_s=SHUFFLE_TIMEOUT_S, input_wait_s=REDUCER_INPUT_WAIT_S)
+    assert result.outputs == [b"".join(bytes([m]) * 8 for m in range(MEETING_REDUCERS))
+                              for _ in range(MEETING_REDUCERS)]
+    assert _most_at_once(tmp_path, "mapper") == 2
+    assert _most_at_once(tmp_path, "reducer") == 2
+    # Where Ray could run a handed call at once (a slot per CPU would leave one free, or the
+    # extra slots' CPUs), nothing is handed ahead.
+    assert RayShuffleExecutor(tasks_max=1).queued_ahead_max == 0
+    assert RayShuffleExecutor(tasks_max=2, storage_tasks_extra=2).queued_ahead_max == 0
+
+
 def test_a_mapper_that_raises_on_ray_fails_the_shuffle_without_a_retry(
     local_cluster: LocalCluster,
 ) -> None:

@@ -21,17 +21,20 @@ keys, each call reading a contiguous share of them, four ways, one after the oth
 - ``cold``: through a new cache on a local cluster (``CacheClient.get_views``: views of one
   buffer per round, with huge pages; the run's ``app`` recorded at its end, with a copy of its
   working set in S3).
-- ``cached``: the same cache again (its entries held; their validation lease has run out, so
-  a task that finds its keys stale revalidates them, one ListObjectsV2 page per 1000 keys, and
-  after its read renews the cached keys that follow its share with one more page: the calls
-  that read those within the 5 s lease find them fresh).
+- ``cached``: the same cache again (its entries held; their validation lease has run out: the
+  driver revalidates the last run's working set as it opens the cache, one ListObjectsV2 page
+  per 1000 keys, while the first calls start; a task that still finds its keys stale
+  revalidates them itself, one page per 1000 keys, and after its read renews the cached keys
+  that follow its share with one more page: the calls that read those within the 5 s lease
+  find them fresh).
 - ``prewarmed``: a fresh local cluster (nothing cached), the cache opened with ``prewarm=True``
   from the working set's copy in S3 (its objects of 64 KiB or less from the pack the cold run
   wrote next to it, :mod:`pocketflow.cache.pack`: a listing and ranged GETs per batch instead of
   a GET per object); the map is submitted at once, while the prewarm runs.
 
 Reported per run: input I/O per task (the time a call spends getting its inputs: mean and p95
-over calls; a miss's bytes are the call's when S3 answered, and its entry is written after, by
+over calls, and in the JSON each call's, with its process's CPU over the same span and its
+cache counters; a miss's bytes are the call's when S3 answered, and its entry is written after, by
 the cache client's publisher, which the call's ``flush`` waits for within the job time), job
 time (submission to the last result; for ``prewarmed`` from opening the
 cache, so the prewarm counts), the hit ratio (reads served from the cache: fresh, revalidated,
@@ -145,16 +148,18 @@ def read_cached(spec_json: str, bucket: str, keys: list[str], size: int) -> dict
     cache.source_store.connect(boto3=False)
     before = Counter(request_counts())
     stats_before = cache.stats.to_dict()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     # Views of one buffer per round with huge pages: each call is a fresh process (Lithops
     # forks one per call), whose get_many would fault 64 MiB in 4 KiB at a time.
     datas = cache.get_views(bucket, keys)
     io_s = time.perf_counter() - started
+    io_cpu_s = time.process_time() - cpu_started
     cache.flush()
     ok = all(d == _content(k, size) for k, d in zip(keys, datas, strict=True))
     after = Counter(request_counts())
     stats = {k: v - stats_before.get(k, 0) for k, v in cache.stats.to_dict().items()}
-    return {"io_s": io_s, "reads": len(keys), "hits": stats["hits"], "ok": ok,
+    return {"io_s": io_s, "io_cpu_s": io_cpu_s, "reads": len(keys), "hits": stats["hits"],
+            "ok": ok,
             "bytes": sum(len(d) for d in datas), "requests": dict(after - before),
             "stats": stats}
 
@@ -218,6 +223,12 @@ def _summary(way: str, results: list[dict[str, Any]], job_s: float,
         "s3_requests": dict(requests), "s3_requests_total": sum(requests.values()),
         "bytes": sum(r["bytes"] for r in results), "ok": all(r["ok"] for r in results),
         "cache_stats": dict(stats),
+        # Per call, in the map's order: which calls pay the tail (a mean and a p95 hide it).
+        "io_s_per_task": io,
+        # The call's process CPU (its threads, user and kernel) over the same span: what load
+        # changes far less than the wall time.
+        "io_cpu_s_per_task": [r.get("io_cpu_s") for r in results],
+        "stats_per_task": [r["stats"] for r in results],
     }
     row.update(extra or {})
     return row

@@ -144,6 +144,42 @@ def test_tasks_read_through_the_spec_and_the_run_is_recorded(
     assert record.distinct_bytes == sum(sizes.values())
 
 
+def test_a_run_revalidates_the_last_runs_working_set_as_it_opens(
+    local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
+) -> None:
+    """A run opening a cache that lives on revalidates the last run's working set with
+    listings while its tasks start: they find the unchanged keys fresh (no S3 request of
+    theirs); a key changed or deleted behind the cache is not renewed, so its reader still
+    gets S3's current answer."""
+    lease_ms = 2000
+    sizes = {f"ws/{i:04d}": 2_000 + i for i in range(1200)}  # two listing pages
+    _upload(s3, s3_bucket, sizes)
+    keys = sorted(sizes)
+    with open_cache("t-renew-open", s3_server, app="renew-open", idle="60s", lease_ms=lease_ms,
+                    cluster=local_cluster) as cache:
+        cache.client.get_many(s3_bucket, keys)
+    time.sleep(lease_ms / 1000 + 0.2)  # every entry past its lease
+    changed, deleted = keys[5], keys[1100]
+    s3.put_object(Bucket=s3_bucket, Key=changed, Body=b"changed behind the cache")
+    s3.delete_object(Bucket=s3_bucket, Key=deleted)
+    with open_cache("t-renew-open", s3_server, app="renew-open", idle="60s", lease_ms=lease_ms,
+                    cluster=local_cluster) as cache:
+        assert not cache.created
+        assert wait_for(lambda: cache.status()["renewed_at_open"] == len(keys) - 2), \
+            cache.status()["renewed_at_open"]
+        unchanged = [k for k in keys if k not in (changed, deleted)]
+        with cache.connect() as reader:
+            before = request_counts()
+            data = reader.get_many(s3_bucket, unchanged)
+            assert request_counts() == before  # no GET, no listing: all fresh
+            assert reader.stats.fresh == len(unchanged)
+            assert reader.stats.listings == 0 and reader.stats.revalidated == 0
+            assert [len(d) for d in data] == [sizes[k] for k in unchanged]
+            assert reader.get(s3_bucket, changed) == b"changed behind the cache"
+            with pytest.raises(S3ObjectNotFound):
+                reader.get(s3_bucket, deleted)
+
+
 def test_prewarm_from_the_generation_that_ended_idle(
     local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
 ) -> None:

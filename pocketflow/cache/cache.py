@@ -144,6 +144,7 @@ class Cache:
         self._previous: RunRecord | None = None
         self._previous_from: str | None = None
         self.prewarm_planned = 0
+        self.renewed_at_open = 0
         self.prewarm_done_s: float | None = None
         self._prewarm: Workers | None = None
         self._prewarm_done = threading.Event()
@@ -199,6 +200,7 @@ class Cache:
             "reads": m.reads, "fills": m.fills,
             "working_set_keys": len(m.working_set),
             "working_set_bytes": m.working_set.distinct_bytes,
+            "renewed_at_open": self.renewed_at_open,
             "prewarm_planned": self.prewarm_planned, "prewarm_fetched": self.prewarm_fetched,
             "prewarm_from": self._previous_from, "prewarm_s": self.prewarm_done_s,
             "prewarm_objects_per_s": (self.prewarm_fetched / self.prewarm_done_s
@@ -245,6 +247,12 @@ class Cache:
             self.prewarm_planned = len(plan)
             self._prewarm_done.clear()
             self._start_prewarm(plan)
+        elif self._previous is not None and self.spec.lease_ms > 0 and not self.created:
+            # The cache lives on from an earlier run: its entries of the last run's working
+            # set are likely held but past their lease. Revalidate them here, while the run's
+            # first tasks start, so that those find them fresh instead of each waiting on a
+            # listing (a prewarm revalidates the keys it goes through itself).
+            self._spawn("renew", self._renew_working_set)
         self._spawn("maintain", self._maintain_loop)
         self._spawn("lease", self._lease_loop)
 
@@ -294,6 +302,19 @@ class Cache:
             self._previous_from = origin
             return record
         return None
+
+    def _renew_working_set(self) -> None:
+        """Revalidate the last run's working set with listings, bucket by bucket, in S3's order
+        (:meth:`CacheClient.renew`): the metas of the keys held unchanged are dated when their
+        page was sent. Counted in ``renewed_at_open``."""
+        assert self._previous is not None
+        by_bucket: dict[str, list[str]] = {}
+        for use in self._previous.keys:
+            by_bucket.setdefault(use.bucket, []).append(use.key)
+        for bucket, keys in by_bucket.items():
+            if self._stop.is_set():
+                return
+            self.renewed_at_open += self._client.renew(bucket, keys, self._stop)
 
     def _start_prewarm(self, plan: list[Any]) -> None:
         """Fetch the planned keys in batches, largest benefit first, in worker processes

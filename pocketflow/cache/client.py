@@ -72,7 +72,7 @@ from pocketflow.cache.records import (
     owner_id,
     steal_key,
 )
-from pocketflow.cache.source import NOT_MODIFIED, Fetched, S3Store
+from pocketflow.cache.source import LIST_PAGE_KEYS, NOT_MODIFIED, Fetched, S3Store
 from pocketflow.cache.spec import CacheSpec
 from pocketflow.errors import (
     InternalError,
@@ -861,24 +861,63 @@ class CacheClient:
             log.info("cache %s: listing ahead failed (%s)", self.spec.name, exc)
             return
         self.stats.add(listings=1, listed_keys=len(following))
-        if not following:
-            return
-        ckeys = [cache_key(bucket, key) for key, _, _ in following]
         try:
-            metas = self._metas_mostly_missing(ckeys)
-            records: list[tuple[str, bytes]] = []
-            for ckey, (_, etag, size), raw in zip(ckeys, following, metas, strict=True):
-                meta = Meta.of_reply(raw)
-                if (meta is not None and meta.state == STATE_VALUE and meta.etag == etag
-                        and meta.size == size and meta.validated_ms < sent_ms):
-                    records.append((ckey, Meta(STATE_VALUE, etag, size, sent_ms).encode()))
-            if records:
-                self._put_all(META_BUCKET, records, overwrite=True)
+            self._renew_listed(bucket, following, sent_ms)
         except PocketflowError as exc:
             log.info("cache %s: renewing the keys after %s failed (%s)", self.spec.name, after,
                      exc)
-            return
+
+    def renew(self, bucket: str, keys: Sequence[str],
+              stop: threading.Event | None = None) -> int:
+        """Revalidate the cached ``keys`` ahead of their reads: ListObjectsV2 pages over them
+        (:meth:`S3Store.list_keys`, ``LIST_PAGE_KEYS`` keys at a time, in S3's order), then the
+        metas of those the cache holds with the ETag and size a page lists get that page's send
+        time as their ``validated_ms``, as a read's revalidation would (the staleness bound is
+        a listing's). A run's driver does this for the last run's working set when it opens
+        the cache (:func:`~pocketflow.cache.open_cache`), while the run's first tasks start,
+        so that they find their keys fresh instead of each waiting on a listing. Keys changed,
+        deleted or not cached are left as they are (their readers revalidate or fill them).
+        Nothing is renewed with a lease of 0. Best effort: an S3 or cache error ends it, with
+        what it renewed so far; ``stop`` set ends it between pages. Returns the metas
+        renewed."""
+        if self.spec.lease_ms <= 0:
+            return 0
+        ordered = sorted(set(keys))
+        renewed = 0
+        for start in range(0, len(ordered), LIST_PAGE_KEYS):
+            if stop is not None and stop.is_set():
+                break
+            chunk = ordered[start:start + LIST_PAGE_KEYS]
+            sent_ms = _now_ms()
+            try:
+                listed = self._s3.list_keys(bucket, chunk)
+                self.stats.add(listings=1, listed_keys=listed.listed)
+                renewed += self._renew_listed(
+                    bucket, [(k, *listed.found[k]) for k in chunk if k in listed.found], sent_ms)
+            except PocketflowError as exc:  # S3Error among them
+                log.info("cache %s: revalidating ahead failed (%s)", self.spec.name, exc)
+                break
+        return renewed
+
+    def _renew_listed(self, bucket: str, listed: list[tuple[str, str, int]],
+                      sent_ms: int) -> int:
+        """Give the cached keys of ``listed`` (``(key, etag, size)`` from a listing sent at
+        ``sent_ms``) whose meta holds that ETag and size, and is older, ``sent_ms`` as their
+        ``validated_ms``; returns how many."""
+        if not listed:
+            return 0
+        ckeys = [cache_key(bucket, key) for key, _, _ in listed]
+        metas = self._metas_mostly_missing(ckeys)
+        records: list[tuple[str, bytes]] = []
+        for ckey, (_, etag, size), raw in zip(ckeys, listed, metas, strict=True):
+            meta = Meta.of_reply(raw)
+            if (meta is not None and meta.state == STATE_VALUE and meta.etag == etag
+                    and meta.size == size and meta.validated_ms < sent_ms):
+                records.append((ckey, Meta(STATE_VALUE, etag, size, sent_ms).encode()))
+        if records:
+            self._put_all(META_BUCKET, records, overwrite=True)
         self.stats.add(renewed_ahead=len(records))
+        return len(records)
 
     def _refill(self, bucket: str, keys: list[str], ckeys: list[str],
                 refills: list[tuple[int, Meta, Fetched]], sent_ms: int,

@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import subprocess
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -31,26 +32,6 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def process_times(pid: int) -> tuple[float, float, int, float, float, float]:
-    """Process ``pid``'s user and system CPU seconds so far (all its threads), its minor page
-    faults; of its main thread alone, seconds on a core and seconds ready to run but waiting
-    for one (the scheduler's run delay: what a loaded machine costs it); and the run delay of
-    all its live threads together. From Linux ``/proc``; raises ``OSError`` when it is gone. A
-    main thread's wall time beyond its time on a core and its run delay is time it was blocked
-    (on I/O, on other threads, asleep)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    on_cpu_ns, run_delay_ns = Path(f"/proc/{pid}/schedstat").read_text().split()[:2]
-    threads_delay_ns = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            threads_delay_ns += int((task / "schedstat").read_text().split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # A thread that ended while listed.
-    return (int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7]),
-            int(on_cpu_ns) / 1e9, int(run_delay_ns) / 1e9, threads_delay_ns / 1e9)
-
-
 def machine_cpu_split_s() -> dict[str, float]:
     """CPU seconds every core of the machine spent so far, split as ``/proc/stat`` does:
     ``user_s`` (with nice), ``system_s``, ``irq_s`` (hard and soft interrupts), ``steal_s``
@@ -63,46 +44,99 @@ def machine_cpu_split_s() -> dict[str, float]:
             "irq_s": (irq + softirq) / tick, "steal_s": steal / tick, "iowait_s": iowait / tick}
 
 
-def kernel_threads_cpu_s() -> float:
+def _read_proc(path: str) -> bytes:
+    """The bytes of a small ``/proc`` file (one read, no ``pathlib``: a sampler reads hundreds
+    per sample); raises ``OSError`` when it is gone."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+
+
+def _stat_fields(pid: int | str) -> list[bytes]:
+    """``/proc/<pid>/stat``'s fields after the command name (``state`` first, ``ppid`` second);
+    raises ``OSError`` when the process is gone."""
+    return _read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
+
+
+@dataclass
+class ProcessScan:
+    """One pass over ``/proc`` (:func:`scan_processes`)."""
+
+    commands: dict[int, str]
+    """Every live process below the scan's root (and the root), by pid: its command line
+    (arguments joined by spaces; its name where it has none)."""
+    times: dict[int, tuple[float, float, int, float, float, float]]
+    """Of the same processes (those still there for the whole scan): user and system CPU
+    seconds so far (all its threads), minor page faults; of its main thread alone, seconds on
+    a core and seconds ready to run but waiting for one (the scheduler's run delay: what a
+    loaded machine costs it); and the run delay of all its live threads together. A main
+    thread's wall time beyond its time on a core and its run delay is time it was blocked (on
+    I/O, on other threads, asleep)."""
+    kernel_threads_s: float
     """CPU seconds the kernel's own threads (children of ``kthreadd``, pid 2: block-device
     workers, ``ksoftirqd``, reclaim) have spent so far, whoever they worked for."""
-    total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == "2":
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    rss_bytes: dict[int, int]
+    """Of the same processes as ``times``, resident bytes (``/proc/<pid>/stat``'s ``rss``, the
+    counter ``VmRSS`` also shows)."""
 
 
-def descendants(root: int) -> dict[int, str]:
-    """Every live process below ``root`` (and ``root``), by pid: its command line (arguments
-    joined by spaces; its name where it has none), from ``/proc``."""
+def scan_processes(root: int) -> ProcessScan:
+    """The processes below ``root``, their CPU times and resident bytes, and the kernel
+    threads' CPU (:class:`ProcessScan`), from one pass over Linux ``/proc`` that reads each
+    process's ``stat`` once, without ``pathlib`` (a sampler calls it every fraction of a second,
+    in the process whose run it measures)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    page = os.sysconf("SC_PAGE_SIZE")
+    stats: dict[int, list[bytes]] = {}
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    kernel_ticks = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
             continue
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            fields = _stat_fields(name)
+            ppid = int(fields[1])
         except (OSError, IndexError, ValueError):
             continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found: dict[int, str] = {}
+        pid = int(name)
+        stats[pid] = fields
+        children.setdefault(ppid, []).append(pid)
+        if ppid == 2:
+            kernel_ticks += int(fields[11]) + int(fields[12])
+    commands: dict[int, str] = {}
+    times: dict[int, tuple[float, float, int, float, float, float]] = {}
+    rss: dict[int, int] = {}
     todo = [root]
     while todo:
         pid = todo.pop()
+        fields = stats.get(pid)
+        if fields is None:
+            continue
         try:
-            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-            found[pid] = (raw.replace(b"\0", b" ").decode(errors="replace").strip()
-                          or Path(f"/proc/{pid}/comm").read_text().strip())
+            raw = _read_proc(f"/proc/{pid}/cmdline")
+            commands[pid] = (raw.replace(b"\0", b" ").decode(errors="replace").strip()
+                             or _read_proc(f"/proc/{pid}/comm").decode(errors="replace").strip())
         except OSError:
             continue
         todo.extend(children.get(pid, ()))
-    return found
+        try:
+            on_cpu_ns, run_delay_ns = _read_proc(f"/proc/{pid}/schedstat").split()[:2]
+            threads = os.listdir(f"/proc/{pid}/task")
+        except (OSError, ValueError):
+            continue
+        threads_delay_ns = 0
+        for task in threads:
+            try:
+                threads_delay_ns += int(
+                    _read_proc(f"/proc/{pid}/task/{task}/schedstat").split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # A thread that ended while listed.
+        times[pid] = (int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7]),
+                      int(on_cpu_ns) / 1e9, int(run_delay_ns) / 1e9, threads_delay_ns / 1e9)
+        rss[pid] = int(fields[21]) * page
+    return ProcessScan(commands, times, kernel_ticks / tick, rss)
 
 
 def machine_busy_cpu_s() -> float:

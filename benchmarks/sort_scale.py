@@ -78,15 +78,14 @@ import cloudpickle
 import ray.cloudpickle
 
 from benchmarks.machine import (
-    descendants,
+    ProcessScan,
     git_commit,
-    kernel_threads_cpu_s,
     machine,
     machine_busy_cpu_s,
     machine_cpu_split_s,
     now_iso,
     package_versions,
-    process_times,
+    scan_processes,
     today,
 )
 from pocketflow.config import parse_size
@@ -256,7 +255,7 @@ def _cpu_busy_s() -> float | None:
 PROCESS_COUNTERS = ("user_s", "system_s", "minor_faults", "main_cpu_s", "run_delay_s",
                     "threads_run_delay_s")
 """Per group of processes (:func:`process_group`), what :func:`process_cpu` reports
-(:func:`benchmarks.machine.process_times`)."""
+(:attr:`benchmarks.machine.ProcessScan.times`)."""
 
 
 def process_group(pid: int, command: str, *, servers: dict[int, str], driver: int) -> str:
@@ -374,28 +373,26 @@ class TierSampler:
 
     def _take(self) -> None:
         try:
-            self.samples.append(self._sample())
+            scan = scan_processes(self._driver)
+            self.samples.append(self._sample(scan))
             self.process_samples.append({"t_s": self.samples[-1]["t_s"],
-                                         "procs": self._processes()})
+                                         "procs": self._processes(scan)})
         except Exception:  # noqa: BLE001 - a failed sample must not end the run
             self.errors += 1
 
-    def _processes(self) -> dict[int, list[Any]]:
+    def _processes(self, scan: ProcessScan) -> dict[int, list[Any]]:
         procs: dict[int, list[Any]] = {}
-        for pid, command in descendants(self._driver).items():
-            group = process_group(pid, command, servers=self._server_tiers,
+        for pid, times in scan.times.items():
+            group = process_group(pid, scan.commands[pid], servers=self._server_tiers,
                                   driver=self._driver)
-            try:
-                procs[pid] = [group, *process_times(pid)]
-            except OSError:
-                continue
+            procs[pid] = [group, *times]
         return procs
 
     def _run(self) -> None:
         while len(self.samples) < SAMPLES_MAX - 1 and not self._stop.wait(SAMPLE_INTERVAL_S):
             self._take()
 
-    def _sample(self) -> dict[str, Any]:
+    def _sample(self, scan: ProcessScan) -> dict[str, Any]:
         tiers: dict[str, dict[str, float]] = {}
         for server in self._servers:
             stats = self._tokens.client(server.address).stats()
@@ -408,10 +405,11 @@ class TierSampler:
             tier["out_per_s"] += float(stats.get("bytes_out_per_s") or 0.0)
             tier["received_bytes"] += float(stats.get("received_bytes_total") or 0.0)
             tier["sent_bytes"] += float(stats.get("sent_bytes_total") or 0.0)
-        return {"t_s": time.monotonic() - self.started, "tiers": tiers,
-                "rss_bytes": sum(_rss_bytes(s.server_pid) for s in self._servers),
+        rss = sum(scan.rss_bytes[s.server_pid] if s.server_pid in scan.rss_bytes
+                  else _rss_bytes(s.server_pid) for s in self._servers)
+        return {"t_s": time.monotonic() - self.started, "tiers": tiers, "rss_bytes": rss,
                 "device_busy_s": _device_busy_s(self._device), "cpu_busy_s": _cpu_busy_s(),
-                "kernel_threads_s": kernel_threads_cpu_s(), **machine_cpu_split_s()}
+                "kernel_threads_s": scan.kernel_threads_s, **machine_cpu_split_s()}
 
     def peak(self, tier: str) -> int:
         """Most bytes the tier held in any sample."""

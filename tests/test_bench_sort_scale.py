@@ -6,9 +6,14 @@ plot are written. It checks the script works, not how fast anything is."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pocketflow
+from benchmarks.machine import scan_processes
 from benchmarks.sort_scale import (
     VARIANTS,
     busy_shares,
@@ -192,3 +197,42 @@ def test_a_run_registers_once_the_control_plane_sees_the_previous_runs_bytes_fre
     with local_cluster.register_job("next-run", hints) as job:
         weights = {s.node_id: s.weight for s in job.handle.servers}
     assert sum(weights[n] for n in dram) > 0.99, weights
+
+
+def test_one_proc_scan_finds_the_tree_below_its_root_with_its_cpu_and_rss() -> None:
+    # A child that spins on a core for a while, then starts a grandchild and waits on it.
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import subprocess, sys, time\n"
+         "end = time.process_time() + 0.3\n"
+         "while time.process_time() < end: pass\n"
+         "block = bytearray(64 << 20)\n"
+         "subprocess.run(['sleep', '30'])\n"],
+        stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            scan = scan_processes(os.getpid())
+            below = [pid for pid, command in scan.commands.items() if command == "sleep 30"]
+            if below or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert below, scan.commands
+        assert child.pid in scan.commands and os.getpid() in scan.commands
+        user_s, system_s, minor_faults, main_cpu_s, _delay, _threads_delay = scan.times[child.pid]
+        assert user_s + system_s >= 0.2 and main_cpu_s >= 0.2 and minor_faults > 0
+        # Its 64 MiB block is resident: the scan's figure is the one /proc/<pid>/status shows.
+        status = Path(f"/proc/{child.pid}/status").read_text()
+        vm_rss = next(int(line.split()[1]) * 1024 for line in status.splitlines()
+                      if line.startswith("VmRSS:"))
+        assert scan.rss_bytes[child.pid] >= 64 << 20
+        assert abs(scan.rss_bytes[child.pid] - vm_rss) <= 1 << 20
+        assert scan.kernel_threads_s >= 0
+        # Nothing outside the tree: pid 1 is not below this process.
+        assert 1 not in scan.commands
+    finally:
+        for pid in scan.commands:
+            if scan.commands[pid] == "sleep 30":
+                os.kill(pid, 9)
+        child.kill()
+        child.wait(timeout=10)

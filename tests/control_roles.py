@@ -141,7 +141,7 @@ def register(built: Roles, name: str, hints: dict[str, Any] | None = None) -> Jo
     handle = built.jobs.new_handle(
         job_id, name, built.allocator.server_infos(built.allocator.pack_new(demand))
     )
-    built.epochs.announce(handle)
+    built.epochs.announce(handle, demand)
     record = JobRecord(handle=handle, hints=dict(hints or {}), registered_at_unix_s=time.time(),
                        demand=demand.to_dict())
     built.metadata.put_job(record.to_metadata())

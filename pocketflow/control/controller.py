@@ -470,7 +470,7 @@ class Controller:
             logged["lease_ms"] = lease_ms
         self._metadata("put_job", logged)
         # A server that does not confirm the first epoch is retried by the monitor loop.
-        self._epochs.announce(handle)
+        self._epochs.announce(handle, demand)
         self._jobs.put(record)
         if lease_ms is not None:
             self._leases.start(job_id, lease_ms=lease_ms, now_s=time.monotonic())

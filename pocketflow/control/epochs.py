@@ -14,9 +14,10 @@ from typing import Any
 
 from pocketflow.control.admin import AdminTokens
 from pocketflow.control.allocator import Allocator
-from pocketflow.control.hints import demand_from_hints
+from pocketflow.control.hints import JobDemand, demand_from_hints
 from pocketflow.control.job_table import JobRecord, JobTable
 from pocketflow.control.membership import Membership
+from pocketflow.control.packing import Allocation, Placement, allocated_by_server
 from pocketflow.control.prefix_grants import PrefixGrants, grants_record
 from pocketflow.errors import JobNotRegistered, PocketflowError, StaleEpoch
 from pocketflow.handle import JobHandle, LostServer, Routes, ServerInfo
@@ -86,12 +87,12 @@ class Epochs:
         self._call_metadata = call_metadata
         self._unconfirmed: dict[tuple[str, str], _Unconfirmed] = {}
 
-    def announce(self, handle: JobHandle) -> None:
-        """Tell each server of a new job's first map its epoch. A server that does not confirm
-        it (hung, or restarting, when the registration runs) does not fail the registration: it
-        stays unconfirmed and the monitor loop retries it until it does, as for any new map;
-        meanwhile it refuses the job's writes as ``job_not_registered``."""
-        self._publish(handle)
+    def announce(self, handle: JobHandle, demand: JobDemand) -> None:
+        """Tell each server of a new job's first map (packed for ``demand``) its epoch. A server
+        that does not confirm it (hung, or restarting, when the registration runs) does not fail
+        the registration: it stays unconfirmed and the monitor loop retries it until it does, as
+        for any new map; meanwhile it refuses the job's writes as ``job_not_registered``."""
+        self._publish(handle, demand)
 
     def move(
         self,
@@ -125,7 +126,7 @@ class Epochs:
             record, handle=handle,
             held_weights={n: w for n, w in held.items() if n in handle.suspects},
         )
-        self._publish(handle)
+        self._publish(handle, _demand_of(record))
         self._jobs.put(record)
         changed = record.to_metadata()
         fields = {k: changed[k] for k in ("epoch", "weight_map", "hints", "demand",
@@ -140,12 +141,12 @@ class Epochs:
         )
         return handle
 
-    def _publish(self, handle: JobHandle) -> None:
+    def _publish(self, handle: JobHandle, demand: JobDemand | None) -> None:
         """Send a job's new map to the servers of it at once (one deadline for all: a hung
         server costs one admin call's timeout however many hang); those that do not confirm
         (suspects are not even asked) stay unconfirmed, retried by the monitor loop. The
         unconfirmed table is touched only here, in the calling thread."""
-        weight_map = handle.weight_map()
+        weight_map = map_with_reservations(handle, demand)
         now_s = time.monotonic()
         asked: list[ServerInfo] = []
         for server in handle.servers:
@@ -212,7 +213,7 @@ class Epochs:
             if entry.next_try_s > now_s or self._membership.is_suspect(node_id):
                 continue
             calls.append(EpochCall(job_id, node_id, info.address, record.handle.epoch,
-                                   record.handle.weight_map()))
+                                   map_with_reservations(record.handle, _demand_of(record))))
         return calls
 
     @staticmethod
@@ -358,6 +359,29 @@ class Epochs:
             record = self._jobs.record(job_id)
             kept = tuple(s for s in record.handle.servers if s.node_id != node_id)
             self.move(job_id, kept)
+
+
+def map_with_reservations(handle: JobHandle, demand: JobDemand | None) -> dict[str, Any]:
+    """The map ``set_epoch`` sends: the handle's weight map and, as ``"reserved_bytes":
+    {node_id: bytes}``, each server's share of the job's reservation (its weight times the
+    demand's capacity, as the allocator counts it on that server), so that a server keeps the
+    share the job has not used free of other jobs' writes (docs/ARCHITECTURE.md, "Bigger than
+    DRAM"). Clients ignore the field."""
+    weight_map = handle.weight_map()
+    if demand is None:
+        return weight_map
+    allocation = Allocation(tuple(Placement(node_id=s.node_id, weight=s.weight, persist=s.persist)
+                                  for s in handle.servers))
+    shares = {node_id: capacity for node_id, (_, capacity)
+              in sorted(allocated_by_server([(demand, allocation)]).items()) if capacity > 0}
+    if shares:
+        weight_map["reserved_bytes"] = shares
+    return weight_map
+
+
+def _demand_of(record: JobRecord) -> JobDemand | None:
+    """The demand ``record``'s job was packed with (None for a record without one)."""
+    return record.job_demand() if record.demand else None
 
 
 def _set_epoch(admin: AdminClient, *, job_id: str, epoch: int, weight_map: dict[str, Any]) -> None:

@@ -616,6 +616,26 @@ impl SetEpochRequest {
         }
         Ok(text)
     }
+
+    /// The job's reservation on server `node_id`, in bytes: the map's `reserved_bytes` object
+    /// names each server's share of the job's reservation (docs/PROTOCOL.md); a map without it,
+    /// or without `node_id` in it, reserves nothing there.
+    pub fn reserved_bytes(&self, node_id: &str) -> Result<u64, ProtocolError> {
+        let Some(shares) = self.map.get("reserved_bytes") else {
+            return Ok(0);
+        };
+        let shares = shares.as_object().ok_or(ProtocolError::Field {
+            what: "map.reserved_bytes",
+            why: "must be an object of node id to bytes",
+        })?;
+        match shares.get(node_id) {
+            None => Ok(0),
+            Some(bytes) => bytes.as_u64().ok_or(ProtocolError::Field {
+                what: "map.reserved_bytes",
+                why: "each server's share must be a whole number of bytes",
+            }),
+        }
+    }
 }
 
 impl DrainRequest {
@@ -865,6 +885,26 @@ mod tests {
         )
         .unwrap();
         assert_eq!(req.map_json().unwrap(), r#"{"a":1}"#);
+        assert_eq!(req.reserved_bytes("dram-0").unwrap(), 0);
+        let shares = |map: &str| {
+            SetEpochRequest::parse(
+                format!(r#"{{{CTX},"job":"x","epoch":4,"map":{map}}}"#).as_bytes(),
+            )
+            .unwrap()
+        };
+        let req = shares(r#"{"reserved_bytes":{"dram-0":4096,"nvme-0":0}}"#);
+        assert_eq!(req.reserved_bytes("dram-0").unwrap(), 4096);
+        assert_eq!(req.reserved_bytes("nvme-0").unwrap(), 0);
+        assert_eq!(req.reserved_bytes("dram-1").unwrap(), 0);
+        assert!(shares(r#"{"reserved_bytes":[1]}"#)
+            .reserved_bytes("dram-0")
+            .is_err());
+        assert!(shares(r#"{"reserved_bytes":{"dram-0":-1}}"#)
+            .reserved_bytes("dram-0")
+            .is_err());
+        assert!(shares(r#"{"reserved_bytes":{"dram-0":1.5}}"#)
+            .reserved_bytes("dram-0")
+            .is_err());
         let huge = format!(
             r#"{{{CTX},"job":"x","epoch":4,"map":"{}"}}"#,
             "m".repeat(EPOCH_MAP_MAX_BYTES)

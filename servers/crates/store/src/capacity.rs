@@ -12,9 +12,22 @@
 //! tier is full of data still takes the manifest of an object whose bytes a client wrote on
 //! another tier, and readers, waiters and DELETE-on-read claims keep finding every key at its
 //! home (docs/ARCHITECTURE.md, "Bigger than DRAM").
+//!
+//! A job may also hold a *reservation* here: the bytes of its reservation the control plane
+//! packed on this server (`set_epoch`'s map, docs/PROTOCOL.md). A charge of a job is admitted if
+//! the job stays within its reservation, or if the server's free bytes after it still cover
+//! every other job's unused reservation (reserved less used, at least 0); else it is
+//! `CapacityExhausted` with [`CapacityLimit::Reserved`], which a client treats as a full tier
+//! (it overflows to the job's other servers). So one job writing beyond its reservation cannot
+//! cost another the room reserved for it. Records (manifests) are held to the same rule against
+//! the whole capacity, so they may use the records' reserve, which stays shared by all jobs: the
+//! records of other jobs can take at most the reserve (1/64 of the capacity, at most 64 MiB)
+//! out of a job's unused reservation. While at most one job holds a reservation and it is the
+//! one charging, nothing is checked beyond the tier's limit, as without reservations.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::error::{CapacityLimit, StoreError};
 
@@ -44,6 +57,12 @@ pub(crate) struct Budget {
     /// The records' reserve (see the module doc).
     reserve_bytes: u64,
     used_bytes: AtomicU64,
+    /// The jobs holding a reservation here (each with `reserved_bytes` above 0), by job id.
+    reservations: Mutex<HashMap<String, Arc<JobAccount>>>,
+    /// `reservations.len()`, read without the lock to take the fast path.
+    reserving_jobs: AtomicUsize,
+    /// Serializes the charges that other jobs' reservations bound (see [`Budget::charge`]).
+    admission: Mutex<()>,
 }
 
 /// Usage counters of one job; updated by charges and by the index.
@@ -57,6 +76,8 @@ pub(crate) struct JobAccount {
     pub entries: AtomicU64,
     /// Of `entries`, the channels': queue and append-file segments, queue items and records.
     pub channel_entries: AtomicU64,
+    /// The job's reservation on this server (0: none); see the module doc.
+    pub reserved_bytes: AtomicU64,
 }
 
 /// Bytes held against the budget and a job's usage; released on drop.
@@ -73,7 +94,63 @@ impl Budget {
             capacity_bytes,
             reserve_bytes: (capacity_bytes / RECORD_RESERVE_DIVISOR).min(RECORD_RESERVE_MAX_BYTES),
             used_bytes: AtomicU64::new(0),
+            reservations: Mutex::new(HashMap::new()),
+            reserving_jobs: AtomicUsize::new(0),
+            admission: Mutex::new(()),
         })
+    }
+
+    /// Set `job`'s reservation here to `reserved_bytes` (0 ends it); `account` is the job's
+    /// account if the job has one already. Returns the account the reservation is held by,
+    /// which the job's entries must charge from now on.
+    pub fn set_reservation(
+        &self,
+        job: &str,
+        reserved_bytes: u64,
+        account: Option<&Arc<JobAccount>>,
+    ) -> Arc<JobAccount> {
+        let mut reservations = self
+            .reservations
+            .lock()
+            .expect("reservations lock poisoned");
+        let held = match (account, reservations.get(job)) {
+            (Some(account), _) => Arc::clone(account),
+            (None, Some(held)) => Arc::clone(held),
+            (None, None) => Arc::new(JobAccount::default()),
+        };
+        held.reserved_bytes.store(reserved_bytes, Ordering::Release);
+        if reserved_bytes == 0 {
+            reservations.remove(job);
+        } else {
+            reservations.insert(job.to_string(), Arc::clone(&held));
+        }
+        self.reserving_jobs
+            .store(reservations.len(), Ordering::Release);
+        held
+    }
+
+    /// The account holding `job`'s reservation, if it holds one.
+    pub fn reserved_account(&self, job: &str) -> Option<Arc<JobAccount>> {
+        self.reservations
+            .lock()
+            .expect("reservations lock poisoned")
+            .get(job)
+            .cloned()
+    }
+
+    /// The unused reservations (reserved less used, at least 0) of every job but `job`.
+    fn reserved_for_others_bytes(&self, job: &Arc<JobAccount>) -> u64 {
+        self.reservations
+            .lock()
+            .expect("reservations lock poisoned")
+            .values()
+            .filter(|held| !Arc::ptr_eq(held, job))
+            .map(|held| {
+                held.reserved_bytes
+                    .load(Ordering::Acquire)
+                    .saturating_sub(held.used_bytes.load(Ordering::Acquire))
+            })
+            .sum()
     }
 
     pub fn capacity_bytes(&self) -> u64 {
@@ -94,12 +171,25 @@ impl Budget {
 
     /// Charge `bytes` of `kind` to `job`, or fail with `CapacityExhausted`, naming the limit it
     /// hit, and charge nothing.
+    ///
+    /// While no other job holds a reservation here, only the tier's limit bounds the charge (no
+    /// lock). Otherwise the charge also keeps the other jobs' unused reservations free (unless
+    /// `job` stays within its own), decided under `admission`, so that two such charges cannot
+    /// both take the same free bytes. The other jobs' usage is read inside the budget's
+    /// compare-and-swap, and a charge is released from its job before the budget
+    /// ([`Charge::drop`]), so a concurrent charge or release can only make the check stricter.
     pub fn charge(
         self: &Arc<Self>,
         job: &Arc<JobAccount>,
         bytes: u64,
         kind: ChargeKind,
     ) -> Result<Charge, StoreError> {
+        let reserving = self.reserving_jobs.load(Ordering::Acquire);
+        let alone =
+            reserving == 0 || (reserving == 1 && job.reserved_bytes.load(Ordering::Acquire) > 0);
+        if !alone {
+            return self.charge_beside_reservations(job, bytes, kind);
+        }
         let limit = self.limit_bytes(kind);
         let reserved = self
             .used_bytes
@@ -110,23 +200,82 @@ impl Budget {
             return Err(StoreError::CapacityExhausted {
                 requested: bytes,
                 available: limit.saturating_sub(used),
-                limit: match kind {
-                    ChargeKind::Data => CapacityLimit::Data {
-                        capacity_bytes: self.capacity_bytes,
-                        reserve_bytes: self.reserve_bytes,
-                    },
-                    ChargeKind::Record => CapacityLimit::Records {
-                        capacity_bytes: self.capacity_bytes,
-                    },
-                },
+                limit: self.tier_limit(kind),
             });
         }
+        Ok(self.charged(job, bytes))
+    }
+
+    /// [`Budget::charge`] while other jobs hold reservations here.
+    fn charge_beside_reservations(
+        self: &Arc<Self>,
+        job: &Arc<JobAccount>,
+        bytes: u64,
+        kind: ChargeKind,
+    ) -> Result<Charge, StoreError> {
+        let _admission = self.admission.lock().expect("admission lock poisoned");
+        let limit = self.limit_bytes(kind);
+        let own_used = job.used_bytes.load(Ordering::Acquire);
+        let own_reserved = job.reserved_bytes.load(Ordering::Acquire);
+        let within = own_used
+            .checked_add(bytes)
+            .is_some_and(|total| total <= own_reserved);
+        let mut others = 0;
+        let reserved = self
+            .used_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                let total = used.checked_add(bytes).filter(|&total| total <= limit)?;
+                if within {
+                    return Some(total);
+                }
+                others = self.reserved_for_others_bytes(job);
+                (limit - total >= others).then_some(total)
+            });
+        match reserved {
+            Ok(_) => Ok(self.charged(job, bytes)),
+            Err(used) if used.saturating_add(bytes) > limit => Err(StoreError::CapacityExhausted {
+                requested: bytes,
+                available: limit.saturating_sub(used),
+                limit: self.tier_limit(kind),
+            }),
+            Err(used) => Err(StoreError::CapacityExhausted {
+                requested: bytes,
+                available: limit.saturating_sub(used).saturating_sub(others),
+                limit: CapacityLimit::Reserved {
+                    capacity_bytes: self.capacity_bytes,
+                    reserve_bytes: match kind {
+                        ChargeKind::Data => self.reserve_bytes,
+                        ChargeKind::Record => 0,
+                    },
+                    reserved_for_others_bytes: others,
+                    job_used_bytes: own_used,
+                    job_reserved_bytes: own_reserved,
+                },
+            }),
+        }
+    }
+
+    /// The tier's own limit for charges of `kind`, as a refusal names it.
+    fn tier_limit(&self, kind: ChargeKind) -> CapacityLimit {
+        match kind {
+            ChargeKind::Data => CapacityLimit::Data {
+                capacity_bytes: self.capacity_bytes,
+                reserve_bytes: self.reserve_bytes,
+            },
+            ChargeKind::Record => CapacityLimit::Records {
+                capacity_bytes: self.capacity_bytes,
+            },
+        }
+    }
+
+    /// The guard of `bytes` already added to the budget, counted to `job`.
+    fn charged(self: &Arc<Self>, job: &Arc<JobAccount>, bytes: u64) -> Charge {
         job.used_bytes.fetch_add(bytes, Ordering::AcqRel);
-        Ok(Charge {
+        Charge {
             bytes,
             budget: Arc::clone(self),
             job: Arc::clone(job),
-        })
+        }
     }
 }
 
@@ -137,7 +286,11 @@ impl Charge {
 }
 
 impl Drop for Charge {
+    /// Released from the job before the budget: in between, the job's unused reservation looks
+    /// larger while the budget's free bytes do not yet, so other jobs' charges are checked
+    /// stricter, never looser.
     fn drop(&mut self) {
+        self.job.used_bytes.fetch_sub(self.bytes, Ordering::AcqRel);
         let before = self
             .budget
             .used_bytes
@@ -146,7 +299,6 @@ impl Drop for Charge {
             before >= self.bytes,
             "budget released more than was charged"
         );
-        self.job.used_bytes.fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }
 
@@ -196,6 +348,181 @@ mod tests {
             (budget.used_bytes(), job.used_bytes.load(Ordering::Relaxed)),
             (0, 0)
         );
+    }
+
+    fn reserved_limit(err: StoreError) -> (u64, u64, CapacityLimit) {
+        match err {
+            StoreError::CapacityExhausted {
+                requested,
+                available,
+                limit,
+            } => (requested, available, limit),
+            other => panic!("expected CapacityExhausted, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_job_beyond_its_reservation_leaves_the_others_unused_reservations_free() {
+        // Data may use 6,300 bytes; job B reserves 2,000 of them, job A 1,000.
+        let budget = Budget::new(6_400);
+        let a = budget.set_reservation("a", 1_000, None);
+        let b = budget.set_reservation("b", 2_000, None);
+        let a_within = budget.charge(&a, 1_000, ChargeKind::Data).unwrap();
+        let a_beyond = budget.charge(&a, 3_300, ChargeKind::Data).unwrap();
+        // 2,000 bytes are free, all of them B's.
+        let (requested, available, limit) =
+            reserved_limit(budget.charge(&a, 1, ChargeKind::Data).unwrap_err());
+        assert_eq!((requested, available), (1, 0));
+        assert_eq!(
+            limit,
+            CapacityLimit::Reserved {
+                capacity_bytes: 6_400,
+                reserve_bytes: 100,
+                reserved_for_others_bytes: 2_000,
+                job_used_bytes: 4_300,
+                job_reserved_bytes: 1_000,
+            }
+        );
+        let message = budget
+            .charge(&a, 1, ChargeKind::Data)
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains("reserved for other jobs"), "{message}");
+        // B writes its whole reservation.
+        let b_part = budget.charge(&b, 1_500, ChargeKind::Data).unwrap();
+        let b_rest = budget.charge(&b, 500, ChargeKind::Data).unwrap();
+        assert_eq!(budget.used_bytes(), 6_300);
+        // Beyond it, B meets the tier's limit like anyone.
+        assert!(matches!(
+            budget.charge(&b, 1, ChargeKind::Data),
+            Err(StoreError::CapacityExhausted {
+                limit: CapacityLimit::Data { .. },
+                ..
+            })
+        ));
+        // B frees some: it stays B's until B's reservation ends.
+        drop(b_rest);
+        let (_, available, _) =
+            reserved_limit(budget.charge(&a, 500, ChargeKind::Data).unwrap_err());
+        assert_eq!(available, 0);
+        budget.set_reservation("b", 0, Some(&b));
+        let a_more = budget.charge(&a, 500, ChargeKind::Data).unwrap();
+        assert_eq!(
+            (
+                budget.used_bytes(),
+                a.used_bytes.load(Ordering::Relaxed),
+                b.used_bytes.load(Ordering::Relaxed)
+            ),
+            (6_300, 4_800, 1_500)
+        );
+        drop((a_within, a_beyond, b_part, a_more));
+        assert_eq!(budget.used_bytes(), 0);
+    }
+
+    #[test]
+    fn a_job_alone_is_bounded_by_the_tier_only() {
+        let budget = Budget::new(6_400);
+        let a = budget.set_reservation("a", 1_000, None);
+        let other = Arc::new(JobAccount::default());
+        let whole = budget.charge(&a, 6_300, ChargeKind::Data).unwrap();
+        assert!(matches!(
+            budget.charge(&a, 1, ChargeKind::Data),
+            Err(StoreError::CapacityExhausted {
+                limit: CapacityLimit::Data { .. },
+                ..
+            })
+        ));
+        drop(whole);
+        // A job without a reservation beside the only reserving one keeps its unused bytes
+        // free; the reserving one is bounded by the tier only.
+        let others = budget.charge(&other, 5_300, ChargeKind::Data).unwrap();
+        assert!(matches!(
+            budget.charge(&other, 1, ChargeKind::Data),
+            Err(StoreError::CapacityExhausted {
+                limit: CapacityLimit::Reserved {
+                    reserved_for_others_bytes: 1_000,
+                    job_reserved_bytes: 0,
+                    ..
+                },
+                ..
+            })
+        ));
+        let own = budget.charge(&a, 1_000, ChargeKind::Data).unwrap();
+        drop((others, own));
+        assert_eq!(budget.used_bytes(), 0);
+    }
+
+    #[test]
+    fn records_may_use_the_reserve_but_not_the_others_reservations() {
+        let budget = Budget::new(6_400);
+        let b = budget.set_reservation("b", 2_000, None);
+        let a = Arc::new(JobAccount::default());
+        let data = budget.charge(&a, 4_300, ChargeKind::Data).unwrap();
+        assert!(budget.charge(&a, 1, ChargeKind::Data).is_err());
+        // Records go on into the records' reserve ...
+        let records = budget.charge(&a, 100, ChargeKind::Record).unwrap();
+        // ... and no further.
+        let (_, available, limit) =
+            reserved_limit(budget.charge(&a, 1, ChargeKind::Record).unwrap_err());
+        assert_eq!(available, 0);
+        assert!(matches!(
+            limit,
+            CapacityLimit::Reserved {
+                reserve_bytes: 0,
+                reserved_for_others_bytes: 2_000,
+                ..
+            }
+        ));
+        // B's records within its reservation are admitted; so is its data up to the tier's
+        // limit for data, which A's records took 100 bytes of (the reserve's worth).
+        let b_data = budget.charge(&b, 1_900, ChargeKind::Data).unwrap();
+        assert!(budget.charge(&b, 1, ChargeKind::Data).is_err());
+        let b_record = budget.charge(&b, 100, ChargeKind::Record).unwrap();
+        drop((data, records, b_data, b_record));
+        assert_eq!(budget.used_bytes(), 0);
+    }
+
+    #[test]
+    fn racing_charges_never_take_another_jobs_unused_reservation() {
+        use std::sync::Barrier;
+        for _ in 0..50 {
+            let budget = Budget::new(64_000);
+            let b = budget.set_reservation("b", 20_000, None);
+            let a = budget.set_reservation("a", 1_000, None);
+            let barrier = Arc::new(Barrier::new(4));
+            // Two writers of A charge 100-byte pieces until refused; two of B charge 100 pieces
+            // each, B's whole reservation, all of which must be admitted.
+            let writers: Vec<_> = [(&a, None), (&a, None), (&b, Some(100)), (&b, Some(100))]
+                .into_iter()
+                .map(|(job, pieces)| {
+                    let job = Arc::clone(job);
+                    let budget = Arc::clone(&budget);
+                    let barrier = Arc::clone(&barrier);
+                    std::thread::spawn(move || {
+                        barrier.wait();
+                        let mut held = Vec::new();
+                        while pieces.is_none_or(|n| held.len() < n) {
+                            match budget.charge(&job, 100, ChargeKind::Data) {
+                                Ok(charge) => held.push(charge),
+                                Err(err) if pieces.is_none() => {
+                                    assert!(matches!(err, StoreError::CapacityExhausted { .. }));
+                                    break;
+                                }
+                                Err(err) => panic!("B refused within its reservation: {err}"),
+                            }
+                        }
+                        held
+                    })
+                })
+                .collect();
+            let held: Vec<Vec<Charge>> = writers.into_iter().map(|w| w.join().unwrap()).collect();
+            // B got its whole reservation, A the rest of the room for data, nobody more.
+            assert_eq!(b.used_bytes.load(Ordering::Relaxed), 20_000);
+            assert_eq!(a.used_bytes.load(Ordering::Relaxed), 63_000 - 20_000);
+            assert_eq!(budget.used_bytes(), 63_000);
+            drop(held);
+            assert_eq!(budget.used_bytes(), 0);
+        }
     }
 
     #[test]

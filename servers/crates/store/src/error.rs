@@ -287,6 +287,21 @@ pub enum CapacityLimit {
         /// The tier's capacity.
         capacity_bytes: u64,
     },
+    /// The tier has the bytes free, but they are held for other jobs' reservations here (each
+    /// job's reserved bytes it has not used), and the write is beyond the writing job's own
+    /// reservation (docs/ARCHITECTURE.md, "Bigger than DRAM").
+    Reserved {
+        /// The tier's capacity.
+        capacity_bytes: u64,
+        /// The part of it kept for records (0 for a record, which may use it).
+        reserve_bytes: u64,
+        /// The other jobs' unused reservations together.
+        reserved_for_others_bytes: u64,
+        /// What the writing job holds here.
+        job_used_bytes: u64,
+        /// The writing job's reservation here (0: none).
+        job_reserved_bytes: u64,
+    },
     /// The engine has the bytes free, but not in one extent: the largest free extent is this
     /// big (its free space is fragmented).
     Extent {
@@ -317,6 +332,19 @@ fn describe_full(requested: u64, available: u64, limit: &CapacityLimit) -> Strin
         CapacityLimit::Records { capacity_bytes } => format!(
             "tier is full, its reserve for records too: {requested} bytes requested, \
              {available} bytes free (capacity {capacity_bytes} bytes)"
+        ),
+        CapacityLimit::Reserved {
+            capacity_bytes,
+            reserve_bytes,
+            reserved_for_others_bytes,
+            job_used_bytes,
+            job_reserved_bytes,
+        } => format!(
+            "tier's free room is reserved for other jobs: {requested} bytes requested, \
+             {available} bytes free beyond the {reserved_for_others_bytes} bytes reserved for \
+             other jobs (capacity {capacity_bytes} bytes, of which {reserve_bytes} kept for \
+             records); this job holds {job_used_bytes} bytes of its reservation of \
+             {job_reserved_bytes} bytes here"
         ),
         CapacityLimit::Extent { largest_free_bytes } => format!(
             "tier has no free extent of {requested} bytes: {available} bytes free in pieces, \

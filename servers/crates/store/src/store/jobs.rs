@@ -22,7 +22,13 @@ impl Store {
         if !jobs.contains_key(job) && jobs.len() >= JOBS_MAX {
             return Err(StoreError::TooManyJobs { max: JOBS_MAX });
         }
-        let job_index = jobs.entry(job.to_string()).or_default();
+        let job_index = jobs.entry(job.to_string()).or_insert_with(|| {
+            // A job that holds a reservation here charges the account that holds it.
+            Arc::new(JobIndex {
+                account: self.shared.budget.reserved_account(job).unwrap_or_default(),
+                ..JobIndex::default()
+            })
+        });
         job_index.released.store(false, Ordering::Release);
         let mut buckets = job_index.buckets.write().expect("bucket map lock poisoned");
         if buckets.contains_key(bucket) {
@@ -37,6 +43,33 @@ impl Store {
         }
         buckets.insert(bucket.to_string(), BucketRef::default());
         Ok(())
+    }
+
+    /// Set `job`'s reservation on this server to `reserved_bytes` (what the control plane packed
+    /// here; 0 ends it): from now on the other jobs' charges keep the part of it the job has not
+    /// used free (see [`crate::capacity`]).
+    pub fn set_reservation(&self, job: &str, reserved_bytes: u64) {
+        // Under the job map's lock, so that a bucket created meanwhile charges the same account.
+        let jobs = self.shared.jobs.write().expect("job map lock poisoned");
+        let account = jobs.get(job).map(|j| &j.account);
+        self.shared
+            .budget
+            .set_reservation(job, reserved_bytes, account);
+    }
+
+    /// `job`'s reservation on this server and what it holds here, in bytes.
+    pub fn reservation(&self, job: &str) -> (u64, u64) {
+        let jobs = self.shared.jobs.read().expect("job map lock poisoned");
+        let account = jobs
+            .get(job)
+            .map(|j| Arc::clone(&j.account))
+            .or_else(|| self.shared.budget.reserved_account(job));
+        account.map_or((0, 0), |a| {
+            (
+                a.reserved_bytes.load(Ordering::Acquire),
+                a.used_bytes.load(Ordering::Acquire),
+            )
+        })
     }
 
     /// Delete a bucket with every record and data block in it (PERSIST ones too); returns the

@@ -44,10 +44,10 @@ def payload(seed: int) -> bytes:
     return random.Random(seed).randbytes(OBJECT_BYTES)
 
 
-def used(servers: ServerSet, job_id: str, info: ServerInfo) -> int:
+def used(servers: ServerSet, job_id: str, info: ServerInfo, field: str = "used_bytes") -> int:
     with servers.admin(info.address) as admin:
         stats = admin.stats()
-    return int(stats.get("jobs", {}).get(job_id, {}).get("used_bytes", 0))
+    return int(stats.get("jobs", {}).get(job_id, {}).get(field, 0))
 
 
 def job(servers: ServerSet, chosen: list[ServerInfo], reserved_bytes: int) -> JobHandle:
@@ -91,6 +91,8 @@ def test_a_job_beyond_its_reservation_leaves_another_its_whole_reservation(
         assert used(servers, a.job_id, nvme) > 4 * MiB
         # B then writes its whole reservation, all of it on DRAM.
         assert pb.put_many("x", list(b_written.items())) == len(b_written)
+        assert used(servers, b.job_id, dram, "reserved_bytes") == B_RESERVED_BYTES
+        assert used(servers, b.job_id, nvme, "reserved_bytes") == 0
         assert used(servers, b.job_id, nvme) == 0
         assert used(servers, b.job_id, dram) >= B_OBJECTS * OBJECT_BYTES
         # Nothing of either is lost.
@@ -133,6 +135,9 @@ def test_the_controller_tells_each_server_its_share_and_ending_a_job_releases_it
             pb.create_bucket("x")
             for i in range(B_OBJECTS):
                 pb.put("x", f"k/{i:03d}", payload(1000 + i))
+        jobs = built.admin.client(b.servers[0].address).stats()["jobs"]
+        assert jobs[b.job_id]["reserved_bytes"] == B_RESERVED_BYTES
+        assert jobs[a.job_id]["reserved_bytes"] == 0
         with built.lock:
             confirmed, unreachable = built.ends.end(b.job_id, ["rs-0"])
         assert unreachable == [], (confirmed, unreachable)

@@ -307,6 +307,7 @@ pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
                         used_bytes: u.used_bytes,
                         objects: u.objects,
                         channel_entries: u.channel_entries,
+                        reserved_bytes: u.reserved_bytes,
                     },
                 )
             })

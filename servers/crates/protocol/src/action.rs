@@ -768,6 +768,10 @@ pub struct JobUsageJson {
     /// records.
     #[serde(default)]
     pub channel_entries: u64,
+    /// The job's share of its reservation on the server (`set_epoch`'s `reserved_bytes`; 0:
+    /// none).
+    #[serde(default)]
+    pub reserved_bytes: u64,
 }
 
 /// `stats` result.

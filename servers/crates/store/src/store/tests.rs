@@ -158,6 +158,7 @@ async fn small_objects_round_trip(tier: Tier) {
             used_bytes: expected_used,
             objects: 2,
             channel_entries: 0,
+            reserved_bytes: 0,
         }
     );
     // A delete of another version leaves the record; of its own version removes it.

@@ -37,6 +37,8 @@ pub struct JobUsage {
     pub objects: u64,
     /// Channel entries of the job (see [`Usage::channel_entries`]).
     pub channel_entries: u64,
+    /// The job's share of its reservation on this server (0: none; see [`crate::capacity`]).
+    pub reserved_bytes: u64,
 }
 
 impl Store {
@@ -72,6 +74,7 @@ impl Store {
                     used_bytes: job.account.used_bytes.load(Ordering::Acquire),
                     objects: job.account.objects.load(Ordering::Acquire),
                     channel_entries: job.account.channel_entries.load(Ordering::Acquire),
+                    reserved_bytes: job.account.reserved_bytes.load(Ordering::Acquire),
                 };
                 (name.clone(), usage)
             })

@@ -35,7 +35,11 @@ What it does, in Pocket's terms:
   manage instead.
 - **One object per (mapper, reducer).** Mapper ``m`` writes ``r{r:05d}/m{m:05d}`` for every
   reducer ``r``, an empty object when it emitted nothing for ``r``, so a reducer always knows
-  exactly which ``M`` objects to read. Each is read once, with DELETE-on-read.
+  exactly which ``M`` objects to read. Each is read once, with DELETE-on-read. Where
+  ``input_size_bytes`` says partitions are larger than the job's block size, the tasks' clients
+  write with a block size that holds one (:func:`shuffle_block_bytes`, at most
+  ``SHUFFLE_BLOCK_MAX_BYTES``), unless ``client_options`` or the environment sets one: a
+  reducer reads an object of one data block with one READ that also claims it.
 - **Final outputs.** With ``persist_output`` the reducer's bytes are written with PERSIST to
   ``output_bucket`` and outlive the job; the driver gets :class:`OutputInfo` (key and size) and
   reads them with :func:`pocketflow.connect` and :attr:`ShuffleResult.handle_json`. Without it
@@ -108,6 +112,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pocketflow.config import ClientConfig
 from pocketflow.errors import (
     BucketExists,
     CapacityExhausted,
@@ -180,6 +185,10 @@ MARKERS_PREFIX = "done"
 """Lease prefix of the append layout's mapper markers (``done/m00003``)."""
 LAYOUTS = ("objects", "append")
 """Shuffle layouts: one object per (mapper, reducer), or one append file per reducer."""
+SHUFFLE_BLOCK_MAX_BYTES = 8 * 1024 * 1024
+"""Largest block size :func:`shuffle_block_bytes` gives a shuffle's clients."""
+SHUFFLE_BLOCK_SLACK = 1.25
+"""How much larger than the mean a partition may be and still be one block."""
 REDUCE_RETRIES_DEFAULT = 2
 """Default bound on how many times the driver submits one reducer again after its task failed."""
 MAP_RETRIES_DEFAULT = 2
@@ -296,6 +305,17 @@ def shuffle_hints(mappers: int, reducers: int, data_size_bytes: int | None) -> H
                  data_size_bytes=data_size_bytes)
 
 
+def shuffle_block_bytes(partition_bytes: int, job_block_bytes: int) -> int:
+    """The block size of a shuffle's clients whose partitions hold ``partition_bytes`` on
+    average: the job's, unless a partition (with ``SHUFFLE_BLOCK_SLACK`` for uneven ones) is
+    larger, then the MiB multiple that holds it, at most ``SHUFFLE_BLOCK_MAX_BYTES``. A reducer
+    reads an object of one data block with one READ that also claims it (DELETE-on-read); one of
+    several blocks costs it a record read, a block read per block and two claim actions."""
+    mib = 1024 * 1024
+    wanted = -(-int(partition_bytes * SHUFFLE_BLOCK_SLACK) // mib) * mib
+    return max(job_block_bytes, min(wanted, SHUFFLE_BLOCK_MAX_BYTES))
+
+
 def shuffle_data_bytes(input_size_bytes: int | None, *, persist_output: bool,
                        delete_inputs: bool, output_size_bytes: int | None = None) -> int | None:
     """The most bytes a shuffle holds at once, from ``input_size_bytes`` (what its mappers
@@ -353,6 +373,14 @@ def _run_stages(
     started = time.perf_counter()
     started_unix_s = time.time()
     options = dict(client_options or {})
+    # Each (mapper, reducer) object of one data block where the input size says how large
+    # they are, unless the caller chose the block size.
+    if (layout == "objects" and input_size_bytes is not None
+            and "block_size_bytes" not in ClientConfig.resolve(**options).explicit):
+        block_bytes = shuffle_block_bytes(input_size_bytes // (len(map_inputs) * reducers),
+                                          job.handle.block_size_bytes)
+        if block_bytes != job.handle.block_size_bytes:
+            options["block_size_bytes"] = block_bytes
     with job.connect(**options) as pf:
         for bucket in (SHUFFLE_BUCKET, output_bucket) if persist_output else (SHUFFLE_BUCKET,):
             try:

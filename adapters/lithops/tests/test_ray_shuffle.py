@@ -23,7 +23,7 @@ import pytest
 import ray
 import ray.cloudpickle
 from fixtures_cluster import used_bytes, wait_for
-from pocketflow_lithops.shuffle import shuffle
+from pocketflow_lithops.shuffle import SHUFFLE_BLOCK_MAX_BYTES, shuffle, shuffle_block_bytes
 from pocketflow_lithops.shuffle_executors import RayShuffleExecutor, shuffle_executor
 from pocketflow_lithops.shuffle_tasks import data_on_nvme, shuffle_key
 
@@ -626,3 +626,65 @@ def test_the_ray_shuffle_imports_no_lithops() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=60, check=True).stdout.strip()
     assert out == "[]", out
+
+
+def test_partitions_larger_than_a_block_are_shuffled_as_one_block_each(
+    local_cluster: LocalCluster,
+) -> None:
+    # 4 x 4 partitions of about 1.5 MB: two data blocks each at the job's 1 MiB, one at the
+    # block size the shuffle picks from its input size (2 MiB). A reducer reads an object of
+    # one block with one direct READ that claims it; one of two blocks costs it a record read,
+    # block reads and two claim actions (``delete``, ``delete_blocks``), as the servers count.
+    baseline = used_bytes(local_cluster)
+    config = SortConfig(mappers=4, reducers=4, records=240_000, seed=13, processes=2)
+    served: dict[str, dict[tuple[str, str], float]] = {}
+    for side, options in (("picked", None), ("job's", {"block_size_bytes": 1024 * 1024})):
+        before = _requests_by_op(local_cluster)
+        result = shuffle(RayShuffleExecutor(tasks_max=2), functools.partial(map_records, config),
+                         reduce_records, range(config.mappers), reducers=config.reducers,
+                         cluster=local_cluster, input_size_bytes=config.input_bytes,
+                         persist_output=True, client_options=options,
+                         timeout_s=SHUFFLE_TIMEOUT_S)
+        after = _requests_by_op(local_cluster)
+        served[side] = {op: n - before.get(op, 0.0) for op, n in after.items()}
+        block_bytes = JobHandle.from_json(result.handle_json).block_size_bytes
+        assert block_bytes == (2 if side == "picked" else 1) * 1024 * 1024, (side, block_bytes)
+        with pocketflow.connect(result.handle_json) as pf:
+            checks = [describe_partition(r, pf.get(o.bucket, o.key, delete=True))
+                      for r, o in enumerate(result.outputs)]
+        input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
+        assert check_output(config, input_checksum=input_checksum, checks=checks) == [], side
+    shuffle_objects = config.mappers * config.reducers
+    claims = ("do_action", "delete_blocks")
+    assert served["job's"].get(claims, 0) >= shuffle_objects, served["job's"]
+    assert served["picked"].get(claims, 0) == 0, served["picked"]
+    assert served["picked"].get(("direct_read", "get"), 0) >= shuffle_objects, served["picked"]
+    # Inputs consumed, outputs read with DELETE, both jobs deregistered: nothing left.
+    assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)
+
+
+def _requests_by_op(cluster: LocalCluster) -> dict[tuple[str, str], float]:
+    """``(rpc, op) -> requests served so far`` by every server, from its Prometheus metrics."""
+    import urllib.request
+
+    counts: dict[tuple[str, str], float] = {}
+    for server in cluster.servers:
+        assert server.metrics_url is not None, server
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as page:
+            for line in page.read().decode().splitlines():
+                if not line.startswith("pocketflow_requests_total{"):
+                    continue
+                labels, value = line.rsplit(" ", 1)
+                found = dict(part.split("=", 1) for part in
+                             labels[labels.index("{") + 1:labels.rindex("}")].split(","))
+                key = (found["rpc"].strip('"'), found["op"].strip('"'))
+                counts[key] = counts.get(key, 0.0) + float(value)
+    return counts
+
+
+def test_the_shuffle_block_size_holds_a_partition_within_its_bounds() -> None:
+    mib = 1024 * 1024
+    assert shuffle_block_bytes(200 * 1024, mib) == mib  # one block already: the job's
+    assert shuffle_block_bytes(2_400_000, mib) == 3 * mib  # 1.25 x 2.4 MB, MiB multiple
+    assert shuffle_block_bytes(100 * mib, mib) == SHUFFLE_BLOCK_MAX_BYTES  # bounded
+    assert shuffle_block_bytes(200 * 1024, 4 * mib) == 4 * mib  # never below the job's

@@ -182,6 +182,98 @@ def test_views_of_hits_share_one_buffer_with_huge_pages(cache_spec: CacheSpec, s
         assert cache.stats.revalidated == len(keys) - 1
 
 
+def _slot_locked(path: str) -> bool:
+    """Whether some process holds the pool slot ``path`` (a non-blocking flock fails)."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also releases a lock this check took
+    return False
+
+
+def _slot_of(view: memoryview) -> str | None:
+    region = view.obj
+    fd = getattr(region, "_lock_fd", -1)
+    return os.readlink(f"/proc/self/fd/{fd}") if fd >= 0 else None
+
+
+def test_views_go_into_pooled_slots_held_while_their_views_live(
+        cache_spec: CacheSpec, s3: Any, s3_bucket: str, tmp_path: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``get_views`` rounds go into slots of the host's shared-memory pool: a slot stays locked
+    while any view of it lives (a second reader meanwhile gets another), is free again once
+    they are dropped, and with every slot held a round falls back to a private mapping, the
+    same bytes each way."""
+    pool = tmp_path / "pool"
+    monkeypatch.setenv(cache_client.ARENA_POOL_ENV, str(pool))
+    keys = [f"p/{i}" for i in range(4)]
+    expected = [key.encode() * ((1 << 20) // len(key)) for key in keys]
+    for key, body in zip(keys, expected, strict=True):
+        s3.put_object(Bucket=s3_bucket, Key=key, Body=body)
+    with _cache(cache_spec, lease_ms=60_000) as cache:
+        cache.get_many(s3_bucket, keys)
+        cache.flush()  # cached: the views below are hits, read into one buffer
+        first = cache.get_views(s3_bucket, keys)
+        slot = _slot_of(first[0])
+        assert slot is not None and slot.startswith(str(pool))
+        assert [bytes(v) for v in first] == expected
+        assert _slot_locked(slot)
+        second = cache.get_views(s3_bucket, keys)
+        assert _slot_of(second[0]) not in (None, slot)
+        assert [bytes(v) for v in second] == expected
+        del first
+        assert not _slot_locked(slot)
+        held = [cache_client._arena(4 << 20) for _ in range(cache_client.ARENA_POOL_SLOTS - 1)]
+        assert all(isinstance(h, cache_client._Slot) for h in held)
+        private = cache.get_views(s3_bucket, keys)  # every slot held: a private mapping
+        assert _slot_of(private[0]) is None
+        assert [bytes(v) for v in private] == expected
+        del held, second, private
+    assert len(list(pool.iterdir())) == cache_client.ARENA_POOL_SLOTS
+    monkeypatch.setenv(cache_client.ARENA_POOL_ENV, "0")
+    assert cache_client._arena(4 << 20).__class__ is not cache_client._Slot
+
+
+SLOT_TASK = """
+import os, sys, time
+from pocketflow.cache import connect
+spec, bucket, key = sys.stdin.read().split("\\n")
+c = connect(spec)
+views = c.get_views(bucket, [key])
+print(os.readlink(f"/proc/self/fd/{views[0].obj._lock_fd}"), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_reader_killed_holding_a_slot_frees_it(
+        cache_spec: CacheSpec, s3: Any, s3_bucket: str, tmp_path: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader SIGKILLed while its views hold a pool slot leaves the slot free (its lock goes
+    with its process), so the pool does not shrink by the readers that died."""
+    pool = tmp_path / "pool"
+    monkeypatch.setenv(cache_client.ARENA_POOL_ENV, str(pool))
+    s3.put_object(Bucket=s3_bucket, Key="k", Body=b"x" * (3 << 20))
+    with _cache(cache_spec, lease_ms=60_000) as cache:
+        cache.get(s3_bucket, "k")
+        cache.flush()
+    proc = _spawn(SLOT_TASK, f"{cache_spec.to_json()}\n{s3_bucket}\nk")
+    try:
+        assert proc.stdout is not None
+        slot = proc.stdout.readline().strip()
+        assert slot.startswith(str(pool)), proc.stderr.read() if proc.stderr else slot
+        assert _slot_locked(slot)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=PROCESS_TIMEOUT_S)
+    assert proc.returncode == -signal.SIGKILL
+    assert not _slot_locked(slot)
+
+
 def test_revalidation_after_the_lease(cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
     s3.put_object(Bucket=s3_bucket, Key="k", Body=b"v1")
     with _cache(cache_spec, lease_ms=400) as cache:

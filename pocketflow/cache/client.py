@@ -1599,12 +1599,111 @@ ARENA_HUGE_FROM_BYTES = 2 * 1024 * 1024
 transparent huge page's); below it in a ``bytearray``."""
 
 
+ARENA_POOL_SLOTS = 4
+"""Shared-memory buffers a host keeps for ``get_views`` rounds (:func:`_pooled_arena`): one per
+reader at once, so 2 Lithops workers' calls and a margin."""
+ARENA_POOL_SLOT_BYTES_MAX = 128 * 1024 * 1024
+"""Largest round a pool slot takes (a larger one gets a private mapping); with
+``ARENA_POOL_SLOTS`` the most memory the pool keeps in ``/dev/shm`` (512 MiB)."""
+ARENA_POOL_ENV = "POCKETFLOW_CACHE_ARENA_POOL"
+"""``0``: read every round into a private mapping (no pool); an absolute path: the pool's
+directory (default ``/dev/shm/pocketflow-arenas-<uid>``)."""
+
+
+class _Slot(mmap.mmap):
+    """A pool slot's mapping; its file stays locked, for this process, while the mapping (and
+    so any view of it) lives."""
+
+    _lock_fd = -1
+
+    def __del__(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock: the next reader may take the slot
+            self._lock_fd = -1
+
+
+def _arena_pool_dir() -> str | None:
+    """This user's pool directory (``ARENA_POOL_ENV``; made ``0700``), or None where there is
+    none or it is not this user's alone."""
+    setting = os.environ.get(ARENA_POOL_ENV, "")
+    if setting == "0":
+        return None
+    if setting.startswith("/"):
+        path = setting
+    elif os.path.isdir("/dev/shm"):
+        path = f"/dev/shm/pocketflow-arenas-{os.getuid()}"
+    else:
+        return None
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    import stat
+
+    if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()
+            or info.st_mode & 0o077):
+        return None
+    return path
+
+
+def _pooled_arena(size: int) -> mmap.mmap | None:
+    """A buffer of ``size`` bytes in a shared-memory slot of this host's pool, or None (no slot
+    free, no pool, no room in ``/dev/shm``). The slots are files in ``/dev/shm`` that outlive
+    the processes reading into them, each locked (``flock``) by the one using it: their pages
+    stay allocated and mapped by the host, so a fresh process (Lithops forks one per call)
+    neither zeroes new pages nor, in a VM that hands free memory back to its host (free page
+    reporting, as this machine's Firecracker guest does), faults them in from the host, which
+    cost 150-200 ms of kernel time per 64 MiB. Mapped with ``MAP_POPULATE``: its page tables
+    filled in one call, not by a fault per page."""
+    if size > ARENA_POOL_SLOT_BYTES_MAX:
+        return None
+    directory = _arena_pool_dir()
+    if directory is None:
+        return None
+    import fcntl
+
+    for slot in range(ARENA_POOL_SLOTS):
+        try:
+            fd = os.open(f"{directory}/slot-{slot}",
+                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        try:
+            if os.fstat(fd).st_size < size:
+                # Its pages allocated now (ENOSPC if /dev/shm is full), not at a write into
+                # the mapping, where a full tmpfs would kill the reader with SIGBUS.
+                os.posix_fallocate(fd, 0, size)
+            region = _Slot(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except (OSError, ValueError) as exc:
+            os.close(fd)
+            log.debug("arena pool slot %d unusable: %s", slot, exc)
+            return None
+        region._lock_fd = fd
+        return region
+    return None
+
+
 def _arena(size: int) -> Any:
     """A writable buffer of ``size`` bytes for a round's entries: from
-    ``ARENA_HUGE_FROM_BYTES`` on an anonymous private mapping advised to use huge pages (where
-    the kernel has them off it works as 4 KiB pages)."""
+    ``ARENA_HUGE_FROM_BYTES`` on a slot of the host's pool (:func:`_pooled_arena`) when one is
+    free, else an anonymous private mapping advised to use huge pages (where the kernel has
+    them off it works as 4 KiB pages)."""
     if size < ARENA_HUGE_FROM_BYTES:
         return bytearray(size)
+    pooled = _pooled_arena(size)
+    if pooled is not None:
+        return pooled
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         region.madvise(mmap.MADV_HUGEPAGE)

@@ -75,7 +75,7 @@ def test_the_sort_benchmark_runs_every_variant_at_a_tiny_size(
         groups = by_variant[variant].process_cpu["all"]
         assert groups["driver"]["user_s"] + groups["driver"]["system_s"] > 0, variant
         # The servers' user and system times count in 10 ms ticks, which a tiny sort's few ms
-        # of server work (one-block shuffle objects) can round to 0; main_cpu_s is in ns.
+        # of server work can round to 0; main_cpu_s is in ns.
         assert sum(g["user_s"] + g["system_s"] + g["main_cpu_s"] for name, g in groups.items()
                    if name.endswith(" servers")) > 0, (variant, groups)
     assert by_variant["pocketflow-ray"].process_cpu["all"]["task workers"]["main_cpu_s"] > 0

@@ -112,11 +112,13 @@ pub(crate) async fn run(
             let req = SetEpochRequest::parse(body)?;
             let reserved_bytes = req.reserved_bytes(&state.node_id)?;
             state.auth.set_epoch(&req.job, req.epoch, req.map_json()?)?;
-            state.store.set_reservation(&req.job, reserved_bytes);
+            state
+                .store
+                .set_reservation(&req.job, req.epoch, reserved_bytes);
             // A job ended meanwhile (`delete_job` released its reservation before this set it
             // again) holds none: its end is final here.
             if state.auth.check_may_write(&req.job).is_err() {
-                state.store.set_reservation(&req.job, 0);
+                state.store.end_reservation(&req.job);
             }
             Ok(json(&serde_json::json!({})))
         }
@@ -250,7 +252,7 @@ fn delete_job(state: &ServiceState, body: &[u8]) -> Result<Bytes, ServiceError> 
         check_job_id(&target)?;
         state.auth.end(&target);
         // The job's reservation here is released with its end.
-        state.store.set_reservation(&target, 0);
+        state.store.end_reservation(&target);
         target
     } else {
         match req.job {

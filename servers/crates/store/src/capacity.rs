@@ -41,6 +41,10 @@ pub const RECORD_RESERVE_DIVISOR: u64 = 64;
 /// ... and at most this many bytes.
 pub const RECORD_RESERVE_MAX_BYTES: u64 = 64 * 1024 * 1024;
 
+/// The most jobs whose reservation's epoch the budget remembers (as many as the epoch table of
+/// the service holds); beyond it a new job's reservation is set without its epoch remembered.
+pub const RESERVATION_EPOCHS_MAX: usize = 65_536;
+
 /// What a charge pays for, which decides how much of the budget it may use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ChargeKind {
@@ -57,12 +61,59 @@ pub(crate) struct Budget {
     /// The records' reserve (see the module doc).
     reserve_bytes: u64,
     used_bytes: AtomicU64,
-    /// The jobs holding a reservation here (each with `reserved_bytes` above 0), by job id.
-    reservations: Mutex<HashMap<String, Arc<JobAccount>>>,
-    /// `reservations.len()`, read without the lock to take the fast path.
+    reservations: Mutex<Reservations>,
+    /// `reservations.held.len()`, read without the lock to take the fast path.
     reserving_jobs: AtomicUsize,
+    /// Odd while `set_reservation` changes the reservations, bumped before and after, so that a
+    /// lock-free charge can tell whether they changed between its check and its bytes being
+    /// taken (see [`Budget::charge`]).
+    reservations_version: AtomicU64,
     /// Serializes the charges that other jobs' reservations bound (see [`Budget::charge`]).
     admission: Mutex<()>,
+    /// A test's step inside a charge's lock-free check.
+    #[cfg(test)]
+    hook: TestHook,
+}
+
+/// A step a test runs once inside the next charge, between its reading of the number of jobs
+/// holding a reservation and of its own reservation.
+#[cfg(test)]
+#[derive(Default)]
+struct TestHook(Mutex<Option<TestStep>>);
+
+#[cfg(test)]
+type TestStep = Box<dyn FnOnce(&Budget) + Send>;
+
+#[cfg(test)]
+impl TestHook {
+    fn set(&self, step: impl FnOnce(&Budget) + Send + 'static) {
+        *self.0.lock().expect("hook lock poisoned") = Some(Box::new(step));
+    }
+
+    fn run(&self, budget: &Budget) {
+        let step = self.0.lock().expect("hook lock poisoned").take();
+        if let Some(step) = step {
+            step(budget);
+        }
+    }
+}
+
+#[cfg(test)]
+impl std::fmt::Debug for TestHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TestHook")
+    }
+}
+
+/// The reservations held here, under [`Budget`]'s lock.
+#[derive(Debug, Default)]
+struct Reservations {
+    /// The jobs holding a reservation here (each with `reserved_bytes` above 0), by job id.
+    held: HashMap<String, Arc<JobAccount>>,
+    /// The epoch of the map that last set each job's reservation (0 bytes too), by job id, so
+    /// that a late retry of an older epoch's map cannot replace a newer one's; forgotten at the
+    /// job's end. At most [`RESERVATION_EPOCHS_MAX`] jobs.
+    epochs: HashMap<String, u64>,
 }
 
 /// Usage counters of one job; updated by charges and by the index.
@@ -94,18 +145,23 @@ impl Budget {
             capacity_bytes,
             reserve_bytes: (capacity_bytes / RECORD_RESERVE_DIVISOR).min(RECORD_RESERVE_MAX_BYTES),
             used_bytes: AtomicU64::new(0),
-            reservations: Mutex::new(HashMap::new()),
+            reservations: Mutex::new(Reservations::default()),
             reserving_jobs: AtomicUsize::new(0),
+            reservations_version: AtomicU64::new(0),
             admission: Mutex::new(()),
+            #[cfg(test)]
+            hook: TestHook::default(),
         })
     }
 
-    /// Set `job`'s reservation here to `reserved_bytes` (0 ends it); `account` is the job's
-    /// account if the job has one already. Returns the account the reservation is held by,
-    /// which the job's entries must charge from now on.
+    /// Set `job`'s reservation here to `reserved_bytes` (0: none; at most the capacity, more
+    /// counts as the capacity), as the map of `epoch` names it, unless a map of a later epoch
+    /// set it already; `account` is the job's account if the job has one already. Returns the
+    /// account the reservation is held by, which the job's entries must charge from now on.
     pub fn set_reservation(
         &self,
         job: &str,
+        epoch: u64,
         reserved_bytes: u64,
         account: Option<&Arc<JobAccount>>,
     ) -> Arc<JobAccount> {
@@ -113,19 +169,69 @@ impl Budget {
             .reservations
             .lock()
             .expect("reservations lock poisoned");
-        let held = match (account, reservations.get(job)) {
+        let known = reservations.epochs.len() < RESERVATION_EPOCHS_MAX
+            || reservations.epochs.contains_key(job);
+        match reservations.epochs.get_mut(job) {
+            Some(latest) if epoch < *latest => {
+                return Self::account_of(&reservations, job, account);
+            }
+            Some(latest) => *latest = epoch,
+            None if known => {
+                reservations.epochs.insert(job.to_string(), epoch);
+            }
+            None => {}
+        }
+        self.apply_reservation(
+            &mut reservations,
+            job,
+            reserved_bytes.min(self.capacity_bytes),
+            account,
+        )
+    }
+
+    /// End `job`'s reservation here (its end): no share, and its epoch forgotten.
+    pub fn end_reservation(&self, job: &str, account: Option<&Arc<JobAccount>>) {
+        let mut reservations = self
+            .reservations
+            .lock()
+            .expect("reservations lock poisoned");
+        reservations.epochs.remove(job);
+        self.apply_reservation(&mut reservations, job, 0, account);
+    }
+
+    /// The account `job`'s reservation is or would be held by.
+    fn account_of(
+        reservations: &Reservations,
+        job: &str,
+        account: Option<&Arc<JobAccount>>,
+    ) -> Arc<JobAccount> {
+        match (account, reservations.held.get(job)) {
             (Some(account), _) => Arc::clone(account),
             (None, Some(held)) => Arc::clone(held),
             (None, None) => Arc::new(JobAccount::default()),
-        };
-        held.reserved_bytes.store(reserved_bytes, Ordering::Release);
+        }
+    }
+
+    /// Set `job`'s reservation to `reserved_bytes` under the lock, between two bumps of
+    /// `reservations_version`.
+    fn apply_reservation(
+        &self,
+        reservations: &mut Reservations,
+        job: &str,
+        reserved_bytes: u64,
+        account: Option<&Arc<JobAccount>>,
+    ) -> Arc<JobAccount> {
+        let held = Self::account_of(reservations, job, account);
+        self.reservations_version.fetch_add(1, Ordering::SeqCst);
+        held.reserved_bytes.store(reserved_bytes, Ordering::SeqCst);
         if reserved_bytes == 0 {
-            reservations.remove(job);
+            reservations.held.remove(job);
         } else {
-            reservations.insert(job.to_string(), Arc::clone(&held));
+            reservations.held.insert(job.to_string(), Arc::clone(&held));
         }
         self.reserving_jobs
-            .store(reservations.len(), Ordering::Release);
+            .store(reservations.held.len(), Ordering::SeqCst);
+        self.reservations_version.fetch_add(1, Ordering::SeqCst);
         held
     }
 
@@ -134,15 +240,18 @@ impl Budget {
         self.reservations
             .lock()
             .expect("reservations lock poisoned")
+            .held
             .get(job)
             .cloned()
     }
 
-    /// The unused reservations (reserved less used, at least 0) of every job but `job`.
+    /// The unused reservations (reserved less used, at least 0) of every job but `job`, at
+    /// most `u64::MAX`.
     fn reserved_for_others_bytes(&self, job: &Arc<JobAccount>) -> u64 {
         self.reservations
             .lock()
             .expect("reservations lock poisoned")
+            .held
             .values()
             .filter(|held| !Arc::ptr_eq(held, job))
             .map(|held| {
@@ -150,7 +259,7 @@ impl Budget {
                     .load(Ordering::Acquire)
                     .saturating_sub(held.used_bytes.load(Ordering::Acquire))
             })
-            .sum()
+            .fold(0, u64::saturating_add)
     }
 
     pub fn capacity_bytes(&self) -> u64 {
@@ -173,7 +282,8 @@ impl Budget {
     /// hit, and charge nothing.
     ///
     /// While no other job holds a reservation here, only the tier's limit bounds the charge (no
-    /// lock). Otherwise the charge also keeps the other jobs' unused reservations free (unless
+    /// lock; if the reservations changed between that check and the bytes being taken, the
+    /// charge is undone and taken as below). Otherwise the charge also keeps the other jobs' unused reservations free (unless
     /// `job` stays within its own), decided under `admission`, so that two such charges cannot
     /// both take the same free bytes. The other jobs' usage is read inside the budget's
     /// compare-and-swap, and a charge is released from its job before the budget
@@ -184,16 +294,22 @@ impl Budget {
         bytes: u64,
         kind: ChargeKind,
     ) -> Result<Charge, StoreError> {
-        let reserving = self.reserving_jobs.load(Ordering::Acquire);
-        let alone =
-            reserving == 0 || (reserving == 1 && job.reserved_bytes.load(Ordering::Acquire) > 0);
+        // A seqlock read: the version is even and the same after the bytes are taken only if no
+        // reservation changed in between, so the check held when they were taken.
+        let version = self.reservations_version.load(Ordering::SeqCst);
+        let reserving = self.reserving_jobs.load(Ordering::SeqCst);
+        #[cfg(test)]
+        self.hook.run(self);
+        let alone = version % 2 == 0
+            && (reserving == 0
+                || (reserving == 1 && job.reserved_bytes.load(Ordering::SeqCst) > 0));
         if !alone {
             return self.charge_beside_reservations(job, bytes, kind);
         }
         let limit = self.limit_bytes(kind);
         let reserved = self
             .used_bytes
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |used| {
                 used.checked_add(bytes).filter(|&total| total <= limit)
             });
         if let Err(used) = reserved {
@@ -202,6 +318,10 @@ impl Budget {
                 available: limit.saturating_sub(used),
                 limit: self.tier_limit(kind),
             });
+        }
+        if self.reservations_version.load(Ordering::SeqCst) != version {
+            self.used_bytes.fetch_sub(bytes, Ordering::SeqCst);
+            return self.charge_beside_reservations(job, bytes, kind);
         }
         Ok(self.charged(job, bytes))
     }
@@ -365,8 +485,8 @@ mod tests {
     fn a_job_beyond_its_reservation_leaves_the_others_unused_reservations_free() {
         // Data may use 6,300 bytes; job B reserves 2,000 of them, job A 1,000.
         let budget = Budget::new(6_400);
-        let a = budget.set_reservation("a", 1_000, None);
-        let b = budget.set_reservation("b", 2_000, None);
+        let a = budget.set_reservation("a", 1, 1_000, None);
+        let b = budget.set_reservation("b", 1, 2_000, None);
         let a_within = budget.charge(&a, 1_000, ChargeKind::Data).unwrap();
         let a_beyond = budget.charge(&a, 3_300, ChargeKind::Data).unwrap();
         // 2,000 bytes are free, all of them B's.
@@ -405,7 +525,7 @@ mod tests {
         let (_, available, _) =
             reserved_limit(budget.charge(&a, 500, ChargeKind::Data).unwrap_err());
         assert_eq!(available, 0);
-        budget.set_reservation("b", 0, Some(&b));
+        budget.set_reservation("b", 1, 0, Some(&b));
         let a_more = budget.charge(&a, 500, ChargeKind::Data).unwrap();
         assert_eq!(
             (
@@ -422,7 +542,7 @@ mod tests {
     #[test]
     fn a_job_alone_is_bounded_by_the_tier_only() {
         let budget = Budget::new(6_400);
-        let a = budget.set_reservation("a", 1_000, None);
+        let a = budget.set_reservation("a", 1, 1_000, None);
         let other = Arc::new(JobAccount::default());
         let whole = budget.charge(&a, 6_300, ChargeKind::Data).unwrap();
         assert!(matches!(
@@ -455,7 +575,7 @@ mod tests {
     #[test]
     fn records_may_use_the_reserve_but_not_the_others_reservations() {
         let budget = Budget::new(6_400);
-        let b = budget.set_reservation("b", 2_000, None);
+        let b = budget.set_reservation("b", 1, 2_000, None);
         let a = Arc::new(JobAccount::default());
         let data = budget.charge(&a, 4_300, ChargeKind::Data).unwrap();
         assert!(budget.charge(&a, 1, ChargeKind::Data).is_err());
@@ -487,8 +607,8 @@ mod tests {
         use std::sync::Barrier;
         for _ in 0..50 {
             let budget = Budget::new(64_000);
-            let b = budget.set_reservation("b", 20_000, None);
-            let a = budget.set_reservation("a", 1_000, None);
+            let b = budget.set_reservation("b", 1, 20_000, None);
+            let a = budget.set_reservation("a", 1, 1_000, None);
             let barrier = Arc::new(Barrier::new(4));
             // Two writers of A charge 100-byte pieces until refused; two of B charge 100 pieces
             // each, B's whole reservation, all of which must be admitted.
@@ -523,6 +643,138 @@ mod tests {
             drop(held);
             assert_eq!(budget.used_bytes(), 0);
         }
+    }
+
+    #[test]
+    fn a_reservation_set_during_a_lock_free_charge_bounds_it() {
+        // Data may use 6,300 bytes. A alone holds a reservation (1,000) and 5,000 bytes; B's
+        // reservation of 2,000 arrives while A's charge of 1,000 is past its lock-free check.
+        let budget = Budget::new(6_400);
+        let a = budget.set_reservation("a", 1, 1_000, None);
+        let _held = budget.charge(&a, 5_000, ChargeKind::Data).unwrap();
+        budget.hook.set(|budget| {
+            budget.set_reservation("b", 1, 2_000, None);
+        });
+        let (_, available, limit) =
+            reserved_limit(budget.charge(&a, 1_000, ChargeKind::Data).unwrap_err());
+        assert!(matches!(
+            limit,
+            CapacityLimit::Reserved {
+                reserved_for_others_bytes: 2_000,
+                ..
+            }
+        ));
+        assert_eq!((available, budget.used_bytes()), (0, 5_000));
+
+        // B alone holds a reservation (2,000); A holds 4,000 bytes and gets its own reservation
+        // while its charge is between reading that one job holds one and reading its own.
+        let budget = Budget::new(6_400);
+        budget.set_reservation("b", 1, 2_000, None);
+        let a = Arc::new(JobAccount::default());
+        let _held = budget.charge(&a, 4_000, ChargeKind::Data).unwrap();
+        let account = Arc::clone(&a);
+        budget.hook.set(move |budget| {
+            budget.set_reservation("a", 1, 1_000, Some(&account));
+        });
+        let (_, available, limit) =
+            reserved_limit(budget.charge(&a, 1_000, ChargeKind::Data).unwrap_err());
+        assert!(matches!(
+            limit,
+            CapacityLimit::Reserved {
+                reserved_for_others_bytes: 2_000,
+                job_reserved_bytes: 1_000,
+                ..
+            }
+        ));
+        assert_eq!((available, budget.used_bytes()), (300, 4_000));
+        // Within the room B leaves free, the same charge is admitted.
+        budget.charge(&a, 300, ChargeKind::Data).unwrap();
+    }
+
+    #[test]
+    fn charges_racing_a_reservation_being_set_leave_it_free() {
+        use std::sync::atomic::AtomicBool;
+        // A alone holds a reservation; two writers of A charge 100-byte pieces while B's
+        // reservation of 20,000 is set. Once set, A may only fill the room B leaves free: the
+        // writers end at 63,000 - 20,000 unless they had passed that before B's arrived.
+        for _ in 0..200 {
+            let budget = Budget::new(64_000);
+            let a = budget.set_reservation("a", 1, 1_000, None);
+            let stop = Arc::new(AtomicBool::new(false));
+            let writers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (a, budget, stop) =
+                        (Arc::clone(&a), Arc::clone(&budget), Arc::clone(&stop));
+                    std::thread::spawn(move || {
+                        let mut held = Vec::new();
+                        while !stop.load(Ordering::SeqCst) {
+                            if let Ok(charge) = budget.charge(&a, 100, ChargeKind::Data) {
+                                held.push(charge);
+                            }
+                        }
+                        held
+                    })
+                })
+                .collect();
+            while budget.used_bytes() < 40_000 {
+                std::hint::spin_loop();
+            }
+            budget.set_reservation("b", 1, 20_000, None);
+            let used_when_set = budget.used_bytes();
+            stop.store(true, Ordering::SeqCst);
+            let held: Vec<Vec<Charge>> = writers.into_iter().map(|w| w.join().unwrap()).collect();
+            assert!(
+                budget.used_bytes() <= used_when_set.max(63_000 - 20_000),
+                "A took {} bytes, {} when B's reservation was set",
+                budget.used_bytes(),
+                used_when_set
+            );
+            drop(held);
+        }
+    }
+
+    #[test]
+    fn an_older_epochs_reservation_never_replaces_a_newer_ones() {
+        let budget = Budget::new(6_400);
+        let a = budget.set_reservation("a", 5, 1_000, None);
+        // A retry of epoch 4's map arrives after epoch 5's.
+        budget.set_reservation("a", 4, 3_000, Some(&a));
+        assert_eq!(a.reserved_bytes.load(Ordering::Relaxed), 1_000);
+        // Epoch 6 moves the reservation away; epoch 5's retry does not bring it back.
+        budget.set_reservation("a", 6, 0, Some(&a));
+        budget.set_reservation("a", 5, 1_000, Some(&a));
+        assert_eq!(a.reserved_bytes.load(Ordering::Relaxed), 0);
+        assert!(budget.reserved_account("a").is_none());
+        // The same epoch again (a retry) applies; after the job's end any epoch does.
+        budget.set_reservation("a", 6, 500, Some(&a));
+        assert_eq!(a.reserved_bytes.load(Ordering::Relaxed), 500);
+        budget.end_reservation("a", Some(&a));
+        assert_eq!(a.reserved_bytes.load(Ordering::Relaxed), 0);
+        budget.set_reservation("a", 1, 700, Some(&a));
+        assert_eq!(a.reserved_bytes.load(Ordering::Relaxed), 700);
+    }
+
+    #[test]
+    fn huge_reservations_count_as_the_capacity() {
+        // Two jobs' reservations of u64::MAX bytes: each counts as the capacity (6,400), and
+        // their sum does not overflow.
+        let budget = Budget::new(6_400);
+        let b = budget.set_reservation("b", 1, u64::MAX, None);
+        budget.set_reservation("c", 1, u64::MAX, None);
+        assert_eq!(b.reserved_bytes.load(Ordering::Relaxed), 6_400);
+        let d = Arc::new(JobAccount::default());
+        let (_, available, limit) =
+            reserved_limit(budget.charge(&d, 1, ChargeKind::Data).unwrap_err());
+        assert!(matches!(
+            limit,
+            CapacityLimit::Reserved {
+                reserved_for_others_bytes: 12_800,
+                ..
+            }
+        ));
+        assert_eq!(available, 0);
+        // B itself stays within its reservation up to the tier's limit.
+        budget.charge(&b, 6_300, ChargeKind::Data).unwrap();
     }
 
     #[test]

@@ -46,15 +46,23 @@ impl Store {
     }
 
     /// Set `job`'s reservation on this server to `reserved_bytes` (what the control plane packed
-    /// here; 0 ends it): from now on the other jobs' charges keep the part of it the job has not
-    /// used free (see [`crate::capacity`]).
-    pub fn set_reservation(&self, job: &str, reserved_bytes: u64) {
+    /// here in the map of `epoch`; 0: none), unless a map of a later epoch set it already: from
+    /// now on the other jobs' charges keep the part of it the job has not used free (see
+    /// [`crate::capacity`]).
+    pub fn set_reservation(&self, job: &str, epoch: u64, reserved_bytes: u64) {
         // Under the job map's lock, so that a bucket created meanwhile charges the same account.
         let jobs = self.shared.jobs.write().expect("job map lock poisoned");
         let account = jobs.get(job).map(|j| &j.account);
         self.shared
             .budget
-            .set_reservation(job, reserved_bytes, account);
+            .set_reservation(job, epoch, reserved_bytes, account);
+    }
+
+    /// End `job`'s reservation on this server (the job's end): no share, whatever epoch set it.
+    pub fn end_reservation(&self, job: &str) {
+        let jobs = self.shared.jobs.write().expect("job map lock poisoned");
+        let account = jobs.get(job).map(|j| &j.account);
+        self.shared.budget.end_reservation(job, account);
     }
 
     /// `job`'s reservation on this server and what it holds here, in bytes.

@@ -272,11 +272,23 @@ class LocalCluster:
             if leftover:
                 log.error("storage servers survived SIGKILL: %s", [r.pid for r in leftover])
             self._stop_ray()
+            self._free_arena_pool()
         finally:
             if self._work_dir is not None:
                 shutil.rmtree(self._work_dir, ignore_errors=True)
             with self._lock:
                 self._state = "stopped"
+
+    @staticmethod
+    def _free_arena_pool() -> None:
+        """Remove the free slots of the host's cache read pool (the tasks' processes that held
+        them are gone by now; a slot another live process holds is left)."""
+        try:
+            from pocketflow.cache.client import free_arena_pool
+
+            free_arena_pool()
+        except Exception as exc:  # best effort: stopping must not fail over a cleanup
+            log.debug("freeing the cache's shared-memory pool failed: %s", exc)
 
     def __enter__(self) -> LocalCluster:
         if self._state == "new":

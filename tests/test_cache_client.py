@@ -894,3 +894,37 @@ def test_a_dead_cache_server_serves_from_s3(server_factory: Any, s3_server: S3So
             cache.get(s3_bucket, "missing")
         assert time.monotonic() - started < 60.0
         cache.client.close()
+
+
+HOLD_SLOT = """
+import sys
+from pocketflow.cache import client
+slot = client._arena(4 << 20)
+print(int(isinstance(slot, client._Slot)), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_freeing_the_pool_removes_free_slots_and_leaves_held_ones(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``free_arena_pool`` removes the slots no process holds and leaves the one another live
+    process reads into (its lock taken); once that process has ended, the next free removes
+    that slot too, and the pool's directory with it."""
+    pool = tmp_path / "pool"
+    monkeypatch.setenv(cache_client.ARENA_POOL_ENV, str(pool))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_SLOT], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "1"
+        mine = [cache_client._arena(4 << 20) for _ in range(2)]
+        assert all(isinstance(m, cache_client._Slot) for m in mine)
+        del mine  # free again, their files left in the pool
+        assert len(list(pool.iterdir())) == 3
+        assert cache_client.free_arena_pool() == 2
+        left = [str(p) for p in pool.iterdir()]
+        assert len(left) == 1 and _slot_locked(left[0])
+    finally:
+        holder.communicate("", timeout=30)
+    assert cache_client.free_arena_pool() == 1
+    assert not pool.exists()
+    assert cache_client.free_arena_pool() == 0  # nothing left: nothing to do

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import pytest
 from fixtures_cluster import wait_for
@@ -253,3 +254,20 @@ def test_calls_that_may_launch_servers_are_bounded_by_the_registration_timeout(
     assert local_cluster.control.launch_call_timeout_s() == expected
     handle = joined.register("bounded", {"data_size_bytes": "1MiB"})
     joined.deregister(handle.job_id)
+
+
+def test_stopping_a_cluster_frees_the_cache_read_pool(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopping ``LocalCluster`` removes the free slots of the host's cache read pool (its
+    tasks' processes are gone) and leaves one a live reader holds."""
+    from pocketflow.cache import client as cache_client
+
+    pool = tmp_path / "pool"
+    monkeypatch.setenv(cache_client.ARENA_POOL_ENV, str(pool))
+    held = cache_client._arena(4 << 20)
+    free = cache_client._arena(4 << 20)
+    assert isinstance(held, cache_client._Slot) and isinstance(free, cache_client._Slot)
+    del free
+    LocalCluster().stop()  # never started: stopping it still frees the pool
+    assert [p.name for p in pool.iterdir()] == ["slot-0"]  # the held one
+    del held

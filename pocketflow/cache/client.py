@@ -1622,17 +1622,23 @@ class _Slot(mmap.mmap):
             self._lock_fd = -1
 
 
-def _arena_pool_dir() -> str | None:
-    """This user's pool directory (``ARENA_POOL_ENV``; made ``0700``), or None where there is
-    none or it is not this user's alone."""
+def _arena_pool_path() -> str | None:
+    """Where this user's pool directory is (``ARENA_POOL_ENV``), or None where there is none."""
     setting = os.environ.get(ARENA_POOL_ENV, "")
     if setting == "0":
         return None
     if setting.startswith("/"):
-        path = setting
-    elif os.path.isdir("/dev/shm"):
-        path = f"/dev/shm/pocketflow-arenas-{os.getuid()}"
-    else:
+        return setting
+    if os.path.isdir("/dev/shm"):
+        return f"/dev/shm/pocketflow-arenas-{os.getuid()}"
+    return None
+
+
+def _arena_pool_dir() -> str | None:
+    """This user's pool directory (``ARENA_POOL_ENV``; made ``0700``), or None where there is
+    none or it is not this user's alone."""
+    path = _arena_pool_path()
+    if path is None:
         return None
     try:
         os.mkdir(path, 0o700)
@@ -1692,6 +1698,45 @@ def _pooled_arena(size: int) -> mmap.mmap | None:
         region._lock_fd = fd
         return region
     return None
+
+
+def free_arena_pool() -> int:
+    """Remove the free slots of this user's shared-memory pool (:func:`_pooled_arena`), and its
+    directory once empty; returns the slots removed. A slot is free when its lock can be taken
+    (``flock``, non-blocking): one a live process holds (its views, or a forked child's copy
+    of its descriptor) is left, and keeps its memory until that process ends. A reader that
+    opened a slot just before it was removed still locks and uses it, as a file nobody else
+    can open (its pages go when it ends); the next reader creates the slot again. Called when
+    a :class:`~pocketflow.cluster.LocalCluster` stops and at the end of the test suite."""
+    directory = _arena_pool_path()
+    if directory is None:
+        return 0
+    import fcntl
+
+    removed = 0
+    for slot in range(ARENA_POOL_SLOTS):
+        path = f"{directory}/slot-{slot}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # absent (or not ours to open)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # held by a live process
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass  # absent, or a held slot (or anything else) is left in it
+    return removed
 
 
 def _arena(size: int) -> Any:

@@ -144,13 +144,31 @@ def _huge_pages_on_request() -> bool:
         return False
 
 
-def test_views_of_hits_share_one_buffer_with_huge_pages(cache_spec: CacheSpec, s3: Any,
-                                                        s3_bucket: str) -> None:
+@pytest.fixture
+def shm_pool(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A shared-memory read pool of the test's own in ``/dev/shm`` (a slot's pages stay
+    allocated there, as in the default pool; a file elsewhere is on disk), removed after."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    pool = f"/dev/shm/pocketflow-test-arenas-{os.getpid()}-{tmp_path.name}"
+    monkeypatch.setenv(cache_client.ARENA_POOL_ENV, pool)
+    yield pool
+    import gc
+
+    gc.collect()  # views a caught error's traceback holds, in a cycle with its frames
+    cache_client.free_arena_pool()
+    assert not os.path.exists(pool), "a slot of the test's pool is still held"
+
+
+def test_views_of_hits_share_one_buffer_with_huge_pages(
+        cache_spec: CacheSpec, s3: Any, s3_bucket: str, shm_pool: str) -> None:
     """``get_views`` reads a round's cached entries into one buffer: the same bytes as
     ``get_many`` (fresh hits, stale ones revalidated, misses), each a read-only view; in a
-    fresh process the buffer faults in 2 MiB at a time where huge pages can be asked for
-    (``get_many``'s 16 x 1 MiB ``bytes`` fault ~4,000 times), so the task's reads cost a
-    fraction of the page faults."""
+    fresh process the buffer is the pool slot an earlier round left, its pages allocated
+    already (``get_many``'s 16 x 1 MiB ``bytes`` fault ~4,000 times), so the task's reads cost
+    a fraction of the page faults. The pool is the test's own: a slot made fresh (after the
+    pool was freed) faults its pages in once, as ``bytes`` do, so the task reuses the slot
+    the test's first round made."""
     keys = [f"v/{i:02d}" for i in range(16)]
     for key in keys:
         s3.put_object(Bucket=s3_bucket, Key=key, Body=key.encode() * ((1 << 20) // len(key)))
@@ -162,6 +180,7 @@ def test_views_of_hits_share_one_buffer_with_huge_pages(cache_spec: CacheSpec, s
         assert [bytes(v) for v in views] == cache.get_many(s3_bucket, keys)
         with pytest.raises(S3ObjectNotFound):
             cache.get_views(s3_bucket, keys[:2] + ["v/none"])
+        del views  # its slot free again, for the task process below
     spec_json = cache_spec.to_json()
     runs = {how: json.loads(_run(VIEWS_TASK, f"{spec_json}\n{s3_bucket}\n{json.dumps(keys)}"
                                                f"\n{how}").strip().splitlines()[-1])

@@ -22,7 +22,14 @@ from fixtures_s3 import boto3_client
 
 from pocketflow.cache import client as cache_client
 from pocketflow.cache.client import WAIT_HEAD_KEYS, CacheClient, create_buckets
-from pocketflow.cache.records import CLAIM_BUCKET, ENTRY_BUCKET, META_BUCKET, cache_key, entry_key
+from pocketflow.cache.records import (
+    CLAIM_BUCKET,
+    ENTRY_BUCKET,
+    META_BUCKET,
+    Meta,
+    cache_key,
+    entry_key,
+)
 from pocketflow.cache.source import S3Source, request_counts
 from pocketflow.cache.spec import CacheSpec
 from pocketflow.client import connect
@@ -307,6 +314,41 @@ def test_revalidation_after_the_lease(cache_spec: CacheSpec, s3: Any, s3_bucket:
         before = _gets()
         assert cache.get(s3_bucket, "k") == b"v1"
         assert _gets() == before
+
+
+def test_a_refill_while_a_revalidation_waits_on_s3_is_not_reverted_by_its_renewal(
+        cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:
+    """A read revalidates a stale key (S3: not modified) and, before it renews the key's meta,
+    the object changes and another task refills it with the new ETag: the renewal re-reads
+    the meta, finds it changed and leaves it, so the newer version is kept (it used to be
+    overwritten with the old ETag dated at the revalidation's send time, going back in
+    version within the lease). The order is fixed: the other task's read runs once the
+    first read's S3 answer is in, before that read returns to renew."""
+    s3.put_object(Bucket=s3_bucket, Key="k", Body=b"v1")
+    with _cache(cache_spec, lease_ms=400) as first, _cache(cache_spec, lease_ms=400) as other:
+        assert first.get(s3_bucket, "k") == b"v1"
+        first.flush()
+        time.sleep(0.5)  # stale for both
+        ask_s3 = first._s3_each
+
+        def answer_then_refill(bucket: str, asks: list[Any], **options: Any) -> list[Any]:
+            answers = ask_s3(bucket, asks, **options)
+            s3.put_object(Bucket=s3_bucket, Key="k", Body=b"version 2")
+            assert other.get(s3_bucket, "k") == b"version 2"  # refilled with the new ETag
+            other.flush()
+            return answers
+
+        first._s3_each = answer_then_refill  # type: ignore[method-assign]
+        assert first.get(s3_bucket, "k") == b"v1"  # what S3 answered when asked
+        first.flush()
+        assert first.stats.revalidated == 1 and other.stats.filled == 1
+    with connect(cache_spec.handle, **CLIENT_OPTIONS) as pf:
+        meta = Meta.decode(pf.get(META_BUCKET, cache_key(s3_bucket, "k")))
+    assert meta.size == len(b"version 2"), "the renewal reverted the refill"
+    with _cache(cache_spec, lease_ms=400) as third:
+        gets = _gets()
+        assert third.get(s3_bucket, "k") == b"version 2"
+        assert _gets() == gets, "the refill's meta is fresh: S3 is asked nothing"
 
 
 def test_staleness_bound(cache_spec: CacheSpec, s3: Any, s3_bucket: str) -> None:

@@ -825,11 +825,12 @@ class CacheClient:
                 results[i] = self._missing(bucket, keys[i], fresh=False)
         if unchanged:
             renewed = [(i, Meta(m.state, m.etag, m.size, sent_ms)) for i, m in unchanged]
-            records = [(ckeys[i], m.encode()) for i, m in renewed]
+            replacing = [(ckeys[i], old, new) for (i, old), (_, new)
+                         in zip(unchanged, renewed, strict=True)]
 
             def renew() -> None:
                 try:
-                    self._put_all(META_BUCKET, records, overwrite=True)
+                    self._renew_unchanged(replacing)
                 except PocketflowError as exc:
                     log.debug("cache %s: renewing validations failed: %s", self.spec.name, exc)
 
@@ -844,6 +845,20 @@ class CacheClient:
             # A listing validated them all at once; count each key's share as one validation.
             self.stats.add(validations=len(stale) - len(by_get))
         return unchanged, misses
+
+    def _renew_unchanged(self, replacing: list[tuple[str, Meta, Meta]]) -> int:
+        """Write each ``(ckey, old, new)``'s ``new`` meta where the record still holds ``old``
+        (the meta the round read before asking S3); returns how many. Re-read right before the
+        write: a meta written meanwhile (another task's refill with a newer ETag, or its
+        renewal) is left as it is, not reverted to the version S3 held when this round asked.
+        The store has no compare-and-swap put, so a write landing between this re-read and
+        the put (one round trip) can still be overwritten."""
+        current = self._pf.get_each(META_BUCKET, [ckey for ckey, _, _ in replacing])
+        records = [(ckey, new.encode()) for (ckey, old, new), raw
+                   in zip(replacing, current, strict=True) if Meta.of_reply(raw) == old]
+        if records:
+            self._put_all(META_BUCKET, records, overwrite=True)
+        return len(records)
 
     def _renew_following(self, bucket: str, after: str) -> None:
         """Renew the validation of the cached keys that follow ``after`` in S3's order (within
@@ -903,7 +918,10 @@ class CacheClient:
                       sent_ms: int) -> int:
         """Give the cached keys of ``listed`` (``(key, etag, size)`` from a listing sent at
         ``sent_ms``) whose meta holds that ETag and size, and is older, ``sent_ms`` as their
-        ``validated_ms``; returns how many."""
+        ``validated_ms``; returns how many. The metas are read after the listing, right
+        before the write: one refilled with a newer ETag by then differs from the listing and
+        is left. As in :meth:`_renew_unchanged`, a refill landing between that read and the
+        write (one round trip) can still be overwritten (no compare-and-swap put)."""
         if not listed:
             return 0
         ckeys = [cache_key(bucket, key) for key, _, _ in listed]

@@ -258,7 +258,15 @@ class LocalCluster:
         with self._lock:
             if self._state in ("stopping", "stopped"):
                 return
+            never_started = self._state == "new"
             self._state = "stopping"
+        if never_started:
+            # Nothing of it runs: touching Ray here would reach whatever Ray cluster this
+            # process is connected to (another LocalCluster's), so only the pool is freed.
+            self._free_arena_pool()
+            with self._lock:
+                self._state = "stopped"
+            return
         forget_started(self)
         try:
             self._stop_actors()

@@ -426,37 +426,57 @@ impl Drop for Charge {
 mod tests {
     use super::*;
 
+    /// The refusal of a charge of `bytes` of `kind` to `job`, which must be refused with
+    /// `CapacityExhausted` naming `bytes` as requested: the bytes it names available, and its
+    /// limit.
+    fn refused(
+        budget: &Arc<Budget>,
+        job: &Arc<JobAccount>,
+        bytes: u64,
+        kind: ChargeKind,
+    ) -> (u64, CapacityLimit) {
+        match budget.charge(job, bytes, kind) {
+            Err(StoreError::CapacityExhausted {
+                requested,
+                available,
+                limit,
+            }) => {
+                assert_eq!(requested, bytes);
+                (available, limit)
+            }
+            other => panic!("expected CapacityExhausted, got {other:?}"),
+        }
+    }
+
     #[test]
     fn charges_are_bounded_and_released_on_drop() {
         // Capacity 6,400: 100 bytes of it are the records' reserve.
         let budget = Budget::new(6_400);
         let job = Arc::new(JobAccount::default());
         let a = budget.charge(&job, 6_000, ChargeKind::Data).unwrap();
-        assert!(matches!(
-            budget.charge(&job, 301, ChargeKind::Data),
-            Err(StoreError::CapacityExhausted {
-                requested: 301,
-                available: 300,
-                limit: CapacityLimit::Data {
+        assert_eq!(
+            refused(&budget, &job, 301, ChargeKind::Data),
+            (
+                300,
+                CapacityLimit::Data {
                     capacity_bytes: 6_400,
                     reserve_bytes: 100
                 }
-            })
-        ));
+            )
+        );
         let b = budget.charge(&job, 300, ChargeKind::Data).unwrap();
         // Data stops at the reserve; records go on into it, up to the capacity.
         assert!(budget.charge(&job, 1, ChargeKind::Data).is_err());
         let c = budget.charge(&job, 100, ChargeKind::Record).unwrap();
-        assert!(matches!(
-            budget.charge(&job, 1, ChargeKind::Record),
-            Err(StoreError::CapacityExhausted {
-                requested: 1,
-                available: 0,
-                limit: CapacityLimit::Records {
+        assert_eq!(
+            refused(&budget, &job, 1, ChargeKind::Record),
+            (
+                0,
+                CapacityLimit::Records {
                     capacity_bytes: 6_400
                 }
-            })
-        ));
+            )
+        );
         assert_eq!(
             (budget.used_bytes(), job.used_bytes.load(Ordering::Relaxed)),
             (6_400, 6_400)
@@ -470,17 +490,6 @@ mod tests {
         );
     }
 
-    fn reserved_limit(err: StoreError) -> (u64, u64, CapacityLimit) {
-        match err {
-            StoreError::CapacityExhausted {
-                requested,
-                available,
-                limit,
-            } => (requested, available, limit),
-            other => panic!("expected CapacityExhausted, got {other:?}"),
-        }
-    }
-
     #[test]
     fn a_job_beyond_its_reservation_leaves_the_others_unused_reservations_free() {
         // Data may use 6,300 bytes; job B reserves 2,000 of them, job A 1,000.
@@ -490,18 +499,18 @@ mod tests {
         let a_within = budget.charge(&a, 1_000, ChargeKind::Data).unwrap();
         let a_beyond = budget.charge(&a, 3_300, ChargeKind::Data).unwrap();
         // 2,000 bytes are free, all of them B's.
-        let (requested, available, limit) =
-            reserved_limit(budget.charge(&a, 1, ChargeKind::Data).unwrap_err());
-        assert_eq!((requested, available), (1, 0));
         assert_eq!(
-            limit,
-            CapacityLimit::Reserved {
-                capacity_bytes: 6_400,
-                reserve_bytes: 100,
-                reserved_for_others_bytes: 2_000,
-                job_used_bytes: 4_300,
-                job_reserved_bytes: 1_000,
-            }
+            refused(&budget, &a, 1, ChargeKind::Data),
+            (
+                0,
+                CapacityLimit::Reserved {
+                    capacity_bytes: 6_400,
+                    reserve_bytes: 100,
+                    reserved_for_others_bytes: 2_000,
+                    job_used_bytes: 4_300,
+                    job_reserved_bytes: 1_000,
+                }
+            )
         );
         let message = budget
             .charge(&a, 1, ChargeKind::Data)
@@ -514,17 +523,12 @@ mod tests {
         assert_eq!(budget.used_bytes(), 6_300);
         // Beyond it, B meets the tier's limit like anyone.
         assert!(matches!(
-            budget.charge(&b, 1, ChargeKind::Data),
-            Err(StoreError::CapacityExhausted {
-                limit: CapacityLimit::Data { .. },
-                ..
-            })
+            refused(&budget, &b, 1, ChargeKind::Data),
+            (_, CapacityLimit::Data { .. })
         ));
         // B frees some: it stays B's until B's reservation ends.
         drop(b_rest);
-        let (_, available, _) =
-            reserved_limit(budget.charge(&a, 500, ChargeKind::Data).unwrap_err());
-        assert_eq!(available, 0);
+        assert_eq!(refused(&budget, &a, 500, ChargeKind::Data).0, 0);
         budget.set_reservation("b", 1, 0, Some(&b));
         let a_more = budget.charge(&a, 500, ChargeKind::Data).unwrap();
         assert_eq!(
@@ -546,26 +550,23 @@ mod tests {
         let other = Arc::new(JobAccount::default());
         let whole = budget.charge(&a, 6_300, ChargeKind::Data).unwrap();
         assert!(matches!(
-            budget.charge(&a, 1, ChargeKind::Data),
-            Err(StoreError::CapacityExhausted {
-                limit: CapacityLimit::Data { .. },
-                ..
-            })
+            refused(&budget, &a, 1, ChargeKind::Data),
+            (_, CapacityLimit::Data { .. })
         ));
         drop(whole);
         // A job without a reservation beside the only reserving one keeps its unused bytes
         // free; the reserving one is bounded by the tier only.
         let others = budget.charge(&other, 5_300, ChargeKind::Data).unwrap();
         assert!(matches!(
-            budget.charge(&other, 1, ChargeKind::Data),
-            Err(StoreError::CapacityExhausted {
-                limit: CapacityLimit::Reserved {
+            refused(&budget, &other, 1, ChargeKind::Data),
+            (
+                _,
+                CapacityLimit::Reserved {
                     reserved_for_others_bytes: 1_000,
                     job_reserved_bytes: 0,
                     ..
-                },
-                ..
-            })
+                }
+            )
         ));
         let own = budget.charge(&a, 1_000, ChargeKind::Data).unwrap();
         drop((others, own));
@@ -582,8 +583,7 @@ mod tests {
         // Records go on into the records' reserve ...
         let records = budget.charge(&a, 100, ChargeKind::Record).unwrap();
         // ... and no further.
-        let (_, available, limit) =
-            reserved_limit(budget.charge(&a, 1, ChargeKind::Record).unwrap_err());
+        let (available, limit) = refused(&budget, &a, 1, ChargeKind::Record);
         assert_eq!(available, 0);
         assert!(matches!(
             limit,
@@ -655,8 +655,7 @@ mod tests {
         budget.hook.set(|budget| {
             budget.set_reservation("b", 1, 2_000, None);
         });
-        let (_, available, limit) =
-            reserved_limit(budget.charge(&a, 1_000, ChargeKind::Data).unwrap_err());
+        let (available, limit) = refused(&budget, &a, 1_000, ChargeKind::Data);
         assert!(matches!(
             limit,
             CapacityLimit::Reserved {
@@ -676,8 +675,7 @@ mod tests {
         budget.hook.set(move |budget| {
             budget.set_reservation("a", 1, 1_000, Some(&account));
         });
-        let (_, available, limit) =
-            reserved_limit(budget.charge(&a, 1_000, ChargeKind::Data).unwrap_err());
+        let (available, limit) = refused(&budget, &a, 1_000, ChargeKind::Data);
         assert!(matches!(
             limit,
             CapacityLimit::Reserved {
@@ -763,8 +761,7 @@ mod tests {
         budget.set_reservation("c", 1, u64::MAX, None);
         assert_eq!(b.reserved_bytes.load(Ordering::Relaxed), 6_400);
         let d = Arc::new(JobAccount::default());
-        let (_, available, limit) =
-            reserved_limit(budget.charge(&d, 1, ChargeKind::Data).unwrap_err());
+        let (available, limit) = refused(&budget, &d, 1, ChargeKind::Data);
         assert!(matches!(
             limit,
             CapacityLimit::Reserved {

@@ -48,7 +48,7 @@ from pocketflow.errors import (
     DataUnavailable,
     ObjectNotFound,
 )
-from pocketflow.handle import ServerInfo
+from pocketflow.handle import JobHandle, ServerInfo
 from pocketflow.job import Job
 from pocketflow.placement import Placement
 
@@ -196,17 +196,41 @@ def failing_device(tmp_path: Path) -> Iterator[FailingDevice]:
             subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def _map_healing_on_rerun(directory: str, mount: str, item: int,
-                          emit: Callable[[int, Any], None]) -> int:
-    """Mapper ``item``: on its first run it writes into the failing device; a rerun (the
-    regeneration of what the device lost) first heals the device by growing its tmpfs."""
-    runs = _calls(Path(directory), f"mapper{item}")
+def _servers_with_a_lossy_nvme(
+    server_factory: Callable[..., tuple[ServerSet, ServerInfo]], failing_device: FailingDevice,
+    name: str, *, dram: bool, broken: bool = True,
+) -> tuple[ServerSet, JobHandle, ServerInfo]:
+    """A job's servers ``{name}-*`` and handle, and its NVMe server: a long-running one for
+    outputs (weight 0: it takes no shuffle input), a DRAM one if ``dram``, and an NVMe one on
+    ``failing_device``, whose writes are broken once it started unless ``broken`` is false."""
+    servers, _ = server_factory(f"{name}-outputs-0", capacity_bytes=8 * MiB, long_running=True,
+                                weight=0.0)
+    dram_servers = [servers.start(f"{name}-dram-0", "dram", 32 * MiB)] if dram else []
+    nvme = servers.start(f"{name}-nvme-0", "nvme", 16 * MiB, nvme_path=failing_device.device)
+    if broken:
+        failing_device.break_writes()
+    handle = servers.handle(servers=[*servers.infos[:1], *dram_servers, nvme])
+    return servers, handle, nvme
+
+
+def _counted_map_of(reducers: int, directory: str, item: int,
+                    emit: Callable[[int, Any], None]) -> int:
+    """Mapper ``item``: one small partition for each of ``reducers`` reducers, its calls
+    counted."""
     _count_call(directory, f"mapper{item}")
-    if runs > 0:
-        subprocess.run(["mount", "-o", f"remount,size={HEALED_TMPFS_BYTES}", mount], check=True)
-    for partition in range(2):
+    for partition in range(reducers):
         emit(partition, bytes([item + 1]) * (10_000 + partition))
     return item
+
+
+def _map_healing_on_rerun(directory: str, mount: str, item: int,
+                          emit: Callable[[int, Any], None]) -> int:
+    """Mapper ``item`` of two reducers: on its first run it writes into the failing device; a
+    rerun (the regeneration of what the device lost) first heals the device by growing its
+    tmpfs."""
+    if _calls(Path(directory), f"mapper{item}") > 0:
+        subprocess.run(["mount", "-o", f"remount,size={HEALED_TMPFS_BYTES}", mount], check=True)
+    return _counted_map_of(2, directory, item, emit)
 
 
 def test_inputs_an_nvme_server_lost_behind_the_put_are_regenerated(
@@ -218,11 +242,8 @@ def test_inputs_an_nvme_server_lost_behind_the_put_are_regenerated(
     # those inputs lost, the driver reruns their mappers (which heal the device first) and the
     # reducers, and the shuffle's outputs are whole. Before data_lost, the read failed with
     # `internal`, which failed the shuffle.
-    servers, _ = server_factory("outputs-0", capacity_bytes=8 * MiB, long_running=True,
-                                weight=0.0)
-    nvme = servers.start("lossy-nvme-0", "nvme", 16 * MiB, nvme_path=failing_device.device)
-    failing_device.break_writes()
-    handle = servers.handle(servers=[*servers.infos[:1], nvme])
+    servers, handle, _ = _servers_with_a_lossy_nvme(server_factory, failing_device, "lossy",
+                                                    dram=False)
     job = Job(handle, local_cluster.control)
     calls = tmp_path / "calls"
     calls.mkdir()
@@ -245,11 +266,8 @@ def test_dropping_a_lost_input_deletes_only_the_version_that_read_lost(
     # mapper's rerun writes it again, good; the slower attempt's drop then finds the good
     # version and must leave it. Before the fix the drop was an unconditional delete, and the
     # rerun's good input was deleted (the reducer's retry then waits for it in vain).
-    servers, _ = server_factory("drop-outputs-0", capacity_bytes=8 * MiB, long_running=True,
-                                weight=0.0)
-    nvme = servers.start("drop-nvme-0", "nvme", 16 * MiB, nvme_path=failing_device.device)
-    failing_device.break_writes()
-    handle = servers.handle(servers=[*servers.infos[:1], nvme])
+    servers, handle, _ = _servers_with_a_lossy_nvme(server_factory, failing_device, "drop",
+                                                    dram=False)
     lost_key, raced_key = shuffle_key(mapper=0, reducer=0), shuffle_key(mapper=1, reducer=0)
     good = b"g" * 10_000
     with pocketflow.connect(handle) as pf:
@@ -280,14 +298,6 @@ STEER_MAPPERS = 4
 STEER_REDUCERS = 3
 
 
-def _counted_map_of_three(directory: str, item: int, emit: Callable[[int, Any], None]) -> int:
-    """Mapper ``item``: one small partition for each of three reducers, its calls counted."""
-    _count_call(directory, f"mapper{item}")
-    for partition in range(STEER_REDUCERS):
-        emit(partition, bytes([item + 1]) * (10_000 + partition))
-    return item
-
-
 def test_regenerated_partitions_avoid_the_server_that_lost_them(
     local_cluster: LocalCluster, server_factory: Callable[..., tuple[ServerSet, ServerInfo]],
     failing_device: FailingDevice, fexec: Any, tmp_path: Path,
@@ -297,12 +307,8 @@ def test_regenerated_partitions_avoid_the_server_that_lost_them(
     # driver then regenerates those partitions under keys whose home is the DRAM server, so one
     # round of regeneration is enough. Before, the rerun wrote the same keys to the same
     # device, lost them again, and the shuffle failed once its rounds ran out.
-    servers, _ = server_factory("steer-outputs-0", capacity_bytes=8 * MiB, long_running=True,
-                                weight=0.0)
-    dram = servers.start("steer-dram-0", "dram", 32 * MiB)
-    nvme = servers.start("steer-nvme-0", "nvme", 16 * MiB, nvme_path=failing_device.device)
-    failing_device.break_writes()
-    handle = servers.handle(servers=[*servers.infos[:1], dram, nvme])
+    servers, handle, nvme = _servers_with_a_lossy_nvme(server_factory, failing_device, "steer",
+                                                       dram=True)
     placement = Placement.of_handle(handle)
     on_nvme = {(m, r) for m in range(STEER_MAPPERS) for r in range(STEER_REDUCERS)
                if placement.server_for(shuffle_key(mapper=m, reducer=r).encode(), 0).node_id
@@ -323,7 +329,7 @@ def test_regenerated_partitions_avoid_the_server_that_lost_them(
     job = Job(handle, local_cluster.control)
     calls = tmp_path / "calls"
     calls.mkdir()
-    result = shuffle(fexec, functools.partial(_counted_map_of_three, str(calls)),
+    result = shuffle(fexec, functools.partial(_counted_map_of, STEER_REDUCERS, str(calls)),
                      _join_inputs, list(range(STEER_MAPPERS)), reducers=STEER_REDUCERS, job=job,
                      input_wait_s=60, regenerate_rounds_max=1, timeout_s=SHUFFLE_TIMEOUT_S)
     for r in range(STEER_REDUCERS):
@@ -345,11 +351,8 @@ def test_a_reducer_reports_consumed_inputs_whose_server_lost_data_instead_of_put
     # after it broke reads data_lost. Putting the consumed ones back would write them to the
     # same device: the reducer reports them lost with the lost one (the driver regenerates them
     # on another server) and puts back only those whose home is another server.
-    servers, _ = server_factory("back-outputs-0", capacity_bytes=8 * MiB, long_running=True,
-                                weight=0.0)
-    dram = servers.start("back-dram-0", "dram", 32 * MiB)
-    nvme = servers.start("back-nvme-0", "nvme", 16 * MiB, nvme_path=failing_device.device)
-    handle = servers.handle(servers=[*servers.infos[:1], dram, nvme])
+    servers, handle, nvme = _servers_with_a_lossy_nvme(server_factory, failing_device, "back",
+                                                       dram=True, broken=False)
     placement = Placement.of_handle(handle)
     mappers = 8
     homes = {m: placement.server_for(shuffle_key(mapper=m, reducer=0).encode(), 0).node_id

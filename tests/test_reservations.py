@@ -38,6 +38,7 @@ B_OBJECTS = 60
 """What B writes: 60 objects of 64 KiB (3.75 MiB and their index entries), within its 4 MiB."""
 
 ServerFactory = Callable[..., tuple[ServerSet, ServerInfo]]
+TwoJobs = tuple[ServerSet, ServerInfo, ServerInfo, JobHandle, JobHandle]
 
 
 def payload(seed: int) -> bytes:
@@ -71,12 +72,20 @@ def cluster(factory: ServerFactory) -> tuple[ServerSet, ServerInfo, ServerInfo]:
     return servers, dram, nvme
 
 
-def test_a_job_beyond_its_reservation_leaves_another_its_whole_reservation(
-    server_factory: ServerFactory,
-) -> None:
+@pytest.fixture
+def two_jobs(server_factory: ServerFactory) -> TwoJobs:
+    """The :func:`cluster`'s servers (set, DRAM, NVMe) and two jobs over both: A reserving
+    ``A_RESERVED_BYTES``, B ``B_RESERVED_BYTES``."""
     servers, dram, nvme = cluster(server_factory)
     a = job(servers, [dram, nvme], A_RESERVED_BYTES)
     b = job(servers, [dram, nvme], B_RESERVED_BYTES)
+    return servers, dram, nvme, a, b
+
+
+def test_a_job_beyond_its_reservation_leaves_another_its_whole_reservation(
+    two_jobs: TwoJobs,
+) -> None:
+    servers, dram, nvme, a, b = two_jobs
     a_written = {f"a/{i:03d}": payload(i) for i in range(160)}
     b_written = {f"b/{i:03d}": payload(1000 + i) for i in range(B_OBJECTS)}
     with connect(a, **CLIENT_OPTIONS) as pa, connect(b, **CLIENT_OPTIONS) as pb:
@@ -186,11 +195,9 @@ def test_a_job_without_another_tier_is_refused_naming_the_others_reservations(
 
 
 def test_two_jobs_writing_at_once_leave_the_reserving_one_its_reservation(
-    server_factory: ServerFactory,
+    two_jobs: TwoJobs,
 ) -> None:
-    servers, dram, nvme = cluster(server_factory)
-    a = job(servers, [dram, nvme], A_RESERVED_BYTES)
-    b = job(servers, [dram, nvme], B_RESERVED_BYTES)
+    servers, dram, nvme, a, b = two_jobs
     # Three writers of A (11.25 MiB together) against one of B: unguarded, A's writers would
     # fill DRAM before B's got far.
     parts = [(a, {f"a{w}/{i:03d}": payload(100 * w + i) for i in range(60)}) for w in range(3)]

@@ -511,11 +511,11 @@ def test_a_pack_read_failing_with_any_error_leaves_the_prewarm_streams_running(
     local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
 ) -> None:
     """Behind a proxy whose ranged GETs answer with a Content-Length that is not a number, each
-    batch's pack read fails with an error that is not an ``S3Error`` (a ``ValueError`` in the
-    raw getter). The prewarm streams log it and fetch each batch's keys on their own, so every
-    key is prewarmed and its claims released (before, the first such error ended each stream
-    thread: nothing was prewarmed, and the claimed-ahead keys stayed claimed until the worker
-    closed)."""
+    batch's pack read fails (``S3Unavailable`` from the raw getter; an untyped ``ValueError``
+    when this test was written). The prewarm streams log it and fetch each batch's keys on their
+    own, so every key is prewarmed and its claims released (before e0c18d7, the first error of
+    a pack read other than an ``S3Error`` ended each stream thread: nothing was prewarmed, and
+    the claimed-ahead keys stayed claimed until the worker closed)."""
     sizes = {f"v/{i:04d}": 4096 for i in range(3 * PREWARM_BATCH_KEYS)}
     _upload(s3, s3_bucket, sizes)
     keys = sorted(sizes)

@@ -1,8 +1,9 @@
 """The cache's S3 GETs on pooled connections (``pocketflow.cache.http_get``, used by
 ``S3Store.get``): the same answers as boto3's against a real S3 server (SeaweedFS), signed with
 real credentials against one that checks them, and every way an HTTP exchange fails (a server
-of the test's own on loopback that hangs, drops a kept-alive connection, cuts a body short or
-answers 503) as a typed error or a retry, within the source's timeouts and attempts."""
+of the test's own on loopback that hangs, drops a kept-alive connection, cuts a body short,
+garbles its Content-Length or answers 503) as a typed error or a retry, within the source's
+timeouts and attempts."""
 
 from __future__ import annotations
 
@@ -201,6 +202,29 @@ def test_a_body_cut_short_is_unavailable(serve: Any) -> None:
 
     with pytest.raises(S3Unavailable):
         S3Store(serve(short).source()).get("b", "k")
+
+
+@pytest.mark.parametrize("lengths", [["garbled"], ["3", "4"], ["-3"], ["+3"]])
+def test_a_garbled_content_length_is_unavailable_and_its_connection_closed(
+    serve: Any, lengths: list[str],
+) -> None:
+    """A 200 whose Content-Length is not digits (a word, two headers that disagree, a sign),
+    which http.client passes on as it came, is an ``S3Unavailable`` naming the header, not a
+    ``ValueError`` (nor, for a sign, an answer read on a guess). It is retried within the
+    attempts, each on a new connection: the server keeps its connections open, and the getter
+    closed the one whose answer it could not frame."""
+    headers = "".join(f"Content-Length: {length}\r\n" for length in lengths)
+
+    def garbled(connection: socket.socket, _: int) -> None:
+        while _read_request(connection):
+            connection.sendall(f"HTTP/1.1 200 OK\r\nETag: \"e1\"\r\n{headers}\r\nabc".encode())
+
+    server = serve(garbled)
+    with pytest.raises(S3Unavailable, match="a garbled Content-Length") as caught:
+        S3Store(server.source(attempts=2)).get("b", "k")
+    assert (caught.value.status, caught.value.bucket, caught.value.key) == (0, "b", "k")
+    assert ", ".join(lengths) in str(caught.value)
+    assert server.accepted == 2
 
 
 def test_server_errors_are_retried_within_the_attempts(serve: Any) -> None:

@@ -45,6 +45,11 @@ BACKOFF_MAX_S = 1.0
 """A retry waits a random time up to ``BACKOFF_BASE_S * 2**attempt``, at most this."""
 
 _CODE = re.compile(rb"<Code>([^<]*)</Code>")
+_LENGTH = re.compile(r"[0-9]{1,20}")
+"""A Content-Length as HTTP writes it, of at most 20 digits (a u64): digits only, where ``int``
+would also take ``-1``, ``+5``, ``1_0`` or other scripts' digits."""
+GARBLED_SHOWN_CHARS = 64
+"""Most characters of a garbled header value quoted in the error that names it."""
 _MESSAGE = re.compile(rb"<Message>([^<]*)</Message>")
 
 
@@ -163,6 +168,11 @@ class RawGetter:
             if status == 200 or (status == 206 and "Range" in headers):
                 etag = (answer.getheader("ETag") or "").strip().strip('"')
                 length = answer.getheader("Content-Length")
+                if length is not None and not _LENGTH.fullmatch(length):
+                    # http.client lets any value pass. An answer that cannot be framed is no
+                    # answer: unavailable (retried), as one cut short is, its connection closed.
+                    raise s3_error("", 0, "a garbled Content-Length: "
+                                   f"{length[:GARBLED_SHOWN_CHARS]!r}", bucket=bucket, key=key)
                 size = int(length) if length is not None else -1
                 data = read_body(answer, size, on_progress)
                 if size < 0:

@@ -13,6 +13,7 @@ import pytest
 from scenario_runner import run_scenario
 
 SCENARIO_TIMEOUT_S = 180.0
+MiB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -64,36 +65,46 @@ def test_a_full_tier_gets_another_server(scaling: dict[str, Any]) -> None:
     assert scaling["actions"][-1][0] == "AddServer"
 
 
+def _controller(cluster_secret_file: Any, *, cooldown_s: float) -> Any:
+    """A controller of the test's own (no Ray, no failure detection) whose sizing loop waits
+    ``cooldown_s`` between actions on servers and not at all between actions on cores."""
+    from pocketflow.control.controller import Controller
+    from pocketflow.control.metadata import Metadata
+    from pocketflow.control.sizing import SizingBounds
+
+    secret, _ = cluster_secret_file
+    return Controller(secret=secret, metadata=Metadata(), block_size_bytes=MiB,
+                      failure_detection=False,
+                      sizing=SizingBounds(cooldown_s=cooldown_s, vertical_cooldown_s=0.0))
+
+
+def _dram_servers(server_factory: Any, long_running: dict[str, bool]) -> tuple[Any, list[Any]]:
+    """8 MiB DRAM servers of the test's own, by name and whether each is long-running: their
+    set and the ``StorageNodeInfo`` each one's StorageNode would register."""
+    from pocketflow.control.storage_node import StorageNodeInfo
+    from pocketflow.processes import ProcessRef
+
+    infos = []
+    for name, lasting in long_running.items():
+        servers, info = server_factory(name, capacity_bytes=8 * MiB, long_running=lasting)
+        ref = ProcessRef.of(servers.process(name).pid)
+        assert ref is not None
+        infos.append(StorageNodeInfo(
+            node_id=name, tier="dram", address=info.address, capacity_bytes=8 * MiB,
+            long_running=lasting, server_pid=ref.pid, server_start_time=ref.start_time,
+            actor_pid=os.getpid(),
+        ))
+    return servers, infos
+
+
 def test_a_busy_server_gets_more_cores_before_more_servers(
     server_factory: Any, cluster_secret_file: Any
 ) -> None:
     """Vertical first: the sizing loop gives a server whose cores are busy another core, and
     takes it back once the server is idle."""
-    from pocketflow.control.controller import Controller
-    from pocketflow.control.metadata import Metadata
-    from pocketflow.control.sizing import SizingBounds
-    from pocketflow.control.storage_node import StorageNodeInfo
-    from pocketflow.processes import ProcessRef
-
-    secret, _ = cluster_secret_file
-    controller = Controller(
-        secret=secret,
-        metadata=Metadata(),
-        block_size_bytes=1024 * 1024,
-        failure_detection=False,
-        sizing=SizingBounds(cooldown_s=0.0, vertical_cooldown_s=0.0),
-    )
+    controller = _controller(cluster_secret_file, cooldown_s=0.0)
     try:
-        infos = []
-        for name in ("busy-0", "busy-1"):
-            servers, info = server_factory(name, long_running=True)
-            ref = ProcessRef.of(servers.process(name).pid)
-            assert ref is not None
-            infos.append(StorageNodeInfo(
-                node_id=name, tier="dram", address=info.address,
-                capacity_bytes=8 * 1024 * 1024, long_running=True,
-                server_pid=ref.pid, server_start_time=ref.start_time, actor_pid=os.getpid(),
-            ))
+        servers, infos = _dram_servers(server_factory, {"busy-0": True, "busy-1": True})
         with servers.admin(infos[0].address) as admin:
             cores_max = int(admin.stats()["cores_max"])
             if cores_max < 2:
@@ -127,32 +138,12 @@ def test_idle_launched_servers_are_drained_together_in_one_sizing_action(
 ) -> None:
     """Capacity follows demand down at once: every empty server the others do not need is
     drained in one sizing action (one per cool-down before), and the long-running ones stay."""
-    from pocketflow.control.controller import Controller
-    from pocketflow.control.metadata import Metadata
-    from pocketflow.control.sizing import SizingBounds
-    from pocketflow.control.storage_node import StorageNodeInfo
-    from pocketflow.processes import ProcessRef, wait_gone
+    from pocketflow.processes import wait_gone
 
-    secret, _ = cluster_secret_file
-    controller = Controller(
-        secret=secret,
-        metadata=Metadata(),
-        block_size_bytes=1024 * 1024,
-        failure_detection=False,
-        sizing=SizingBounds(cooldown_s=60.0, vertical_cooldown_s=0.0),
-    )
+    controller = _controller(cluster_secret_file, cooldown_s=60.0)
     try:
-        infos = []
-        for name, long_running in (("lr-0", True), ("lr-1", True), ("idle-2", False),
-                                   ("idle-3", False)):
-            servers, info = server_factory(name, long_running=long_running)
-            ref = ProcessRef.of(servers.process(name).pid)
-            assert ref is not None
-            infos.append(StorageNodeInfo(
-                node_id=name, tier="dram", address=info.address,
-                capacity_bytes=8 * 1024 * 1024, long_running=long_running,
-                server_pid=ref.pid, server_start_time=ref.start_time, actor_pid=os.getpid(),
-            ))
+        servers, infos = _dram_servers(
+            server_factory, {"lr-0": True, "lr-1": True, "idle-2": False, "idle-3": False})
         for info in infos:
             controller.add_server(info)
             with servers.admin(info.address) as admin:
@@ -174,39 +165,17 @@ def test_a_reservation_that_is_met_but_not_written_launches_no_server(
     data its servers hold. On reservations alone it launched two DRAM nodes in the trace that
     no job's key ever reached."""
     from pocketflow.client import connect
-    from pocketflow.control.controller import Controller
-    from pocketflow.control.metadata import Metadata
-    from pocketflow.control.sizing import SizingBounds
-    from pocketflow.control.storage_node import StorageNodeInfo
-    from pocketflow.processes import ProcessRef
 
-    mib = 1024 * 1024
-    secret, _ = cluster_secret_file
-    controller = Controller(
-        secret=secret,
-        metadata=Metadata(),
-        block_size_bytes=1024 * 1024,
-        failure_detection=False,
-        sizing=SizingBounds(cooldown_s=0.0, vertical_cooldown_s=0.0),
-    )
+    controller = _controller(cluster_secret_file, cooldown_s=0.0)
     try:
-        infos = []
-        for name in ("held-0", "held-1"):
-            servers, info = server_factory(name, capacity_bytes=8 * mib, long_running=True)
-            ref = ProcessRef.of(servers.process(name).pid)
-            assert ref is not None
-            infos.append(StorageNodeInfo(
-                node_id=name, tier="dram", address=info.address,
-                capacity_bytes=8 * mib, long_running=True,
-                server_pid=ref.pid, server_start_time=ref.start_time, actor_pid=os.getpid(),
-            ))
+        servers, infos = _dram_servers(server_factory, {"held-0": True, "held-1": True})
         for info in infos:
             controller.add_server(info)
-        handle = controller.register_job("reserved", {"data_size_bytes": 14 * mib})
+        handle = controller.register_job("reserved", {"data_size_bytes": 14 * MiB})
         assert {s.node_id for s in handle.servers if s.weight > 0} == {"held-0", "held-1"}
         with connect(handle, op_timeout_s="10s") as pf:
             pf.create_bucket("b")
-            pf.put("b", "k", b"x" * mib)
+            pf.put("b", "k", b"x" * MiB)
         for info in infos:
             with servers.admin(info.address) as admin:
                 controller.heartbeat(info.node_id, admin.stats())
@@ -214,6 +183,6 @@ def test_a_reservation_that_is_met_but_not_written_launches_no_server(
         assert all(a["action"] != "AddServer" for a in actions), actions
         # The reservation is held: neither server looks idle to the loop.
         held = {u.node_id: u.held_bytes for u in controller._scaler.utilizations()}
-        assert sum(held.values()) >= 14 * mib - 1024, held
+        assert sum(held.values()) >= 14 * MiB - 1024, held
     finally:
         controller.close()

@@ -110,6 +110,34 @@ def _wait_ended(cluster: LocalCluster, job_id: str) -> None:
     pytest.fail(f"the idle cache {job_id} was not freed within {IDLE_END_TIMEOUT_S}s")
 
 
+def _run_reading(local_cluster: LocalCluster, source: S3Source, *, name: str, app: str,
+                 url: str, bucket: str, keys: list[str]) -> None:
+    """A run of cache ``name`` of ``app`` (idle after 1 s, its working set recorded at ``url``)
+    whose client reads ``keys`` of ``bucket``; returns once the idle cache's job is freed."""
+    with open_cache(name, source, app=app, idle="1s", working_set_url=url,
+                    cluster=local_cluster) as cache:
+        cache.client.get_many(bucket, keys)
+        job_id = cache.job_id
+    _wait_ended(local_cluster, job_id)
+
+
+def _prewarm_each_key_alone(local_cluster: LocalCluster, source: S3Source, *, name: str,
+                            app: str, url: str, bucket: str, keys: list[str]) -> None:
+    """A prewarming run of cache ``name`` of ``app`` from the record at ``url``, whose pack
+    cannot be read: every one of ``keys`` (4 KiB each) is prewarmed, none from the pack, and
+    the run's task reads them all without S3. Returns once the idle cache's job is freed."""
+    with open_cache(name, source, app=app, prewarm=True, idle="1s", working_set_url=url,
+                    cluster=local_cluster) as cache:
+        assert cache.wait_prewarmed(120.0)
+        status = cache.status()
+        assert status["prewarm_fetched"] == len(keys)
+        assert status["prewarm_stats"]["packed"] == 0, status["prewarm_stats"]
+        result = _result(_task(cache, bucket, keys))
+        assert result["gets"] == 0 and result["sizes"] == [4096] * len(keys)
+        job_id = cache.job_id
+    _wait_ended(local_cluster, job_id)
+
+
 def test_tasks_read_through_the_spec_and_the_run_is_recorded(
     local_cluster: LocalCluster, s3_server: S3Source, s3: Any, s3_bucket: str,
 ) -> None:
@@ -340,11 +368,8 @@ def test_prewarm_takes_small_objects_from_the_last_runs_pack(
     _upload(s3, s3_bucket, sizes)
     keys = sorted(sizes)
     url = f"s3://{s3_bucket}/ws/packed"
-    with open_cache("t-pack", s3_server, app="packed", idle="1s", working_set_url=url,
-                    cluster=local_cluster) as cache:
-        cache.client.get_many(s3_bucket, keys)
-        job_id = cache.job_id
-    _wait_ended(local_cluster, job_id)
+    _run_reading(local_cluster, s3_server, name="t-pack", app="packed", url=url,
+                 bucket=s3_bucket, keys=keys)
     first = _pack_of(s3, s3_bucket, "ws/packed")
     assert first.bucket == s3_bucket and first.key.startswith("ws/packed.pack-")
     assert sorted(e.key for e in first.entries) == sorted(small)
@@ -407,11 +432,8 @@ def test_a_kept_pack_is_one_that_is_still_there(
     for _ in range(2):
         if first is not None:
             s3.delete_object(Bucket=s3_bucket, Key=first.key)
-        with open_cache("t-gone", s3_server, app="gone", idle="1s", working_set_url=url,
-                        cluster=local_cluster) as cache:
-            cache.client.get_many(s3_bucket, keys)
-            job_id = cache.job_id
-        _wait_ended(local_cluster, job_id)
+        _run_reading(local_cluster, s3_server, name="t-gone", app="gone", url=url,
+                     bucket=s3_bucket, keys=keys)
         if first is None:
             first = _pack_of(s3, s3_bucket, "ws/gone")
     assert first is not None
@@ -430,11 +452,8 @@ def test_a_run_that_packs_nothing_deletes_the_last_pack(
     url = f"s3://{s3_bucket}/ws/none"
     first: PackRef | None = None
     for keys in (sorted(sizes), ["n/large"]):
-        with open_cache("t-none", s3_server, app="none", idle="1s", working_set_url=url,
-                        cluster=local_cluster) as cache:
-            cache.client.get_many(s3_bucket, keys)
-            job_id = cache.job_id
-        _wait_ended(local_cluster, job_id)
+        _run_reading(local_cluster, s3_server, name="t-none", app="none", url=url,
+                     bucket=s3_bucket, keys=keys)
         if first is None:
             first = _pack_of(s3, s3_bucket, "ws/none")
     assert first is not None
@@ -455,18 +474,12 @@ def test_the_last_pack_stays_while_a_record_still_names_it(
     keys = sorted(sizes)
     url = f"s3://{s3_bucket}/ws/copy"
     with FaultyS3Proxy(s3_server) as proxy:
-        with open_cache("t-copy", proxy.source, app="copy", idle="1s", working_set_url=url,
-                        cluster=local_cluster) as cache:
-            cache.client.get_many(s3_bucket, keys[:40])
-            job_id = cache.job_id
-        _wait_ended(local_cluster, job_id)
+        _run_reading(local_cluster, proxy.source, name="t-copy", app="copy", url=url,
+                     bucket=s3_bucket, keys=keys[:40])
         first = _pack_of(s3, s3_bucket, "ws/copy")
         proxy.refused_puts.add(f"/{s3_bucket}/ws/copy")
-        with open_cache("t-copy", proxy.source, app="copy", idle="1s", working_set_url=url,
-                        cluster=local_cluster) as cache:
-            cache.client.get_many(s3_bucket, keys)
-            job_id = cache.job_id
-        _wait_ended(local_cluster, job_id)
+        _run_reading(local_cluster, proxy.source, name="t-copy", app="copy", url=url,
+                     bucket=s3_bucket, keys=keys)
         assert proxy.puts_refused == 1
     assert _pack_of(s3, s3_bucket, "ws/copy") == first
     assert s3.head_object(Bucket=s3_bucket, Key=first.key)["ContentLength"] == first.size
@@ -484,26 +497,15 @@ def test_a_server_that_ignores_ranges_is_not_read_a_whole_pack_per_batch(
     keys = sorted(sizes)
     url = f"s3://{s3_bucket}/ws/ranged"
     with FaultyS3Proxy(s3_server) as proxy:
-        with open_cache("t-ranged", proxy.source, app="ranged", idle="1s",
-                        working_set_url=url, cluster=local_cluster) as cache:
-            cache.client.get_many(s3_bucket, keys)
-            job_id = cache.job_id
-        _wait_ended(local_cluster, job_id)
+        _run_reading(local_cluster, proxy.source, name="t-ranged", app="ranged", url=url,
+                     bucket=s3_bucket, keys=keys)
         pack = _pack_of(s3, s3_bucket, "ws/ranged")
         proxy.drop_ranges = True
         with pytest.raises(S3InvalidRequest) as refused:
             S3Store(proxy.source).get_range(s3_bucket, pack.key, 0, 4095)
         assert (refused.value.code, refused.value.status) == (RANGE_IGNORED, 200)
-        with open_cache("t-ranged", proxy.source, app="ranged", prewarm=True, idle="1s",
-                        working_set_url=url, cluster=local_cluster) as cache:
-            assert cache.wait_prewarmed(120.0)
-            status = cache.status()
-            assert status["prewarm_fetched"] == len(keys)
-            assert status["prewarm_stats"]["packed"] == 0, status["prewarm_stats"]
-            result = _result(_task(cache, s3_bucket, keys))
-            assert result["gets"] == 0 and result["sizes"] == [4096] * len(keys)
-            job_id = cache.job_id
-        _wait_ended(local_cluster, job_id)
+        _prewarm_each_key_alone(local_cluster, proxy.source, name="t-ranged", app="ranged",
+                                url=url, bucket=s3_bucket, keys=keys)
         assert proxy.ranges_dropped >= 2
 
 
@@ -521,22 +523,11 @@ def test_a_pack_read_failing_with_any_error_leaves_the_prewarm_streams_running(
     keys = sorted(sizes)
     url = f"s3://{s3_bucket}/ws/garbled"
     with FaultyS3Proxy(s3_server) as proxy:
-        with open_cache("t-garbled", proxy.source, app="garbled", idle="1s",
-                        working_set_url=url, cluster=local_cluster) as cache:
-            cache.client.get_many(s3_bucket, keys)
-            job_id = cache.job_id
-        _wait_ended(local_cluster, job_id)
+        _run_reading(local_cluster, proxy.source, name="t-garbled", app="garbled", url=url,
+                     bucket=s3_bucket, keys=keys)
         proxy.garble_range_lengths = True
-        with open_cache("t-garbled", proxy.source, app="garbled", prewarm=True, idle="1s",
-                        working_set_url=url, cluster=local_cluster) as cache:
-            assert cache.wait_prewarmed(120.0)
-            status = cache.status()
-            assert status["prewarm_fetched"] == len(keys)
-            assert status["prewarm_stats"]["packed"] == 0, status["prewarm_stats"]
-            result = _result(_task(cache, s3_bucket, keys))
-            assert result["gets"] == 0 and result["sizes"] == [4096] * len(keys)
-            job_id = cache.job_id
-        _wait_ended(local_cluster, job_id)
+        _prewarm_each_key_alone(local_cluster, proxy.source, name="t-garbled", app="garbled",
+                                url=url, bucket=s3_bucket, keys=keys)
         assert proxy.lengths_garbled >= 3
 
 
@@ -552,11 +543,8 @@ def test_a_batch_of_packed_keys_in_two_ranges_is_validated_by_a_listing_each(
     _upload(s3, s3_bucket, {**sizes, **{f"m/{i:04d}": 1 for i in range(1000)}})
     keys = sorted(sizes)
     url = f"s3://{s3_bucket}/ws/ranges"
-    with open_cache("t-ranges", s3_server, app="ranges", idle="1s", working_set_url=url,
-                    cluster=local_cluster) as cache:
-        cache.client.get_many(s3_bucket, keys)
-        job_id = cache.job_id
-    _wait_ended(local_cluster, job_id)
+    _run_reading(local_cluster, s3_server, name="t-ranges", app="ranges", url=url,
+                 bucket=s3_bucket, keys=keys)
     before = request_counts()
     with open_cache("t-ranges", s3_server, app="ranges", prewarm=True, idle="1s",
                     working_set_url=url, cluster=local_cluster) as cache:

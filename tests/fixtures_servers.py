@@ -4,14 +4,19 @@ Session scope: a cluster secret (0600 file) and three servers: ``dram-0`` (long-
 ``dram-1`` and ``nvme-0`` (long-running, on a temporary file). Test scope: a fresh job on them
 (``job_handle``), told its epoch by the admin client, and a connected ``client``; at teardown the
 job's data is freed with ``delete_job``. ``server_factory`` starts private servers that a test may
-fill or kill. Every process started here is stopped by its process id.
+fill or kill. Every process started here is stopped by its process id. Also helpers that tests
+of several files share: which servers hold a key (``records_of``), keys whose PERSIST and
+ephemeral homes differ (``split_keys``), and waiting for a server process to exit
+(``wait_exited``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +28,8 @@ from pocketflow.auth import make_token, write_secret_file
 from pocketflow.client import Client, connect
 from pocketflow.errors import PocketflowError, ServerStartError
 from pocketflow.handle import JobHandle, ServerInfo
-from pocketflow.protocol import READY_LINE_PREFIX
+from pocketflow.placement import Placement
+from pocketflow.protocol import OP_LOOKUP, READY_LINE_PREFIX
 from pocketflow.server_process import ServerSpec, StorageServerProcess, find_server_binary
 from pocketflow.tls import ServerCert
 from pocketflow.transport import AdminClient
@@ -46,6 +52,49 @@ def run_with_handle(script: str, handle: JobHandle, *, timeout_s: float) -> list
     )
     assert result.returncode == 0, result.stderr
     return result.stdout.split()
+
+
+def records_of(pf: Client, bucket: str, key: str) -> list[str]:
+    """The servers of ``pf``'s job that hold an object (a block-0 record, not a fence) of
+    ``key``."""
+    view = pf._view
+    held = []
+    for server in view.handle.servers:
+        reply = pf._call(view, server, OP_LOOKUP, 0, bucket.encode(), key.encode())
+        if reply.status == 0 and not (reply.header is not None and reply.header.fence):
+            held.append(server.node_id)
+    return held
+
+
+def split_keys(handle: JobHandle, count: int, prefix: str) -> list[str]:
+    """``count`` keys ``{prefix}-{i}`` whose PERSIST home is another server than their
+    ephemeral home."""
+    placement = Placement.of_handle(handle)
+    keys = []
+    for i in range(100_000):
+        key = f"{prefix}-{i}"
+        if (placement.server_for(key.encode()).node_id
+                != placement.server_for(key.encode(), persist=True).node_id):
+            keys.append(key)
+            if len(keys) == count:
+                return keys
+    raise AssertionError(f"PERSIST and ephemeral keys are placed alike: {handle}")
+
+
+def wait_exited(pid: int, *, timeout_s: float) -> None:
+    """Wait until process ``pid`` is gone or a zombie (a child of this process is reaped by its
+    Popen; until then it is a zombie); fails the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().split(") ", 1)[1].startswith("Z"):
+                return
+        assert time.monotonic() < deadline, f"server {pid} did not exit"
+        time.sleep(0.05)
 
 
 def _require_binary() -> None:

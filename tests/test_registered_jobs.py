@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 from control_roles import register, roles
+from fixtures_servers import wait_exited
 
 from pocketflow.client import connect
 from pocketflow.control.epochs import Epochs
@@ -34,21 +34,6 @@ class _ServerAt(StorageServerProcess):
         return args
 
 
-def _wait_exited(pid: int) -> None:
-    deadline = time.monotonic() + EXIT_WAIT_S
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        # A child of this process is reaped by its Popen; until then it is a zombie.
-        with open(f"/proc/{pid}/stat") as stat:
-            if stat.read().split(") ", 1)[1].startswith("Z"):
-                return
-        assert time.monotonic() < deadline, f"server {pid} did not exit"
-        time.sleep(0.05)
-
-
 def test_a_restarted_server_refuses_a_live_job_until_the_controller_sends_its_map(
     cluster_secret_file: tuple[bytes, Path],
 ) -> None:
@@ -61,7 +46,7 @@ def test_a_restarted_server_refuses_a_live_job_until_the_controller_sends_its_ma
             pf.put("b", "before", b"1")
 
         os.kill(info.server_pid, signal.SIGKILL)
-        _wait_exited(info.server_pid)
+        wait_exited(info.server_pid, timeout_s=EXIT_WAIT_S)
         restarted = _ServerAt(
             ServerSpec(node_id="rs-0", tier="dram", capacity_bytes=CAPACITY_BYTES,
                        secret_file=secret_file, threads=1, metrics=False),

@@ -9,27 +9,16 @@ import threading
 from collections.abc import Callable
 
 import pytest
-from fixtures_servers import CLIENT_OPTIONS, ServerSet
+from fixtures_servers import CLIENT_OPTIONS, ServerSet, records_of, split_keys
 from test_metrics import scrape_all, summed
 
-from pocketflow.client import Client, connect
+from pocketflow.client import connect
 from pocketflow.cluster import LocalCluster
 from pocketflow.errors import DataUnavailable, ObjectExists, ObjectNotFound
 from pocketflow.handle import EarlierMap, JobHandle, ServerInfo
 from pocketflow.placement import Placement
-from pocketflow.protocol import OP_LOOKUP
 
 KEYS = 60
-
-
-def _records(pf: Client, bucket: str, key: str) -> int:
-    """How many servers of the job hold an object (a block-0 record, not a fence) of ``key``."""
-    view = pf._view
-    found = 0
-    for server in view.handle.servers:
-        reply = pf._call(view, server, OP_LOOKUP, 0, bucket.encode(), key.encode())
-        found += reply.status == 0 and not (reply.header is not None and reply.header.fence)
-    return found
 
 
 def test_a_key_stays_written_once_across_a_grow(local_cluster: LocalCluster) -> None:
@@ -54,7 +43,7 @@ def test_a_key_stays_written_once_across_a_grow(local_cluster: LocalCluster) -> 
                 else:
                     raise AssertionError(f"k{i} (moved: {i in moved}) was written twice")
                 assert pf.get("b", f"k{i}") == f"first-{i}".encode()
-                assert _records(pf, "b", f"k{i}") == 1
+                assert len(records_of(pf, "b", f"k{i}")) == 1
 
             # Two DELETE readers of each moved key: exactly one gets it.
             for i in moved:
@@ -65,20 +54,6 @@ def test_a_key_stays_written_once_across_a_grow(local_cluster: LocalCluster) -> 
                     except (ObjectNotFound, DataUnavailable):
                         pass
                 assert got == [f"first-{i}".encode()]
-
-
-def _split_keys(pf: Client, count: int) -> list[str]:
-    """Keys whose PERSIST block-0 server differs from their ephemeral one."""
-    placement = pf._view.placement
-    keys = []
-    for i in range(10_000):
-        key = f"split-{i}"
-        if (placement.server_for(key.encode()).node_id
-                != placement.server_for(key.encode(), persist=True).node_id):
-            keys.append(key)
-            if len(keys) == count:
-                return keys
-    raise AssertionError(f"PERSIST and ephemeral keys are placed alike: {pf._view.handle}")
 
 
 # A job larger than the DRAM servers, for the grow below.
@@ -102,7 +77,7 @@ def test_persist_and_ephemeral_puts_of_one_key_are_one_key(
     handle = _split_job(server_factory)
     with connect(handle, **CLIENT_OPTIONS) as pf:
         pf.create_bucket("b")
-        keys = _split_keys(pf, 20)
+        keys = split_keys(pf._view.handle, 20, "split")
         for n, key in enumerate(keys):
             first_persist = n % 2 == 0
             pf.put("b", key, b"first", persist=first_persist)
@@ -113,7 +88,7 @@ def test_persist_and_ephemeral_puts_of_one_key_are_one_key(
             else:
                 raise AssertionError(f"{key} written twice (persist first: {first_persist})")
             assert pf.get("b", key) == b"first"
-            assert _records(pf, "b", key) == 1
+            assert len(records_of(pf, "b", key)) == 1
         # Large objects too: the loser leaves none of its blocks behind.
         big = bytes(3 * 1024 * 1024)
         pf.put("b", keys[0] + "-big", big, persist=True)
@@ -132,7 +107,7 @@ def test_concurrent_writers_with_mixed_flags_have_exactly_one_winner(
     handle = _split_job(server_factory)
     with connect(handle, **CLIENT_OPTIONS) as pf:
         pf.create_bucket("b")
-        keys = _split_keys(pf, 25)
+        keys = split_keys(pf._view.handle, 25, "split")
         wins: dict[str, list[int]] = {key: [] for key in keys}
         lock = threading.Lock()
 
@@ -154,7 +129,7 @@ def test_concurrent_writers_with_mixed_flags_have_exactly_one_winner(
         assert not any(thread.is_alive() for thread in threads)
         for key in keys:
             assert len(wins[key]) == 1, (key, wins[key])
-            assert _records(pf, "b", key) == 1, key
+            assert len(records_of(pf, "b", key)) == 1, key
             assert pf.get("b", key) == f"w{wins[key][0]}".encode()
 
 
@@ -205,10 +180,10 @@ def test_concurrent_delete_readers_of_mixed_flag_keys_after_a_grow_have_one_winn
                 thread.join(timeout=120)
             assert not any(thread.is_alive() for thread in threads)
             assert errors == [], errors[:3]
-            assert not pf.exists("b", keys[0])  # also adopts the grown map for _records
+            assert not pf.exists("b", keys[0])  # also adopts the grown map for records_of
             for n, key in enumerate(keys):
                 assert got[key] == [f"value-{n}".encode()], (key, got[key])
-                assert _records(pf, "b", key) == 0
+                assert len(records_of(pf, "b", key)) == 0
 
 
 def test_after_a_grow_a_put_looks_for_its_key_only_where_an_earlier_map_placed_it(

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fixtures_servers import ServerSet
-from test_write_once import SPLIT_SERVER_BYTES, _records, _split_keys
+from fixtures_servers import ServerSet, records_of, split_keys, wait_exited
+from test_write_once import SPLIT_SERVER_BYTES
 
 from pocketflow.client import Client, connect
 from pocketflow.errors import ObjectExists, ObjectNotFound, Unavailable
@@ -73,20 +73,6 @@ def _wait_until(what: str, done: Callable[[], bool]) -> None:
         time.sleep(0.05)
 
 
-def _wait_exited(pid: int) -> None:
-    deadline = time.monotonic() + EXIT_WAIT_S
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        with open(f"/proc/{pid}/stat") as stat:
-            if stat.read().split(") ", 1)[1].startswith("Z"):
-                return
-        assert time.monotonic() < deadline, f"server {pid} did not exit"
-        time.sleep(0.05)
-
-
 def test_an_ephemeral_put_stores_through_a_fence_whose_persist_store_never_landed(
     server_factory: Callable[..., tuple[ServerSet, ServerInfo]],
     cluster_secret_file: tuple[bytes, Path],
@@ -95,7 +81,7 @@ def test_an_ephemeral_put_stores_through_a_fence_whose_persist_store_never_lande
     handle = servers.handle()
     with connect(handle, **SHORT_TIMEOUTS) as first:
         first.create_bucket("b")
-        key, mid, persisted, other = _split_keys(first, 4)
+        key, mid, persisted, other = split_keys(first._view.handle, 4, "split")
         pid = servers.process("fence-long").pid
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -106,7 +92,7 @@ def test_an_ephemeral_put_stores_through_a_fence_whose_persist_store_never_lande
         finally:
             # Never continued: the store it holds dies with it.
             os.kill(pid, signal.SIGKILL)
-    _wait_exited(pid)
+    wait_exited(pid, timeout_s=EXIT_WAIT_S)
     restarted = _ServerAt(
         ServerSpec(node_id="fence-long", tier="dram", capacity_bytes=SPLIT_SERVER_BYTES,
                    secret_file=cluster_secret_file[1], long_running=True, threads=1,
@@ -123,7 +109,7 @@ def test_an_ephemeral_put_stores_through_a_fence_whose_persist_store_never_lande
                 later.get("b", key)
             later.put("b", key, b"ephemeral")  # before: ObjectExists, and the key absent
             assert later.get("b", key) == b"ephemeral"
-            assert _records(later, "b", key) == 1
+            assert len(records_of(later, "b", key)) == 1
             for persist in (False, True):
                 with pytest.raises(ObjectExists):
                     later.put("b", key, b"again", persist=persist)
@@ -132,13 +118,13 @@ def test_an_ephemeral_put_stores_through_a_fence_whose_persist_store_never_lande
             # An object of one data block, which goes up in one trip with its record, too.
             later.put("b", mid, MID_VALUE)
             assert later.get("b", mid) == MID_VALUE
-            assert _records(later, "b", mid) == 1
+            assert len(records_of(later, "b", mid)) == 1
             with pytest.raises(ObjectExists):
                 later.put("b", mid, MID_VALUE)
             # A PERSIST put that finds the fence goes on to its store, which decides the same way.
             later.put("b", persisted, b"persist again", persist=True)
             assert later.get("b", persisted) == b"persist again"
-            assert _records(later, "b", persisted) == 1
+            assert len(records_of(later, "b", persisted)) == 1
             for persist in (False, True):
                 with pytest.raises(ObjectExists):
                     later.put("b", persisted, b"third", persist=persist)
@@ -159,7 +145,7 @@ def test_a_late_persist_store_and_a_put_through_its_fence_have_one_winner(
     handle = servers.handle()
     with connect(handle, **PATIENT_TIMEOUTS) as setup:
         setup.create_bucket("b")
-        keys = _split_keys(setup, 2 * RACED_KEYS)
+        keys = split_keys(setup._view.handle, 2 * RACED_KEYS, "split")
     outcomes: dict[str, list[tuple[str, str]]] = {key: [] for key in keys}
 
     def put(pf: Client, who: str, key: str, value: bytes, persist: bool) -> None:
@@ -205,7 +191,7 @@ def test_a_late_persist_store_and_a_put_through_its_fence_have_one_winner(
             told = dict(outcomes[key])
             assert set(told.values()) <= {"won", "exists", "unknown"}, outcomes[key]
             value = through.get("b", key)
-            assert _records(through, "b", key) == 1, (key, outcomes[key])
+            assert len(records_of(through, "b", key)) == 1, (key, outcomes[key])
             winners = [who for who, outcome in outcomes[key] if outcome == "won"]
             # Nobody but the winner was told it won, and the winner's value is what reads.
             possible = ["through"] if value == b"ephemeral" else ["waiting"]

@@ -12,41 +12,14 @@ import threading
 from collections.abc import Callable
 
 import pytest
-from fixtures_servers import CLIENT_OPTIONS, ServerSet
+from fixtures_servers import CLIENT_OPTIONS, ServerSet, records_of, split_keys
 
 from pocketflow.client import Client, connect
 from pocketflow.errors import DataUnavailable, ObjectExists, ObjectNotFound
 from pocketflow.handle import JobHandle, ServerInfo
-from pocketflow.placement import Placement
-from pocketflow.protocol import OP_LOOKUP
 
 ROUNDS = 200
 BARRIER_TIMEOUT_S = 30
-
-
-def records_of(pf: Client, bucket: str, key: str) -> list[str]:
-    """The servers of the job that hold an object (not a fence) of ``key``."""
-    view = pf._view
-    held = []
-    for server in view.handle.servers:
-        reply = pf._call(view, server, OP_LOOKUP, 0, bucket.encode(), key.encode())
-        if reply.status == 0 and not (reply.header is not None and reply.header.fence):
-            held.append(server.node_id)
-    return held
-
-
-def split_keys(handle: JobHandle, count: int, prefix: str) -> list[str]:
-    """Keys whose PERSIST home is another server than their ephemeral home."""
-    placement = Placement.of_handle(handle)
-    keys = []
-    for i in range(100_000):
-        key = f"{prefix}-{i}"
-        if (placement.server_for(key.encode()).node_id
-                != placement.server_for(key.encode(), persist=True).node_id):
-            keys.append(key)
-            if len(keys) == count:
-                return keys
-    raise AssertionError(f"PERSIST and ephemeral keys are placed alike: {handle}")
 
 
 def test_a_persist_and_an_ephemeral_writer_racing_have_exactly_one_winner(

@@ -26,6 +26,14 @@ def metrics_address(fields: list[str]) -> str:
     return next(f.removeprefix("metrics=") for f in fields if f.startswith("metrics="))
 
 
+def assert_serves_plaintext_metrics(fields: list[str]) -> None:
+    """The server whose ready line has ``fields`` serves its metrics over plain HTTP."""
+    assert "metrics_tls" not in fields, fields
+    with urllib.request.urlopen(f"http://{metrics_address(fields)}/metrics",
+                                timeout=SCRAPE_TIMEOUT_S) as reply:
+        assert b"pocketflow_capacity_bytes" in reply.read()
+
+
 def test_a_tls_server_serves_metrics_over_https_only(tmp_path: Path) -> None:
     ca = make_cluster_ca(tmp_path)
     cert = issue_server_cert(tmp_path, "keyed-0", "127.0.0.1")
@@ -57,11 +65,7 @@ def test_metrics_plaintext_is_an_explicit_opt_in(tmp_path: Path) -> None:
     server = start_keyed_server(new_secret(), cert, "--metrics-listen", "127.0.0.1:0",
                                 "--metrics-plaintext")
     try:
-        assert "metrics_tls" not in server.ready_fields, server.ready_fields
-        address = metrics_address(server.ready_fields)
-        with urllib.request.urlopen(f"http://{address}/metrics",
-                                    timeout=SCRAPE_TIMEOUT_S) as reply:
-            assert b"pocketflow_capacity_bytes" in reply.read()
+        assert_serves_plaintext_metrics(server.ready_fields)
     finally:
         server.stop()
 
@@ -69,11 +73,7 @@ def test_metrics_plaintext_is_an_explicit_opt_in(tmp_path: Path) -> None:
 def test_a_server_without_tls_serves_metrics_on_loopback_only(tmp_path: Path) -> None:
     server = start_keyed_server(new_secret(), None, "--metrics-listen", "127.0.0.1:0")
     try:
-        assert "metrics_tls" not in server.ready_fields, server.ready_fields
-        address = metrics_address(server.ready_fields)
-        with urllib.request.urlopen(f"http://{address}/metrics",
-                                    timeout=SCRAPE_TIMEOUT_S) as reply:
-            assert b"pocketflow_capacity_bytes" in reply.read()
+        assert_serves_plaintext_metrics(server.ready_fields)
     finally:
         server.stop()
     # 192.0.2.1 (TEST-NET-1) is never bound: the refusal comes before any bind.

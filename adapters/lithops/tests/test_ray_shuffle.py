@@ -25,11 +25,13 @@ import ray.cloudpickle
 from fixtures_cluster import used_bytes, wait_for
 from pocketflow_lithops.shuffle import SHUFFLE_BLOCK_MAX_BYTES, shuffle, shuffle_block_bytes
 from pocketflow_lithops.shuffle_executors import RayShuffleExecutor, shuffle_executor
+from pocketflow_lithops.shuffle_result import ShuffleResult
 from pocketflow_lithops.shuffle_tasks import data_on_nvme, shuffle_key
 
 import pocketflow
 from pocketflow.cluster import LocalCluster
 from pocketflow.demo import (
+    PartitionCheck,
     SortConfig,
     check_output,
     describe_partition,
@@ -37,6 +39,7 @@ from pocketflow.demo import (
     reduce_records,
 )
 from pocketflow.handle import JobHandle
+from pocketflow.job import Job
 
 # Ray pickles the task functions with its own cloudpickle; the ones defined here travel by
 # value (Ray's workers cannot import this test module).
@@ -123,6 +126,31 @@ def _doomed_pid(flag_dir: Path) -> int | None:
     return int(pid_file.read_text())
 
 
+def _kill_the_doomed_mapper(flag_dir: Path) -> tuple[threading.Thread, list[int]]:
+    """A started thread that SIGKILLs the doomed mapper's process once it said its pid in
+    ``flag_dir`` (:func:`_doomed_pid`), and the list of the pids it killed."""
+    killed: list[int] = []
+
+    def kill() -> None:
+        pid = _doomed_pid(flag_dir)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    return killer, killed
+
+
+def _outputs_leaving_nothing(job: Job, result: ShuffleResult) -> list[PartitionCheck]:
+    """Once ``job``'s shuffle left no object in its bucket: the checks of its outputs, each
+    read with DELETE."""
+    with job.connect() as pf:
+        assert pf.list("shuffle") == []
+        return [describe_partition(r, pf.get(o.bucket, o.key, delete=True))
+                for r, o in enumerate(result.outputs)]
+
+
 def test_a_shuffle_on_ray_tasks_delivers_every_partition_and_leaves_nothing(
     local_cluster: LocalCluster,
 ) -> None:
@@ -183,10 +211,7 @@ def test_a_reducer_on_ray_retried_after_its_delete_reads_has_its_inputs_regenera
         assert result.retried == [1]
         # Its retry found them consumed; exactly its partitions were regenerated, once.
         assert result.regenerated == [[(m, 1) for m in range(3)]]
-        with job.connect() as pf:
-            assert pf.list("shuffle") == []
-            checks = [describe_partition(r, pf.get(o.bucket, o.key, delete=True))
-                      for r, o in enumerate(result.outputs)]
+        checks = _outputs_leaving_nothing(job, result)
     input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
     assert check_output(config, input_checksum=input_checksum, checks=checks) == []
     assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)
@@ -196,26 +221,13 @@ def test_a_mapper_whose_ray_worker_is_killed_runs_again(
     local_cluster: LocalCluster, tmp_path: Path,
 ) -> None:
     config = SortConfig(mappers=3, reducers=2, records=6_000, seed=5)
-    killed: list[int] = []
-
-    def kill_the_doomed_mapper() -> None:
-        pid = _doomed_pid(tmp_path)
-        if pid is None:
-            return
-        os.kill(pid, signal.SIGKILL)
-        killed.append(pid)
-
-    killer = threading.Thread(target=kill_the_doomed_mapper, daemon=True)
-    killer.start()
+    killer, killed = _kill_the_doomed_mapper(tmp_path)
     with local_cluster.register_job("ray-mapper-killed") as job:
         result = shuffle(_ray(), functools.partial(_map_killed_once, str(tmp_path), config),
                          reduce_records, range(config.mappers), reducers=config.reducers,
                          job=job, persist_output=True, timeout_s=SHUFFLE_TIMEOUT_S)
         killer.join(SHUFFLE_TIMEOUT_S)
-        with job.connect() as pf:
-            assert pf.list("shuffle") == []
-            checks = [describe_partition(r, pf.get(o.bucket, o.key, delete=True))
-                      for r, o in enumerate(result.outputs)]
+        checks = _outputs_leaving_nothing(job, result)
     assert killed, "mapper 1 never said its pid"
     runs = sorted(p.name.rsplit("-", 1)[0] for p in tmp_path.glob("mapper-*"))
     assert runs == ["mapper-0", "mapper-1", "mapper-1", "mapper-2"]
@@ -265,17 +277,7 @@ def test_mappers_of_a_killed_ray_process_run_again_ahead_of_queued_reducers(
     # the mappers would take every slot and park waiting for mapper 1's partitions; its rerun
     # (and its bundle's other mappers') must start before them.
     config = SortConfig(mappers=16, reducers=16, records=8_000, seed=11)
-    killed: list[int] = []
-
-    def kill_the_doomed_mapper() -> None:
-        pid = _doomed_pid(tmp_path)
-        if pid is None:
-            return
-        os.kill(pid, signal.SIGKILL)
-        killed.append(pid)
-
-    killer = threading.Thread(target=kill_the_doomed_mapper, daemon=True)
-    killer.start()
+    killer, killed = _kill_the_doomed_mapper(tmp_path)
     with local_cluster.register_job("ray-bundle-killed") as job:
         result = shuffle(RayShuffleExecutor(tasks_max=2),
                          functools.partial(_map_killed_once, str(tmp_path), config),
@@ -284,10 +286,7 @@ def test_mappers_of_a_killed_ray_process_run_again_ahead_of_queued_reducers(
                          input_wait_s=REDUCER_INPUT_WAIT_S,
                          input_size_bytes=config.input_bytes)
         killer.join(SHUFFLE_TIMEOUT_S)
-        with job.connect() as pf:
-            assert pf.list("shuffle") == []
-            checks = [describe_partition(r, pf.get(o.bucket, o.key, delete=True))
-                      for r, o in enumerate(result.outputs)]
+        checks = _outputs_leaving_nothing(job, result)
     assert killed, "mapper 1 never said its pid"
     runs = [p.name.rsplit("-", 1)[0] for p in tmp_path.glob("mapper-*")]
     assert runs.count("mapper-1") == 2

@@ -6,8 +6,8 @@ Session scope: a cluster secret (0600 file) and three servers: ``dram-0`` (long-
 job's data is freed with ``delete_job``. ``server_factory`` starts private servers that a test may
 fill or kill. Every process started here is stopped by its process id. Also helpers that tests
 of several files share: which servers hold a key (``records_of``), keys whose PERSIST and
-ephemeral homes differ (``split_keys``), and waiting for a server process to exit
-(``wait_exited``).
+ephemeral homes differ (``split_keys``), waiting for a server process to exit
+(``wait_exited``) and restarting one at its old address (``ServerAt``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,19 @@ def run_with_handle(script: str, handle: JobHandle, *, timeout_s: float) -> list
     )
     assert result.returncode == 0, result.stderr
     return result.stdout.split()
+
+
+class ServerAt(StorageServerProcess):
+    """A server process listening on a given ``host:port`` (a restart at its old address)."""
+
+    def __init__(self, spec: ServerSpec, address: str) -> None:
+        super().__init__(spec)
+        self._listen = address
+
+    def command(self) -> list[str]:
+        args = super().command()
+        args[args.index("--listen") + 1] = self._listen
+        return args
 
 
 def records_of(pf: Client, bucket: str, key: str) -> list[str]:

@@ -10,28 +10,15 @@ from pathlib import Path
 
 import pytest
 from control_roles import register, roles
-from fixtures_servers import wait_exited
+from fixtures_servers import ServerAt, wait_exited
 
 from pocketflow.client import connect
 from pocketflow.control.epochs import Epochs
 from pocketflow.errors import JobNotRegistered
-from pocketflow.server_process import ServerSpec, StorageServerProcess
+from pocketflow.server_process import ServerSpec
 
 CAPACITY_BYTES = 16 * 1024 * 1024
 EXIT_WAIT_S = 10.0
-
-
-class _ServerAt(StorageServerProcess):
-    """A server process listening on a given ``host:port`` (a restart at its old address)."""
-
-    def __init__(self, spec: ServerSpec, address: str) -> None:
-        super().__init__(spec)
-        self._listen = address
-
-    def command(self) -> list[str]:
-        args = super().command()
-        args[args.index("--listen") + 1] = self._listen
-        return args
 
 
 def test_a_restarted_server_refuses_a_live_job_until_the_controller_sends_its_map(
@@ -47,7 +34,7 @@ def test_a_restarted_server_refuses_a_live_job_until_the_controller_sends_its_ma
 
         os.kill(info.server_pid, signal.SIGKILL)
         wait_exited(info.server_pid, timeout_s=EXIT_WAIT_S)
-        restarted = _ServerAt(
+        restarted = ServerAt(
             ServerSpec(node_id="rs-0", tier="dram", capacity_bytes=CAPACITY_BYTES,
                        secret_file=secret_file, threads=1, metrics=False),
             info.address,

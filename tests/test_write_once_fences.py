@@ -18,14 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fixtures_servers import ServerSet, records_of, split_keys, wait_exited
+from fixtures_servers import ServerAt, ServerSet, records_of, split_keys, wait_exited
 from test_write_once import SPLIT_SERVER_BYTES
 
 from pocketflow.client import Client, connect
 from pocketflow.errors import ObjectExists, ObjectNotFound, Unavailable
 from pocketflow.handle import ServerInfo
 from pocketflow.protocol import OP_LOOKUP
-from pocketflow.server_process import ServerSpec, StorageServerProcess
+from pocketflow.server_process import ServerSpec
 
 SHORT_TIMEOUTS = {"op_timeout_s": "1s", "rpc_timeout_s": "1s", "stream_timeout_s": "10s"}
 """A writer whose store on a stopped server times out quickly."""
@@ -36,19 +36,6 @@ WAIT_S = 15.0
 RACED_KEYS = 8
 MID_VALUE = bytes(range(256)) * 1200
 """An object of one data block (above the small-object bound, below the block size)."""
-
-
-class _ServerAt(StorageServerProcess):
-    """A server process listening on a given ``host:port`` (a restart at its old address)."""
-
-    def __init__(self, spec: ServerSpec, address: str) -> None:
-        super().__init__(spec)
-        self._listen = address
-
-    def command(self) -> list[str]:
-        args = super().command()
-        args[args.index("--listen") + 1] = self._listen
-        return args
 
 
 def _split_job(
@@ -93,7 +80,7 @@ def test_an_ephemeral_put_stores_through_a_fence_whose_persist_store_never_lande
             # Never continued: the store it holds dies with it.
             os.kill(pid, signal.SIGKILL)
     wait_exited(pid, timeout_s=EXIT_WAIT_S)
-    restarted = _ServerAt(
+    restarted = ServerAt(
         ServerSpec(node_id="fence-long", tier="dram", capacity_bytes=SPLIT_SERVER_BYTES,
                    secret_file=cluster_secret_file[1], long_running=True, threads=1,
                    metrics=False),

@@ -148,6 +148,7 @@ def read_cached(spec_json: str, bucket: str, keys: list[str], size: int) -> dict
     cache.source_store.connect(boto3=False)
     before = Counter(request_counts())
     stats_before = cache.stats.to_dict()
+    started_unix = time.time()
     started, cpu_started = time.perf_counter(), time.process_time()
     # Views of one buffer per round with huge pages: each call is a fresh process (Lithops
     # forks one per call), whose get_many would fault 64 MiB in 4 KiB at a time.
@@ -159,7 +160,7 @@ def read_cached(spec_json: str, bucket: str, keys: list[str], size: int) -> dict
     after = Counter(request_counts())
     stats = {k: v - stats_before.get(k, 0) for k, v in cache.stats.to_dict().items()}
     return {"io_s": io_s, "io_cpu_s": io_cpu_s, "reads": len(keys), "hits": stats["hits"],
-            "ok": ok,
+            "ok": ok, "started_unix": started_unix,
             "bytes": sum(len(d) for d in datas), "requests": dict(after - before),
             "stats": stats}
 
@@ -229,6 +230,8 @@ def _summary(way: str, results: list[dict[str, Any]], job_s: float,
         # changes far less than the wall time.
         "io_cpu_s_per_task": [r.get("io_cpu_s") for r in results],
         "stats_per_task": [r["stats"] for r in results],
+        # When each call's reads began (unix s): which calls ran while a prewarm did.
+        "started_unix_per_task": [r.get("started_unix") for r in results],
     }
     row.update(extra or {})
     return row
@@ -339,14 +342,16 @@ def run_ways(mixes: list[Mix], source: Any, fexec: Any,
         for mix in mixes:
             before = Counter(request_counts())
             s3_cpu_before, busy_before = _process_cpu_s(s3_pid), machine_busy_cpu_s()
-            started = time.perf_counter()
+            started, opening_unix = time.perf_counter(), time.time()
             with open_cache(mix.cache, source, app=mix.cache, cluster=cluster, prewarm=True,
                             working_set_url=mix.ws_url, idle="10min") as cache:
+                opened_unix = time.time()
                 spec = cache.spec.to_json()
                 results, _ = _map(fexec, read_cached,
                                   [(spec, mix.bucket, share, mix.size) for share in mix.shares])
                 job_s = time.perf_counter() - started
                 cache.wait_prewarmed(600.0)
+                prewarmed_unix = time.time()
                 wall_s = time.perf_counter() - started
                 s3_cpu_after, busy_after = _process_cpu_s(s3_pid), machine_busy_cpu_s()
                 status = cache.close()
@@ -355,9 +360,31 @@ def run_ways(mixes: list[Mix], source: Any, fexec: Any,
                         if s3_cpu_before is not None and s3_cpu_after is not None else None)
             cpu = _prewarm_cpu(status, requests.get("GetObject", 0), s3_cpu_s,
                                busy_after - busy_before, wall_s)
+            # The prewarm's span on the calls' clock: from opening the cache to the driver
+            # seeing it done (an upper bound of its end).
+            times = {"opening_unix": opening_unix, "opened_unix": opened_unix,
+                     "prewarmed_unix": prewarmed_unix}
             _report(mix, _summary("prewarmed", results, job_s, requests,
-                                  {"cache": status, **cpu}), rows)
+                                  {"cache": status, **cpu, **times}), rows)
     return rows
+
+
+def prewarm_overlap(row: dict[str, Any]) -> dict[str, Any] | None:
+    """Of a prewarmed run's calls, those that began reading before its prewarm ended (on the
+    calls' clock: the cache's opening plus ``prewarm_s``) and the others: how many, and their
+    mean I/O. A call that overlaps the prewarm shares the machine's cores with its fetches
+    (the workers', the S3 server's and the storage servers' CPU); None for a result file
+    written before the calls' start times were kept."""
+    starts = row.get("started_unix_per_task") or []
+    prewarm_s = (row.get("cache") or {}).get("prewarm_s")
+    if not starts or None in starts or prewarm_s is None or "opening_unix" not in row:
+        return None
+    ended = row["opening_unix"] + prewarm_s
+    during = [io for io, t in zip(row["io_s_per_task"], starts, strict=True) if t < ended]
+    after = [io for io, t in zip(row["io_s_per_task"], starts, strict=True) if t >= ended]
+    return {"first_call_s": min(starts) - row["opening_unix"], "prewarm_s": prewarm_s,
+            "during": len(during), "during_io_s_mean": statistics.fmean(during) if during else None,
+            "after": len(after), "after_io_s_mean": statistics.fmean(after) if after else None}
 
 
 def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -441,6 +468,15 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{'?' if s3_cpu is None else format(s3_cpu, '.0f')} us of CPU per object; the "
                 f"machine's cores were {r['machine_busy_cores']:.2f} busy on average of "
                 f"{m['cores']} (from opening the cache to the prewarm's end)")
+            overlap = prewarm_overlap(r)
+            if overlap is not None:
+                lines.append(
+                    f"- {r['mix']}, prewarmed run: the first call began reading "
+                    f"{overlap['first_call_s']:.2f} s after the cache was opened, the prewarm "
+                    f"ended at {overlap['prewarm_s']:.2f} s; {overlap['during']} calls began "
+                    "while it ran (mean I/O "
+                    f"{_or_unknown(overlap['during_io_s_mean'], 1000)} ms), {overlap['after']} "
+                    f"after (mean {_or_unknown(overlap['after_io_s_mean'], 1000)} ms)")
     lines += ["", "Side by side with Faa$T (SoCC'21: runs up to 92% and on average 57% faster "
               "with its cache; every read first checks the object's version in blob storage):"]
     for mix, g in results["goals"].items():

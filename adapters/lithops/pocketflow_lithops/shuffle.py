@@ -39,7 +39,10 @@ What it does, in Pocket's terms:
   ``input_size_bytes`` says partitions are larger than the job's block size, the tasks' clients
   write with a block size that holds one (:func:`shuffle_block_bytes`, at most
   ``SHUFFLE_BLOCK_MAX_BYTES``), unless ``client_options`` or the environment sets one: a
-  reducer reads an object of one data block with one READ that also claims it.
+  reducer reads an object of one data block with one READ that also claims it. Its PERSIST
+  output keeps the job's block size: it takes the DRAM its consumed partitions left, holes of
+  a partition's size between partitions not yet read, and a larger block fits none of them
+  (the server refuses it for want of a free extent and the writer overflows to NVMe).
 - **Final outputs.** With ``persist_output`` the reducer's bytes are written with PERSIST to
   ``output_bucket`` and outlive the job; the driver gets :class:`OutputInfo` (key and size) and
   reads them with :func:`pocketflow.connect` and :attr:`ShuffleResult.handle_json`. Without it
@@ -374,13 +377,16 @@ def _run_stages(
     started_unix_s = time.time()
     options = dict(client_options or {})
     # Each (mapper, reducer) object of one data block where the input size says how large
-    # they are, unless the caller chose the block size.
+    # they are, unless the caller chose the block size. The outputs keep the job's (module
+    # doc, "One object per (mapper, reducer)").
+    output_block_bytes = None
     if (layout == "objects" and input_size_bytes is not None
             and "block_size_bytes" not in ClientConfig.resolve(**options).explicit):
         block_bytes = shuffle_block_bytes(input_size_bytes // (len(map_inputs) * reducers),
                                           job.handle.block_size_bytes)
         if block_bytes != job.handle.block_size_bytes:
             options["block_size_bytes"] = block_bytes
+            output_block_bytes = job.handle.block_size_bytes
     with job.connect(**options) as pf:
         for bucket in (SHUFFLE_BUCKET, output_bucket) if persist_output else (SHUFFLE_BUCKET,):
             try:
@@ -402,6 +408,7 @@ def _run_stages(
             call_bytes=None if input_size_bytes is None else
             input_size_bytes // min(len(map_inputs), reducers),
             on_nvme=data_on_nvme(pf.handle),
+            output_block_bytes=output_block_bytes if persist_output else None,
         )
         if layout == "append":
             return run_append_layout(executor, pf, job.job_id, map_function, reduce_function,

@@ -191,6 +191,11 @@ class _Spec(NamedTuple):
     on_nvme: bool = False
     """Whether the job's map places most of its new data on NVMe servers (see
     :func:`data_on_nvme`): its reducers then mostly wait on the device."""
+    output_block_bytes: int | None = None
+    """The block size of the reducers' PERSIST outputs where ``client_options`` hold the
+    shuffle's own pick for its partitions (the job's: a reducer's output fills the holes its
+    consumed partitions left on DRAM, which a larger block does not fit); ``None``: the
+    tasks' clients' own."""
     steered: tuple[tuple[int, int, str], ...] = ()
     """``(mapper, reducer, key)`` of each partition regenerated under another key than its
     :func:`shuffle_key` (:func:`steered_key`): its rerun writes it there and its reducer reads
@@ -290,7 +295,7 @@ _CLIENTS: ClientCache | None = None
 _CLIENTS_LOCK = threading.Lock()
 
 
-def _client(spec: _Spec) -> Client:
+def _client(spec: _Spec, **overrides: Any) -> Client:
     """This worker process's client for the shuffle's handle, kept open for the next task.
 
     A warm worker (Lithops runs many calls per worker process) reuses its connections and
@@ -303,7 +308,7 @@ def _client(spec: _Spec) -> Client:
     with _CLIENTS_LOCK:  # Made on first use, like this module's other imports of the client.
         if _CLIENTS is None:
             _CLIENTS = ClientCache(WORKER_CLIENTS_MAX)
-    return _CLIENTS.get(spec.handle_json, **dict(spec.client_options))
+    return _CLIENTS.get(spec.handle_json, **(dict(spec.client_options) | overrides))
 
 
 def data_on_nvme(handle: JobHandle) -> bool:
@@ -674,7 +679,9 @@ def _reduce_task(call: _ReduceCall) -> _ReduceOutcome:
         started = time.perf_counter()
         key = output_key(call.reducer)
         data = memoryview(value).cast("B")
-        pf.put(spec.output_bucket, key, data, persist=True, overwrite=True)
+        writer = (pf if spec.output_block_bytes is None else
+                  _client(spec, block_size_bytes=spec.output_block_bytes))
+        writer.put(spec.output_bucket, key, data, persist=True, overwrite=True)
         write_s = time.perf_counter() - started
         io_s += write_s
         value = OutputInfo(spec.output_bucket, key, len(data))

@@ -30,6 +30,7 @@ from pocketflow_lithops.shuffle_tasks import data_on_nvme, shuffle_key
 
 import pocketflow
 from pocketflow.cluster import LocalCluster
+from pocketflow.control.admin import AdminTokens
 from pocketflow.demo import (
     PartitionCheck,
     SortConfig,
@@ -38,7 +39,7 @@ from pocketflow.demo import (
     map_records,
     reduce_records,
 )
-from pocketflow.handle import JobHandle
+from pocketflow.handle import JobHandle, ServerInfo
 from pocketflow.job import Job
 
 # Ray pickles the task functions with its own cloudpickle; the ones defined here travel by
@@ -660,6 +661,39 @@ def test_partitions_larger_than_a_block_are_shuffled_as_one_block_each(
     assert served["picked"].get(("direct_read", "get"), 0) >= shuffle_objects, served["picked"]
     # Inputs consumed, outputs read with DELETE, both jobs deregistered: nothing left.
     assert wait_for(lambda: used_bytes(local_cluster) == baseline), used_bytes(local_cluster)
+
+
+def test_outputs_fill_the_dram_holes_of_partitions_shuffled_as_one_block(
+    local_cluster: LocalCluster, server_factory: Callable[..., tuple[Any, ServerInfo]],
+) -> None:
+    # 8 x 2 partitions of 1.1 MB (1.05 MiB) on one DRAM server with about 3 MiB free beyond
+    # them: the shuffle writes each as one block of its pick (2 MiB), and a reducer's output
+    # (8.8 MB) then has the holes its consumed partitions left (1.05 MiB each, between the
+    # other reducer's partitions) and that free tail. Written in blocks of the job's size
+    # (1 MiB) it fits them; in blocks of 2 MiB none of the holes takes one, the DRAM server
+    # refuses them (no free extent) and the writers overflowed all 17.6 MB of outputs to NVMe
+    # (the 1 GB sort sent 40-100 MiB of its outputs to NVMe this way).
+    mib = 1024 * 1024
+    config = SortConfig(mappers=8, reducers=2, records=176_000, seed=21)
+    partition_bytes = config.input_bytes // (config.mappers * config.reducers)
+    assert mib < partition_bytes and shuffle_block_bytes(partition_bytes, mib) == 2 * mib
+    servers, dram = server_factory("holes-dram-0", "dram", 20 * mib, long_running=True)
+    _, nvme = server_factory("holes-nvme-0", "nvme", 64 * mib, long_running=True, weight=0.0)
+    job = Job(servers.handle(servers=[dram, nvme], block_size_bytes=mib), local_cluster.control)
+    # One task at a time: every mapper's partitions are written before the first reducer's
+    # output, and one reducer's output before the other consumes its partitions.
+    result = shuffle(RayShuffleExecutor(tasks_max=1), functools.partial(map_records, config),
+                     reduce_records, range(config.mappers), reducers=config.reducers,
+                     job=job, input_size_bytes=config.input_bytes, persist_output=True,
+                     timeout_s=SHUFFLE_TIMEOUT_S)
+    admin = AdminTokens(servers.secret)
+    on_nvme = int(admin.client(nvme.address).stats()["used_bytes"])
+    assert on_nvme < mib, f"{on_nvme} bytes of outputs overflowed to NVMe"
+    with pocketflow.connect(result.handle_json) as pf:
+        checks = [describe_partition(r, pf.get(o.bucket, o.key, delete=True))
+                  for r, o in enumerate(result.outputs)]
+    input_checksum = sum(m.checksum for m in result.map_values) % (1 << 64)
+    assert check_output(config, input_checksum=input_checksum, checks=checks) == []
 
 
 def _requests_by_op(cluster: LocalCluster) -> dict[tuple[str, str], float]:

@@ -33,6 +33,9 @@ from pocketflow.control.storage_node import StorageNode, StorageNodeInfo
 from pocketflow.handle import JobHandle
 
 ADMIN_TIMEOUT_S = 3.0
+FAN_OUT_BOUND_S = 2 * ADMIN_TIMEOUT_S
+"""How long a fan-out over hung servers may take: one admin deadline, with generous slack for a
+loaded machine (a bound that ends the wait, not a speed)."""
 BLOCK_SIZE_BYTES = 1024 * 1024
 TOKEN_TTL_S = 3600.0
 
@@ -170,3 +173,21 @@ def _thread_state(pid: int, task: str) -> str | None:
             return stat.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return None  # the thread ended
+
+
+CONFIRM_WAIT_S = 30.0
+"""How long a test runs the monitor's retries for servers that answer again to confirm."""
+
+
+def retry_until_confirmed(built: Roles, never: str) -> None:
+    """Run the monitor loop's retry pass (``due``, ``send``, ``settle``) until every server
+    confirmed its job's epoch; fails with ``never`` after ``CONFIRM_WAIT_S``."""
+    deadline = time.monotonic() + CONFIRM_WAIT_S
+    while built.epochs.unconfirmed():
+        assert time.monotonic() < deadline, never
+        time.sleep(0.2)
+        with built.lock:
+            due = built.epochs.due()
+        confirmed, failed = Epochs.send(due, built.retry_admin)
+        with built.lock:
+            built.epochs.settle(confirmed, failed)

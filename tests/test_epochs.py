@@ -8,7 +8,14 @@ import time
 from pathlib import Path
 
 import pytest
-from control_roles import ADMIN_TIMEOUT_S, Roles, register, roles, sigstop
+from control_roles import (
+    ADMIN_TIMEOUT_S,
+    FAN_OUT_BOUND_S,
+    register,
+    retry_until_confirmed,
+    roles,
+    sigstop,
+)
 from fixtures_cluster import keys_on
 
 from pocketflow.client import connect
@@ -172,7 +179,7 @@ def test_a_server_that_misses_a_new_epoch_is_told_again_until_it_confirms(
                 built.epochs.settle(confirmed, failed)
         finally:
             os.kill(stopped.server_pid, signal.SIGCONT)
-        _retry_until_confirmed(built, "the stopped server never confirmed")
+        retry_until_confirmed(built, "the stopped server never confirmed")
         # The server holds the new epoch: a write with the old map is told it.
         with pytest.raises(StaleEpoch):
             built.admin.client(stopped.address).set_epoch(
@@ -182,11 +189,6 @@ def test_a_server_that_misses_a_new_epoch_is_told_again_until_it_confirms(
 HUNG_SERVERS = 3
 """Servers SIGSTOPped at once below: called one after another they would cost three admin
 deadlines, well past the bound the tests allow."""
-
-FAN_OUT_BOUND_S = 2 * ADMIN_TIMEOUT_S
-"""How long a fan-out over hung servers may take: one admin deadline, with generous slack for a
-loaded machine (a bound that ends the wait, not a speed)."""
-
 
 def test_a_registration_and_a_retry_pass_wait_one_deadline_however_many_servers_hang(
     cluster_secret_file: tuple[bytes, Path],
@@ -229,7 +231,7 @@ def test_a_registration_and_a_retry_pass_wait_one_deadline_however_many_servers_
         finally:
             for pid in stopped:
                 os.kill(pid, signal.SIGCONT)
-        _retry_until_confirmed(built, "the hung servers never confirmed")
+        retry_until_confirmed(built, "the hung servers never confirmed")
         # Every server holds the epoch: each takes the job's writes (a server not told of the
         # job refuses them as job_not_registered).
         with connect(handle, op_timeout_s="5s") as pf:
@@ -281,20 +283,3 @@ def test_a_suspect_gets_weight_zero_and_its_weight_back_without_being_called(
         assert built.epochs.unconfirmed() == {}
         assert JobHandle.from_json(back.to_json()) == back
 
-
-CONFIRM_WAIT_S = 30.0
-"""How long a test runs the monitor's retries for servers that answer again to confirm."""
-
-
-def _retry_until_confirmed(built: Roles, never: str) -> None:
-    """Run the monitor loop's retry pass (``due``, ``send``, ``settle``) until every server
-    confirmed its job's epoch; fails with ``never`` after ``CONFIRM_WAIT_S``."""
-    deadline = time.monotonic() + CONFIRM_WAIT_S
-    while built.epochs.unconfirmed():
-        assert time.monotonic() < deadline, never
-        time.sleep(0.2)
-        with built.lock:
-            due = built.epochs.due()
-        confirmed, failed = Epochs.send(due, built.retry_admin)
-        with built.lock:
-            built.epochs.settle(confirmed, failed)

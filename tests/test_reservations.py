@@ -8,20 +8,32 @@ job's NVMe). The shares travel in the map the controller sends (``set_epoch``'s
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from control_roles import register, roles
+from control_roles import (
+    FAN_OUT_BOUND_S,
+    Roles,
+    register,
+    retry_until_confirmed,
+    roles,
+    sigstop,
+)
 from fixtures_servers import CLIENT_OPTIONS, ServerSet
 
 from pocketflow.client import connect
 from pocketflow.control.epochs import map_with_reservations
 from pocketflow.control.hints import JobDemand
-from pocketflow.errors import BucketExists, CapacityExhausted
+from pocketflow.control.metadata import Metadata
+from pocketflow.control.restore import InitData, RestoredNode, restore
+from pocketflow.errors import BucketExists, CapacityExhausted, StaleEpoch
 from pocketflow.handle import JobHandle, ServerInfo
 
 MiB = 1024 * 1024
@@ -153,6 +165,152 @@ def test_the_controller_tells_each_server_its_share_and_ending_a_job_releases_it
         with connect(a, **CLIENT_OPTIONS) as pa:
             for i in range(200, 200 + B_OBJECTS):
                 pa.put("x", f"k/{i:03d}", payload(i))
+
+
+DROPPED_OBJECTS = 100
+"""What the unhinted job writes on the server the reserving job left: 6.25 MiB, more than the
+server's data room less the reserving job's share (about 3.9 MiB)."""
+B_KEPT_OBJECTS = 8
+"""What the reserving job writes on ``rs-0`` before it leaves it (512 KiB): it stays there (a map
+that no longer names the server no longer reads it) until the job's end frees it."""
+
+
+def reserving_beside_unhinted(built: Roles) -> tuple[JobHandle, JobHandle]:
+    """On server ``rs-0`` (started here, the only one so far): a job reserving
+    ``B_RESERVED_BYTES`` there, which writes ``B_KEPT_OBJECTS`` in bucket ``x``, and one
+    registered without hints (no share)."""
+    rs0 = built.start("rs-0", capacity_bytes=DRAM_BYTES)
+    b = register(built, "reserving", {"data_size_bytes": B_RESERVED_BYTES})
+    a = register(built, "unhinted")
+    assert [s.node_id for s in a.servers] == [s.node_id for s in b.servers] == ["rs-0"]
+    with connect(b, **CLIENT_OPTIONS) as pb:
+        pb.create_bucket("x")
+        for i in range(B_KEPT_OBJECTS):
+            pb.put("x", f"kept/{i}", payload(2000 + i))
+    assert shares(built, rs0.address, b.job_id) == B_RESERVED_BYTES
+    return a, b
+
+
+def shares(built: Roles, address: str, job_id: str, field: str = "reserved_bytes") -> int:
+    """``job_id``'s share of its reservation (or another ``field`` of its usage) on the server
+    at ``address``, as it reports it (its stats list only the jobs with a bucket there)."""
+    jobs = built.admin.client(address).stats().get("jobs", {})
+    return int(jobs.get(job_id, {}).get(field, 0))
+
+
+def write_into_the_room_left(built: Roles, a: JobHandle, b: JobHandle) -> None:
+    """The reserving job ``b`` left ``rs-0``: ``a`` writes ``DROPPED_OBJECTS`` there (room its
+    share kept free while ``rs-0`` held it), a stale ``set_epoch`` of ``b``'s first map (naming
+    its share there) cannot bring the share back, and ``b``'s end, sent to every live server
+    as ``deregister_job`` sends it, frees what ``b`` left there."""
+    rs0 = a.servers[0].address
+    assert shares(built, rs0, b.job_id) == 0
+    with connect(a, **CLIENT_OPTIONS) as pa:
+        pa.create_bucket("x")
+        written = {f"k/{i:03d}": payload(i) for i in range(DROPPED_OBJECTS)}
+        for key, data in written.items():
+            pa.put("x", key, data)
+        assert pa.get_many("x", list(written)) == list(written.values())
+    first = map_with_reservations(b, JobDemand(
+        throughput_bytes_per_s=0, capacity_bytes=B_RESERVED_BYTES, tiers=("dram",)))
+    assert first["reserved_bytes"] == {"rs-0": B_RESERVED_BYTES}
+    with pytest.raises(StaleEpoch):
+        built.admin.client(rs0).set_epoch(b.job_id, b.epoch, first)
+    assert shares(built, rs0, b.job_id) == 0
+    assert shares(built, rs0, b.job_id, "used_bytes") >= B_KEPT_OBJECTS * OBJECT_BYTES
+    with built.lock:
+        built.jobs.remove(b.job_id)
+        targets = sorted(built.membership.ids())
+    confirmed, unreachable = built.ends.end(b.job_id, targets)
+    assert (sorted(n for n, _ in confirmed), unreachable) == (["rs-0", "rs-1"], [])
+    assert b.job_id not in built.admin.client(rs0).stats().get("jobs", {})
+
+
+def test_a_server_a_job_moved_off_gives_up_the_jobs_share(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """Through the controller's roles (no Ray): a job moved off a live server (``exclude``,
+    as a repair, a rightsizing or a drain moves it) no longer holds its share there, so a job
+    without one may write into that room; its share goes with it to the server it moved to."""
+    _, secret_file = cluster_secret_file
+    with roles(secret_file) as built:
+        a, b = reserving_beside_unhinted(built)
+        rs1 = built.start("rs-1", capacity_bytes=DRAM_BYTES)
+        with built.lock:
+            built.epochs.exclude(b.job_id, "rs-0")
+        moved = built.jobs.record(b.job_id).handle
+        assert [s.node_id for s in moved.servers] == ["rs-1"]
+        assert built.epochs.unconfirmed() == {}
+        with connect(moved, **CLIENT_OPTIONS) as pb:
+            pb.create_bucket("y")  # on rs-1, which then lists the job in its stats
+        assert shares(built, rs1.address, b.job_id) == B_RESERVED_BYTES
+        write_into_the_room_left(built, a, b)
+
+
+def test_a_hung_server_a_job_moved_off_does_not_hold_up_the_move_and_learns_it_later(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """The server a job moves off is hung (SIGSTOP): the move returns within one admin
+    deadline, the server stays unconfirmed (though the new map does not name it) until the
+    monitor's retries reach it once it runs again, and then gives up the job's share."""
+    _, secret_file = cluster_secret_file
+    with roles(secret_file) as built:
+        a, b = reserving_beside_unhinted(built)
+        built.start("rs-1", capacity_bytes=DRAM_BYTES)
+        pid = built.membership.get("rs-0").server_pid
+        sigstop(pid)
+        try:
+            started = time.monotonic()
+            with built.lock:
+                built.epochs.exclude(b.job_id, "rs-0")
+            moved_s = time.monotonic() - started
+            assert moved_s < FAN_OUT_BOUND_S, f"the move waited {moved_s:.1f}s on rs-0"
+            assert built.epochs.unconfirmed() == {b.job_id: ["rs-0"]}
+            # A second move while it hangs: the retry carries the newest map.
+            with built.lock:
+                latest = built.epochs.move(b.job_id, built.jobs.record(b.job_id).handle.servers)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with built.lock:
+            due = built.epochs.due()
+        assert [(c.node_id, c.epoch) for c in due] in ([], [("rs-0", latest.epoch)])
+        retry_until_confirmed(built, "rs-0 never learnt the job left it")
+        write_into_the_room_left(built, a, b)
+
+
+def test_a_restarted_controller_tells_a_server_only_an_earlier_map_named_that_the_job_left(
+    cluster_secret_file: tuple[bytes, Path], tmp_path: Path
+) -> None:
+    """The controller crashes while the server a job moved off has not confirmed the move
+    (it hung, SIGSTOP, and runs again): the restarted roles, which know only the log, find the
+    server among the job's earlier maps and tell it the job's current map, so it gives up the
+    share."""
+    _, secret_file = cluster_secret_file
+    metadata = Metadata(tmp_path / "metadata.log")
+    with roles(secret_file, metadata=metadata) as before:
+        a, b = reserving_beside_unhinted(before)
+        before.start("rs-1", capacity_bytes=DRAM_BYTES)
+        infos = [before.membership.get(n) for n in ("rs-0", "rs-1")]
+        sigstop(infos[0].server_pid)
+        try:
+            with before.lock:
+                before.epochs.exclude(b.job_id, "rs-0")
+            assert before.epochs.unconfirmed() == {b.job_id: ["rs-0"]}
+        finally:
+            os.kill(infos[0].server_pid, signal.SIGCONT)
+        init = InitData(
+            nodes=[RestoredNode(info, node, True, node.stats())
+                   for info, node in zip(infos, before.started, strict=True)],
+            jobs=metadata.jobs(),
+        )
+        with roles(secret_file, metadata=metadata) as after:
+            with after.lock:
+                restore(init, membership=after.membership, jobs=after.jobs,
+                        leases=after.leases, routes=after.routes, epochs=after.epochs,
+                        ends=after.ends, add_server=after.membership.add)
+            assert "rs-0" in after.epochs.unconfirmed()[b.job_id]
+            retry_until_confirmed(after, "rs-0 never learnt the job left it")
+            write_into_the_room_left(after, a, b)
 
 
 def test_a_job_without_another_tier_is_refused_naming_the_others_reservations(

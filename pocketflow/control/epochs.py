@@ -34,11 +34,14 @@ SET_EPOCH_RETRY_MAX_S = 5.0
 
 @dataclass
 class _Unconfirmed:
-    """A server that has not confirmed a job's epoch ``epoch``: when to try it again."""
+    """A server that has not confirmed a job's epoch ``epoch``: when to try it again.
+    ``left``: the server left the job's map (a live server must still learn the epoch whose map
+    does not name it, which ends its share of the job's reservation)."""
 
     epoch: int
     next_try_s: float
     pause_s: float
+    left: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,13 +59,17 @@ class Epochs:
     """Gives jobs new epochs. Every method is called under the controller's lock, except
     :meth:`send` (the monitor loop's retries, which wait on servers).
 
-    A new map is sent to each server of it at once (``admin``, one call each); a server that does
-    not confirm it in time, or that is suspect (hung: the call would only wait), stays
-    *unconfirmed*, and the monitor loop retries it (:meth:`due`, :meth:`send`, :meth:`settle`)
-    on its own deadline, with backoff, until it confirms or leaves the map or the cluster. A
+    A new map is sent to each server of it at once (``admin``, one call each), and to each live
+    server that the job's previous map named and the new one does not (the new map's
+    ``reserved_bytes`` does not name it: its share of the job's reservation ends, so other jobs
+    may write into that room). A server that does not confirm it in time, or that is suspect
+    (hung: the call would only wait), stays *unconfirmed*, and the monitor loop retries it
+    (:meth:`due`, :meth:`send`, :meth:`settle`) on its own deadline, with backoff, with the
+    job's current map, until it confirms, the job ends or the server leaves the cluster. A
     server that joins (or comes back after a restart of the controller) is sent every live job's
-    map that names it (:meth:`resync`). The unconfirmed table holds at most one entry per server
-    of each registered job's map (as bounded as the job table and the maps).
+    map that names it, or that only the job's earlier maps name (:meth:`resync`). The
+    unconfirmed table holds at most one entry per live server for each registered job (as
+    bounded as the job table and the membership).
 
     ``call_metadata(method, *args)`` writes the job's new map (and its prefix grants, which go
     with its routes, and the weights held back from suspects) to its ``Metadata`` record, so a
@@ -105,9 +112,12 @@ class Epochs:
     ) -> JobHandle:
         """Give a job the next epoch with ``servers`` (and ``routes``, ``suspects`` and the
         weights held back from them, else those of its current map): tell the servers, then
-        record it. Suspects and held weights of servers the map no longer names are dropped."""
+        record it. Suspects and held weights of servers the map no longer names are dropped; the
+        live servers it no longer names are told the new epoch too (their share of the job's
+        reservation ends)."""
         record = self._jobs.record(job_id)
         named = {s.node_id for s in servers}
+        left = tuple(s for s in record.handle.servers if s.node_id not in named)
         suspects = record.handle.suspects if suspects is None else suspects
         held = record.held_weights if held_weights is None else held_weights
         kept = tuple(n for n in suspects if n in named)
@@ -126,7 +136,7 @@ class Epochs:
             record, handle=handle,
             held_weights={n: w for n, w in held.items() if n in handle.suspects},
         )
-        self._publish(handle, _demand_of(record))
+        self._publish(handle, _demand_of(record), left=left)
         self._jobs.put(record)
         changed = record.to_metadata()
         fields = {k: changed[k] for k in ("epoch", "weight_map", "hints", "demand",
@@ -141,18 +151,26 @@ class Epochs:
         )
         return handle
 
-    def _publish(self, handle: JobHandle, demand: JobDemand | None) -> None:
-        """Send a job's new map to the servers of it at once (one deadline for all: a hung
+    def _publish(
+        self, handle: JobHandle, demand: JobDemand | None, *, left: tuple[ServerInfo, ...] = ()
+    ) -> None:
+        """Send a job's new map to the servers of it and to the live ones among ``left`` (named
+        by the job's previous map, not by this one) at once (one deadline for all: a hung
         server costs one admin call's timeout however many hang); those that do not confirm
         (suspects are not even asked) stay unconfirmed, retried by the monitor loop. The
         unconfirmed table is touched only here, in the calling thread."""
         weight_map = map_with_reservations(handle, demand)
         now_s = time.monotonic()
+        # A server that left the cluster is not told: its process is stopped, and a server
+        # process that starts anew holds no share of a job it was not told about.
+        dropped = {s.node_id for s in left if self._membership.get(s.node_id) is not None}
+        told = [*handle.servers, *(s for s in left if s.node_id in dropped)]
         asked: list[ServerInfo] = []
-        for server in handle.servers:
+        for server in told:
             if self._membership.is_suspect(server.node_id):
                 self._unconfirmed[(handle.job_id, server.node_id)] = _Unconfirmed(
-                    handle.epoch, now_s, SET_EPOCH_RETRY_FIRST_S
+                    handle.epoch, now_s, SET_EPOCH_RETRY_FIRST_S,
+                    left=server.node_id in dropped,
                 )
             else:
                 asked.append(server)
@@ -170,7 +188,7 @@ class Epochs:
                 self._admin.forget(server.address)
                 self._unconfirmed[key] = _Unconfirmed(
                     handle.epoch, time.monotonic() + SET_EPOCH_RETRY_FIRST_S,
-                    SET_EPOCH_RETRY_FIRST_S,
+                    SET_EPOCH_RETRY_FIRST_S, left=server.node_id in dropped,
                 )
                 continue
             self._unconfirmed.pop(key, None)
@@ -178,16 +196,26 @@ class Epochs:
     def resync(self, node_id: str | None = None) -> int:
         """Mark the current map of every job that names ``node_id`` (every server, without
         one) unconfirmed there, due now: a server that joins, or every server after the
-        controller restarted, is told every live job's epoch. Returns how many were marked."""
+        controller restarted, is told every live job's epoch. So is a live server that only
+        the job's earlier maps name (as far as the map remembers them: it may hold a share of
+        the job's reservation from one of them, which the current map ends). Returns how many
+        were marked."""
         now_s = time.monotonic()
         marked = 0
         for job_id, record in self._jobs.items():
-            for server in record.handle.servers:
-                if node_id is None or server.node_id == node_id:
-                    self._unconfirmed[(job_id, server.node_id)] = _Unconfirmed(
-                        record.handle.epoch, now_s, SET_EPOCH_RETRY_FIRST_S
-                    )
-                    marked += 1
+            named = {s.node_id for s in record.handle.servers}
+            earlier = {n for placement in record.handle.earlier or ()
+                       for n, _, _ in placement.servers} - named
+            for server_id in sorted(named | earlier):
+                if node_id is not None and server_id != node_id:
+                    continue
+                if server_id in earlier and self._membership.get(server_id) is None:
+                    continue
+                self._unconfirmed[(job_id, server_id)] = _Unconfirmed(
+                    record.handle.epoch, now_s, SET_EPOCH_RETRY_FIRST_S,
+                    left=server_id in earlier,
+                )
+                marked += 1
         return marked
 
     def unconfirmed(self) -> dict[str, list[str]]:
@@ -198,16 +226,17 @@ class Epochs:
         return found
 
     def due(self) -> list[EpochCall]:
-        """The ``set_epoch`` calls to retry now (suspects wait until they answer again);
-        entries of jobs or servers that are gone, or that the map no longer names, are
-        dropped."""
+        """The ``set_epoch`` calls to retry now (suspects wait until they answer again), each
+        with the job's current map; entries of jobs or servers that are gone are dropped, as
+        are those of servers the map no longer names unless they were sent a map without them
+        (``left``: they must learn that they left it)."""
         now_s = time.monotonic()
         calls = []
         for key, entry in list(self._unconfirmed.items()):
             job_id, node_id = key
             record = self._jobs.get(job_id)
             info = self._membership.get(node_id)
-            if record is None or info is None or not record.holds(node_id):
+            if record is None or info is None or not (record.holds(node_id) or entry.left):
                 del self._unconfirmed[key]
                 continue
             if entry.next_try_s > now_s or self._membership.is_suspect(node_id):

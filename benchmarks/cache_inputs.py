@@ -371,18 +371,19 @@ def run_ways(mixes: list[Mix], source: Any, fexec: Any,
 
 def prewarm_overlap(row: dict[str, Any]) -> dict[str, Any] | None:
     """Of a prewarmed run's calls, those that began reading before its prewarm ended (on the
-    calls' clock: the cache's opening plus ``prewarm_s``) and the others: how many, and their
-    mean I/O. A call that overlaps the prewarm shares the machine's cores with its fetches
-    (the workers', the S3 server's and the storage servers' CPU); None for a result file
-    written before the calls' start times were kept."""
+    calls' clock: the time the cache saw its last worker end, ``prewarm_ended_unix``) and the
+    others: how many, and their mean I/O. A call that overlaps the prewarm shares the
+    machine's cores with its fetches (the workers', the S3 server's and the storage servers'
+    CPU); None for a result file written before these times were kept."""
     starts = row.get("started_unix_per_task") or []
-    prewarm_s = (row.get("cache") or {}).get("prewarm_s")
-    if not starts or None in starts or prewarm_s is None or "opening_unix" not in row:
+    cache = row.get("cache") or {}
+    ended = cache.get("prewarm_ended_unix")
+    if not starts or None in starts or ended is None or "opening_unix" not in row:
         return None
-    ended = row["opening_unix"] + prewarm_s
     during = [io for io, t in zip(row["io_s_per_task"], starts, strict=True) if t < ended]
     after = [io for io, t in zip(row["io_s_per_task"], starts, strict=True) if t >= ended]
-    return {"first_call_s": min(starts) - row["opening_unix"], "prewarm_s": prewarm_s,
+    return {"first_call_s": min(starts) - row["opening_unix"],
+            "prewarm_s": ended - row["opening_unix"],
             "during": len(during), "during_io_s_mean": statistics.fmean(during) if during else None,
             "after": len(after), "after_io_s_mean": statistics.fmean(after) if after else None}
 

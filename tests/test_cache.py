@@ -222,11 +222,13 @@ def test_prewarm_from_the_generation_that_ended_idle(
         _result(_task(cache, s3_bucket, keys))
         first_job = cache.job_id
     _wait_ended(local_cluster, first_job)
+    opening = time.time()
     with open_cache("t-prewarm", s3_server, app="pw", prewarm=True, idle="60s",
                     cluster=local_cluster) as cache:
         assert cache.job_id != first_job and cache.created
         assert cache.wait_prewarmed(60.0)
         status = cache.status()
+        assert opening < status["prewarm_ended_unix"] <= time.time()
         assert status["prewarm_from"] == "predecessor"
         assert status["prewarm_planned"] == len(keys) == status["prewarm_fetched"]
         result = _result(_task(cache, s3_bucket, keys))

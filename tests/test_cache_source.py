@@ -227,6 +227,58 @@ def test_a_garbled_content_length_is_unavailable_and_its_connection_closed(
     assert server.accepted == 2
 
 
+@pytest.mark.parametrize("length", ["3 ", "3\t", " 3"])
+def test_a_content_length_with_whitespace_around_it_is_read(serve: Any, length: str) -> None:
+    """Spaces and tabs around the value are allowed (RFC 9110's optional whitespace; http.client
+    keeps the trailing ones): the answer is read as any other."""
+
+    def spaced(connection: socket.socket, _: int) -> None:
+        while _read_request(connection):
+            connection.sendall(
+                f"HTTP/1.1 200 OK\r\nETag: \"e1\"\r\nContent-Length: {length}\r\n\r\nabc"
+                .encode())
+
+    server = serve(spaced)
+    store = S3Store(server.source(attempts=1))
+    assert store.get("b", "k") == Fetched("e1", 3, b"abc")
+    assert store.get("b", "k") == Fetched("e1", 3, b"abc")
+    assert server.accepted == 1  # the connection was kept: the answer was framed
+
+
+def test_a_content_length_beyond_s3s_largest_object_is_unavailable(serve: Any) -> None:
+    """A Content-Length of 20 digits (past any u64, let alone S3's 5 TiB) is an
+    ``S3Unavailable`` naming the size, retried within the attempts, not an ``OverflowError``
+    from the buffer it would size."""
+
+    def huge(connection: socket.socket, _: int) -> None:
+        while _read_request(connection):
+            connection.sendall(b"HTTP/1.1 200 OK\r\nETag: \"e1\"\r\n"
+                               b"Content-Length: 99999999999999999999\r\n\r\nabc")
+
+    server = serve(huge)
+    with pytest.raises(S3Unavailable, match="beyond S3's largest object") as caught:
+        S3Store(server.source(attempts=2)).get("b", "k", on_progress=lambda: None)
+    assert (caught.value.status, caught.value.bucket, caught.value.key) == (0, "b", "k")
+    assert server.accepted == 2
+
+
+def test_a_lying_content_length_costs_only_what_was_sent(serve: Any) -> None:
+    """A claimed fill (``on_progress``: read in pieces) whose answer says 4 TiB but sends three
+    bytes and closes is a body cut short (``S3Unavailable``): its buffer grew with what arrived,
+    it was not sized (and zeroed) to what the header announced, which would have failed with a
+    ``MemoryError`` or, for a size that fits in memory, taken it all."""
+    progress: list[int] = []
+
+    def lying(connection: socket.socket, _: int) -> None:
+        if _read_request(connection):
+            connection.sendall(_answer("200 OK", b"abc", length=4 * 1024 ** 4))
+
+    with pytest.raises(S3Unavailable):
+        S3Store(serve(lying).source(attempts=1)).get("b", "k",
+                                                     on_progress=lambda: progress.append(1))
+    assert progress == [1]  # the three bytes arrived as one piece, then the body ended
+
+
 def test_server_errors_are_retried_within_the_attempts(serve: Any) -> None:
     def busy_then_ok(connection: socket.socket, index: int) -> None:
         while _read_request(connection):

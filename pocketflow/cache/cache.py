@@ -146,6 +146,7 @@ class Cache:
         self.prewarm_planned = 0
         self.renewed_at_open = 0
         self.prewarm_done_s: float | None = None
+        self.prewarm_ended_unix: float | None = None
         self._prewarm: Workers | None = None
         self._prewarm_done = threading.Event()
         self._prewarm_done.set()
@@ -203,6 +204,7 @@ class Cache:
             "renewed_at_open": self.renewed_at_open,
             "prewarm_planned": self.prewarm_planned, "prewarm_fetched": self.prewarm_fetched,
             "prewarm_from": self._previous_from, "prewarm_s": self.prewarm_done_s,
+            "prewarm_ended_unix": self.prewarm_ended_unix,
             "prewarm_objects_per_s": (self.prewarm_fetched / self.prewarm_done_s
                                       if self.prewarm_done_s else None),
             "prewarm_stats": (dict(self._prewarm.stats)
@@ -326,6 +328,7 @@ class Cache:
 
         def ended() -> None:
             self.prewarm_done_s = time.monotonic() - self._started_s
+            self.prewarm_ended_unix = time.time()
             self._prewarm_done.set()
 
         workers = Workers(self.spec.to_json(), batches_of(plan),

@@ -46,8 +46,11 @@ BACKOFF_MAX_S = 1.0
 
 _CODE = re.compile(rb"<Code>([^<]*)</Code>")
 _LENGTH = re.compile(r"[0-9]{1,20}")
-"""A Content-Length as HTTP writes it, of at most 20 digits (a u64): digits only, where ``int``
-would also take ``-1``, ``+5``, ``1_0`` or other scripts' digits."""
+"""A Content-Length as HTTP writes it (around it, spaces and tabs are allowed and dropped), of at
+most 20 digits: digits only, where ``int`` would also take ``-1``, ``+5``, ``1_0`` or other
+scripts' digits."""
+OBJECT_BYTES_MAX = 5 * 1024 ** 4
+"""S3's largest object (5 TiB): an answer that says it is longer cannot be one, and is not read."""
 GARBLED_SHOWN_CHARS = 64
 """Most characters of a garbled header value quoted in the error that names it."""
 _MESSAGE = re.compile(rb"<Message>([^<]*)</Message>")
@@ -168,12 +171,18 @@ class RawGetter:
             if status == 200 or (status == 206 and "Range" in headers):
                 etag = (answer.getheader("ETag") or "").strip().strip('"')
                 length = answer.getheader("Content-Length")
+                if length is not None:
+                    length = length.strip(" \t")  # optional whitespace (RFC 9110, 5.5)
                 if length is not None and not _LENGTH.fullmatch(length):
                     # http.client lets any value pass. An answer that cannot be framed is no
                     # answer: unavailable (retried), as one cut short is, its connection closed.
                     raise s3_error("", 0, "a garbled Content-Length: "
                                    f"{length[:GARBLED_SHOWN_CHARS]!r}", bucket=bucket, key=key)
                 size = int(length) if length is not None else -1
+                if size > OBJECT_BYTES_MAX:
+                    raise s3_error("", 0, f"a Content-Length of {size} bytes, beyond S3's "
+                                   f"largest object ({OBJECT_BYTES_MAX} bytes)", bucket=bucket,
+                                   key=key)
                 data = read_body(answer, size, on_progress)
                 if size < 0:
                     size = len(data)

@@ -604,20 +604,23 @@ def _status(exc: BaseException) -> int:
 
 def _read_body(body: Any, size: int, on_progress: Callable[[], None] | None) -> bytes:
     """The whole body; in ``BODY_CHUNK_BYTES`` pieces with ``on_progress`` between them when it
-    is larger than one piece."""
+    is larger than one piece. The buffer grows as the pieces arrive (doubling), not to the size
+    the answer announced: a Content-Length that lies (up to S3's 5 TiB) costs what was sent."""
     try:
         if size <= BODY_CHUNK_BYTES or on_progress is None:
             return body.read()
-        buffer = bytearray(size)
-        view = memoryview(buffer)
+        buffer = bytearray(BODY_CHUNK_BYTES)
         at = 0
         while at < size:
-            piece = body.read(min(BODY_CHUNK_BYTES, size - at))
-            if not piece:
+            if at == len(buffer):
+                buffer.extend(bytes(min(len(buffer), size - at)))
+            with memoryview(buffer) as view:
+                got = body.readinto(view[at:at + min(BODY_CHUNK_BYTES, size - at)])
+            if not got:
                 break
-            view[at:at + len(piece)] = piece
-            at += len(piece)
+            at += got
             on_progress()
-        return bytes(view[:at])
+        del buffer[at:]
+        return bytes(buffer)
     finally:
         body.close()

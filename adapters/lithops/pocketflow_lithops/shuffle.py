@@ -38,11 +38,13 @@ What it does, in Pocket's terms:
   exactly which ``M`` objects to read. Each is read once, with DELETE-on-read. Where
   ``input_size_bytes`` says partitions are larger than the job's block size, the tasks' clients
   write with a block size that holds one (:func:`shuffle_block_bytes`, at most
-  ``SHUFFLE_BLOCK_MAX_BYTES``), unless ``client_options`` or the environment sets one: a
-  reducer reads an object of one data block with one READ that also claims it. Its PERSIST
-  output keeps the job's block size: it takes the DRAM its consumed partitions left, holes of
-  a partition's size between partitions not yet read, and a larger block fits none of them
-  (the server refuses it for want of a free extent and the writer overflows to NVMe).
+  ``SHUFFLE_BLOCK_MAX_BYTES``), unless the caller sets one (``client_options``, the
+  environment or the config file): a reducer reads an object of one data block with one READ
+  that also claims it. Where the shuffle picked the block size, a reducer's PERSIST output
+  keeps the job's: it takes the DRAM its consumed partitions left, holes of a partition's size
+  between partitions not yet read, and a larger block fits none of them (the server refuses it
+  for want of a free extent and the writer overflows to NVMe). Where the caller set one,
+  partitions and outputs are both written with the caller's.
 - **Final outputs.** With ``persist_output`` the reducer's bytes are written with PERSIST to
   ``output_bucket`` and outlive the job; the driver gets :class:`OutputInfo` (key and size) and
   reads them with :func:`pocketflow.connect` and :attr:`ShuffleResult.handle_json`. Without it
@@ -377,8 +379,8 @@ def _run_stages(
     started_unix_s = time.time()
     options = dict(client_options or {})
     # Each (mapper, reducer) object of one data block where the input size says how large
-    # they are, unless the caller chose the block size. The outputs keep the job's (module
-    # doc, "One object per (mapper, reducer)").
+    # they are, unless the caller chose the block size. The outputs then keep the job's; with
+    # the caller's choice, both use it (module doc, "One object per (mapper, reducer)").
     output_block_bytes = None
     if (layout == "objects" and input_size_bytes is not None
             and "block_size_bytes" not in ClientConfig.resolve(**options).explicit):

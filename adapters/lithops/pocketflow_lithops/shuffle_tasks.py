@@ -85,8 +85,11 @@ reducer reads and writes its share on NVMe at the device's pace (a virtual disk 
 260 MB/s of O_DIRECT writes) and the rest at memory speed. The sort benchmark's 4 and 10 GB jobs
 reserve twice their input, 8 and 20 GB, of which its DRAM (capped at 2 GiB) holds at most a
 quarter and a tenth; its 1 GB job's 2 GB fit in DRAM."""
-WORKER_CLIENTS_MAX = 4
-"""Most pocketflow clients one worker process keeps open between tasks."""
+WORKER_CLIENTS_MAX = 8
+"""Most pocketflow clients one worker process keeps open between tasks: two per shuffle where
+the shuffle picks its partitions' block size (one with it, one with the job's for the reducers'
+PERSIST outputs, ``_Spec.output_block_bytes``), so four shuffles' clients stay warm, as four
+did when each had one."""
 STEER_SALTS_MAX = 64
 """Most other names :func:`steered_key` tries for a regenerated partition whose own key's home
 is a server that lost data; with one of two servers avoided, all of them land there once in

@@ -442,7 +442,11 @@ def _own_stats(cluster: LocalCluster, field: str) -> dict[str, int]:
     from pocketflow.control.admin import AdminTokens
 
     tokens = AdminTokens(cluster.secret, tls_ca=cluster.tls_ca)
-    return {s.node_id: int(tokens.client(s.address).stats()[field]) for s in cluster.servers}
+    try:
+        return {s.node_id: int(tokens.client(s.address).stats()[field])
+                for s in cluster.servers}
+    finally:
+        tokens.close()
 
 
 def _emit_one(item: int, emit: Callable[[int, Any], None]) -> int:
@@ -687,7 +691,10 @@ def test_outputs_fill_the_dram_holes_of_partitions_shuffled_as_one_block(
                      job=job, input_size_bytes=config.input_bytes, persist_output=True,
                      timeout_s=SHUFFLE_TIMEOUT_S)
     admin = AdminTokens(servers.secret)
-    on_nvme = int(admin.client(nvme.address).stats()["used_bytes"])
+    try:
+        on_nvme = int(admin.client(nvme.address).stats()["used_bytes"])
+    finally:
+        admin.close()
     assert on_nvme < mib, f"{on_nvme} bytes of outputs overflowed to NVMe"
     with pocketflow.connect(result.handle_json) as pf:
         checks = [describe_partition(r, pf.get(o.bucket, o.key, delete=True))

@@ -9,6 +9,7 @@ is a directory of the source checkout, not an installed package a worker can imp
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import uuid
 from collections.abc import Iterator
@@ -81,7 +82,8 @@ class FaultyS3Proxy:
     object) while :attr:`drop_ranges`, and answers ``AccessDenied`` to PUTs of the paths in
     :attr:`refused_puts` (``/bucket/key``), and while :attr:`garble_range_lengths` it answers
     ranged GETs with a ``Content-Length`` that is not a number (the body framed by closing the
-    connection); these may change while it runs. Everything else is
+    connection), and while :attr:`strip_listing_etags` it leaves the ``ETag`` out of every
+    ``Contents`` of a ListObjectsV2 answer; these may change while it runs. Everything else is
     forwarded as it came. Use as a context manager; :attr:`source` is the :class:`S3Source` to
     give a cache instead of the server's."""
 
@@ -98,6 +100,8 @@ class FaultyS3Proxy:
         self.refused_puts = set(refused_puts)
         self.garble_range_lengths = False
         self.lengths_garbled = 0
+        self.strip_listing_etags = False
+        self.listings_stripped = 0
         self.ranges_dropped = 0
         self.puts_refused = 0
 
@@ -131,6 +135,10 @@ class FaultyS3Proxy:
                     connection.request(self.command, self.path, body=body, headers=headers)
                     answer = connection.getresponse()
                     data = answer.read()
+                    if (proxy.strip_listing_etags and self.command == "GET"
+                            and "list-type=2" in self.path and answer.status == 200):
+                        proxy.listings_stripped += 1
+                        data = re.sub(rb"<ETag>[^<]*</ETag>", b"", data)
                     garble = (proxy.garble_range_lengths and self.command == "GET"
                               and "Range" in self.headers)
                     self.send_response(answer.status, answer.reason)

@@ -229,9 +229,11 @@ def write_into_the_room_left(built: Roles, a: JobHandle, b: JobHandle) -> None:
 def test_a_server_a_job_moved_off_gives_up_the_jobs_share(
     cluster_secret_file: tuple[bytes, Path],
 ) -> None:
-    """Through the controller's roles (no Ray): a job moved off a live server (``exclude``,
-    as a repair, a rightsizing or a drain moves it) no longer holds its share there, so a job
-    without one may write into that room; its share goes with it to the server it moved to."""
+    """Through the controller's roles (no Ray): a job moved off a live server altogether
+    (``exclude`` without ``keep_readable``, which production reaches only for a server that
+    left the cluster: this tests the safety net of ``Epochs.move``'s ``left``) no longer holds
+    its share there, so a job without one may write into that room; its share goes with it to
+    the server it moved to."""
     _, secret_file = cluster_secret_file
     with roles(secret_file) as built:
         a, b = reserving_beside_unhinted(built)
@@ -396,3 +398,42 @@ def test_two_jobs_writing_at_once_leave_the_reserving_one_its_reservation(
             assert pf.get_many("x", list(items)) == list(items.values())
     servers.delete_job(a)
     servers.delete_job(b)
+
+
+def test_a_drain_leaves_the_reserving_job_at_weight_0_and_its_share_there_at_0(
+    cluster_secret_file: tuple[bytes, Path],
+) -> None:
+    """Through a drain, as production moves jobs (no Ray): the reserving job moves to weight 0
+    on the drained server (its map still names it, so what it wrote there stays readable), and
+    the map it is sent there names no share for it (``map_with_reservations`` leaves out zero
+    capacities), so the server reports its share 0. The job without a share holds the drain
+    with its queue there (its map stays; the server is not told to drain yet) and writes into
+    the room the share kept, more than the server could take while the share held."""
+    _, secret_file = cluster_secret_file
+    with roles(secret_file) as built:
+        a, b = reserving_beside_unhinted(built)
+        built.start("rs-1", capacity_bytes=DRAM_BYTES)
+        rs0 = a.servers[0].address
+        with connect(a, **CLIENT_OPTIONS) as pa:
+            pa.create_bucket("x")
+            queue = pa.queue("x", "held", max_items=8)
+            queue.enqueue(b"held")
+            with built.lock:
+                result = built.drainer.drain("rs-0")
+            assert result["holding_channels"] == [a.job_id], result
+            assert built.admin.client(rs0).stats()["draining"] is False
+            assert built.jobs.record(a.job_id).handle == a
+            moved = built.jobs.record(b.job_id).handle
+            weights = {s.node_id: s.weight for s in moved.servers}
+            assert weights == {"rs-0": 0.0, "rs-1": pytest.approx(1.0)}, weights
+            assert built.epochs.unconfirmed() == {}
+            assert shares(built, rs0, b.job_id) == 0
+            assert shares(built, rs0, b.job_id, "used_bytes") >= B_KEPT_OBJECTS * OBJECT_BYTES
+            written = {f"k/{i:03d}": payload(i) for i in range(DROPPED_OBJECTS)}
+            for key, data in written.items():
+                pa.put("x", key, data)
+            assert pa.get_many("x", list(written)) == list(written.values())
+            assert queue.dequeue() == b"held"
+        with connect(moved, **CLIENT_OPTIONS) as pb:
+            kept = [f"kept/{i}" for i in range(B_KEPT_OBJECTS)]
+            assert pb.get_many("x", kept) == [payload(2000 + i) for i in range(B_KEPT_OBJECTS)]

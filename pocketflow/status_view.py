@@ -66,13 +66,36 @@ def _cores(row: Mapping[str, Any]) -> str:
     return f"{cores}/{cores_max}" if cores_max else str(cores)
 
 
-def job_bytes(status: Mapping[str, Any]) -> dict[str, int]:
-    """Bytes each job holds, summed over the servers' latest statistics."""
+def job_bytes(status: Mapping[str, Any], field: str = "used_bytes") -> dict[str, int]:
+    """Bytes each job holds (``used_bytes``) or has reserved (``reserved_bytes``), summed over
+    the servers' latest statistics."""
     held: dict[str, int] = {}
     for row in status.get("servers", []):
         for job_id, usage in (row.get("jobs") or {}).items():
-            held[job_id] = held.get(job_id, 0) + int(usage.get("used_bytes", 0))
+            held[job_id] = held.get(job_id, 0) + int(usage.get(field, 0))
     return held
+
+
+REFUSAL_LIMITS = ("data", "records", "reserved", "extent", "freeing")
+"""The limits a server counts its ``capacity_exhausted`` refusals by (docs/PROTOCOL.md,
+"Statistics"), in the order they are shown."""
+
+
+def job_refusals(status: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """Each job's refused writes by limit, summed over the servers' latest statistics."""
+    refused: dict[str, dict[str, int]] = {}
+    for row in status.get("servers", []):
+        for job_id, usage in (row.get("jobs") or {}).items():
+            counts = refused.setdefault(job_id, dict.fromkeys(REFUSAL_LIMITS, 0))
+            for limit, n in (usage.get("capacity_refusals") or {}).items():
+                counts[limit] = counts.get(limit, 0) + int(n)
+    return refused
+
+
+def format_refusals(counts: Mapping[str, int] | None, *, sep: str = ",") -> str:
+    """Nonzero refusal counts as ``"extent:5,reserved:2"`` (``sep`` between them), or ``"-"``."""
+    shown = [f"{limit}:{n}" for limit, n in (counts or {}).items() if int(n)]
+    return sep.join(shown) or "-"
 
 
 def _servers_section(status: Mapping[str, Any]) -> list[str]:
@@ -111,6 +134,10 @@ def _servers_section(status: Mapping[str, Any]) -> list[str]:
     for node_id, info in sorted(dead.items()):
         if info.get("reason"):
             lines.append(f"  {node_id} dead: {info['reason']}")
+    for row in status.get("servers", []):
+        refused = format_refusals(row.get("capacity_refusals"), sep=", ")
+        if refused != "-":
+            lines.append(f"  {row['node_id']} refused writes (by limit): {refused}")
     return lines
 
 
@@ -129,18 +156,22 @@ def _tiers_section(status: Mapping[str, Any]) -> list[str]:
 def _jobs_section(status: Mapping[str, Any]) -> list[str]:
     jobs = status.get("jobs") or []
     held = job_bytes(status)
+    reserved = job_bytes(status, "reserved_bytes")
+    refused = job_refusals(status)
     rows = []
     for job in jobs:
         servers = (job.get("weight_map") or {}).get("servers") or []
         weights = " ".join(f"{s[0]}:{float(s[3]):.2f}" for s in servers)
+        job_id = job["job_id"]
         rows.append([
-            job["job_id"], str(job.get("name", "")), str(job.get("epoch", "")),
-            format_bytes(held.get(job["job_id"], 0)), weights or "-",
+            job_id, str(job.get("name", "")), str(job.get("epoch", "")),
+            format_bytes(held.get(job_id, 0)), format_bytes(reserved.get(job_id, 0)),
+            format_refusals(refused.get(job_id)), weights or "-",
         ])
     lines = [f"JOBS ({len(jobs)})"]
     if rows:
-        lines += table(["JOB", "NAME", "EPOCH", "BYTES", "SERVERS (node:weight)"], rows,
-                       right={2, 3})
+        header = ["JOB", "NAME", "EPOCH", "BYTES", "RESERVED", "REFUSED", "SERVERS (node:weight)"]
+        lines += table(header, rows, right={2, 3, 4})
     return lines
 
 

@@ -223,17 +223,27 @@ def _status_fixture() -> dict[str, object]:
              "draining": False, "long_running": True, "capacity_bytes": 4 * 1024**2,
              "used_bytes": 1024**2, "objects": 3, "cpu_utilization": 0.5,
              "bytes_in_per_s": 2 * 1024**2, "bytes_out_per_s": 0, "threads": 2, "cores": 1,
-             "cores_max": 2, "jobs": {"sort-abc123": {"used_bytes": 1024**2, "objects": 3}}},
+             "cores_max": 2, "capacity_refusals": {"data": 0, "reserved": 2, "extent": 5},
+             "jobs": {"sort-abc123": {"used_bytes": 1024**2, "objects": 3,
+                                      "reserved_bytes": 3 * 1024**2,
+                                      "capacity_refusals": {"data": 0, "extent": 5}},
+                      # A job with only a reservation share there, no bucket.
+                      "other-77b0e1": {"used_bytes": 0, "objects": 0,
+                                       "reserved_bytes": 1024**2,
+                                       "capacity_refusals": {"reserved": 2}}}},
             {"node_id": "nvme-0", "tier": "nvme", "address": "127.0.0.1:3", "reachable": True,
              "draining": True, "long_running": False, "capacity_bytes": 8 * 1024**2,
              "used_bytes": 2048, "objects": 1, "cpu_utilization": 0.0, "bytes_in_per_s": 0,
-             "bytes_out_per_s": 512, "jobs": {"sort-abc123": {"used_bytes": 2048, "objects": 1}},
+             "bytes_out_per_s": 512,
+             "jobs": {"sort-abc123": {"used_bytes": 2048, "objects": 1,
+                                      "capacity_refusals": {"extent": 1, "freeing": 1}}},
              # What the controller reports before the server's first heartbeat.
              "threads": None, "cores": None, "cores_max": None},
         ],
         "tiers": {"dram": {"servers": 1, "capacity_bytes": 4 * 1024**2, "used_bytes": 1024**2},
                   "nvme": {"servers": 1, "capacity_bytes": 8 * 1024**2, "used_bytes": 2048}},
-        "jobs": [{"job_id": "sort-abc123", "name": "sort", "epoch": 2, "weight_map": job_map}],
+        "jobs": [{"job_id": "sort-abc123", "name": "sort", "epoch": 2, "weight_map": job_map},
+                 {"job_id": "other-77b0e1", "name": "other", "epoch": 1, "weight_map": {}}],
         "dead_servers": {"dram-1": {"address": "127.0.0.1:2", "tier": "dram",
                                     "reason": "no heartbeat for 3.0 s"}},
         "draining": ["nvme-0"],
@@ -258,6 +268,14 @@ def test_status_view_shows_states_utilization_and_jobs() -> None:
     job = next(line for line in lines if line.startswith("sort-abc123"))
     assert job.split()[1:3] == ["sort", "2"]
     assert "1.0 MiB" in job and "dram-0:0.75 nvme-0:0.25" in job
+    # Its reservation and its refused writes by limit, summed over the servers.
+    header = next(line for line in lines if line.startswith("JOB "))
+    assert job[header.index("RESERVED"):].split()[:2] == ["3.0", "MiB"]
+    assert job[header.index("REFUSED"):].split()[0] == "extent:6,freeing:1"
+    other = next(line for line in lines if line.startswith("other-77b0e1"))
+    assert other[header.index("BYTES"):].split()[:2] == ["0", "B"]
+    assert other[header.index("REFUSED"):].split()[0] == "reserved:2"
+    assert "  dram-0 refused writes (by limit): reserved:2, extent:5" in lines
     # Every row of a table has its columns at the same offsets.
     header = next(line for line in lines if line.startswith("NODE"))
     assert all(r.index("127.0.0.1") == header.index("ADDRESS") for r in row.values())

@@ -193,7 +193,8 @@ def reserving_beside_unhinted(built: Roles) -> tuple[JobHandle, JobHandle]:
 
 def shares(built: Roles, address: str, job_id: str, field: str = "reserved_bytes") -> int:
     """``job_id``'s share of its reservation (or another ``field`` of its usage) on the server
-    at ``address``, as it reports it (its stats list only the jobs with a bucket there)."""
+    at ``address``, as it reports it (its stats list every job with a bucket or a share
+    there)."""
     jobs = built.admin.client(address).stats().get("jobs", {})
     return int(jobs.get(job_id, {}).get(field, 0))
 
@@ -243,8 +244,7 @@ def test_a_server_a_job_moved_off_gives_up_the_jobs_share(
         moved = built.jobs.record(b.job_id).handle
         assert [s.node_id for s in moved.servers] == ["rs-1"]
         assert built.epochs.unconfirmed() == {}
-        with connect(moved, **CLIENT_OPTIONS) as pb:
-            pb.create_bucket("y")  # on rs-1, which then lists the job in its stats
+        # rs-1 lists the job's share in its stats although the job has no bucket there yet.
         assert shares(built, rs1.address, b.job_id) == B_RESERVED_BYTES
         write_into_the_room_left(built, a, b)
 
@@ -350,6 +350,16 @@ def test_a_job_without_another_tier_is_refused_naming_the_others_reservations(
         # The refused write left nothing; every earlier one reads back.
         assert pa.get_many("x", [f"k/{i:03d}" for i in range(written)]) == [
             payload(i) for i in range(written)]
+    # The server counted the refusal under "reserved", to A, and lists B (a share, no bucket).
+    with servers.admin(dram.address) as admin:
+        stats = admin.stats()
+    refusals = stats["jobs"][a.job_id]["capacity_refusals"]
+    assert refusals["reserved"] >= 1, refusals
+    assert refusals == stats["capacity_refusals"]
+    assert sum(refusals.values()) == refusals["reserved"]
+    assert stats["jobs"][b.job_id]["reserved_bytes"] == B_RESERVED_BYTES
+    assert stats["jobs"][b.job_id]["used_bytes"] == 0
+    assert sum(stats["jobs"][b.job_id]["capacity_refusals"].values()) == 0
     with connect(b, **CLIENT_OPTIONS) as pb:
         pb.create_bucket("x")
         for i in range(B_OBJECTS):

@@ -30,6 +30,10 @@ def server_rows(membership: Membership) -> tuple[list[dict[str, Any]], dict[str,
         row["draining"] = bool(stats.get("draining", False))
         row["cpu_utilization"] = float(stats.get("cpu_utilization", 0.0))
         row["jobs"] = dict(stats.get("jobs", {}))
+        # Writes the server refused with capacity_exhausted since it started, by limit.
+        row["capacity_refusals"] = {
+            limit: int(n) for limit, n in dict(stats.get("capacity_refusals", {})).items()
+        }
         # The totals the server's /metrics counters hold (as of its latest heartbeat).
         for name in ("requests_total", "received_bytes_total", "sent_bytes_total"):
             row[name] = int(stats.get(name, 0))

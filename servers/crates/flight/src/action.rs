@@ -3,10 +3,10 @@
 
 use bytes::Bytes;
 use pocketflow_protocol::action::{
-    ActionName, AnyRequest, BucketRequest, DeleteBlocksRequest, DeleteJobRequest, DeletedResult,
-    DrainRequest, DrainResult, EnumerateRequest, EnumerateResult, FreedResult, HeaderJson,
-    JobUsageJson, KeyEntry, ObjectRequest, PrefixRequest, SetCoresRequest, SetCoresResult,
-    SetEpochRequest, StatsReport, WaitRequest, WaitResult,
+    ActionName, AnyRequest, BucketRequest, CapacityRefusals, DeleteBlocksRequest, DeleteJobRequest,
+    DeletedResult, DrainRequest, DrainResult, EnumerateRequest, EnumerateResult, FreedResult,
+    HeaderJson, JobUsageJson, KeyEntry, ObjectRequest, PrefixRequest, SetCoresRequest,
+    SetCoresResult, SetEpochRequest, StatsReport, WaitRequest, WaitResult,
 };
 use pocketflow_protocol::action::{
     EndLeasesRequest, EndLeasesResult, EventJson, EventsRequest, EventsResult, RenewLeasesRequest,
@@ -15,6 +15,7 @@ use pocketflow_protocol::action::{
 use pocketflow_protocol::context::{check_job_id, parse_json};
 use pocketflow_protocol::ProtocolError;
 use pocketflow_store::events::EventOp;
+use pocketflow_store::RefusalCounts;
 use serde::Serialize;
 
 use tokio::time::{Duration, Instant};
@@ -277,6 +278,17 @@ fn delete_job(state: &ServiceState, body: &[u8]) -> Result<Bytes, ServiceError> 
     }))
 }
 
+/// The wire form of the store's refusal counts.
+fn refusals_json(counts: &RefusalCounts) -> CapacityRefusals {
+    CapacityRefusals {
+        data: counts.data,
+        records: counts.records,
+        reserved: counts.reserved,
+        extent: counts.extent,
+        freeing: counts.freeing,
+    }
+}
+
 /// The last statistics sample with the store's current capacity and usage.
 pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
     let sample = state.stats.last();
@@ -299,6 +311,7 @@ pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
         objects: usage.objects,
         channel_entries: usage.channel_entries,
         freeing_bytes: usage.freeing_bytes,
+        capacity_refusals: refusals_json(&usage.refusals),
         jobs: usage
             .per_job
             .into_iter()
@@ -310,6 +323,7 @@ pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
                         objects: u.objects,
                         channel_entries: u.channel_entries,
                         reserved_bytes: u.reserved_bytes,
+                        capacity_refusals: refusals_json(&u.refusals),
                     },
                 )
             })

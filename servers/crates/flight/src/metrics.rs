@@ -20,6 +20,8 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 
+use pocketflow_store::CapacityLimit;
+
 use crate::bounds::{EXCHANGE_SESSIONS_MAX, TRANSFERS_MAX, WAITS_PARKED_MAX};
 use crate::peers::PeerCounts;
 use crate::service::{ServiceState, StorageService};
@@ -49,6 +51,7 @@ pub struct Metrics {
     bytes_sent: IntCounter,
     ttl_evicted_objects: IntCounter,
     ttl_evicted_bytes: IntCounter,
+    capacity_refusals: IntCounterVec,
     capacity: IntGauge,
     used: IntGauge,
     objects: IntGauge,
@@ -104,6 +107,21 @@ impl Metrics {
             .buckets(LATENCY_BUCKETS_S.to_vec()),
             &["op"],
         ));
+        let capacity_refusals = must(IntCounterVec::new(
+            Opts::new(
+                "capacity_refusals_total",
+                "Writes refused with capacity_exhausted, by the limit they hit: data (the \
+                 tier's room for data full), records (the whole tier full), reserved (the free \
+                 room held for other jobs' reservation shares), extent (no free extent of the \
+                 write's size: free space fragmented), freeing (room held by deleted blocks \
+                 still being written to the device).",
+            ),
+            &["limit"],
+        ));
+        // Every limit's series exists from the start, at 0, so a rate over it is defined.
+        for limit in CapacityLimit::NAMES {
+            capacity_refusals.with_label_values(&[limit]);
+        }
         let counter = |name: &str, help: &str| must(IntCounter::new(name, help));
         let gauge = |name: &str, help: &str| must(IntGauge::new(name, help));
         let metrics = Metrics {
@@ -119,10 +137,14 @@ impl Metrics {
                 "ttl_evicted_bytes_total",
                 "Bytes freed by PERSIST objects whose time to live passed.",
             ),
+            capacity_refusals,
             capacity: gauge("capacity_bytes", "Capacity of the tier served."),
             used: gauge("used_bytes", "Bytes in use in the tier served."),
             objects: gauge("objects", "Objects stored."),
-            jobs: gauge("jobs", "Jobs with data on this server."),
+            jobs: gauge(
+                "jobs",
+                "Jobs with buckets or a reservation share on this server.",
+            ),
             sessions: gauge(
                 "sessions",
                 "Open exchange sessions (DoExchange and direct).",
@@ -147,6 +169,7 @@ impl Metrics {
             Box::new(metrics.bytes_sent.clone()),
             Box::new(metrics.ttl_evicted_objects.clone()),
             Box::new(metrics.ttl_evicted_bytes.clone()),
+            Box::new(metrics.capacity_refusals.clone()),
             Box::new(metrics.capacity.clone()),
             Box::new(metrics.used.clone()),
             Box::new(metrics.objects.clone()),
@@ -218,6 +241,10 @@ impl Metrics {
             .inc_by(received.saturating_sub(self.bytes_received.get()));
         self.bytes_sent
             .inc_by(sent.saturating_sub(self.bytes_sent.get()));
+        for (limit, refused) in usage.refusals.by_name() {
+            let counter = self.capacity_refusals.with_label_values(&[limit]);
+            counter.inc_by(refused.saturating_sub(counter.get()));
+        }
         self.objects.set(to_i64(usage.objects));
         self.jobs.set(to_i64(usage.per_job.len() as u64));
         let in_use = |slots: &Semaphore, max: usize| {

@@ -772,6 +772,28 @@ pub struct JobUsageJson {
     /// none).
     #[serde(default)]
     pub reserved_bytes: u64,
+    /// The job's writes refused here for want of room, by the limit they hit, since the server
+    /// first held a bucket or a share of the job (forgotten with the job).
+    #[serde(default)]
+    pub capacity_refusals: CapacityRefusals,
+}
+
+/// Writes refused with `capacity_exhausted`, by the limit they hit (the `limit` label of the
+/// metric `pocketflow_capacity_refusals_total`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CapacityRefusals {
+    /// The tier's room for data was full (capacity less the records' reserve).
+    pub data: u64,
+    /// The whole tier was full, the records' reserve too (a manifest refused).
+    pub records: u64,
+    /// The free room was held for other jobs' reservation shares.
+    pub reserved: u64,
+    /// The bytes were free, but not in one extent of the write's size (fragmented free space).
+    pub extent: u64,
+    /// The room was held by deleted blocks whose writes to the device did not complete in
+    /// time (NVMe write-behind).
+    pub freeing: u64,
 }
 
 /// `stats` result.
@@ -816,7 +838,10 @@ pub struct StatsReport {
     /// waits for them. Not in `used_bytes`, which counts what the index holds.
     #[serde(default)]
     pub freeing_bytes: u64,
-    /// Usage per job.
+    /// Writes refused with `capacity_exhausted` since the server started, by the limit they hit.
+    #[serde(default)]
+    pub capacity_refusals: CapacityRefusals,
+    /// Usage per job: every job with a bucket or a reservation share on the server.
     pub jobs: BTreeMap<String, JobUsageJson>,
     /// CPU cores the server runs on now (see `set_cores`).
     pub cores: u32,

@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::error::{CapacityLimit, StoreError};
+use crate::refusals::Refusals;
 
 /// Bytes charged per index entry (record or data block) on top of its key length and engine
 /// allocation, so that an unbounded number of empty objects cannot exhaust server memory: a
@@ -70,6 +71,8 @@ pub(crate) struct Budget {
     reservations_version: AtomicU64,
     /// Serializes the charges that other jobs' reservations bound (see [`Budget::charge`]).
     admission: Mutex<()>,
+    /// Charges and engine allocations refused since start, by the limit they hit.
+    refusals: Refusals,
     /// A test's step inside a charge's lock-free check.
     #[cfg(test)]
     hook: TestHook,
@@ -129,6 +132,8 @@ pub(crate) struct JobAccount {
     pub channel_entries: AtomicU64,
     /// The job's reservation on this server (0: none); see the module doc.
     pub reserved_bytes: AtomicU64,
+    /// The job's charges and engine allocations refused, by the limit they hit.
+    pub refusals: Refusals,
 }
 
 /// Bytes held against the budget and a job's usage; released on drop.
@@ -149,6 +154,7 @@ impl Budget {
             reserving_jobs: AtomicUsize::new(0),
             reservations_version: AtomicU64::new(0),
             admission: Mutex::new(()),
+            refusals: Refusals::default(),
             #[cfg(test)]
             hook: TestHook::default(),
         })
@@ -235,6 +241,18 @@ impl Budget {
         held
     }
 
+    /// The accounts of the jobs holding a reservation here, by job id (at most one per job
+    /// whose reservation the service set, which its epoch table bounds).
+    pub fn reserved_accounts(&self) -> Vec<(String, Arc<JobAccount>)> {
+        self.reservations
+            .lock()
+            .expect("reservations lock poisoned")
+            .held
+            .iter()
+            .map(|(job, account)| (job.clone(), Arc::clone(account)))
+            .collect()
+    }
+
     /// The account holding `job`'s reservation, if it holds one.
     pub fn reserved_account(&self, job: &str) -> Option<Arc<JobAccount>> {
         self.reservations
@@ -270,6 +288,18 @@ impl Budget {
         self.used_bytes.load(Ordering::Acquire)
     }
 
+    /// The refusals counted since start (see [`Budget::count_refusal`]).
+    pub fn refusals(&self) -> &Refusals {
+        &self.refusals
+    }
+
+    /// Count `error`, if it refused a write of `job` for want of room (a charge here, or an
+    /// engine allocation), server-wide and to the job.
+    pub fn count_refusal(&self, job: &JobAccount, error: &StoreError) {
+        self.refusals.count(error);
+        job.refusals.count(error);
+    }
+
     /// The most bytes charges of `kind` may hold together with everything else charged.
     fn limit_bytes(&self, kind: ChargeKind) -> u64 {
         match kind {
@@ -288,7 +318,23 @@ impl Budget {
     /// both take the same free bytes. The other jobs' usage is read inside the budget's
     /// compare-and-swap, and a charge is released from its job before the budget
     /// ([`Charge::drop`]), so a concurrent charge or release can only make the check stricter.
+    ///
+    /// A refusal is counted ([`Budget::count_refusal`]).
     pub fn charge(
+        self: &Arc<Self>,
+        job: &Arc<JobAccount>,
+        bytes: u64,
+        kind: ChargeKind,
+    ) -> Result<Charge, StoreError> {
+        let charged = self.charge_uncounted(job, bytes, kind);
+        if let Err(error) = &charged {
+            self.count_refusal(job, error);
+        }
+        charged
+    }
+
+    /// [`Budget::charge`] without counting a refusal.
+    fn charge_uncounted(
         self: &Arc<Self>,
         job: &Arc<JobAccount>,
         bytes: u64,
@@ -538,6 +584,26 @@ mod tests {
                 b.used_bytes.load(Ordering::Relaxed)
             ),
             (6_300, 4_800, 1_500)
+        );
+        // Each refusal was counted under its limit, to the refused job and server-wide.
+        let (reserved, data) = (
+            crate::RefusalCounts {
+                reserved: 3,
+                ..Default::default()
+            },
+            crate::RefusalCounts {
+                data: 1,
+                ..Default::default()
+            },
+        );
+        assert_eq!((a.refusals.counts(), b.refusals.counts()), (reserved, data));
+        assert_eq!(
+            budget.refusals().counts(),
+            crate::RefusalCounts {
+                data: 1,
+                reserved: 3,
+                ..Default::default()
+            }
         );
         drop((a_within, a_beyond, b_part, a_more));
         assert_eq!(budget.used_bytes(), 0);

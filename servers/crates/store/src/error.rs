@@ -320,6 +320,28 @@ pub enum CapacityLimit {
     },
 }
 
+impl CapacityLimit {
+    /// The name of each kind, as statistics and metrics label refusals (`limit`), in the order
+    /// of [`CapacityLimit::index`].
+    pub const NAMES: [&'static str; 5] = ["data", "records", "reserved", "extent", "freeing"];
+
+    /// This kind's place in [`CapacityLimit::NAMES`].
+    pub fn index(&self) -> usize {
+        match self {
+            Self::Data { .. } => 0,
+            Self::Records { .. } => 1,
+            Self::Reserved { .. } => 2,
+            Self::Extent { .. } => 3,
+            Self::Freeing { .. } => 4,
+        }
+    }
+
+    /// This kind's name (`"data"`, `"records"`, `"reserved"`, `"extent"` or `"freeing"`).
+    pub fn name(&self) -> &'static str {
+        Self::NAMES[self.index()]
+    }
+}
+
 fn describe_full(requested: u64, available: u64, limit: &CapacityLimit) -> String {
     match *limit {
         CapacityLimit::Data {

@@ -18,7 +18,7 @@ use pocketflow_protocol::limits::{BUCKET_NAME_MAX_BYTES, JOB_ID_MAX_BYTES, KEY_M
 use crate::capacity::{Budget, ChargeKind, JobAccount, INDEX_ENTRY_OVERHEAD_BYTES};
 use crate::engine::dram::DramEngine;
 use crate::engine::nvme::{NvmeConfig, NvmeEngine};
-use crate::engine::{Engine, Tier};
+use crate::engine::{BlockWriter, Engine, Tier};
 use crate::error::StoreError;
 use crate::events::Events;
 use crate::expiry::Expiry;
@@ -286,7 +286,7 @@ impl Store {
         let block = if len == 0 {
             None
         } else {
-            let mut writer = engine.begin_write_waiting(len).await?;
+            let mut writer = self.begin_write(account, len).await?;
             writer.append(value).await?;
             Some(writer.finish().await?)
         };
@@ -295,6 +295,20 @@ impl Store {
             persist,
             charge,
         }))
+    }
+
+    /// Begin writing `len` bytes of `account`'s job in the engine (waiting a bounded time for
+    /// bytes still being freed); a refusal for want of an extent is counted to the job.
+    pub(crate) async fn begin_write(
+        &self,
+        account: &JobAccount,
+        len: u64,
+    ) -> Result<Box<dyn BlockWriter>, StoreError> {
+        let begun = self.shared.engine.begin_write_waiting(len).await;
+        if let Err(error) = &begun {
+            self.shared.budget.count_refusal(account, error);
+        }
+        begun
     }
 
     /// Read `len` bytes at `offset` of an entry; the bytes hold the entry until dropped.

@@ -309,6 +309,7 @@ async fn stats_report_every_field() {
         "capacity_bytes",
         "used_bytes",
         "objects",
+        "capacity_refusals",
         "jobs",
     ] {
         assert!(stats.get(field).is_some(), "missing {field} in {stats}");

@@ -45,6 +45,8 @@ pub struct ServerOptions {
     pub keys_from_stdin: bool,
     /// Run the server as this user (the test runs as root).
     pub uid: Option<u32>,
+    /// Serve Prometheus metrics on a loopback port ([`TestServer::metrics_addr`]).
+    pub metrics: bool,
 }
 
 impl Default for ServerOptions {
@@ -59,6 +61,7 @@ impl Default for ServerOptions {
             transfer_idle: None,
             keys_from_stdin: false,
             uid: None,
+            metrics: false,
         }
     }
 }
@@ -67,6 +70,8 @@ impl Default for ServerOptions {
 pub struct TestServer {
     pub child: Child,
     pub addr: String,
+    /// Where it serves `GET /metrics`, when started with [`ServerOptions::metrics`].
+    pub metrics_addr: Option<String>,
     _dir: tempfile::TempDir,
     _stdin: Option<std::process::ChildStdin>,
 }
@@ -112,6 +117,9 @@ impl TestServer {
         if let Some(idle) = &options.transfer_idle {
             cmd.args(["--transfer-idle", idle]);
         }
+        if options.metrics {
+            cmd.args(["--metrics-listen", "127.0.0.1:0"]);
+        }
         if let Some(ttl) = &options.persist_ttl {
             cmd.args(["--persist-ttl", ttl]);
         }
@@ -131,15 +139,20 @@ impl TestServer {
         BufReader::new(stdout)
             .read_line(&mut line)
             .expect("read ready line");
-        let addr = line
+        // `POCKETFLOW_SERVER_READY host:port [metrics=host:port ...]`
+        let mut words = line
             .trim()
             .strip_prefix(READY_LINE_PREFIX)
             .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .trim()
-            .to_owned();
+            .split_whitespace();
+        let addr = words.next().expect("the address").to_owned();
+        let metrics_addr = words
+            .find_map(|word| word.strip_prefix("metrics="))
+            .map(str::to_owned);
         TestServer {
             child,
             addr,
+            metrics_addr,
             _dir: dir,
             _stdin: stdin,
         }
@@ -192,6 +205,20 @@ impl TestServer {
 
     pub async fn client(&self) -> Client {
         Client::connect(&self.addr).await
+    }
+
+    /// The body of `GET /metrics` (plain HTTP; the server must serve metrics).
+    pub async fn metrics(&self) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let addr = self.metrics_addr.as_ref().expect("started with metrics");
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.expect("send");
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.expect("read");
+        let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        body.to_owned()
     }
 }
 

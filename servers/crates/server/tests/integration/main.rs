@@ -8,4 +8,5 @@ mod harness;
 mod lifecycle;
 mod lifetimes;
 mod memory;
+mod refusals;
 mod registration;

@@ -82,7 +82,7 @@ impl Store {
             .shared
             .budget
             .charge(&job_index.account, cost, ChargeKind::Data)?;
-        let writer = engine.begin_write_waiting(len).await?;
+        let writer = self.begin_write(&job_index.account, len).await?;
         Ok(BlockWrite {
             job: job_index,
             bucket: bucket_ref,

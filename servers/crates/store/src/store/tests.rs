@@ -13,6 +13,7 @@ use crate::events::EventOp;
 
 use super::*;
 use crate::error::CapacityLimit;
+use crate::refusals::RefusalCounts;
 
 const JOB: &str = "job-a";
 
@@ -159,6 +160,7 @@ async fn small_objects_round_trip(tier: Tier) {
             objects: 2,
             channel_entries: 0,
             reserved_bytes: 0,
+            refusals: RefusalCounts::default(),
         }
     );
     // A delete of another version leaves the record; of its own version removes it.
@@ -631,6 +633,88 @@ async fn manifests_still_fit_a_tier_full_of_data(tier: Tier) {
             ..
         }
     ));
+    // Each refusal was counted once under its limit, server-wide and to the job.
+    let usage = store.usage();
+    let counted = RefusalCounts {
+        data: 2,
+        records: 1,
+        ..RefusalCounts::default()
+    };
+    assert_eq!(usage.refusals, counted);
+    assert_eq!(usage.per_job[JOB].refusals, counted);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fragmented_free_space_is_counted_as_extent_refusals() {
+    // Fifteen 64 KiB objects fill a 1 MiB DRAM tier's room for data; deleting every other one
+    // leaves 512 KiB free in 64 KiB holes, so a 128 KiB data block fits the budget but no
+    // extent.
+    let (store, _dir) = open(Tier::Dram, 1 << 20, false);
+    store.create_bucket(JOB, "b").unwrap();
+    store.create_bucket("job-b", "b").unwrap();
+    let data = pattern(64 << 10, 5);
+    for i in 0..15 {
+        put(&store, "b", &format!("k{i}"), &data).await.unwrap();
+    }
+    for i in (1..15).step_by(2) {
+        store.delete_record(JOB, "b", &format!("k{i}")).unwrap();
+    }
+    let used = store.used_bytes();
+    let large = pattern(128 << 10, 6);
+    match put_block(&store, "large", 1, 1, &large).await {
+        Err(StoreError::CapacityExhausted {
+            available,
+            limit: CapacityLimit::Extent { largest_free_bytes },
+            ..
+        }) => {
+            assert_eq!(largest_free_bytes, 64 << 10);
+            assert_eq!(available, 8 * (64 << 10));
+        }
+        other => panic!("expected no free extent, got {other:?}"),
+    }
+    // Each try is refused again; nothing of them is left charged.
+    assert!(matches!(
+        put_block(&store, "large", 1, 2, &large).await,
+        Err(StoreError::CapacityExhausted {
+            limit: CapacityLimit::Extent { .. },
+            ..
+        })
+    ));
+    assert_eq!(store.used_bytes(), used);
+    let usage = store.usage();
+    let counted = RefusalCounts {
+        extent: 2,
+        ..RefusalCounts::default()
+    };
+    assert_eq!(usage.refusals, counted);
+    assert_eq!(usage.per_job[JOB].refusals, counted);
+    assert_eq!(usage.per_job["job-b"].refusals, RefusalCounts::default());
+    // What fits a hole is taken, and counts nothing.
+    put(&store, "b", "fits", &data).await.unwrap();
+    assert_eq!(store.usage().refusals, counted);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_lists_a_job_with_a_share_and_no_bucket() {
+    let (store, _dir) = open(Tier::Dram, 1 << 20, false);
+    store.set_reservation("job-share", 1, 256 << 10);
+    store.create_bucket(JOB, "b").unwrap();
+    put(&store, "b", "k", b"v").await.unwrap();
+    let usage = store.usage();
+    assert_eq!(
+        usage.per_job.keys().collect::<Vec<_>>(),
+        ["job-a", "job-share"]
+    );
+    assert_eq!(
+        usage.per_job["job-share"],
+        JobUsage {
+            reserved_bytes: 256 << 10,
+            ..JobUsage::default()
+        }
+    );
+    // Its end takes it off the list.
+    store.end_reservation("job-share");
+    assert_eq!(store.usage().per_job.keys().collect::<Vec<_>>(), ["job-a"]);
 }
 
 async fn overflowed_manifests_carry_a_bounded_value(tier: Tier) {

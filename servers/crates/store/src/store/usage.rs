@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
 use super::Store;
+use crate::capacity::JobAccount;
 use crate::error::StoreError;
+use crate::refusals::RefusalCounts;
 use crate::throughput::Throughput;
 
 /// Capacity and usage of the server, for statistics.
@@ -24,7 +26,11 @@ pub struct Usage {
     /// Bytes of deleted blocks that their writes to the device still hold (NVMe write-behind;
     /// not in `used_bytes`): free once those writes complete.
     pub freeing_bytes: u64,
-    /// The same per job, for every job with buckets on this server.
+    /// Writes refused for want of room since the server started, by the limit they hit.
+    pub refusals: RefusalCounts,
+    /// The same per job, for every job with buckets or a reservation share on this server (at
+    /// most [`crate::JOBS_MAX`] with buckets, plus those with only a share, one per job the
+    /// service's epoch table holds).
     pub per_job: BTreeMap<String, JobUsage>,
 }
 
@@ -39,6 +45,21 @@ pub struct JobUsage {
     pub channel_entries: u64,
     /// The job's share of its reservation on this server (0: none; see [`crate::capacity`]).
     pub reserved_bytes: u64,
+    /// The job's writes refused for want of room, by the limit they hit, since its account was
+    /// made here (its first bucket or share; forgotten with the job).
+    pub refusals: RefusalCounts,
+}
+
+impl JobUsage {
+    fn of(account: &JobAccount) -> Self {
+        Self {
+            used_bytes: account.used_bytes.load(Ordering::Acquire),
+            objects: account.objects.load(Ordering::Acquire),
+            channel_entries: account.channel_entries.load(Ordering::Acquire),
+            reserved_bytes: account.reserved_bytes.load(Ordering::Acquire),
+            refusals: account.refusals.counts(),
+        }
+    }
 }
 
 impl Store {
@@ -66,25 +87,27 @@ impl Store {
 
     /// Capacity, usage and object counts, in total and per job.
     pub fn usage(&self) -> Usage {
-        let jobs = self.shared.jobs.read().expect("job map lock poisoned");
-        let per_job: BTreeMap<String, JobUsage> = jobs
-            .iter()
-            .map(|(name, job)| {
-                let usage = JobUsage {
-                    used_bytes: job.account.used_bytes.load(Ordering::Acquire),
-                    objects: job.account.objects.load(Ordering::Acquire),
-                    channel_entries: job.account.channel_entries.load(Ordering::Acquire),
-                    reserved_bytes: job.account.reserved_bytes.load(Ordering::Acquire),
-                };
-                (name.clone(), usage)
-            })
+        // Jobs holding only a share here (no bucket) are listed too: their share keeps room
+        // free for them, which the other jobs' refusals under `reserved` should be seen with.
+        let mut per_job: BTreeMap<String, JobUsage> = self
+            .shared
+            .budget
+            .reserved_accounts()
+            .into_iter()
+            .map(|(name, account)| (name, JobUsage::of(&account)))
             .collect();
+        let jobs = self.shared.jobs.read().expect("job map lock poisoned");
+        for (name, job) in jobs.iter() {
+            per_job.insert(name.clone(), JobUsage::of(&job.account));
+        }
+        drop(jobs);
         Usage {
             capacity_bytes: self.capacity_bytes(),
             used_bytes: self.used_bytes(),
             objects: per_job.values().map(|j| j.objects).sum(),
             channel_entries: per_job.values().map(|j| j.channel_entries).sum(),
             freeing_bytes: self.shared.engine.freeing_bytes(),
+            refusals: self.shared.budget.refusals().counts(),
             per_job,
         }
     }

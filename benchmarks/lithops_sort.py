@@ -207,8 +207,24 @@ def _validate(config: SortConfig, maps: list[MapResult], checks: list[PartitionC
 
 def run_storage_variant(name: str, fexec: Any, config: SortConfig,
                         sample: Callable[[str], int]) -> Run:
-    """The sort with the shuffle through the executor's own Lithops storage (map, then reduce)."""
+    """The sort with the shuffle through the executor's own Lithops storage (map, then reduce).
+
+    An empty object ``<prefix>/.keep`` holds the job's prefix for the whole run. Lithops'
+    localhost storage removes a deleted object's parent directories once they are empty: a
+    reducer deleting its last input could remove the prefix's directory while another
+    reducer's ``put_object`` had created it and was about to make ``out/`` in it, which then
+    failed with ``FileNotFoundError`` (seen once in the test suite's tiny sort)."""
     prefix = f"lithops-sort-{uuid.uuid4().hex[:8]}"
+    storage = fexec.storage
+    storage.put_object(storage.bucket, f"{prefix}/.keep", b"")
+    try:
+        return _run_storage_sort(name, fexec, config, sample, prefix)
+    finally:
+        storage.delete_object(storage.bucket, f"{prefix}/.keep")
+
+
+def _run_storage_sort(name: str, fexec: Any, config: SortConfig, sample: Callable[[str], int],
+                      prefix: str) -> Run:
     with PeakSampler(functools.partial(sample, prefix), interval_s=SAMPLE_INTERVAL_S) as sampler:
         started = time.perf_counter()
         maps = fexec.get_result(fexec.map(

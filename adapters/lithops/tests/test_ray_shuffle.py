@@ -437,29 +437,27 @@ def test_reducers_of_a_job_on_nvme_take_extra_slots_and_mappers_do_not(
     assert _most_at_once(tmp_path, "mapper") <= 2
 
 
-def _own_stats(cluster: LocalCluster, field: str) -> dict[str, int]:
-    """``node_id -> field`` of each server's own stats (admin), not the control plane's copy."""
+def _servers_own_stats(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
+    """``node_id -> stats`` of each server, its own (admin), not the control plane's copy."""
     from pocketflow.control.admin import AdminTokens
 
     tokens = AdminTokens(cluster.secret, tls_ca=cluster.tls_ca)
     try:
-        return {s.node_id: int(tokens.client(s.address).stats()[field])
-                for s in cluster.servers}
+        return {s.node_id: tokens.client(s.address).stats() for s in cluster.servers}
     finally:
         tokens.close()
+
+
+def _own_stats(cluster: LocalCluster, field: str) -> dict[str, int]:
+    """``node_id -> field`` of each server's own stats."""
+    return {node: int(stats[field]) for node, stats in _servers_own_stats(cluster).items()}
 
 
 def _bytes_of_jobs(cluster: LocalCluster, job_ids: list[str]) -> int:
     """The bytes the servers hold for ``job_ids``, from each server's own stats (a job they
     no longer know holds none)."""
-    from pocketflow.control.admin import AdminTokens
-
-    tokens = AdminTokens(cluster.secret, tls_ca=cluster.tls_ca)
-    try:
-        return sum(int(tokens.client(s.address).stats()["jobs"].get(job, {}).get("used_bytes", 0))
-                   for s in cluster.servers for job in job_ids)
-    finally:
-        tokens.close()
+    return sum(int(stats["jobs"].get(job, {}).get("used_bytes", 0))
+               for stats in _servers_own_stats(cluster).values() for job in job_ids)
 
 
 def _emit_one(item: int, emit: Callable[[int, Any], None]) -> int:

@@ -18,8 +18,9 @@ keys, each call reading a contiguous share of them, four ways, one after the oth
 - ``s3-raw``: the same GETs on the cache's pooled raw HTTP connections
   (:mod:`pocketflow.cache.http_get`, which the cache's fills and revalidations use): how much of
   a gain is the cheaper GET alone (not a goal's baseline).
-- ``cold``: through a new cache on a local cluster (``CacheClient.get_views``: views of one
-  buffer per round, with huge pages; the run's ``app`` recorded at its end, with a copy of its
+- ``cold``: through a new cache on a local cluster (``CacheClient.get_views``: views of the
+  storage servers' shared DRAM arenas, pinned and read in place, else of one buffer per round,
+  with huge pages; the run's ``app`` recorded at its end, with a copy of its
   working set in S3).
 - ``cached``: the same cache again (its entries held; their validation lease has run out: the
   driver revalidates the last run's working set as it opens the cache, one ListObjectsV2 page
@@ -503,10 +504,12 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     lines += [
         "",
-        "The cache's tasks read with `get_views`: a round's entries land in one buffer mapped "
-        "with huge pages, so a call's fresh process (Lithops forks one per call) faults 64 MiB "
-        "in 2 MiB pieces rather than 4 KiB ones; the prewarm fetches in two worker processes, "
-        "whose S3 requests are counted with the driver's.",
+        "The cache's tasks read with `get_views`: on the local cluster each entry is pinned in "
+        "its storage server's shared DRAM arena and read in place (no copy; the call makes the "
+        "pages present before it returns), and entries that are not pinned land in one buffer "
+        "mapped with huge pages, so a call's fresh process (Lithops forks one per call) faults "
+        "them in 2 MiB pieces rather than 4 KiB ones; the prewarm fetches in two worker "
+        "processes, whose S3 requests are counted with the driver's.",
         "",
         "Straight S3 (`s3`) reads with boto3, as Lithops' storage backend does; the cache's own "
         "GETs (fills, prewarm, revalidations) go on pooled raw HTTP connections at about a "

@@ -88,6 +88,12 @@ class Upload:
     def commit(self, size: int, overwrite: bool) -> None: ...
     def abort(self) -> None: ...
 
+class SharedView:
+    """One object pinned in a server's shared arena: ``memoryview(view)`` reads it in place;
+    the pin is released when the view and its exports are gone."""
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int) -> memoryview: ...
+
 class Objects:
     """The object layer of one job's client: the weight map in use (adopting newer ones), one
     connection per server, and the read and write paths of objects."""
@@ -133,6 +139,10 @@ class Objects:
         sizes: list[int],
     ) -> list[BaseException | None]:
         """Object ``i`` into ``buffer[offsets[i]:offsets[i] + sizes[i]]``; None or its error."""
+    def pin_views(self, bucket: str, keys: list[str]) -> list[SharedView | bytes | None]:
+        """Per key its bytes pinned in place, a small object's bytes, or None (read it)."""
+    def shared_counts(self) -> tuple[int, int, int]:
+        """``(pinned, values, copied)`` of this client's zero-copy reads."""
     def lookup(
         self, bucket: str, key: str, *, lost_unavailable: bool = True
     ) -> tuple[int, bool]:

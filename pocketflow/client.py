@@ -750,6 +750,41 @@ class Client:
             check_key(key)
         return self._core.get_many_into(bucket, key_list, buffer, list(offsets), list(sizes))
 
+    def pin_views(self, bucket: str, keys: Iterable[str]) -> list[memoryview | None]:
+        """Read ``keys`` in place where this host's servers share their DRAM arena: per key a
+        read-only ``memoryview`` of the object's bytes, pinned in the server's memory (no copy;
+        the bytes never change while any view of them lives, whatever happens to the object),
+        a view of a small object's bytes (which came with the reply), or None for a key this
+        call did not read (a server of another host or without a shared arena, an object of
+        several data blocks or on NVMe, a pin refused at a bound, an object not found): read
+        those as usual. The pins are released, batched, when their views are gone.
+        """
+        check_bucket(bucket)
+        key_list = list(keys)
+        check_keys(key_list)
+        return [None if r is None else memoryview(r).toreadonly()
+                for r in self._core.pin_views(bucket, key_list)]
+
+    def get_shared(self, bucket: str, keys: Iterable[str]) -> list[memoryview | PocketflowError]:
+        """Like :meth:`get_each`, each object as a read-only ``memoryview``: read in place by
+        :meth:`pin_views` where it can be, else read (copied) as :meth:`get_each` reads."""
+        key_list = list(keys)
+        out: list[memoryview | PocketflowError | None] = list(self.pin_views(bucket, key_list))
+        rest = [i for i, view in enumerate(out) if view is None]
+        if rest:
+            for i, read in zip(rest, self.get_each(bucket, [key_list[i] for i in rest]),
+                               strict=True):
+                out[i] = read if isinstance(read, PocketflowError) else memoryview(read)
+        return out  # type: ignore[return-value]
+
+    @property
+    def shared_counts(self) -> dict[str, int]:
+        """This client's zero-copy reads so far: objects read in place (``pinned``), small ones
+        that came with a pin's reply (``values``), and those left to a copying read
+        (``copied``)."""
+        pinned, values, copied = self._core.shared_counts()
+        return {"pinned": pinned, "values": values, "copied": copied}
+
     # -- waiting -----------------------------------------------------------------------------
 
     def wait_for(self, bucket: str, keys: Iterable[str], *, timeout_s: float) -> list[str]:

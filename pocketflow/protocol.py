@@ -84,6 +84,14 @@ LEASE_MS_MAX = 600_000
 """Longest prefix lease."""
 LEASE_PREFIXES_MAX = 4096
 """Most prefixes one ``renew_leases`` call names."""
+PINS_PER_PROCESS_MAX = 4096
+"""Most pins one process holds on one server (PIN beyond it is refused: the reader copies)."""
+PINNED_ARENA_DIVISOR = 2
+"""A server pins at most its DRAM arena's capacity divided by this, over all jobs."""
+PINNED_JOB_DIVISOR = 2
+"""One job pins at most its server's pin budget divided by this."""
+PIN_SWEEP_INTERVAL_MS = 250
+"""Interval of the server's sweep of pins held by processes that are gone."""
 
 # -- exchange operations ---------------------------------------------------------------------------
 
@@ -97,6 +105,8 @@ OP_QUEUE_INFO = 7
 OP_APPEND = 8
 OP_READ_APPEND = 9
 OP_READ_RECORDS = 10
+OP_PIN = 11
+OP_UNPIN = 12
 
 OP_FLAG_DELETE = 1
 """GET: remove the object as part of the read (DELETE-on-read)."""

@@ -106,6 +106,9 @@ class ServerSpec:
     metrics_plaintext: bool = False
     """Serve the metrics over plain HTTP even with TLS or on a node address (an explicit opt-in,
     ``--metrics-plaintext``)."""
+    shared_dram: bool = False
+    """Keep the DRAM arena in a sealed memfd that processes of this host and uid may map
+    read-only (``--shared-dram``): zero-copy reads of pinned objects (docs/ARCHITECTURE.md)."""
 
     @property
     def uses_tls(self) -> bool:
@@ -177,6 +180,8 @@ class StorageServerProcess:
                 args += ["--tls-cert", str(spec.tls.cert), "--tls-key", str(spec.tls.key)]
         if spec.long_running:
             args.append("--long-running")
+        if spec.shared_dram:
+            args.append("--shared-dram")
         if spec.metrics:
             args += ["--metrics-listen", f"{_bracketed(spec.listen_host)}:0"]
             if spec.metrics_plaintext:

@@ -192,6 +192,7 @@ class ServerSet:
         persist_ttl_ms: int | None = None,
         listen_host: str = "127.0.0.1",
         tls: ServerCert | None = None,
+        shared_dram: bool = False,
     ) -> ServerInfo:
         """Start one more server with this set's secret; returns its weight-map entry."""
         process = StorageServerProcess(ServerSpec(
@@ -205,6 +206,7 @@ class ServerSet:
             nvme_path=nvme_path,
             threads=SERVER_THREADS,
             persist_ttl_ms=persist_ttl_ms,
+            shared_dram=shared_dram,
         ))
         self.processes.append(process)
         address = process.start()
@@ -326,10 +328,12 @@ def server_factory(
         long_running: bool = False,
         weight: float = 1.0,
         persist_ttl_ms: int | None = None,
+        shared_dram: bool = False,
     ) -> tuple[ServerSet, ServerInfo]:
         nvme_path = tmp_path / f"{node_id}.img" if tier == "nvme" else None
         info = servers.start(node_id, tier, capacity_bytes, long_running=long_running,
-                             nvme_path=nvme_path, weight=weight, persist_ttl_ms=persist_ttl_ms)
+                             nvme_path=nvme_path, weight=weight, persist_ttl_ms=persist_ttl_ms,
+                             shared_dram=shared_dram)
         return servers, info
 
     try:

@@ -356,11 +356,13 @@ class CacheClient:
         return self._read(bucket, keys, want_data=True)
 
     def get_views(self, bucket: str, keys: Iterable[str]) -> list[memoryview]:
-        """Like :meth:`get_many`, but each object as a read-only ``memoryview``: the cached
-        entries of a round are read into one buffer, mapped with huge pages when it is 2 MiB or
-        more, which a fresh process faults in 2 MiB at a time instead of 4 KiB per ``bytes``
-        (64 entries of 1 MiB: 32 faults instead of 16,400, most of such a hit's CPU). The
-        buffer lives while any of its views does; keep only what is needed."""
+        """Like :meth:`get_many`, but each object as a read-only ``memoryview``. A cached entry
+        on a server of this host that shares its DRAM arena (a local cluster's) is read in
+        place: pinned in the server's memory, no copy, made present in this process before the
+        call returns; the pin lasts while any view of it lives (:meth:`Client.pin_views`). The
+        other entries of a round are read into one buffer, mapped with huge pages when it is
+        2 MiB or more, which a fresh process faults in 2 MiB at a time instead of 4 KiB per
+        ``bytes``; the buffer lives while any of its views does. Keep only what is needed."""
         results = self._read(bucket, keys, want_data=True, views=True)
         for result in results:
             if isinstance(result, PocketflowError):
@@ -687,20 +689,32 @@ class CacheClient:
         return again
 
     def _entries(self, names: list[str], sizes: list[int], *, views: bool) -> list[Any]:
-        """The entries ``names`` as ``get_each`` returns them; with ``views`` read into one
-        buffer (:func:`_arena`), each a read-only ``memoryview`` of its ``sizes`` bytes. An
-        entry of another size than its meta says is an :class:`InternalError`."""
+        """The entries ``names`` as ``get_each`` returns them; with ``views`` each a read-only
+        ``memoryview`` of its ``sizes`` bytes: read in place from a server of this host that
+        shares its DRAM arena (:meth:`Client.pin_views`, no copy), the others read into one
+        buffer (:func:`_arena`). An entry of another size than its meta says is an
+        :class:`InternalError`."""
         if not views:
             return self._pf.get_each(ENTRY_BUCKET, names)
-        offsets = list(accumulate(sizes, initial=0))
+        out: list[Any] = list(self._pf.pin_views(ENTRY_BUCKET, names))
+        for name, size, view in zip(names, sizes, out, strict=True):
+            if view is not None and len(view) != size:
+                raise InternalError(f"cache {self.spec.name}: entry {name} is {len(view)} "
+                                    f"bytes, not {size}")
+        rest = [i for i, view in enumerate(out) if view is None]
+        if not rest:
+            return out
+        rest_sizes = [sizes[i] for i in rest]
+        offsets = list(accumulate(rest_sizes, initial=0))
         arena = _arena(offsets[-1])
-        outcomes = self._pf.get_many_into(ENTRY_BUCKET, names, arena, offsets[:-1], sizes)
+        outcomes = self._pf.get_many_into(ENTRY_BUCKET, [names[i] for i in rest], arena,
+                                          offsets[:-1], rest_sizes)
         whole = memoryview(arena).toreadonly()
-        out: list[Any] = []
-        for name, start, size, outcome in zip(names, offsets, sizes, outcomes, strict=False):
+        for i, start, size, outcome in zip(rest, offsets[:-1], rest_sizes, outcomes,
+                                           strict=True):
             if isinstance(outcome, InvalidRequest):
-                raise InternalError(f"cache {self.spec.name}: entry {name}: {outcome}")
-            out.append(whole[start:start + size] if outcome is None else outcome)
+                raise InternalError(f"cache {self.spec.name}: entry {names[i]}: {outcome}")
+            out[i] = whole[start:start + size] if outcome is None else outcome
         return out
 
     def _metas_mostly_missing(self, names: list[str]) -> list[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import os
 import threading
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pocketflow.control.admin import AdminTokens
+from pocketflow.control.tiers import TIER_DRAM
 from pocketflow.errors import PocketflowError, ServerStartError
 from pocketflow.processes import ProcessRef
 from pocketflow.server_process import ServerKeys, ServerSpec, StorageServerProcess
@@ -127,6 +129,7 @@ class StorageNode:
             parent_pid=os.getpid(),
             persist_ttl_ms=persist_ttl_ms,
             listen_host=host,
+            shared_dram=shares_dram(tier, host, tls=tls_ca is not None),
         )
         self._process: StorageServerProcess | None = None
         self._admin = AdminTokens(secret, tls_ca=tls_ca)
@@ -316,6 +319,23 @@ def _running_ray() -> Any:
     except ImportError:
         return None
     return ray if ray.is_initialized() else None
+
+
+SHARED_DRAM_ENV = "POCKETFLOW_SHARED_DRAM"
+"""Set to ``0`` to keep a local cluster's DRAM arenas private (no zero-copy reads)."""
+
+
+def shares_dram(tier: str, host: str, *, tls: bool) -> bool:
+    """Whether a server of ``tier`` on ``host`` shares its DRAM arena with the processes of this
+    host and uid: a DRAM server of a single-user local cluster (loopback, no TLS), unless
+    ``$POCKETFLOW_SHARED_DRAM`` is ``0``. Any process of the uid can then read every job's
+    bytes in the arena, so a cluster with TLS (many users' nodes) never shares it."""
+    if tier != TIER_DRAM or tls or os.environ.get(SHARED_DRAM_ENV, "1") == "0":
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def node_address() -> str:

@@ -28,6 +28,7 @@ fn start_server() -> String {
                 nvme_path: None,
                 long_running: true,
                 persist_ttl: None,
+                shared_dram: false,
             })
             .expect("store");
             let service = StorageService::new(

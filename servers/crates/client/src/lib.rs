@@ -29,6 +29,7 @@ pub mod reads;
 pub mod records;
 mod runtime;
 mod session;
+pub mod shared;
 pub mod tls;
 pub mod upload;
 pub mod view;

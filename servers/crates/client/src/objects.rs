@@ -58,6 +58,8 @@ pub struct Objects {
     pub(crate) repaired_buckets: Mutex<std::collections::HashSet<(String, String)>>,
     /// The servers that refused a write as full lately (`overflow.rs`).
     pub(crate) full_servers: Mutex<crate::overflow::FullServers>,
+    /// Zero-copy reads: mapped arenas and the pin releaser (`shared.rs`).
+    pub shared: crate::shared::Shared,
 }
 
 impl Objects {
@@ -82,6 +84,7 @@ impl Objects {
             }),
             repaired_buckets: Mutex::new(std::collections::HashSet::new()),
             full_servers: Mutex::new(crate::overflow::FullServers::default()),
+            shared: crate::shared::Shared::default(),
         })
     }
 

@@ -43,6 +43,7 @@ fn start_server(node_id: &'static str, long_running: bool) -> String {
                 nvme_path: None,
                 long_running,
                 persist_ttl: None,
+                shared_dram: false,
             })
             .expect("store");
             let service = StorageService::new(

@@ -339,5 +339,6 @@ pub(crate) fn stats_report(state: &ServiceState) -> StatsReport {
         requests_total: state.metrics.requests_total(),
         received_bytes_total,
         sent_bytes_total,
+        pins: crate::pin::stats(state),
     }
 }

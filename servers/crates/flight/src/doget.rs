@@ -468,6 +468,7 @@ pub(crate) mod tests {
             waits: Arc::new(Semaphore::new(1)),
             transfer_idle: std::time::Duration::from_secs(30),
             connection_idle_ms: std::sync::atomic::AtomicU64::new(120_000),
+            pins: None,
         };
         (Arc::new(state), key)
     }

@@ -451,6 +451,14 @@ async fn execute(
             Bytes::new(),
             None,
         )),
+        OpCode::Pin => {
+            let (header, body) = crate::pin::pin(state, job, &op).await?;
+            Ok((header, body, None))
+        }
+        OpCode::Unpin => {
+            let (header, body) = crate::pin::unpin(state, job, &op)?;
+            Ok((header, body, None))
+        }
         _ => execute_channel(state, job, op).await,
     }
 }
@@ -537,7 +545,12 @@ async fn execute_channel(
             state.stats.counters.add_out(bytes.len() as u64);
             (append_reply(s, count), bytes, None)
         }
-        OpCode::Put | OpCode::Get | OpCode::Delete | OpCode::Lookup => {
+        OpCode::Put
+        | OpCode::Get
+        | OpCode::Delete
+        | OpCode::Lookup
+        | OpCode::Pin
+        | OpCode::Unpin => {
             unreachable!("object ops are run by execute")
         }
     };

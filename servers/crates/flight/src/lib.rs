@@ -18,6 +18,7 @@ mod exchange;
 pub mod handshake;
 pub mod metrics;
 pub mod peers;
+mod pin;
 mod read;
 pub use pocketflow_protocol::ipc;
 mod refusal;

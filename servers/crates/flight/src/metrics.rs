@@ -61,6 +61,10 @@ pub struct Metrics {
     parked_waits: IntGauge,
     parked_queue_ops: IntGauge,
     draining: IntGauge,
+    pins: IntGauge,
+    pinned_bytes: IntGauge,
+    pin_refusals: IntCounter,
+    pins_swept: IntCounter,
     /// One render at a time: it brings the byte counters up to the request paths' totals.
     render_lock: std::sync::Mutex<()>,
 }
@@ -159,6 +163,19 @@ impl Metrics {
                 "Queue ops parked: dequeues of an empty queue, enqueues into a full one.",
             ),
             draining: gauge("draining", "1 while the server drains, else 0."),
+            pins: gauge(
+                "pins",
+                "Objects pinned in the shared DRAM arena for readers of this host.",
+            ),
+            pinned_bytes: gauge("pinned_bytes", "Bytes the pins hold."),
+            pin_refusals: counter(
+                "pin_refusals_total",
+                "Pins refused at a bound (server, job or process): those readers copied.",
+            ),
+            pins_swept: counter(
+                "pins_swept_total",
+                "Pins released by the sweep because their process was gone.",
+            ),
             render_lock: std::sync::Mutex::new(()),
             registry,
         };
@@ -179,6 +196,10 @@ impl Metrics {
             Box::new(metrics.parked_waits.clone()),
             Box::new(metrics.parked_queue_ops.clone()),
             Box::new(metrics.draining.clone()),
+            Box::new(metrics.pins.clone()),
+            Box::new(metrics.pinned_bytes.clone()),
+            Box::new(metrics.pin_refusals.clone()),
+            Box::new(metrics.pins_swept.clone()),
         ];
         for collector in collectors {
             must(metrics.registry.register(collector));
@@ -258,6 +279,15 @@ impl Metrics {
         self.parked_queue_ops
             .set(to_i64(state.store.parked_queue_ops() as u64));
         self.draining.set(i64::from(state.drain.is_draining()));
+        if let Some(pins) = &state.pins {
+            let counts = pins.counts();
+            self.pins.set(to_i64(counts.pins));
+            self.pinned_bytes.set(to_i64(counts.bytes));
+            self.pin_refusals
+                .inc_by(counts.refused.saturating_sub(self.pin_refusals.get()));
+            self.pins_swept
+                .inc_by(counts.swept.saturating_sub(self.pins_swept.get()));
+        }
         let mut out = Vec::new();
         // Encoding into a Vec fails only on a bad family, which `new` rules out.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);

@@ -18,6 +18,7 @@ use pocketflow_protocol::action::ActionName;
 use pocketflow_protocol::limits::{MESSAGE_MAX_BYTES, STATS_INTERVAL_MS};
 use pocketflow_protocol::token::TokenKey;
 use pocketflow_protocol::ProtocolError;
+use pocketflow_store::pins::PinTable;
 use pocketflow_store::Store;
 use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status, Streaming};
@@ -59,6 +60,8 @@ pub(crate) struct ServiceState {
     /// How long an HTTP/2 connection may carry no stream, in milliseconds (see
     /// [`StorageService::set_connection_idle`]).
     pub(crate) connection_idle_ms: AtomicU64,
+    /// Pins of the shared DRAM arena; `None` when the store's arena is not shared.
+    pub(crate) pins: Option<Arc<PinTable>>,
 }
 
 /// The pocketflow storage server's Flight service; clones share state.
@@ -71,6 +74,7 @@ impl StorageService {
     /// A service over `store`.
     pub fn new(store: Store, config: ServiceConfig) -> Self {
         let metrics = Metrics::new(&config.node_id, store.tier().as_str());
+        let store_arena = store.shared_arena().map(|_| store.usage().capacity_bytes);
         let state = ServiceState {
             store,
             auth: Authority::new(config.token_key, config.node_id.clone()),
@@ -83,6 +87,7 @@ impl StorageService {
             waits: Arc::new(Semaphore::new(WAITS_PARKED_MAX)),
             transfer_idle: config.transfer_idle,
             connection_idle_ms: AtomicU64::new(CONNECTION_IDLE_DEFAULT.as_millis() as u64),
+            pins: crate::pin::table_for(&store_arena),
         };
         Self {
             state: Arc::new(state),

@@ -863,6 +863,30 @@ pub struct StatsReport {
     /// Value bytes sent since start (`pocketflow_sent_bytes_total`).
     #[serde(default)]
     pub sent_bytes_total: u64,
+    /// The pin table of a shared DRAM arena (zero-copy reads); absent on other servers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pins: Option<PinStats>,
+}
+
+/// The pin table of a server whose DRAM arena is shared (`stats`'s `pins`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PinStats {
+    /// Pins held now.
+    pub pins: u64,
+    /// Bytes they hold.
+    pub pinned_bytes: u64,
+    /// Pins granted since start.
+    pub granted_total: u64,
+    /// Pins refused at a bound since start (the readers copied instead).
+    pub refused_total: u64,
+    /// Pins released by the sweep because their process was gone, since start.
+    pub swept_total: u64,
+    /// The bounds: bytes over all jobs, bytes per job, pins per process.
+    pub pinned_bytes_max: u64,
+    /// See `pinned_bytes_max`.
+    pub job_pinned_bytes_max: u64,
+    /// See `pinned_bytes_max`.
+    pub process_pins_max: u32,
 }
 
 #[cfg(test)]

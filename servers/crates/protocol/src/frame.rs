@@ -63,6 +63,11 @@ pub enum OpCode {
     ReadAppend,
     /// Read whole records of an append-file segment from a record index.
     ReadRecords,
+    /// Hold an object's bytes in the server's shared arena for the calling process: the reply
+    /// says where they are (a [`crate::pin::PinGrant`]), or carries a small object's value.
+    Pin,
+    /// Release a pin taken by [`OpCode::Pin`].
+    Unpin,
 }
 
 impl OpCode {
@@ -79,6 +84,8 @@ impl OpCode {
             OpCode::Append => 8,
             OpCode::ReadAppend => 9,
             OpCode::ReadRecords => 10,
+            OpCode::Pin => 11,
+            OpCode::Unpin => 12,
         }
     }
 
@@ -95,6 +102,8 @@ impl OpCode {
             8 => Ok(OpCode::Append),
             9 => Ok(OpCode::ReadAppend),
             10 => Ok(OpCode::ReadRecords),
+            11 => Ok(OpCode::Pin),
+            12 => Ok(OpCode::Unpin),
             other => Err(ProtocolError::OpCode(other)),
         }
     }
@@ -112,6 +121,8 @@ impl OpCode {
             OpCode::Append => "append",
             OpCode::ReadAppend => "read_append",
             OpCode::ReadRecords => "read_records",
+            OpCode::Pin => "pin",
+            OpCode::Unpin => "unpin",
         }
     }
 
@@ -137,7 +148,7 @@ impl OpCode {
 
     /// Whether the op is a queue or append-file op (its header is [`ChannelArgs`]).
     pub fn is_channel(self) -> bool {
-        self.takes_header() && self != OpCode::Put
+        self.takes_header() && !matches!(self, OpCode::Put | OpCode::Pin | OpCode::Unpin)
     }
 }
 
@@ -915,8 +926,8 @@ mod tests {
             ProtocolError::Truncated { .. }
         ));
         assert!(matches!(
-            err(patched(&frame, op0 + 8, &[11])),
-            ProtocolError::OpCode(11)
+            err(patched(&frame, op0 + 8, &[13])),
+            ProtocolError::OpCode(13)
         ));
         assert!(matches!(
             err(patched(&frame, op0 + 8, &[0])),

@@ -14,6 +14,7 @@ pub mod header;
 pub mod ipc;
 pub mod limits;
 pub mod opening;
+pub mod pin;
 pub mod ticket;
 pub mod tls;
 pub mod token;

@@ -62,3 +62,12 @@ pub const LEASE_MS_MIN: u64 = 100;
 pub const LEASE_MS_MAX: u64 = 600_000;
 /// Most prefixes one `renew_leases` call names.
 pub const LEASE_PREFIXES_MAX: usize = 4096;
+/// Most pins one process holds on one server (PIN beyond it is refused; the reader copies).
+pub const PINS_PER_PROCESS_MAX: u32 = 4096;
+/// A server pins at most its DRAM arena's capacity divided by this, over all jobs.
+pub const PINNED_ARENA_DIVISOR: u64 = 2;
+/// One job pins at most its server's pin budget (above) divided by this.
+pub const PINNED_JOB_DIVISOR: u64 = 2;
+/// Interval of the server's sweep of pins held by processes that are gone: a dead reader's pins
+/// are released within two intervals.
+pub const PIN_SWEEP_INTERVAL_MS: u64 = 250;

@@ -14,6 +14,7 @@ mod listing;
 mod memory;
 mod objects;
 mod placement;
+mod shared;
 mod units;
 mod upload;
 
@@ -47,6 +48,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<objects::PyObjects>()?;
     m.add_class::<listing::PyListing>()?;
     m.add_class::<upload::PyUpload>()?;
+    m.add_class::<shared::PySharedView>()?;
     m.add_function(wrap_pyfunction!(placement::placed_block, m)?)?;
     m.add_function(wrap_pyfunction!(units::parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(units::parse_duration_ns, m)?)?;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use pocketflow_client::channels::check_placed_ops;
+use pocketflow_client::shared::SharedRead;
 use pocketflow_client::waits::Stop;
 use pocketflow_client::{
     ClientError, Failure, Layout, Listing, Objects, PutItem, Record, StreamUpload, Tuning,
@@ -23,6 +24,7 @@ use crate::convert::{
 use crate::errors::{failure_to_py, to_py_err};
 use crate::listing::PyListing;
 use crate::memory::{readable, uninit_bytes, writable, CallerBuffer, Lent, NewBytes};
+use crate::shared::PySharedView;
 use crate::upload::PyUpload;
 use crate::SIGNAL_CHECK_INTERVAL;
 
@@ -463,6 +465,42 @@ impl PyObjects {
             Some(failure) => Err(failure_to_py(py, &failure)),
             None => Ok(out),
         }
+    }
+
+    /// Pin `keys` of `bucket` in the shared arenas of this host's servers and read them in
+    /// place: per key a `SharedView` (its bytes, pinned until it goes), a small object's `bytes`
+    /// (which came with the reply), or None: not pinned, the caller reads it as usual.
+    fn pin_views<'py>(
+        &self,
+        py: Python<'py>,
+        bucket: &str,
+        keys: Vec<String>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let objects = &self.objects;
+        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let reads = py.detach(|| objects.pin_many(bucket, &key_refs));
+        let out = PyList::empty(py);
+        for read in reads {
+            match read {
+                SharedRead::Pinned(pinned) => {
+                    out.append(Bound::new(py, PySharedView::new(pinned))?)?
+                }
+                SharedRead::Value(value) => out.append(PyBytes::new(py, &value))?,
+                SharedRead::Copy => out.append(py.None())?,
+            }
+        }
+        Ok(out)
+    }
+
+    /// Counts of this client's zero-copy reads: (pinned, values, copied).
+    fn shared_counts(&self) -> (u64, u64, u64) {
+        let counts = &self.objects.shared.counts;
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        (
+            load(&counts.pinned),
+            load(&counts.values),
+            load(&counts.copied),
+        )
     }
 
     /// Read many objects into one writable buffer: object `i` into

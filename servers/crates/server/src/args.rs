@@ -30,6 +30,8 @@ pub struct Args {
     pub nvme_path: Option<PathBuf>,
     /// Whether PERSIST objects are accepted.
     pub long_running: bool,
+    /// Whether the DRAM arena is a sealed memfd that readers of this host and uid may map.
+    pub shared_dram: bool,
     /// Name of the server in statistics.
     pub node_id: String,
     /// Exit when this process is gone.
@@ -158,6 +160,11 @@ struct Flags {
     /// Accept PERSIST objects.
     #[arg(long)]
     long_running: bool,
+    /// Keep the DRAM arena in a sealed memfd that processes of this host and uid may map
+    /// read-only, for zero-copy reads of pinned objects (PIN). Any such process can then read
+    /// every job's bytes in the arena: for single-user hosts.
+    #[arg(long)]
+    shared_dram: bool,
     /// Name of the server in statistics, 1 to 128 bytes [default: <tier>-<pid>].
     #[arg(long, value_name = "NAME", value_parser = parse_node_id)]
     node_id: Option<String>,
@@ -217,6 +224,7 @@ impl From<Flags> for Args {
             metrics_plaintext: flags.metrics_plaintext,
             nvme_path: flags.nvme_path,
             long_running: flags.long_running,
+            shared_dram: flags.shared_dram,
             node_id: flags
                 .node_id
                 .unwrap_or_else(|| format!("{}-{}", tier.as_str(), std::process::id())),

@@ -93,6 +93,7 @@ async fn serve(args: Args, keys: keys::Keys) -> Result<(), String> {
         nvme_path: args.nvme_path.clone(),
         long_running: args.long_running,
         persist_ttl: args.persist_ttl,
+        shared_dram: args.shared_dram,
     })
     .map_err(|e| format!("cannot open the {} store: {e}", args.tier))?;
     // What the tier moves, measured before serving so the test block meets no job.
@@ -120,6 +121,10 @@ async fn serve(args: Args, keys: keys::Keys) -> Result<(), String> {
     );
     service.set_connection_idle(args.connection_idle);
     tokio::spawn(sweeper::run(store, service.clone()));
+    service
+        .serve_shared_arena()
+        .map_err(|e| format!("cannot serve the shared arena: {e}"))?;
+    tokio::spawn(service.clone().sweep_pins());
     let signals = lifecycle::StopSignals::install()
         .map_err(|e| format!("cannot install signal handlers: {e}"))?;
 

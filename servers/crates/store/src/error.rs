@@ -29,6 +29,20 @@ pub enum StoreError {
         /// 1-based block index.
         index: u32,
     },
+    /// A PIN of an object this server cannot hand out in place (the reader copies it instead).
+    #[error("not pinnable: {why}")]
+    NotPinnable {
+        /// Why not.
+        why: &'static str,
+    },
+    /// A PIN over one of the pin table's bounds (the reader copies the object instead).
+    #[error("pin refused: {what} at its bound of {max}")]
+    PinBound {
+        /// The bound (`server pinned bytes`, `job pinned bytes`, `pins of the process`).
+        what: &'static str,
+        /// Its value.
+        max: u64,
+    },
     /// The bucket does not exist on this server.
     #[error("no bucket '{bucket}'")]
     BucketNotFound {
@@ -395,7 +409,8 @@ impl StoreError {
             Self::CapacityExhausted { .. }
             | Self::TableFull { .. }
             | Self::TooManyBuckets { .. }
-            | Self::TooManyJobs { .. } => "capacity_exhausted",
+            | Self::TooManyJobs { .. }
+            | Self::PinBound { .. } => "capacity_exhausted",
             Self::BadHeader(_)
             | Self::ValueLengthMismatch { .. }
             | Self::InvalidName { .. }
@@ -409,7 +424,8 @@ impl StoreError {
             | Self::CapacityTooSmall { .. }
             | Self::CapacityExceedsDevice { .. }
             | Self::DirectIoUnsupported { .. }
-            | Self::InvalidChannelArgument { .. } => "invalid_argument",
+            | Self::InvalidChannelArgument { .. }
+            | Self::NotPinnable { .. } => "invalid_argument",
             Self::QueueFull { .. } => "queue_full",
             Self::Sealed { .. } => "sealed",
             Self::LeaseTableFull { .. } => "lease_table_full",

@@ -54,15 +54,16 @@ pub mod events;
 mod expiry;
 mod index;
 pub mod leases;
+pub mod pins;
 mod refusals;
 pub mod store;
 pub mod throughput;
 pub mod waiters;
 
 pub use capacity::INDEX_ENTRY_OVERHEAD_BYTES;
-pub use engine::{BlockWriter, Engine, StoredBlock, Tier};
+pub use engine::{BlockWriter, Engine, SharedArena, StoredBlock, Tier};
 pub use error::{CapacityLimit, StoreError};
 pub use index::{BUCKETS_PER_JOB_MAX, JOBS_MAX};
 pub use refusals::RefusalCounts;
-pub use store::{BlockWrite, Claim, JobUsage, Store, StoreConfig, Usage};
+pub use store::{BlockWrite, Claim, JobUsage, PinRead, Store, StoreConfig, Usage};
 pub use throughput::Throughput;

@@ -28,6 +28,7 @@ use crate::waiters::{Waiter, Waiters};
 
 mod blocks;
 mod jobs;
+mod pins;
 mod prefix_leases;
 mod records;
 #[cfg(test)]
@@ -35,6 +36,7 @@ mod tests;
 mod usage;
 
 pub use blocks::BlockWrite;
+pub use pins::PinRead;
 pub use records::Claim;
 pub use usage::{JobUsage, Usage};
 
@@ -53,6 +55,9 @@ pub struct StoreConfig {
     /// How long PERSIST records and data blocks live after they are written (`None`: until the
     /// server exits); see [`Store::expire_persist`].
     pub persist_ttl: Option<Duration>,
+    /// Whether the DRAM arena is a sealed memfd that readers on this host may map read-only
+    /// (zero-copy reads of pinned objects); ignored for NVMe.
+    pub shared_dram: bool,
 }
 
 /// One server's objects: shared by all request handlers (it is `Send + Sync`; clones share).
@@ -132,6 +137,9 @@ impl Store {
     /// Open the engine of `config.tier` and an empty index.
     pub fn open(config: StoreConfig) -> Result<Self, StoreError> {
         let engine: Arc<dyn Engine> = match config.tier {
+            Tier::Dram if config.shared_dram => {
+                Arc::new(DramEngine::open_shared(config.capacity_bytes, true)?)
+            }
             Tier::Dram => Arc::new(DramEngine::open(config.capacity_bytes, true)?),
             Tier::Nvme => {
                 let path = config.nvme_path.ok_or(StoreError::NvmePathRequired)?;

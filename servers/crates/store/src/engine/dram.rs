@@ -1,10 +1,15 @@
-//! The DRAM engine: blocks live in one anonymous memory arena reserved when the server starts.
+//! The DRAM engine: blocks live in one memory arena reserved when the server starts.
 //!
 //! The arena is mapped once at its full capacity (optionally prefaulted, so the server owns its
 //! memory from the start and the first writes do not page-fault). An [`ExtentAllocator`] with
 //! 64-byte granularity hands out extents; a writer copies pieces into its extent without holding
 //! any lock (extents are disjoint), and reads are zero-copy: the returned `Bytes` points into the
 //! arena and keeps the block, hence its extent, alive until dropped.
+//!
+//! A shared arena ([`DramEngine::open_shared`]) is a sealed memfd instead of anonymous memory:
+//! readers on the same host map it read-only (`/proc/<pid>/fd/<fd>`) and read pinned blocks in
+//! place. Its first page holds a random nonce (no block lives there), by which a reader knows it
+//! mapped this arena and not another process's descriptor of the same number.
 
 use std::io;
 use std::ptr::NonNull;
@@ -12,7 +17,11 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::{assert_read_back, BlockWriter, Checksum, Engine, EngineFuture, StoredBlock, Tier};
+use pocketflow_protocol::pin::ARENA_NONCE_BYTES;
+
+use super::{
+    assert_read_back, BlockWriter, Checksum, Engine, EngineFuture, SharedArena, StoredBlock, Tier,
+};
 use crate::allocator::{Extent, ExtentAllocator};
 use crate::error::StoreError;
 
@@ -26,7 +35,12 @@ const PAGE_BYTES: usize = 4096;
 #[derive(Debug)]
 struct Arena {
     base: NonNull<u8>,
+    /// Bytes mapped, the nonce page of a shared arena included.
     len: usize,
+    /// Bytes before the first block: the nonce page of a shared arena, else 0.
+    data_start: usize,
+    /// A shared arena's memfd and nonce.
+    shared: Option<(std::os::fd::OwnedFd, [u8; ARENA_NONCE_BYTES])>,
 }
 
 // SAFETY: the arena is plain memory; concurrent access is confined to disjoint extents handed out
@@ -35,26 +49,74 @@ unsafe impl Send for Arena {}
 // SAFETY: see `Send`.
 unsafe impl Sync for Arena {}
 
+fn os_error(op: &'static str) -> StoreError {
+    StoreError::Io {
+        op,
+        path: None,
+        source: io::Error::last_os_error(),
+    }
+}
+
+/// A memfd of `len` bytes that can be sealed.
+fn memfd(len: usize) -> Result<std::os::fd::OwnedFd, StoreError> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: a NUL-terminated name; the flags are valid for memfd_create.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"pocketflow-dram".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    if fd < 0 {
+        return Err(os_error("memfd_create dram arena"));
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // SAFETY: resizing our own fresh memfd.
+    if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+        return Err(os_error("ftruncate dram arena"));
+    }
+    Ok(owned)
+}
+
+/// A random nonce from the kernel.
+fn random_nonce() -> Result<[u8; ARENA_NONCE_BYTES], StoreError> {
+    let mut nonce = [0u8; ARENA_NONCE_BYTES];
+    // SAFETY: writing at most `nonce.len()` bytes into `nonce`.
+    let got = unsafe { libc::getrandom(nonce.as_mut_ptr().cast(), nonce.len(), 0) };
+    if got != nonce.len() as isize {
+        return Err(os_error("getrandom arena nonce"));
+    }
+    Ok(nonce)
+}
+
 impl Arena {
-    fn map(len: usize, prefault: bool) -> Result<Self, StoreError> {
-        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
-        // SAFETY: an anonymous mapping with no address hint touches no existing memory.
+    fn map(len: usize, prefault: bool, shared: bool) -> Result<Self, StoreError> {
+        use std::os::fd::AsRawFd;
+        let data_start = if shared { PAGE_BYTES } else { 0 };
+        let len = len + data_start;
+        let fd = if shared { Some(memfd(len)?) } else { None };
+        let (flags, raw_fd) = match &fd {
+            Some(fd) => (libc::MAP_SHARED | libc::MAP_NORESERVE, fd.as_raw_fd()),
+            None => (
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+            ),
+        };
+        // SAFETY: a fresh mapping (of no file, or of our own memfd) with no address hint touches
+        // no existing memory.
         let raw = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 flags,
-                -1,
+                raw_fd,
                 0,
             )
         };
         if raw == libc::MAP_FAILED {
-            return Err(StoreError::Io {
-                op: "mmap dram arena",
-                path: None,
-                source: io::Error::last_os_error(),
-            });
+            return Err(os_error("mmap dram arena"));
         }
         // Transparent huge pages cut TLB misses on large copies; failure only costs speed. The
         // advice comes before the pages exist: populated first (MAP_POPULATE), the arena was
@@ -74,17 +136,39 @@ impl Arena {
             }
         }
         let base = NonNull::new(raw.cast::<u8>()).expect("mmap returned null");
-        Ok(Self { base, len })
+        let mut arena = Self {
+            base,
+            len,
+            data_start,
+            shared: None,
+        };
+        if let Some(fd) = fd {
+            let nonce = random_nonce()?;
+            // SAFETY: the nonce page lies at the start of our fresh mapping; no block uses it.
+            unsafe { std::ptr::copy_nonoverlapping(nonce.as_ptr(), raw.cast(), nonce.len()) };
+            // From here on no process (this one included) can map the memfd writable or change
+            // its size: readers map it read-only, and the mapping above stays the only writer.
+            let seals = libc::F_SEAL_FUTURE_WRITE
+                | libc::F_SEAL_SHRINK
+                | libc::F_SEAL_GROW
+                | libc::F_SEAL_SEAL;
+            // SAFETY: sealing our own memfd.
+            if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+                return Err(os_error("seal dram arena"));
+            }
+            arena.shared = Some((fd, nonce));
+        }
+        Ok(arena)
     }
 
-    /// Pointer to byte `offset` of the arena.
+    /// Pointer to byte `offset` of the arena's block space.
     fn at(&self, offset: u64) -> *mut u8 {
         assert!(
-            offset as usize <= self.len,
+            offset as usize <= self.len - self.data_start,
             "offset {offset} outside the arena"
         );
         // SAFETY: in bounds, checked above.
-        unsafe { self.base.as_ptr().add(offset as usize) }
+        unsafe { self.base.as_ptr().add(self.data_start + offset as usize) }
     }
 }
 
@@ -113,7 +197,24 @@ impl DramEngine {
                 min_bytes: DRAM_GRANULARITY_BYTES,
             });
         }
-        let arena = Arena::map(capacity_bytes as usize, prefault)?;
+        Self::open_arena(capacity_bytes, prefault, false)
+    }
+
+    /// [`DramEngine::open`] with the arena in a sealed memfd that readers of the same host (and
+    /// uid) can map read-only: see the module doc.
+    pub fn open_shared(capacity_bytes: u64, prefault: bool) -> Result<Self, StoreError> {
+        Self::open_arena(capacity_bytes, prefault, true)
+    }
+
+    fn open_arena(capacity_bytes: u64, prefault: bool, shared: bool) -> Result<Self, StoreError> {
+        let capacity_bytes = capacity_bytes / DRAM_GRANULARITY_BYTES * DRAM_GRANULARITY_BYTES;
+        if capacity_bytes == 0 {
+            return Err(StoreError::CapacityTooSmall {
+                capacity_bytes,
+                min_bytes: DRAM_GRANULARITY_BYTES,
+            });
+        }
+        let arena = Arena::map(capacity_bytes as usize, prefault, shared)?;
         Ok(Self {
             arena: Arc::new(arena),
             allocator: ExtentAllocator::new(capacity_bytes, DRAM_GRANULARITY_BYTES),
@@ -136,6 +237,17 @@ impl Engine for DramEngine {
 
     fn allocation_bytes(&self, len: u64) -> u64 {
         self.allocator.rounded_len(len)
+    }
+
+    fn shared_arena(&self) -> Option<SharedArena> {
+        use std::os::fd::AsRawFd;
+        let (fd, nonce) = self.arena.shared.as_ref()?;
+        Some(SharedArena {
+            fd: fd.as_raw_fd(),
+            base: self.arena.base.as_ptr() as usize,
+            len: self.arena.len as u64,
+            nonce: *nonce,
+        })
     }
 
     fn begin_write(&self, len: u64) -> Result<Box<dyn BlockWriter>, StoreError> {
@@ -361,6 +473,76 @@ mod tests {
         );
         let block = writer.finish().await.unwrap();
         assert_eq!(engine.read(&block, 0, 5000).await.unwrap(), data);
+    }
+
+    #[tokio::test]
+    async fn a_shared_arena_is_sealed_against_writers_and_reads_in_place() {
+        use std::os::fd::AsRawFd;
+        let engine = DramEngine::open_shared(1 << 20, true).unwrap();
+        assert!(DramEngine::open(1 << 20, false)
+            .unwrap()
+            .shared_arena()
+            .is_none());
+        let arena = engine.shared_arena().expect("opened shared");
+        assert_eq!(
+            arena.len,
+            (1 << 20) + PAGE_BYTES as u64,
+            "a nonce page before the blocks"
+        );
+        let data = pattern(5000, 6);
+        let block = write(&engine, std::slice::from_ref(&data)).await.unwrap();
+        let read = engine.read(&block, 0, 5000).await.unwrap();
+        let offset = arena.offset_of(&read).expect("the read lies in the arena");
+        assert!(offset >= PAGE_BYTES as u64);
+        // Another mapping of the memfd, as a reader of this host makes it: read-only works and
+        // shows the block; a writable one is refused by the seal.
+        let path = format!("/proc/self/fd/{}", arena.fd);
+        let file = std::fs::File::open(&path).unwrap();
+        let map = |prot: i32| {
+            // SAFETY: a fresh shared mapping of the memfd, unmapped below.
+            unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    arena.len as usize,
+                    prot,
+                    libc::MAP_SHARED,
+                    file.as_raw_fd(),
+                    0,
+                )
+            }
+        };
+        let reader = map(libc::PROT_READ);
+        assert_ne!(reader, libc::MAP_FAILED);
+        // SAFETY: inside the reader's mapping of `arena.len` bytes.
+        let seen =
+            unsafe { std::slice::from_raw_parts(reader.cast::<u8>().add(offset as usize), 5000) };
+        assert_eq!(seen, &data[..]);
+        // SAFETY: the nonce page is the mapping's first.
+        let nonce = unsafe { std::slice::from_raw_parts(reader.cast::<u8>(), 16) };
+        assert_eq!(nonce, arena.nonce);
+        let rw = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        // SAFETY: an attempt at a writable shared mapping, refused by the seal.
+        let writer = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                arena.len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                rw.as_raw_fd(),
+                0,
+            )
+        };
+        assert_eq!(
+            writer,
+            libc::MAP_FAILED,
+            "the seal refuses new writable mappings"
+        );
+        // SAFETY: unmapping the reader's mapping made above.
+        unsafe { libc::munmap(reader, arena.len as usize) };
     }
 
     #[tokio::test]

@@ -74,6 +74,28 @@ impl FromStr for Tier {
     }
 }
 
+/// A DRAM arena in a memfd that readers of the same host map read-only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedArena {
+    /// The memfd's descriptor in this process.
+    pub fd: i32,
+    /// Address of the arena's first byte in this process.
+    pub base: usize,
+    /// Bytes of the arena (its nonce page included).
+    pub len: u64,
+    /// The arena's first bytes.
+    pub nonce: [u8; pocketflow_protocol::pin::ARENA_NONCE_BYTES],
+}
+
+impl SharedArena {
+    /// The offset in the arena of `bytes`, if they lie wholly inside it.
+    pub fn offset_of(&self, bytes: &[u8]) -> Option<u64> {
+        let start = (bytes.as_ptr() as usize).checked_sub(self.base)?;
+        let end = start.checked_add(bytes.len())?;
+        (end as u64 <= self.len).then_some(start as u64)
+    }
+}
+
 /// One storage tier: a bounded space of blocks with asynchronous writes and reads.
 pub trait Engine: Send + Sync {
     /// The tier this engine implements.
@@ -94,6 +116,12 @@ pub trait Engine: Send + Sync {
     /// Bytes of capacity a block of `len` bytes occupies (its length rounded up to the engine's
     /// allocation granularity).
     fn allocation_bytes(&self, len: u64) -> u64;
+
+    /// The arena that readers on this host may map, if the engine's blocks live in one (a DRAM
+    /// engine opened shared).
+    fn shared_arena(&self) -> Option<SharedArena> {
+        None
+    }
 
     /// Reserve space for a block of exactly `len` bytes (`len >= 1`) and return a writer for it.
     ///

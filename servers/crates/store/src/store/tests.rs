@@ -28,6 +28,7 @@ fn open(tier: Tier, capacity_bytes: u64, long_running: bool) -> (Store, Option<t
         nvme_path,
         long_running,
         persist_ttl: None,
+        shared_dram: false,
     })
     .unwrap();
     (store, dir)

@@ -1,0 +1,495 @@
+//! Zero-copy reads from the storage servers of this host: objects pinned in a server's shared
+//! DRAM arena (PIN), which this process maps read-only once per server and reads in place.
+//!
+//! What cannot be pinned (a server on another host or without a shared arena, an object of
+//! several data blocks or on NVMe, a refusal at a bound, an arena this process may not have) is
+//! left to the caller, which reads it as usual: a reader always gets its bytes. A pin is
+//! released when its [`Pinned`] is dropped, by UNPINs batched per server on a thread of the
+//! process; a process that ends with pins leaves them to the server's sweep.
+
+use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+
+use bytes::Bytes;
+use pocketflow_protocol::frame::OpCode;
+use pocketflow_protocol::pin::{arena_socket_name, PinArgs, PinGrant, ARENA_NONCE_BYTES};
+use pocketflow_protocol::ObjectHeader;
+
+use crate::connection::ExchangeRequest;
+use crate::error::ClientError;
+use crate::homes::home;
+use crate::objects::Objects;
+use crate::parallel::{push_grouped, run_parallel};
+use crate::runtime::process_id;
+
+/// Most UNPINs sent in one exchange.
+pub const UNPIN_BATCH_MAX: usize = 1024;
+
+/// Bytes of a page, the step of touching a range where `MADV_POPULATE_READ` is missing.
+const PAGE_BYTES: usize = 4096;
+
+/// A server's arena mapped read-only into this process; unmapped when the last pin on it goes.
+#[derive(Debug)]
+pub struct ArenaMap {
+    base: *const u8,
+    len: usize,
+}
+
+// SAFETY: a read-only shared mapping; the bytes a reader looks at are pinned (unchanging).
+unsafe impl Send for ArenaMap {}
+// SAFETY: see `Send`.
+unsafe impl Sync for ArenaMap {}
+
+impl ArenaMap {
+    /// Map the arena of `grant` read-only, its descriptor had from the server's socket
+    /// ([`arena_socket_name`]; the server answers processes of its own uid only), and check
+    /// that it starts with the grant's nonce (else it is another server's arena).
+    fn open(grant: &PinGrant) -> Result<ArenaMap, ClientError> {
+        use std::os::fd::AsRawFd;
+        let name = arena_socket_name(grant.server_pid, &grant.nonce);
+        let file = receive_arena(&name)
+            .map_err(|e| ClientError::Unavailable(format!("no arena from @{name}: {e}")))?;
+        let path = format!("@{name}");
+        let len = file
+            .metadata()
+            .map_err(|e| ClientError::Unavailable(format!("cannot stat {path}: {e}")))?
+            .len();
+        if len != grant.arena_len {
+            return Err(ClientError::Protocol(format!(
+                "{path} holds {len} bytes, the server's arena {}",
+                grant.arena_len
+            )));
+        }
+        // SAFETY: a fresh read-only shared mapping of a file we opened; no address hint.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(ClientError::Unavailable(format!(
+                "cannot map {path}: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        let map = ArenaMap {
+            base: raw.cast(),
+            len: len as usize,
+        };
+        // SAFETY: the mapping is at least a page long (the nonce page) and readable.
+        let start = unsafe { std::slice::from_raw_parts(map.base, ARENA_NONCE_BYTES) };
+        if start != grant.nonce {
+            return Err(ClientError::Protocol(format!(
+                "{path} is not the arena the server named (its nonce differs)"
+            )));
+        }
+        Ok(map)
+    }
+
+    /// The bytes `offset..offset + len` of the arena.
+    fn slice(&self, offset: u64, len: u64) -> &[u8] {
+        let end = offset.checked_add(len).expect("a grant's range fits u64");
+        assert!(
+            end as usize <= self.len,
+            "a grant's range lies in its arena"
+        );
+        // SAFETY: in bounds of the mapping (checked above), which lives as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.base.add(offset as usize), len as usize) }
+    }
+}
+
+impl Drop for ArenaMap {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the mapping made in `open`, which no slice outlives.
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+    }
+}
+
+/// Receive a server's arena descriptor from the abstract Unix socket `name`.
+fn receive_arena(name: &str) -> std::io::Result<std::fs::File> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixStream};
+    let stream = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+    let mut byte = [0u8];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<i32>() as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: an all-zero msghdr is valid; its pointers are set below to live buffers.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: `msg` points at live buffers for the call's duration.
+    let got = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if got != 1 {
+        return Err(match got {
+            0 => std::io::Error::new(std::io::ErrorKind::PermissionDenied, "the server refused"),
+            _ => std::io::Error::last_os_error(),
+        });
+    }
+    // SAFETY: the kernel filled `msg`'s control buffer; CMSG_FIRSTHDR reads within it.
+    let header = unsafe { libc::CMSG_FIRSTHDR(&msg) };
+    // SAFETY: `header`, when not null, points at a complete control message header.
+    let fd = unsafe {
+        if header.is_null()
+            || (*header).cmsg_level != libc::SOL_SOCKET
+            || (*header).cmsg_type != libc::SCM_RIGHTS
+        {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "no descriptor in the answer",
+            ));
+        }
+        std::ptr::read_unaligned(libc::CMSG_DATA(header).cast::<i32>())
+    };
+    // SAFETY: the descriptor was just received and nothing else owns it.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+}
+
+/// Make `bytes` (of a shared mapping) present in this process's page tables, so the reader
+/// does not fault on them later: `MADV_POPULATE_READ`, or a read of one byte per page.
+fn populate(bytes: &[u8]) {
+    if bytes.is_empty() {
+        return;
+    }
+    let start = bytes.as_ptr() as usize;
+    let aligned = start & !(PAGE_BYTES - 1);
+    let len = start + bytes.len() - aligned;
+    // SAFETY: advising pages of a live read-only mapping; the range covers `bytes`' pages.
+    let done =
+        unsafe { libc::madvise(aligned as *mut libc::c_void, len, libc::MADV_POPULATE_READ) } == 0;
+    if !done {
+        // Kernels before 5.14.
+        for at in (0..bytes.len()).step_by(PAGE_BYTES) {
+            // SAFETY: in bounds of `bytes`.
+            unsafe { std::ptr::read_volatile(bytes.as_ptr().add(at)) };
+        }
+    }
+}
+
+/// One pinned object: its bytes in a server's arena, held until this is dropped.
+#[derive(Debug)]
+pub struct Pinned {
+    arena: Arc<ArenaMap>,
+    offset: u64,
+    len: u64,
+    header: ObjectHeader,
+    _release: Release,
+}
+
+impl Pinned {
+    /// The object's bytes, read in place.
+    pub fn bytes(&self) -> &[u8] {
+        self.arena.slice(self.offset, self.len)
+    }
+
+    /// The object's header.
+    pub fn header(&self) -> ObjectHeader {
+        self.header
+    }
+}
+
+/// What releases one pin when dropped.
+#[derive(Debug)]
+struct Release {
+    releaser: Arc<Releaser>,
+    address: String,
+    pin_id: u64,
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        self.releaser
+            .push(std::mem::take(&mut self.address), self.pin_id);
+    }
+}
+
+/// One key's outcome of [`Objects::pin_many`].
+#[derive(Debug)]
+pub enum SharedRead {
+    /// The object's bytes, pinned in place.
+    Pinned(Pinned),
+    /// A small object's bytes, which came with the reply.
+    Value(Bytes),
+    /// Not pinned: the caller reads it as usual (its failure, if any, shows there).
+    Copy,
+}
+
+/// Counts of the zero-copy reads of one client.
+#[derive(Debug, Default)]
+pub struct SharedCounts {
+    /// Objects read in place.
+    pub pinned: AtomicU64,
+    /// Objects that came back in a PIN's reply (small ones).
+    pub values: AtomicU64,
+    /// Objects left to a copying read: refused by the server, or not asked.
+    pub copied: AtomicU64,
+}
+
+/// The zero-copy state of one client: mapped arenas, servers without one, the pin releaser.
+#[derive(Debug, Default)]
+pub struct Shared {
+    /// Mapped arenas, by server address, with the server pid they were had from: kept for the
+    /// life of the client (one per server), replaced when its server's is.
+    arenas: Mutex<HashMap<String, (u32, Arc<ArenaMap>)>>,
+    /// Servers whose arena is not shared (or not reachable from this process): not asked again.
+    unshared: Mutex<HashSet<String>>,
+    /// The releaser of this process's pins (made again in a forked child).
+    releaser: Mutex<Option<Arc<Releaser>>>,
+    /// Counts.
+    pub counts: SharedCounts,
+}
+
+/// Unpins waiting to be sent; a thread sends them, batched per server. Each pin enters once, so
+/// the queue is bounded by the pins a process may hold (`PINS_PER_PROCESS_MAX` per server).
+#[derive(Debug)]
+struct Releaser {
+    pid: u32,
+    queue: Mutex<Vec<(String, u64)>>,
+    ready: Condvar,
+}
+
+impl Releaser {
+    fn push(&self, address: String, pin_id: u64) {
+        // A forked child holds its parent's pins through inherited objects: not its to release.
+        if process_id() != self.pid {
+            return;
+        }
+        self.queue
+            .lock()
+            .expect("never poisoned")
+            .push((address, pin_id));
+        self.ready.notify_one();
+    }
+
+    /// Send the queued unpins until `objects` is gone.
+    fn run(self: Arc<Self>, objects: Weak<Objects>) {
+        loop {
+            let batch: Vec<(String, u64)> = {
+                let mut queue = self.queue.lock().expect("never poisoned");
+                while queue.is_empty() {
+                    let (next, _) = self
+                        .ready
+                        .wait_timeout(queue, std::time::Duration::from_secs(1))
+                        .expect("never poisoned");
+                    queue = next;
+                    if queue.is_empty() && objects.strong_count() == 0 {
+                        return;
+                    }
+                }
+                std::mem::take(&mut *queue)
+            };
+            let Some(objects) = objects.upgrade() else {
+                return; // The client is gone: its pins go with the process (the sweep).
+            };
+            let mut groups: Vec<(&str, Vec<u64>)> = Vec::new();
+            for (address, pin_id) in &batch {
+                push_grouped(&mut groups, address, *pin_id);
+            }
+            let view = objects.view();
+            let pid = self.pid;
+            for (address, ids) in groups {
+                for chunk in ids.chunks(UNPIN_BATCH_MAX) {
+                    let requests: Vec<ExchangeRequest> = chunk
+                        .iter()
+                        .map(|&pin_id| ExchangeRequest {
+                            op: OpCode::Unpin,
+                            flags: 0,
+                            bucket: "_".into(),
+                            key: "_".into(),
+                            header: PinArgs { pid, pin_id }.to_header(),
+                            value: Bytes::new(),
+                        })
+                        .collect();
+                    // An unpin that fails (server gone or hung) is left to the server's sweep.
+                    let _ = objects.exchange(&view, address, &requests);
+                }
+            }
+        }
+    }
+}
+
+/// Whether `address` (`host:port`) names this host's loopback.
+fn is_loopback(address: &str) -> bool {
+    let host = address
+        .rsplit_once(':')
+        .map_or(address, |(host, _)| host)
+        .trim_matches(['[', ']']);
+    host == "localhost" || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+impl Objects {
+    fn releaser(self: &Arc<Self>) -> Arc<Releaser> {
+        let mut slot = self.shared.releaser.lock().expect("never poisoned");
+        if let Some(releaser) = slot.as_ref().filter(|r| r.pid == process_id()) {
+            return Arc::clone(releaser);
+        }
+        let releaser = Arc::new(Releaser {
+            pid: process_id(),
+            queue: Mutex::new(Vec::new()),
+            ready: Condvar::new(),
+        });
+        let objects = Arc::downgrade(self);
+        let running = Arc::clone(&releaser);
+        std::thread::Builder::new()
+            .name("pocketflow-unpin".into())
+            .spawn(move || running.run(objects))
+            .expect("cannot start the unpin thread");
+        *slot = Some(Arc::clone(&releaser));
+        releaser
+    }
+
+    fn arena(&self, address: &str, grant: &PinGrant) -> Result<Arc<ArenaMap>, ClientError> {
+        let id = grant.server_pid;
+        let mut arenas = self.shared.arenas.lock().expect("never poisoned");
+        if let Some((_, mapped)) = arenas.get(address).filter(|(of, map)| {
+            *of == id
+                && map.len as u64 == grant.arena_len
+                && map.slice(0, ARENA_NONCE_BYTES as u64) == grant.nonce
+        }) {
+            return Ok(Arc::clone(mapped));
+        }
+        let mapped = Arc::new(ArenaMap::open(grant)?);
+        arenas.insert(address.to_string(), (id, Arc::clone(&mapped)));
+        Ok(mapped)
+    }
+
+    /// Pin `keys` of `bucket` where they live (their home under the current map, on a loopback
+    /// server with a shared arena), every server at once, and make the pinned bytes present in
+    /// this process. Each key's outcome, in order; [`SharedRead::Copy`] for each key the
+    /// caller must read itself.
+    pub fn pin_many(self: &Arc<Self>, bucket: &str, keys: &[&str]) -> Vec<SharedRead> {
+        let view = self.view();
+        let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+        {
+            let unshared = self.shared.unshared.lock().expect("never poisoned");
+            for (index, key) in keys.iter().enumerate() {
+                if let Ok(server) = home(&view, key.as_bytes(), 0, false) {
+                    if is_loopback(&server.address) && !unshared.contains(&server.address) {
+                        push_grouped(&mut groups, &server.address, index);
+                    }
+                }
+            }
+        }
+        let releaser = if groups.is_empty() {
+            None
+        } else {
+            Some(self.releaser())
+        };
+        let pid = process_id();
+        let tasks: Vec<usize> = (0..groups.len()).collect();
+        let per_server = run_parallel(&tasks, self.io_threads.max(groups.len()), |task| {
+            let (address, indexes) = &groups[task];
+            let requests: Vec<ExchangeRequest> = indexes
+                .iter()
+                .map(|&index| ExchangeRequest {
+                    op: OpCode::Pin,
+                    flags: 0,
+                    bucket: bucket.to_string(),
+                    key: keys[index].to_string(),
+                    header: PinArgs { pid, pin_id: 0 }.to_header(),
+                    value: Bytes::new(),
+                })
+                .collect();
+            let Ok(replies) = self.exchange(&view, address, &requests) else {
+                return Vec::new();
+            };
+            let releaser = releaser.as_ref().expect("made for any server asked");
+            let mut out = Vec::with_capacity(replies.len());
+            for (&index, reply) in indexes.iter().zip(replies) {
+                let read = match (reply.status, reply.header) {
+                    (0, None) => {
+                        self.shared
+                            .unshared
+                            .lock()
+                            .expect("never poisoned")
+                            .insert(address.to_string());
+                        SharedRead::Copy
+                    }
+                    (0, Some(header)) if header.block_count == 0 => SharedRead::Value(reply.body),
+                    (0, Some(header)) => match PinGrant::decode(&reply.body) {
+                        Ok(grant) => {
+                            // Released by its drop, mapped or not.
+                            let release = Release {
+                                releaser: Arc::clone(releaser),
+                                address: address.to_string(),
+                                pin_id: grant.pin_id,
+                            };
+                            match self.arena(address, &grant) {
+                                Ok(arena) => {
+                                    let pinned = Pinned {
+                                        arena,
+                                        offset: grant.offset,
+                                        len: grant.len,
+                                        header,
+                                        _release: release,
+                                    };
+                                    populate(pinned.bytes());
+                                    SharedRead::Pinned(pinned)
+                                }
+                                Err(_) => {
+                                    // Another uid, or a server gone: this process copies.
+                                    self.shared
+                                        .unshared
+                                        .lock()
+                                        .expect("never poisoned")
+                                        .insert(address.to_string());
+                                    SharedRead::Copy
+                                }
+                            }
+                        }
+                        Err(_) => SharedRead::Copy,
+                    },
+                    _ => SharedRead::Copy,
+                };
+                out.push((index, read));
+            }
+            out
+        });
+        let mut reads: Vec<SharedRead> = std::iter::repeat_with(|| SharedRead::Copy)
+            .take(keys.len())
+            .collect();
+        for (index, read) in per_server.into_iter().flatten() {
+            reads[index] = read;
+        }
+        let counts = &self.shared.counts;
+        for read in &reads {
+            let counter = match read {
+                SharedRead::Pinned(_) => &counts.pinned,
+                SharedRead::Value(_) => &counts.values,
+                SharedRead::Copy => &counts.copied,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        reads
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_loopback_addresses_are_local() {
+        assert!(is_loopback("127.0.0.1:5000"));
+        assert!(is_loopback("127.3.2.1:5000"));
+        assert!(is_loopback("[::1]:5000"));
+        assert!(is_loopback("localhost:5000"));
+        assert!(!is_loopback("10.0.0.5:5000"));
+        assert!(!is_loopback("example.com:5000"));
+    }
+}

@@ -1,0 +1,313 @@
+"""Zero-copy reads from this host's servers (``Client.pin_views``, ``Client.get_shared``): objects
+pinned in a server's shared DRAM arena, read in place, with their guarantees tested at their
+worst moments on real server processes: the bytes of a pin never change (overwrite, delete,
+reuse of the memory), a SIGKILLed reader's pins go within the sweep's bound, a SIGSTOPped one
+keeps them, every refusal (a bound, NVMe, another uid, a wrong token) costs a copy, never the
+bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fixtures_servers import CLIENT_OPTIONS, ServerSet
+
+from pocketflow.client import Client, connect
+from pocketflow.errors import ObjectNotFound, PermissionDenied
+from pocketflow.handle import JobHandle, ServerInfo
+
+MIB = 1024 * 1024
+PIN_SWEEP_INTERVAL_MS = 250
+"""The server's sweep interval (``PIN_SWEEP_INTERVAL_MS`` of limits.rs)."""
+SWEEP_BOUND_S = 1.0
+"""A dead reader's pins go within two sweep intervals; the test allows a loaded machine 1 s."""
+
+
+def _value(key: str, size: int) -> bytes:
+    """``size`` bytes that depend on ``key`` (repeated digest)."""
+    seed = hashlib.sha256(key.encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def _pins(servers: ServerSet, info: ServerInfo) -> dict[str, Any]:
+    """The server's pin table counters (its ``stats``)."""
+    with servers.admin(info.address) as admin:
+        return admin.stats()["pins"]
+
+
+def _wait_pins(servers: ServerSet, info: ServerInfo, count: int, *, timeout_s: float) -> float:
+    """Wait until the server holds ``count`` pins; returns the seconds it took."""
+    start = time.monotonic()
+    while True:
+        pins = _pins(servers, info)["pins"]
+        if pins == count:
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout_s, f"{pins} pins, expected {count}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def shared_server(server_factory: Callable[..., tuple[ServerSet, ServerInfo]]
+                  ) -> tuple[ServerSet, ServerInfo, JobHandle]:
+    """A private DRAM server of 32 MiB with its arena shared, and a job on it alone."""
+    servers, info = server_factory("shared-0", "dram", 32 * MIB, shared_dram=True)
+    return servers, info, servers.handle(servers=[info])
+
+
+def _put(pf: Client, keys: list[str], size: int) -> list[bytes]:
+    pf.create_bucket("b")
+    values = [_value(k, size) for k in keys]
+    pf.put_many("b", list(zip(keys, values, strict=True)))
+    return values
+
+
+def test_views_are_the_objects_and_their_pins_go_with_them(
+        shared_server: tuple[ServerSet, ServerInfo, JobHandle]) -> None:
+    servers, info, handle = shared_server
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        keys = [f"k{i}" for i in range(6)]
+        values = _put(pf, keys, MIB)
+        pf.put("b", "small", b"tiny")
+        views = pf.pin_views("b", [*keys, "small", "absent"])
+        assert [bytes(v) for v in views[:6]] == values  # type: ignore[arg-type]
+        assert bytes(views[6]) == b"tiny"  # type: ignore[arg-type]
+        assert views[7] is None, "a key not found is left to the usual read"
+        assert all(v is not None and v.readonly for v in views[:7])
+        with pytest.raises(TypeError):
+            views[0][0] = 1  # type: ignore[index]
+        assert pf.shared_counts == {"pinned": 6, "values": 1, "copied": 1}
+        pins = _pins(servers, info)
+        assert (pins["pins"], pins["pinned_bytes"]) == (6, 6 * MIB)
+        # A slice keeps its pin: the pins go only with the last view.
+        kept = views[2][10:20]  # type: ignore[index]
+        del views
+        _wait_pins(servers, info, 1, timeout_s=5)
+        assert bytes(kept) == values[2][10:20]
+        del kept
+        _wait_pins(servers, info, 0, timeout_s=5)
+        shared = pf.get_shared("b", [*keys, "absent"])
+        assert [bytes(v) for v in shared[:6]] == values  # type: ignore[arg-type]
+        assert isinstance(shared[6], ObjectNotFound)
+
+
+def test_overwrite_delete_and_reuse_leave_a_pinned_view_intact(
+        shared_server: tuple[ServerSet, ServerInfo, JobHandle]) -> None:
+    servers, info, handle = shared_server
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        keys = [f"k{i}" for i in range(4)]
+        values = _put(pf, keys, MIB)
+        views = pf.pin_views("b", keys)
+        pf.put("b", keys[0], b"\x00" * MIB, overwrite=True)
+        pf.delete("b", keys[1])
+        pf.delete("b", keys[2])
+        # Fill the arena with other objects: none may take a pinned extent.
+        filler = [f"fill{i}" for i in range(12)]
+        pf.put_many("b", [(k, b"\xff" * MIB) for k in filler])
+        assert [bytes(v) for v in views] == values  # type: ignore[arg-type]
+        with servers.admin(info.address) as admin:
+            used = admin.stats()["used_bytes"]
+        del views
+        _wait_pins(servers, info, 0, timeout_s=5)
+        with servers.admin(info.address) as admin:
+            freed = used - admin.stats()["used_bytes"]
+        assert freed >= 3 * MIB, "the replaced and deleted blocks are freed once unpinned"
+        assert bytes(pf.get("b", keys[0])) == b"\x00" * MIB
+
+
+_READER = r"""
+import hashlib, sys, time
+from pocketflow.client import connect
+from pocketflow.handle import JobHandle
+handle = JobHandle.from_json(sys.stdin.readline())
+keys = sys.argv[1].split(",")
+with connect(handle, op_timeout_s="10s", rpc_timeout_s="10s") as pf:
+    views = pf.pin_views("b", keys)
+    assert all(v is not None for v in views), views
+    digests = [hashlib.sha256(v).hexdigest() for v in views]
+    print("pinned", flush=True)
+    sys.stdin.readline()  # until the test says go on
+    again = [hashlib.sha256(v).hexdigest() for v in views]
+    print("same" if again == digests else "changed", flush=True)
+"""
+
+
+def _reader(handle: JobHandle, keys: list[str]) -> subprocess.Popen[str]:
+    """A fresh process that pins ``keys`` and waits, its views held, for a line on stdin."""
+    proc = subprocess.Popen([sys.executable, "-c", _READER, ",".join(keys)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(handle.to_json() + "\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "pinned"
+    return proc
+
+
+def test_a_sigkilled_readers_pins_go_within_the_bound_and_the_memory_is_reused(
+        shared_server: tuple[ServerSet, ServerInfo, JobHandle]) -> None:
+    servers, info, handle = shared_server
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        keys = [f"k{i}" for i in range(6)]
+        _put(pf, keys, MIB)
+        reader = _reader(handle, keys)
+        try:
+            assert _pins(servers, info)["pins"] == 6
+            for key in keys:
+                pf.delete("b", key)
+            os.kill(reader.pid, signal.SIGKILL)
+            reader.wait(timeout=10)
+            took = _wait_pins(servers, info, 0, timeout_s=SWEEP_BOUND_S)
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+                reader.wait(timeout=10)
+        assert took <= SWEEP_BOUND_S
+        assert _pins(servers, info)["swept_total"] == 6
+        # The memory is reusable: the arena takes as many new bytes as before.
+        pf.put_many("b", [(f"new{i}", _value(f"new{i}", MIB)) for i in range(14)])
+        assert bytes(pf.get("b", "new3")) == _value("new3", MIB)
+
+
+def test_a_sigstopped_reader_keeps_its_pins_and_its_bytes(
+        shared_server: tuple[ServerSet, ServerInfo, JobHandle]) -> None:
+    servers, info, handle = shared_server
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        keys = [f"k{i}" for i in range(4)]
+        _put(pf, keys, MIB)
+        reader = _reader(handle, keys)
+        assert reader.stdin is not None and reader.stdout is not None
+        try:
+            os.kill(reader.pid, signal.SIGSTOP)
+            pf.put_many("b", [(k, b"\x01" * MIB) for k in keys], overwrite=True)
+            pf.put_many("b", [(f"fill{i}", b"\x02" * MIB) for i in range(8)])
+            time.sleep(4 * PIN_SWEEP_INTERVAL_MS / 1000)  # several sweeps pass
+            assert _pins(servers, info)["pins"] == 4, "a stopped process keeps its pins"
+            os.kill(reader.pid, signal.SIGCONT)
+            reader.stdin.write("go\n")
+            reader.stdin.flush()
+            assert reader.stdout.readline().strip() == "same"
+            assert reader.wait(timeout=30) == 0
+        finally:
+            if reader.poll() is None:
+                os.kill(reader.pid, signal.SIGCONT)
+                reader.kill()
+                reader.wait(timeout=10)
+        _wait_pins(servers, info, 0, timeout_s=5)
+
+
+def test_a_full_pin_table_costs_copies_not_bytes(
+        server_factory: Callable[..., tuple[ServerSet, ServerInfo]]) -> None:
+    # 8 MiB of arena: the server pins 4 MiB at most, a job 2 MiB of it.
+    servers, info = server_factory("small-0", "dram", 8 * MIB, shared_dram=True)
+    handle = servers.handle(servers=[info])
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        keys = [f"k{i}" for i in range(5)]
+        values = _put(pf, keys, MIB - 4096)
+        views = pf.pin_views("b", keys)
+        pinned = [v for v in views if v is not None]
+        assert len(pinned) == 2
+        pins = _pins(servers, info)
+        assert pins["job_pinned_bytes_max"] == 2 * MIB and pins["refused_total"] == 3
+        shared = pf.get_shared("b", keys)
+        assert [bytes(v) for v in shared] == values  # type: ignore[arg-type]
+        assert pf.shared_counts["copied"] == 3 + 5
+        del views, pinned, shared
+        _wait_pins(servers, info, 0, timeout_s=5)
+
+
+def test_a_wrong_token_or_another_jobs_pin_is_refused(
+        shared_server: tuple[ServerSet, ServerInfo, JobHandle]) -> None:
+    servers, info, handle = shared_server
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        _put(pf, ["k0"], MIB)
+    other = servers.handle(servers=[info])
+    with connect(other, **CLIENT_OPTIONS) as pf:
+        assert pf.pin_views("b", ["k0"]) == [None], "another job's object is not its to pin"
+    forged = JobHandle.from_json(handle.to_json().replace(handle.token, handle.token[:-4] + "AAAA"))
+    with connect(forged, **CLIENT_OPTIONS) as pf:
+        assert pf.pin_views("b", ["k0"]) == [None]
+        assert isinstance(pf.get_shared("b", ["k0"])[0], PermissionDenied)
+    assert _pins(servers, info)["granted_total"] == 0
+
+
+def test_a_process_of_another_uid_copies(
+        shared_server: tuple[ServerSet, ServerInfo, JobHandle]) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a child as another uid")
+    servers, info, handle = shared_server
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        keys = [f"k{i}" for i in range(3)]
+        values = _put(pf, keys, MIB)
+    digest = hashlib.sha256(b"".join(values)).hexdigest()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        code = 1
+        try:
+            os.close(read_end)
+            os.setgid(65534)
+            os.setuid(65534)
+            with connect(handle, **CLIENT_OPTIONS) as child:
+                shared = child.get_shared("b", keys)
+                got = hashlib.sha256(b"".join(bytes(v) for v in shared)).hexdigest()  # type: ignore[arg-type]
+                counts = child.shared_counts
+            os.write(write_end, f"{got} {counts['pinned']} {counts['copied']}".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as report:
+        words = report.read().split()
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert words == [digest, "0", "3"], "another uid cannot map the arena: it copies"
+    _wait_pins(servers, info, 0, timeout_s=5)
+
+
+def test_nvme_objects_are_copied(
+        server_factory: Callable[..., tuple[ServerSet, ServerInfo]]) -> None:
+    servers, info = server_factory("nvme-p", "nvme", 16 * MIB)
+    handle = servers.handle(servers=[info])
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        keys = ["a", "b"]
+        values = _put(pf, keys, MIB)
+        assert pf.pin_views("b", keys) == [None, None]
+        assert [bytes(v) for v in pf.get_shared("b", keys)] == values  # type: ignore[arg-type]
+
+
+def test_the_caches_views_are_pinned_in_place_with_copies_for_the_rest(
+        server_factory: Callable[..., tuple[ServerSet, ServerInfo]], s3_server: Any,
+        s3_bucket: str) -> None:
+    from fixtures_s3 import boto3_client
+
+    from pocketflow.cache.client import CacheClient, create_buckets
+    from pocketflow.cache.spec import CacheSpec
+
+    # 16 MiB of arena: the job may pin 4 MiB, so a round of 6 entries is pinned in part.
+    servers, info = server_factory("cache-0", "dram", 16 * MIB, shared_dram=True)
+    handle = servers.handle(servers=[info])
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        create_buckets(pf)
+    s3 = boto3_client(s3_server)
+    keys = [f"c/{i}" for i in range(6)]
+    expected = [_value(k, MIB - 4096) for k in keys]
+    for key, body in zip(keys, expected, strict=True):
+        s3.put_object(Bucket=s3_bucket, Key=key, Body=body)
+    s3.close()
+    spec = CacheSpec(name="zc", handle=handle, source=s3_server, lease_ms=60_000)
+    with CacheClient(spec) as cache:
+        cache.get_many(s3_bucket, keys)
+        cache.flush()
+        views = cache.get_views(s3_bucket, keys)
+        assert [bytes(v) for v in views] == expected
+        kinds = [type(v.obj).__name__ for v in views]
+        assert kinds.count("SharedView") == 4, kinds  # the job's 4 MiB of pins, then copies
+        assert _pins(servers, info)["refused_total"] == 2
+        del views
+    _wait_pins(servers, info, 0, timeout_s=5)

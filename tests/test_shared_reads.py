@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -214,6 +215,14 @@ def test_a_full_pin_table_costs_copies_not_bytes(
         assert len(pinned) == 2
         pins = _pins(servers, info)
         assert pins["job_pinned_bytes_max"] == 2 * MIB and pins["refused_total"] == 3
+        url = servers.process("small-0").metrics_url
+        assert url is not None
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            metrics = {line.split("{")[0].split(" ")[0]: line.rsplit(" ", 1)[1]
+                       for line in reply.read().decode().splitlines()
+                       if line.startswith("pocketflow_pin")}
+        assert metrics["pocketflow_pin_refusals_total"] == "3"
+        assert metrics["pocketflow_pins"] == "2"
         shared = pf.get_shared("b", keys)
         assert [bytes(v) for v in shared] == values  # type: ignore[arg-type]
         assert pf.shared_counts["copied"] == 3 + 5
@@ -308,6 +317,7 @@ def test_the_caches_views_are_pinned_in_place_with_copies_for_the_rest(
         assert [bytes(v) for v in views] == expected
         kinds = [type(v.obj).__name__ for v in views]
         assert kinds.count("SharedView") == 4, kinds  # the job's 4 MiB of pins, then copies
+        assert cache.stats.pinned == 4
         assert _pins(servers, info)["refused_total"] == 2
         del views
     _wait_pins(servers, info, 0, timeout_s=5)

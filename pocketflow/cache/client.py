@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate, islice
 from typing import Any
 
+from pocketflow import _core
 from pocketflow.cache.access_log import AccessRecorder
 from pocketflow.cache.records import (
     BUCKETS,
@@ -158,7 +159,9 @@ class CacheStats:
     their ``meta`` and having their bytes (the claim's put, its read back if a rival's claim was
     met); the writes of a fill happen after, on the publisher thread. ``packed`` counts the
     fills (within ``filled``) whose bytes a prewarm took from a pack
-    (:mod:`pocketflow.cache.pack`) instead of a GET of their own."""
+    (:mod:`pocketflow.cache.pack`) instead of a GET of their own. ``pinned`` counts the
+    entries ``get_views`` read in place, pinned in a storage server's shared DRAM arena (no
+    copy; :meth:`Client.pin_views`)."""
 
     fresh: int = 0
     revalidated: int = 0
@@ -175,6 +178,7 @@ class CacheStats:
     wait_slices: int = 0
     fill_round_trips: int = 0
     packed: int = 0
+    pinned: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -196,7 +200,7 @@ class CacheStats:
                 "fresh", "revalidated", "waited", "filled", "bypassed", "missing",
                 "validations", "listings", "listed_keys", "renewed_ahead", "bytes_read", "steals",
                 "wait_slices",
-                "fill_round_trips", "packed")}
+                "fill_round_trips", "packed", "pinned")}
         out["hits"] = out["fresh"] + out["revalidated"] + out["waited"]
         return out
 
@@ -697,10 +701,14 @@ class CacheClient:
         if not views:
             return self._pf.get_each(ENTRY_BUCKET, names)
         out: list[Any] = list(self._pf.pin_views(ENTRY_BUCKET, names))
+        pinned = 0
         for name, size, view in zip(names, sizes, out, strict=True):
             if view is not None and len(view) != size:
                 raise InternalError(f"cache {self.spec.name}: entry {name} is {len(view)} "
                                     f"bytes, not {size}")
+            pinned += view is not None and isinstance(view.obj, _core.SharedView)
+        if pinned:
+            self.stats.add(pinned=pinned)
         rest = [i for i, view in enumerate(out) if view is None]
         if not rest:
             return out

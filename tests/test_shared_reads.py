@@ -321,3 +321,16 @@ def test_the_caches_views_are_pinned_in_place_with_copies_for_the_rest(
         assert _pins(servers, info)["refused_total"] == 2
         del views
     _wait_pins(servers, info, 0, timeout_s=5)
+
+
+def test_unpins_go_through_after_the_jobs_map_changed(
+        shared_server: tuple[ServerSet, ServerInfo, JobHandle]) -> None:
+    servers, info, handle = shared_server
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        _put(pf, ["k0", "k1"], MIB)
+        views = pf.pin_views("b", ["k0", "k1"])
+        assert _pins(servers, info)["pins"] == 2
+        # The job moves to epoch 2; this client still holds epoch 1's map.
+        servers.set_epoch(handle.replace(epoch=2))
+        del views
+        _wait_pins(servers, info, 0, timeout_s=5)

@@ -315,8 +315,14 @@ impl Releaser {
                             value: Bytes::new(),
                         })
                         .collect();
-                    // An unpin that fails (server gone or hung) is left to the server's sweep.
-                    let _ = objects.exchange(&view, address, &requests);
+                    // A session opened under a stale map is refused before it runs anything:
+                    // adopt the new map and send again. An unpin that fails otherwise (server
+                    // gone or hung) is left to the server's sweep.
+                    if let Err(error) = objects.exchange(&view, address, &requests) {
+                        if error.is_stale_epoch() && objects.adopt(&error).is_ok() {
+                            let _ = objects.exchange(&objects.view(), address, &requests);
+                        }
+                    }
                 }
             }
         }

@@ -365,7 +365,9 @@ async fn run_op(
     let started = std::time::Instant::now();
     let op_name = pending.op.op.name();
     let parks = matches!(pending.op.op, OpCode::Dequeue | OpCode::Enqueue);
-    let result = match pending.stale_map {
+    // An UNPIN releases what this process holds whatever the map: it places nothing.
+    let stale_map = pending.stale_map.filter(|_| pending.op.op != OpCode::Unpin);
+    let result = match stale_map {
         Some(map_json) => Err(ServiceError::StaleEpoch { map_json }),
         None if parks => {
             tokio::select! {

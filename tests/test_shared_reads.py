@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -334,3 +335,37 @@ def test_unpins_go_through_after_the_jobs_map_changed(
         servers.set_epoch(handle.replace(epoch=2))
         del views
         _wait_pins(servers, info, 0, timeout_s=5)
+
+
+_OTHER_NAMESPACE = r"""
+import hashlib, os, sys
+from pocketflow.client import connect
+from pocketflow.handle import JobHandle
+handle = JobHandle.from_json(sys.stdin.readline())
+with connect(handle, op_timeout_s="10s", rpc_timeout_s="10s") as pf:
+    shared = pf.get_shared("b", sys.argv[1].split(","))
+    digest = hashlib.sha256(b"".join(bytes(v) for v in shared)).hexdigest()
+    print(os.getpid(), digest, pf.shared_counts["pinned"], pf.shared_counts["copied"])
+"""
+
+
+def test_a_reader_in_another_pid_namespace_gives_its_pins_back_and_copies(
+        shared_server: tuple[ServerSet, ServerInfo, JobHandle]) -> None:
+    if os.getuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a new pid namespace")
+    servers, info, handle = shared_server
+    keys = [f"k{i}" for i in range(3)]
+    with connect(handle, **CLIENT_OPTIONS) as pf:
+        values = _put(pf, keys, MIB)
+    result = subprocess.run(
+        ["unshare", "--pid", "--fork", sys.executable, "-c", _OTHER_NAMESPACE, ",".join(keys)],
+        input=handle.to_json() + "\n", capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    pid, digest, pinned, copied = result.stdout.split()
+    assert pid == "1", "the reader is its namespace's first process"
+    assert digest == hashlib.sha256(b"".join(values)).hexdigest()
+    assert (pinned, copied) == ("0", "3")
+    # Its pins were taken under pid 1, which names the server side's init (never swept): they
+    # went because the reader gave them back.
+    pins = _pins(servers, info)
+    assert pins["granted_total"] >= 1 and pins["pins"] == 0 and pins["swept_total"] == 0

@@ -49,8 +49,16 @@ impl ArenaMap {
     fn open(grant: &PinGrant) -> Result<ArenaMap, ClientError> {
         use std::os::fd::AsRawFd;
         let name = arena_socket_name(grant.server_pid, &grant.nonce);
-        let file = receive_arena(&name)
+        let (file, seen_pid) = receive_arena(&name)
             .map_err(|e| ClientError::Unavailable(format!("no arena from @{name}: {e}")))?;
+        // In another pid namespace the pid this process pins under names another process on
+        // the server's side: its pins would not be its own (nor swept when it ends).
+        if seen_pid != process_id() {
+            return Err(ClientError::Unavailable(format!(
+                "the server sees this process as pid {seen_pid}, not {}: another pid namespace",
+                process_id()
+            )));
+        }
         let path = format!("@{name}");
         let len = file
             .metadata()
@@ -112,17 +120,18 @@ impl Drop for ArenaMap {
     }
 }
 
-/// Receive a server's arena descriptor from the abstract Unix socket `name`.
-fn receive_arena(name: &str) -> std::io::Result<std::fs::File> {
+/// Receive a server's arena descriptor from the abstract Unix socket `name`, with this
+/// process's pid as the server sees it.
+fn receive_arena(name: &str) -> std::io::Result<(std::fs::File, u32)> {
     use std::os::fd::{AsRawFd, FromRawFd};
     use std::os::linux::net::SocketAddrExt;
     use std::os::unix::net::{SocketAddr, UnixStream};
     let stream = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
     stream.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
-    let mut byte = [0u8];
+    let mut payload = [0u8; 4];
     let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
+        iov_base: payload.as_mut_ptr().cast(),
+        iov_len: payload.len(),
     };
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<i32>() as u32) } as usize;
@@ -135,7 +144,7 @@ fn receive_arena(name: &str) -> std::io::Result<std::fs::File> {
     msg.msg_controllen = space as _;
     // SAFETY: `msg` points at live buffers for the call's duration.
     let got = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    if got != 1 {
+    if got != payload.len() as isize {
         return Err(match got {
             0 => std::io::Error::new(std::io::ErrorKind::PermissionDenied, "the server refused"),
             _ => std::io::Error::last_os_error(),
@@ -157,7 +166,8 @@ fn receive_arena(name: &str) -> std::io::Result<std::fs::File> {
         std::ptr::read_unaligned(libc::CMSG_DATA(header).cast::<i32>())
     };
     // SAFETY: the descriptor was just received and nothing else owns it.
-    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    Ok((file, u32::from_le_bytes(payload)))
 }
 
 /// Make `bytes` (of a shared mapping) present in this process's page tables, so the reader
@@ -304,17 +314,7 @@ impl Releaser {
             let pid = self.pid;
             for (address, ids) in groups {
                 for chunk in ids.chunks(UNPIN_BATCH_MAX) {
-                    let requests: Vec<ExchangeRequest> = chunk
-                        .iter()
-                        .map(|&pin_id| ExchangeRequest {
-                            op: OpCode::Unpin,
-                            flags: 0,
-                            bucket: "_".into(),
-                            key: "_".into(),
-                            header: PinArgs { pid, pin_id }.to_header(),
-                            value: Bytes::new(),
-                        })
-                        .collect();
+                    let requests = unpin_requests(pid, chunk);
                     // A session opened under a stale map is refused before it runs anything:
                     // adopt the new map and send again. An unpin that fails otherwise (server
                     // gone or hung) is left to the server's sweep.
@@ -327,6 +327,21 @@ impl Releaser {
             }
         }
     }
+}
+
+/// The UNPINs of `pin_ids`, pinned by process `pid`.
+fn unpin_requests(pid: u32, pin_ids: &[u64]) -> Vec<ExchangeRequest> {
+    pin_ids
+        .iter()
+        .map(|&pin_id| ExchangeRequest {
+            op: OpCode::Unpin,
+            flags: 0,
+            bucket: "_".into(),
+            key: "_".into(),
+            header: PinArgs { pid, pin_id }.to_header(),
+            value: Bytes::new(),
+        })
+        .collect()
 }
 
 /// Whether `address` (`host:port`) names this host's loopback.
@@ -416,6 +431,7 @@ impl Objects {
             };
             let releaser = releaser.as_ref().expect("made for any server asked");
             let mut out = Vec::with_capacity(replies.len());
+            let mut give_back: Vec<u64> = Vec::new();
             for (&index, reply) in indexes.iter().zip(replies) {
                 let read = match (reply.status, reply.header) {
                     (0, None) => {
@@ -429,12 +445,6 @@ impl Objects {
                     (0, Some(header)) if header.block_count == 0 => SharedRead::Value(reply.body),
                     (0, Some(header)) => match PinGrant::decode(&reply.body) {
                         Ok(grant) => {
-                            // Released by its drop, mapped or not.
-                            let release = Release {
-                                releaser: Arc::clone(releaser),
-                                address: address.to_string(),
-                                pin_id: grant.pin_id,
-                            };
                             match self.arena(address, &grant) {
                                 Ok(arena) => {
                                     let pinned = Pinned {
@@ -442,18 +452,25 @@ impl Objects {
                                         offset: grant.offset,
                                         len: grant.len,
                                         header,
-                                        _release: release,
+                                        // Released by its drop.
+                                        _release: Release {
+                                            releaser: Arc::clone(releaser),
+                                            address: address.to_string(),
+                                            pin_id: grant.pin_id,
+                                        },
                                     };
                                     populate(pinned.bytes());
                                     SharedRead::Pinned(pinned)
                                 }
                                 Err(_) => {
-                                    // Another uid, or a server gone: this process copies.
+                                    // Another uid or pid namespace, or a server gone: this
+                                    // process copies, and gives the pin back in this call.
                                     self.shared
                                         .unshared
                                         .lock()
                                         .expect("never poisoned")
                                         .insert(address.to_string());
+                                    give_back.push(grant.pin_id);
                                     SharedRead::Copy
                                 }
                             }
@@ -463,6 +480,11 @@ impl Objects {
                     _ => SharedRead::Copy,
                 };
                 out.push((index, read));
+            }
+            if !give_back.is_empty() {
+                // Before the call returns, so a process that ends right after leaves nothing
+                // pinned under a pid that may not be its own (the sweep could not tell).
+                let _ = self.exchange(&view, address, &unpin_requests(pid, &give_back));
             }
             out
         });

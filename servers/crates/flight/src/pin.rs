@@ -111,8 +111,10 @@ pub(crate) fn stats(state: &ServiceState) -> Option<PinStats> {
 
 /// Hand the arena's descriptor to each process of this server's uid that connects to the
 /// abstract socket [`arena_socket_name`], on a thread of its own, forever (one connection at a
-/// time: each is answered at once, and the kernel's backlog bounds those waiting). A peer of
-/// another uid is closed unanswered. Does nothing if the arena is not shared.
+/// time: each is answered at once, and the kernel's backlog bounds those waiting), with the
+/// peer's pid as this server sees it (a reader in another pid namespace learns that the pid it
+/// pins under names another process here, and gives its pins back). A peer of another uid is
+/// closed unanswered.
 fn serve_arena_descriptor(arena: SharedArena) -> std::io::Result<()> {
     use std::os::linux::net::SocketAddrExt;
     use std::os::unix::net::{SocketAddr, UnixListener};
@@ -124,17 +126,17 @@ fn serve_arena_descriptor(arena: SharedArena) -> std::io::Result<()> {
             // SAFETY: geteuid has no preconditions.
             let own_uid = unsafe { libc::geteuid() };
             for stream in listener.incoming().flatten() {
-                if peer_uid(&stream) == Some(own_uid) {
+                if let Some(peer) = peer_cred(&stream).filter(|peer| peer.uid == own_uid) {
                     // A peer that went away meanwhile only loses its answer.
-                    let _ = send_descriptor(&stream, arena.fd);
+                    let _ = send_descriptor(&stream, arena.fd, peer.pid as u32);
                 }
             }
         })?;
     Ok(())
 }
 
-/// The uid of the peer of `stream` (`SO_PEERCRED`).
-fn peer_uid(stream: &std::os::unix::net::UnixStream) -> Option<u32> {
+/// The credentials of the peer of `stream` (`SO_PEERCRED`).
+fn peer_cred(stream: &std::os::unix::net::UnixStream) -> Option<libc::ucred> {
     use std::os::fd::AsRawFd;
     let mut cred = libc::ucred {
         pid: 0,
@@ -152,16 +154,20 @@ fn peer_uid(stream: &std::os::unix::net::UnixStream) -> Option<u32> {
             &mut len,
         )
     };
-    (got == 0).then_some(cred.uid)
+    (got == 0).then_some(cred)
 }
 
-/// Send one byte with `fd` attached (`SCM_RIGHTS`).
-fn send_descriptor(stream: &std::os::unix::net::UnixStream, fd: i32) -> std::io::Result<()> {
+/// Send `peer_pid` (u32, little-endian) with `fd` attached (`SCM_RIGHTS`).
+fn send_descriptor(
+    stream: &std::os::unix::net::UnixStream,
+    fd: i32,
+    peer_pid: u32,
+) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
-    let mut byte = [1u8];
+    let mut payload = peer_pid.to_le_bytes();
     let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
+        iov_base: payload.as_mut_ptr().cast(),
+        iov_len: payload.len(),
     };
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<i32>() as u32) } as usize;
@@ -183,7 +189,7 @@ fn send_descriptor(stream: &std::os::unix::net::UnixStream, fd: i32) -> std::io:
     }
     // SAFETY: `msg` points at live buffers for the call's duration.
     let sent = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-    if sent != 1 {
+    if sent != payload.len() as isize {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())

@@ -452,6 +452,15 @@ def markdown(results: dict[str, Any]) -> str:
             f"revalidated; {g['cached_listings']} listings held {g['cached_listed_keys']} keys "
             f"and renewed {g['cached_renewed_ahead']} keys ahead of the calls that read them",
         ]
+    for mix in results["goals"]:
+        cached_runs = [r for r in results["runs"] if r["mix"] == mix and r.get("cache")]
+        if cached_runs:
+            # Fills the storage servers refused for want of room (read from S3 instead), and
+            # the capacity each run ended with (refusals grow it).
+            lines.append(f"- {mix}, fills refused for want of room: " + ", ".join(
+                f"{r['way']} {(r.get('cache_stats') or {}).get('refused', 'not counted')} "
+                f"(capacity {(r['cache'].get('capacity_bytes') or 0) / 2**20:.0f} MiB at its "
+                f"end)" for r in cached_runs))
     for r in results["runs"]:
         if r["way"] == "prewarmed" and r.get("prewarm_cpu_us_per_object") is not None:
             s3_cpu = r.get("s3_server_cpu_us_per_object")

@@ -29,7 +29,14 @@ from pocketflow.cache.pack import PACK_OBJECT_BYTES_MAX
 from pocketflow.cache.prewarm import PREWARM_BATCH_KEYS
 from pocketflow.cache.records import RECORD_BUCKET
 from pocketflow.cache.source import S3Source, S3Store, request_counts
-from pocketflow.cache.working_set import KeyUse, PackEntry, PackRef, RunRecord, plan_prewarm
+from pocketflow.cache.working_set import (
+    KeyUse,
+    PackEntry,
+    PackRef,
+    RunRecord,
+    plan_prewarm,
+    reservation_bytes,
+)
 from pocketflow.cluster import LocalCluster
 from pocketflow.errors import JobNotRegistered, S3InvalidRequest, S3ObjectNotFound
 
@@ -680,11 +687,13 @@ def test_capacity_follows_the_working_set(
     with open_cache("t-size", s3_server, app="sz", idle="60s", cluster=local_cluster) as cache:
         assert cache.capacity_bytes == 64 * MiB
         cache.client.get_many(s3_bucket, keys[:20])
-    # Fitted to the run's 20 MiB at its end (x1.25), and the controller reserves that.
+    # Fitted to the run's 20 MiB at its end (x1.25), and the controller reserves that, with
+    # its entries' records (entries of 1 MiB).
     with open_cache("t-size", s3_server, app="sz", idle="60s", cluster=local_cluster) as cache:
         assert cache.capacity_bytes == 25 * MiB
         opened = local_cluster.control.open_cache("t-size", {}, 60_000)
-        assert opened["capacity_bytes"] == 25 * MiB
+        assert opened["capacity_bytes"] == reservation_bytes(25 * MiB, entry_bytes_mean=MiB)
+        assert opened["capacity_bytes"] == cache.status()["reserved_bytes"]
         cache.client.get_many(s3_bucket, keys)
         cache.client.flush()
         deadline = time.monotonic() + 30.0
@@ -692,7 +701,7 @@ def test_capacity_follows_the_working_set(
             time.sleep(0.25)
         assert cache.capacity_bytes == 50 * MiB, "grown while the run read more"
         assert local_cluster.control.open_cache("t-size", {}, 60_000)["capacity_bytes"] == (
-            50 * MiB)
+            reservation_bytes(50 * MiB, entry_bytes_mean=MiB))
 
 
 def test_a_working_set_that_fits_is_held_while_the_cache_grows(

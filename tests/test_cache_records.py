@@ -21,6 +21,13 @@ from pocketflow.cache.records import (
 )
 from pocketflow.cache.source import S3Source
 from pocketflow.cache.spec import CacheSpec
+from pocketflow.cache.working_set import (
+    BOOKKEEPING_BYTES,
+    ENTRIES_RESERVED_MAX,
+    ENTRY_RECORDS_BYTES,
+    capacity_of_reservation,
+    reservation_bytes,
+)
 from pocketflow.errors import (
     BucketNotFound,
     DataUnavailable,
@@ -98,13 +105,35 @@ def test_boto_exceptions_map() -> None:
 
 
 def test_access_batches_round_trip_and_stay_bounded() -> None:
-    accesses = [Access("b", f"key/{i:06d}", i, f"etag{i}", 1 + i % 3, i % 2)
+    accesses = [Access("b", f"key/{i:06d}", i, f"etag{i}", 1 + i % 3, i % 2, i % 5 == 0)
                 for i in range(3000)]
     items = encode_batches(accesses)
     assert len(items) > 1 and all(len(item) <= ACCESS_ITEM_MAX_BYTES for item in items)
     assert [a for item in items for a in decode_batch(item)] == accesses
     with pytest.raises(InvalidRequest):
         decode_batch(b"nonsense")
+    # A batch of a client that counts no refused fills decodes with none; eight fields do not.
+    assert decode_batch(b'{"v":1,"a":[["b","k",3,"e",1,1]]}') == [Access("b", "k", 3, "e", 1, 1)]
+    with pytest.raises(InvalidRequest):
+        decode_batch(b'{"v":1,"a":[["b","k",3,"e",1,1,0,0]]}')
+
+
+def test_a_reservation_covers_the_entries_records_and_reads_back() -> None:
+    """What a cache reserves for a capacity covers its entries' records at their mean size
+    (more per byte for small entries), and the capacity a reservation holds reads back."""
+    MiB = 1024 * 1024
+    small = reservation_bytes(64 * MiB, entry_bytes_mean=4096)
+    assert small == 64 * MiB + 16384 * ENTRY_RECORDS_BYTES + BOOKKEEPING_BYTES
+    large = reservation_bytes(64 * MiB, entry_bytes_mean=MiB)
+    assert 64 * MiB + BOOKKEEPING_BYTES < large < small
+    tiny = reservation_bytes(64 * MiB, entry_bytes_mean=1)
+    assert tiny == 64 * MiB + ENTRIES_RESERVED_MAX * ENTRY_RECORDS_BYTES + BOOKKEEPING_BYTES
+    for capacity, mean in ((64 * MiB, 4096), (25 * MiB, MiB), (1000, 300), (16 * MiB, 1)):
+        reserved = reservation_bytes(capacity, entry_bytes_mean=mean)
+        back = capacity_of_reservation(reserved, entry_bytes_mean=mean)
+        assert capacity - ENTRY_RECORDS_BYTES <= back <= capacity
+        assert reservation_bytes(back, entry_bytes_mean=mean) <= reserved
+    assert capacity_of_reservation(BOOKKEEPING_BYTES // 2, entry_bytes_mean=4096) == 0
 
 
 def test_spec_round_trip_and_checks() -> None:

@@ -38,8 +38,9 @@ _VERSION = 1
 
 class Access(NamedTuple):
     """What one batch says about one key: its size and version (the cached entry's ETag), how
-    often it was read, and how many times this process filled it from S3 (each fill adds
-    ``size`` bytes to the cache)."""
+    often it was read, how many times this process filled it from S3 (each fill adds ``size``
+    bytes to the cache), and how many of its fills the cache's storage refused for want of
+    room (``refused``: the key was read from S3 and not cached)."""
 
     bucket: str
     key: str
@@ -47,6 +48,7 @@ class Access(NamedTuple):
     etag: str
     reads: int
     fills: int
+    refused: int = 0
 
 
 def access_queue_name(run_id: str) -> str:
@@ -60,7 +62,9 @@ def encode_batches(accesses: list[Access]) -> list[bytes]:
     rows: list[list[object]] = []
     used = 0
     for a in accesses:
-        row = [a.bucket, a.key, a.size, a.etag, a.reads, a.fills]
+        row: list[object] = [a.bucket, a.key, a.size, a.etag, a.reads, a.fills]
+        if a.refused:
+            row.append(a.refused)
         cost = len(json.dumps(row, separators=(",", ":")).encode()) + 1
         if cost + 32 > ACCESS_ITEM_MAX_BYTES:
             continue  # a key this long is left out of the bookkeeping
@@ -84,8 +88,15 @@ def decode_batch(raw: bytes) -> list[Access]:
         data = json.loads(raw)
         if data.get("v") != _VERSION:
             raise ValueError("version")
-        return [Access(str(b), str(k), int(n), str(e), int(r), int(f))
-                for b, k, n, e, r, f in data["a"]]
+        accesses = []
+        for row in data["a"]:
+            # A seventh field, the refused fills, is there only when there were some.
+            b, k, n, e, r, f, *rest = row
+            if len(rest) > 1:
+                raise ValueError("fields")
+            accesses.append(Access(str(b), str(k), int(n), str(e), int(r), int(f),
+                                   int(rest[0]) if rest else 0))
+        return accesses
     except (ValueError, TypeError, KeyError, AttributeError):
         raise InvalidRequest("not a cache access batch") from None
 
@@ -102,16 +113,18 @@ class AccessRecorder:
         self.dropped_batches = 0
 
     def note(self, bucket: str, key: str, size: int, etag: str, *, read: bool = True,
-             filled: bool = False) -> None:
-        """Count one read (and/or one fill) of version ``etag`` of ``bucket/key``."""
+             filled: bool = False, refused: bool = False) -> None:
+        """Count one read (and/or one fill, or one fill refused) of version ``etag`` of
+        ``bucket/key``."""
         with self._lock:
             row = self._buffer.get((bucket, key))
             if row is None:
-                row = self._buffer[(bucket, key)] = [size, etag, 0, 0]
+                row = self._buffer[(bucket, key)] = [size, etag, 0, 0, 0]
             row[0] = size
             row[1] = etag
             row[2] += int(read)
             row[3] += int(filled)
+            row[4] += int(refused)
             if self._oldest_s is None:
                 self._oldest_s = time.monotonic()
             due = (len(self._buffer) >= ACCESS_KEYS_BUFFERED_MAX
@@ -125,7 +138,7 @@ class AccessRecorder:
             rows, self._buffer, self._oldest_s = self._buffer, {}, None
         if not rows:
             return
-        accesses = [Access(b, k, n, e, r, f) for (b, k), (n, e, r, f) in rows.items()]
+        accesses = [Access(b, k, n, e, r, f, x) for (b, k), (n, e, r, f, x) in rows.items()]
         for item in encode_batches(accesses):
             try:
                 self._queue.enqueue(item, timeout_s=0)

@@ -34,10 +34,13 @@ from pocketflow.cache.spec import (
 )
 from pocketflow.cache.working_set import (
     CAPACITY_MIN_BYTES,
+    ENTRY_BYTES_ASSUMED,
     PackRef,
     RunRecord,
     WorkingSet,
+    capacity_of_reservation,
     plan_prewarm,
+    reservation_bytes,
     resize_wanted,
     target_capacity_bytes,
 )
@@ -134,11 +137,19 @@ class Cache:
                               run_id=self.run_id, claim_ms=claim_ms, fill_wait_s=fill_wait_s)
         self._client = CacheClient(self.spec)
         create_buckets(self._client.client)
-        # A live generation keeps the capacity it had (its last run fitted it to its working set).
-        reserved = int(opened.get("capacity_bytes") or capacity_bytes)
+        # What the cache reserves on the servers covers its entries' records too
+        # (``reservation_bytes``). A live generation keeps the capacity it had (its last run
+        # fitted it to its working set): what its reservation holds, for entries of the size
+        # assumed until the last run's record (``_start``) tells the real one.
+        asked = reservation_bytes(capacity_bytes, entry_bytes_mean=ENTRY_BYTES_ASSUMED)
+        self._reserved_bytes = int(opened.get("capacity_bytes") or asked)
+        held_capacity = (capacity_bytes if self.created or self._reserved_bytes == asked
+                         else capacity_of_reservation(self._reserved_bytes,
+                                                      entry_bytes_mean=ENTRY_BYTES_ASSUMED))
         self._maintainer = Maintainer(self._client, self.run_id,
-                                      capacity_bytes=reserved if autosize else capacity_bytes)
-        self._fixed_resize = not autosize and reserved != capacity_bytes
+                                      capacity_bytes=held_capacity if autosize
+                                      else capacity_bytes)
+        self._fixed_resize = not autosize and self._reserved_bytes != asked
         self._sized_s = time.monotonic()
         self._refused_s = float("-inf")  # when a growth was last refused (monotonic s)
         self._previous: RunRecord | None = None
@@ -199,6 +210,10 @@ class Cache:
             "capacity_bytes": m.capacity_bytes, "held_bytes": m.held_bytes,
             "entries": m.entries, "evictions": m.evictions, "evicted_bytes": m.evicted_bytes,
             "reads": m.reads, "fills": m.fills,
+            # Fills the servers refused for want of room (those reads went to S3), and the
+            # bytes the cache reserves there for its capacity.
+            "refused_fills": m.refused_fills, "refused_bytes": m.refused_bytes,
+            "reserved_bytes": self._reserved_bytes,
             "working_set_keys": len(m.working_set),
             "working_set_bytes": m.working_set.distinct_bytes,
             "renewed_at_open": self.renewed_at_open,
@@ -239,11 +254,16 @@ class Cache:
             self._resize(self.capacity_bytes, 0)
         if self.app is not None:
             self._previous = self._load_previous()
+        if self._previous is not None and self._autosize and not self.created:
+            # The live generation's reservation was made for the last run's entries.
+            self._maintainer.set_capacity(capacity_of_reservation(
+                self._reserved_bytes, entry_bytes_mean=self._previous_entry_bytes_mean()))
         if self._previous is not None and self._autosize:
             wanted = target_capacity_bytes(self._previous.distinct_bytes,
                                            capacity_max_bytes=self._capacity_max_bytes)
             if resize_wanted(self.capacity_bytes, wanted):
-                self._resize(wanted, self._previous.read_bytes_per_s)
+                self._resize(wanted, self._previous.read_bytes_per_s,
+                             entry_bytes_mean=self._previous_entry_bytes_mean())
         if prewarm and self._previous is not None:
             plan = plan_prewarm(self._previous.keys, self.capacity_bytes)
             self.prewarm_planned = len(plan)
@@ -358,40 +378,77 @@ class Cache:
 
     def _grow_if_short(self) -> None:
         """Grow (never shrink: a run's working set so far is not yet all of it) once the run's
-        working set, or the bytes held, outgrow the capacity: to the larger of the working
-        set's target and twice the capacity (geometric growth, so a growing run resizes a
-        logarithmic number of times), within ``capacity_max``.
+        working set, or the bytes held, outgrow the capacity, or fills were refused for want of
+        room on the servers: to the larger of the working set's target and twice the capacity
+        (geometric growth, so a growing run resizes a logarithmic number of times), within
+        ``capacity_max``. The reservation asked for covers the entries' records at the mean
+        entry size held (``reservation_bytes``), so a cache at ``capacity_max`` whose fills
+        were refused still reserves again for the same capacity if its reservation was short.
 
         Growth for the working set waits ``SIZING_INTERVAL_S`` after the last resize; growth
-        because the bytes held are over the capacity does not (the eviction that follows would
-        otherwise throw away entries of a working set that fits ``capacity_max``: the 1 GiB
-        benchmark's cold run evicted 192 of its 1024 entries while growing from 64 MiB), unless
-        the last such growth was refused less than ``SIZING_INTERVAL_S`` ago."""
+        because the bytes held are over the capacity, or because fills were refused, does not
+        (the eviction that follows would otherwise throw away entries of a working set that
+        fits ``capacity_max``: the 1 GiB benchmark's cold run evicted 192 of its 1024 entries
+        while growing from 64 MiB; and the refused fills' reads go to S3, and the next run's
+        too: the 4 KiB benchmark's cold run had 6,732 of 20,000 fills refused and never grew),
+        unless the last such growth was refused less than ``SIZING_INTERVAL_S`` ago."""
         if not self._autosize:
             return
         now_s = time.monotonic()
         over = self._maintainer.held_bytes > self.capacity_bytes
+        short = over or self._maintainer.refused_pending > 0
         refused_lately = now_s - self._refused_s < SIZING_INTERVAL_S
-        if (not over or refused_lately) and now_s - self._sized_s < SIZING_INTERVAL_S:
+        if (not short or refused_lately) and now_s - self._sized_s < SIZING_INTERVAL_S:
             return
+        refused = self._maintainer.take_refused()
         working_set = self._maintainer.working_set
         needed = max(working_set.distinct_bytes, self._maintainer.held_bytes)
         wanted = target_capacity_bytes(needed, capacity_max_bytes=self._capacity_max_bytes)
+        doubled = self.capacity_bytes * 2
+        if self._capacity_max_bytes is not None:
+            doubled = min(doubled, self._capacity_max_bytes)
+        grown = max(wanted, doubled, self.capacity_bytes)
+        mean = self._entry_bytes_mean()
         if wanted > self.capacity_bytes and resize_wanted(self.capacity_bytes, wanted):
-            self._sized_s = now_s
-            doubled = self.capacity_bytes * 2
-            if self._capacity_max_bytes is not None:
-                doubled = min(doubled, self._capacity_max_bytes)
-            if not self._resize(max(wanted, doubled), self._read_bytes_per_s(working_set)):
-                self._refused_s = now_s
+            pass
+        elif not refused or (grown == self.capacity_bytes and reservation_bytes(
+                grown, entry_bytes_mean=mean) <= self._reserved_bytes):
+            # Nothing outgrew it, or it is at its maximum and reserves enough for it.
+            return
+        self._sized_s = now_s
+        if not self._resize(grown, self._read_bytes_per_s(working_set), entry_bytes_mean=mean):
+            self._refused_s = now_s
+
+    def _entry_bytes_mean(self) -> float:
+        """The mean entry size to reserve for: of the entries held, else of the run's working
+        set, else of the last run's, else ``ENTRY_BYTES_ASSUMED``."""
+        held = self._maintainer.entry_bytes_mean
+        if held is not None:
+            return held
+        working_set = self._maintainer.working_set
+        if len(working_set):
+            return working_set.distinct_bytes / len(working_set)
+        return self._previous_entry_bytes_mean()
+
+    def _previous_entry_bytes_mean(self) -> float:
+        previous = self._previous
+        if previous is not None and previous.keys:
+            return previous.distinct_bytes / len(previous.keys)
+        return float(ENTRY_BYTES_ASSUMED)
 
     def _read_bytes_per_s(self, working_set: WorkingSet) -> int:
         elapsed_s = max(time.monotonic() - self._started_s, 1e-3)
         return int(working_set.bytes_read / elapsed_s)
 
-    def _resize(self, capacity_bytes: int, read_bytes_per_s: int) -> bool:
-        """Ask the control plane for ``capacity_bytes``; whether it granted them."""
-        hints: dict[str, Any] = {"data_size_bytes": capacity_bytes, "latency_sensitive": True}
+    def _resize(self, capacity_bytes: int, read_bytes_per_s: int, *,
+                entry_bytes_mean: float | None = None) -> bool:
+        """Ask the control plane for ``capacity_bytes`` of entries of ``entry_bytes_mean``
+        bytes (default: :meth:`_entry_bytes_mean`) with their records
+        (``reservation_bytes``); whether it granted them."""
+        if entry_bytes_mean is None:
+            entry_bytes_mean = self._entry_bytes_mean()
+        reserved = reservation_bytes(capacity_bytes, entry_bytes_mean=entry_bytes_mean)
+        hints: dict[str, Any] = {"data_size_bytes": reserved, "latency_sensitive": True}
         if read_bytes_per_s > 0:
             hints["peak_throughput_bytes_per_s"] = read_bytes_per_s
         try:
@@ -399,9 +456,10 @@ class Cache:
         except CapacityExhausted as exc:
             log.warning("cache %s: cannot resize to %d bytes: %s", self.name, capacity_bytes, exc)
             return False
-        log.info("cache %s: capacity %d -> %d bytes", self.name, self.capacity_bytes,
-                 capacity_bytes)
+        log.info("cache %s: capacity %d -> %d bytes (%d reserved)", self.name,
+                 self.capacity_bytes, capacity_bytes, reserved)
         self._maintainer.set_capacity(capacity_bytes)
+        self._reserved_bytes = reserved
         self._adopt(handle)
         return True
 
@@ -522,7 +580,9 @@ class Cache:
             wanted = target_capacity_bytes(record.distinct_bytes,
                                            capacity_max_bytes=self._capacity_max_bytes)
             if resize_wanted(self.capacity_bytes, wanted):
-                self._resize(wanted, record.read_bytes_per_s)
+                self._resize(wanted, record.read_bytes_per_s,
+                             entry_bytes_mean=(record.distinct_bytes / len(record.keys)
+                                               if record.keys else ENTRY_BYTES_ASSUMED))
 
     def _pack(self, uses: tuple[Any, ...]) -> PackRef | None:
         """The run's small entries packed next to the working set's S3 copy
@@ -603,8 +663,9 @@ def open_cache(
         raise ConfigError(f"capacity must be at least {CAPACITY_MIN_BYTES} bytes")
     control = _control(cluster)
     run_id = secrets.token_hex(6)
+    reserved = reservation_bytes(capacity_bytes, entry_bytes_mean=ENTRY_BYTES_ASSUMED)
     opened = control.open_cache(
-        name, {"data_size_bytes": capacity_bytes, "latency_sensitive": True}, idle_ms,
+        name, {"data_size_bytes": reserved, "latency_sensitive": True}, idle_ms,
         run_id, RUN_LEASE_MS)
     cache = Cache(
         name, control, opened, source=source, app=app, lease_ms=lease_ms, idle_ms=idle_ms,

@@ -76,6 +76,7 @@ from pocketflow.cache.records import (
 from pocketflow.cache.source import LIST_PAGE_KEYS, NOT_MODIFIED, Fetched, S3Store
 from pocketflow.cache.spec import CacheSpec
 from pocketflow.errors import (
+    CapacityExhausted,
     InternalError,
     InvalidRequest,
     ObjectExists,
@@ -161,7 +162,10 @@ class CacheStats:
     fills (within ``filled``) whose bytes a prewarm took from a pack
     (:mod:`pocketflow.cache.pack`) instead of a GET of their own. ``pinned`` counts the
     entries ``get_views`` read in place, pinned in a storage server's shared DRAM arena (no
-    copy; :meth:`Client.pin_views`)."""
+    copy; :meth:`Client.pin_views`). ``refused`` counts the fills (within ``bypassed``) that
+    the cache's storage refused for want of room (``CapacityExhausted``): each is also logged
+    to the run's access queue, so the run's maintainer grows the cache (docs/ARCHITECTURE.md,
+    "What a cache reserves, and fills the servers refuse")."""
 
     fresh: int = 0
     revalidated: int = 0
@@ -179,6 +183,7 @@ class CacheStats:
     fill_round_trips: int = 0
     packed: int = 0
     pinned: int = 0
+    refused: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -200,7 +205,7 @@ class CacheStats:
                 "fresh", "revalidated", "waited", "filled", "bypassed", "missing",
                 "validations", "listings", "listed_keys", "renewed_ahead", "bytes_read", "steals",
                 "wait_slices",
-                "fill_round_trips", "packed", "pinned")}
+                "fill_round_trips", "packed", "pinned", "refused")}
         out["hits"] = out["fresh"] + out["revalidated"] + out["waited"]
         return out
 
@@ -214,6 +219,11 @@ class _Bypass(Exception):
 
 
 Result = bytes | PocketflowError
+
+_STORED = "stored"
+_REFUSED = "refused"
+_FAILED = "failed"
+"""What became of an entry written (:meth:`CacheClient._store_entries`)."""
 
 _NOT_CACHED = ObjectNotFound("not_found: no meta record (looked up)")
 """What :meth:`CacheClient._metas_mostly_missing` returns for a key with no ``meta``."""
@@ -1020,8 +1030,10 @@ class CacheClient:
                 self.stats.add(fill_round_trips=1)
         except PocketflowError as exc:
             log.info("cache %s: claims failed (%s); reading S3 directly", self.spec.name, exc)
+            # No room for the claims is no room for the fills: counted as refused fills.
+            refused = isinstance(exc, CapacityExhausted)
             for i, _ in misses:
-                results[i] = self._bypass(bucket, keys[i])
+                results[i] = self._bypass(bucket, keys[i], refused=refused)
             return []
         won: list[tuple[int, Meta | None, Claim]] = []
         waiting: list[tuple[int, Claim]] = []
@@ -1161,8 +1173,11 @@ class CacheClient:
                                       for _, ckey, a in values])
         outcomes: dict[int, Outcome] = {}
         metas: list[tuple[str, bytes]] = []
-        for (i, ckey, answer), ok in zip(values, stored, strict=True):
-            if ok:
+        refused: set[int] = set()  # fills the cache's storage had no room for
+        for (i, ckey, answer), status in zip(values, stored, strict=True):
+            if status == _REFUSED:
+                refused.add(i)
+            if status == _STORED:
                 metas.append((ckey, Meta(STATE_VALUE, answer.etag, answer.size,
                                          sent_ms).encode()))
                 outcomes[i] = Outcome(STATE_VALUE, answer.etag, answer.size)
@@ -1182,6 +1197,8 @@ class CacheClient:
             for i, _key, ckey, _old, _claim, _answer in fill:
                 outcome = outcomes[i]
                 if outcome.state == STATE_VALUE:
+                    if isinstance(exc, CapacityExhausted):
+                        refused.add(i)
                     outcomes[i] = Outcome(STATE_UNCACHED, outcome.etag, outcome.size)
                     self._delete_entry(ckey, outcome.etag)
         self._finish_fills([(ckey, claim, outcomes[i])
@@ -1195,30 +1212,38 @@ class CacheClient:
                 self._note(bucket, key, outcome.size, outcome.etag, filled=True)
             elif outcome.state == STATE_UNCACHED:
                 uncached += 1
+                if i in refused:
+                    # The read happened (from S3): the key is in the run's working set, and
+                    # the refusal tells the maintainer the cache is short.
+                    self._note(bucket, key, outcome.size, outcome.etag, refused=True)
             elif outcome.state == STATE_MISSING:
                 if old is not None and old.state == STATE_VALUE:
                     self._delete_entry(ckey, old.etag)
         # Counted as filled when S3 answered; those the cache could not take were bypassed.
-        self.stats.add(filled=-uncached, bypassed=uncached)
+        self.stats.add(filled=-uncached, bypassed=uncached, refused=len(refused))
 
-    def _store_entries(self, items: list[tuple[str, Any]]) -> list[bool]:
-        """Write entries, pipelined in chunks; whether each is stored (a chunk that failed is
+    def _store_entries(self, items: list[tuple[str, Any]]) -> list[str]:
+        """Write entries, pipelined in chunks; for each, ``_STORED``, ``_REFUSED`` (the
+        storage had no room: ``CapacityExhausted``) or ``_FAILED`` (a chunk that failed is
         written again one entry at a time, so one entry's error costs only that entry)."""
-        stored: list[bool] = []
+        stored: list[str] = []
         for chunk in _chunks(items, lambda item: len(memoryview(item[1]).cast("B"))):
             try:
                 self._pf.put_many(ENTRY_BUCKET, chunk)
-                stored += [True] * len(chunk)
+                stored += [_STORED] * len(chunk)
                 continue
             except PocketflowError as exc:
                 log.debug("cache %s: entries written one by one (%s)", self.spec.name, exc)
             for name, data in chunk:
                 try:
                     self._store_entry_named(name, data)
-                    stored.append(True)
+                    stored.append(_STORED)
+                except CapacityExhausted as exc:
+                    log.info("cache %s: no room for %s (%s)", self.spec.name, name, exc)
+                    stored.append(_REFUSED)
                 except PocketflowError as exc:
                     log.info("cache %s: %s not stored (%s)", self.spec.name, name, exc)
-                    stored.append(False)
+                    stored.append(_FAILED)
         return stored
 
     def _store_entry(self, ckey: str, etag: str, data: Any) -> None:
@@ -1550,8 +1575,9 @@ class CacheClient:
         assert isinstance(error, S3ObjectNotFound)
         return error
 
-    def _bypass(self, bucket: str, key: str) -> Result:
-        """Read S3 directly, without the cache."""
+    def _bypass(self, bucket: str, key: str, *, refused: bool = False) -> Result:
+        """Read S3 directly, without the cache; ``refused``: because the cache's storage had no
+        room for the fill (counted, and logged to the run's access queue as a refused fill)."""
         try:
             fetched = self._s3.get(bucket, key)
         except S3ObjectNotFound as exc:
@@ -1560,14 +1586,16 @@ class CacheClient:
         except S3Error as exc:
             return exc
         assert isinstance(fetched, Fetched)
-        self.stats.add(bypassed=1, bytes_read=fetched.size)
+        self.stats.add(bypassed=1, bytes_read=fetched.size, refused=int(refused))
+        if refused:
+            self._note(bucket, key, fetched.size, fetched.etag, refused=True)
         return fetched.data
 
     def _note(self, bucket: str, key: str, size: int, etag: str, *, read: bool = True,
-              filled: bool = False) -> None:
-        if self._recorder is not None and (filled or self._record_reads):
+              filled: bool = False, refused: bool = False) -> None:
+        if self._recorder is not None and (filled or refused or self._record_reads):
             self._recorder.note(bucket, key, size, etag, read=read and self._record_reads,
-                                filled=filled)
+                                filled=filled, refused=refused)
 
     def _remove_done(self, *, everything: bool) -> None:
         """Remove the fill outcomes whose linger is over (all of them with ``everything``)."""

@@ -65,6 +65,9 @@ class Maintainer:
         self.evicted_bytes = 0
         self.reads = 0
         self.fills = 0
+        self.refused_fills = 0
+        self.refused_bytes = 0
+        self._refused_pending = 0
 
     @property
     def held_bytes(self) -> int:
@@ -80,6 +83,24 @@ class Maintainer:
     def capacity_bytes(self) -> int:
         with self._lock:
             return self._capacity_bytes
+
+    @property
+    def entry_bytes_mean(self) -> float | None:
+        """The mean size of the entries held, None while none is."""
+        with self._lock:
+            return self._held_bytes / len(self._recency) if self._recency else None
+
+    @property
+    def refused_pending(self) -> int:
+        """The fills refused for want of room that :meth:`take_refused` has not taken yet."""
+        with self._lock:
+            return self._refused_pending
+
+    def take_refused(self) -> int:
+        """The fills refused for want of room since the last call (the cache's cue to grow)."""
+        with self._lock:
+            refused, self._refused_pending = self._refused_pending, 0
+            return refused
 
     def set_capacity(self, capacity_bytes: int) -> None:
         with self._lock:
@@ -117,6 +138,13 @@ class Maintainer:
                     if access.reads:
                         self.working_set.add(access.bucket, access.key, access.size,
                                              access.reads)
+                    if access.refused:
+                        self.refused_fills += access.refused
+                        self.refused_bytes += access.refused * access.size
+                        self._refused_pending += access.refused
+                        if not access.fills and access.reads <= access.refused:
+                            # Read only by the fills refused: not held.
+                            continue
                     if name not in self._recency:
                         self._held_bytes += access.size
                         self._recency[name] = access.size

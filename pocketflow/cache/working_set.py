@@ -11,6 +11,7 @@ benefit first, so the reads that gain most are cached earliest.
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ __all__ = [
     "KeyUse", "WorkingSet", "RunRecord", "plan_prewarm", "benefit_s", "target_capacity_bytes",
     "resize_wanted", "S3_REQUEST_S", "S3_STREAM_BYTES_PER_S", "WORKING_SET_KEYS_MAX",
     "CAPACITY_HEADROOM", "CAPACITY_MIN_BYTES", "GROW_WHEN_SHORT", "SHRINK_WHEN_UNDER",
-    "RECORD_BYTES_MAX", "PackEntry", "PackRef",
+    "RECORD_BYTES_MAX", "PackEntry", "PackRef", "ENTRY_RECORDS_BYTES", "ENTRY_BYTES_ASSUMED",
+    "BOOKKEEPING_BYTES", "ENTRIES_RESERVED_MAX", "reservation_bytes", "capacity_of_reservation",
 ]
 
 S3_REQUEST_S = 0.010
@@ -42,6 +44,21 @@ GROW_WHEN_SHORT = 1.10
 """A cache grows once its target exceeds its capacity by this factor."""
 SHRINK_WHEN_UNDER = 0.5
 """... and shrinks once its target is below this share of its capacity."""
+ENTRY_RECORDS_BYTES = 768
+"""What one entry costs the storage servers beside its bytes, as their budget charges it
+(docs/ARCHITECTURE.md, "Bigger than DRAM"): its bytes rounded up to the DRAM tier's 64-byte
+granularity, the index records of the entry and of its ``meta`` (64 bytes each plus their keys),
+the ``meta``'s value (about 80 bytes, rounded up) and its fill's outcome, which lingers 10 s
+(another record of about the same size), for keys of up to about 100 bytes."""
+ENTRY_BYTES_ASSUMED = 4096
+"""The mean entry size a cache's reservation assumes before it holds or recorded any entry
+(smaller entries cost more per byte: if their fills are refused, the refusals grow the cache
+and the next reservation takes the sizes it then knows)."""
+BOOKKEEPING_BYTES = 4 * 1024 * 1024
+"""What a cache reserves beside its entries for its other records (claims, access batches,
+working-set records)."""
+ENTRIES_RESERVED_MAX = 1_000_000
+"""Most entries a reservation covers (the maintainer tracks no more, ``ENTRIES_TRACKED_MAX``)."""
 
 
 class KeyUse(NamedTuple):
@@ -199,6 +216,32 @@ def target_capacity_bytes(working_set_bytes: int, *, capacity_max_bytes: int | N
     """The capacity a cache whose working set is ``working_set_bytes`` asks for."""
     target = max(int(working_set_bytes * CAPACITY_HEADROOM), CAPACITY_MIN_BYTES)
     return min(target, capacity_max_bytes) if capacity_max_bytes is not None else target
+
+
+def reservation_bytes(capacity_bytes: int, *, entry_bytes_mean: float) -> int:
+    """What a cache of ``capacity_bytes`` (of entries' bytes) reserves on the storage servers,
+    its entries being ``entry_bytes_mean`` bytes on average: the bytes, each entry's records
+    (``ENTRY_RECORDS_BYTES``) and ``BOOKKEEPING_BYTES``. A cache whose bytes held stay within
+    its capacity then stays within its reservation, so its fills are not refused for its
+    share of shared servers."""
+    mean = max(float(entry_bytes_mean), 1.0)
+    entries = min(math.ceil(capacity_bytes / mean), ENTRIES_RESERVED_MAX)
+    return capacity_bytes + entries * ENTRY_RECORDS_BYTES + BOOKKEEPING_BYTES
+
+
+def capacity_of_reservation(reserved_bytes: int, *, entry_bytes_mean: float) -> int:
+    """The capacity whose :func:`reservation_bytes` is ``reserved_bytes`` (at most), for
+    entries of ``entry_bytes_mean`` bytes: what a live generation reserving that holds."""
+    mean = max(float(entry_bytes_mean), 1.0)
+    room = max(reserved_bytes - BOOKKEEPING_BYTES, 0)
+    capacity = int(room * mean / (mean + ENTRY_RECORDS_BYTES))
+    if capacity / mean > ENTRIES_RESERVED_MAX:
+        # Past the entries a reservation covers, the rest is entries' bytes.
+        capacity = room - ENTRIES_RESERVED_MAX * ENTRY_RECORDS_BYTES
+    # The entries' count rounds up in reservation_bytes: step down until it fits.
+    while capacity > 0 and reservation_bytes(capacity, entry_bytes_mean=mean) > reserved_bytes:
+        capacity -= max(1, ENTRY_RECORDS_BYTES)
+    return max(capacity, 0)
 
 
 def resize_wanted(capacity_bytes: int, target_bytes: int) -> bool:

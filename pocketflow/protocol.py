@@ -90,7 +90,7 @@ PINNED_ARENA_DIVISOR = 2
 """A server pins at most its DRAM arena's capacity divided by this, over all jobs."""
 PINNED_JOB_DIVISOR = 2
 """One job pins at most its server's pin budget divided by this."""
-PIN_SWEEP_INTERVAL_MS = 250
+PIN_SWEEP_INTERVAL_MS = 50
 """Interval of the server's sweep of pins held by processes that are gone."""
 
 # -- exchange operations ---------------------------------------------------------------------------

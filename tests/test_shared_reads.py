@@ -26,7 +26,7 @@ from pocketflow.errors import ObjectNotFound, PermissionDenied
 from pocketflow.handle import JobHandle, ServerInfo
 
 MIB = 1024 * 1024
-PIN_SWEEP_INTERVAL_MS = 250
+PIN_SWEEP_INTERVAL_MS = 50
 """The server's sweep interval (``PIN_SWEEP_INTERVAL_MS`` of limits.rs)."""
 SWEEP_BOUND_S = 1.0
 """A dead reader's pins go within two sweep intervals; the test allows a loaded machine 1 s."""
@@ -188,7 +188,7 @@ def test_a_sigstopped_reader_keeps_its_pins_and_its_bytes(
             os.kill(reader.pid, signal.SIGSTOP)
             pf.put_many("b", [(k, b"\x01" * MIB) for k in keys], overwrite=True)
             pf.put_many("b", [(f"fill{i}", b"\x02" * MIB) for i in range(8)])
-            time.sleep(4 * PIN_SWEEP_INTERVAL_MS / 1000)  # several sweeps pass
+            time.sleep(20 * PIN_SWEEP_INTERVAL_MS / 1000)  # many sweeps pass
             assert _pins(servers, info)["pins"] == 4, "a stopped process keeps its pins"
             os.kill(reader.pid, signal.SIGCONT)
             reader.stdin.write("go\n")
@@ -369,3 +369,24 @@ def test_a_reader_in_another_pid_namespace_gives_its_pins_back_and_copies(
     # went because the reader gave them back.
     pins = _pins(servers, info)
     assert pins["granted_total"] >= 1 and pins["pins"] == 0 and pins["swept_total"] == 0
+
+
+def test_keys_whose_home_moved_are_pinned_at_their_earlier_home(
+        server_factory: Callable[..., tuple[ServerSet, ServerInfo]]) -> None:
+    servers, first = server_factory("grow-0", "dram", 64 * MIB, shared_dram=True)
+    _, added = server_factory("grow-1", "dram", 64 * MIB, shared_dram=True)
+    before = servers.handle(servers=[first])
+    keys = [f"k{i}" for i in range(12)]
+    with connect(before, **CLIENT_OPTIONS) as pf:
+        values = _put(pf, keys, MIB)
+    # Grown: about half the keys' homes are now the added server, where nothing of them is.
+    grown = before.replace(epoch=2, servers=(first, added), earlier=before.earlier_after())
+    servers.set_epoch(grown)
+    with connect(grown, **CLIENT_OPTIONS) as pf:
+        views = pf.pin_views("b", keys)
+        assert [bytes(v) for v in views] == values  # type: ignore[arg-type]
+        assert pf.shared_counts["pinned"] == len(keys)
+        assert _pins(servers, first)["granted_total"] == len(keys)
+        assert _pins(servers, added)["granted_total"] == 0
+        del views
+        _wait_pins(servers, first, 0, timeout_s=5)

@@ -19,10 +19,14 @@ use pocketflow_protocol::ObjectHeader;
 
 use crate::connection::ExchangeRequest;
 use crate::error::ClientError;
+use crate::failure::reply_error;
 use crate::homes::home;
 use crate::objects::Objects;
 use crate::parallel::{push_grouped, run_parallel};
 use crate::runtime::process_id;
+
+/// Most servers a PIN of one key is sent to in turn: its home, then earlier homes.
+const PIN_ROUNDS_MAX: usize = 3;
 
 /// Most UNPINs sent in one exchange.
 pub const UNPIN_BATCH_MAX: usize = 1024;
@@ -389,110 +393,65 @@ impl Objects {
         Ok(mapped)
     }
 
-    /// Pin `keys` of `bucket` where they live (their home under the current map, on a loopback
-    /// server with a shared arena), every server at once, and make the pinned bytes present in
-    /// this process. Each key's outcome, in order; [`SharedRead::Copy`] for each key the
-    /// caller must read itself.
+    /// Pin `keys` of `bucket` where they live (their home under the current map, then, for a
+    /// key not found there once the job's map has changed, the homes earlier maps gave it: a
+    /// grow moves about a quarter of keys' homes and data never moves), on loopback servers with
+    /// a shared arena, every server at once, and make the pinned bytes present in this process.
+    /// Each key's outcome, in order; [`SharedRead::Copy`] for each key the caller must read
+    /// itself.
     pub fn pin_many(self: &Arc<Self>, bucket: &str, keys: &[&str]) -> Vec<SharedRead> {
         let view = self.view();
-        let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
-        {
-            let unshared = self.shared.unshared.lock().expect("never poisoned");
-            for (index, key) in keys.iter().enumerate() {
+        // Where to ask for each key, in order: its home, then its earlier homes.
+        let candidates: Vec<Vec<&str>> = keys
+            .iter()
+            .map(|key| {
+                let mut at: Vec<&str> = Vec::new();
                 if let Ok(server) = home(&view, key.as_bytes(), 0, false) {
-                    if is_loopback(&server.address) && !unshared.contains(&server.address) {
-                        push_grouped(&mut groups, &server.address, index);
+                    at.push(&server.address);
+                }
+                for earlier in view.earlier_homes(key.as_bytes()).unwrap_or_default() {
+                    let address = view.servers[earlier].address.as_str();
+                    if !at.contains(&address) {
+                        at.push(address);
                     }
                 }
-            }
-        }
-        let releaser = if groups.is_empty() {
-            None
-        } else {
-            Some(self.releaser())
-        };
-        let pid = process_id();
-        let tasks: Vec<usize> = (0..groups.len()).collect();
-        let per_server = run_parallel(&tasks, self.io_threads.max(groups.len()), |task| {
-            let (address, indexes) = &groups[task];
-            let requests: Vec<ExchangeRequest> = indexes
-                .iter()
-                .map(|&index| ExchangeRequest {
-                    op: OpCode::Pin,
-                    flags: 0,
-                    bucket: bucket.to_string(),
-                    key: keys[index].to_string(),
-                    header: PinArgs { pid, pin_id: 0 }.to_header(),
-                    value: Bytes::new(),
-                })
-                .collect();
-            let Ok(replies) = self.exchange(&view, address, &requests) else {
-                return Vec::new();
-            };
-            let releaser = releaser.as_ref().expect("made for any server asked");
-            let mut out = Vec::with_capacity(replies.len());
-            let mut give_back: Vec<u64> = Vec::new();
-            for (&index, reply) in indexes.iter().zip(replies) {
-                let read = match (reply.status, reply.header) {
-                    (0, None) => {
-                        self.shared
-                            .unshared
-                            .lock()
-                            .expect("never poisoned")
-                            .insert(address.to_string());
-                        SharedRead::Copy
-                    }
-                    (0, Some(header)) if header.block_count == 0 => SharedRead::Value(reply.body),
-                    (0, Some(header)) => match PinGrant::decode(&reply.body) {
-                        Ok(grant) => {
-                            match self.arena(address, &grant) {
-                                Ok(arena) => {
-                                    let pinned = Pinned {
-                                        arena,
-                                        offset: grant.offset,
-                                        len: grant.len,
-                                        header,
-                                        // Released by its drop.
-                                        _release: Release {
-                                            releaser: Arc::clone(releaser),
-                                            address: address.to_string(),
-                                            pin_id: grant.pin_id,
-                                        },
-                                    };
-                                    populate(pinned.bytes());
-                                    SharedRead::Pinned(pinned)
-                                }
-                                Err(_) => {
-                                    // Another uid or pid namespace, or a server gone: this
-                                    // process copies, and gives the pin back in this call.
-                                    self.shared
-                                        .unshared
-                                        .lock()
-                                        .expect("never poisoned")
-                                        .insert(address.to_string());
-                                    give_back.push(grant.pin_id);
-                                    SharedRead::Copy
-                                }
-                            }
-                        }
-                        Err(_) => SharedRead::Copy,
-                    },
-                    _ => SharedRead::Copy,
-                };
-                out.push((index, read));
-            }
-            if !give_back.is_empty() {
-                // Before the call returns, so a process that ends right after leaves nothing
-                // pinned under a pid that may not be its own (the sweep could not tell).
-                let _ = self.exchange(&view, address, &unpin_requests(pid, &give_back));
-            }
-            out
-        });
+                at
+            })
+            .collect();
         let mut reads: Vec<SharedRead> = std::iter::repeat_with(|| SharedRead::Copy)
             .take(keys.len())
             .collect();
-        for (index, read) in per_server.into_iter().flatten() {
-            reads[index] = read;
+        let mut pending: Vec<usize> = (0..keys.len()).collect();
+        let pid = process_id();
+        let mut releaser: Option<Arc<Releaser>> = None;
+        for round in 0..PIN_ROUNDS_MAX {
+            let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+            {
+                let unshared = self.shared.unshared.lock().expect("never poisoned");
+                for &index in &pending {
+                    if let Some(&address) = candidates[index].get(round) {
+                        if is_loopback(address) && !unshared.contains(address) {
+                            push_grouped(&mut groups, address, index);
+                        }
+                    }
+                }
+            }
+            if groups.is_empty() {
+                break;
+            }
+            let releaser = releaser.get_or_insert_with(|| self.releaser());
+            let tasks: Vec<usize> = (0..groups.len()).collect();
+            let per_server = run_parallel(&tasks, self.io_threads.max(groups.len()), |task| {
+                let (address, indexes) = &groups[task];
+                self.pin_at(&view, bucket, keys, address, indexes, pid, releaser)
+            });
+            pending.clear();
+            for (index, read) in per_server.into_iter().flatten() {
+                match read {
+                    Some(read) => reads[index] = read,
+                    None => pending.push(index),
+                }
+            }
         }
         let counts = &self.shared.counts;
         for read in &reads {
@@ -504,6 +463,96 @@ impl Objects {
             counter.fetch_add(1, Ordering::Relaxed);
         }
         reads
+    }
+
+    /// One server's PINs of `indexes` of `keys`: each key's outcome, `None` for a key the
+    /// server does not hold (its record may be at an earlier home).
+    #[allow(clippy::too_many_arguments)]
+    fn pin_at(
+        &self,
+        view: &crate::view::View,
+        bucket: &str,
+        keys: &[&str],
+        address: &str,
+        indexes: &[usize],
+        pid: u32,
+        releaser: &Arc<Releaser>,
+    ) -> Vec<(usize, Option<SharedRead>)> {
+        let requests: Vec<ExchangeRequest> = indexes
+            .iter()
+            .map(|&index| ExchangeRequest {
+                op: OpCode::Pin,
+                flags: 0,
+                bucket: bucket.to_string(),
+                key: keys[index].to_string(),
+                header: PinArgs { pid, pin_id: 0 }.to_header(),
+                value: Bytes::new(),
+            })
+            .collect();
+        let Ok(replies) = self.exchange(view, address, &requests) else {
+            return Vec::new();
+        };
+        let mut out = Vec::with_capacity(replies.len());
+        let mut give_back: Vec<u64> = Vec::new();
+        for (&index, reply) in indexes.iter().zip(replies) {
+            let read = match (reply.status, reply.header) {
+                (0, None) => {
+                    self.shared
+                        .unshared
+                        .lock()
+                        .expect("never poisoned")
+                        .insert(address.to_string());
+                    SharedRead::Copy
+                }
+                (0, Some(header)) if header.block_count == 0 => SharedRead::Value(reply.body),
+                (0, Some(header)) => match PinGrant::decode(&reply.body) {
+                    Ok(grant) => {
+                        match self.arena(address, &grant) {
+                            Ok(arena) => {
+                                let pinned = Pinned {
+                                    arena,
+                                    offset: grant.offset,
+                                    len: grant.len,
+                                    header,
+                                    // Released by its drop.
+                                    _release: Release {
+                                        releaser: Arc::clone(releaser),
+                                        address: address.to_string(),
+                                        pin_id: grant.pin_id,
+                                    },
+                                };
+                                populate(pinned.bytes());
+                                SharedRead::Pinned(pinned)
+                            }
+                            Err(_) => {
+                                // Another uid or pid namespace, or a server gone: this
+                                // process copies, and gives the pin back in this call.
+                                self.shared
+                                    .unshared
+                                    .lock()
+                                    .expect("never poisoned")
+                                    .insert(address.to_string());
+                                give_back.push(grant.pin_id);
+                                SharedRead::Copy
+                            }
+                        }
+                    }
+                    Err(_) => SharedRead::Copy,
+                },
+                _ if reply_error(&reply).is_not_found() => {
+                    out.push((index, None));
+                    continue;
+                }
+                _ => SharedRead::Copy,
+            };
+            out.push((index, Some(read)));
+        }
+        if !give_back.is_empty() {
+            // Before the call returns, so a process that ends right after leaves nothing
+            // pinned under a pid that may not be its own (the sweep could not tell).
+            let _ = self.exchange(view, address, &unpin_requests(pid, &give_back));
+        }
+        out
     }
 }
 

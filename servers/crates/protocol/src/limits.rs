@@ -70,4 +70,4 @@ pub const PINNED_ARENA_DIVISOR: u64 = 2;
 pub const PINNED_JOB_DIVISOR: u64 = 2;
 /// Interval of the server's sweep of pins held by processes that are gone: a dead reader's pins
 /// are released within two intervals.
-pub const PIN_SWEEP_INTERVAL_MS: u64 = 250;
+pub const PIN_SWEEP_INTERVAL_MS: u64 = 50;

@@ -28,6 +28,9 @@ pub(crate) fn table_for(capacity_bytes: &Option<u64>) -> Option<Arc<PinTable>> {
     })))
 }
 
+/// How long the arena socket's thread waits after a failed accept before the next.
+const ARENA_ACCEPT_RETRY_MS: u64 = 10;
+
 /// What an exchange op answers: its header and body.
 type PinOutcome = (Option<ObjectHeader>, Bytes);
 
@@ -125,7 +128,12 @@ fn serve_arena_descriptor(arena: SharedArena) -> std::io::Result<()> {
         .spawn(move || {
             // SAFETY: geteuid has no preconditions.
             let own_uid = unsafe { libc::geteuid() };
-            for stream in listener.incoming().flatten() {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else {
+                    // Out of descriptors, say: wait rather than spin on the failing accept.
+                    std::thread::sleep(Duration::from_millis(ARENA_ACCEPT_RETRY_MS));
+                    continue;
+                };
                 if let Some(peer) = peer_cred(&stream).filter(|peer| peer.uid == own_uid) {
                     // A peer that went away meanwhile only loses its answer.
                     let _ = send_descriptor(&stream, arena.fd, peer.pid as u32);

@@ -757,7 +757,9 @@ class Client:
         a view of a small object's bytes (which came with the reply), or None for a key this
         call did not read (a server of another host or without a shared arena, an object of
         several data blocks or on NVMe, a pin refused at a bound, an object not found): read
-        those as usual. The pins are released, batched, when their views are gone.
+        those as usual. The pins are released, batched, when their views are gone (in the
+        process that pinned them: a forked child's inherited views last while the parent keeps
+        its own).
         """
         check_bucket(bucket)
         key_list = list(keys)

@@ -469,6 +469,7 @@ pub(crate) mod tests {
             transfer_idle: std::time::Duration::from_secs(30),
             connection_idle_ms: std::sync::atomic::AtomicU64::new(120_000),
             pins: None,
+            arena_served: std::sync::atomic::AtomicBool::new(false),
         };
         (Arc::new(state), key)
     }

@@ -28,7 +28,8 @@ pub(crate) fn table_for(capacity_bytes: &Option<u64>) -> Option<Arc<PinTable>> {
     })))
 }
 
-/// How long the arena socket's thread waits after a failed accept before the next.
+/// How long the arena socket's thread waits after a failed accept before the next (doubled for
+/// each failure in a row, up to a second).
 const ARENA_ACCEPT_RETRY_MS: u64 = 10;
 
 /// What an exchange op answers: its header and body.
@@ -43,15 +44,25 @@ pub(crate) async fn pin(
 ) -> Result<PinOutcome, ServiceError> {
     // A server whose arena is not shared answers OK with no header: the reader then stops
     // asking it (every PIN would be refused).
+    let served = state
+        .arena_served
+        .load(std::sync::atomic::Ordering::Acquire);
     let Some((pins, arena)) = state.pins.as_ref().zip(state.store.shared_arena()) else {
         return Ok((None, Bytes::new()));
     };
+    if !served {
+        return Ok((None, Bytes::new()));
+    }
     let args = PinArgs::of_header(&op.header)?;
     // The pid is the caller's word; what the server checks is that it names a process it can see
     // (the same pid namespace), whose start time then tells a later process of that pid apart.
-    let start_time = process_start_time(args.pid).ok_or(StoreError::NotPinnable {
-        why: "the server cannot see the pinning process (another host or pid namespace)",
-    })?;
+    let start_time =
+        process_start_time(args.pid)
+            .ok()
+            .flatten()
+            .ok_or(StoreError::NotPinnable {
+                why: "the server cannot see the pinning process (another host or pid namespace)",
+            })?;
     match state.store.pin_read(job, &op.bucket, &op.key).await? {
         PinRead::Value(header, value) => {
             state.stats.counters.add_out(value.len() as u64);
@@ -128,11 +139,25 @@ fn serve_arena_descriptor(arena: SharedArena) -> std::io::Result<()> {
         .spawn(move || {
             // SAFETY: geteuid has no preconditions.
             let own_uid = unsafe { libc::geteuid() };
+            let mut failures = 0u32;
             for stream in listener.incoming() {
-                let Ok(stream) = stream else {
-                    // Out of descriptors, say: wait rather than spin on the failing accept.
-                    std::thread::sleep(Duration::from_millis(ARENA_ACCEPT_RETRY_MS));
-                    continue;
+                let stream = match stream {
+                    Ok(stream) => {
+                        failures = 0;
+                        stream
+                    }
+                    Err(e) => {
+                        // Out of descriptors, say: back off (ARENA_ACCEPT_RETRY_MS, doubling to
+                        // 1 s) instead of spinning on the same error; the kernel's backlog holds
+                        // the waiting.
+                        failures = failures.saturating_add(1);
+                        if failures == 1 || failures.is_power_of_two() {
+                            eprintln!("pocketflow-server: arena socket accept failed: {e}");
+                        }
+                        let wait = ARENA_ACCEPT_RETRY_MS << failures.min(7).saturating_sub(1);
+                        std::thread::sleep(Duration::from_millis(wait.min(1000)));
+                        continue;
+                    }
                 };
                 if let Some(peer) = peer_cred(&stream).filter(|peer| peer.uid == own_uid) {
                     // A peer that went away meanwhile only loses its answer.
@@ -205,10 +230,18 @@ fn send_descriptor(
 
 impl StorageService {
     /// Start handing the shared arena's descriptor to readers of this host and uid (see
-    /// `serve_arena_descriptor`); does nothing if the arena is not shared.
+    /// `serve_arena_descriptor`); does nothing if the arena is not shared. Until this succeeds
+    /// PIN answers as a server without a shared arena (readers copy), so a server whose socket
+    /// cannot be bound still serves, privately.
     pub fn serve_shared_arena(&self) -> std::io::Result<()> {
         match self.state.store.shared_arena() {
-            Some(arena) => serve_arena_descriptor(arena),
+            Some(arena) => {
+                serve_arena_descriptor(arena)?;
+                self.state
+                    .arena_served
+                    .store(true, std::sync::atomic::Ordering::Release);
+                Ok(())
+            }
             None => Ok(()),
         }
     }

@@ -62,6 +62,9 @@ pub(crate) struct ServiceState {
     pub(crate) connection_idle_ms: AtomicU64,
     /// Pins of the shared DRAM arena; `None` when the store's arena is not shared.
     pub(crate) pins: Option<Arc<PinTable>>,
+    /// Whether the shared arena's descriptor is handed out (its socket bound): until then, and
+    /// for good if binding failed, PIN answers as a server without a shared arena.
+    pub(crate) arena_served: std::sync::atomic::AtomicBool,
 }
 
 /// The pocketflow storage server's Flight service; clones share state.
@@ -88,6 +91,7 @@ impl StorageService {
             transfer_idle: config.transfer_idle,
             connection_idle_ms: AtomicU64::new(CONNECTION_IDLE_DEFAULT.as_millis() as u64),
             pins: crate::pin::table_for(&store_arena),
+            arena_served: std::sync::atomic::AtomicBool::new(false),
         };
         Self {
             state: Arc::new(state),

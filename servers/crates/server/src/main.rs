@@ -121,9 +121,11 @@ async fn serve(args: Args, keys: keys::Keys) -> Result<(), String> {
     );
     service.set_connection_idle(args.connection_idle);
     tokio::spawn(sweeper::run(store, service.clone()));
-    service
-        .serve_shared_arena()
-        .map_err(|e| format!("cannot serve the shared arena: {e}"))?;
+    // Local clusters ask for a shared arena by default: a host that refuses its socket still
+    // gets a server, whose readers copy.
+    if let Err(e) = service.serve_shared_arena() {
+        eprintln!("pocketflow-server: warning: cannot serve the shared arena ({e}); readers copy");
+    }
     tokio::spawn(service.clone().sweep_pins());
     let signals = lifecycle::StopSignals::install()
         .map_err(|e| format!("cannot install signal handlers: {e}"))?;

@@ -41,6 +41,9 @@ pub struct PinCounts {
     pub refused: u64,
     /// Pins released by the sweep (their process was gone) since the start.
     pub swept: u64,
+    /// Pinning processes whose start time a sweep could not read (their pins kept) since the
+    /// start.
+    pub sweep_errors: u64,
 }
 
 struct Pin {
@@ -63,6 +66,7 @@ struct Inner {
     granted: u64,
     refused: u64,
     swept: u64,
+    sweep_errors: u64,
 }
 
 impl Inner {
@@ -97,6 +101,24 @@ impl Inner {
     }
 }
 
+/// A random first pin id (in `1..2^62`), so that the ids of a server restarted at the same
+/// address are not those of the one before: an UNPIN of a pin of the earlier server (a reader's
+/// view outliving it) then names no pin of the new one, instead of a live reader's.
+fn first_pin_id() -> u64 {
+    let mut raw = [0u8; 8];
+    // SAFETY: writing at most `raw.len()` bytes into `raw`.
+    let got = unsafe { libc::getrandom(raw.as_mut_ptr().cast(), raw.len(), 0) };
+    let random = if got == raw.len() as isize {
+        u64::from_le_bytes(raw)
+    } else {
+        // No kernel randomness: the clock's nanoseconds still differ between two starts.
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    };
+    (random >> 2).max(1)
+}
+
 /// Pins of one server, shared by its request handlers and its sweep.
 pub struct PinTable {
     bounds: PinBounds,
@@ -110,7 +132,7 @@ impl PinTable {
         Self {
             bounds,
             inner: Mutex::new(Inner::default()),
-            next_id: AtomicU64::new(1),
+            next_id: AtomicU64::new(first_pin_id()),
         }
     }
 
@@ -200,8 +222,12 @@ impl PinTable {
     }
 
     /// Release the pins of every process that `start_time_of` no longer finds with the start
-    /// time it pinned under; returns how many pins went.
-    pub fn sweep(&self, start_time_of: impl Fn(u32) -> Option<u64>) -> usize {
+    /// time it pinned under (`Ok(None)`: no such process; `Ok(Some(t))` with another start
+    /// time: the pid names a later process); returns how many pins went. A process whose start
+    /// time cannot be read (`Err`: out of descriptors or memory, refused) keeps its pins: it may
+    /// be alive, and its views would read reused memory; such reads are counted
+    /// ([`PinCounts::sweep_errors`]).
+    pub fn sweep(&self, start_time_of: impl Fn(u32) -> std::io::Result<Option<u64>>) -> usize {
         let processes: Vec<(u32, u64)> = {
             let inner = self.lock();
             inner
@@ -211,14 +237,25 @@ impl PinTable {
                 .collect()
         };
         // The process table is read without the lock held.
+        let mut errors = 0u64;
         let gone: Vec<(u32, u64)> = processes
             .into_iter()
-            .filter(|(pid, start)| start_time_of(*pid) != Some(*start))
+            .filter(|(pid, start)| match start_time_of(*pid) {
+                Ok(seen) => seen != Some(*start),
+                Err(_) => {
+                    errors += 1;
+                    false
+                }
+            })
             .collect();
         if gone.is_empty() {
+            if errors > 0 {
+                self.lock().sweep_errors += errors;
+            }
             return 0;
         }
         let mut inner = self.lock();
+        inner.sweep_errors += errors;
         let mut released = Vec::new();
         for (pid, start) in gone {
             // Pinned again meanwhile by a new process of that pid: that one is alive.
@@ -235,20 +272,6 @@ impl PinTable {
         released.len()
     }
 
-    /// Release every pin of `job` (the job ended); returns how many went.
-    pub fn release_job(&self, job: &str) -> usize {
-        let mut inner = self.lock();
-        let ids: Vec<u64> = inner
-            .pins
-            .iter()
-            .filter(|(_, pin)| &*pin.job == job)
-            .map(|(id, _)| *id)
-            .collect();
-        let released: Vec<Bytes> = ids.into_iter().filter_map(|id| inner.remove(id)).collect();
-        drop(inner);
-        released.len()
-    }
-
     /// The table's counters now.
     pub fn counts(&self) -> PinCounts {
         let inner = self.lock();
@@ -258,6 +281,7 @@ impl PinTable {
             granted: inner.granted,
             refused: inner.refused,
             swept: inner.swept,
+            sweep_errors: inner.sweep_errors,
         }
     }
 
@@ -267,14 +291,26 @@ impl PinTable {
     }
 }
 
-/// The start time of process `pid` (field 22 of `/proc/<pid>/stat`, clock ticks since boot), or
-/// `None` if this process cannot see it (gone, or in another pid namespace).
-pub fn process_start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+/// The start time of process `pid` (field 22 of `/proc/<pid>/stat`, clock ticks since boot):
+/// `Ok(None)` if there is no such process here (`ENOENT`, `ESRCH`: gone, or in another pid
+/// namespace), `Err` if it could not be read otherwise (out of descriptors or memory, refused,
+/// unparsable), which says nothing of whether it lives.
+pub fn process_start_time(pid: u32) -> std::io::Result<Option<u64>> {
+    let stat = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let unparsable = || std::io::Error::new(std::io::ErrorKind::InvalidData, "bad /proc stat");
     // The command name (field 2) is in parentheses and may hold spaces or parentheses itself.
-    let after_name = &stat[stat.rfind(')')? + 1..];
+    let after_name = &stat[stat.rfind(')').ok_or_else(unparsable)? + 1..];
     // Field 3 is the first after the name; field 22 is the 20th from there.
-    after_name.split_whitespace().nth(19)?.parse().ok()
+    let field = after_name
+        .split_whitespace()
+        .nth(19)
+        .ok_or_else(unparsable)?;
+    field.parse().map(Some).map_err(|_| unparsable())
 }
 
 #[cfg(test)]
@@ -349,10 +385,12 @@ mod tests {
         table.pin("a", 11, 6, bytes(10)).unwrap();
         table.pin("a", 12, 7, bytes(10)).unwrap();
         // 10 is gone, 11 is alive, 12's pid now names a process started later.
-        let swept = table.sweep(|pid| match pid {
-            11 => Some(6),
-            12 => Some(8),
-            _ => None,
+        let swept = table.sweep(|pid| {
+            Ok(match pid {
+                11 => Some(6),
+                12 => Some(8),
+                _ => None,
+            })
         });
         assert_eq!(swept, 3);
         let counts = table.counts();
@@ -360,23 +398,59 @@ mod tests {
         // A new process with a reused pid releases the old one's pins when it pins.
         table.pin("a", 11, 9, bytes(10)).unwrap();
         assert_eq!(table.counts().pins, 1);
-        assert_eq!(table.release_job("a"), 1);
-        assert_eq!(table.counts().pins, 0);
+    }
+
+    #[test]
+    fn a_process_whose_start_time_cannot_be_read_keeps_its_pins() {
+        let table = PinTable::new(BOUNDS);
+        table.pin("a", 10, 5, bytes(10)).unwrap();
+        table.pin("a", 11, 6, bytes(10)).unwrap();
+        // 10's /proc read fails with EMFILE, 11's with EACCES: neither says it is gone.
+        let swept = table.sweep(|pid| {
+            Err(std::io::Error::from_raw_os_error(match pid {
+                10 => libc::EMFILE,
+                _ => libc::EACCES,
+            }))
+        });
+        assert_eq!(swept, 0);
+        let counts = table.counts();
+        assert_eq!((counts.pins, counts.swept, counts.sweep_errors), (2, 0, 2));
+        // Once the read says there is no such process, its pins go.
+        let swept = table.sweep(|pid| Ok((pid == 11).then_some(6)));
+        assert_eq!(swept, 1);
+        assert_eq!(table.counts().pins, 1);
+    }
+
+    #[test]
+    fn pin_ids_differ_between_tables() {
+        // A restarted server's ids are not its predecessor's (a stale UNPIN names none of them).
+        let first = PinTable::new(BOUNDS).pin("a", 10, 5, bytes(1)).unwrap();
+        let second = PinTable::new(BOUNDS).pin("a", 10, 5, bytes(1)).unwrap();
+        assert_ne!(first, second);
+        assert!(first >= 1 && second >= 1);
     }
 
     #[test]
     fn start_times_come_from_procfs() {
-        let own = process_start_time(std::process::id()).expect("this process is visible");
-        assert_eq!(process_start_time(std::process::id()), Some(own));
+        let own = process_start_time(std::process::id())
+            .unwrap()
+            .expect("this process is visible");
+        assert_eq!(process_start_time(std::process::id()).unwrap(), Some(own));
         let mut child = std::process::Command::new("sleep")
             .arg("10")
             .spawn()
             .unwrap();
         let pid = child.id();
-        let started = process_start_time(pid).expect("the child is visible");
+        let started = process_start_time(pid)
+            .unwrap()
+            .expect("the child is visible");
         assert!(started >= own);
         child.kill().unwrap();
         child.wait().unwrap();
-        assert_eq!(process_start_time(pid), None, "a reaped child is gone");
+        assert_eq!(
+            process_start_time(pid).unwrap(),
+            None,
+            "a reaped child is gone"
+        );
     }
 }

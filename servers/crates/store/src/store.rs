@@ -137,8 +137,19 @@ impl Store {
     /// Open the engine of `config.tier` and an empty index.
     pub fn open(config: StoreConfig) -> Result<Self, StoreError> {
         let engine: Arc<dyn Engine> = match config.tier {
+            // A host without sealable memfds (kernels before 5.1) or that refuses them still
+            // gets a DRAM server, with a private arena.
             Tier::Dram if config.shared_dram => {
-                Arc::new(DramEngine::open_shared(config.capacity_bytes, true)?)
+                match DramEngine::open_shared(config.capacity_bytes, true) {
+                    Ok(engine) => Arc::new(engine),
+                    Err(e) => {
+                        eprintln!(
+                            "pocketflow-server: warning: cannot share the DRAM arena ({e}); \
+                             it is private (readers copy)"
+                        );
+                        Arc::new(DramEngine::open(config.capacity_bytes, true)?)
+                    }
+                }
             }
             Tier::Dram => Arc::new(DramEngine::open(config.capacity_bytes, true)?),
             Tier::Nvme => {

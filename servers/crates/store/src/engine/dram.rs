@@ -7,9 +7,10 @@
 //! arena and keeps the block, hence its extent, alive until dropped.
 //!
 //! A shared arena ([`DramEngine::open_shared`]) is a sealed memfd instead of anonymous memory:
-//! readers on the same host map it read-only (`/proc/<pid>/fd/<fd>`) and read pinned blocks in
-//! place. Its first page holds a random nonce (no block lives there), by which a reader knows it
-//! mapped this arena and not another process's descriptor of the same number.
+//! readers on the same host have its descriptor from the server's abstract Unix socket
+//! (`SCM_RIGHTS`, peers of the server's uid only; `flight/src/pin.rs`), map it read-only and
+//! read pinned blocks in place. Its first page holds a random nonce (no block lives there), by
+//! which a reader knows it mapped this arena and not another server's.
 
 use std::io;
 use std::ptr::NonNull;
@@ -541,6 +542,48 @@ mod tests {
             libc::MAP_FAILED,
             "the seal refuses new writable mappings"
         );
+        // Nor may a holder of the descriptor change the bytes any other way.
+        let at = offset as i64;
+        // SAFETY: writing from a live buffer to a descriptor we own.
+        let wrote = unsafe { libc::pwrite(rw.as_raw_fd(), b"xx".as_ptr().cast(), 2, at) };
+        assert_eq!(wrote, -1, "the seal refuses write()");
+        // SAFETY: as above, through the file position.
+        let wrote = unsafe { libc::write(rw.as_raw_fd(), b"xx".as_ptr().cast(), 2) };
+        assert_eq!(wrote, -1, "the seal refuses write()");
+        // SAFETY: asking to make our own read-only mapping writable.
+        let made_writable = unsafe {
+            libc::mprotect(
+                reader,
+                arena.len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+            )
+        };
+        assert_eq!(
+            made_writable, -1,
+            "a read-only shared mapping stays read-only"
+        );
+        let len = PAGE_BYTES as i64;
+        let page = at & !(len - 1);
+        // SAFETY: punching a hole in a descriptor we own (refused by the seal).
+        let punched = unsafe {
+            libc::fallocate(
+                rw.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                page,
+                len,
+            )
+        };
+        assert_eq!(punched, -1, "the seal refuses punching a hole");
+        // SAFETY: advising our own shared mapping (refused: it would drop the arena's pages).
+        let removed = unsafe {
+            libc::madvise(
+                reader.cast::<u8>().add(page as usize).cast(),
+                PAGE_BYTES,
+                libc::MADV_REMOVE,
+            )
+        };
+        assert_eq!(removed, -1, "the seal refuses MADV_REMOVE");
+        assert_eq!(seen, &data[..], "the block's bytes are unchanged");
         // SAFETY: unmapping the reader's mapping made above.
         unsafe { libc::munmap(reader, arena.len as usize) };
     }

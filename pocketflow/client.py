@@ -753,13 +753,14 @@ class Client:
     def pin_views(self, bucket: str, keys: Iterable[str]) -> list[memoryview | None]:
         """Read ``keys`` in place where this host's servers share their DRAM arena: per key a
         read-only ``memoryview`` of the object's bytes, pinned in the server's memory (no copy;
-        the bytes never change while any view of them lives, whatever happens to the object),
+        the bytes never change while any view of them lives, whatever happens to the object or
+        its server, and a child forked meanwhile keeps private copies of them),
         a view of a small object's bytes (which came with the reply), or None for a key this
         call did not read (a server of another host or without a shared arena, an object of
         several data blocks or on NVMe, a pin refused at a bound, an object not found): read
-        those as usual. The pins are released, batched, when their views are gone (in the
-        process that pinned them: a forked child's inherited views last while the parent keeps
-        its own).
+        those as usual. The pins are released, batched, when their views are gone, also after
+        this client is closed (by the process that pinned them: a forked child's inherited
+        views are private copies of the bytes).
         """
         check_bucket(bucket)
         key_list = list(keys)

@@ -203,8 +203,15 @@ impl Objects {
         Ok(connection)
     }
 
+    /// Whether the client was closed for good (`close(false)`).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.connections.lock().expect("never poisoned").closed
+    }
+
     /// Close every connection; with `reopen`, later calls make new ones (else they fail).
+    /// Unpins queued now are sent first (`shared.rs`).
     pub fn close(&self, reopen: bool) {
+        self.close_shared();
         let taken: Vec<Arc<Connection>> = {
             let mut connections = self.connections.lock().expect("never poisoned");
             if connections.pid != crate::runtime::process_id() {

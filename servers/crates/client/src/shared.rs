@@ -5,7 +5,8 @@
 //! several data blocks or on NVMe, a refusal at a bound, an arena this process may not have) is
 //! left to the caller, which reads it as usual: a reader always gets its bytes. A pin is
 //! released when its [`Pinned`] is dropped, by UNPINs batched per server on a thread of the
-//! process; a process that ends with pins leaves them to the server's sweep.
+//! process, also after the client was closed or dropped (the thread then opens connections of
+//! its own); a process that ends with pins leaves them to the server's sweep.
 
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
@@ -17,13 +18,15 @@ use pocketflow_protocol::frame::OpCode;
 use pocketflow_protocol::pin::{arena_socket_name, PinArgs, PinGrant, ARENA_NONCE_BYTES};
 use pocketflow_protocol::ObjectHeader;
 
-use crate::connection::ExchangeRequest;
+use crate::config::ConnectionConfig;
+use crate::connection::{Connection, ExchangeRequest};
 use crate::error::ClientError;
 use crate::failure::reply_error;
 use crate::homes::home;
 use crate::objects::Objects;
 use crate::parallel::{push_grouped, run_parallel};
 use crate::runtime::process_id;
+use crate::view::{stale_weight_map, View};
 
 /// Most servers a PIN of one key is sent to in turn: its home, then earlier homes.
 const PIN_ROUNDS_MAX: usize = 3;
@@ -34,7 +37,8 @@ pub const UNPIN_BATCH_MAX: usize = 1024;
 /// Bytes of a page, the step of touching a range where `MADV_POPULATE_READ` is missing.
 const PAGE_BYTES: usize = 4096;
 
-/// A server's arena mapped read-only into this process; unmapped when the last pin on it goes.
+/// A server's arena mapped read-only into this process; unmapped when the last pin on it goes
+/// (the client holds it weakly).
 #[derive(Debug)]
 pub struct ArenaMap {
     base: *const u8,
@@ -195,14 +199,150 @@ fn populate(bytes: &[u8]) {
     }
 }
 
-/// One pinned object: its bytes in a server's arena, held until this is dropped.
+/// Page ranges `(start, end, views)`: addresses, and how many live views lie in each.
+type Ranges = Vec<(usize, usize, usize)>;
+
+/// The page ranges under this process's live [`Pinned`]s, so that a forked child can make them
+/// its own (`after_fork_in_child`).
+static LIVE_RANGES: Mutex<Ranges> = Mutex::new(Vec::new());
+
+std::thread_local! {
+    /// `LIVE_RANGES`, locked by the forking thread from before `fork` until after it.
+    static HELD_OVER_FORK: std::cell::RefCell<Option<std::sync::MutexGuard<'static, Ranges>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+extern "C" fn before_fork() {
+    let guard = LIVE_RANGES.lock().unwrap_or_else(|e| e.into_inner());
+    HELD_OVER_FORK.with(|held| *held.borrow_mut() = Some(guard));
+}
+
+extern "C" fn after_fork_in_parent() {
+    HELD_OVER_FORK.with(|held| drop(held.borrow_mut().take()));
+}
+
+/// In a forked child: the parent still unpins the pins whose views the child inherited, after
+/// which the server may reuse their bytes. So each page range under a live view is made a
+/// private copy at the same address (copied out, mapped over with private anonymous memory,
+/// copied back, made read-only again): the child's views keep their bytes. Only the forking
+/// thread runs in the child, and the ranges are locked from before the fork.
+extern "C" fn after_fork_in_child() {
+    HELD_OVER_FORK.with(|held| {
+        let Some(ranges) = held.borrow_mut().take() else {
+            return;
+        };
+        let mut spans: Vec<(usize, usize)> = ranges.iter().map(|&(s, e, _)| (s, e)).collect();
+        spans.sort_unstable();
+        let mut merged: Vec<(usize, usize)> = Vec::with_capacity(spans.len());
+        for (start, end) in spans {
+            match merged.last_mut() {
+                Some(last) if start <= last.1 => last.1 = last.1.max(end),
+                _ => merged.push((start, end)),
+            }
+        }
+        for (start, end) in merged {
+            privatize(start, end - start);
+        }
+        drop(ranges);
+    });
+}
+
+/// Replace the `len` bytes (whole pages) of a shared mapping at `start` by a private read-only
+/// copy of them at the same address; aborts the process if it cannot (its views would be wrong).
+fn privatize(start: usize, len: usize) {
+    let mut copy = vec![0u8; len];
+    // SAFETY: `start..start + len` lies in a live read-only mapping (a live pin's pages).
+    unsafe { std::ptr::copy_nonoverlapping(start as *const u8, copy.as_mut_ptr(), len) };
+    // SAFETY: replacing pages of our own mapping at their address; nothing reads them meanwhile
+    // (only this thread runs in the child).
+    let raw = unsafe {
+        libc::mmap(
+            start as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+            -1,
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED || raw as usize != start {
+        eprintln!("pocketflow: a forked child cannot copy its inherited views; it ends");
+        std::process::abort();
+    }
+    // SAFETY: the fresh private mapping is `len` bytes, writable, and disjoint from `copy`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(copy.as_ptr(), start as *mut u8, len);
+        libc::mprotect(start as *mut libc::c_void, len, libc::PROT_READ);
+    }
+}
+
+/// Register the fork handlers once in this process.
+fn watch_forks() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: the handlers are `extern "C"` functions that live for the whole process.
+        unsafe {
+            libc::pthread_atfork(
+                Some(before_fork),
+                Some(after_fork_in_parent),
+                Some(after_fork_in_child),
+            )
+        };
+    });
+}
+
+/// The page range of one live view, registered in `LIVE_RANGES` while it lives.
+#[derive(Debug)]
+struct LiveRange {
+    start: usize,
+    end: usize,
+}
+
+impl LiveRange {
+    fn new(bytes: &[u8]) -> Option<LiveRange> {
+        if bytes.is_empty() {
+            return None;
+        }
+        watch_forks();
+        let start = bytes.as_ptr() as usize & !(PAGE_BYTES - 1);
+        let end = (bytes.as_ptr() as usize + bytes.len()).next_multiple_of(PAGE_BYTES);
+        let mut ranges = LIVE_RANGES.lock().unwrap_or_else(|e| e.into_inner());
+        match ranges.iter_mut().find(|r| r.0 == start && r.1 == end) {
+            Some(range) => range.2 += 1,
+            None => ranges.push((start, end, 1)),
+        }
+        Some(LiveRange { start, end })
+    }
+}
+
+impl Drop for LiveRange {
+    fn drop(&mut self) {
+        let mut ranges = LIVE_RANGES.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(at) = ranges
+            .iter()
+            .position(|r| r.0 == self.start && r.1 == self.end)
+        {
+            ranges[at].2 -= 1;
+            if ranges[at].2 == 0 {
+                ranges.swap_remove(at);
+            }
+        }
+    }
+}
+
+/// One pinned object: its bytes in a server's arena, held until this is dropped. A forked
+/// child's inherited ones are private copies (same address, same bytes), which the child
+/// neither unpins nor needs to.
 #[derive(Debug)]
 pub struct Pinned {
+    // Fields drop in this order: the range is unregistered before the pin can go, and both
+    // before the arena can be unmapped.
+    _live: Option<LiveRange>,
+    _release: Release,
     arena: Arc<ArenaMap>,
     offset: u64,
     len: u64,
     header: ObjectHeader,
-    _release: Release,
 }
 
 impl Pinned {
@@ -257,9 +397,9 @@ pub struct SharedCounts {
 /// The zero-copy state of one client: mapped arenas, servers without one, the pin releaser.
 #[derive(Debug, Default)]
 pub struct Shared {
-    /// Mapped arenas, by server address, with the server pid they were had from: kept for the
-    /// life of the client (one per server), replaced when its server's is.
-    arenas: Mutex<HashMap<String, (u32, Arc<ArenaMap>)>>,
+    /// Mapped arenas, by server address, with the server pid they were had from: held weakly
+    /// (the pins on an arena hold it), replaced when its server's is, forgotten at close.
+    arenas: Mutex<HashMap<String, (u32, Weak<ArenaMap>)>>,
     /// Servers whose arena is not shared (or not reachable from this process): not asked again.
     unshared: Mutex<HashSet<String>>,
     /// The releaser of this process's pins (made again in a forked child).
@@ -269,12 +409,18 @@ pub struct Shared {
 }
 
 /// Unpins waiting to be sent; a thread sends them, batched per server. Each pin enters once, so
-/// the queue is bounded by the pins a process may hold (`PINS_PER_PROCESS_MAX` per server).
+/// the queue is bounded by the pins a process may hold (`PINS_PER_PROCESS_MAX` per server). It
+/// outlives its client as long as pins do: once the client is closed or gone, it sends over
+/// connections of its own, made with the client's config and its last map.
 #[derive(Debug)]
 struct Releaser {
     pid: u32,
     queue: Mutex<Vec<(String, u64)>>,
     ready: Condvar,
+    config: ConnectionConfig,
+    window: usize,
+    /// The client's map when it was last seen (or adopted here after a stale refusal).
+    view: Mutex<Arc<View>>,
 }
 
 impl Releaser {
@@ -290,7 +436,8 @@ impl Releaser {
         self.ready.notify_one();
     }
 
-    /// Send the queued unpins until `objects` is gone.
+    /// Send the queued unpins until nothing but this thread holds the releaser (the client and
+    /// every pin are gone) and the queue is empty.
     fn run(self: Arc<Self>, objects: Weak<Objects>) {
         loop {
             let batch: Vec<(String, u64)> = {
@@ -301,34 +448,96 @@ impl Releaser {
                         .wait_timeout(queue, std::time::Duration::from_secs(1))
                         .expect("never poisoned");
                     queue = next;
-                    if queue.is_empty() && objects.strong_count() == 0 {
+                    if queue.is_empty() && Arc::strong_count(&self) == 1 {
                         return;
                     }
                 }
                 std::mem::take(&mut *queue)
             };
-            let Some(objects) = objects.upgrade() else {
-                return; // The client is gone: its pins go with the process (the sweep).
+            self.send(objects.upgrade().as_deref(), &batch);
+        }
+    }
+
+    /// Send everything queued now, on the calling thread (a client about to close).
+    fn flush(&self, objects: &Objects) {
+        let batch = std::mem::take(&mut *self.queue.lock().expect("never poisoned"));
+        if !batch.is_empty() {
+            self.send(Some(objects), &batch);
+        }
+    }
+
+    /// Send the UNPINs of `batch`, over `objects`' connections while it is open, else over
+    /// connections of this releaser's own (closed when sent).
+    fn send(&self, objects: Option<&Objects>, batch: &[(String, u64)]) {
+        let mut groups: Vec<(&str, Vec<u64>)> = Vec::new();
+        for (address, pin_id) in batch {
+            push_grouped(&mut groups, address, *pin_id);
+        }
+        if let Some(objects) = objects {
+            *self.view.lock().expect("never poisoned") = objects.view();
+        }
+        let open = objects.filter(|o| !o.is_closed());
+        for (address, ids) in groups {
+            let own = match open {
+                Some(_) => None,
+                None => match Connection::new(address, self.config.clone()) {
+                    Ok(connection) => Some(connection),
+                    Err(_) => continue, // Left to the server's sweep.
+                },
             };
-            let mut groups: Vec<(&str, Vec<u64>)> = Vec::new();
-            for (address, pin_id) in &batch {
-                push_grouped(&mut groups, address, *pin_id);
-            }
-            let view = objects.view();
-            let pid = self.pid;
-            for (address, ids) in groups {
-                for chunk in ids.chunks(UNPIN_BATCH_MAX) {
-                    let requests = unpin_requests(pid, chunk);
-                    // A session opened under a stale map is refused before it runs anything:
-                    // adopt the new map and send again. An unpin that fails otherwise (server
-                    // gone or hung) is left to the server's sweep.
-                    if let Err(error) = objects.exchange(&view, address, &requests) {
-                        if error.is_stale_epoch() && objects.adopt(&error).is_ok() {
-                            let _ = objects.exchange(&objects.view(), address, &requests);
+            for chunk in ids.chunks(UNPIN_BATCH_MAX) {
+                let requests = unpin_requests(self.pid, chunk);
+                // A session opened under a stale map is refused before it runs anything: adopt
+                // the new map and send again. An unpin that fails otherwise (server gone or
+                // hung) is left to the server's sweep.
+                for _ in 0..2 {
+                    let view = Arc::clone(&self.view.lock().expect("never poisoned"));
+                    let sent = match (&own, open) {
+                        (Some(connection), _) => connection.exchange_blocking(
+                            &view.exchange_command,
+                            view.epoch,
+                            &requests,
+                            self.window,
+                        ),
+                        (None, Some(objects)) => objects.exchange(&view, address, &requests),
+                        (None, None) => break,
+                    };
+                    match sent {
+                        Err(error) if error.is_stale_epoch() => {
+                            if !self.adopt(objects, &view, &error) {
+                                break;
+                            }
                         }
+                        _ => break,
                     }
                 }
             }
+            if let Some(connection) = own {
+                connection.close();
+            }
+        }
+    }
+
+    /// Adopt the newer map a stale refusal carries (in the client too, if it is there);
+    /// returns whether there was one.
+    fn adopt(&self, objects: Option<&Objects>, view: &View, error: &ClientError) -> bool {
+        if let Some(objects) = objects {
+            if objects.adopt(error).is_err() {
+                return false;
+            }
+            *self.view.lock().expect("never poisoned") = objects.view();
+            return true;
+        }
+        let ClientError::Server { message, .. } = error else {
+            return false;
+        };
+        let newer = stale_weight_map(message).and_then(|map| view.with_weight_map(&map).ok());
+        match newer {
+            Some(newer) if newer.epoch > view.epoch => {
+                *self.view.lock().expect("never poisoned") = Arc::new(newer);
+                true
+            }
+            _ => false,
         }
     }
 }
@@ -367,6 +576,9 @@ impl Objects {
             pid: process_id(),
             queue: Mutex::new(Vec::new()),
             ready: Condvar::new(),
+            config: self.config.clone(),
+            window: self.exchange_window,
+            view: Mutex::new(self.view()),
         });
         let objects = Arc::downgrade(self);
         let running = Arc::clone(&releaser);
@@ -381,16 +593,31 @@ impl Objects {
     fn arena(&self, address: &str, grant: &PinGrant) -> Result<Arc<ArenaMap>, ClientError> {
         let id = grant.server_pid;
         let mut arenas = self.shared.arenas.lock().expect("never poisoned");
-        if let Some((_, mapped)) = arenas.get(address).filter(|(of, map)| {
-            *of == id
-                && map.len as u64 == grant.arena_len
-                && map.slice(0, ARENA_NONCE_BYTES as u64) == grant.nonce
-        }) {
-            return Ok(Arc::clone(mapped));
+        if let Some(mapped) = arenas
+            .get(address)
+            .filter(|(of, _)| *of == id)
+            .and_then(|(_, map)| map.upgrade())
+            .filter(|map| {
+                map.len as u64 == grant.arena_len
+                    && map.slice(0, ARENA_NONCE_BYTES as u64) == grant.nonce
+            })
+        {
+            return Ok(mapped);
         }
         let mapped = Arc::new(ArenaMap::open(grant)?);
-        arenas.insert(address.to_string(), (id, Arc::clone(&mapped)));
+        arenas.insert(address.to_string(), (id, Arc::downgrade(&mapped)));
         Ok(mapped)
+    }
+
+    /// Before the client closes: send the unpins queued now, and forget the mapped arenas (each
+    /// stays mapped while pins on it live). Pins dropped later are still released, over the
+    /// releaser's own connections.
+    pub(crate) fn close_shared(&self) {
+        let releaser = self.shared.releaser.lock().expect("never poisoned").clone();
+        if let Some(releaser) = releaser.filter(|r| r.pid == process_id()) {
+            releaser.flush(self);
+        }
+        self.shared.arenas.lock().expect("never poisoned").clear();
     }
 
     /// Pin `keys` of `bucket` where they live (their home under the current map, then, for a
@@ -509,17 +736,19 @@ impl Objects {
                     Ok(grant) => {
                         match self.arena(address, &grant) {
                             Ok(arena) => {
+                                let live = LiveRange::new(arena.slice(grant.offset, grant.len));
                                 let pinned = Pinned {
-                                    arena,
-                                    offset: grant.offset,
-                                    len: grant.len,
-                                    header,
+                                    _live: live,
                                     // Released by its drop.
                                     _release: Release {
                                         releaser: Arc::clone(releaser),
                                         address: address.to_string(),
                                         pin_id: grant.pin_id,
                                     },
+                                    arena,
+                                    offset: grant.offset,
+                                    len: grant.len,
+                                    header,
                                 };
                                 populate(pinned.bytes());
                                 SharedRead::Pinned(pinned)

@@ -8,7 +8,7 @@
 //! process, also after the client was closed or dropped (the thread then opens connections of
 //! its own); a process that ends with pins leaves them to the server's sweep.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
@@ -30,6 +30,10 @@ use crate::view::{stale_weight_map, View};
 
 /// Most servers a PIN of one key is sent to in turn: its home, then earlier homes.
 const PIN_ROUNDS_MAX: usize = 3;
+
+/// How long a server found without a shared arena (or whose arena this process could not map)
+/// is not asked to pin.
+const UNSHARED_RETRY: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Most UNPINs sent in one exchange.
 pub const UNPIN_BATCH_MAX: usize = 1024;
@@ -199,12 +203,12 @@ fn populate(bytes: &[u8]) {
     }
 }
 
-/// Page ranges `(start, end, views)`: addresses, and how many live views lie in each.
-type Ranges = Vec<(usize, usize, usize)>;
+/// Page ranges `(start, end)` (addresses), with how many live views lie in each.
+type Ranges = std::collections::BTreeMap<(usize, usize), usize>;
 
 /// The page ranges under this process's live [`Pinned`]s, so that a forked child can make them
 /// its own (`after_fork_in_child`).
-static LIVE_RANGES: Mutex<Ranges> = Mutex::new(Vec::new());
+static LIVE_RANGES: Mutex<Ranges> = Mutex::new(std::collections::BTreeMap::new());
 
 std::thread_local! {
     /// `LIVE_RANGES`, locked by the forking thread from before `fork` until after it.
@@ -231,8 +235,8 @@ extern "C" fn after_fork_in_child() {
         let Some(ranges) = held.borrow_mut().take() else {
             return;
         };
-        let mut spans: Vec<(usize, usize)> = ranges.iter().map(|&(s, e, _)| (s, e)).collect();
-        spans.sort_unstable();
+        // In order of start (the map's order).
+        let spans: Vec<(usize, usize)> = ranges.keys().copied().collect();
         let mut merged: Vec<(usize, usize)> = Vec::with_capacity(spans.len());
         for (start, end) in spans {
             match merged.last_mut() {
@@ -307,10 +311,7 @@ impl LiveRange {
         let start = bytes.as_ptr() as usize & !(PAGE_BYTES - 1);
         let end = (bytes.as_ptr() as usize + bytes.len()).next_multiple_of(PAGE_BYTES);
         let mut ranges = LIVE_RANGES.lock().unwrap_or_else(|e| e.into_inner());
-        match ranges.iter_mut().find(|r| r.0 == start && r.1 == end) {
-            Some(range) => range.2 += 1,
-            None => ranges.push((start, end, 1)),
-        }
+        *ranges.entry((start, end)).or_insert(0) += 1;
         Some(LiveRange { start, end })
     }
 }
@@ -318,13 +319,10 @@ impl LiveRange {
 impl Drop for LiveRange {
     fn drop(&mut self) {
         let mut ranges = LIVE_RANGES.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(at) = ranges
-            .iter()
-            .position(|r| r.0 == self.start && r.1 == self.end)
-        {
-            ranges[at].2 -= 1;
-            if ranges[at].2 == 0 {
-                ranges.swap_remove(at);
+        if let Some(views) = ranges.get_mut(&(self.start, self.end)) {
+            *views -= 1;
+            if *views == 0 {
+                ranges.remove(&(self.start, self.end));
             }
         }
     }
@@ -400,8 +398,10 @@ pub struct Shared {
     /// Mapped arenas, by server address, with the server pid they were had from: held weakly
     /// (the pins on an arena hold it), replaced when its server's is, forgotten at close.
     arenas: Mutex<HashMap<String, (u32, Weak<ArenaMap>)>>,
-    /// Servers whose arena is not shared (or not reachable from this process): not asked again.
-    unshared: Mutex<HashSet<String>>,
+    /// Servers whose arena is not shared (or not reachable from this process), with when that
+    /// was seen: not asked again for `UNSHARED_RETRY` (a failure may pass; a server may be
+    /// restarted with a shared arena at the same address).
+    unshared: Mutex<HashMap<String, std::time::Instant>>,
     /// The releaser of this process's pins (made again in a forked child).
     releaser: Mutex<Option<Arc<Releaser>>>,
     /// Counts.
@@ -657,7 +657,10 @@ impl Objects {
                 let unshared = self.shared.unshared.lock().expect("never poisoned");
                 for &index in &pending {
                     if let Some(&address) = candidates[index].get(round) {
-                        if is_loopback(address) && !unshared.contains(address) {
+                        let skipped = unshared
+                            .get(address)
+                            .is_some_and(|since| since.elapsed() < UNSHARED_RETRY);
+                        if is_loopback(address) && !skipped {
                             push_grouped(&mut groups, address, index);
                         }
                     }
@@ -728,7 +731,7 @@ impl Objects {
                         .unshared
                         .lock()
                         .expect("never poisoned")
-                        .insert(address.to_string());
+                        .insert(address.to_string(), std::time::Instant::now());
                     SharedRead::Copy
                 }
                 (0, Some(header)) if header.block_count == 0 => SharedRead::Value(reply.body),
@@ -760,7 +763,7 @@ impl Objects {
                                     .unshared
                                     .lock()
                                     .expect("never poisoned")
-                                    .insert(address.to_string());
+                                    .insert(address.to_string(), std::time::Instant::now());
                                 give_back.push(grant.pin_id);
                                 SharedRead::Copy
                             }

@@ -42,8 +42,8 @@ pub(crate) async fn pin(
     job: &str,
     op: &RequestOp,
 ) -> Result<PinOutcome, ServiceError> {
-    // A server whose arena is not shared answers OK with no header: the reader then stops
-    // asking it (every PIN would be refused).
+    // A server whose arena is not shared (or not served) answers OK with no header: the reader
+    // then stops asking it for a while (every PIN would be refused).
     let served = state
         .arena_served
         .load(std::sync::atomic::Ordering::Acquire);

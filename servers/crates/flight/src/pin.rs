@@ -262,3 +262,53 @@ impl StorageService {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pocketflow_protocol::frame::OpCode;
+    use pocketflow_protocol::token::TokenKey;
+    use pocketflow_store::{Store, StoreConfig, Tier};
+
+    use crate::service::ServiceConfig;
+
+    #[tokio::test]
+    async fn pins_are_answered_as_unshared_until_the_arena_is_served() {
+        let store = Store::open(StoreConfig {
+            tier: Tier::Dram,
+            capacity_bytes: 1 << 20,
+            nvme_path: None,
+            long_running: false,
+            persist_ttl: None,
+            shared_dram: true,
+        })
+        .unwrap();
+        let service = StorageService::new(
+            store,
+            ServiceConfig {
+                node_id: "pin-test".into(),
+                token_key: TokenKey::new(b"0123456789abcdef").unwrap(),
+                transfer_idle: Duration::from_secs(30),
+            },
+        );
+        let op = RequestOp {
+            request_id: 0,
+            op: OpCode::Pin,
+            flags: 0,
+            bucket: "b".into(),
+            key: "k".into(),
+            header: PinArgs {
+                pid: std::process::id(),
+                pin_id: 0,
+            }
+            .to_header(),
+            value: Bytes::new(),
+        };
+        // A server whose socket is not (or could not be) bound: "not shared", the reader copies.
+        let (header, body) = pin(&service.state, "j", &op).await.unwrap();
+        assert!(header.is_none() && body.is_empty());
+        // Served: the PIN is looked at (and refused here: there is no such bucket).
+        service.serve_shared_arena().unwrap();
+        assert!(pin(&service.state, "j", &op).await.is_err());
+    }
+}

@@ -21,7 +21,9 @@ a grant's new epoch) is subscribed as soon as the client sees the new map, and a
 subscription ended (it restarted, or dropped it) is subscribed again. Either way the events of
 that server in between are not known, and a gap with ``dropped == DROPPED_UNKNOWN`` (-1) says
 so, naming the server. A server that cannot be reached is retried with a jittered backoff; only
-one that stays unreachable for ``PUMP_RETRY_WINDOW_S`` ends its events, raised from ``get``.
+one that stays unreachable for ``PUMP_RETRY_WINDOW_S`` ends its events, raised from ``get``. Each
+``events`` call confirms the events the last one brought (``keep``, ``acked``: docs/PROTOCOL.md),
+so a call whose reply was lost, because it timed out while its server was paused, costs no event.
 
 Operations: ``put`` (an object was written), ``delete`` (deleted, or read with DELETE),
 ``enqueue``, ``dequeue`` (queues: the key is the queue's name), ``lease_expired`` (a prefix lease
@@ -175,6 +177,11 @@ class Listener:
         ride out a server that cannot be reached for up to ``PUMP_RETRY_WINDOW_S``."""
         failing_since: float | None = None
         attempt = 0
+        # The highest sequence number got from this server's subscription (None: none yet).
+        # Each call confirms it (``keep``), so the server keeps what it returned until the next
+        # call: a call whose reply was lost (it timed out while the server was paused, and the
+        # server answered it later, to nobody) costs no event, the next call returns them again.
+        acked: int | None = None
         while not self._closed.is_set():
             self._follow_map()
             view = self._client._view
@@ -187,10 +194,13 @@ class Listener:
                     subscription = self._subscribe(address)
                     with self._members:
                         self._subscriptions[address] = subscription
+                    acked = None  # a restarted server numbers its events afresh
                     self._push([Event("gap", self.bucket, "", address, -1, DROPPED_UNKNOWN)])
+                confirm = {} if acked is None else {"acked": acked}
                 result: dict[str, Any] = self._client._connection(address).action(
                     ACTION_EVENTS, action_body(view.ctx, subscription=subscription,
-                                               timeout_ms=POLL_TIMEOUT_MS))
+                                               timeout_ms=POLL_TIMEOUT_MS, keep=True,
+                                               **confirm))
             except StaleEpoch as exc:
                 try:
                     self._client._adopt(exc)  # the next pass follows the new map
@@ -220,8 +230,12 @@ class Listener:
             dropped = int(result.get("dropped", 0))
             if dropped:
                 batch.append(Event("gap", self.bucket, "", address, -1, dropped))
-            batch.extend(Event(e["op"], e["bucket"], e["key"], address, int(e["seq"]))
-                         for e in result.get("events", ()))
+            for e in result.get("events", ()):
+                seq = int(e["seq"])
+                if acked is not None and seq <= acked:
+                    continue  # returned again: the reply that had it did arrive
+                batch.append(Event(e["op"], e["bucket"], e["key"], address, seq))
+                acked = seq
             if batch:
                 self._push(batch)
 

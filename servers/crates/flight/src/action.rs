@@ -174,6 +174,7 @@ pub(crate) async fn run(
                     req.subscription,
                     req.max,
                     Duration::from_millis(req.timeout_ms),
+                    req.keep.then_some(req.acked),
                 )
                 .await?;
             let events = events

@@ -356,6 +356,14 @@ pub struct EventsRequest {
     /// `events`: most events returned, 1..=`EVENTS_BATCH_MAX` (default and most).
     #[serde(default = "events_batch_default")]
     pub max: usize,
+    /// `events`: keep the events returned until a later call confirms them with `acked`
+    /// (default false: they leave the subscription with the reply).
+    #[serde(default)]
+    pub keep: bool,
+    /// `events` with `keep`: the highest sequence number the subscriber has (absent: none yet);
+    /// the subscription's events up to it leave.
+    #[serde(default)]
+    pub acked: Option<u64>,
 }
 
 fn events_batch_default() -> usize {

@@ -93,6 +93,9 @@ struct Subscription {
     capacity: usize,
     events: VecDeque<Event>,
     dropped: u64,
+    /// The highest sequence number a `keep` poll returned: an event up to it that is pushed out
+    /// before it is confirmed was delivered (once at least), so it is not counted as dropped.
+    returned: Option<u64>,
     notify: Arc<Notify>,
     polled: Instant,
 }
@@ -134,8 +137,10 @@ impl Events {
             }
             let seq = *seq.get_or_insert_with(|| self.next_seq.fetch_add(1, Ordering::AcqRel));
             if sub.events.len() >= sub.capacity {
-                sub.events.pop_front();
-                sub.dropped += 1;
+                let out = sub.events.pop_front().map(|e| e.seq);
+                if out.is_some_and(|seq| sub.returned.is_none_or(|r| seq > r)) {
+                    sub.dropped += 1;
+                }
             }
             sub.events.push_back(Event {
                 seq,
@@ -191,6 +196,7 @@ impl Events {
                 capacity,
                 events: VecDeque::new(),
                 dropped: 0,
+                returned: None,
                 notify: Arc::new(Notify::new()),
                 polled: Instant::now(),
             },
@@ -201,12 +207,20 @@ impl Events {
 
     /// Up to `max` (1..=`EVENTS_BATCH_MAX`) events of subscription `id` of `job`, oldest first,
     /// and how many were lost since the last poll; waits up to `wait` for the first one.
+    ///
+    /// With `acked` `None` the events returned leave the subscription (a reply that never
+    /// reaches the subscriber loses them). With `Some(acked)` the subscriber confirms what it
+    /// has: events up to sequence number `acked` (`Some(None)`: nothing yet) leave, and the
+    /// events returned stay until a later poll confirms them, so a poll whose reply was lost
+    /// (its caller timed out while this server was paused) costs no event: the next poll
+    /// returns them again.
     pub async fn poll(
         &self,
         job: &str,
         id: u64,
         max: usize,
         wait: Duration,
+        acked: Option<Option<u64>>,
     ) -> Result<(Vec<Event>, u64), StoreError> {
         let max = max.clamp(1, EVENTS_BATCH_MAX);
         let deadline = Instant::now() + wait;
@@ -221,9 +235,22 @@ impl Events {
                         key: format!("subscription {id}"),
                     })?;
                 sub.polled = Instant::now();
+                if let Some(Some(acked)) = acked {
+                    while sub.events.front().is_some_and(|e| e.seq <= acked) {
+                        sub.events.pop_front();
+                    }
+                }
                 if !sub.events.is_empty() || Instant::now() >= deadline {
                     let take = sub.events.len().min(max);
-                    let events: Vec<Event> = sub.events.drain(..take).collect();
+                    let events: Vec<Event> = if acked.is_some() {
+                        let events: Vec<Event> = sub.events.iter().take(take).cloned().collect();
+                        if let Some(last) = events.last() {
+                            sub.returned = sub.returned.max(Some(last.seq));
+                        }
+                        events
+                    } else {
+                        sub.events.drain(..take).collect()
+                    };
                     let dropped = std::mem::take(&mut sub.dropped);
                     return Ok((events, dropped));
                 }
@@ -258,6 +285,72 @@ mod tests {
     use super::*;
 
     #[tokio::test]
+    async fn kept_events_come_again_until_the_subscriber_confirms_them() {
+        let events = Events::default();
+        let id = events.subscribe("j", "b", "", &[EventOp::Put], 8).unwrap();
+        for i in 0..3 {
+            events.emit("j", "b", &format!("k{i}"), EventOp::Put);
+        }
+        let keys = |got: &[Event]| got.iter().map(|e| e.key.clone()).collect::<Vec<_>>();
+        // A reply that never arrived: the next poll, confirming nothing yet, has them all.
+        let (lost, _) = events
+            .poll("j", id, 2, Duration::ZERO, Some(None))
+            .await
+            .unwrap();
+        assert_eq!(keys(&lost), ["k0", "k1"]);
+        let (again, _) = events
+            .poll("j", id, 8, Duration::ZERO, Some(None))
+            .await
+            .unwrap();
+        assert_eq!(keys(&again), ["k0", "k1", "k2"]);
+        // Confirming up to k1 leaves k2; confirming k2 leaves none, and the poll parks.
+        let (rest, _) = events
+            .poll("j", id, 8, Duration::ZERO, Some(Some(again[1].seq)))
+            .await
+            .unwrap();
+        assert_eq!(keys(&rest), ["k2"]);
+        let (none, _) = events
+            .poll(
+                "j",
+                id,
+                8,
+                Duration::from_millis(20),
+                Some(Some(rest[0].seq)),
+            )
+            .await
+            .unwrap();
+        assert!(none.is_empty());
+        // Without `keep`, a poll takes what it returns.
+        events.emit("j", "b", "k3", EventOp::Put);
+        let (taken, _) = events.poll("j", id, 8, Duration::ZERO, None).await.unwrap();
+        assert_eq!(keys(&taken), ["k3"]);
+        let (after, _) = events.poll("j", id, 8, Duration::ZERO, None).await.unwrap();
+        assert!(after.is_empty());
+        // A returned event pushed out before it is confirmed is not counted as dropped (it was
+        // delivered); one never returned is.
+        for i in 4..12 {
+            events.emit("j", "b", &format!("k{i}"), EventOp::Put);
+        }
+        let (first, dropped) = events
+            .poll("j", id, 8, Duration::ZERO, Some(None))
+            .await
+            .unwrap();
+        assert_eq!((first.len(), dropped), (8, 0));
+        for i in 12..16 {
+            events.emit("j", "b", &format!("k{i}"), EventOp::Put); // push out k4..k7: returned
+        }
+        // Out go k8..k11 (returned) and k12, k13 (never returned).
+        for i in 16..22 {
+            events.emit("j", "b", &format!("k{i}"), EventOp::Put);
+        }
+        let (_, dropped) = events
+            .poll("j", id, 8, Duration::ZERO, Some(None))
+            .await
+            .unwrap();
+        assert_eq!(dropped, 2);
+    }
+
+    #[tokio::test]
     async fn a_subscriber_gets_its_events_in_order_and_counts_what_it_lost() {
         let events = Events::default();
         let id = events
@@ -269,7 +362,10 @@ mod tests {
         events.emit("k", "b", "map/1", EventOp::Put); // other job
         events.emit("j", "b", "map/1", EventOp::Enqueue); // op not wanted
         events.emit("j", "b", "map/2", EventOp::Delete);
-        let (got, dropped) = events.poll("j", id, 10, Duration::ZERO).await.unwrap();
+        let (got, dropped) = events
+            .poll("j", id, 10, Duration::ZERO, None)
+            .await
+            .unwrap();
         assert_eq!(dropped, 0);
         assert_eq!(
             got.iter()
@@ -281,13 +377,19 @@ mod tests {
         for i in 0..5 {
             events.emit("j", "b", &format!("map/{i}"), EventOp::Put);
         }
-        let (got, dropped) = events.poll("j", id, 10, Duration::ZERO).await.unwrap();
+        let (got, dropped) = events
+            .poll("j", id, 10, Duration::ZERO, None)
+            .await
+            .unwrap();
         assert_eq!(dropped, 2, "capacity 3: the two oldest of five were lost");
         assert_eq!(got.len(), 3);
         assert_eq!(got[0].key, "map/2");
-        assert!(events.poll("other", id, 1, Duration::ZERO).await.is_err());
+        assert!(events
+            .poll("other", id, 1, Duration::ZERO, None)
+            .await
+            .is_err());
         events.unsubscribe("j", id).unwrap();
-        assert!(events.poll("j", id, 1, Duration::ZERO).await.is_err());
+        assert!(events.poll("j", id, 1, Duration::ZERO, None).await.is_err());
     }
 
     #[test]
@@ -311,7 +413,11 @@ mod tests {
         let id = events.subscribe("j", "b", "", &[EventOp::Put], 16).unwrap();
         let poller = {
             let events = events.clone();
-            tokio::spawn(async move { events.poll("j", id, 16, Duration::from_secs(10)).await })
+            tokio::spawn(async move {
+                events
+                    .poll("j", id, 16, Duration::from_secs(10), None)
+                    .await
+            })
         };
         tokio::time::sleep(Duration::from_millis(20)).await;
         let started = Instant::now();

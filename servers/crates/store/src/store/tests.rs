@@ -1110,7 +1110,7 @@ async fn fences_hold_a_key_without_being_an_object(tier: Tier) {
         .fence());
     let (events, _) = store
         .events()
-        .poll(JOB, id, 16, Duration::ZERO)
+        .poll(JOB, id, 16, Duration::ZERO, None)
         .await
         .unwrap();
     let seen: Vec<(EventOp, &str)> = events.iter().map(|e| (e.op, e.key.as_str())).collect();

@@ -258,6 +258,47 @@ def test_a_full_pin_table_costs_copies_not_bytes(
         _wait_pins(servers, info, 0, timeout_s=5)
 
 
+def test_a_stopped_reader_at_its_jobs_bound_costs_another_job_neither_pins_nor_room(
+        server_factory: Callable[..., tuple[ServerSet, ServerInfo]]) -> None:
+    """The shared bound's worst moment: one job's reader holds all its job may pin, in a
+    process that is SIGSTOPped (its pins stay) and whose objects were deleted under it (their
+    room stays taken). Another job on the same server still pins what it reads and writes what
+    fits beside, with the right bytes: the per-job bound, not the server's, is what one job
+    takes."""
+    # 8 MiB of arena: the server pins 4 MiB at most, a job 2 MiB of it.
+    servers, info = server_factory("two-jobs-0", "dram", 8 * MIB, shared_dram=True)
+    first = servers.handle(servers=[info])
+    second = servers.handle(servers=[info])
+    size = MIB - 4096
+    with connect(first, **CLIENT_OPTIONS) as pf:
+        keys = ["a0", "a1"]
+        _put(pf, keys, size)
+        reader = _reader(first, keys)
+        try:
+            os.kill(reader.pid, signal.SIGSTOP)
+            pf.put("b", "a2", _value("a2", size))
+            assert pf.pin_views("b", ["a2"]) == [None], "the first job is at its bound"
+            for key in keys:
+                pf.delete("b", key)
+            pins = _pins(servers, info)
+            assert pins["pins"] == 2 and pins["pinned_bytes"] == 2 * size
+            with connect(second, **CLIENT_OPTIONS) as other:
+                theirs = [f"b{i}" for i in range(2)]
+                values = _put(other, theirs, size)
+                views = other.pin_views("b", theirs)
+                assert all(v is not None for v in views), "the other job may still pin"
+                assert [bytes(v) for v in views] == values  # type: ignore[arg-type]
+                more = [(f"c{i}", _value(f"c{i}", size)) for i in range(2)]
+                other.put_many("b", more)
+                assert [bytes(other.get("b", k)) for k, _ in more] == [v for _, v in more]
+                del views
+        finally:
+            os.kill(reader.pid, signal.SIGCONT)
+            reader.kill()
+            reader.wait(timeout=10)
+    _wait_pins(servers, info, 0, timeout_s=SWEEP_WAIT_S)
+
+
 def test_a_wrong_token_or_another_jobs_pin_is_refused(
         shared_server: tuple[ServerSet, ServerInfo, JobHandle]) -> None:
     servers, info, handle = shared_server

@@ -409,10 +409,10 @@ class Cache:
             doubled = min(doubled, self._capacity_max_bytes)
         grown = max(wanted, doubled, self.capacity_bytes)
         mean = self._entry_bytes_mean()
-        if wanted > self.capacity_bytes and resize_wanted(self.capacity_bytes, wanted):
-            pass
-        elif not refused or (grown == self.capacity_bytes and reservation_bytes(
-                grown, entry_bytes_mean=mean) <= self._reserved_bytes):
+        outgrown = wanted > self.capacity_bytes and resize_wanted(self.capacity_bytes, wanted)
+        reserves_enough = grown == self.capacity_bytes and reservation_bytes(
+            grown, entry_bytes_mean=mean) <= self._reserved_bytes
+        if not outgrown and (not refused or reserves_enough):
             # Nothing outgrew it, or it is at its maximum and reserves enough for it.
             return
         self._sized_s = now_s
@@ -432,9 +432,7 @@ class Cache:
 
     def _previous_entry_bytes_mean(self) -> float:
         previous = self._previous
-        if previous is not None and previous.keys:
-            return previous.distinct_bytes / len(previous.keys)
-        return float(ENTRY_BYTES_ASSUMED)
+        return previous.entry_bytes_mean if previous is not None else float(ENTRY_BYTES_ASSUMED)
 
     def _read_bytes_per_s(self, working_set: WorkingSet) -> int:
         elapsed_s = max(time.monotonic() - self._started_s, 1e-3)
@@ -581,8 +579,7 @@ class Cache:
                                            capacity_max_bytes=self._capacity_max_bytes)
             if resize_wanted(self.capacity_bytes, wanted):
                 self._resize(wanted, record.read_bytes_per_s,
-                             entry_bytes_mean=(record.distinct_bytes / len(record.keys)
-                                               if record.keys else ENTRY_BYTES_ASSUMED))
+                             entry_bytes_mean=record.entry_bytes_mean)
 
     def _pack(self, uses: tuple[Any, ...]) -> PackRef | None:
         """The run's small entries packed next to the working set's S3 copy

@@ -164,6 +164,11 @@ class RunRecord:
     def read_bytes_per_s(self) -> int:
         return int(self.bytes_read / self.duration_s) if self.duration_s > 0 else 0
 
+    @property
+    def entry_bytes_mean(self) -> float:
+        """The run's mean entry size (``ENTRY_BYTES_ASSUMED`` for a run that read nothing)."""
+        return self.distinct_bytes / len(self.keys) if self.keys else float(ENTRY_BYTES_ASSUMED)
+
     def encode(self) -> bytes:
         body: dict[str, Any] = {"v": 1, "app": self.app, "run": self.run_id,
                                 "t": self.recorded_ms, "d": self.duration_s,

@@ -695,6 +695,16 @@ impl Objects {
         reads
     }
 
+    /// Read from server `address` by copies for `UNSHARED_RETRY` (it answered that its arena
+    /// is not shared, or this process cannot map it).
+    fn mark_unshared(&self, address: &str) {
+        self.shared
+            .unshared
+            .lock()
+            .expect("never poisoned")
+            .insert(address.to_string(), std::time::Instant::now());
+    }
+
     /// One server's PINs of `indexes` of `keys`: each key's outcome, `None` for a key the
     /// server does not hold (its record may be at an earlier home).
     #[allow(clippy::too_many_arguments)]
@@ -727,11 +737,7 @@ impl Objects {
         for (&index, reply) in indexes.iter().zip(replies) {
             let read = match (reply.status, reply.header) {
                 (0, None) => {
-                    self.shared
-                        .unshared
-                        .lock()
-                        .expect("never poisoned")
-                        .insert(address.to_string(), std::time::Instant::now());
+                    self.mark_unshared(address);
                     SharedRead::Copy
                 }
                 (0, Some(header)) if header.block_count == 0 => SharedRead::Value(reply.body),
@@ -759,11 +765,7 @@ impl Objects {
                             Err(_) => {
                                 // Another uid or pid namespace, or a server gone: this
                                 // process copies, and gives the pin back in this call.
-                                self.shared
-                                    .unshared
-                                    .lock()
-                                    .expect("never poisoned")
-                                    .insert(address.to_string(), std::time::Instant::now());
+                                self.mark_unshared(address);
                                 give_back.push(grant.pin_id);
                                 SharedRead::Copy
                             }

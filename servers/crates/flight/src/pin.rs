@@ -47,12 +47,10 @@ pub(crate) async fn pin(
     let served = state
         .arena_served
         .load(std::sync::atomic::Ordering::Acquire);
-    let Some((pins, arena)) = state.pins.as_ref().zip(state.store.shared_arena()) else {
+    let shared = state.pins.as_ref().zip(state.store.shared_arena());
+    let Some((pins, arena)) = shared.filter(|_| served) else {
         return Ok((None, Bytes::new()));
     };
-    if !served {
-        return Ok((None, Bytes::new()));
-    }
     let args = PinArgs::of_header(&op.header)?;
     // The pid is the caller's word; what the server checks is that it names a process it can see
     // (the same pid namespace), whose start time then tells a later process of that pid apart.
